@@ -1,0 +1,198 @@
+"""Builders for tiny random models and PEFT adapters, used by tests and benchmarks.
+
+Everything is generated locally in a directory the caller owns: no hub downloads. Requires the
+``dev`` extra (transformers, peft).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "What is the capital of France? Answer in one word please.",
+    "Multi-LoRA serving runs many adapters on one base model at once.",
+    "def add(a, b):\n    return a + b\n# numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000",
+    "Hello world! How are you today? I am fine, thank you very much.",
+    "SELECT name FROM users WHERE id = 42 ORDER BY created_at DESC;",
+    "Once upon a time there was a small model that answered every question.",
+    '{"answer": "yes", "reason": "because"} THE END. Cheers, the loraplex team.',
+]
+
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTN_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP_PROJ = ["gate_proj", "up_proj", "down_proj"]
+
+
+def make_tokenizer(out_dir: str | Path, vocab_size: int = 384) -> Any:
+    """Train a small byte-level BPE tokenizer with a ChatML template and save it to ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_random_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    init_std: float = 0.2,
+    max_shard_size: str | None = None,
+    **config_overrides: Any,
+) -> Path:
+    """Save a random ``arch`` causal LM (HF format, safetensors) plus tokenizer to ``out_dir``.
+
+    ``vocab_size`` defaults to the tokenizer's size when a tokenizer is made, else 512.
+    """
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if with_tokenizer:
+        tok = make_tokenizer(out)
+        vocab = vocab_size or len(tok)
+        eos, bos = tok.eos_token_id, tok.bos_token_id
+    else:
+        vocab = vocab_size or 512
+        eos, bos = 1, 0
+    cfg_name, model_name = ARCH_CONFIGS[arch]
+    cfg = getattr(transformers, cfg_name)(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab,
+        max_position_embeddings=config_overrides.pop("max_position_embeddings", 512),
+        initializer_range=init_std,
+        eos_token_id=eos,
+        bos_token_id=bos,
+        **config_overrides,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).to(dtype)
+    with torch.no_grad():  # norms get non-trivial weights so they are exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(out), **kwargs)
+    return out
+
+
+def make_random_adapter(
+    base_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    r: int = 8,
+    lora_alpha: float | None = None,
+    target_modules: list[str] | str = "all-linear",
+    use_rslora: bool = False,
+    layers_to_transform: list[int] | int | None = None,
+    rank_pattern: dict[str, int] | None = None,
+    alpha_pattern: dict[str, float] | None = None,
+    seed: int = 0,
+    std: float = 0.05,
+    save_format: str = "safetensors",
+) -> Path:
+    """Create a PEFT LoRA adapter with random non-zero A and B for the model in ``base_dir``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha if lora_alpha is not None else 2 * r,
+        target_modules=target_modules,
+        use_rslora=use_rslora,
+        layers_to_transform=layers_to_transform,
+        rank_pattern=rank_pattern or {},
+        alpha_pattern=alpha_pattern or {},
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=save_format == "safetensors")
+    return out
+
+
+def load_merged_reference(base_dir: str | Path, adapter_dir: str | Path | None) -> Any:
+    """transformers model (float32, eval) with the adapter merged in: the correctness reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy-decode with a plain full forward each step; returns (new tokens, logprobs [n, vocab])."""
+    ids = list(prompt_ids)
+    rows = []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        rows.append(torch.log_softmax(logits, dim=-1))
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids) :], torch.stack(rows)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2))
