@@ -23,7 +23,9 @@ class AdapterRef:
 
     def __post_init__(self) -> None:
         if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
-            raise ValueError(f"AdapterRef.sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
+            raise ValueError(
+                f"AdapterRef.sha256 must be 64 lowercase hex digits, got {self.sha256!r}"
+            )
 
     @property
     def namespace(self) -> bytes:

@@ -183,7 +183,9 @@ def load_merged_reference(base_dir: str | Path, adapter_dir: str | Path | None) 
 
 
 @torch.no_grad()
-def reference_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+def reference_greedy(
+    model: Any, prompt_ids: list[int], max_new_tokens: int
+) -> tuple[list[int], torch.Tensor]:
     """Greedy-decode with a plain full forward each step; returns (new tokens, logprobs [n, vocab])."""
     ids = list(prompt_ids)
     rows = []

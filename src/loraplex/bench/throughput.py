@@ -1,0 +1,198 @@
+"""Mixed-adapter throughput: loraplex vs HF PEFT on the same model, adapters and prompts.
+
+    python -m loraplex.bench.throughput [--dtypes float32 bfloat16] [--new-tokens 64]
+
+Builds (once, under --cache-dir) a random Llama (hidden 512, 8 layers, 8 heads / 4 KV heads,
+intermediate 1536, vocab 32000) and 16 PEFT adapters (rank 8 and 16 alternating, alpha = 2 x
+rank, all seven projections). For 16 prompts (<= 26 tokens) and 64 forced new tokens, greedy,
+it prints tokens/s for the base model and for 1, 4 and 16 distinct adapters, for loraplex and for
+PEFT's ``generate(adapter_names=...)`` side by side, and the ratios the targets are stated in.
+Also reports peak resident memory while loading (measured in a fresh subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(
+    hidden_size=512,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=1536,
+    vocab_size=32000,
+)
+N_ADAPTERS = 16
+DISTINCT = (0, 1, 4, 16)  # 0 = base model, no adapter
+
+
+def build_assets(root: Path) -> tuple[Path, list[Path]]:
+    from loraplex.testing import ALL_PROJ, make_random_adapter, make_random_model
+
+    model = root / "model"
+    if not (model / "config.json").is_file():
+        make_random_model(model, with_tokenizer=False, seed=0, init_std=0.02, **SHAPE)
+    adapters = []
+    for i in range(N_ADAPTERS):
+        d = root / f"adapter{i:02d}"
+        if not (d / "adapter_config.json").is_file():
+            r = 8 if i % 2 == 0 else 16
+            make_random_adapter(
+                model, d, r=r, lora_alpha=2 * r, target_modules=ALL_PROJ, seed=100 + i, std=0.02
+            )
+        adapters.append(d)
+    return model, adapters
+
+
+def make_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(10, 27, (n,), generator=g).tolist()
+    return [torch.randint(100, SHAPE["vocab_size"], (n_,), generator=g).tolist() for n_ in lens]
+
+
+def assignment(distinct: int, n: int) -> list[int | None]:
+    """Adapter index per prompt: None for the base model, else round-robin over ``distinct``."""
+    return [None if distinct == 0 else i % distinct for i in range(n)]
+
+
+def bench_loraplex(
+    model: Path, adapters: list[Path], dtype: str, prompts, new_tokens: int
+) -> dict[int, float]:
+    from loraplex import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(
+        str(model),
+        dtype=dtype,
+        max_loras=16,
+        max_lora_rank=16,
+        max_num_seqs=16,
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=256 << 20,
+    )
+    reqs = [LoRARequest(f"a{i}", p) for i, p in enumerate(adapters)]
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(
+        prompts, sp, lora_request=[reqs[i % N_ADAPTERS] for i in range(len(prompts))]
+    )  # warm-up + load
+    out = {}
+    for k in DISTINCT:
+        lr = [None if a is None else reqs[a] for a in assignment(k, len(prompts))]
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, sp, lora_request=lr)
+        dt = time.perf_counter() - t0
+        out[k] = sum(len(r.outputs[0].token_ids) for r in res) / dt
+    return out
+
+
+def bench_peft(
+    model: Path, adapters: list[Path], dtype: str, prompts, new_tokens: int
+) -> dict[int, float]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tdtype = getattr(torch, dtype)
+    base = AutoModelForCausalLM.from_pretrained(str(model), dtype=tdtype).eval()
+    pad = 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    gen = dict(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad
+    )
+
+    def timed(m, **kw) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            o = m.generate(input_ids=ids, attention_mask=mask, **gen, **kw)
+        return (o.shape[0] * (o.shape[1] - width)) / (time.perf_counter() - t0)
+
+    out = {0: timed(base)}
+    pm = PeftModel.from_pretrained(base, str(adapters[0]), adapter_name="a0")
+    for i, p in enumerate(adapters[1:], start=1):
+        pm.load_adapter(str(p), adapter_name=f"a{i}")
+    pm.eval()
+    timed(pm, adapter_names=[f"a{i % N_ADAPTERS}" for i in range(len(prompts))])  # warm-up
+    for k in DISTINCT[1:]:
+        out[k] = timed(pm, adapter_names=[f"a{a}" for a in assignment(k, len(prompts))])
+    return out
+
+
+_MEM_SCRIPT = """
+import json, resource, sys, torch
+from loraplex import LLM
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS'): return int(line.split()[1]) * 1024
+base = rss()
+llm = LLM(sys.argv[1], dtype=sys.argv[2], enable_lora=False, skip_tokenizer_init=True,
+          kv_cache_memory_bytes=int(sys.argv[3]))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(dict(base=base, peak=peak, weights=llm.engine.model.nbytes, kv=llm.engine.cache.nbytes)))
+"""
+
+
+def measure_load_memory(model: Path, dtype: str, kv_bytes: int = 64 << 20) -> dict[str, int]:
+    """Peak RSS of a fresh process loading the model, minus its RSS before loading."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MEM_SCRIPT, str(model), dtype, str(kv_bytes)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/loraplex/bench-h512"))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--skip-peft", action="store_true")
+    args = ap.parse_args(argv)
+    model, adapters = build_assets(Path(args.cache_dir))
+    prompts = make_prompts()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; 16 prompts, "
+        f"{args.new_tokens} new tokens, greedy; tok/s (higher is better)"
+    )
+    for dtype in args.dtypes:
+        ours = bench_loraplex(model, adapters, dtype, prompts, args.new_tokens)
+        peft = (
+            {} if args.skip_peft else bench_peft(model, adapters, dtype, prompts, args.new_tokens)
+        )
+        print(f"\n{dtype}")
+        print(
+            f"{'system':<10}"
+            + "".join(f"{('base' if k == 0 else f'{k} adapter(s)'):>14}" for k in DISTINCT)
+        )
+        for name, res in (("loraplex", ours), ("HF PEFT", peft)):
+            if res:
+                print(f"{name:<10}" + "".join(f"{res[k]:>14.1f}" for k in DISTINCT))
+        print(f"loraplex 16-distinct / 1-adapter = {ours[16] / ours[1]:.2f}  (target >= 0.85)")
+        if peft:
+            print(f"PEFT     16-distinct / 1-adapter = {peft[16] / peft[1]:.2f}")
+            print(
+                f"loraplex / PEFT at 16 distinct   = {ours[16] / peft[16]:.2f}x  (target >= 2.5x)"
+            )
+        mem = measure_load_memory(model, dtype)
+        grow = mem["peak"] - mem["base"]
+        print(
+            f"load peak RSS growth {grow / 2**20:.0f} MiB for weights {mem['weights'] / 2**20:.0f} MiB + "
+            f"KV {mem['kv'] / 2**20:.0f} MiB -> {(grow - mem['kv']) / mem['weights']:.2f} x weights "
+            "(target <= 1.3)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

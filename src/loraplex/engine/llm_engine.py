@@ -1,0 +1,386 @@
+"""The engine: add requests, then ``step()`` until done. schedule → run → postprocess."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from loraplex.cache.adapters import AdapterManager
+from loraplex.config import EngineConfig
+from loraplex.engine.runner import ModelRunner
+from loraplex.engine.sampler import Sampler
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.kv.block_pool import BlockPool
+from loraplex.kv.cache import PagedKVCache
+from loraplex.lora.adapter import BaseModelSpec
+from loraplex.lora.ops import select_lora_ops
+from loraplex.lora.slots import LoRASlotBank
+from loraplex.model.config import ModelConfig, load_model_config
+from loraplex.model.llama import LlamaForCausalLM, LoRABinding
+from loraplex.outputs import CompletionOutput, RequestOutput
+from loraplex.requests import LoRARequest, SamplingParams
+from loraplex.types import AdapterRef, FinishReason, InvalidRequestError, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Native bf16 dot products (AVX512-BF16 or AMX); without them bf16 GEMMs are slow on CPU."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's half type where the hardware runs it fast, else float32."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    saved = (cfg.torch_dtype or "float32").replace("torch.", "")
+    if device.type == "cuda":
+        return torch.float16 if saved == "float16" else torch.bfloat16
+    if saved in ("bfloat16", "float16") and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    adapter_ref: AdapterRef | None
+    arrival: float
+
+
+class LLMEngine:
+    """One base model, many adapters, continuous batching over a paged KV cache."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_dir = Path(config.model)
+        self.model_config = load_model_config(model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(model_dir)
+        mc = self.model_config
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, mc, self.dtype, self.device)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+
+        self.adapters: AdapterManager | None = None
+        if config.enable_lora:
+            shapes = {
+                (layer, proj): dims
+                for layer in range(mc.num_layers)
+                for proj, dims in mc.module_shapes.items()
+            }
+            bank = LoRASlotBank(
+                shapes, config.max_loras, config.max_lora_rank, self.dtype, self.device
+            )
+            self.model.lora = LoRABinding(bank, select_lora_ops(self.device))
+            spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
+            self.adapters = AdapterManager(
+                bank,
+                spec,
+                max_loras=config.max_loras,
+                max_cpu_loras=config.max_cpu_loras,
+                max_lora_rank=config.max_lora_rank,
+                dtype=self.dtype,
+            )
+
+        num_blocks = self._num_kv_blocks()
+        self.cache = PagedKVCache(
+            mc.num_layers,
+            num_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.max_model_len = self._max_model_len(num_blocks)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool,
+            self.adapters,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.adapters)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, _Request] = {}
+        self.num_steps = 0
+
+    # -- set-up helpers --------------------------------------------------------------------------
+    @staticmethod
+    def _load_tokenizer(model_dir: Path) -> Any:
+        if not any(
+            (model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
+        ):
+            raise ModelLoadError(
+                f"{model_dir}: no tokenizer files (tokenizer.json / tokenizer.model / vocab.json); "
+                "pass skip_tokenizer_init=True and give prompts as token ids"
+            )
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as e:  # transformers raises many types here
+            raise ModelLoadError(f"{model_dir}: cannot load tokenizer ({e})") from e
+
+    def _num_kv_blocks(self) -> int:
+        c, mc = self.config, self.model_config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        per_block = PagedKVCache.bytes_per_block(
+            mc.num_layers, c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+        )
+        budget = c.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.5)
+            else:
+                budget = min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} bytes)"
+            )
+        return int(blocks)
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:
+            limit = min(limit, mc.sliding_window)  # full attention within the window is exact
+        capacity = num_blocks * self.config.block_size
+        want = self.config.max_model_len
+        if want is None:
+            return min(limit, capacity)
+        if want > limit:
+            raise ValueError(
+                f"max_model_len={want} exceeds the model's limit {limit} "
+                f"(max_position_embeddings / sliding_window in config.json)"
+            )
+        if want > capacity:
+            raise ValueError(
+                f"max_model_len={want} needs more KV cache than configured ({capacity} tokens); "
+                "raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        return want
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "text prompts need a tokenizer (skip_tokenizer_init=True was set)"
+            )
+        return list(self.tokenizer(prompt).input_ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Validate and queue a request. Raises InvalidRequestError / AdapterError; on error
+        nothing is queued and no resource is held."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenize(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        self.check_prompt(ids)
+        if lora_request is not None and self.adapters is None:
+            raise InvalidRequestError(
+                f"adapter {lora_request.name!r} requested but LoRA is disabled (enable_lora)"
+            )
+        adapter = (
+            self.adapters.resolve(lora_request)
+            if lora_request is not None and self.adapters
+            else None
+        )
+        if adapter is not None:
+            for _ in range(params.n - 1):  # one host reference per completion
+                self.adapters.resolve(lora_request)  # type: ignore[union-attr]
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        stop_ids = tuple(self.eos_token_ids) + tuple(params.stop_token_ids or ())
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed + i)
+            seq = Sequence(
+                request_id=request_id,
+                prompt=text,
+                prompt_token_ids=ids,
+                params=params,
+                max_tokens=max_tokens,
+                adapter=adapter,
+                generator=gen,
+                eos_token_ids=stop_ids,
+            )
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        # the ref reports the name the request used; caches key on the digest only
+        ref = replace(adapter.ref, name=lora_request.name) if adapter and lora_request else None
+        self.requests[request_id] = _Request(request_id, text, ids, seqs, ref, time.monotonic())
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Raise InvalidRequestError for an empty, out-of-vocabulary or too-long prompt."""
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks and slot. False if unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT.value)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule → run the model → sample and update. Returns progressed requests."""
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        logits, samplers = self.runner.run(batch)
+        self.scheduler.after_step(batch)
+        self.num_steps += 1
+        tokens = self.sampler(logits, samplers) if samplers else []
+        touched: dict[str, None] = {}
+        now = time.monotonic()
+        for seq, tok in zip(samplers, tokens, strict=True):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.output_token_ids.append(tok)
+            self._check_stop(seq, tok)
+            touched[seq.request_id] = None
+        return [self._output(rid) for rid in touched if rid in self.requests]
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        reason: str | None = None
+        if tok in (p.stop_token_ids or ()) and n_out >= p.min_tokens:
+            reason, seq.stop_reason = FinishReason.STOP.value, tok
+        elif not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
+            reason = FinishReason.STOP.value
+        if self.tokenizer is not None and (p.stop or reason or n_out >= seq.max_tokens):
+            seq.text = self.tokenizer.decode(
+                seq.output_token_ids, skip_special_tokens=p.skip_special_tokens
+            )
+            if p.stop and reason is None and n_out >= p.min_tokens:
+                for s in p.stop:  # type: ignore[union-attr]
+                    at = seq.text.find(s)
+                    if at >= 0:
+                        seq.text = seq.text[: at + (len(s) if p.include_stop_str_in_output else 0)]
+                        reason, seq.stop_reason = FinishReason.STOP.value, s
+                        break
+        if reason is None and n_out >= seq.max_tokens:
+            reason = FinishReason.LENGTH.value
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if seq.adapter is not None and self.adapters is not None:
+            self.adapters.release(seq.adapter)
+
+    def _output(self, request_id: str) -> RequestOutput:
+        req = self.requests[request_id]
+        finished = all(s.is_finished for s in req.seqs)
+        outs = []
+        for i, s in enumerate(req.seqs):
+            if self.tokenizer is not None and not s.is_finished and not s.params.stop:
+                s.text = self.tokenizer.decode(
+                    s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
+                )
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=s.text,
+                    token_ids=list(s.output_token_ids),
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                )
+            )
+        if finished:
+            del self.requests[request_id]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            adapter=req.adapter_ref,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+        )
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def is_idle(self) -> bool:
+        """No request queued or running, every KV block free, every slot without users."""
+        return (
+            not self.scheduler.has_unfinished()
+            and self.pool.num_free == self.pool.num_blocks
+            and (self.adapters is None or self.adapters.is_idle())
+        )
+
+    def running_sequences(self) -> list[Sequence]:
+        return [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING]

@@ -1,0 +1,69 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from loraplex.outputs import TokenLogprob
+from loraplex.requests import SamplingParams
+from loraplex.types import BASE_NAMESPACE
+
+if TYPE_CHECKING:
+    from loraplex.lora.adapter import LoRAAdapter
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens, KV blocks, adapter slot and outputs of one request (one completion)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against max_model_len
+    adapter: LoRAAdapter | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    slot: int | None = None  # device LoRA slot while running
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float = 0.0
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def namespace(self) -> bytes:
+        return self.adapter.ref.namespace if self.adapter is not None else BASE_NAMESPACE
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,88 @@
+"""Offline API mirroring vLLM's ``LLM``: build once, ``generate`` batches of prompts."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.outputs import RequestOutput
+from loraplex.requests import LoRARequest, SamplingParams
+from loraplex.types import InvalidRequestError
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """``LLM(model=DIR, enable_lora=True, max_loras=8, ...)``; keyword names follow vLLM."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        known = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"LLM() got unknown option(s) {unknown}; known: {sorted(known - {'model'})}"
+            )
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        ``lora_request`` is one request for all prompts or a list with one per prompt (None = base).
+        Any invalid prompt or adapter raises before anything runs.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        n = len(prompts)
+        params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        loras = self._per_prompt(lora_request, n, "lora_request")
+        ids = [f"gen-{next(self._ids)}" for _ in range(n)]
+        added: list[str] = []
+        try:
+            for rid, prompt, sp, lr in zip(ids, prompts, params, loras, strict=True):
+                self.engine.add_request(rid, prompt, sp, lr)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=n, desc="generate")
+        while len(done) < n:
+            for out in self.engine.step():
+                if out.finished and out.request_id in ids:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+            if not self.engine.has_unfinished_requests() and len(done) < n:
+                raise RuntimeError("engine stopped with unfinished requests")  # pragma: no cover
+        if bar is not None:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    @staticmethod
+    def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise InvalidRequestError(f"{what} has {len(value)} entries for {n} prompts")
+            return list(value)
+        return [value] * n

@@ -1,0 +1,128 @@
+"""KV block pool with chained-hash prefix caching.
+
+A block's hash chains its parent's hash, the adapter namespace (the adapter's sha256, or the
+base namespace) and its tokens, so the same prompt under two adapters — or two revisions of one
+adapter name — never shares KV, while repeats under the same adapter do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from loraplex.types import BASE_NAMESPACE
+
+
+def hash_block(parent: bytes | None, namespace: bytes, tokens: Sequence[int]) -> bytes:
+    """h = blake2b(parent || namespace || tokens) — chained so a hit implies the whole prefix."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"\0" * 16)
+    h.update(namespace or BASE_NAMESPACE)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return h.digest()
+
+
+def hash_prefix_blocks(namespace: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """Hashes of every *full* block of ``tokens``."""
+    out: list[bytes] = []
+    parent = None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block(parent, namespace, tokens[start : start + block_size])
+        out.append(parent)
+    return out
+
+
+class BlockPool:
+    """Reference-counted KV blocks; free blocks keep their hash until reused (LRU order)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """Longest run of cached blocks matching ``hashes`` from the start."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def num_free_after_touch(self, blocks: Sequence[int]) -> int:
+        """Free blocks left once ``blocks`` (cache hits) are taken by a sequence."""
+        return len(self.free) - sum(1 for b in blocks if self.ref_counts[b] == 0)
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self.free[b]
+            self.ref_counts[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` fresh blocks, evicting the least recently freed cached blocks."""
+        if n > len(self.free):
+            raise RuntimeError(f"BlockPool: asked for {n} blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.block_hash[b] = None
+            self.ref_counts[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference from each block; tail blocks first so they are evicted first."""
+        for b in reversed(blocks):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] < 0:
+                raise RuntimeError(f"BlockPool: block {b} released more often than taken")
+            if self.ref_counts[b] == 0:
+                if self.block_hash[b] is None:
+                    self.free[b] = None
+                    self.free.move_to_end(b, last=False)  # unhashed: reuse first
+                else:
+                    self.free[b] = None
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """Record that ``block`` holds the full KV of ``block_hash`` (first writer wins)."""
+        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+            return
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    def record_query(self, query_tokens: int, hit_tokens: int) -> None:
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their data)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks

@@ -1,0 +1,297 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened token batch with paged KV.
+
+Base GEMMs run once per step for all tokens (q/k/v and gate/up fused); each adapted projection
+then adds its gathered LoRA delta for the tokens of every adapter in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kv.cache import PagedKVCache
+from loraplex.lora.ops import LoRABatchPlan, LoRAOps
+from loraplex.lora.slots import LoRASlotBank
+from loraplex.model.attention import AttentionMetadata, paged_attention
+from loraplex.model.config import ModelConfig
+from loraplex.model.loader import iter_checkpoint
+from loraplex.types import ModelLoadError
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors for one engine step; tokens of one adapter are contiguous (see the runner)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] rows whose next-token logits are needed
+    lora_plan: LoRABatchPlan | None = None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] incl. ``linear`` and Llama-3 ``rope_scaling``."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    factor = float(rs["factor"])
+    if rs["rope_type"] == "linear":
+        return inv / factor
+    # llama3: low frequencies scaled by `factor`, high kept, a smooth ramp between
+    low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    old_len = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-exact RMSNorm: statistics in float32, then scale in the model dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention.  x: [T, heads, hd]; cos, sin: [T, 1, hd]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class LoRABinding:
+    """The LoRA state a model reads: slot tables plus the op backend chosen at start-up."""
+
+    def __init__(self, bank: LoRASlotBank, ops: LoRAOps) -> None:
+        self.bank = bank
+        self.ops = ops
+
+    def add(
+        self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor, plan: LoRABatchPlan
+    ) -> None:
+        """out += LoRA delta of ``proj`` in ``layer`` for every adapted token. x: [T, d_in]."""
+        a, bt = self.bank.tables(layer, proj)
+        self.ops.apply(x, a, bt, out, plan)
+
+
+class DecoderLayer:
+    """Weights of one decoder layer (plain tensors; inference only)."""
+
+    def __init__(self) -> None:
+        self.ln1: torch.Tensor
+        self.ln2: torch.Tensor
+        self.w_qkv: torch.Tensor  # [q + 2 kv, D]
+        self.b_qkv: torch.Tensor | None = None
+        self.w_o: torch.Tensor  # [D, q]
+        self.b_o: torch.Tensor | None = None
+        self.w_gate_up: torch.Tensor  # [2 I, D]
+        self.b_gate_up: torch.Tensor | None = None
+        self.w_down: torch.Tensor  # [D, I]
+        self.b_down: torch.Tensor | None = None
+
+
+class LlamaForCausalLM:
+    """Inference-only Llama-family decoder reading a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.layers = [DecoderLayer() for _ in range(cfg.num_layers)]
+        self.embed: torch.Tensor
+        self.norm: torch.Tensor
+        self.lm_head: torch.Tensor
+        self.lora: LoRABinding | None = None
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+
+    # -- loading -----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> LlamaForCausalLM:
+        """Load weights tensor by tensor into their final buffers (fusing q/k/v and gate/up)."""
+        model = cls(cfg, dtype, device)
+        pending: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(cfg.num_layers)}
+        seen: set[str] = set()
+        for name, st in iter_checkpoint(Path(model_dir)):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            seen.add(name)
+            t = st.read(name, dtype, device)
+            if name == "model.embed_tokens.weight":
+                model.embed = t
+            elif name == "model.norm.weight":
+                model.norm = t
+            elif name == "lm_head.weight":
+                model.lm_head = t
+            elif name.startswith("model.layers."):
+                parts = name.split(".")
+                idx = int(parts[2])
+                if idx >= cfg.num_layers:
+                    raise ModelLoadError(
+                        f"{model_dir}: unexpected tensor {name} (layer {idx} >= {cfg.num_layers})"
+                    )
+                model._place(idx, ".".join(parts[3:]), t, pending[idx], name, model_dir)
+            else:
+                raise ModelLoadError(
+                    f"{model_dir}: unexpected tensor {name!r} for {cfg.architecture}"
+                )
+        if cfg.tie_word_embeddings or not hasattr(model, "lm_head"):
+            if "lm_head.weight" not in seen and not cfg.tie_word_embeddings:
+                raise ModelLoadError(f"{model_dir}: missing tensor 'lm_head.weight'")
+            model.lm_head = model.embed
+        for what in ("embed", "norm"):
+            if not hasattr(model, what):
+                key = "model.embed_tokens.weight" if what == "embed" else "model.norm.weight"
+                raise ModelLoadError(f"{model_dir}: missing tensor {key!r}")
+        for idx, rest in pending.items():
+            if rest:
+                missing = sorted({"q", "k", "v", "gate", "up"} - {k.split("_")[0] for k in rest})
+                raise ModelLoadError(
+                    f"{model_dir}: layer {idx} is missing tensors for projection(s) {missing}"
+                )
+            layer = model.layers[idx]
+            for attr in ("ln1", "ln2", "w_qkv", "w_o", "w_gate_up", "w_down"):
+                if not hasattr(layer, attr):
+                    raise ModelLoadError(f"{model_dir}: layer {idx} is missing its {attr} weight")
+        model._check_shapes(model_dir)
+        return model
+
+    def _place(
+        self,
+        idx: int,
+        key: str,
+        t: torch.Tensor,
+        pending: dict[str, torch.Tensor],
+        name: str,
+        src: object,
+    ) -> None:
+        layer = self.layers[idx]
+        simple = {
+            "input_layernorm.weight": "ln1",
+            "post_attention_layernorm.weight": "ln2",
+            "self_attn.o_proj.weight": "w_o",
+            "self_attn.o_proj.bias": "b_o",
+            "mlp.down_proj.weight": "w_down",
+            "mlp.down_proj.bias": "b_down",
+        }
+        if key in simple:
+            setattr(layer, simple[key], t)
+            return
+        groups = {
+            "self_attn.q_proj": ("q", "qkv"),
+            "self_attn.k_proj": ("k", "qkv"),
+            "self_attn.v_proj": ("v", "qkv"),
+            "mlp.gate_proj": ("gate", "gate_up"),
+            "mlp.up_proj": ("up", "gate_up"),
+        }
+        mod, _, kind = key.rpartition(".")
+        if mod not in groups or kind not in ("weight", "bias"):
+            raise ModelLoadError(f"{src}: unexpected tensor {name!r}")
+        part, group = groups[mod]
+        pending[f"{part}_{kind}"] = t
+        order = ("q", "k", "v") if group == "qkv" else ("gate", "up")
+        keys = [f"{p}_{kind}" for p in order]
+        if all(k in pending for k in keys):
+            setattr(
+                layer,
+                f"{'w' if kind == 'weight' else 'b'}_{group}",
+                torch.cat([pending.pop(k) for k in keys]),
+            )
+
+    def _check_shapes(self, src: object) -> None:
+        c = self.cfg
+        qkv = self.q_size + 2 * self.kv_size
+        expect = {
+            "embed": (self.embed, (c.vocab_size, c.hidden_size)),
+            "lm_head": (self.lm_head, (c.vocab_size, c.hidden_size)),
+            "norm": (self.norm, (c.hidden_size,)),
+        }
+        for i, layer in enumerate(self.layers):
+            expect[f"layer {i} qkv"] = (layer.w_qkv, (qkv, c.hidden_size))
+            expect[f"layer {i} o_proj"] = (layer.w_o, (c.hidden_size, self.q_size))
+            expect[f"layer {i} gate/up"] = (
+                layer.w_gate_up,
+                (2 * c.intermediate_size, c.hidden_size),
+            )
+            expect[f"layer {i} down_proj"] = (layer.w_down, (c.hidden_size, c.intermediate_size))
+            if c.qkv_bias and layer.b_qkv is None:
+                raise ModelLoadError(
+                    f"{src}: layer {i} has no q/k/v bias but the config requires one"
+                )
+        for what, (t, shape) in expect.items():
+            if tuple(t.shape) != shape:
+                raise ModelLoadError(
+                    f"{src}: {what} weight has shape {tuple(t.shape)}, config expects {shape}"
+                )
+
+    # -- forward -----------------------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 256)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(self.cfg))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos = emb.cos().to(self.dtype).to(self.device)
+            self._sin = emb.sin().to(self.dtype).to(self.device)
+            self._rope_len = n
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)  # [T, 1, hd]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Run all layers for the batch; returns float32 logits [S, vocab] at logits_indices."""
+        c = self.cfg
+        T = batch.input_ids.shape[0]
+        hd, qs, kvs = c.head_dim, self.q_size, self.kv_size
+        plan = batch.lora_plan if (self.lora is not None and batch.lora_plan is not None) else None
+        lora = self.lora
+        cos, sin = self._rope(batch.positions)
+        h = self.embed[batch.input_ids]  # [T, D]
+        for i, L in enumerate(self.layers):
+            x = _rms_norm(h, L.ln1, c.rms_norm_eps)
+            qkv = F.linear(x, L.w_qkv, L.b_qkv)  # [T, q + 2 kv]
+            if plan is not None:
+                lora.add(i, "q_proj", x, qkv[:, :qs], plan)
+                lora.add(i, "k_proj", x, qkv[:, qs : qs + kvs], plan)
+                lora.add(i, "v_proj", x, qkv[:, qs + kvs :], plan)
+            q = _rotate(qkv[:, :qs].view(T, -1, hd), cos, sin)  # [T, H, hd]
+            k = _rotate(qkv[:, qs : qs + kvs].view(T, -1, hd), cos, sin)  # [T, KVH, hd]
+            v = qkv[:, qs + kvs :].view(T, -1, hd)
+            a = paged_attention(q, k, v, i, cache, batch.attn, self.scale).reshape(T, qs)
+            o = F.linear(a, L.w_o, L.b_o)  # [T, D]
+            if plan is not None:
+                lora.add(i, "o_proj", a, o, plan)
+            h = h + o
+            x = _rms_norm(h, L.ln2, c.rms_norm_eps)
+            gu = F.linear(x, L.w_gate_up, L.b_gate_up)  # [T, 2 I]
+            inter = c.intermediate_size
+            if plan is not None:
+                lora.add(i, "gate_proj", x, gu[:, :inter], plan)
+                lora.add(i, "up_proj", x, gu[:, inter:], plan)
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+            d = F.linear(act, L.w_down, L.b_down)
+            if plan is not None:
+                lora.add(i, "down_proj", act, d, plan)
+            h = h + d
+        h = _rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)  # [S, D]
+        return F.linear(h, self.lm_head).float()  # [S, vocab]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for L in self.layers:
+            tensors += [t for t in vars(L).values() if isinstance(t, torch.Tensor)]
+        return sum(t.nbytes for t in tensors)

@@ -1,0 +1,114 @@
+"""Sampling parameters: greedy, top-k/top-p, seeds, stop strings / ids, logprobs, eos."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex import LLM, SamplingParams
+from loraplex.engine.sampler import _filter_top_k_top_p
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Path) -> LLM:
+    return LLM(str(tiny_model), enable_lora=False, dtype="float32")
+
+
+def test_top_k_one_equals_greedy(llm: LLM) -> None:
+    g = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    k1 = llm.generate(
+        "Hello", SamplingParams(temperature=0.8, top_k=1, max_tokens=8, ignore_eos=True, seed=3)
+    )
+    assert g[0].outputs[0].token_ids == k1[0].outputs[0].token_ids
+
+
+def test_seed_reproducible_and_varies(llm: LLM) -> None:
+    sp = lambda s: SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, seed=s)  # noqa: E731
+    a = llm.generate(["Hello"] * 2, [sp(1), sp(1)])
+    b = llm.generate("Hello", sp(2))
+    assert a[0].outputs[0].token_ids == a[1].outputs[0].token_ids
+    assert a[0].outputs[0].token_ids != b[0].outputs[0].token_ids
+
+
+def test_filter_top_k_top_p() -> None:
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    assert torch.isinf(_filter_top_k_top_p(logits, 2, 1.0)[2:]).all()
+    probs = logits.softmax(-1)
+    kept = _filter_top_k_top_p(logits, -1, float(probs[0] + 0.01))
+    assert torch.isfinite(kept[:2]).all() and torch.isinf(kept[2:]).all()
+    assert torch.isfinite(_filter_top_k_top_p(logits, -1, 0.01)[:1]).all()
+
+
+def test_stop_string_truncates_and_stop_token(llm: LLM) -> None:
+    full = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[
+        0
+    ].outputs[0]
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    out = llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop])
+    )
+    o = out[0].outputs[0]
+    assert (
+        o.finish_reason == "stop"
+        and o.stop_reason == stop
+        and o.text == full.text[: full.text.find(stop)]
+    )
+    inc = llm.generate(
+        "Hello",
+        SamplingParams(
+            temperature=0,
+            max_tokens=16,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+    )[0].outputs[0]
+    assert inc.text.endswith(stop)
+    tid = full.token_ids[3]
+    out = llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[tid])
+    )
+    o = out[0].outputs[0]
+    assert o.token_ids == full.token_ids[: full.token_ids.index(tid) + 1]
+    assert o.finish_reason == "stop" and o.stop_reason == tid
+
+
+def test_eos_stops_unless_ignored(llm: LLM) -> None:
+    eos = llm.get_tokenizer().eos_token_id
+    full = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[
+        0
+    ].outputs[0]
+    llm.engine.eos_token_ids.add(full.token_ids[2])
+    try:
+        out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+        assert out.token_ids == full.token_ids[:3] and out.finish_reason == "stop"
+        out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, min_tokens=5))[
+            0
+        ].outputs[0]
+        assert len(out.token_ids) >= 5
+    finally:
+        llm.engine.eos_token_ids.discard(full.token_ids[2])
+        llm.engine.eos_token_ids.add(eos)
+
+
+def test_logprobs_shape_and_values(llm: LLM) -> None:
+    out = llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=4)
+    )[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 3
+    for lp, tok in zip(lps, out.outputs[0].token_ids, strict=True):
+        assert lp.token_id == tok and len(lp.top) == 4
+        assert max(lp.top.values()) == pytest.approx(lp.logprob)  # greedy picks the top token
+    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(lp.logprob for lp in lps))
+
+
+def test_token_id_prompts_and_text_prompts_agree(llm: LLM) -> None:
+    ids = llm.get_tokenizer()("Hello there").input_ids
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    a, b = llm.generate(["Hello there", ids], sp)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.prompt_token_ids == b.prompt_token_ids
