@@ -112,3 +112,16 @@ def test_token_id_prompts_and_text_prompts_agree(llm: LLM) -> None:
     a, b = llm.generate(["Hello there", ids], sp)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.prompt_token_ids == b.prompt_token_ids
+
+
+def test_chat_uses_the_model_template(llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids == tok(text, add_special_tokens=False).input_ids
+    plain = llm.generate(
+        [out.prompt_token_ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )[0]
+    assert plain.outputs[0].token_ids == out.outputs[0].token_ids

@@ -126,16 +126,16 @@ def bench_peft(
 
 
 _MEM_SCRIPT = """
-import json, resource, sys, torch
+import json, sys
 from loraplex import LLM
-def rss():
+def status(key):  # VmHWM is per address space: unlike ru_maxrss it is not inherited over exec
     for line in open('/proc/self/status'):
-        if line.startswith('VmRSS'): return int(line.split()[1]) * 1024
-base = rss()
+        if line.startswith(key): return int(line.split()[1]) * 1024
+base = status('VmRSS')
 llm = LLM(sys.argv[1], dtype=sys.argv[2], enable_lora=False, skip_tokenizer_init=True,
           kv_cache_memory_bytes=int(sys.argv[3]))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps(dict(base=base, peak=peak, weights=llm.engine.model.nbytes, kv=llm.engine.cache.nbytes)))
+print(json.dumps(dict(base=base, peak=status('VmHWM'), weights=llm.engine.model.nbytes,
+                      kv=llm.engine.cache.nbytes)))
 """
 
 

@@ -100,10 +100,12 @@ class LLMEngine:
                 for layer in range(mc.num_layers)
                 for proj, dims in mc.module_shapes.items()
             }
+            ops = select_lora_ops(self.device)  # backend chosen once, here
+            table_dtype = ops.table_dtype(self.dtype)
             bank = LoRASlotBank(
-                shapes, config.max_loras, config.max_lora_rank, self.dtype, self.device
+                shapes, config.max_loras, config.max_lora_rank, table_dtype, self.device
             )
-            self.model.lora = LoRABinding(bank, select_lora_ops(self.device))
+            self.model.lora = LoRABinding(bank, ops)
             spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
             self.adapters = AdapterManager(
                 bank,
@@ -111,7 +113,7 @@ class LLMEngine:
                 max_loras=config.max_loras,
                 max_cpu_loras=config.max_cpu_loras,
                 max_lora_rank=config.max_lora_rank,
-                dtype=self.dtype,
+                dtype=table_dtype,
             )
 
         num_blocks = self._num_kv_blocks()
@@ -168,6 +170,9 @@ class LLMEngine:
                 budget = int(free * 0.5)
             else:
                 budget = min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+            # never more than max_num_seqs full-length sequences can use
+            longest = c.max_model_len or mc.max_position_embeddings
+            budget = min(budget, c.max_num_seqs * -(-longest // c.block_size) * per_block)
         blocks = budget // per_block
         if blocks < 1:
             raise ValueError(

@@ -8,7 +8,7 @@ from loraplex.cache.adapters import AdapterManager
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
-from loraplex.lora.ops import plan_lora_batch
+from loraplex.lora.ops import LoRAPlanCosts, plan_lora_batch
 from loraplex.model.attention import AttentionMetadata, PrefillSpan
 from loraplex.model.llama import ForwardBatch, LlamaForCausalLM
 
@@ -24,6 +24,8 @@ class ModelRunner:
         self.adapters = adapters
         self.device = model.device
         self.block_size = cache.block_size
+        dims = model.cfg.module_shapes.values()
+        self.lora_costs = LoRAPlanCosts(feature_dim=sum(i + o for i, o in dims) // len(dims))
 
     def order(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Base-model sequences first, then grouped by adapter slot in row order (LoRA runs)."""
@@ -103,7 +105,7 @@ class ModelRunner:
             attn.decode_tokens = torch.tensor(dec_tokens, dtype=torch.long, device=dev)
         plan = None
         if segments:
-            plan = plan_lora_batch(t, segments, self.model.dtype, dev)
+            plan = plan_lora_batch(t, segments, self.model.dtype, dev, self.lora_costs)
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),

@@ -79,6 +79,30 @@ class LLM:
             bar.close()
         return [done[rid] for rid in ids]
 
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model directory's chat template to one conversation or a list, then generate."""
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template (tokenizer_config / chat_template.jinja)"
+            )
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conv in convs:  # type: ignore[union-attr]
+            ids = tok.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append([int(t) for t in ids])
+        return self.generate(prompts, sampling_params, lora_request)
+
     @staticmethod
     def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
         if isinstance(value, (list, tuple)):

@@ -18,6 +18,7 @@ from loraplex.lora.ops import LoRABatchPlan, LoRAOps
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.attention import AttentionMetadata, paged_attention
 from loraplex.model.config import ModelConfig
+from loraplex.model.linear import Linear, LinearFactory, select_linear_factory
 from loraplex.model.loader import iter_checkpoint
 from loraplex.types import ModelLoadError
 
@@ -84,7 +85,10 @@ class LoRABinding:
 
 
 class DecoderLayer:
-    """Weights of one decoder layer (plain tensors; inference only)."""
+    """Weights of one decoder layer (inference only).
+
+    While loading, raw tensors sit in ``w_*``/``b_*``; ``finalize`` turns them into ``Linear``s.
+    """
 
     def __init__(self) -> None:
         self.ln1: torch.Tensor
@@ -97,6 +101,17 @@ class DecoderLayer:
         self.b_gate_up: torch.Tensor | None = None
         self.w_down: torch.Tensor  # [D, I]
         self.b_down: torch.Tensor | None = None
+        self.qkv: Linear
+        self.o: Linear
+        self.gate_up: Linear
+        self.down: Linear
+
+    def finalize(self, make: LinearFactory) -> None:
+        """Wrap the raw weights in the chosen Linear implementation and drop the raw copies."""
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(self, name, make(getattr(self, f"w_{name}"), getattr(self, f"b_{name}")))
+            delattr(self, f"w_{name}")
+            setattr(self, f"b_{name}", None)
 
 
 class LlamaForCausalLM:
@@ -110,6 +125,8 @@ class LlamaForCausalLM:
         self.embed: torch.Tensor
         self.norm: torch.Tensor
         self.lm_head: torch.Tensor
+        self.head: Linear
+        self.linear_impl = "unset"
         self.lora: LoRABinding | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -168,7 +185,16 @@ class LlamaForCausalLM:
                 if not hasattr(layer, attr):
                     raise ModelLoadError(f"{model_dir}: layer {idx} is missing its {attr} weight")
         model._check_shapes(model_dir)
+        model.finalize()
         return model
+
+    def finalize(self) -> None:
+        """Choose the linear implementation once and convert every projection to it."""
+        self.linear_impl, make = select_linear_factory(self.device, self.dtype)
+        for layer in self.layers:
+            layer.finalize(make)
+        self.head = make(self.lm_head, None)
+        del self.lm_head  # a tied head keeps ``embed`` for lookups; the packed copy is the head's
 
     def _place(
         self,
@@ -262,7 +288,7 @@ class LlamaForCausalLM:
         h = self.embed[batch.input_ids]  # [T, D]
         for i, L in enumerate(self.layers):
             x = _rms_norm(h, L.ln1, c.rms_norm_eps)
-            qkv = F.linear(x, L.w_qkv, L.b_qkv)  # [T, q + 2 kv]
+            qkv = L.qkv(x)  # [T, q + 2 kv]
             if plan is not None:
                 lora.add(i, "q_proj", x, qkv[:, :qs], plan)
                 lora.add(i, "k_proj", x, qkv[:, qs : qs + kvs], plan)
@@ -271,27 +297,30 @@ class LlamaForCausalLM:
             k = _rotate(qkv[:, qs : qs + kvs].view(T, -1, hd), cos, sin)  # [T, KVH, hd]
             v = qkv[:, qs + kvs :].view(T, -1, hd)
             a = paged_attention(q, k, v, i, cache, batch.attn, self.scale).reshape(T, qs)
-            o = F.linear(a, L.w_o, L.b_o)  # [T, D]
+            o = L.o(a)  # [T, D]
             if plan is not None:
                 lora.add(i, "o_proj", a, o, plan)
             h = h + o
             x = _rms_norm(h, L.ln2, c.rms_norm_eps)
-            gu = F.linear(x, L.w_gate_up, L.b_gate_up)  # [T, 2 I]
+            gu = L.gate_up(x)  # [T, 2 I]
             inter = c.intermediate_size
             if plan is not None:
                 lora.add(i, "gate_proj", x, gu[:, :inter], plan)
                 lora.add(i, "up_proj", x, gu[:, inter:], plan)
             act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
-            d = F.linear(act, L.w_down, L.b_down)
+            d = L.down(act)  # [T, D]
             if plan is not None:
                 lora.add(i, "down_proj", act, d, plan)
             h = h + d
         h = _rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)  # [S, D]
-        return F.linear(h, self.lm_head).float()  # [S, vocab]
+        return self.head(h).float()  # [S, vocab]
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        """Bytes of the weights as loaded (embedding, norms, projections, head)."""
+        shared = getattr(self.head, "weight", None) is self.embed  # tied and unpacked
+        total = self.embed.nbytes + self.norm.nbytes + (0 if shared else self.head.nbytes)
         for L in self.layers:
-            tensors += [t for t in vars(L).values() if isinstance(t, torch.Tensor)]
-        return sum(t.nbytes for t in tensors)
+            total += L.ln1.nbytes + L.ln2.nbytes
+            total += sum(lin.nbytes for lin in (L.qkv, L.o, L.gate_up, L.down))
+        return total

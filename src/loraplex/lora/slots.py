@@ -1,0 +1,213 @@
+"""Device slot bank: stacked per-module LoRA A/B tables for ``max_loras`` resident adapters.
+
+Every adapted module ``(layer, proj)`` owns two tables that share one row layout::
+
+    a[(layer, proj)]:  [capacity, d_in]    rows = A of the owning adapter
+    bt[(layer, proj)]: [capacity, d_out]   rows = (scale * B).T of the owning adapter
+
+with ``capacity = max_loras * max_lora_rank`` *rank rows*. An occupied slot owns the contiguous
+rows ``[row_start, row_start + rows)`` in every table, ``rows`` being the adapter's largest rank
+over its modules, so a rank-8 adapter never pays for the largest supported rank. Rows nobody owns,
+rows of modules an adapter does not target and rows past a module's own rank (``rank_pattern``)
+are zero, so the gathered ops (``loraplex.lora.ops``) can read any row range without masking
+them. The scale is folded into ``bt``, so ops never see it.
+
+Row ranges move when ``set_lora`` compacts the layout: callers must read ``slot_rows`` again
+after any ``set_lora``/``reset_lora`` (``layout_version`` changes on every layout change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+ModuleKey = tuple[int, str]
+"""``(layer index, projection name)``, e.g. ``(3, "q_proj")``."""
+
+
+class LoRAModuleWeightsLike(Protocol):
+    """The attributes of ``loraplex.lora.adapter.LoRAModuleWeights`` the bank reads."""
+
+    @property
+    def a(self) -> torch.Tensor: ...  # [r, d_in]
+
+    @property
+    def b(self) -> torch.Tensor: ...  # [d_out, r]
+
+    @property
+    def scale(self) -> float: ...
+
+
+class LoRASlotBank:
+    """Stacked per-module A/B tables for ``max_loras`` device slots with one shared row layout.
+
+    Not thread-safe: one owner (the model runner, driven by the cache manager) mutates it between
+    engine steps.
+    """
+
+    def __init__(
+        self,
+        module_shapes: Mapping[ModuleKey, tuple[int, int]],
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        """``module_shapes``: ``(layer, proj) -> (d_in, d_out)`` of every adaptable module."""
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        if max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.capacity = max_loras * max_lora_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.module_shapes: dict[ModuleKey, tuple[int, int]] = dict(module_shapes)
+        self._a: dict[ModuleKey, torch.Tensor] = {}
+        self._bt: dict[ModuleKey, torch.Tensor] = {}
+        for key, (d_in, d_out) in self.module_shapes.items():
+            # a: [capacity, d_in], bt: [capacity, d_out]
+            self._a[key] = torch.zeros(self.capacity, d_in, dtype=dtype, device=self.device)
+            self._bt[key] = torch.zeros(self.capacity, d_out, dtype=dtype, device=self.device)
+        self._rows: dict[int, tuple[int, int]] = {}  # slot -> (row_start, row_end)
+        self.layout_version = 0
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def occupied_slots(self) -> tuple[int, ...]:
+        """Occupied slot indices, ascending."""
+        return tuple(sorted(self._rows))
+
+    @property
+    def free_slots(self) -> tuple[int, ...]:
+        """Free slot indices, ascending."""
+        return tuple(s for s in range(self.max_loras) if s not in self._rows)
+
+    @property
+    def used_rows(self) -> int:
+        """Rank rows owned by occupied slots."""
+        return sum(end - start for start, end in self._rows.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tables (fixed at construction, whatever is resident)."""
+        return sum(t.numel() * t.element_size() for t in (*self._a.values(), *self._bt.values()))
+
+    def slot_rows(self, slot: int) -> tuple[int, int]:
+        """``(row_start, row_end)`` of an occupied slot; ``KeyError`` if the slot is empty."""
+        self._check_slot(slot)
+        try:
+            return self._rows[slot]
+        except KeyError:
+            raise KeyError(f"slot {slot} is empty") from None
+
+    def tables(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a [capacity, d_in], bt [capacity, d_out])`` of one module; ``KeyError`` if unknown."""
+        key = (layer, proj)
+        if key not in self._a:
+            raise KeyError(f"module {key} has no LoRA tables")
+        return self._a[key], self._bt[key]
+
+    # ----------------------------------------------------------------------------- mutation
+
+    def set_lora(self, slot: int, weights: Mapping[ModuleKey, LoRAModuleWeightsLike]) -> None:
+        """Load one adapter into an empty slot.
+
+        Validates everything before touching a table, so a bad adapter leaves the bank as it was.
+        Allocates ``rows = max rank`` rows first fit; if enough rows are free but fragmented,
+        compacts (moves other slots' rows down in every table and updates their ranges).
+        """
+        self._check_slot(slot)
+        if slot in self._rows:
+            raise ValueError(f"slot {slot} is already occupied; reset_lora({slot}) first")
+        rows = 0
+        for key, w in weights.items():
+            rows = max(rows, self._check_module(key, w))
+        start = self._allocate(rows)
+        self._rows[slot] = (start, start + rows)
+        self.layout_version += 1
+        with torch.no_grad():
+            for key, w in weights.items():
+                r = w.a.shape[0]
+                a_tab, bt_tab = self._a[key], self._bt[key]
+                a_tab[start : start + r].copy_(w.a)  # [r, d_in]
+                # (scale * B).T in float32 first, so a low-precision table gets one rounding.
+                bt_tab[start : start + r].copy_((w.b.to(torch.float32) * float(w.scale)).t())
+                # Rows past this module's rank are zero already (invariant); keep it explicit.
+                a_tab[start + r : start + rows].zero_()
+                bt_tab[start + r : start + rows].zero_()
+
+    def reset_lora(self, slot: int) -> None:
+        """Zero the slot's rows in every table and free them; ``KeyError`` if the slot is empty."""
+        start, end = self.slot_rows(slot)
+        with torch.no_grad():
+            for tab in (*self._a.values(), *self._bt.values()):
+                tab[start:end].zero_()
+        del self._rows[slot]
+        self.layout_version += 1
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot must be an int in [0, {self.max_loras}), got {slot!r}")
+
+    def _check_module(self, key: ModuleKey, w: LoRAModuleWeightsLike) -> int:
+        """Validate one module's weights against the bank; return its rank."""
+        if key not in self.module_shapes:
+            raise ValueError(f"adapter targets module {key}, which this model does not adapt")
+        d_in, d_out = self.module_shapes[key]
+        a, b = w.a, w.b
+        if a.ndim != 2 or b.ndim != 2:
+            raise ValueError(
+                f"module {key}: A and B must be 2-D, got {tuple(a.shape)}, {tuple(b.shape)}"
+            )
+        r = a.shape[0]
+        if a.shape != (r, d_in) or b.shape != (d_out, r):
+            raise ValueError(
+                f"module {key}: expected A [r, {d_in}] and B [{d_out}, r], "
+                f"got A {tuple(a.shape)} and B {tuple(b.shape)}"
+            )
+        if not 1 <= r <= self.max_lora_rank:
+            raise ValueError(
+                f"module {key}: rank {r} not in [1, max_lora_rank={self.max_lora_rank}]"
+            )
+        return r
+
+    def _allocate(self, rows: int) -> int:
+        """First-fit row allocation; compacts when the free rows are fragmented."""
+        pos = 0
+        for start, end in sorted(self._rows.values()):
+            if start - pos >= rows:
+                return pos
+            pos = end
+        if self.capacity - pos >= rows:
+            return pos
+        if self.capacity - self.used_rows < rows:  # cannot happen: every slot uses <= max rank
+            raise ValueError(
+                f"no room for {rows} rank rows ({self.capacity - self.used_rows} free)"
+            )
+        return self._compact()
+
+    def _compact(self) -> int:
+        """Slide occupied ranges down (order kept) so free rows form one tail; return its start."""
+        old_end = max(end for _, end in self._rows.values())
+        pos = 0
+        with torch.no_grad():
+            for slot, (start, end) in sorted(self._rows.items(), key=lambda item: item[1]):
+                n = end - start
+                if start != pos:
+                    for tab in (*self._a.values(), *self._bt.values()):
+                        src = tab[start:end]
+                        # Overlapping ranges: copy through a temporary.
+                        tab[pos : pos + n].copy_(src.clone() if start < pos + n else src)
+                    self._rows[slot] = (pos, pos + n)
+                pos += n
+            for tab in (*self._a.values(), *self._bt.values()):
+                tab[pos:old_end].zero_()
+        self.layout_version += 1
+        return pos
