@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loraplex.lora.adapter import projection_shapes
 from loraplex.lora.ops import (
     LoRABatchPlan,
     LoRAOps,
@@ -43,16 +44,7 @@ ALL_MERGED = LoRAPlanCosts(mac_ns=0.0, mask_overhead_us=0.0, bandwidth_gbs=1e12)
 
 def module_shapes() -> dict[tuple[int, str], tuple[int, int]]:
     """(layer, proj) -> (d_in, d_out) of the benchmark model."""
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    per_layer = {
-        "q_proj": (HIDDEN, q),
-        "k_proj": (HIDDEN, kv),
-        "v_proj": (HIDDEN, kv),
-        "o_proj": (q, HIDDEN),
-        "gate_proj": (HIDDEN, INTER),
-        "up_proj": (HIDDEN, INTER),
-        "down_proj": (INTER, HIDDEN),
-    }
+    per_layer = projection_shapes(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER)
     return {(layer, p): s for layer in range(LAYERS) for p, s in per_layer.items()}
 
 

@@ -98,6 +98,22 @@ _KEY_RE = re.compile(
 )
 
 
+def projection_shapes(
+    hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int
+) -> dict[str, tuple[int, int]]:
+    """proj name -> (d_in, d_out) of the seven adaptable projections of a Llama-family layer."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
+
+
 @dataclass(frozen=True)
 class BaseModelSpec:
     """What an adapter is validated against, built from the base model's config."""
@@ -114,16 +130,7 @@ class BaseModelSpec:
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
         inter = int(raw["intermediate_size"])
-        q, kv = heads * head_dim, kv_heads * head_dim
-        shapes = {
-            "q_proj": (hidden, q),
-            "k_proj": (hidden, kv),
-            "v_proj": (hidden, kv),
-            "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter),
-            "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden),
-        }
+        shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
         return cls(int(raw["num_hidden_layers"]), shapes, str(raw.get("model_type", "llama")))
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraplex.lora.adapter import projection_shapes
 from loraplex.types import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -47,21 +48,13 @@ class ModelConfig:
     @property
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """proj name -> (d_in, d_out) of the seven adaptable projections."""
-        h, q, kv, i = (
+        return projection_shapes(
             self.hidden_size,
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
             self.intermediate_size,
         )
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
 
     def num_parameters(self) -> int:
         per_layer = sum(a * b for a, b in self.module_shapes.values()) + 2 * self.hidden_size
