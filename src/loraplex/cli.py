@@ -50,8 +50,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ALL_PROJ,
         ATTN_PROJ,
         MLP_PROJ,
+        load_merged_reference,
         make_random_adapter,
         make_random_model,
+        reference_greedy,
     )
 
     root = Path(args.cache_dir).expanduser()
@@ -87,17 +89,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     outs = llm.generate(batch_p, params, lora_request=batch_l)
     dt = time.perf_counter() - t0
-    print(
-        f"one mixed batch: {len(outs)} requests over {len(loras) - 1} adapters + base (random weights)"
-    )
-    for out in outs:
-        who = out.adapter.short if out.adapter else "base"
-        print(f"  {who:<40} {out.outputs[0].token_ids[:8]}")
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
-        f"{ntok} tokens in {dt:.2f}s = {ntok / dt:.1f} tok/s; all KV blocks free: {llm.engine.is_idle()}"
+        f"one mixed batch: {len(outs)} requests, base + {len(loras) - 1} adapters "
+        f"(random weights, so the text is noise): {ntok} tokens in {dt:.2f}s = {ntok / dt:.1f} tok/s"
     )
-    return 0
+    print("checking each output against transformers + PEFT with that adapter merged ...")
+    tok = llm.get_tokenizer()
+    ok = True
+    for prompt, lr, out in zip(batch_p, batch_l, outs, strict=True):
+        ref = load_merged_reference(model_dir, lr.path if lr else None)
+        want, _ = reference_greedy(ref, tok(prompt).input_ids, len(out.outputs[0].token_ids))
+        same = want == out.outputs[0].token_ids
+        ok &= same
+        who = out.adapter.short if out.adapter else "base"
+        print(f"  {'equal' if same else 'DIFFERENT':<9} {who:<42} {prompt!r}")
+    print(f"all KV blocks and slots free afterwards: {llm.engine.is_idle()}")
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

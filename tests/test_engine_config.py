@@ -1,0 +1,64 @@
+"""Start-up decisions: dtype, KV sizing, max_model_len, option validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex import LLM
+from loraplex.config import EngineConfig
+from loraplex.engine import llm_engine
+from loraplex.engine.llm_engine import LLMEngine, resolve_dtype
+from loraplex.kv.cache import PagedKVCache
+from loraplex.model.config import load_model_config
+
+
+def test_auto_dtype_prefers_fast_types(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_model_config(tiny_model)
+    bf16_cfg = type(cfg)(**{**cfg.__dict__, "torch_dtype": "bfloat16"})
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(llm_engine, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_dtype("auto", bf16_cfg, cpu) == torch.float32
+    monkeypatch.setattr(llm_engine, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_dtype("auto", bf16_cfg, cpu) == torch.bfloat16
+    assert resolve_dtype("auto", cfg, cpu) == torch.float32  # a float32 checkpoint stays float32
+    assert resolve_dtype("bfloat16", cfg, cpu) == torch.bfloat16
+    assert resolve_dtype("auto", bf16_cfg, torch.device("cuda")) == torch.bfloat16
+
+
+def test_kv_budget_and_max_model_len(tiny_model: Path) -> None:
+    cfg = load_model_config(tiny_model)
+    per_block = PagedKVCache.bytes_per_block(
+        cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32
+    )
+    e = LLMEngine(
+        EngineConfig(model=str(tiny_model), dtype="float32", kv_cache_memory_bytes=10 * per_block)
+    )
+    assert e.pool.num_blocks == 10 and e.max_model_len == 160
+    # by default never more than max_num_seqs full-length sequences
+    e = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", max_num_seqs=2))
+    assert e.pool.num_blocks == 2 * cfg.max_position_embeddings // 16
+    assert e.max_model_len == cfg.max_position_embeddings
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLMEngine(EngineConfig(model=str(tiny_model), max_model_len=10**6))
+    with pytest.raises(ValueError, match="KV cache"):
+        LLMEngine(EngineConfig(model=str(tiny_model), num_kv_blocks=2, max_model_len=64))
+
+
+def test_bad_options_are_named(tiny_model: Path) -> None:
+    with pytest.raises(TypeError, match="max_lora"):
+        LLM(str(tiny_model), max_lora=3)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LLM(str(tiny_model), max_loras=8, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(tiny_model), dtype="float8")
+
+
+def test_linear_backend_chosen_once(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model), dtype="float32", enable_lora=False)
+    m = llm.engine.model
+    assert m.linear_impl in ("onednn-packed", "dense")
+    impls = {type(layer.qkv) for layer in m.layers} | {type(m.head)}
+    assert len(impls) == 1
