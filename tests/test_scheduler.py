@@ -144,3 +144,78 @@ def test_n_completions_and_seeds(tiny_model: Path, n: int) -> None:
         again += [o for o in e.step() if o.finished]
     assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in outs[0].outputs]
     assert e.is_idle()
+
+
+def _check_accounting(e: LLMEngine) -> None:
+    """Block refcounts and slot users equal what the live sequences hold."""
+    refs = [0] * e.pool.num_blocks
+    users = [0] * e.config.max_loras
+    for seq in e.scheduler.running + list(e.scheduler.waiting):
+        for b in seq.block_ids:
+            refs[b] += 1
+        if seq.slot is not None:
+            users[seq.slot] += 1
+            # in-flight adapters stay in their slot: the slot still holds this adapter's digest
+            assert e.adapters.slot_digest[seq.slot] == seq.adapter.ref.sha256
+    assert refs == e.pool.ref_counts
+    assert users == e.adapters.slot_users
+    assert e.pool.num_free == sum(1 for r in refs if r == 0)
+
+
+def test_random_arrivals_aborts_preemption_no_leaks(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """A storm of arrivals and aborts under a tight KV budget and 2 slots for 4 adapters."""
+    import random
+
+    rng = random.Random(0)
+    e = _engine(
+        tiny_model, max_loras=2, num_kv_blocks=14, block_size=4, max_model_len=48, max_num_seqs=6
+    )
+    loras = [None] + [
+        LoRARequest(n, adapters[n]) for n in ("all_r8", "mlp_r16", "attn_r4_rslora", "patterns")
+    ]
+    prompts = [
+        "Hello world! How",
+        "What is the capital",
+        "def add(a, b):",
+        "Once upon a time",
+        "Hi",
+    ]
+    live: list[str] = []
+    finished = 0
+    spec: dict[str, tuple] = {}
+    results: dict[str, list[int]] = {}
+    for step in range(120):
+        if step < 80 and rng.random() < 0.5:
+            rid = f"r{step}"
+            sp = SamplingParams(temperature=0, max_tokens=rng.randint(1, 30), ignore_eos=True)
+            spec[rid] = (rng.choice(prompts) * rng.randint(1, 2), sp, rng.choice(loras))
+            e.add_request(rid, *spec[rid])
+            live.append(rid)
+        if live and rng.random() < 0.1:
+            victim = live.pop(rng.randrange(len(live)))
+            e.abort_request(victim)
+        for out in e.step():
+            if out.finished:
+                finished += 1
+                live.remove(out.request_id)
+                results[out.request_id] = out.outputs[0].token_ids
+        _check_accounting(e)
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                finished += 1
+                results[out.request_id] = out.outputs[0].token_ids
+        _check_accounting(e)
+    assert finished > 15
+    assert e.scheduler.num_preemptions > 0
+    assert e.is_idle() and e.num_free_blocks == e.pool.num_blocks
+    # preempted and recomputed requests still produce what they produce alone
+    solo = _engine(tiny_model, max_loras=1)
+    for rid, tokens in results.items():
+        solo.add_request(rid, *spec[rid])
+        while solo.has_unfinished_requests():
+            for out in solo.step():
+                if out.finished:
+                    assert out.outputs[0].token_ids == tokens, rid
