@@ -10,7 +10,6 @@ pluggable eviction policies) grows out of it. Invariants kept here:
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +71,6 @@ class AdapterManager:
         self.idle_slots: OrderedDict[int, None] = (
             OrderedDict()
         )  # resident, no running users; LRU first
-        self.last_used: dict[str, float] = {}
         self.stats = AdapterStats()
         self._lock = threading.Lock()
 
@@ -153,7 +151,6 @@ class AdapterManager:
         waits; others go on).
         """
         d = adapter.ref.sha256
-        self.last_used[d] = time.monotonic()
         slot = self.slot_of.get(d)
         if slot is not None:
             self.stats.slot_hits += 1
@@ -190,14 +187,6 @@ class AdapterManager:
         return self.bank.slot_rows(slot)
 
     # -- reports -------------------------------------------------------------------------------
-    @property
-    def resident_on_device(self) -> list[LoRAAdapter]:
-        return [self.host[d] for d in self.slot_digest if d is not None and d in self.host]
-
-    @property
-    def num_busy_slots(self) -> int:
-        return sum(1 for u in self.slot_users if u > 0)
-
     def is_idle(self) -> bool:
         """True when no slot has running users and no request holds an adapter."""
         return not self.request_refs and all(u == 0 for u in self.slot_users)

@@ -27,10 +27,6 @@ class ScheduledBatch:
     def empty(self) -> bool:
         return not self.items
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
-
 
 class Scheduler:
     def __init__(

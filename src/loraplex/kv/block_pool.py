@@ -121,8 +121,3 @@ class BlockPool:
     def record_query(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their data)."""
-        self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
