@@ -137,27 +137,57 @@ def bench_peft(
 
 _MEM_SCRIPT = """
 import json, sys
-from loraplex import LLM
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.bench.throughput import make_prompts
 def status(key):  # VmHWM is per address space: unlike ru_maxrss it is not inherited over exec
     for line in open('/proc/self/status'):
         if line.startswith(key): return int(line.split()[1]) * 1024
+model, dtype, kv, adapters = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 base = status('VmRSS')
-llm = LLM(sys.argv[1], dtype=sys.argv[2], enable_lora=False, skip_tokenizer_init=True,
-          kv_cache_memory_bytes=int(sys.argv[3]))
-print(json.dumps(dict(base=base, peak=status('VmHWM'), weights=llm.engine.model.nbytes,
-                      kv=llm.engine.cache.nbytes)))
+lora = bool(adapters)
+llm = LLM(model, dtype=dtype, enable_lora=lora, max_loras=16, max_lora_rank=16,
+          skip_tokenizer_init=True, kv_cache_memory_bytes=kv)
+e = llm.engine
+res = dict(base=base, load_peak=status('VmHWM'), weights=e.model.nbytes, kv=e.cache.nbytes)
+if lora:
+    reqs = [LoRARequest(f"a{i}", p) for i, p in enumerate(adapters)]
+    prompts = make_prompts()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                 lora_request=[reqs[i % len(reqs)] for i in range(len(prompts))])
+    res.update(serve_peak=status('VmHWM'), bank=e.adapters.bank.nbytes,
+               host=sum(a.nbytes for a in e.adapters.host.values()))
+print(json.dumps(res))
 """
 
 
-def measure_load_memory(model: Path, dtype: str, kv_bytes: int = 64 << 20) -> dict[str, int]:
-    """Peak RSS of a fresh process loading the model, minus its RSS before loading."""
+def measure_memory(
+    model: Path, dtype: str, adapters: list[Path], kv_bytes: int = 64 << 20
+) -> dict[str, int]:
+    """Peak RSS growth of a fresh process loading the model (and serving, with adapters)."""
+    args = [str(model), dtype, str(kv_bytes), json.dumps([str(a) for a in adapters])]
     out = subprocess.run(
-        [sys.executable, "-c", _MEM_SCRIPT, str(model), dtype, str(kv_bytes)],
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, "-c", _MEM_SCRIPT, *args], capture_output=True, text=True, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report_memory(model: Path, dtype: str, adapters: list[Path]) -> None:
+    mib = 2**20
+    m = measure_memory(model, dtype, [])
+    grow = m["load_peak"] - m["base"]
+    print(
+        f"load peak RSS growth {grow / mib:.0f} MiB for weights {m['weights'] / mib:.0f} MiB + "
+        f"KV {m['kv'] / mib:.0f} MiB -> {(grow - m['kv']) / m['weights']:.2f} x weights "
+        "(target <= 1.3)"
+    )
+    s = measure_memory(model, dtype, adapters)
+    grow = s["serve_peak"] - s["base"]
+    fixed = s["weights"] + s["kv"] + s["bank"] + s["host"]
+    print(
+        f"serving 16 adapters: peak RSS growth {grow / mib:.0f} MiB = {grow / fixed:.2f} x "
+        f"(weights {s['weights'] / mib:.0f} + KV {s['kv'] / mib:.0f} + LoRA slot tables "
+        f"{s['bank'] / mib:.0f} + host adapter copies {s['host'] / mib:.0f} MiB)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,13 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"loraplex / PEFT at 16 distinct   = {ours[16] / peft[16]:.2f}x  (target >= 2.5x)"
             )
-        mem = measure_load_memory(model, dtype)
-        grow = mem["peak"] - mem["base"]
-        print(
-            f"load peak RSS growth {grow / 2**20:.0f} MiB for weights {mem['weights'] / 2**20:.0f} MiB + "
-            f"KV {mem['kv'] / 2**20:.0f} MiB -> {(grow - mem['kv']) / mem['weights']:.2f} x weights "
-            "(target <= 1.3)"
-        )
+        report_memory(model, dtype, adapters)
     return 0
 
 
