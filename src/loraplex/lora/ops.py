@@ -18,6 +18,8 @@ Backends implement the small ``LoRAOps`` protocol and are chosen once at start-u
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -376,11 +378,43 @@ def _create_torch_ops(device: torch.device) -> LoRAOps:
     return TorchLoRAOps(upcast=cpu_slow_matmul_dtypes() if device.type == "cpu" else ())
 
 
+def _triton_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _create_triton_ops(device: torch.device) -> LoRAOps:
+    """Triton kernels, after a start-up self-check on ``device`` against the torch path;
+    if they fail to compile or disagree, the torch path is used instead (with a warning)."""
+    from loraplex.lora.triton_ops import TritonLoRAOps
+
+    ops = TritonLoRAOps()
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 32, generator=g).to(device)
+        a = torch.randn(24, 32, generator=g).to(device)
+        bt = torch.randn(24, 48, generator=g).to(device)
+        plan = plan_lora_batch(5, [(0, 2, 0, 8), (3, 5, 8, 24)], torch.float32, device)
+        got, want = torch.zeros(5, 48, device=device), torch.zeros(5, 48, device=device)
+        ops.apply(x, a, bt, got, plan)
+        TorchLoRAOps().apply(x, a, bt, want, plan)
+        if not torch.allclose(got, want, atol=1e-3, rtol=1e-3):
+            raise RuntimeError(f"max difference {(got - want).abs().max().item():.3g}")
+    except Exception as e:  # any compile or launch failure: keep serving on the torch path
+        warnings.warn(
+            f"Triton LoRA kernels unusable on {device} ({e}); using the torch path", stacklevel=2
+        )
+        return _create_torch_ops(device)
+    return ops
+
+
+TRITON_BACKEND = LoRAOpsBackend(
+    name="triton", supports=_triton_available, create=_create_triton_ops
+)
 TORCH_BACKEND = LoRAOpsBackend(
     name="torch", supports=lambda device: device.type in ("cpu", "cuda"), create=_create_torch_ops
 )
-DEFAULT_BACKENDS: tuple[LoRAOpsBackend, ...] = (TORCH_BACKEND,)
-"""In preference order; a Triton backend goes first here (or callers pass their own tuple)."""
+DEFAULT_BACKENDS: tuple[LoRAOpsBackend, ...] = (TRITON_BACKEND, TORCH_BACKEND)
+"""In preference order: Triton kernels on CUDA when triton is installed, else the torch path."""
 
 
 def select_lora_ops(
