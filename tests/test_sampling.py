@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex import LLM, SamplingParams
+from loraplex import LLM, InvalidRequestError, SamplingParams
 from loraplex.engine.sampler import _filter_top_k_top_p
 
 
@@ -109,9 +109,14 @@ def test_logprobs_shape_and_values(llm: LLM) -> None:
 def test_token_id_prompts_and_text_prompts_agree(llm: LLM) -> None:
     ids = llm.get_tokenizer()("Hello there").input_ids
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    a, b = llm.generate(["Hello there", ids], sp)
-    assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert a.prompt_token_ids == b.prompt_token_ids
+    a, b, c, d = llm.generate(
+        ["Hello there", ids, {"prompt_token_ids": ids}, {"prompt": "Hello there"}], sp
+    )
+    for other in (b, c, d):
+        assert other.outputs[0].token_ids == a.outputs[0].token_ids
+        assert other.prompt_token_ids == a.prompt_token_ids
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        llm.generate({"text": "x"}, sp)
 
 
 def test_chat_uses_the_model_template(llm: LLM) -> None:

@@ -12,7 +12,8 @@ from loraplex.outputs import RequestOutput
 from loraplex.requests import LoRARequest, SamplingParams
 from loraplex.types import InvalidRequestError
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]
+"""A string, token ids, or vLLM's dict forms ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``."""
 
 
 class LLM:
@@ -43,11 +44,11 @@ class LLM:
         ``lora_request`` is one request for all prompts or a list with one per prompt (None = base).
         Any invalid prompt or adapter raises before anything runs.
         """
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = [self._unwrap(p) for p in prompts]  # type: ignore[union-attr]
         n = len(prompts)
         params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         loras = self._per_prompt(lora_request, n, "lora_request")
@@ -102,6 +103,18 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append([int(t) for t in ids])
         return self.generate(prompts, sampling_params, lora_request)
+
+    @staticmethod
+    def _unwrap(prompt: Prompt) -> str | list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return str(prompt["prompt"])
+            raise InvalidRequestError(
+                f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+            )
+        return prompt
 
     @staticmethod
     def _per_prompt(value: Any, n: int, what: str) -> list[Any]:
