@@ -118,7 +118,5 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward the step; returns logits [S, vocab] (float32) and the sampling sequences."""
         fb, samplers = self.prepare(self.order(batch))
-        if not samplers:  # only partial prefill chunks: still run to fill the KV cache
-            fb.logits_indices = fb.logits_indices[:0]
-        logits = self.model.forward(fb, self.cache)
+        logits = self.model.forward(fb, self.cache)  # [0, vocab] for partial prefill chunks only
         return logits, samplers
