@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            bad("temperature", "must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or (self.top_k < -1):
@@ -58,8 +59,12 @@ class SamplingParams:
             self.max_tokens is not None and self.min_tokens > self.max_tokens
         ):
             bad("min_tokens", "must be in [0, max_tokens]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be in [0, 20]")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
+            bad("logprobs", "must be an integer in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):  # type: ignore[union-attr]
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]

@@ -113,6 +113,13 @@ class AdapterManager:
             self._evict_host()
             return adapter
 
+    def retain(self, adapter: LoRAAdapter) -> None:
+        """One more request reference on an adapter already held (from :meth:`resolve`)."""
+        with self._lock:
+            if not self.request_refs.get(adapter.ref.sha256):
+                raise RuntimeError(f"adapter {adapter.ref.short} retained without being resolved")
+            self._retain(adapter.ref.sha256)
+
     def _retain(self, digest: str) -> None:
         self.request_refs[digest] = self.request_refs.get(digest, 0) + 1
 

@@ -228,40 +228,62 @@ class LLMEngine:
         else:
             text, ids = None, [int(t) for t in prompt]
         self.check_prompt(ids)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop strings need a tokenizer (skip_tokenizer_init=True was set); "
+                "use stop_token_ids"
+            )
         if lora_request is not None and self.adapters is None:
             raise InvalidRequestError(
                 f"adapter {lora_request.name!r} requested but LoRA is disabled (enable_lora)"
             )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids or () if t >= vocab), None)
+        if bad is not None:  # the sampler masks stop ids by index (min_tokens)
+            raise InvalidRequestError(
+                f"stop_token_ids contains {bad}, which is outside the vocabulary [0, {vocab})"
+            )
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        stop_ids = tuple(self.eos_token_ids) + tuple(params.stop_token_ids or ())
         adapter = (
             self.adapters.resolve(lora_request)
             if lora_request is not None and self.adapters
             else None
         )
-        if adapter is not None:
-            for _ in range(params.n - 1):  # one host reference per completion
-                self.adapters.resolve(lora_request)  # type: ignore[union-attr]
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        stop_ids = tuple(self.eos_token_ids) + tuple(params.stop_token_ids or ())
+        # nothing below may leave a reference or a queued sequence behind if it raises
+        held = 1 if adapter is not None else 0
         seqs = []
-        for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator().manual_seed(params.seed + i)
-            seq = Sequence(
-                request_id=request_id,
-                prompt=text,
-                prompt_token_ids=ids,
-                params=params,
-                max_tokens=max_tokens,
-                adapter=adapter,
-                generator=gen,
-                eos_token_ids=stop_ids,
-            )
-            seqs.append(seq)
+        try:
+            for _ in range(params.n - 1 if adapter is not None else 0):
+                self.adapters.retain(adapter)  # type: ignore[union-attr, arg-type]
+                held += 1  # one host reference per completion
+            for i in range(params.n):
+                gen = None
+                if params.seed is not None:  # torch seeds are 64-bit: wrap like torch does
+                    gen = torch.Generator().manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
+                seq = Sequence(
+                    request_id=request_id,
+                    prompt=text,
+                    prompt_token_ids=ids,
+                    params=params,
+                    max_tokens=max_tokens,
+                    adapter=adapter,
+                    generator=gen,
+                    eos_token_ids=stop_ids,
+                )
+                seqs.append(seq)
+        except BaseException:
+            for _ in range(held):
+                self.adapters.release(adapter)  # type: ignore[union-attr, arg-type]
+            raise
+        for seq in seqs:
             self.scheduler.add(seq)
-        # the ref reports the name the request used; caches key on the digest only
-        ref = replace(adapter.ref, name=lora_request.name) if adapter and lora_request else None
+        # the ref reports the name (and revision) the request used; caches key on the digest only
+        ref = None
+        if adapter is not None and lora_request is not None:
+            revision = lora_request.revision or adapter.ref.revision
+            ref = replace(adapter.ref, name=lora_request.name, revision=revision)
         self.requests[request_id] = _Request(request_id, text, ids, seqs, ref, time.monotonic())
 
     def check_prompt(self, ids: list[int]) -> None:
@@ -300,9 +322,10 @@ class LLMEngine:
         if batch.empty:
             return []
         logits, samplers = self.runner.run(batch)
+        # sample before advancing: if sampling raises, the step is simply redone next time
+        tokens = self.sampler(logits, samplers) if samplers else []
         self.scheduler.after_step(batch)
         self.num_steps += 1
-        tokens = self.sampler(logits, samplers) if samplers else []
         touched: dict[str, None] = {}
         now = time.monotonic()
         for seq, tok in zip(samplers, tokens, strict=True):
@@ -322,12 +345,15 @@ class LLMEngine:
         elif not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
             reason = FinishReason.STOP.value
         if self.tokenizer is not None and (p.stop or reason or n_out >= seq.max_tokens):
+            before = len(seq.text)  # text of the first n_out - 1 tokens when p.stop is set
             seq.text = self.tokenizer.decode(
                 seq.output_token_ids, skip_special_tokens=p.skip_special_tokens
             )
+            if p.stop and n_out == p.min_tokens:  # stop strings must end after this offset
+                seq.stop_search_from = before
             if p.stop and reason is None and n_out >= p.min_tokens:
                 for s in p.stop:  # type: ignore[union-attr]
-                    at = seq.text.find(s)
+                    at = seq.text.find(s, max(0, seq.stop_search_from - len(s) + 1))
                     if at >= 0:
                         seq.text = seq.text[: at + (len(s) if p.include_stop_str_in_output else 0)]
                         reason, seq.stop_reason = FinishReason.STOP.value, s

@@ -90,7 +90,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -98,9 +97,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._blocks_for(seq, seq.num_computed_tokens + n)
             while need > self.pool.num_free:
-                victim = self.running[-1]
-                if id(victim) in scheduled:  # never preempt work already in this batch
-                    victim = seq
+                victim = self.running[-1]  # newest; at index >= i, so never already batched
                 self._preempt(victim)
                 preempted = True
                 batch.num_preempted += 1
@@ -110,7 +107,6 @@ class Scheduler:
                 continue  # seq itself was preempted; running[i] is now the next one
             seq.block_ids += self.pool.allocate(need)
             batch.items.append((seq, n))
-            scheduled.add(id(seq))
             budget -= n
             i += 1
         if not preempted:

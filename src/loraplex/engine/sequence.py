@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
+    stop_search_from: int = 0  # stop strings ending inside the min_tokens text are ignored
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None

@@ -68,14 +68,22 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=n, desc="generate")
-        while len(done) < n:
-            for out in self.engine.step():
-                if out.finished and out.request_id in ids:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-            if not self.engine.has_unfinished_requests() and len(done) < n:
-                raise RuntimeError("engine stopped with unfinished requests")  # pragma: no cover
+        try:
+            while len(done) < n:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in ids:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not self.engine.has_unfinished_requests() and len(done) < n:
+                    raise RuntimeError(
+                        "engine stopped with unfinished requests"
+                    )  # pragma: no cover
+        except BaseException:  # e.g. KeyboardInterrupt: free what this call queued
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
         if bar is not None:
             bar.close()
         return [done[rid] for rid in ids]

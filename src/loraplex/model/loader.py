@@ -49,16 +49,29 @@ class SafetensorsFile:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ModelLoadError(f"{path}: corrupt safetensors header ({e})") from e
         self.data_start = 8 + n
+        if not isinstance(header, dict):
+            raise ModelLoadError(f"{path}: corrupt safetensors header (not a JSON object)")
         header.pop("__metadata__", None)
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, meta in header.items():
+            if not isinstance(meta, dict):
+                raise ModelLoadError(f"{path}: corrupt safetensors header entry for {name!r}")
             dtype = _DTYPES.get(meta.get("dtype", ""))
             if dtype is None:
                 raise ModelLoadError(
                     f"{path}: tensor {name!r} has unsupported dtype {meta.get('dtype')}"
                 )
-            begin, end = meta["data_offsets"]
-            shape = tuple(int(s) for s in meta["shape"])
+            try:
+                begin, end = (int(o) for o in meta["data_offsets"])
+                shape = tuple(int(s) for s in meta["shape"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} has a malformed header entry ({e!r})"
+                ) from e
+            if begin < 0 or any(s < 0 for s in shape):
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} has negative offsets or shape ({begin}, {shape})"
+                )
             nbytes = (
                 int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
             )
