@@ -130,3 +130,19 @@ def test_chat_uses_the_model_template(llm: LLM) -> None:
         [out.prompt_token_ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     )[0]
     assert plain.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_odd_prompt_and_param_types(llm: LLM) -> None:
+    import numpy as np
+
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ids = llm.get_tokenizer()("Hello there").input_ids
+    want = llm.generate([ids], sp)[0].outputs[0].token_ids
+    for form in (tuple(ids), np.array(ids), [np.int64(t) for t in ids]):
+        assert llm.generate(form, sp)[0].outputs[0].token_ids == want
+    with pytest.raises(InvalidRequestError, match="prompt must be"):
+        llm.generate([3.5], sp)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature="hot")
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        SamplingParams(top_k=2.5)

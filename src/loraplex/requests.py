@@ -43,6 +43,14 @@ class SamplingParams:
                 f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}"
             )
 
+        for name in ("temperature", "top_p"):
+            if isinstance(getattr(self, name), bool) or not isinstance(
+                getattr(self, name), (int, float)
+            ):
+                bad(name, "must be a number")
+        for name in ("top_k", "min_tokens"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                bad(name, "must be an integer")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):

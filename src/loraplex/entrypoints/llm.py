@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,8 +45,12 @@ class LLM:
         ``lora_request`` is one request for all prompts or a list with one per prompt (None = base).
         Any invalid prompt or adapter raises before anything runs.
         """
+        if not isinstance(prompts, (str, dict, list, tuple)):
+            prompts = list(prompts)  # e.g. a 1-D array of token ids
         if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and isinstance(prompts[0], numbers.Integral)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = [self._unwrap(p) for p in prompts]  # type: ignore[union-attr]
@@ -122,7 +127,14 @@ class LLM:
             raise InvalidRequestError(
                 f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
             )
-        return prompt
+        if isinstance(prompt, str):
+            return prompt
+        try:  # token ids: a list, tuple or array of integers
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(
+                f"a prompt must be a string, token ids or a prompt dict, got {type(prompt).__name__}"
+            ) from e
 
     @staticmethod
     def _per_prompt(value: Any, n: int, what: str) -> list[Any]:

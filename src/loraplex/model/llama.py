@@ -254,10 +254,15 @@ class LlamaForCausalLM:
                 (2 * c.intermediate_size, c.hidden_size),
             )
             expect[f"layer {i} down_proj"] = (layer.w_down, (c.hidden_size, c.intermediate_size))
-            if c.qkv_bias and layer.b_qkv is None:
-                raise ModelLoadError(
-                    f"{src}: layer {i} has no q/k/v bias but the config requires one"
-                )
+            for needed, bias, what in (
+                (c.qkv_bias, layer.b_qkv, "q/k/v"),
+                (c.o_bias, layer.b_o, "o_proj"),
+                (c.mlp_bias, layer.b_down, "down_proj"),
+            ):
+                if needed and bias is None:
+                    raise ModelLoadError(
+                        f"{src}: layer {i} has no {what} bias but the config requires one"
+                    )
         for what, (t, shape) in expect.items():
             if tuple(t.shape) != shape:
                 raise ModelLoadError(
