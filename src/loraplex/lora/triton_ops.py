@@ -21,6 +21,23 @@ from loraplex.lora.ops import LoRABatchPlan
 
 
 @triton.jit
+def _segment(seg_ptr, seg):
+    """(tok_start, tok_end, row_start, row_end) of segment ``seg`` from the [S, 4] table."""
+    base = seg_ptr + 4 * seg
+    return tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)
+
+
+@triton.jit
+def _tile(ptr, rows, cols, stride, rmask, cmask):
+    """ptr[rows, cols] as float32, zero where masked: a [len(rows), len(cols)] tile."""
+    return tl.load(
+        ptr + rows[:, None] * stride + cols[None, :],
+        mask=rmask[:, None] & cmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,
     a_ptr,
@@ -36,11 +53,7 @@ def _shrink_kernel(
     PREC: tl.constexpr,
 ):
     """y[t, r] = sum_k x[t, k] * a[r, k] for t in [ts, te), r in [rs, re) of one segment."""
-    seg = tl.program_id(0)
-    ts = tl.load(seg_ptr + 4 * seg)
-    te = tl.load(seg_ptr + 4 * seg + 1)
-    rs = tl.load(seg_ptr + 4 * seg + 2)
-    re = tl.load(seg_ptr + 4 * seg + 3)
+    ts, te, rs, re = _segment(seg_ptr, tl.program_id(0))
     toks = ts + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] token indices
     rows = rs + tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rank rows
     tmask = toks < te
@@ -49,16 +62,8 @@ def _shrink_kernel(
     for k0 in range(0, d_in, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < d_in
-        x = tl.load(
-            x_ptr + toks[:, None] * stride_x + ks[None, :],
-            mask=tmask[:, None] & kmask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BM, BK]
-        a = tl.load(
-            a_ptr + rows[:, None] * stride_a + ks[None, :],
-            mask=rmask[:, None] & kmask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BN, BK]
+        x = _tile(x_ptr, toks, ks, stride_x, tmask, kmask)  # [BM, BK]
+        a = _tile(a_ptr, rows, ks, stride_a, rmask, kmask)  # [BN, BK]
         acc += tl.dot(x, tl.trans(a), input_precision=PREC)
     tl.store(
         y_ptr + toks[:, None] * stride_y + rows[None, :], acc, mask=tmask[:, None] & rmask[None, :]
@@ -81,11 +86,7 @@ def _expand_kernel(
     PREC: tl.constexpr,
 ):
     """out[t, c] += sum_{r in [rs, re)} y[t, r] * bt[r, c] for t in [ts, te) of one segment."""
-    seg = tl.program_id(0)
-    ts = tl.load(seg_ptr + 4 * seg)
-    te = tl.load(seg_ptr + 4 * seg + 1)
-    rs = tl.load(seg_ptr + 4 * seg + 2)
-    re = tl.load(seg_ptr + 4 * seg + 3)
+    ts, te, rs, re = _segment(seg_ptr, tl.program_id(0))
     toks = ts + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     tmask = toks < te
@@ -94,16 +95,8 @@ def _expand_kernel(
     for r0 in range(rs, re, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
         rmask = rows < re
-        y = tl.load(
-            y_ptr + toks[:, None] * stride_y + rows[None, :],
-            mask=tmask[:, None] & rmask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BM, BK]
-        bt = tl.load(
-            bt_ptr + rows[:, None] * stride_bt + cols[None, :],
-            mask=rmask[:, None] & cmask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BK, BN]
+        y = _tile(y_ptr, toks, rows, stride_y, tmask, rmask)  # [BM, BK]
+        bt = _tile(bt_ptr, rows, cols, stride_bt, rmask, cmask)  # [BK, BN]
         acc += tl.dot(y, bt, input_precision=PREC)
     ptrs = out_ptr + toks[:, None] * stride_out + cols[None, :]
     omask = tmask[:, None] & cmask[None, :]
