@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -47,3 +47,53 @@ class EngineConfig:
             raise ValueError("invalid EngineConfig.kv_cache_memory_bytes: must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("invalid EngineConfig.num_kv_blocks: must be >= 1")
+
+
+@dataclass
+class LoRAModule:
+    """An adapter served under ``name`` from ``path`` (vLLM's ``--lora-modules``)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+@dataclass
+class ServerConfig:
+    """Settings of ``loraplex serve``: the engine's plus the HTTP layer's (vLLM flag names)."""
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: list[str] = field(default_factory=list)  # empty: the model path
+    lora_modules: list[LoRAModule] = field(default_factory=list)
+    api_keys: list[str] = field(default_factory=list)  # inference keys; empty: no auth
+    admin_api_key: str | None = None  # admin routes are off unless set
+    allowed_lora_roots: list[str] = field(default_factory=list)
+    max_waiting: int = 256  # queue depth above which new requests get 503 + Retry-After
+    retry_after_seconds: int = 1
+    log_level: str = "info"
+
+    @property
+    def model_names(self) -> list[str]:
+        """Names the base model answers to; the first is reported in responses."""
+        return self.served_model_name or [self.engine.model]
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        self.engine.validate()
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"invalid port: {self.port!r} (0-65535)")
+        if self.max_waiting < 0:
+            raise ValueError(f"invalid max_waiting: {self.max_waiting!r} (>= 0)")
+        if self.retry_after_seconds < 0:
+            raise ValueError(f"invalid retry_after_seconds: {self.retry_after_seconds!r} (>= 0)")
+        seen: set[str] = set(self.model_names)
+        for m in self.lora_modules:
+            if not m.name or not m.path:
+                raise ValueError(f"invalid lora module {m!r}: name and path are required")
+            if m.name in seen:
+                raise ValueError(f"lora module name {m.name!r} is used twice")
+            seen.add(m.name)
+        if self.lora_modules and not self.engine.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")

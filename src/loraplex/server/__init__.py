@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: routes, admin API, auth and metrics over the async engine."""
