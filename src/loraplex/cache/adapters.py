@@ -10,7 +10,9 @@ pluggable eviction policies) grows out of it. Invariants kept here:
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +21,37 @@ import torch
 from loraplex.lora.adapter import BaseModelSpec, LoRAAdapter, load_peft_adapter
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.requests import LoRARequest
-from loraplex.types import AdapterError
+from loraplex.types import AdapterError, AdapterRef
+
+
+@dataclass
+class AdapterUsage:
+    """Per-adapter counters for the residency view (kept for every digest ever loaded)."""
+
+    ref: AdapterRef
+    rank: int
+    nbytes: int
+    hits: int = 0  # requests that found it in host memory or a slot
+    loads: int = 0  # loads into host memory
+    evictions: int = 0  # evictions from host memory or a slot
+    last_access: float = 0.0  # wall-clock seconds
+
+
+@dataclass
+class AdapterResidency:
+    """Where one adapter is now, and its counters (a snapshot)."""
+
+    ref: AdapterRef
+    tier: str  # device | host | disk | absent
+    rank: int
+    nbytes: int
+    hits: int
+    loads: int
+    evictions: int
+    last_access: float
+    pinned: bool
+    in_flight: int
+    slot: int | None
 
 
 @dataclass
@@ -30,6 +62,7 @@ class AdapterStats:
     slot_hits: int = 0
     slot_loads: int = 0
     slot_evictions: int = 0
+    cold_requests: int = 0  # requests whose adapter had to be loaded into host memory
 
 
 def _fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
@@ -72,11 +105,31 @@ class AdapterManager:
             OrderedDict()
         )  # resident, no running users; LRU first
         self.stats = AdapterStats()
+        self.usage: dict[str, AdapterUsage] = {}
+        # called with (stage, seconds) for every timed load stage (disk_load, activation)
+        self.load_observers: list[Callable[[str, float], None]] = []
         self._lock = threading.Lock()
+
+    def _observe(self, stage: str, seconds: float) -> None:
+        for fn in self.load_observers:
+            fn(stage, seconds)
+
+    def _use(self, adapter: LoRAAdapter) -> AdapterUsage:
+        u = self.usage.get(adapter.ref.sha256)
+        if u is None:
+            u = AdapterUsage(adapter.ref, adapter.rank, adapter.nbytes)
+            self.usage[adapter.ref.sha256] = u
+        u.last_access = time.time()
+        return u
 
     # -- host tier -----------------------------------------------------------------------------
     def resolve(self, req: LoRARequest) -> LoRAAdapter:
         """Host copy for ``req`` (loading and verifying it if needed), with one request reference."""
+        return self.resolve_with_state(req)[0]
+
+    def resolve_with_state(self, req: LoRARequest) -> tuple[LoRAAdapter, bool]:
+        """Like :meth:`resolve`; also says whether the adapter was warm (already in host memory
+        or a slot) — a cold request paid for a load."""
         path = Path(req.path).expanduser()
         if not path.is_dir():
             raise AdapterError(f"adapter {req.name!r}: path {req.path!r} is not a directory")
@@ -89,8 +142,10 @@ class AdapterManager:
                 if req.revision is None or adapter.ref.revision == req.revision:
                     self.host.move_to_end(adapter.ref.sha256)
                     self.stats.host_hits += 1
+                    self._use(adapter).hits += 1
                     self._retain(adapter.ref.sha256)
-                    return adapter
+                    return adapter, True
+        t0 = time.perf_counter()
         adapter = load_peft_adapter(
             path,
             self.spec,
@@ -99,19 +154,24 @@ class AdapterManager:
             max_lora_rank=self.max_lora_rank,
             dtype=self.dtype,
         )
+        self._observe("disk_load", time.perf_counter() - t0)
         with self._lock:
             digest = adapter.ref.sha256
-            if digest in self.host:  # same content under another path or name
+            warm = digest in self.host
+            if warm:  # same content under another path or name
                 adapter = self.host[digest]
                 self.host.move_to_end(digest)
                 self.stats.host_hits += 1
+                self._use(adapter).hits += 1
             else:
                 self.host[digest] = adapter
                 self.stats.host_loads += 1
+                self.stats.cold_requests += 1
+                self._use(adapter).loads += 1
             self._by_path[key] = (fp, digest)
             self._retain(digest)
             self._evict_host()
-            return adapter
+            return adapter, warm
 
     def retain(self, adapter: LoRAAdapter) -> None:
         """One more request reference on an adapter already held (from :meth:`resolve`)."""
@@ -148,6 +208,8 @@ class AdapterManager:
                 continue
             del self.host[d]
             self.stats.host_evictions += 1
+            if d in self.usage:
+                self.usage[d].evictions += 1
             excess -= 1
 
     # -- device slots --------------------------------------------------------------------------
@@ -175,7 +237,11 @@ class AdapterManager:
             del self.slot_of[old]
             self.slot_digest[free] = None
             self.stats.slot_evictions += 1
+            if old in self.usage:
+                self.usage[old].evictions += 1
+        t0 = time.perf_counter()
         self.bank.set_lora(free, adapter.weights)
+        self._observe("activation", time.perf_counter() - t0)
         self.slot_digest[free] = d
         self.slot_of[d] = free
         self.slot_users[free] = 1
@@ -194,6 +260,49 @@ class AdapterManager:
         return self.bank.slot_rows(slot)
 
     # -- reports -------------------------------------------------------------------------------
+    def tier_of(self, digest: str) -> str | None:
+        """``device``, ``host`` or None (not in memory)."""
+        if digest in self.slot_of:
+            return "device"
+        if digest in self.host:
+            return "host"
+        return None
+
+    def residency(self) -> list[AdapterResidency]:
+        """A snapshot of every adapter loaded since start-up, most recently used first."""
+        with self._lock:
+            usage = list(self.usage.values())
+            refs = dict(self.request_refs)
+        slot_of = dict(self.slot_of)
+        out = []
+        for u in sorted(usage, key=lambda u: -u.last_access):
+            d = u.ref.sha256
+            out.append(
+                AdapterResidency(
+                    ref=u.ref,
+                    tier=self.tier_of(d) or "absent",
+                    rank=u.rank,
+                    nbytes=u.nbytes,
+                    hits=u.hits,
+                    loads=u.loads,
+                    evictions=u.evictions,
+                    last_access=u.last_access,
+                    pinned=False,
+                    in_flight=refs.get(d, 0),
+                    slot=slot_of.get(d),
+                )
+            )
+        return out
+
+    def resident_bytes(self) -> dict[str, tuple[int, int]]:
+        """tier -> (count, bytes) for the in-memory tiers."""
+        host = list(self.host.values())
+        device = [self.host[d] for d in list(self.slot_of) if d in self.host]
+        return {
+            "device": (len(device), sum(a.nbytes for a in device)),
+            "host": (len(host), sum(a.nbytes for a in host)),
+        }
+
     def is_idle(self) -> bool:
         """True when no slot has running users and no request holds an adapter."""
         return not self.request_refs and all(u == 0 for u in self.slot_users)

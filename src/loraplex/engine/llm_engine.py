@@ -13,6 +13,7 @@ import torch
 
 from loraplex.cache.adapters import AdapterManager
 from loraplex.config import EngineConfig
+from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler import Scheduler
@@ -72,6 +73,27 @@ class _Request:
     seqs: list[Sequence]
     adapter_ref: AdapterRef | None
     arrival: float
+
+
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized request holding its adapter references, not yet queued."""
+
+    request: _Request
+    adapter_warm: bool = True  # the adapter was in a device slot or host memory when asked for
+    consumed: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def adapter(self) -> AdapterRef | None:
+        return self.request.adapter_ref
 
 
 class LLMEngine:
@@ -218,10 +240,24 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request. Raises InvalidRequestError / AdapterError; on error
         nothing is queued and no resource is held."""
+        self.add_prepared(self.prepare_request(request_id, prompt, params, lora_request))
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        *,
+        arrival: float | None = None,
+    ) -> PreparedRequest:
+        """Everything that can fail or take time, done before the engine loop sees the request:
+        validation, tokenization, the adapter's host copy (one reference per completion).
+
+        Thread-safe with respect to the loop, so servers call it from worker threads. The result
+        must be passed to :meth:`add_prepared` or :meth:`discard_prepared` exactly once."""
         params = params or SamplingParams()
         params.validate()
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenize(prompt)
@@ -246,12 +282,12 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_ids = tuple(self.eos_token_ids) + tuple(params.stop_token_ids or ())
-        adapter = (
-            self.adapters.resolve(lora_request)
-            if lora_request is not None and self.adapters
-            else None
-        )
-        # nothing below may leave a reference or a queued sequence behind if it raises
+        adapter = None
+        if lora_request is not None and self.adapters is not None:
+            adapter, warm = self.adapters.resolve_with_state(lora_request)
+        else:
+            warm = True
+        # nothing below may leave a reference behind if it raises
         held = 1 if adapter is not None else 0
         seqs = []
         try:
@@ -262,6 +298,11 @@ class LLMEngine:
                 gen = None
                 if params.seed is not None:  # torch seeds are 64-bit: wrap like torch does
                     gen = torch.Generator().manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
+                detok = None
+                if self.tokenizer is not None:
+                    detok = IncrementalDetokenizer(
+                        self.tokenizer, ids, params.skip_special_tokens
+                    )
                 seq = Sequence(
                     request_id=request_id,
                     prompt=text,
@@ -271,20 +312,46 @@ class LLMEngine:
                     adapter=adapter,
                     generator=gen,
                     eos_token_ids=stop_ids,
+                    detokenizer=detok,
                 )
                 seqs.append(seq)
         except BaseException:
             for _ in range(held):
                 self.adapters.release(adapter)  # type: ignore[union-attr, arg-type]
             raise
-        for seq in seqs:
-            self.scheduler.add(seq)
         # the ref reports the name (and revision) the request used; caches key on the digest only
         ref = None
         if adapter is not None and lora_request is not None:
             revision = lora_request.revision or adapter.ref.revision
             ref = replace(adapter.ref, name=lora_request.name, revision=revision)
-        self.requests[request_id] = _Request(request_id, text, ids, seqs, ref, time.monotonic())
+        now = time.monotonic()
+        return PreparedRequest(
+            _Request(request_id, text, ids, seqs, ref, arrival if arrival is not None else now),
+            adapter_warm=warm,
+        )
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queue a prepared request (loop thread only). Cheap; raises only for a reused id,
+        in which case the prepared request is discarded."""
+        req = prepared.request
+        if prepared.consumed:
+            raise RuntimeError(f"prepared request {req.request_id!r} was already consumed")
+        if req.request_id in self.requests:
+            self.discard_prepared(prepared)
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        prepared.consumed = True
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+        self.requests[req.request_id] = req
+
+    def discard_prepared(self, prepared: PreparedRequest) -> None:
+        """Give back the adapter references of a prepared request that will never run."""
+        if prepared.consumed:
+            return
+        prepared.consumed = True
+        for seq in prepared.request.seqs:
+            if seq.adapter is not None and self.adapters is not None:
+                self.adapters.release(seq.adapter)
 
     def check_prompt(self, ids: list[int]) -> None:
         """Raise InvalidRequestError for an empty, out-of-vocabulary or too-long prompt."""
@@ -344,22 +411,23 @@ class LLMEngine:
             reason, seq.stop_reason = FinishReason.STOP.value, tok
         elif not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
             reason = FinishReason.STOP.value
-        if self.tokenizer is not None and (p.stop or reason or n_out >= seq.max_tokens):
-            before = len(seq.text)  # text of the first n_out - 1 tokens when p.stop is set
-            seq.text = self.tokenizer.decode(
-                seq.output_token_ids, skip_special_tokens=p.skip_special_tokens
-            )
+        if reason is None and n_out >= seq.max_tokens:
+            reason = FinishReason.LENGTH.value
+        if seq.detokenizer is not None:
+            before = len(seq.text)  # text of the first n_out - 1 tokens
+            seq.detokenizer.add([tok])
+            if reason is not None:
+                seq.detokenizer.flush()
+            seq.text = seq.detokenizer.text
             if p.stop and n_out == p.min_tokens:  # stop strings must end after this offset
                 seq.stop_search_from = before
-            if p.stop and reason is None and n_out >= p.min_tokens:
+            if p.stop and n_out >= p.min_tokens and (reason is None or reason == "length"):
                 for s in p.stop:  # type: ignore[union-attr]
-                    at = seq.text.find(s, max(0, seq.stop_search_from - len(s) + 1))
+                    at = seq.text.find(s, max(0, max(before, seq.stop_search_from) - len(s) + 1))
                     if at >= 0:
                         seq.text = seq.text[: at + (len(s) if p.include_stop_str_in_output else 0)]
                         reason, seq.stop_reason = FinishReason.STOP.value, s
                         break
-        if reason is None and n_out >= seq.max_tokens:
-            reason = FinishReason.LENGTH.value
         if reason is not None:
             self._finish(seq, reason)
 
@@ -373,14 +441,14 @@ class LLMEngine:
         finished = all(s.is_finished for s in req.seqs)
         outs = []
         for i, s in enumerate(req.seqs):
-            if self.tokenizer is not None and not s.is_finished and not s.params.stop:
-                s.text = self.tokenizer.decode(
-                    s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
-                )
+            text = s.text
+            if s.params.stop and not s.is_finished:  # hold back what may start a stop string
+                hold = max(len(x) for x in s.params.stop) - 1  # type: ignore[union-attr]
+                text = text[: max(0, len(text) - hold)]
             outs.append(
                 CompletionOutput(
                     index=i,
-                    text=s.text,
+                    text=text,
                     token_ids=list(s.output_token_ids),
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,

@@ -14,6 +14,7 @@ from loraplex.requests import SamplingParams
 from loraplex.types import BASE_NAMESPACE
 
 if TYPE_CHECKING:
+    from loraplex.engine.detokenizer import IncrementalDetokenizer
     from loraplex.lora.adapter import LoRAAdapter
 
 
@@ -52,6 +53,7 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     eos_token_ids: tuple[int, ...] = ()
+    detokenizer: IncrementalDetokenizer | None = None  # None without a tokenizer
 
     @property
     def all_token_ids(self) -> list[int]:

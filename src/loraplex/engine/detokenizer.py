@@ -1,0 +1,60 @@
+"""Incremental detokenization: O(1) text per generated token, append-only output.
+
+Decoding the whole output every step costs O(n) per token and, for byte-level tokenizers, can
+change the last characters of earlier text (an incomplete UTF-8 sequence decodes to U+FFFD until
+its last byte arrives). Streaming needs text that only grows, so we decode a short window:
+
+    prefix_text = decode(ids[prefix:read])      # already emitted, used as context
+    window_text = decode(ids[prefix:])
+    if window_text is longer and does not end in U+FFFD:
+        emit window_text[len(prefix_text):]; prefix, read = read, len(ids)
+
+The window starts a few prompt tokens back so that tokenizers whose decoding depends on the
+previous token (SentencePiece's leading spaces) produce the same text as a full decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CONTEXT_TOKENS = 5
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into append-only text."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly complete text (may be empty while a character is
+        still incomplete)."""
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        window = self._decode(self._ids[self._prefix :])
+        if len(window) <= len(prefix_text) or window.endswith(_INCOMPLETE):
+            return ""
+        delta = window[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (the sequence ended), incomplete characters included."""
+        if self._read == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        window = self._decode(self._ids[self._prefix :])
+        delta = window[len(prefix_text) :]
+        self._prefix = self._read = len(self._ids)
+        self.text += delta
+        return delta
