@@ -127,9 +127,12 @@ class AdapterManager:
         """Host copy for ``req`` (loading and verifying it if needed), with one request reference."""
         return self.resolve_with_state(req)[0]
 
-    def resolve_with_state(self, req: LoRARequest) -> tuple[LoRAAdapter, bool]:
+    def resolve_with_state(
+        self, req: LoRARequest, *, count: bool = True
+    ) -> tuple[LoRAAdapter, bool]:
         """Like :meth:`resolve`; also says whether the adapter was warm (already in host memory
-        or a slot) — a cold request paid for a load."""
+        or a slot) — a cold request paid for a load. ``count=False`` for loads that are not
+        requests (start-up, admin), which stay out of the hit/cold-request counters."""
         path = Path(req.path).expanduser()
         if not path.is_dir():
             raise AdapterError(f"adapter {req.name!r}: path {req.path!r} is not a directory")
@@ -141,8 +144,9 @@ class AdapterManager:
                 adapter = self.host[known[1]]
                 if req.revision is None or adapter.ref.revision == req.revision:
                     self.host.move_to_end(adapter.ref.sha256)
-                    self.stats.host_hits += 1
-                    self._use(adapter).hits += 1
+                    if count:
+                        self.stats.host_hits += 1
+                        self._use(adapter).hits += 1
                     self._retain(adapter.ref.sha256)
                     return adapter, True
         t0 = time.perf_counter()
@@ -161,12 +165,13 @@ class AdapterManager:
             if warm:  # same content under another path or name
                 adapter = self.host[digest]
                 self.host.move_to_end(digest)
-                self.stats.host_hits += 1
-                self._use(adapter).hits += 1
+                if count:
+                    self.stats.host_hits += 1
+                    self._use(adapter).hits += 1
             else:
                 self.host[digest] = adapter
                 self.stats.host_loads += 1
-                self.stats.cold_requests += 1
+                self.stats.cold_requests += int(count)
                 self._use(adapter).loads += 1
             self._by_path[key] = (fp, digest)
             self._retain(digest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -73,6 +74,15 @@ class _Request:
     seqs: list[Sequence]
     adapter_ref: AdapterRef | None
     arrival: float
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last step computed (for metrics)."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    distinct_adapters: int = 0
 
 
 @dataclass
@@ -160,6 +170,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0
+        self.last_step = StepStats()
+        self._tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share for encode
 
     # -- set-up helpers --------------------------------------------------------------------------
     @staticmethod
@@ -225,11 +237,33 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt`` (thread-safe)."""
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "text prompts need a tokenizer (skip_tokenizer_init=True was set)"
             )
-        return list(self.tokenizer(prompt).input_ids)
+        with self._tokenizer_lock:
+            return list(self.tokenizer(prompt).input_ids)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the model directory's chat template."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template (tokenizer_config / chat_template.jinja)"
+            )
+        try:
+            with self._tokenizer_lock:
+                ids = tok.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+        except Exception as e:  # jinja raises TemplateError and friends for bad messages
+            raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
     def add_request(
         self,
@@ -393,6 +427,11 @@ class LLMEngine:
         tokens = self.sampler(logits, samplers) if samplers else []
         self.scheduler.after_step(batch)
         self.num_steps += 1
+        self.last_step = StepStats(
+            num_seqs=len(batch.items),
+            num_tokens=sum(n for _, n in batch.items),
+            distinct_adapters=len({s.adapter.ref.sha256 for s, _ in batch.items if s.adapter}),
+        )
         touched: dict[str, None] = {}
         now = time.monotonic()
         for seq, tok in zip(samplers, tokens, strict=True):
@@ -480,6 +519,21 @@ class LLMEngine:
             and self.pool.num_free == self.pool.num_blocks
             and (self.adapters is None or self.adapters.is_idle())
         )
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use by requests (cached-but-free prefix blocks count free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def waiting_adapter_digests(self) -> set[str]:
+        return {s.adapter.ref.sha256 for s in list(self.scheduler.waiting) if s.adapter}
 
     def running_sequences(self) -> list[Sequence]:
         return [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING]

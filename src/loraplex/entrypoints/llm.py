@@ -101,20 +101,11 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model directory's chat template to one conversation or a list, then generate."""
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise InvalidRequestError(
-                "this model has no chat template (tokenizer_config / chat_template.jinja)"
-            )
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = []
-        for conv in convs:  # type: ignore[union-attr]
-            ids = tok.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append([int(t) for t in ids])
+        prompts: list[Prompt] = [
+            self.engine.apply_chat_template(conv, add_generation_prompt)  # type: ignore[arg-type]
+            for conv in convs  # type: ignore[union-attr]
+        ]
         return self.generate(prompts, sampling_params, lora_request)
 
     @staticmethod

@@ -1,0 +1,915 @@
+"""The OpenAI-compatible HTTP API over one engine: ``create_app(config)`` builds everything.
+
+Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (streaming or not),
+``/v1/adapters`` (residency), admin ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``,
+``/health``, ``/version``, ``/metrics``. Requests are validated, tokenized and their adapter
+loaded in worker threads (:meth:`AsyncEngine.prepare`); the engine loop only ever sees prepared
+requests. Every error leaves as OpenAI's JSON shape with the right status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import loraplex
+from loraplex.config import ServerConfig
+from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from loraplex.engine.llm_engine import LLMEngine, PreparedRequest
+from loraplex.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from loraplex.requests import LoRARequest, SamplingParams
+from loraplex.server.adapters import AdapterDirectory, ServedAdapter, check_allowed_path
+from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
+from loraplex.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from loraplex.types import AdapterError, InvalidRequestError, LoraplexError
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error that leaves the server as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _as_api_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e))
+    if isinstance(e, AdapterError):
+        return APIError(500, str(e), "server_error", code="adapter_load_failed")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "service_unavailable")
+    if isinstance(e, EngineStepError | LoraplexError):
+        return APIError(500, str(e), "server_error")
+    log.exception("unexpected error", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}", "server_error")
+
+
+@dataclass
+class _Tracked:
+    """Latency bookkeeping of one engine request."""
+
+    arrival: float
+    state: str  # warm | cold
+    first_token: float | None = None
+
+
+class ServerState:
+    """Everything one app instance owns: engine, adapter names, metrics, config."""
+
+    def __init__(self, config: ServerConfig, engine: LLMEngine) -> None:
+        self.config = config
+        self.engine = engine
+        self.aengine = AsyncEngine(engine)
+        self.adapters = AdapterDirectory()
+        self.metrics = ServerMetrics(self.aengine, self.adapters.names_of)
+        self.started = int(time.time())
+        self.base_names = config.model_names
+        for m in config.lora_modules:
+            self.adapters.add(ServedAdapter(m.name, m.path, m.base_model_name, "cli"))
+
+    def preload_static_adapters(self) -> None:
+        """Load and validate every ``--lora-modules`` adapter at start-up (fail fast)."""
+        mgr = self.engine.adapters
+        if mgr is None:
+            return
+        for a in self.adapters.list():
+            adapter, _ = mgr.resolve_with_state(a.lora_request(), count=False)
+            mgr.release(adapter)
+            self.adapters.learn(a.name, adapter.ref.sha256)
+
+    # -- auth ------------------------------------------------------------------------------------
+    @staticmethod
+    def _bearer(request: Request) -> str | None:
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+    @staticmethod
+    def _matches(key: str | None, keys: list[str]) -> bool:
+        ok = False
+        for k in keys:  # constant time per key, and no early exit
+            ok |= key is not None and hmac.compare_digest(key.encode(), k.encode())
+        return ok
+
+    def check_inference_auth(self, request: Request) -> None:
+        keys = self.config.api_keys
+        if not keys:
+            return
+        key = self._bearer(request)
+        admin = [self.config.admin_api_key] if self.config.admin_api_key else []
+        if not self._matches(key, keys + admin):
+            raise APIError(
+                401,
+                "missing API key" if key is None else "invalid API key",
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def check_admin_auth(self, request: Request) -> None:
+        admin = self.config.admin_api_key
+        if not admin:
+            raise APIError(
+                404,
+                "the admin API is disabled; start the server with --admin-api-key "
+                "(or LORAPLEX_ADMIN_API_KEY)",
+                "not_found_error",
+                code="admin_api_disabled",
+            )
+        key = self._bearer(request)
+        if self._matches(key, [admin]):
+            return
+        if self._matches(key, self.config.api_keys):
+            raise APIError(
+                403,
+                "this API key may not call admin routes; use the admin key",
+                "permission_error",
+                code="insufficient_permissions",
+            )
+        raise APIError(
+            401,
+            "missing admin API key" if key is None else "invalid admin API key",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    # -- requests --------------------------------------------------------------------------------
+    def check_capacity(self) -> None:
+        limit = self.config.max_waiting
+        if limit and self.aengine.num_waiting >= limit:
+            retry = str(self.config.retry_after_seconds)
+            raise APIError(
+                503,
+                f"the server is overloaded ({self.aengine.num_waiting} requests waiting, "
+                f"limit {limit}); retry later",
+                "service_unavailable",
+                code="overloaded",
+                headers={"Retry-After": retry},
+            )
+        if not self.aengine.is_running:
+            raise APIError(503, "the engine is not running", "service_unavailable")
+
+    def resolve_model(self, name: str) -> LoRARequest | None:
+        if name in self.base_names:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist.",
+                "NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
+        return adapter.lora_request()
+
+    async def prepare(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        arrival: float,
+    ) -> PreparedRequest:
+        prep = await self.aengine.prepare(request_id, prompt, params, lora, arrival)
+        n_prompt, limit = len(prep.prompt_token_ids), self.engine.max_model_len
+        if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
+            self.aengine.discard(prep)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
+                f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        if lora is not None and prep.adapter is not None:
+            self.adapters.learn(lora.name, prep.adapter.sha256)
+        return prep
+
+    async def prepare_all(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        arrival: float,
+        base_id: str,
+    ) -> list[PreparedRequest]:
+        results = await asyncio.gather(
+            *(
+                self.prepare(f"{base_id}-{i}", p, params, lora, arrival)
+                for i, p in enumerate(prompts)
+            ),
+            return_exceptions=True,
+        )
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for r in results:
+                if isinstance(r, PreparedRequest):
+                    self.aengine.discard(r)
+            raise failed
+        return results  # type: ignore[return-value]
+
+    async def stream_outputs(
+        self, prepared: list[PreparedRequest]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run prepared requests concurrently; yield (index, output) as they progress.
+
+        Closing the iterator aborts every request still running."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, prep: PreparedRequest) -> None:
+            track = _Tracked(prep.request.arrival, "warm" if prep.adapter_warm else "cold")
+            try:
+                async for out in self.aengine.generate(prep):
+                    self._observe(track, out)
+                    await queue.put((i, out))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prepared)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _observe(self, track: _Tracked, out: RequestOutput) -> None:
+        now = time.monotonic()
+        first = out.outputs[0] if out.outputs else None
+        if track.first_token is None and first is not None and first.token_ids:
+            track.first_token = now
+            self.metrics.ttft.labels(adapter_state=track.state).observe(now - track.arrival)
+        if not out.finished:
+            return
+        m = self.metrics
+        m.e2e.labels(adapter_state=track.state).observe(now - track.arrival)
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        for o in out.outputs:
+            m.generation_tokens.inc(len(o.token_ids))
+            m.finished.labels(finished_reason=o.finish_reason or "unknown").inc()
+        if first is not None and len(first.token_ids) > 1 and track.first_token is not None:
+            tpot = (now - track.first_token) / (len(first.token_ids) - 1)
+            m.tpot.labels(adapter_state=track.state).observe(tpot)
+
+
+# -- response building -----------------------------------------------------------------------------
+def _usage(prepared: list[PreparedRequest], finals: dict[int, RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(p.prompt_token_ids) for p in prepared)
+    completion = sum(len(o.token_ids) for r in finals.values() for o in r.outputs)
+    cached = sum(r.num_cached_tokens for r in finals.values())
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class _TokenText:
+    """Token id → text piece, for logprobs."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
+    def __call__(self, tid: int) -> str:
+        if self.tok is None:
+            return f"token_id:{tid}"
+        return self.tok.decode([tid])
+
+
+def _completion_logprobs(
+    lps: list[TokenLogprob], text_of: _TokenText, offset: int
+) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        piece = text_of(lp.token_id)
+        tokens.append(piece)
+        token_lps.append(lp.logprob)
+        tops.append({text_of(t): v for t, v in lp.top.items()})
+        offsets.append(offset)
+        offset += len(piece)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(lps: list[TokenLogprob], text_of: _TokenText) -> dict[str, Any]:
+    def entry(tid: int, v: float) -> dict[str, Any]:
+        piece = text_of(tid)
+        return {"token": piece, "logprob": v, "bytes": list(piece.encode("utf-8"))}
+
+    return {
+        "content": [
+            {
+                **entry(lp.token_id, lp.logprob),
+                "top_logprobs": [entry(t, v) for t, v in lp.top.items()],
+            }
+            for lp in lps
+        ]
+    }
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _adapter_header(outs: list[PreparedRequest]) -> dict[str, str]:
+    ref = outs[0].adapter if outs else None
+    if ref is None:
+        return {}
+    rev = f";revision={ref.revision}" if ref.revision else ""
+    return {"x-loraplex-adapter": f"{ref.name}{rev};sha256={ref.sha256[:16]}"}
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client goes away first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise APIError(499, "client disconnected", "client_closed_request")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+# -- the app --------------------------------------------------------------------------------------
+def create_app(
+    config: ServerConfig,
+    *,
+    engine: LLMEngine | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> FastAPI:
+    """Build the server: the engine (unless given), adapter names, metrics and routes.
+
+    The engine loop starts with the app (lifespan) and stops with it; ``on_ready`` runs once
+    the loop is up."""
+    config.validate()
+    if engine is None:
+        engine = LLMEngine(config.engine)
+    state = ServerState(config, engine)
+    state.preload_static_adapters()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.aengine.start()
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            state.aengine.shutdown()
+
+    app = FastAPI(
+        title="loraplex",
+        version=loraplex.__version__,
+        description="OpenAI-compatible multi-LoRA inference server",
+        lifespan=lifespan,
+    )
+    app.state.loraplex = state
+
+    # -- errors ----------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        state.metrics.requests.labels(status=str(e.status)).inc()
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
+        err = APIError(400, f"{param + ': ' if param else ''}{msg}{more}", param=param)
+        state.metrics.requests.labels(status="400").inc()
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFoundError", 405: "invalid_request_error"}.get(e.status_code, "error")
+        state.metrics.requests.labels(status=str(e.status_code)).inc()
+        return APIError(e.status_code, str(e.detail), kind, headers=e.headers).response()
+
+    @app.exception_handler(LoraplexError)
+    async def _domain_error(request: Request, e: LoraplexError) -> JSONResponse:
+        err = _as_api_error(e)
+        state.metrics.requests.labels(status=str(err.status)).inc()
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        err = _as_api_error(e)
+        state.metrics.requests.labels(status=str(err.status)).inc()
+        return err.response()
+
+    def inference_auth(request: Request) -> None:
+        state.check_inference_auth(request)
+
+    def admin_auth(request: Request) -> None:
+        state.check_admin_auth(request)
+
+    # -- plain routes ----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.aengine.is_running:
+            return APIError(503, "the engine is not running", "service_unavailable").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": loraplex.__version__}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", dependencies=[Depends(inference_auth)])
+    async def list_models() -> dict[str, Any]:
+        max_len = engine.max_model_len
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.started,
+                "owned_by": "loraplex",
+                "root": config.engine.model,
+                "parent": None,
+                "max_model_len": max_len,
+            }
+            for name in state.base_names
+        ]
+        for a in state.adapters.list():
+            data.append(
+                {
+                    "id": a.name,
+                    "object": "model",
+                    "created": a.created,
+                    "owned_by": "loraplex",
+                    "root": a.path,
+                    "parent": a.base_model_name or state.base_names[0],
+                    "max_model_len": max_len,
+                }
+            )
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/adapters", dependencies=[Depends(inference_auth)])
+    async def list_adapters() -> dict[str, Any]:
+        return _residency(state)
+
+    # -- completions -----------------------------------------------------------------------------
+    @app.post("/v1/completions", dependencies=[Depends(inference_auth)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        state.check_capacity()
+        lora = state.resolve_model(body.model)
+        params = body.sampling_params()
+        prompts = body.prompts()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        prepared = await state.prepare_all(prompts, params, lora, arrival, rid)
+        text_of = _TokenText(engine.tokenizer)
+        created = int(time.time())
+        n = params.n
+        echo_text = [
+            (
+                p.request.prompt
+                if p.request.prompt is not None
+                else text_of.tok.decode(p.prompt_token_ids)
+            )
+            if body.echo and text_of.tok is not None
+            else ""
+            for p in prepared
+        ]
+
+        def choice(
+            i: int,
+            o: CompletionOutput,
+            text: str,
+            lps: list[TokenLogprob] | None,
+            offset: int,
+            finish: bool,
+        ) -> dict[str, Any]:
+            return {
+                "index": i * n + o.index,
+                "text": text,
+                "logprobs": _completion_logprobs(lps, text_of, offset) if lps is not None else None,
+                "finish_reason": o.finish_reason if finish else None,
+                "stop_reason": o.stop_reason if finish else None,
+            }
+
+        headers = _adapter_header(prepared)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[bytes]:
+                sent_text: dict[tuple[int, int], int] = {}
+                sent_toks: dict[tuple[int, int], int] = {}
+                finished: set[tuple[int, int]] = set()
+                finals: dict[int, RequestOutput] = {}
+                base = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": body.model,
+                }
+                try:
+                    if body.echo:
+                        for i in range(len(prepared)):
+                            for j in range(n):
+                                yield _sse(
+                                    {
+                                        **base,
+                                        "choices": [
+                                            {
+                                                "index": i * n + j,
+                                                "text": echo_text[i],
+                                                "logprobs": None,
+                                                "finish_reason": None,
+                                                "stop_reason": None,
+                                            }
+                                        ],
+                                    }
+                                )
+                    async for i, out in state.stream_outputs(prepared):
+                        if out.finished:
+                            finals[i] = out
+                        for o in out.outputs:
+                            k = (i, o.index)
+                            if k in finished:
+                                continue
+                            t0, n0 = sent_text.get(k, 0), sent_toks.get(k, 0)
+                            done = o.finish_reason is not None
+                            new_text = len(o.text) > t0
+                            new_lps = o.logprobs is not None and len(o.token_ids) > n0
+                            if not (new_text or new_lps or done):
+                                continue
+                            lps = o.logprobs[n0:] if o.logprobs is not None else None
+                            c = choice(i, o, o.text[t0:], lps, t0 + len(echo_text[i]), done)
+                            sent_text[k], sent_toks[k] = len(o.text), len(o.token_ids)
+                            if done:
+                                finished.add(k)
+                            chunk = {**base, "choices": [c]}
+                            if include_usage:
+                                chunk["usage"] = None
+                            yield _sse(chunk)
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(prepared, finals)})
+                except Exception as e:
+                    yield _sse(_as_api_error(e).body())
+                yield _DONE
+
+            state.metrics.requests.labels(status="200").inc()
+            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+        async def collect() -> dict[int, RequestOutput]:
+            finals: dict[int, RequestOutput] = {}
+            async for i, out in state.stream_outputs(prepared):
+                if out.finished:
+                    finals[i] = out
+            return finals
+
+        finals = await _unless_disconnected(request, collect())
+        choices = [
+            choice(i, o, echo_text[i] + o.text, o.logprobs, len(echo_text[i]), True)
+            for i in sorted(finals)
+            for o in finals[i].outputs
+        ]
+        state.metrics.requests.labels(status="200").inc()
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": choices,
+                "usage": _usage(prepared, finals),
+            },
+            headers=headers,
+        )
+
+    # -- chat ------------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions", dependencies=[Depends(inference_auth)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        state.check_capacity()
+        lora = state.resolve_model(body.model)
+        params = body.sampling_params()
+        messages = body.template_messages()
+        ids = await state.aengine.run_in_pool(
+            engine.apply_chat_template, messages, body.add_generation_prompt
+        )
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        prepared = await state.prepare_all([ids], params, lora, arrival, rid)
+        text_of = _TokenText(engine.tokenizer)
+        created = int(time.time())
+        headers = _adapter_header(prepared)
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": body.model,
+        }
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[bytes]:
+                sent_text: dict[int, int] = {}
+                sent_toks: dict[int, int] = {}
+                finished: set[int] = set()
+                finals: dict[int, RequestOutput] = {}
+
+                def chunk(choices: list[dict[str, Any]]) -> bytes:
+                    c: dict[str, Any] = {**base, "choices": choices}
+                    if include_usage:
+                        c["usage"] = None
+                    return _sse(c)
+
+                try:
+                    yield chunk(
+                        [
+                            {
+                                "index": j,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                            for j in range(params.n)
+                        ]
+                    )
+                    async for i, out in state.stream_outputs(prepared):
+                        if out.finished:
+                            finals[i] = out
+                        for o in out.outputs:
+                            if o.index in finished:
+                                continue
+                            t0, n0 = sent_text.get(o.index, 0), sent_toks.get(o.index, 0)
+                            done = o.finish_reason is not None
+                            new_text = len(o.text) > t0
+                            new_lps = o.logprobs is not None and len(o.token_ids) > n0
+                            if not (new_text or new_lps or done):
+                                continue
+                            delta = {"content": o.text[t0:]} if new_text else {}
+                            lps = o.logprobs[n0:] if o.logprobs is not None else None
+                            sent_text[o.index], sent_toks[o.index] = len(o.text), len(o.token_ids)
+                            c = {
+                                "index": o.index,
+                                "delta": delta,
+                                "logprobs": _chat_logprobs(lps, text_of)
+                                if lps is not None
+                                else None,
+                                "finish_reason": o.finish_reason if done else None,
+                            }
+                            if done:
+                                c["stop_reason"] = o.stop_reason
+                                finished.add(o.index)
+                            yield chunk([c])
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(prepared, finals)})
+                except Exception as e:
+                    yield _sse(_as_api_error(e).body())
+                yield _DONE
+
+            state.metrics.requests.labels(status="200").inc()
+            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+        async def collect() -> dict[int, RequestOutput]:
+            finals: dict[int, RequestOutput] = {}
+            async for i, out in state.stream_outputs(prepared):
+                if out.finished:
+                    finals[i] = out
+            return finals
+
+        finals = await _unless_disconnected(request, collect())
+        out = finals[0]
+        choices = [
+            {
+                "index": o.index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": _chat_logprobs(o.logprobs, text_of) if o.logprobs is not None else None,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            for o in out.outputs
+        ]
+        state.metrics.requests.labels(status="200").inc()
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": body.model,
+                "choices": choices,
+                "usage": _usage(prepared, finals),
+            },
+            headers=headers,
+        )
+
+    # -- admin -----------------------------------------------------------------------------------
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(admin_auth)])
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        mgr = engine.adapters
+        if mgr is None:
+            raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
+        name = body.lora_name
+        if name in state.base_names:
+            raise APIError(400, f"{name!r} is the base model's name", param="lora_name")
+        if state.adapters.get(name) is not None and not body.load_inplace:
+            raise APIError(
+                400,
+                f"The lora adapter '{name}' has already been loaded. "
+                "Unload it first or pass load_inplace=true.",
+                param="lora_name",
+            )
+        try:
+            path = check_allowed_path(body.lora_path, config.allowed_lora_roots)
+        except AdapterError as e:
+            raise APIError(400, str(e), param="lora_path") from e
+        request = LoRARequest(name, str(path))
+        try:
+            adapter, _ = await state.aengine.run_in_pool(
+                lambda: mgr.resolve_with_state(request, count=False)
+            )
+        except AdapterError as e:
+            raise APIError(400, str(e), param="lora_path") from e
+        mgr.release(adapter)
+        state.adapters.add(ServedAdapter(name, str(path), None, "admin"), replace=True)
+        state.adapters.learn(name, adapter.ref.sha256)
+        log.info("loaded adapter %s from %s (%s)", name, path, adapter.ref.short)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(admin_auth)])
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        removed = state.adapters.remove(body.lora_name)
+        if removed is None:
+            raise APIError(
+                404,
+                f"The lora adapter '{body.lora_name}' cannot be found.",
+                "NotFoundError",
+                param="lora_name",
+                code="model_not_found",
+            )
+        log.info("unloaded adapter %s (in-flight requests finish on it)", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    return app
+
+
+def _residency(state: ServerState) -> dict[str, Any]:
+    """``/v1/adapters``: every served adapter and every adapter still in memory."""
+    mgr = state.engine.adapters
+    rows: list[dict[str, Any]] = []
+    if mgr is None:
+        return {"object": "list", "data": rows, "max_loras": 0}
+    snapshot = {r.ref.sha256: r for r in mgr.residency()}
+    seen: set[str] = set()
+    for a in state.adapters.list():
+        d = state.adapters.digest_of(a.name)
+        r = snapshot.get(d) if d else None
+        row: dict[str, Any] = {"name": a.name, "path": a.path, "registered": True}
+        if r is None:
+            row.update(
+                revision=None,
+                sha256=d[:16] if d else None,
+                tier="disk" if Path(a.path).is_dir() else "absent",
+                rank=None,
+                bytes=None,
+                hits=0,
+                loads=0,
+                evictions=0,
+                last_access=None,
+                pinned=False,
+                in_flight=0,
+                slot=None,
+            )
+        else:
+            seen.add(r.ref.sha256)
+            row.update(_row(r))
+        rows.append(row)
+    for d, r in snapshot.items():
+        if d in seen or r.tier == "absent":
+            continue
+        names = state.adapters.names_of(d)
+        rows.append(
+            {
+                "name": names[0] if names else r.ref.name,
+                "path": None,
+                "registered": False,
+                **_row(r),
+            }
+        )
+    counts = mgr.resident_bytes()
+    return {
+        "object": "list",
+        "data": rows,
+        "max_loras": mgr.max_loras,
+        "max_cpu_loras": mgr.max_cpu_loras,
+        "tiers": {t: {"count": n, "bytes": b} for t, (n, b) in counts.items()},
+    }
+
+
+def _row(r: Any) -> dict[str, Any]:
+    return {
+        "revision": r.ref.revision,
+        "sha256": r.ref.sha256[:16],
+        "tier": r.tier,
+        "rank": r.rank,
+        "bytes": r.nbytes,
+        "hits": r.hits,
+        "loads": r.loads,
+        "evictions": r.evictions,
+        "last_access": r.last_access or None,
+        "pinned": r.pinned,
+        "in_flight": r.in_flight,
+        "slot": r.slot,
+    }
+
+
+def run_server(config: ServerConfig, *, on_ready: Callable[[], None] | None = None) -> None:
+    """Build the app and serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    app = create_app(config, on_ready=on_ready)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)

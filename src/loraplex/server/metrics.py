@@ -1,0 +1,178 @@
+"""Prometheus metrics: request latency by adapter warmth, adapter tiers, and the Gateway API
+Inference Extension's model-server gauges (``vllm:*``), so standard gateways can route to us.
+
+Each app owns its own :class:`CollectorRegistry` (no process-global state). Counters that the
+engine already keeps (tier hits, loads, evictions) are read at scrape time by a collector rather
+than mirrored, so they can never drift. Adapter names appear as label values only inside
+``vllm:lora_requests_info`` (bounded by the number of slots and waiting adapters).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.llm_engine import StepStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+
+
+class _EngineCollector(Collector):
+    """Gauges and tier counters computed from the engine's state at scrape time."""
+
+    def __init__(self, engine: AsyncEngine, adapter_names: Callable[[str], list[str]]) -> None:
+        self._engine = engine
+        self._names = adapter_names  # digest -> served names
+
+    def collect(self) -> Iterable[Metric]:
+        eng = self._engine.engine
+        waiting = self._engine.num_waiting
+        running = eng.num_running
+        yield GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", value=waiting
+        )
+        yield GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests in the running batch.", value=running
+        )
+        yield GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (1 = full).",
+            value=eng.kv_cache_usage(),
+        )
+        mgr = eng.adapters
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters resident on the device (idle or busy) and adapters of waiting requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        if mgr is not None:
+            resident = [n for d in list(mgr.slot_of) for n in self._names(d)]
+            waiting_names = [n for d in eng.waiting_adapter_digests() for n in self._names(d)]
+            info.add_metric(
+                [str(mgr.max_loras), ",".join(sorted(resident)), ",".join(sorted(waiting_names))],
+                time.time(),
+            )
+        yield info
+        if mgr is None:
+            return
+        st = mgr.stats
+        hits = CounterMetricFamily(
+            "adapter_cache_hits", "Adapter lookups served from a tier.", labels=["tier"]
+        )
+        hits.add_metric(["device"], st.slot_hits)
+        hits.add_metric(["host"], st.host_hits)
+        yield hits
+        yield CounterMetricFamily(
+            "adapter_cache_misses",
+            "Adapter lookups that missed every in-memory tier (a load).",
+            value=st.host_loads,
+        )
+        ev = CounterMetricFamily(
+            "adapter_evictions", "Adapters evicted from a tier.", labels=["tier"]
+        )
+        ev.add_metric(["device"], st.slot_evictions)
+        ev.add_metric(["host"], st.host_evictions)
+        yield ev
+        yield CounterMetricFamily(
+            "cold_adapter_requests",
+            "Requests whose adapter was not in device or host memory on arrival.",
+            value=st.cold_requests,
+        )
+        count = GaugeMetricFamily(
+            "adapter_resident_count", "Adapters resident in a tier.", labels=["tier"]
+        )
+        nbytes = GaugeMetricFamily(
+            "adapter_resident_bytes",
+            "Bytes of adapter weights resident in a tier.",
+            labels=["tier"],
+        )
+        for tier, (n, b) in mgr.resident_bytes().items():
+            count.add_metric([tier], n)
+            nbytes.add_metric([tier], b)
+        yield count
+        yield nbytes
+        yield GaugeMetricFamily("loraplex_max_loras", "Device LoRA slots.", value=mgr.max_loras)
+
+
+class ServerMetrics:
+    """All metrics of one server instance."""
+
+    def __init__(self, engine: AsyncEngine, adapter_names: Callable[[str], list[str]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "time_to_first_token_seconds",
+            "Time from request arrival to its first output token.",
+            ["adapter_state"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            ["adapter_state"],
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            ["adapter_state"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "loraplex_requests", "Finished HTTP requests by status.", ["status"], registry=r
+        )
+        self.finished = Counter(
+            "loraplex_request_success",
+            "Completions finished by the engine, by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "loraplex_prompt_tokens", "Prompt tokens processed.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "loraplex_generation_tokens", "Tokens generated.", registry=r
+        )
+        self.load_seconds = Histogram(
+            "adapter_load_seconds",
+            "Seconds spent per adapter load stage.",
+            ["stage"],
+            buckets=_LOAD_BUCKETS,
+            registry=r,
+        )
+        self.distinct_adapters = Histogram(
+            "distinct_adapters_per_step",
+            "Distinct adapters in one engine step.",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.step_errors = Counter(
+            "loraplex_engine_step_errors", "Engine steps that raised.", registry=r
+        )
+        r.register(_EngineCollector(engine, adapter_names))
+        engine.step_observers.append(self._on_step)
+        if engine.engine.adapters is not None:
+            engine.engine.adapters.load_observers.append(self._on_load)
+
+    def _on_step(self, stats: StepStats) -> None:
+        self.distinct_adapters.observe(stats.distinct_adapters)
+
+    def _on_load(self, stage: str, seconds: float) -> None:
+        self.load_seconds.labels(stage=stage).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,197 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
+
+Field names and defaults follow OpenAI's API; vLLM's extensions (``top_k``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ...) are accepted too. Unknown fields are ignored, as OpenAI
+clients send fields we have no use for (``user``, ``metadata``). Parameters we cannot honour
+(penalties, ``logit_bias``, tools, non-text content) are refused with a 400 naming them rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex.requests import SamplingParams
+from loraplex.types import InvalidRequestError
+
+MAX_N = 64  # completions per request; more is almost surely a mistake and costs KV cache
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingBody(_Body):
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def _check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if v not in (None, 0, 0.0):
+                raise InvalidRequestError(f"{name} is not supported (got {v}); omit it or use 0")
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise InvalidRequestError(
+                f"repetition_penalty is not supported (got {self.repetition_penalty}); use 1"
+            )
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}] (got {self.n})")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true")
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._check_unsupported()
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(_SamplingBody):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt is empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        out: list[str | list[int]] = []
+        for x in p:
+            if isinstance(x, list) and not x:
+                raise InvalidRequestError("prompt contains an empty token list")
+            out.append(x)  # type: ignore[arg-type]
+        return out
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of is not supported (it must equal n or be omitted)")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo together with logprobs is not supported")
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequestError(
+                        f"message content of type {part.type!r} is not supported (text only)"
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        msg: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise InvalidRequestError("tools are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise InvalidRequestError(
+                f"response_format {self.response_format.get('type')!r} is not supported "
+                "(only 'text')"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true")
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_message() for m in self.messages]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
