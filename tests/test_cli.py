@@ -43,3 +43,74 @@ def test_bad_lora_flag(tiny_model: Path, capsys) -> None:
 def test_bad_adapter_path(tiny_model: Path, tmp_path: Path, capsys) -> None:
     rc = main(["generate", str(tiny_model), "--prompt", "x", "--lora", f"a={tmp_path}/nope"])
     assert rc == 2 and "not a directory" in capsys.readouterr().err
+
+
+def test_serve_bad_model_dir_exit_2(tmp_path: Path, capsys) -> None:
+    rc = main(["serve", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "loraplex serve: error:" in err and "missing" in err
+    assert "Traceback" not in err
+
+
+def test_serve_lora_without_enable_lora_exit_2(
+    tiny_model: Path, adapters: dict[str, Path], capsys
+) -> None:
+    rc = main(["serve", str(tiny_model), "--lora-modules", f"a={adapters['all_r8']}"])
+    assert rc == 2 and "--enable-lora" in capsys.readouterr().err
+
+
+def test_serve_unknown_flag_exit_2(tiny_model: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tiny_model), "--tensor-parallel-size", "2"])
+    assert e.value.code == 2
+
+
+def test_serve_as_a_user_runs_it(tiny_model: Path, adapters: dict[str, Path]) -> None:
+    """`loraplex serve` in a subprocess, with vLLM flags: health, a request on an adapter,
+    then SIGINT stops it cleanly."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from loraplex.testing.server import free_port
+
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "loraplex.cli", "serve", str(tiny_model),
+        "--port", str(port), "--enable-lora", "--max-loras", "2",
+        "--lora-modules", f"sql={adapters['all_r8']}",
+        '{"name": "mlp", "path": "%s", "base_model_name": "tiny"}' % adapters["mlp_r16"],
+        "--served-model-name", "tiny", "--num-threads", "1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        models = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["tiny", "sql", "mlp"]
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "sql", "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0

