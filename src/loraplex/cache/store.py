@@ -447,6 +447,7 @@ class S3Store:
             ConnectionClosedError,
             ConnectTimeoutError,
             EndpointConnectionError,
+            IncompleteReadError,
             NoCredentialsError,
             PartialCredentialsError,
             ReadTimeoutError,
@@ -460,7 +461,13 @@ class S3Store:
             return StoreUnavailableError(
                 f"{head}: S3 endpoint {endpoint} unreachable ({e})", store=store, uri=uri
             )
-        if isinstance(e, (ReadTimeoutError, ConnectionClosedError, ResponseStreamingError)):
+        dropped = (
+            ReadTimeoutError,
+            ConnectionClosedError,
+            ResponseStreamingError,
+            IncompleteReadError,
+        )
+        if isinstance(e, dropped):
             return StoreUnavailableError(
                 f"{head}: S3 endpoint {endpoint} timed out or dropped the connection ({e})",
                 store=store,
