@@ -1,0 +1,509 @@
+"""Eviction policies: pure bookkeeping and scoring, no constraints (those live in ``residency``).
+
+A policy watches requests (``on_access``), tier membership (``on_insert`` / ``on_evict``) and
+measured load times (``record_load_cost``), and when a tier needs room it orders the evictable
+candidates from the lowest keep-score (first victim) to the highest (``order_victims``). It never
+decides *whether* something may be evicted: in-flight, pinned, too-new entries and tenant budgets
+are enforced by :class:`loraplex.cache.residency.TierIndex` around any policy.
+
+One policy instance may serve every tier of a cache: per-key statistics (recency, frequency) are
+global to the request stream, per-tier state (load costs, membership) is keyed by the tier name.
+The owner calls ``on_access`` exactly once per request; a ``TierIndex`` calls the other hooks.
+
+Policies
+--------
+``lru``     evict the least recently requested adapter (the baseline vLLM/LoRAX/SGLang users have).
+``fifo``    evict the adapter that entered the tier first.
+``lfu``     evict the adapter with the fewest requests ever (ties: least recent).
+``hybrid``  the default, below.
+
+The hybrid keep-score
+---------------------
+For adapter ``k`` in tier ``T`` at time ``now``::
+
+    S(k, T) = F(k) * P(k) * C(k, T) / Z(k, T)
+
+    F(k)    = max_i  n_i(k) * ln2 / h_i          # request rate (req/s), max over rolling windows
+              n_i(k) = sum over past requests at t of 2 ** (-(now - t) / h_i)
+              h = (60 s, 600 s) by default        # a short window reacts, a long one remembers
+    P(k)    = priority_base ** priority(k)        # SLO class; priority_base = 2 by default
+    C(k, T) = expected seconds to bring k back into T: the measured load time into T (per-key
+              EWMA, else the tier's EWMA seconds/byte * size, else a default bandwidth model),
+              plus, when ``tier_order`` is known, the cost of every tier below T down to the
+              first one that still holds k (a copy in host memory makes a slot cheap to refill)
+    Z(k, T) = size_bytes(k) ** size_exponent on byte-budgeted tiers (size_exponent = 1), and 1 on
+              slot-counted tiers — the score is "reload seconds saved per second per byte held"
+
+It is a GreedyDual-Size-Frequency style benefit density with decayed (rolling-window) counts:
+
+- *Recency* is built into ``n_i``: every request's weight halves every ``h_i`` seconds, so of two
+  adapters requested equally often the more recent one scores higher, and a formerly hot adapter
+  fades instead of squatting forever (the classic LFU pollution problem).
+- *Admission by frequency*: statistics outlive residency (ghost entries, bounded by
+  ``max_tracked``), so a newcomer requested once scores ``~ln2/h`` and is the first victim at the
+  next miss, while an adapter that comes back regains its history. A burst of one-off cold
+  adapters therefore churns through one slot instead of flushing the hot set. On an independent
+  (Zipf) stream this converges to the optimal demand-paging policy A0 (keep the C-1 most
+  probable adapters, cycle the last slot).
+- *Priority* multiplies: one SLO class up is worth twice the request rate.
+- *Cost and size*: under a byte budget a large adapter must earn proportionally more, unless it
+  is also proportionally more expensive to reload.
+
+Ties (equal scores, e.g. two never-seen keys) fall back to least-recently-used first.
+
+``belady_hit_ratio`` computes the offline optimum (Belady's MIN) on a trace for comparison.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "POLICIES",
+    "AdapterInfo",
+    "EvictionPolicy",
+    "FIFOPolicy",
+    "HybridPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "belady_hit_ratio",
+    "belady_hits",
+    "make_policy",
+]
+
+_LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """What residency decisions know about an adapter. ``key`` is its content digest."""
+
+    key: str
+    size_bytes: int
+    tenant: str | None = None
+    priority: int = 0
+    """Higher = more important (SLO class maps to it)."""
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise ValueError("AdapterInfo.key must be a non-empty digest string")
+        if self.size_bytes < 0:
+            raise ValueError(f"AdapterInfo.size_bytes must be >= 0, got {self.size_bytes}")
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Bookkeeping + scoring for victim selection; see the module docstring."""
+
+    name: str
+
+    def on_access(self, key: str, info: AdapterInfo, now: float) -> None:
+        """One request for ``key`` at ``now`` (called once per request, hit or miss)."""
+
+    def on_insert(self, key: str, info: AdapterInfo, tier: str, now: float) -> None:
+        """``key`` became resident in ``tier``."""
+
+    def on_evict(self, key: str, tier: str, now: float) -> None:
+        """``key`` left ``tier`` (evicted or removed)."""
+
+    def record_load_cost(self, tier: str, key: str, seconds: float) -> None:
+        """A load of ``key`` into ``tier`` took ``seconds`` (measured)."""
+
+    def keep_score(self, key: str, tier: str, now: float, *, by_bytes: bool = True) -> float:
+        """How much keeping ``key`` in ``tier`` is worth; higher = keep."""
+
+    def order_victims(
+        self, candidates: Sequence[str], tier: str, now: float, *, by_bytes: bool = True
+    ) -> list[str]:
+        """``candidates`` sorted lowest keep-score first (the first one is the first victim).
+
+        ``by_bytes`` tells whether the tier is byte-budgeted (size matters) or slot-counted.
+        """
+
+
+# --------------------------------------------------------------------------- simple baselines
+
+
+class _TrackingPolicy:
+    """Shared bookkeeping: info, per-tier membership, bounded ghost state for non-resident keys."""
+
+    name = "base"
+
+    def __init__(self, *, max_tracked: int = 100_000) -> None:
+        if max_tracked < 1:
+            raise ValueError(f"max_tracked must be >= 1, got {max_tracked}")
+        self.max_tracked = max_tracked
+        self._info: dict[str, AdapterInfo] = {}
+        self._tiers: dict[str, set[str]] = {}  # key -> tiers holding it
+        self._inserted: dict[tuple[str, str], float] = {}  # (tier, key) -> time
+        self._last: dict[str, float] = {}
+
+    # hooks -----------------------------------------------------------------------------------
+    def on_access(self, key: str, info: AdapterInfo, now: float) -> None:
+        self._info[key] = info
+        self._last[key] = now
+        self._observe(key, now)
+        if len(self._info) > self.max_tracked:
+            self._prune()
+
+    def on_insert(self, key: str, info: AdapterInfo, tier: str, now: float) -> None:
+        self._info[key] = info
+        self._last.setdefault(key, now)
+        self._tiers.setdefault(key, set()).add(tier)
+        self._inserted[(tier, key)] = now
+
+    def on_evict(self, key: str, tier: str, now: float) -> None:
+        tiers = self._tiers.get(key)
+        if tiers is not None:
+            tiers.discard(tier)
+            if not tiers:
+                del self._tiers[key]
+        self._inserted.pop((tier, key), None)
+
+    def record_load_cost(self, tier: str, key: str, seconds: float) -> None:
+        return None
+
+    def order_victims(
+        self, candidates: Sequence[str], tier: str, now: float, *, by_bytes: bool = True
+    ) -> list[str]:
+        return sorted(
+            candidates,
+            key=lambda k: (
+                self.keep_score(k, tier, now, by_bytes=by_bytes),
+                self._last.get(k, -math.inf),
+                k,
+            ),
+        )
+
+    def keep_score(self, key: str, tier: str, now: float, *, by_bytes: bool = True) -> float:
+        raise NotImplementedError
+
+    # internals -------------------------------------------------------------------------------
+    def _observe(self, key: str, now: float) -> None:
+        """Per-policy statistics update on a request."""
+
+    def _forget(self, key: str) -> None:
+        self._info.pop(key, None)
+        self._last.pop(key, None)
+
+    def _prune(self) -> None:
+        """Drop the least recently seen tenth of the non-resident keys (ghosts)."""
+        ghosts = [k for k in self._info if k not in self._tiers]
+        ghosts.sort(key=lambda k: self._last.get(k, -math.inf))
+        for k in ghosts[: max(1, len(self._info) // 10)]:
+            self._forget(k)
+
+    def resident_tiers(self, key: str) -> frozenset[str]:
+        """The tiers this policy has been told hold ``key``."""
+        return frozenset(self._tiers.get(key, ()))
+
+
+class LRUPolicy(_TrackingPolicy):
+    """Least recently requested first. The keep-score is the last request time."""
+
+    name = "lru"
+
+    def keep_score(self, key: str, tier: str, now: float, *, by_bytes: bool = True) -> float:
+        return self._last.get(key, -math.inf)
+
+
+class FIFOPolicy(_TrackingPolicy):
+    """First in (to this tier), first out. The keep-score is the insertion time."""
+
+    name = "fifo"
+
+    def keep_score(self, key: str, tier: str, now: float, *, by_bytes: bool = True) -> float:
+        return self._inserted.get((tier, key), -math.inf)
+
+
+class LFUPolicy(_TrackingPolicy):
+    """Fewest requests ever first (no decay: the textbook LFU, polluted by old hot keys)."""
+
+    name = "lfu"
+
+    def __init__(self, *, max_tracked: int = 100_000) -> None:
+        super().__init__(max_tracked=max_tracked)
+        self._count: dict[str, int] = {}
+
+    def _observe(self, key: str, now: float) -> None:
+        self._count[key] = self._count.get(key, 0) + 1
+
+    def _forget(self, key: str) -> None:
+        super()._forget(key)
+        self._count.pop(key, None)
+
+    def keep_score(self, key: str, tier: str, now: float, *, by_bytes: bool = True) -> float:
+        return float(self._count.get(key, 0))
+
+
+# --------------------------------------------------------------------------------- hybrid
+
+
+@dataclass
+class _Decayed:
+    """Exponentially decayed request counts, one per half-life, lazily decayed to ``stamp``."""
+
+    counts: list[float]
+    stamp: float
+
+
+@dataclass
+class _Ewma:
+    value: float | None = None
+    alpha: float = 0.3
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+@dataclass
+class _TierCost:
+    per_byte: _Ewma = field(default_factory=_Ewma)  # seconds per byte, loads into this tier
+    per_key: dict[str, _Ewma] = field(default_factory=dict)
+
+
+class HybridPolicy(_TrackingPolicy):
+    """Keep-score = rate * priority * reload cost / size; see the module docstring."""
+
+    name = "hybrid"
+
+    def __init__(
+        self,
+        *,
+        half_lives_s: Sequence[float] = (60.0, 600.0),
+        priority_base: float = 2.0,
+        size_exponent: float = 1.0,
+        tier_order: Sequence[str] | None = None,
+        default_bytes_per_s: float = 1e9,
+        default_load_overhead_s: float = 0.005,
+        cost_alpha: float = 0.3,
+        max_tracked: int = 100_000,
+    ) -> None:
+        super().__init__(max_tracked=max_tracked)
+        if not half_lives_s or any(h <= 0 for h in half_lives_s):
+            raise ValueError(f"half_lives_s must be positive, got {tuple(half_lives_s)}")
+        if priority_base < 1:
+            raise ValueError(f"priority_base must be >= 1, got {priority_base}")
+        if default_bytes_per_s <= 0:
+            raise ValueError(f"default_bytes_per_s must be > 0, got {default_bytes_per_s}")
+        if not 0 < cost_alpha <= 1:
+            raise ValueError(f"cost_alpha must be in (0, 1], got {cost_alpha}")
+        self.half_lives_s = tuple(float(h) for h in half_lives_s)
+        self._k = tuple(_LN2 / h for h in self.half_lives_s)  # decay constants (1/s)
+        self.priority_base = float(priority_base)
+        self.size_exponent = float(size_exponent)
+        self.tier_order = tuple(tier_order) if tier_order is not None else None
+        self.default_bytes_per_s = float(default_bytes_per_s)
+        self.default_load_overhead_s = float(default_load_overhead_s)
+        self.cost_alpha = float(cost_alpha)
+        self._freq: dict[str, _Decayed] = {}
+        self._cost: dict[str, _TierCost] = {}
+
+    # statistics ------------------------------------------------------------------------------
+    def _observe(self, key: str, now: float) -> None:
+        d = self._freq.get(key)
+        if d is None:
+            self._freq[key] = _Decayed([1.0] * len(self.half_lives_s), now)
+            return
+        dt = max(0.0, now - d.stamp)
+        d.counts = [c * math.exp(-dt * k) + 1.0 for c, k in zip(d.counts, self._k, strict=True)]
+        d.stamp = max(d.stamp, now)
+
+    def _forget(self, key: str) -> None:
+        super()._forget(key)
+        self._freq.pop(key, None)
+        for tc in self._cost.values():
+            tc.per_key.pop(key, None)
+
+    def rate(self, key: str, now: float) -> float:
+        """F(k): the request-rate estimate (req/s), max over the rolling windows."""
+        d = self._freq.get(key)
+        if d is None:
+            return 0.0
+        dt = max(0.0, now - d.stamp)
+        best = 0.0
+        for c, k in zip(d.counts, self._k, strict=True):
+            r = c * math.exp(-dt * k) * k  # n_i * ln2 / h_i
+            if r > best:
+                best = r
+        return best
+
+    def record_load_cost(self, tier: str, key: str, seconds: float) -> None:
+        if seconds < 0 or not math.isfinite(seconds):
+            return
+        tc = self._cost.setdefault(tier, _TierCost(per_byte=_Ewma(alpha=self.cost_alpha)))
+        tc.per_key.setdefault(key, _Ewma(alpha=self.cost_alpha)).add(seconds)
+        info = self._info.get(key)
+        if info is not None and info.size_bytes > 0:
+            tc.per_byte.add(seconds / info.size_bytes)
+
+    def load_cost(self, key: str, tier: str) -> float:
+        """Expected seconds for one load of ``key`` into ``tier`` (measured where possible)."""
+        tc = self._cost.get(tier)
+        if tc is not None:
+            per_key = tc.per_key.get(key)
+            if per_key is not None and per_key.value is not None:
+                return per_key.value
+        info = self._info.get(key)
+        size = info.size_bytes if info is not None else 0
+        if tc is not None and tc.per_byte.value is not None:
+            return tc.per_byte.value * size
+        return self.default_load_overhead_s + size / self.default_bytes_per_s
+
+    def reload_cost(self, key: str, tier: str) -> float:
+        """C(k, T): seconds to bring ``key`` back into ``tier`` from the nearest tier below it."""
+        cost = self.load_cost(key, tier)
+        if self.tier_order is None or tier not in self.tier_order:
+            return cost
+        holding = self._tiers.get(key, set())
+        for lower in self.tier_order[self.tier_order.index(tier) + 1 :]:
+            if lower in holding:
+                break
+            cost += self.load_cost(key, lower)
+        return cost
+
+    def keep_score(self, key: str, tier: str, now: float, *, by_bytes: bool = True) -> float:
+        info = self._info.get(key)
+        if info is None:
+            return 0.0
+        score = self.rate(key, now) * self.priority_base**info.priority
+        score *= max(self.reload_cost(key, tier), 1e-12)
+        if by_bytes and self.size_exponent:
+            score /= max(info.size_bytes, 1) ** self.size_exponent
+        return score
+
+    def order_victims(
+        self, candidates: Sequence[str], tier: str, now: float, *, by_bytes: bool = True
+    ) -> list[str]:
+        # keep_score inlined for speed (this runs under the cache lock on every eviction)
+        last, freq, infos, ks = self._last, self._freq, self._info, self._k
+        pb, beta = self.priority_base, self.size_exponent if by_bytes else 0.0
+        scored = []
+        for key in candidates:
+            info = infos.get(key)
+            d = freq.get(key)
+            score = 0.0
+            if info is not None and d is not None:
+                dt = now - d.stamp if now > d.stamp else 0.0
+                for c, k in zip(d.counts, ks, strict=True):
+                    r = c * math.exp(-dt * k) * k
+                    if r > score:
+                        score = r
+                if info.priority:
+                    score *= pb**info.priority
+                cost = self.reload_cost(key, tier)
+                score *= cost if cost > 1e-12 else 1e-12
+                if beta:
+                    score /= (info.size_bytes if info.size_bytes > 1 else 1) ** beta
+            scored.append((score, last.get(key, -math.inf), key))
+        scored.sort()
+        return [k for _, _, k in scored]
+
+    def _prune(self) -> None:
+        """Drop the tenth of the ghosts with the lowest long-window rate."""
+        now = max((d.stamp for d in self._freq.values()), default=0.0)
+        ghosts = [k for k in self._info if k not in self._tiers]
+        ghosts.sort(key=lambda k: (self.rate(k, now), self._last.get(k, -math.inf)))
+        for k in ghosts[: max(1, len(self._info) // 10)]:
+            self._forget(k)
+
+
+# ------------------------------------------------------------------------------ registry
+
+POLICIES: Mapping[str, Callable[..., EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "hybrid": HybridPolicy,
+    "lfu": LFUPolicy,
+    "fifo": FIFOPolicy,
+}
+"""Policy names accepted by ``make_policy`` (and ``--adapter-eviction-policy``)."""
+
+
+def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
+    """A fresh policy by name; ``kwargs`` go to its constructor."""
+    try:
+        factory = POLICIES[name.strip().lower()]
+    except KeyError:
+        valid = ", ".join(sorted(POLICIES))
+        raise ValueError(f"unknown eviction policy {name!r}; valid policies: {valid}") from None
+    return factory(**kwargs)
+
+
+# ------------------------------------------------------------------------------ Belady MIN
+
+
+def belady_hits(
+    keys: Sequence[Hashable],
+    capacity_count: int | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
+    capacity_bytes: int | None = None,
+) -> list[bool]:
+    """Per request: was it a hit under Belady's MIN (evict the farthest next use) on this trace?
+
+    Demand paging: every miss is admitted (as a request needs its adapter resident), so this is
+    the exact offline optimum for a count capacity. With ``capacity_bytes`` (and ``sizes``) the
+    same rule is applied until the newcomer fits; with variable sizes that is a heuristic, neither
+    optimal nor a bound (exact byte-capacity caching is NP-hard). A key larger than the byte
+    capacity is a miss and is not admitted.
+    """
+    if capacity_count is None and capacity_bytes is None:
+        raise ValueError("belady: give capacity_count and/or capacity_bytes")
+    if capacity_count is not None and capacity_count < 1:
+        raise ValueError(f"belady: capacity_count must be >= 1, got {capacity_count}")
+    if capacity_bytes is not None and sizes is None:
+        raise ValueError("belady: capacity_bytes needs sizes")
+    if sizes is not None and len(sizes) != len(keys):
+        raise ValueError("belady: sizes and keys differ in length")
+    n = len(keys)
+    never = n + 1
+    next_use = [never] * n
+    seen: dict[Hashable, int] = {}
+    for i in range(n - 1, -1, -1):
+        next_use[i] = seen.get(keys[i], never)
+        seen[keys[i]] = i
+    resident: dict[Hashable, int] = {}  # key -> its next use
+    size_of: dict[Hashable, int] = {}
+    used = 0
+    heap: list[tuple[int, int, Hashable]] = []  # (-next use, tiebreak, key), lazily invalidated
+    hits: list[bool] = []
+    for i, k in enumerate(keys):
+        size = sizes[i] if sizes is not None else 0
+        if k in resident:
+            hits.append(True)
+        else:
+            hits.append(False)
+            if capacity_bytes is not None and size > capacity_bytes:
+                continue
+            while resident and (
+                (capacity_count is not None and len(resident) >= capacity_count)
+                or (capacity_bytes is not None and used + size > capacity_bytes)
+            ):
+                nu, _, victim = heapq.heappop(heap)
+                if resident.get(victim) == -nu:
+                    del resident[victim]
+                    used -= size_of.pop(victim)
+            size_of[k] = size
+            used += size
+        resident[k] = next_use[i]
+        heapq.heappush(heap, (-next_use[i], i, k))
+    return hits
+
+
+def belady_hit_ratio(
+    keys: Sequence[Hashable],
+    capacity_count: int | None = None,
+    *,
+    sizes: Sequence[int] | None = None,
+    capacity_bytes: int | None = None,
+) -> float:
+    """Belady's MIN hit ratio on ``keys``; see :func:`belady_hits`. 0.0 for an empty trace."""
+    if not keys:
+        return 0.0
+    hits = belady_hits(keys, capacity_count, sizes=sizes, capacity_bytes=capacity_bytes)
+    return sum(hits) / len(hits)
