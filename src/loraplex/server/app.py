@@ -91,6 +91,30 @@ def _as_api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}", "server_error")
 
 
+def _validation_api_error(errs: list[Any]) -> APIError:
+    """One 400 for pydantic's errors, naming the first bad field as ``param``.
+
+    A value matching no member of a union gets one error per member, located at
+    ``field.<member type>``; those are one problem, so ``param`` is the location they share
+    (``prompt``, not ``prompt.str``)."""
+    locs = [[x for x in err.get("loc", ()) if x != "body"] for err in errs]
+    if not locs:
+        return APIError(400, "invalid request")
+    group = [i for i, loc in enumerate(locs) if loc[:1] == locs[0][:1]]
+    shared = locs[0]
+    if len(group) > 1:
+        n = 0
+        while all(len(locs[i]) > n and locs[i][n] == shared[n] for i in group):
+            n += 1
+        shared = shared[:n]
+    param = ".".join(str(x) for x in shared) or None
+    msgs = list(dict.fromkeys(str(errs[i].get("msg", "invalid value")) for i in group))
+    others = len(errs) - len(group)
+    more = f" (and {others} more problems)" if others else ""
+    msg = "; or ".join(msgs[:3])
+    return APIError(400, f"{param + ': ' if param else ''}{msg}{more}", param=param)
+
+
 @dataclass
 class _Tracked:
     """Latency bookkeeping of one engine request."""
@@ -457,13 +481,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
-        more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
-        err = APIError(400, f"{param + ': ' if param else ''}{msg}{more}", param=param)
+        err = _validation_api_error(list(e.errors()))
         state.metrics.requests.labels(status="400").inc()
         return err.response()
 
@@ -867,6 +885,8 @@ def _residency(state: ServerState) -> dict[str, Any]:
         else:
             seen.add(r.ref.sha256)
             row.update(_row(r))
+            if r.tier == "absent" and Path(a.path).is_dir():  # evicted from memory, still on disk
+                row["tier"] = "disk"
         rows.append(row)
     for d, r in snapshot.items():
         if d in seen or r.tier == "absent":
