@@ -59,7 +59,7 @@ class AsyncEngine:
         self._pool = ThreadPoolExecutor(prepare_workers, thread_name_prefix="loraplex-prepare")
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._pending = 0  # handed over, not yet in the engine
+        self._pending = 0  # reserved or handed over, not yet in the engine
         self._pending_lock = threading.Lock()
         # called on the loop thread after every non-empty step
         self.step_observers: list[Callable[[StepStats], None]] = []
@@ -88,7 +88,7 @@ class AsyncEngine:
     # -- requests --------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        """Requests queued in the engine plus those handed over but not yet queued."""
+        """Requests queued in the engine plus those admitted or handed over, not yet queued."""
         return self.engine.num_waiting + self._pending
 
     async def run_in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -112,16 +112,33 @@ class AsyncEngine:
     def discard(self, prepared: PreparedRequest) -> None:
         self.engine.discard_prepared(prepared)
 
-    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+    def reserve(self, n: int = 1) -> None:
+        """Count ``n`` admitted requests as waiting before they are prepared, so that admission
+        control sees concurrent arrivals at once. Each reservation is used by one
+        ``generate(..., reserved=True)`` or given back with :meth:`unreserve`."""
+        with self._pending_lock:
+            self._pending += n
+
+    def unreserve(self, n: int = 1) -> None:
+        with self._pending_lock:
+            self._pending -= n
+
+    async def generate(
+        self, prepared: PreparedRequest, *, reserved: bool = False
+    ) -> AsyncIterator[RequestOutput]:
         """Queue ``prepared`` and yield its outputs until it finishes.
 
-        Closing the iterator before the end aborts the request."""
+        ``reserved``: the request already holds a place in the waiting count (:meth:`reserve`),
+        which it uses now. Closing the iterator before the end aborts the request."""
         if not self.is_running:
+            if reserved:
+                self.unreserve()
             self.engine.discard_prepared(prepared)
             raise EngineDeadError("the engine is not running")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        with self._pending_lock:
-            self._pending += 1
+        if not reserved:
+            with self._pending_lock:
+                self._pending += 1
         self._cmds.put(("add", prepared, sink))
         finished = False
         try:

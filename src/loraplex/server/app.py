@@ -124,6 +124,61 @@ class _Tracked:
     first_token: float | None = None
 
 
+class _Admission:
+    """The engine requests of one HTTP call, from admission until the engine has them.
+
+    Admission reserves a place in the waiting count for each prompt, so requests arriving
+    together see each other before any is prepared and ``--max-waiting`` holds; each prepared
+    request uses its reservation when handed to the engine. :meth:`close` gives back unused
+    reservations and discards prepared requests never handed over (a client gone before its
+    stream began), so no adapter reference can leak. Event-loop thread only; idempotent.
+    """
+
+    def __init__(self, aengine: AsyncEngine, n: int) -> None:
+        aengine.reserve(n)
+        self.aengine = aengine
+        self.left = n
+        self.prepared: list[PreparedRequest] = []
+        self._handed: set[str] = set()
+
+    def generate(self, prep: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """Hand ``prep`` to the engine; iterate the result at once (its first step queues it)."""
+        self._handed.add(prep.request_id)
+        reserved = self.left > 0
+        self.left -= int(reserved)
+        return self.aengine.generate(prep, reserved=reserved)
+
+    def close(self) -> None:
+        if self.left:
+            self.aengine.unreserve(self.left)
+            self.left = 0
+        for p in self.prepared:
+            if p.request_id not in self._handed:
+                self._handed.add(p.request_id)
+                self.aengine.discard(p)
+
+
+class _EngineStreamingResponse(StreamingResponse):
+    """A streaming response that closes its body iterator and runs ``on_close`` however the
+    stream ends — including when the iterator never started (client gone before the first byte).
+    """
+
+    def __init__(self, *args: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self.on_close()
+
+
 class ServerState:
     """Everything one app instance owns: engine, adapter names, metrics, config."""
 
@@ -206,7 +261,12 @@ class ServerState:
         )
 
     # -- requests --------------------------------------------------------------------------------
-    def check_capacity(self) -> None:
+    def admit(self, n: int) -> _Admission:
+        """Admit a call with ``n`` prompts, or 503 (+ Retry-After) when the queue is full.
+
+        Its prompts count as waiting from now on; the caller must ``close()`` the admission."""
+        if not self.aengine.is_running:
+            raise APIError(503, "the engine is not running", "service_unavailable")
         limit = self.config.max_waiting
         if limit and self.aengine.num_waiting >= limit:
             retry = str(self.config.retry_after_seconds)
@@ -218,8 +278,22 @@ class ServerState:
                 code="overloaded",
                 headers={"Retry-After": retry},
             )
-        if not self.aengine.is_running:
-            raise APIError(503, "the engine is not running", "service_unavailable")
+        return _Admission(self.aengine, n)
+
+    @staticmethod
+    async def owned(admission: _Admission, work: Awaitable[Response]) -> Response:
+        """Await the response of an admitted call; the admission closes when the call is done,
+        or, for a stream, when the stream is."""
+        try:
+            response = await work
+        except BaseException:
+            admission.close()
+            raise
+        if isinstance(response, _EngineStreamingResponse):
+            response.on_close = admission.close
+        else:
+            admission.close()
+        return response
 
     def resolve_model(self, name: str) -> LoRARequest | None:
         if name in self.base_names:
@@ -260,6 +334,7 @@ class ServerState:
 
     async def prepare_all(
         self,
+        admission: _Admission,
         prompts: list[str | list[int]],
         params: SamplingParams,
         lora: LoRARequest | None,
@@ -279,20 +354,20 @@ class ServerState:
                 if isinstance(r, PreparedRequest):
                     self.aengine.discard(r)
             raise failed
+        admission.prepared = results  # type: ignore[assignment]
         return results  # type: ignore[return-value]
 
     async def stream_outputs(
-        self, prepared: list[PreparedRequest]
+        self, admission: _Admission
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run prepared requests concurrently; yield (index, output) as they progress.
-
-        Closing the iterator aborts every request still running."""
+        """Run an admission's prepared requests concurrently; yield (index, output) as they
+        progress. Closing the iterator aborts every request still running."""
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int, prep: PreparedRequest) -> None:
             track = _Tracked(prep.request.arrival, "warm" if prep.adapter_warm else "cold")
             try:
-                async for out in self.aengine.generate(prep):
+                async for out in admission.generate(prep):
                     self._observe(track, out)
                     await queue.put((i, out))
             except asyncio.CancelledError:
@@ -302,7 +377,7 @@ class ServerState:
             finally:
                 await queue.put((i, None))
 
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prepared)]
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(admission.prepared)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -561,12 +636,25 @@ def create_app(
     @app.post("/v1/completions", dependencies=[Depends(inference_auth)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        state.check_capacity()
         lora = state.resolve_model(body.model)
         params = body.sampling_params()
         prompts = body.prompts()
+        admission = state.admit(len(prompts))
+        return await state.owned(
+            admission, _completions(body, request, admission, lora, params, prompts, arrival)
+        )
+
+    async def _completions(
+        body: CompletionRequest,
+        request: Request,
+        admission: _Admission,
+        lora: LoRARequest | None,
+        params: SamplingParams,
+        prompts: list[str | list[int]],
+        arrival: float,
+    ) -> Response:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        prepared = await state.prepare_all(prompts, params, lora, arrival, rid)
+        prepared = await state.prepare_all(admission, prompts, params, lora, arrival, rid)
         text_of = _TokenText(engine.tokenizer)
         created = int(time.time())
         n = params.n
@@ -630,7 +718,7 @@ def create_app(
                                         ],
                                     }
                                 )
-                    async for i, out in state.stream_outputs(prepared):
+                    async for i, out in state.stream_outputs(admission):
                         if out.finished:
                             finals[i] = out
                         for o in out.outputs:
@@ -659,11 +747,13 @@ def create_app(
                 yield _DONE
 
             state.metrics.requests.labels(status="200").inc()
-            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+            return _EngineStreamingResponse(
+                events(), on_close=admission.close, media_type="text/event-stream", headers=headers
+            )
 
         async def collect() -> dict[int, RequestOutput]:
             finals: dict[int, RequestOutput] = {}
-            async for i, out in state.stream_outputs(prepared):
+            async for i, out in state.stream_outputs(admission):
                 if out.finished:
                     finals[i] = out
             return finals
@@ -691,15 +781,28 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=[Depends(inference_auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        state.check_capacity()
         lora = state.resolve_model(body.model)
         params = body.sampling_params()
         messages = body.template_messages()
+        admission = state.admit(1)
+        return await state.owned(
+            admission, _chat_completions(body, request, admission, lora, params, messages, arrival)
+        )
+
+    async def _chat_completions(
+        body: ChatCompletionRequest,
+        request: Request,
+        admission: _Admission,
+        lora: LoRARequest | None,
+        params: SamplingParams,
+        messages: list[dict[str, Any]],
+        arrival: float,
+    ) -> Response:
         ids = await state.aengine.run_in_pool(
             engine.apply_chat_template, messages, body.add_generation_prompt
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prepared = await state.prepare_all([ids], params, lora, arrival, rid)
+        prepared = await state.prepare_all(admission, [ids], params, lora, arrival, rid)
         text_of = _TokenText(engine.tokenizer)
         created = int(time.time())
         headers = _adapter_header(prepared)
@@ -737,7 +840,7 @@ def create_app(
                             for j in range(params.n)
                         ]
                     )
-                    async for i, out in state.stream_outputs(prepared):
+                    async for i, out in state.stream_outputs(admission):
                         if out.finished:
                             finals[i] = out
                         for o in out.outputs:
@@ -771,11 +874,13 @@ def create_app(
                 yield _DONE
 
             state.metrics.requests.labels(status="200").inc()
-            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+            return _EngineStreamingResponse(
+                events(), on_close=admission.close, media_type="text/event-stream", headers=headers
+            )
 
         async def collect() -> dict[int, RequestOutput]:
             finals: dict[int, RequestOutput] = {}
-            async for i, out in state.stream_outputs(prepared):
+            async for i, out in state.stream_outputs(admission):
                 if out.finished:
                     finals[i] = out
             return finals
