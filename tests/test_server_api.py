@@ -7,6 +7,7 @@ Greedy output through HTTP is compared with the offline ``LLM`` API on the same 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -530,6 +531,76 @@ def test_bad_requests_are_400_and_engine_keeps_serving(server: Server) -> None:
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert server.state.aengine.num_step_errors == 0
+    wait_idle(server.state)
+
+
+def test_extreme_sampling_values_never_fail_the_engine(server: Server) -> None:
+    """Temperatures and top_p too small for float32 once crashed the engine step (NaN
+    probabilities), aborting every request in flight. They mean greedy; a request running
+    alongside must be unaffected."""
+    base = {"model": "all_r8", "prompt": PROMPTS[0], "max_tokens": 4, "ignore_eos": True}
+
+    async def main() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        ) as h:
+            bystander = asyncio.ensure_future(
+                h.post("/v1/completions", json={**base, "model": "mlp_r16", "max_tokens": 40})
+            )
+            extremes = [
+                {"temperature": 1e-300},
+                {"temperature": 1e-45, "seed": 3},
+                {"top_p": 1e-300},
+                {"top_p": 5e-324, "temperature": 0.7},
+                {"temperature": 0},
+            ]
+            rs = [await h.post("/v1/completions", json={**base, **x}) for x in extremes]
+            return rs, await bystander
+
+    responses, bystander = asyncio.run(main())
+    assert [r.status_code for r in responses] == [200] * 5, [r.text for r in responses]
+    greedy_text = responses[-1].json()["choices"][0]["text"]
+    assert all(r.json()["choices"][0]["text"] == greedy_text for r in responses)
+    assert bystander.status_code == 200
+    assert bystander.json()["usage"]["completion_tokens"] == 40
+    assert server.state.aengine.num_step_errors == 0
+    wait_idle(server.state)
+
+
+def test_lone_surrogates_and_bad_encodings_are_400(server: Server) -> None:
+    """JSON can carry lone surrogates (``"\\ud800"``), which cannot be tokenized (once a 500)."""
+    c, ch = "/v1/completions", "/v1/chat/completions"
+    bad = "\\ud800"
+    cases = [
+        (c, f'{{"model": "{BASE}", "prompt": "{bad}"}}', "prompt"),
+        (c, f'{{"model": "{BASE}", "prompt": ["ok", "x{bad}"]}}', "prompt"),
+        (c, f'{{"model": "{bad}", "prompt": "hi"}}', "model"),
+        (c, f'{{"model": "{BASE}", "prompt": "hi", "stop": ["{bad}"]}}', "stop"),
+        (ch, f'{{"model": "{BASE}", "messages": [{{"role": "user", "content": "{bad}"}}]}}', None),
+        (
+            ch,
+            f'{{"model": "all_r8", "messages": [{{"role": "user", '
+            f'"content": [{{"type": "text", "text": "{bad}"}}]}}]}}',
+            None,
+        ),
+        (
+            ch,
+            f'{{"model": "{BASE}", "messages": [{{"role": "user", "content": "x", '
+            f'"name": "{bad}"}}]}}',
+            "messages.0.name",
+        ),
+    ]
+    with server.http() as h:
+        headers = {"content-type": "application/json"}
+        for path, raw, param in cases:
+            err = assert_openai_error(h.post(path, content=raw.encode(), headers=headers), 400)
+            assert err["type"] == "invalid_request_error"
+            assert "surrogate" in err["message"], err
+            if param is not None:
+                assert err["param"] == param, err
+        not_utf8 = b'{"model": "tiny", "prompt": "\xff\xfe"}'
+        err = assert_openai_error(h.post(c, content=not_utf8, headers=headers), 400)
+        assert err["type"] == "invalid_request_error"
     wait_idle(server.state)
 
 

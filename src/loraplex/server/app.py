@@ -562,7 +562,14 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "NotFoundError", 405: "invalid_request_error"}.get(e.status_code, "error")
+        status = e.status_code
+        kind = (
+            "NotFoundError"
+            if status == 404
+            else "invalid_request_error"
+            if 400 <= status < 500
+            else "server_error"
+        )
         state.metrics.requests.labels(status=str(e.status_code)).inc()
         return APIError(e.status_code, str(e.detail), kind, headers=e.headers).response()
 

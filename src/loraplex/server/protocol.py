@@ -9,14 +9,31 @@ than silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from loraplex.requests import SamplingParams
 from loraplex.types import InvalidRequestError
 
 MAX_N = 64  # completions per request; more is almost surely a mistake and costs KV cache
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow.
+MIN_TEMPERATURE = 1e-5
+# top_p below this keeps the same nucleus (the most likely token, whose mass is >= 1/vocab) but
+# is not rounded to 0 when compared in float32.
+MIN_TOP_P = 1e-6
+
+
+def _utf8(value: str) -> str:
+    """JSON may carry lone surrogates (``"\\ud800"``); they cannot be tokenized or encoded."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError("text must be valid Unicode (it contains a lone surrogate)") from e
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class _Body(BaseModel):
@@ -29,13 +46,13 @@ class StreamOptions(_Body):
 
 
 class _SamplingBody(_Body):
-    model: str
+    model: Text
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -67,10 +84,16 @@ class _SamplingBody(_Body):
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if 0 < temperature < MIN_TEMPERATURE:
+            temperature = 0.0
+        top_p = 1.0 if self.top_p is None else self.top_p
+        if 0 < top_p < MIN_TOP_P:
+            top_p = MIN_TOP_P
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=temperature,
+            top_p=top_p,
             top_k=-1 if self.top_k is None else self.top_k,
             seed=self.seed,
             max_tokens=max_tokens,
@@ -87,7 +110,7 @@ class _SamplingBody(_Body):
 class CompletionRequest(_SamplingBody):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -122,13 +145,13 @@ class CompletionRequest(_SamplingBody):
 
 class ContentPart(_Body):
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
@@ -185,13 +208,13 @@ class ChatCompletionRequest(_SamplingBody):
 class LoadLoRAAdapterRequest(_Body):
     """vLLM's ``POST /v1/load_lora_adapter`` body."""
 
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+    lora_name: Text = Field(min_length=1)
+    lora_path: Text = Field(min_length=1)
     load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(_Body):
     """vLLM's ``POST /v1/unload_lora_adapter`` body."""
 
-    lora_name: str = Field(min_length=1)
+    lora_name: Text = Field(min_length=1)
     lora_int_id: int | None = None
