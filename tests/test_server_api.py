@@ -276,6 +276,40 @@ def test_chat_stream_equals_non_stream(
     assert text == ref.outputs[0].text
 
 
+def test_stop_strings_stream_like_non_stream(server: Server, offline: LLM) -> None:
+    """A stop string cut from the greedy output ends the text there, streamed or not (the
+    stream holds back text that may start a stop string, and never takes back a delta)."""
+    body = {
+        "model": "patterns",
+        "prompt": PROMPTS[2],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with server.http() as h:
+        full = h.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert len(full) >= 8
+        for stop in (full[3:6], full[6:7], [full[-2:], full[4:6]]):
+            stops = [stop] if isinstance(stop, str) else stop
+            cut = min(full.find(x) for x in stops)
+            one = h.post("/v1/completions", json={**body, "stop": stop}).json()["choices"][0]
+            assert one["text"] == full[:cut]
+            assert one["finish_reason"] == "stop" and one["stop_reason"] in stops
+            with h.stream(
+                "POST", "/v1/completions", json={**body, "stop": stop, "stream": True}
+            ) as r:
+                data = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+            assert data[-1] == "[DONE]"
+            chunks = [json.loads(d)["choices"][0] for d in data[:-1]]
+            assert "".join(c["text"] for c in chunks) == one["text"]
+            assert chunks[-1]["finish_reason"] == "stop"
+            params = greedy(16, ignore_eos=True, stop=stop)
+            lora = lora_of(server, "patterns")
+            (ref,) = offline.generate(PROMPTS[2], params, lora_request=lora)
+            assert ref.outputs[0].text == one["text"]
+    wait_idle(server.state)
+
+
 def test_multiple_prompts_and_n(server: Server) -> None:
     """A list of prompts with n=2 gives prompt-major choice indices; seeded sampling repeats."""
     with server.http() as h:
@@ -414,10 +448,33 @@ def test_load_serve_and_unload(server: Server, offline: LLM, adapters: dict[str,
     for name in ("newbie", "all_r8", BASE):
         r = _admin(server, "load_lora_adapter", lora_name=name, lora_path=str(path))
         assert assert_openai_error(r, 400)["param"] == "lora_name"
-    r = _admin(
-        server, "load_lora_adapter", lora_name="newbie", lora_path=str(path), load_inplace=True
-    )
-    assert r.status_code == 200, r.text
+
+    # load_inplace re-points the name; the new weights serve at once (never old weights or
+    # old prefix-cache KV): first another directory, then new files rewritten at the old path
+    def served_text() -> str:
+        r = client.completions.create(
+            model="newbie", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+        )
+        return r.choices[0].text
+
+    other = server.root / "copied_attn"
+    shutil.copytree(adapters["attn_r4_rslora"], other)
+    for new_path, source in ((other, "attn_r4_rslora"), (path, "qv_r32_regex")):
+        if new_path == path:
+            shutil.rmtree(path)
+            shutil.copytree(adapters[source], path)
+        r = _admin(
+            server,
+            "load_lora_adapter",
+            lora_name="newbie",
+            lora_path=str(new_path),
+            load_inplace=True,
+        )
+        assert r.status_code == 200, r.text
+        lora = LoRARequest(source, str(adapters[source]))
+        (new_ref,) = offline.generate(PROMPTS[0], greedy(), lora_request=lora)
+        assert new_ref.outputs[0].text != ref.outputs[0].text  # the test can tell them apart
+        assert served_text() == new_ref.outputs[0].text
     # unload: gone from the list, requests 404, a second unload 404
     assert _admin(server, "unload_lora_adapter", lora_name="newbie").status_code == 200
     assert "newbie" not in [m.id for m in client.models.list().data]
