@@ -1,0 +1,286 @@
+"""``loraplex sim``: replay a trace or a built-in workload through the cache policies, side by side.
+
+Examples::
+
+    loraplex sim --workload zipf:s=1,n=256,requests=20000,rate=50 --slots 8 --policy lru,hybrid
+    loraplex sim --workload hotburst --slots 8 --host-bytes 1GiB --policy lru,hybrid --json
+    loraplex sim --trace requests.jsonl --slots 16 --host-bytes 8GiB --disk-bytes 64GiB
+
+Prints per policy: L0/L1/L2 hit ratios, the hot set's L0 hit ratio, L0 thrash ratio, loads per
+tier, object-store fetches and modeled load seconds, plus Belady's offline optimum and the A0
+online reference on the same trace. No torch needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+from loraplex.cache.policy import POLICIES, belady_hit_ratio
+from loraplex.sim.simulate import SimConfig, SimResult, a0_hit_ratio, policy_factory, simulate
+from loraplex.sim.workloads import (
+    Workload,
+    WorkloadSpecError,
+    generate_workload,
+    parse_size,
+    read_trace,
+    write_trace,
+)
+
+__all__ = ["build_parser", "main"]
+
+
+def _size(text: str) -> int:
+    try:
+        n = parse_size(text)
+    except WorkloadSpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"size must be >= 1 byte, got {text!r}")
+    return n
+
+
+def _nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def _posint(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def build_parser(prog: str = "loraplex sim") -> argparse.ArgumentParser:
+    """The ``sim`` argument parser (the main CLI may embed it as a subcommand)."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Replay a request trace through the adapter cache tiers and eviction "
+        "policies (the server's own policy code), with Belady's optimum as the limit.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", metavar="FILE", help="JSON-lines trace to replay")
+    src.add_argument(
+        "--workload",
+        metavar="SPEC",
+        help="built-in workload, e.g. zipf:s=1,n=256,requests=20000,rate=50 | "
+        "hotburst | tiered:5x12%%,5x6%%,5x2%%,n=256 | uniform:n=64 "
+        "(see loraplex.sim.workloads for every key)",
+    )
+    p.add_argument(
+        "--policy",
+        default="lru,hybrid",
+        help=f"comma-separated policies to compare (from: {', '.join(POLICIES)}); "
+        "default: lru,hybrid",
+    )
+    p.add_argument("--slots", type=_posint, default=8, help="L0 device slots (default 8)")
+    p.add_argument("--host-bytes", type=_size, help="L1 host-memory budget, e.g. 2GiB")
+    p.add_argument("--host-count", type=_posint, help="L1 entry limit (vLLM's --max-cpu-loras)")
+    p.add_argument("--disk-bytes", type=_size, help="L2 local-disk budget, e.g. 64GiB")
+    p.add_argument(
+        "--service-time",
+        type=_nonneg,
+        default=0.0,
+        help="seconds each request keeps its adapter in flight (default 0)",
+    )
+    p.add_argument(
+        "--min-residency", type=_nonneg, default=0.0, help="seconds a new entry cannot be evicted"
+    )
+    p.add_argument(
+        "--thrash-window",
+        type=_nonneg,
+        default=60.0,
+        help="a reload within this many seconds of an eviction counts as thrash (default 60)",
+    )
+    p.add_argument(
+        "--patience",
+        type=_nonneg,
+        default=1.0,
+        help="seconds a cold request may wait for a busy low-value slot rather than evict a "
+        "more valuable idle adapter (policies that support it, i.e. hybrid; default 1, 0 = off)",
+    )
+    p.add_argument(
+        "--hot-tenants",
+        help="comma-separated tenants whose adapters form the hot set (default: the workload's "
+        "own hot set, else the slots-1 most requested adapters)",
+    )
+    p.add_argument("--write-trace", metavar="FILE", help="also write the trace as JSON lines")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def _hot_set(args: argparse.Namespace, wl: Workload) -> tuple[frozenset[str], str]:
+    if args.hot_tenants:
+        tenants = {t.strip() for t in args.hot_tenants.split(",") if t.strip()}
+        hot = frozenset(r.adapter for r in wl.requests if r.tenant in tenants)
+        if not hot:
+            raise WorkloadSpecError(f"no request in the trace has tenant in {sorted(tenants)}")
+        return hot, f"adapters of tenants {','.join(sorted(tenants))} ({len(hot)})"
+    if wl.hot_adapters:
+        return wl.hot_adapters, f"the workload's hot set ({len(wl.hot_adapters)} adapters)"
+    k = max(args.slots - 1, 1)
+    top = Counter(r.adapter for r in wl.requests).most_common(k)
+    return frozenset(a for a, _ in top), f"the {k} most requested adapters"
+
+
+def _fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _table(
+    wl: Workload,
+    cfg: SimConfig,
+    hot_desc: str,
+    results: list[SimResult],
+    belady: float,
+    a0: float,
+) -> str:
+    names = cfg.tier_names
+    tiers = [f"L0 {cfg.slots} slots"]
+    if cfg.has_l1:
+        parts = []
+        if cfg.host_bytes:
+            parts.append(_fmt_bytes(cfg.host_bytes))
+        if cfg.host_count:
+            parts.append(f"{cfg.host_count} entries")
+        tiers.append("L1 " + " / ".join(parts))
+    if cfg.disk_bytes:
+        tiers.append(f"L2 {_fmt_bytes(cfg.disk_bytes)}")
+    tiers.append("L3 object store")
+    lines = [
+        f"workload: {wl.spec} — {len(wl.requests)} requests, {wl.n_adapters} adapters, "
+        f"{wl.duration:.1f} s",
+        f"tiers: {' | '.join(tiers)}; service time {cfg.service_time_s:g} s, "
+        f"min residency {cfg.min_residency_s:g} s, patience {cfg.patience_s:g} s",
+        f"hot set: {hot_desc}",
+        "",
+    ]
+    loads = "loads " + "/".join(names)
+    head = ["policy", "L0 hit", "L1 hit", "L2 hit", "hot hit", "L0 thrash", loads, "remote"]
+    head += ["load s", "waits"]
+    rows = [head]
+    for r in results:
+        l1, l2 = r.tier("L1"), r.tier("L2")
+        rows.append(
+            [
+                r.policy,
+                _fmt_ratio(r.l0_hit_ratio),
+                _fmt_ratio(l1.hit_ratio if l1 else None),
+                _fmt_ratio(l2.hit_ratio if l2 else None),
+                _fmt_ratio(r.hot_hit_ratio),
+                f"{r.tiers[0].thrash_ratio:.2f}",
+                "/".join(str(t.loads) for t in r.tiers),
+                str(r.remote_fetches),
+                f"{r.load_seconds:.1f}",
+                str(r.waits) + (f" ({r.unserved} unserved)" if r.unserved else ""),
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    refs = [
+        ("belady", belady, "offline optimum (L0, same trace)"),
+        ("a0", a0, f"online reference: the {cfg.slots - 1} most requested adapters fixed + "
+         "1 cycling slot"),
+    ]  # fmt: skip
+    for name, value, note in refs:
+        lines.append(f"{name.ljust(widths[0])}  {_fmt_ratio(value).rjust(widths[1])}  {note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the simulator; 0 on success, 2 on bad input (the message goes to stderr)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed the usage and the problem
+        return int(e.code) if isinstance(e.code, int) else 2
+
+    def fail(msg: str) -> int:
+        print(f"loraplex sim: error: {msg}", file=sys.stderr)
+        return 2
+
+    names = [n.strip().lower() for n in args.policy.split(",") if n.strip()]
+    if not names:
+        return fail("--policy names no policy")
+    try:
+        cfg = SimConfig(
+            slots=args.slots,
+            host_bytes=args.host_bytes,
+            host_count=args.host_count,
+            disk_bytes=args.disk_bytes,
+            service_time_s=args.service_time,
+            min_residency_s=args.min_residency,
+            thrash_window_s=args.thrash_window,
+            patience_s=args.patience,
+        )
+        factories = [policy_factory(n, cfg.tier_names) for n in names]
+        if args.trace:
+            reqs = read_trace(args.trace)
+            wl = Workload(spec=args.trace, requests=reqs)
+        else:
+            wl = generate_workload(args.workload)
+        if not wl.requests:
+            return fail("the trace has no requests")
+        hot, hot_desc = _hot_set(args, wl)
+        if args.write_trace:
+            try:
+                write_trace(args.write_trace, wl.requests)
+            except OSError as e:
+                return fail(f"cannot write trace {args.write_trace}: {e.strerror or e}")
+    except (ValueError, WorkloadSpecError) as e:
+        return fail(str(e))
+
+    results = [simulate(wl.requests, f, cfg, hot_adapters=hot) for f in factories]
+    keys = [r.adapter for r in wl.requests]
+    belady = belady_hit_ratio(keys, cfg.slots)  # exact for a count capacity
+    a0 = a0_hit_ratio(keys, cfg.slots)
+    if args.json:
+        out = {
+            "workload": {
+                "spec": wl.spec,
+                "requests": len(wl.requests),
+                "adapters": wl.n_adapters,
+                "duration_s": wl.duration,
+            },
+            "config": {
+                "slots": cfg.slots,
+                "host_bytes": cfg.host_bytes,
+                "host_count": cfg.host_count,
+                "disk_bytes": cfg.disk_bytes,
+                "service_time_s": cfg.service_time_s,
+                "min_residency_s": cfg.min_residency_s,
+                "thrash_window_s": cfg.thrash_window_s,
+                "patience_s": cfg.patience_s,
+            },
+            "hot_set": hot_desc,
+            "belady_l0_hit_ratio": belady,
+            "a0_l0_hit_ratio": a0,
+            "results": [r.to_dict() for r in results],
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(_table(wl, cfg, hot_desc, results, belady, a0))
+    return 0
