@@ -157,31 +157,43 @@ def test_hybrid_measured_reload_cost() -> None:
     assert p.load_cost("new", "L1") == pytest.approx(p._cost["L1"].per_byte.value * 16 * MiB)
 
 
-def test_hybrid_size_matters_only_on_byte_tiers() -> None:
+def test_hybrid_size_and_cost_matter_only_on_byte_tiers() -> None:
     p = HybridPolicy()
     p.on_access("big", info("big", size=256 * MiB), 0.0)
     p.on_access("small", info("small", size=8 * MiB), 0.0)
-    # equal rates; default cost = 5 ms + size / 1 GB/s
+    # equal rates; default cost = 5 ms + size / 1 GB/s: the big one frees more per second lost
     assert p.order_victims(["small", "big"], "L1", 1.0, by_bytes=True) == ["big", "small"]
-    # in a slot tier the space is one slot either way: the costlier reload is kept
+    # a slot is a slot: size and cost are ignored, the less recently used goes
+    p.on_access("big", info("big", size=256 * MiB), 0.5)
     assert p.order_victims(["small", "big"], "L0", 1.0, by_bytes=False) == ["small", "big"]
+    p.on_access("small", info("small", size=8 * MiB), 0.6)
+    assert p.order_victims(["small", "big"], "L0", 1.0, by_bytes=False) == ["big", "small"]
+    p.record_load_cost("L0", "big", 5.0)
+    assert p.order_victims(["small", "big"], "L0", 1.0, by_bytes=False) == ["big", "small"]
+    # ... unless slots are told to weigh their reload cost
+    q = HybridPolicy(slot_cost_exponent=1.0)
+    for k, size in (("big", 256 * MiB), ("small", 8 * MiB)):
+        q.on_access(k, info(k, size=size), 0.0)
+    assert q.order_victims(["small", "big"], "L0", 1.0, by_bytes=False) == ["small", "big"]
 
 
 def test_hybrid_reload_cost_counts_the_tiers_below() -> None:
-    """Evicting from L0 an adapter whose host copy is still in L1 is cheap; prefer it."""
+    """Evicting from host memory an adapter that is still on local disk is cheap; prefer it."""
     p = HybridPolicy(tier_order=("L0", "L1", "L2"))
     for k in ("backed", "alone"):
         access(p, k, 0.0)
-        p.on_insert(k, info(k), "L0", 0.0)
+        p.on_insert(k, info(k), "L1", 0.0)
         p.record_load_cost("L0", k, 0.003)
-        p.record_load_cost("L1", k, 0.5)
+        p.record_load_cost("L1", k, 0.02)
         p.record_load_cost("L2", k, 1.0)
-    p.on_insert("backed", info("backed"), "L1", 0.0)
-    assert p.reload_cost("backed", "L0") == pytest.approx(0.003)
-    assert p.reload_cost("alone", "L0") == pytest.approx(1.503)
-    p.on_insert("alone", info("alone"), "L2", 0.0)
-    assert p.reload_cost("alone", "L0") == pytest.approx(0.503)
-    assert p.order_victims(["alone", "backed"], "L0", 1.0, by_bytes=False)[0] == "backed"
+    p.on_insert("backed", info("backed"), "L2", 0.0)
+    assert p.reload_cost("backed", "L1") == pytest.approx(0.02)
+    assert p.reload_cost("alone", "L1") == pytest.approx(1.02)
+    assert p.reload_cost("alone", "L0") == pytest.approx(0.003)  # its host copy is right below
+    assert p.order_victims(["alone", "backed"], "L1", 1.0)[0] == "backed"
+    p.on_evict("backed", "L2", 2.0)
+    p.on_insert("alone", info("alone"), "L2", 2.0)
+    assert p.order_victims(["alone", "backed"], "L1", 3.0)[0] == "alone"
 
 
 def test_hybrid_ghost_statistics_survive_eviction() -> None:

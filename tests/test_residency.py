@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from loraplex.cache.policy import POLICIES, AdapterInfo, LRUPolicy, make_policy
-from loraplex.cache.residency import NoRoomError, ResidencyError, TierIndex
+from loraplex.cache.residency import AdmissionDeferred, NoRoomError, ResidencyError, TierIndex
 
 MiB = 1 << 20
 
@@ -204,7 +204,7 @@ def test_storm_never_breaks_constraints() -> None:
         inflight: dict[str, int] = {}
         pinned: set[str] = set()
         t = 0.0
-        for _ in range(3000):
+        for _ in range(2000):
             t += rng.random() * 0.2
             k = f"k{rng.randrange(60)}"
             a = info(k, size=rng.choice([4, 8, 16, 32]) * MiB, tenant=f"t{rng.randrange(3)}")
@@ -330,3 +330,59 @@ def test_ghost_map_is_bounded() -> None:
     tier.admit(info("k0"), 20.0)  # forgotten: not counted
     tier.admit(info("k8"), 21.0)  # remembered
     assert tier.counters.reload_after_eviction == 1
+
+
+# ------------------------------------------------------------------------ patient admission
+
+
+def _hybrid_tier(n: int, **kw: object) -> TierIndex:
+    return TierIndex(
+        "L0", capacity_bytes=None, capacity_count=n, policy=make_policy("hybrid"), **kw
+    )  # type: ignore[arg-type]
+
+
+def _request(tier: TierIndex, key: str, now: float) -> None:
+    tier.policy.on_access(key, info(key), now)
+    if not tier.lookup(key, now):
+        tier.admit(info(key), now)
+
+
+def test_patient_plan_waits_for_busy_cold_slot() -> None:
+    tier = _hybrid_tier(3)
+    t = 0.0
+    for _ in range(30):
+        for k in ("hot1", "hot2"):
+            t += 0.1
+            _request(tier, k, t)
+    _request(tier, "cold1", t + 0.1)
+    tier.acquire("cold1")  # a request on the cold adapter is still running
+    tier.policy.on_access("cold2", info("cold2"), t + 0.2)
+    # impatient: a hot adapter is the only evictable entry
+    assert tier.plan_admission(info("cold2"), t + 0.2) in (["hot1"], ["hot2"])
+    with pytest.raises(AdmissionDeferred, match="waiting for one of 1 busy"):
+        tier.plan_admission(info("cold2"), t + 0.2, patient=True)
+    tier.release("cold1")
+    assert tier.admit(info("cold2"), t + 0.3, patient=True) == ["cold1"]
+    assert tier.contains("hot1") and tier.contains("hot2")
+
+
+def test_patient_plan_counts_too_new_but_not_pinned() -> None:
+    tier = _hybrid_tier(2, min_residency_s=1.0)
+    t = 0.0
+    for _ in range(30):
+        t += 0.1
+        _request(tier, "hot", t)
+    _request(tier, "cold1", t)
+    tier.policy.on_access("cold2", info("cold2"), t + 0.5)
+    with pytest.raises(AdmissionDeferred):  # cold1 is too new, hot is valuable
+        tier.plan_admission(info("cold2"), t + 0.5, patient=True)
+    tier.pin("cold1")  # pinned entries never become evictable: nothing to wait for
+    assert tier.plan_admission(info("cold2"), t + 0.5, patient=True) == ["hot"]
+
+
+def test_baseline_policies_never_wait() -> None:
+    for name in ("lru", "lfu", "fifo"):
+        tier = TierIndex("L0", capacity_bytes=None, capacity_count=2, policy=make_policy(name))
+        fill(tier, "ab")
+        tier.acquire("b")
+        assert tier.plan_admission(info("c"), 10.0, patient=True) == ["a"], name

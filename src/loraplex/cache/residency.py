@@ -16,6 +16,7 @@ the hard constraints allow, whatever the policy says:
 Admission is two-phase because the new copy is loaded *before* any victim is dropped::
 
     victims = index.plan_admission(info, now)      # raises NoRoomError when impossible
+                                                   # (patient=True: may raise AdmissionDeferred)
     ... load the new copy (may take a while, lock released) ...
     evicted = index.commit_admission(info, victims, now)   # re-checks, re-plans if stale
     ... free the copies of ``evicted`` (not ``victims``: the plan may have changed) ...
@@ -37,7 +38,14 @@ from dataclasses import dataclass
 
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy
 
-__all__ = ["Entry", "NoRoomError", "ResidencyError", "TierCounters", "TierIndex"]
+__all__ = [
+    "AdmissionDeferred",
+    "Entry",
+    "NoRoomError",
+    "ResidencyError",
+    "TierCounters",
+    "TierIndex",
+]
 
 
 class ResidencyError(Exception):
@@ -56,6 +64,10 @@ class NoRoomError(ResidencyError):
         self.tier = tier
         self.key = key
         self.reason = reason
+
+
+class AdmissionDeferred(NoRoomError):
+    """A patient plan: better to wait for a busy low-value entry than to evict valuable ones."""
 
 
 @dataclass
@@ -235,10 +247,13 @@ class TierIndex:
         return e
 
     # ------------------------------------------------------------------------ admission
-    def plan_admission(self, info: AdapterInfo, now: float) -> list[str]:
+    def plan_admission(self, info: AdapterInfo, now: float, *, patient: bool = False) -> list[str]:
         """Victims to evict so that ``info`` fits, lowest keep-score first; [] when it already fits.
 
         Raises :class:`NoRoomError` when the hard constraints make it impossible. Changes nothing.
+        With ``patient``, raises :class:`AdmissionDeferred` when the policy judges it better to
+        wait for a busy (in-flight or too new) low-value entry than to evict the victims now; the
+        caller waits for a release and retries, and plans impatiently once it has waited enough.
         """
         if info.key in self._entries:
             return []
@@ -292,7 +307,27 @@ class TierIndex:
                     break
             else:
                 raise NoRoomError(self.name, info.key, self._kept_reason(list(self._entries), now))
-        return self._trim(victims, info, now)
+        victims = self._trim(victims, info, now)
+        if patient and victims:
+            scope = [self._entries[v].info.tenant for v in victims]
+            busy = [
+                k
+                for k, e in self._entries.items()
+                if k not in chosen
+                and not e.pinned
+                and (budget is None or e.info.tenant in scope)
+                and self._why_kept(k, e, now) is not None
+            ]
+            if busy and self.policy.worth_waiting(
+                victims, busy, self.name, now, by_bytes=self.by_bytes
+            ):
+                raise AdmissionDeferred(
+                    self.name,
+                    info.key,
+                    f"waiting for one of {len(busy)} busy adapter(s) is better than evicting "
+                    f"{len(victims)} more valuable one(s) now",
+                )
+        return victims
 
     def commit_admission(self, info: AdapterInfo, victims: Iterable[str], now: float) -> list[str]:
         """Evict ``victims`` and insert ``info``; returns the keys actually evicted.
@@ -312,9 +347,9 @@ class TierIndex:
         self._insert(info, now)
         return planned
 
-    def admit(self, info: AdapterInfo, now: float) -> list[str]:
+    def admit(self, info: AdapterInfo, now: float, *, patient: bool = False) -> list[str]:
         """plan + commit in one step (when loading happens elsewhere); returns evicted keys."""
-        return self.commit_admission(info, self.plan_admission(info, now), now)
+        return self.commit_admission(info, self.plan_admission(info, now, patient=patient), now)
 
     # ------------------------------------------------------------------------ internals
     def _require(self, key: str) -> Entry:
@@ -334,11 +369,14 @@ class TierIndex:
 
     def _ordered(self, keys: list[str], now: float) -> list[str]:
         """Evictable ``keys`` in policy order (first victim first)."""
-        ok = [k for k in keys if self._why_kept(k, self._entries[k], now) is None]
+        entries, why = self._entries, self._why_kept
+        ok = [k for k in keys if why(k, entries[k], now) is None]
         if len(ok) <= 1:
             return ok
         order = self.policy.order_victims(ok, self.name, now, by_bytes=self.by_bytes)
-        if len(order) != len(ok) or set(order) != set(ok):  # a policy may only reorder, never add or drop
+        if len(order) != len(ok) or set(order) != set(
+            ok
+        ):  # a policy may only reorder, never add or drop
             raise ResidencyError(f"policy {self.policy.name!r} returned a different key set")
         return order
 
