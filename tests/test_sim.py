@@ -86,6 +86,26 @@ def test_tiered_and_uniform_shares() -> None:
     assert len(uni) == 10 and max(uni.values()) / min(uni.values()) < 1.15
 
 
+def test_shift_moves_popularity() -> None:
+    wl = generate_workload("zipf:s=1,n=64,requests=4000,rate=50,shift=20")
+    assert wl.hot_adapters is None
+    top = [
+        Counter(r.adapter for r in wl.requests if lo <= r.time < lo + 20).most_common(1)[0][0]
+        for lo in (0, 20, 40)
+    ]
+    assert len(set(top)) == 3  # a different favourite in each 20 s epoch
+    assert wl.requests == generate_workload("zipf:s=1,n=64,requests=4000,rate=50,shift=20").requests
+    with pytest.raises(WorkloadSpecError, match="shift must be >= 0"):
+        generate_workload("zipf:shift=-1")
+
+
+def test_decay_beats_plain_lfu_when_popularity_shifts() -> None:
+    spec = "zipf:s=1,n=128,requests=6000,rate=20,shift=60"
+    _, lfu = run(spec, "lfu", slots=8)
+    _, hybrid = run(spec, "hybrid", slots=8)
+    assert hybrid.l0_hit_ratio > lfu.l0_hit_ratio + 0.03
+
+
 def test_hotburst_shape() -> None:
     wl = generate_workload("hotburst")
     hot = [r for r in wl.requests if r.adapter in wl.hot_adapters]

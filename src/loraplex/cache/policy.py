@@ -249,6 +249,12 @@ class LRUPolicy(_TrackingPolicy):
     def keep_score(self, key: str, tier: str, now: float, *, by_bytes: bool = True) -> float:
         return self._last.get(key, -math.inf)
 
+    def order_victims(
+        self, candidates: Sequence[str], tier: str, now: float, *, by_bytes: bool = True
+    ) -> list[str]:
+        last = self._last
+        return sorted(candidates, key=lambda k: (last.get(k, -math.inf), k))
+
 
 class FIFOPolicy(_TrackingPolicy):
     """First in (to this tier), first out. The keep-score is the insertion time."""

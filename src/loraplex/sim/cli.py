@@ -147,6 +147,13 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
+def _fmt_waits(r: SimResult) -> str:
+    if not r.waits:
+        return "0"
+    out = f"{r.waits} (mean {r.mean_wait_s * 1000:.1f} ms)"
+    return out + (f", {r.unserved} unserved" if r.unserved else "")
+
+
 def _table(
     wl: Workload,
     cfg: SimConfig,
@@ -192,7 +199,7 @@ def _table(
                 "/".join(str(t.loads) for t in r.tiers),
                 str(r.remote_fetches),
                 f"{r.load_seconds:.1f}",
-                str(r.waits) + (f" ({r.unserved} unserved)" if r.unserved else ""),
+                _fmt_waits(r),
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

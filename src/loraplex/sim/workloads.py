@@ -20,7 +20,9 @@ Common keys: ``requests`` (20000), ``rate`` (req/s, 50), ``arrivals`` (``poisson
 gamma uses ``cv``, the coefficient of variation of the gaps, 2 = bursty), ``seed`` (0),
 ``tenants`` (4; adapter i belongs to tenant ``t{i % tenants}``), ``rank`` (16), or ``ranks``
 (e.g. ``8/16/64``: adapter i gets ``ranks[i % 3]``), ``bytes_per_rank`` (1MiB; an adapter's size
-is rank x bytes_per_rank), ``priority`` (0).
+is rank x bytes_per_rank), ``priority`` (0), ``shift`` (0 = never: every ``shift`` seconds the
+popularity ranks move to a fresh random permutation of the adapters — yesterday's hot adapters
+go cold, which is where decayed frequencies beat plain LFU).
 
 ``hotburst`` models interactive tenants with a few steady adapters while a batch tenant sweeps a
 long tail of cold adapters in periodic bursts. Keys and defaults:
@@ -226,6 +228,7 @@ class _Common:
     ranks: tuple[int, ...] = ()
     bytes_per_rank: int = 1 << 20
     priority: int = 0
+    shift: float = 0.0
 
     def check(self) -> None:
         if self.requests < 1:
@@ -234,6 +237,8 @@ class _Common:
             raise WorkloadSpecError(f"rate must be > 0, got {self.rate}")
         if self.arrivals not in ("poisson", "gamma"):
             raise WorkloadSpecError(f"arrivals must be poisson or gamma, got {self.arrivals!r}")
+        if self.shift < 0:
+            raise WorkloadSpecError(f"shift must be >= 0 seconds, got {self.shift}")
         if self.cv <= 0:
             raise WorkloadSpecError(f"cv must be > 0, got {self.cv}")
         if self.tenants < 1 or min(self.rank, *self.ranks, self.bytes_per_rank) < 0:
@@ -252,18 +257,27 @@ def _popularity_trace(
     idx = _sample(rng, cum, c.requests)
     times = _arrival_times(rng, c.requests, c.rate, c.arrivals, c.cv)
     width = len(str(len(weights) - 1))
-    reqs = [
-        Request(
-            time=t,
-            adapter=f"{prefix}{i:0{width}d}",
-            tenant=f"t{i % c.tenants}",
-            size=c.rank_of(i) * c.bytes_per_rank,
-            rank=c.rank_of(i),
-            priority=c.priority,
+    perm = list(range(len(weights)))  # popularity rank -> adapter
+    epoch = 0
+    reqs = []
+    for t, r in zip(times, idx, strict=True):
+        if c.shift > 0 and t // c.shift > epoch:  # popularity moves to other adapters
+            epoch = int(t // c.shift)
+            perm = random.Random(c.seed * 1_000_003 + epoch).sample(
+                range(len(weights)), len(weights)
+            )
+        i = perm[r]
+        reqs.append(
+            Request(
+                time=t,
+                adapter=f"{prefix}{i:0{width}d}",
+                tenant=f"t{i % c.tenants}",
+                size=c.rank_of(i) * c.bytes_per_rank,
+                rank=c.rank_of(i),
+                priority=c.priority,
+            )
         )
-        for t, i in zip(times, idx, strict=True)
-    ]
-    return Workload(spec=name, requests=reqs, hot_adapters=hot)
+    return Workload(spec=name, requests=reqs, hot_adapters=hot if c.shift <= 0 else None)
 
 
 # ----------------------------------------------------------------------------- generators
@@ -396,7 +410,7 @@ _INT_KEYS = {
     "n", "requests", "seed", "tenants", "rank", "priority", "hot_tenants", "hot_per_tenant",
     "cold", "sweep_repeat", "hot_priority", "cold_priority",
 }  # fmt: skip
-_FLOAT_KEYS = {"s", "rate", "cv", "hot_rate", "burst_rate", "period", "duty"}
+_FLOAT_KEYS = {"s", "rate", "cv", "hot_rate", "burst_rate", "period", "duty", "shift"}
 _SIZE_KEYS = {"bytes_per_rank"}
 _STR_KEYS = {"arrivals"}
 _INT_LIST_KEYS = {"ranks"}
