@@ -250,7 +250,9 @@ def test_disconnect_during_non_streaming_request_aborts(server: Server) -> None:
                     },
                 )
             )
+            deadline = time.monotonic() + 30
             while eng.num_steps < steps_before + 3:  # it is running
+                assert time.monotonic() < deadline and not task.done()
                 await asyncio.sleep(0.01)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -268,7 +270,7 @@ def test_unload_is_drain_safe(server: Server) -> None:
     body = {
         "model": "drainee",
         "prompt": "The capital of France is",
-        "max_tokens": 60,
+        "max_tokens": 120,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
