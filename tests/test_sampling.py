@@ -146,3 +146,21 @@ def test_odd_prompt_and_param_types(llm: LLM) -> None:
         SamplingParams(temperature="hot")
     with pytest.raises(InvalidRequestError, match="top_k"):
         SamplingParams(top_k=2.5)
+
+
+def test_extreme_temperature_and_top_p_do_not_break_the_step(tiny_model) -> None:
+    """Tiny temperatures overflow logits / T and a top_p that rounds to 0 in float32 once
+    masked every token; both must sample the argmax, and a neighbour in the batch is unaffected."""
+    from loraplex import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model), enable_lora=False, num_kv_blocks=64)
+    greedy = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4))[0]
+    params = [
+        SamplingParams(temperature=1e-300, max_tokens=4),
+        SamplingParams(temperature=1e-6, max_tokens=4),
+        SamplingParams(temperature=1.0, top_p=5e-324, max_tokens=4, seed=1),
+        SamplingParams(temperature=1.0, top_p=1e-45, max_tokens=4, seed=1),
+    ]
+    outs = llm.generate(["Hello"] * len(params), params)
+    for o in outs:
+        assert o.outputs[0].token_ids == greedy.outputs[0].token_ids

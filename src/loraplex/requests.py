@@ -12,7 +12,7 @@ from loraplex.types import InvalidRequestError
 
 @dataclass
 class SamplingParams:
-    """How to sample one completion. ``temperature == 0`` means greedy."""
+    """How to sample one completion. ``temperature == 0`` (below 1e-5) means greedy."""
 
     n: int = 1
     temperature: float = 1.0
@@ -80,7 +80,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 sample the argmax (as vLLM); dividing by them overflows."""
+        return self.temperature < 1e-5
 
 
 @dataclass(init=False)

@@ -18,6 +18,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (always keep the first)
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False  # a top_p that rounds to 0 in float32 must not drop every token
         logits = logits.clone()
         logits[order[drop]] = float("-inf")
     return logits
@@ -44,8 +45,11 @@ class Sampler:
                     tokens[i] = int(row.argmax())
             if not p.greedy:
                 row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+                probs = row.softmax(-1)
+                if not bool(torch.isfinite(probs).all()):  # overflow: the limit is greedy
+                    continue
                 gen = seq.generator if seq.generator is not None else self.generator
-                tokens[i] = int(torch.multinomial(row.softmax(-1), 1, generator=gen))
+                tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
         if any(s.params.logprobs is not None for s in seqs):
             self._logprobs(logits, seqs, tokens)
         return tokens
