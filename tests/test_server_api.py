@@ -752,3 +752,21 @@ def test_health_and_version(server: Server) -> None:
         r = h.get("/version")
         assert r.status_code == 200 and r.json() == {"version": loraplex.__version__}
         assert_openai_error(h.get("/no/such/route"), 404)
+
+
+def test_booleans_and_numeric_strings_are_not_integers() -> None:
+    """Strict bodies: ``max_tokens: true`` or ``"8"`` and boolean token ids are 400s."""
+    from pydantic import ValidationError
+
+    from loraplex.server.protocol import CompletionRequest
+
+    for bad in (
+        {"model": "m", "prompt": "x", "max_tokens": True},
+        {"model": "m", "prompt": "x", "max_tokens": "8"},
+        {"model": "m", "prompt": [True, False]},
+        {"model": "m", "prompt": "x", "n": "2"},
+    ):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate(bad)
+    ok = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]], "temperature": 1})
+    assert ok.prompts() == [[1, 2]] and ok.temperature == 1.0

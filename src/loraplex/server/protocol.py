@@ -37,7 +37,7 @@ Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # no "2" -> 2, no true -> 1
 
 
 class StreamOptions(_Body):
