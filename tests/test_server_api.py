@@ -770,3 +770,27 @@ def test_booleans_and_numeric_strings_are_not_integers() -> None:
             CompletionRequest.model_validate(bad)
     ok = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]], "temperature": 1})
     assert ok.prompts() == [[1, 2]] and ok.temperature == 1.0
+
+
+def test_admin_adapter_swapped_for_links_outside_is_refused(
+    server: Server, adapters: dict[str, Path]
+) -> None:
+    """Loaded through the admin API, then its files replaced by links out of the allowed roots:
+    requests are refused (403) instead of reading the linked files."""
+    path = server.root / "swapped"
+    shutil.copytree(adapters["mlp_r16"], path)
+    r = _admin(server, "load_lora_adapter", lora_name="swapped", lora_path=str(path))
+    assert r.status_code == 200, r.text
+    try:
+        for f in path.iterdir():
+            f.unlink()
+            f.symlink_to(adapters["all_r8"] / f.name)
+        with server.http() as h:
+            r = h.post(
+                "/v1/completions", json={"model": "swapped", "prompt": "x", "max_tokens": 2}
+            )
+        assert assert_openai_error(r, 403)["code"] == "adapter_path_refused"
+    finally:
+        _admin(server, "unload_lora_adapter", lora_name="swapped")
+        shutil.rmtree(path)
+    wait_idle(server.state)

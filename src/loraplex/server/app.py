@@ -307,6 +307,13 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+        if adapter.source == "admin":  # its files may have been replaced since it was loaded
+            try:
+                check_allowed_path(adapter.path, self.config.allowed_lora_roots)
+            except AdapterError as e:
+                raise APIError(
+                    403, f"adapter {name!r}: {e}", "permission_error", code="adapter_path_refused"
+                ) from e
         return adapter.lora_request()
 
     async def prepare(
