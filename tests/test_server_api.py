@@ -705,8 +705,14 @@ def test_residency_view_and_metrics(server: Server) -> None:
         _metric_lines(server), "time_to_first_token_seconds_count", adapter_state="cold"
     )
     client = server.client()
-    client.completions.create(model=cold, prompt="hi", max_tokens=3, temperature=0)
-    client.completions.create(model=cold, prompt="hi", max_tokens=3, temperature=0)
+    states = []
+    for _ in range(2):  # the response says whether the adapter was warm on arrival
+        raw = client.completions.with_raw_response.create(
+            model=cold, prompt="hi", max_tokens=3, temperature=0
+        )
+        states.append(raw.headers.get("x-loraplex-adapter-state"))
+        assert raw.headers.get("x-loraplex-adapter", "").startswith(f"{cold};")
+    assert states == ["cold", "warm"]
     client.completions.create(model=BASE, prompt="hi", max_tokens=3, temperature=0)
     wait_idle(server.state)
 

@@ -488,11 +488,16 @@ _DONE = b"data: [DONE]\n\n"
 
 
 def _adapter_header(outs: list[PreparedRequest]) -> dict[str, str]:
+    """Which adapter weights served the request, and whether they were warm on arrival."""
     ref = outs[0].adapter if outs else None
     if ref is None:
         return {}
     rev = f";revision={ref.revision}" if ref.revision else ""
-    return {"x-loraplex-adapter": f"{ref.name}{rev};sha256={ref.sha256[:16]}"}
+    warm = all(p.adapter_warm for p in outs)
+    return {
+        "x-loraplex-adapter": f"{ref.name}{rev};sha256={ref.sha256[:16]}",
+        "x-loraplex-adapter-state": "warm" if warm else "cold",
+    }
 
 
 async def _until_disconnect(request: Request) -> None:
