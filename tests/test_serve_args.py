@@ -463,3 +463,93 @@ def test_file_problems_name_the_key(model_dir: Path, adapters: dict[str, Path],
 def test_import_does_not_need_torch() -> None:
     code = "import sys, loraplex.server.args; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- adapter cache tiers
+
+
+def test_adapter_cache_flags(model_dir: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    e = parse(
+        [
+            model_dir,
+            "--max-cpu-lora-bytes", "2GiB",
+            "--disk-cache-dir", tmp_path / "l2",
+            "--disk-cache-bytes", "20G",
+            "--adapter-eviction-policy", "LRU",
+            "--adapter-min-residency", "2.5",
+            "--adapter-load-timeout", "30s",
+            "--adapter-store-url", store,
+        ]
+    ).engine  # fmt: skip
+    assert e.max_cpu_lora_bytes == 2 * 2**30 and e.disk_cache_bytes == 20 * 10**9
+    assert e.disk_cache_dir == str((tmp_path / "l2").resolve())
+    assert e.adapter_eviction_policy == "lru"
+    assert (e.adapter_min_residency_s, e.adapter_load_timeout_s) == (2.5, 30.0)
+    assert e.adapter_store_url == str(store.resolve())
+    s3 = parse([model_dir, "--adapter-store-url", "s3://bucket/prefix"]).engine
+    assert s3.adapter_store_url == "s3://bucket/prefix"
+    d = parse([model_dir]).engine
+    assert (d.adapter_eviction_policy, d.disk_cache_dir, d.adapter_store_url) == (
+        "hybrid",
+        None,
+        None,
+    )
+
+
+def test_adapter_cache_flags_in_a_config_file(model_dir: Path, tmp_path: Path) -> None:
+    cfg_file = write(
+        tmp_path / "serve.yaml",
+        f"""
+model: {model_dir}
+max-cpu-lora-bytes: 512MiB
+disk-cache-dir: {tmp_path / "l2"}
+disk_cache_bytes: 1GiB
+adapter-eviction-policy: fifo
+adapter-min-residency: 1
+""",
+    )
+    e = parse(["--config", cfg_file]).engine
+    assert (e.max_cpu_lora_bytes, e.disk_cache_bytes) == (512 * 2**20, 2**30)
+    assert e.adapter_eviction_policy == "fifo" and e.adapter_min_residency_s == 1.0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--adapter-eviction-policy", "mru"],
+        ["--adapter-min-residency", "-1"],
+        ["--adapter-min-residency", "soon"],
+        ["--max-cpu-lora-bytes", "lots"],
+        ["--disk-cache-bytes", "lots"],
+        ["--adapter-store-url", "ftp://host/x"],
+        ["--adapter-store-url", "s3://"],
+    ],
+)
+def test_adapter_cache_flag_syntax_errors_exit_2(
+    model_dir: Path, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse([model_dir, *argv])
+    assert info.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_adapter_cache_flag_semantic_errors(model_dir: Path, tmp_path: Path) -> None:
+    assert "--disk-cache-dir: needs --disk-cache-bytes" in error_of(
+        [model_dir, "--disk-cache-dir", tmp_path / "l2"]
+    )
+    assert "--disk-cache-bytes: needs --disk-cache-dir" in error_of(
+        [model_dir, "--disk-cache-bytes", "1G"]
+    )
+    assert "--max-cpu-lora-bytes: must be >= 1" in error_of(
+        [model_dir, "--max-cpu-lora-bytes", "0"]
+    )
+    assert "--adapter-store-url: " in error_of(
+        [model_dir, "--adapter-store-url", tmp_path / "missing"]
+    )
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in error_of(
+        [model_dir, "--disk-cache-dir", tmp_path / "file", "--disk-cache-bytes", "1G"]
+    )

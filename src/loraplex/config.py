@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ADAPTER_EVICTION_POLICIES = ("hybrid", "lru", "lfu", "fifo")
+"""Names of ``loraplex.cache.policy.POLICIES`` (checked by a test; config imports nothing)."""
+
 
 @dataclass
 class EngineConfig:
@@ -18,6 +21,14 @@ class EngineConfig:
     max_loras: int = 8
     max_cpu_loras: int = 32
     max_lora_rank: int = 64
+    # adapter cache tiers (see loraplex.cache.adapters)
+    max_cpu_lora_bytes: int | None = None  # L1 byte budget (with the max_cpu_loras count)
+    adapter_eviction_policy: str = "hybrid"  # one of ADAPTER_EVICTION_POLICIES
+    disk_cache_dir: str | None = None  # L2 directory (object-store adapters); None: no L2
+    disk_cache_bytes: int | None = None  # L2 byte budget (required with disk_cache_dir)
+    adapter_min_residency_s: float = 0.0  # a newly loaded adapter is not evicted before this
+    adapter_load_timeout_s: float = 10.0  # max wait for room in host memory, then an error
+    adapter_store_url: str | None = None  # L3: s3://bucket/prefix, file:///dir or a directory
     # KV cache and scheduling
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # None: a default sized from device memory
@@ -47,6 +58,33 @@ class EngineConfig:
             raise ValueError("invalid EngineConfig.kv_cache_memory_bytes: must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("invalid EngineConfig.num_kv_blocks: must be >= 1")
+        self._validate_adapter_cache()
+
+    def _validate_adapter_cache(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"invalid EngineConfig.{name}: {getattr(self, name)!r} ({why})")
+
+        if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes <= 0:
+            raise bad("max_cpu_lora_bytes", "must be > 0 bytes")
+        if self.adapter_eviction_policy.strip().lower() not in ADAPTER_EVICTION_POLICIES:
+            raise bad("adapter_eviction_policy", f"one of {', '.join(ADAPTER_EVICTION_POLICIES)}")
+        if self.disk_cache_bytes is not None and self.disk_cache_bytes <= 0:
+            raise bad("disk_cache_bytes", "must be > 0 bytes")
+        if self.disk_cache_dir is not None and self.disk_cache_bytes is None:
+            raise bad("disk_cache_bytes", "required with disk_cache_dir")
+        if self.disk_cache_bytes is not None and self.disk_cache_dir is None:
+            raise bad("disk_cache_dir", "required with disk_cache_bytes")
+        if not self.adapter_min_residency_s >= 0:
+            raise bad("adapter_min_residency_s", "must be >= 0 seconds")
+        if not self.adapter_load_timeout_s > 0:
+            raise bad("adapter_load_timeout_s", "must be > 0 seconds")
+        url = self.adapter_store_url
+        if url is not None:
+            scheme, sep, rest = url.partition("://")
+            if not url or (sep and scheme.lower() not in ("s3", "file")):
+                raise bad("adapter_store_url", "expected s3://bucket/prefix, file:///dir or a path")
+            if sep and scheme.lower() == "s3" and not rest.split("/", 1)[0]:
+                raise bad("adapter_store_url", "s3:// URL without a bucket")
 
 
 @dataclass

@@ -139,14 +139,7 @@ class LLMEngine:
             )
             self.model.lora = LoRABinding(bank, ops)
             spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
-            self.adapters = AdapterManager(
-                bank,
-                spec,
-                max_loras=config.max_loras,
-                max_cpu_loras=config.max_cpu_loras,
-                max_lora_rank=config.max_lora_rank,
-                dtype=table_dtype,
-            )
+            self.adapters = AdapterManager.from_config(bank, spec, config, dtype=table_dtype)
 
         num_blocks = self._num_kv_blocks()
         self.cache = PagedKVCache(

@@ -447,7 +447,38 @@ def load_peft_adapter(
     digest. Every problem raises :class:`AdapterError` naming ``path`` and the field/tensor.
     """
     config, tensors = read_adapter_files(path)
-    digest = compute_adapter_digest(config, tensors)
+    return build_adapter(
+        config,
+        tensors,
+        spec,
+        path=path,
+        name=name,
+        revision=revision,
+        max_lora_rank=max_lora_rank,
+        dtype=dtype,
+    )
+
+
+def build_adapter(
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    spec: BaseModelSpec,
+    *,
+    path: str | Path,
+    name: str | None = None,
+    revision: str | None = None,
+    max_lora_rank: int = 64,
+    dtype: torch.dtype = torch.float32,
+    digest: str | None = None,
+) -> LoRAAdapter:
+    """Validate and convert an adapter already read as ``(config, tensors)`` (e.g. a verified
+    copy from the disk tier or an object store); :func:`load_peft_adapter` is read + this.
+
+    ``path`` names the source in errors; ``digest`` skips re-hashing when the caller has just
+    computed it from the same ``(config, tensors)``.
+    """
+    if digest is None:
+        digest = compute_adapter_digest(config, tensors)
     settings = _parse_config(config, path)
 
     # Group tensors by module: (layer, proj) -> {"A": t, "B": t}; module_key keeps the key PEFT saw.

@@ -23,7 +23,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from loraplex.config import EngineConfig, LoRAModule, ServerConfig
+from loraplex.config import ADAPTER_EVICTION_POLICIES, EngineConfig, LoRAModule, ServerConfig
 
 __all__ = [
     "ServeConfigError",
@@ -91,6 +91,34 @@ def parse_byte_size(text: str) -> int:
     power = "kmgtp".index(m.group(2).lower()) + 1 if m.group(2) else 0
     base = 1024 if m.group(3) else 1000
     return int(Decimal(m.group(1)) * base**power)
+
+
+def _seconds(text: str) -> float:
+    """A non-negative number of seconds: '0', '2.5', '30s'."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*s?\s*", text)
+    if m is None:
+        raise ValueError(f"expected a number of seconds such as 5 or 2.5, got {text!r}")
+    return float(m.group(1))
+
+
+def _policy(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ADAPTER_EVICTION_POLICIES:
+        choices = ", ".join(ADAPTER_EVICTION_POLICIES)
+        raise ValueError(f"invalid eviction policy {text!r} (choose from {choices})")
+    return value
+
+
+def _store_url(text: str) -> str:
+    value = text.strip()
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme.lower() not in ("s3", "file"):
+        raise ValueError(f"unsupported object store {text!r} (use s3://bucket/prefix or a dir)")
+    if sep and scheme.lower() == "s3" and not rest.split("/", 1)[0]:
+        raise ValueError(f"{text!r} has no bucket (expected s3://bucket/prefix)")
+    if not value:
+        raise ValueError("must not be empty")
+    return value
 
 
 def _dtype(text: str) -> str:
@@ -197,7 +225,7 @@ class _Opt:
 
     dest: str
     flags: tuple[str, ...]
-    kind: str  # str | int | bool | strs (list of str) | lora
+    kind: str  # str | int | float | bool | strs (list of str) | lora
     help: str
     parse: Callable[[str], Any] = _nonempty
     metavar: str | None = None
@@ -260,6 +288,65 @@ def _options(d: Mapping[str, Any]) -> tuple[_Opt, ...]:
             "int",
             f"adapters kept in host memory (default: {d['max_cpu_loras']}, at least --max-loras)",
             _int,
+        ),
+        _Opt(
+            "max_cpu_lora_bytes",
+            ("--max-cpu-lora-bytes",),
+            "int",
+            "host-memory budget of adapter weights, e.g. 4GiB, 512MiB, 1G (default: no byte "
+            "limit, only --max-cpu-loras)",
+            parse_byte_size,
+            "BYTES",
+        ),
+        _Opt(
+            "adapter_eviction_policy",
+            ("--adapter-eviction-policy",),
+            "str",
+            f"adapter eviction policy (default: {d['adapter_eviction_policy']})",
+            _policy,
+            "{" + ",".join(ADAPTER_EVICTION_POLICIES) + "}",
+        ),
+        _Opt(
+            "adapter_min_residency_s",
+            ("--adapter-min-residency",),
+            "float",
+            "seconds a newly loaded adapter is protected from eviction "
+            f"(default: {d['adapter_min_residency_s']:g})",
+            _seconds,
+            "SECONDS",
+        ),
+        _Opt(
+            "adapter_load_timeout_s",
+            ("--adapter-load-timeout",),
+            "float",
+            "seconds a request waits for room in host memory before a 503 "
+            f"(default: {d['adapter_load_timeout_s']:g})",
+            _seconds,
+            "SECONDS",
+        ),
+        _Opt(
+            "disk_cache_dir",
+            ("--disk-cache-dir",),
+            "str",
+            "local directory caching object-store adapters (L2; needs --disk-cache-bytes)",
+            metavar="DIR",
+        ),
+        _Opt(
+            "disk_cache_bytes",
+            ("--disk-cache-bytes",),
+            "int",
+            "byte budget of --disk-cache-dir, e.g. 20GiB",
+            parse_byte_size,
+            "BYTES",
+        ),
+        _Opt(
+            "adapter_store_url",
+            ("--adapter-store-url",),
+            "str",
+            "object store of adapters: s3://bucket/prefix (endpoint from $AWS_ENDPOINT_URL, "
+            "credentials from the AWS variables), file:///dir or a directory",
+            _store_url,
+            "URL",
         ),
         _Opt(
             "max_lora_rank",
@@ -456,6 +543,14 @@ def _coerce_file_value(o: _Opt, value: object) -> Any:
         if isinstance(value, str):
             return o.parse(value)
         raise ValueError(f"expected an integer, got {value!r}")
+    if o.kind == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value < 0:
+                raise ValueError(f"expected a number >= 0, got {value!r}")
+            return float(value)
+        if isinstance(value, str):
+            return o.parse(value)
+        raise ValueError(f"expected a number, got {value!r}")
     if o.kind == "str":
         if isinstance(value, str):
             return o.parse(value)
@@ -600,6 +695,9 @@ def config_from_args(
         "max_waiting": (0, None),
         "num_threads": (1, None),
         "kv_cache_memory_bytes": (1, None),
+        "max_cpu_lora_bytes": (1, None),
+        "disk_cache_bytes": (1, None),
+        "adapter_load_timeout_s": (0.001, None),
     }
     for dest, (lo, hi) in bounds.items():
         value = get(dest)
@@ -670,6 +768,22 @@ def config_from_args(
                 "adapter directory)",
             )
         resolved_modules.append(LoRAModule(m.name, str(adapter_dir), m.base_model_name))
+    disk_dir, disk_bytes = get("disk_cache_dir"), get("disk_cache_bytes")
+    if disk_dir is not None and disk_bytes is None:
+        raise fail("disk_cache_dir", "needs --disk-cache-bytes (the disk tier's byte budget)")
+    if disk_bytes is not None and disk_dir is None:
+        raise fail("disk_cache_bytes", "needs --disk-cache-dir")
+    if disk_dir is not None:
+        disk_path = _resolve(disk_dir)
+        if disk_path.exists() and not disk_path.is_dir():
+            raise fail("disk_cache_dir", f"{disk_dir!r} is not a directory")
+        disk_dir = str(disk_path)
+    store_url = get("adapter_store_url")
+    if store_url is not None and "://" not in store_url:
+        store_path = _resolve(store_url)
+        if not store_path.is_dir():
+            raise fail("adapter_store_url", f"{store_url!r} is not a directory")
+        store_url = str(store_path)
     roots = []
     for root in get("allowed_lora_roots"):
         root_dir = _resolve(root)
@@ -687,6 +801,13 @@ def config_from_args(
         max_loras=max_loras,
         max_cpu_loras=max_cpu_loras,
         max_lora_rank=get("max_lora_rank"),
+        max_cpu_lora_bytes=get("max_cpu_lora_bytes"),
+        adapter_eviction_policy=get("adapter_eviction_policy"),
+        adapter_min_residency_s=get("adapter_min_residency_s"),
+        adapter_load_timeout_s=get("adapter_load_timeout_s"),
+        disk_cache_dir=disk_dir,
+        disk_cache_bytes=disk_bytes,
+        adapter_store_url=store_url,
         kv_cache_memory_bytes=get("kv_cache_memory_bytes"),
         max_model_len=get("max_model_len"),
         max_num_seqs=get("max_num_seqs"),

@@ -1,0 +1,627 @@
+"""The tiered adapter cache: single-flight loads, hard constraints under pressure, budgets, L2/L3
+tiers (local-dir store and S3 via moto_server), faults, pins/warm policies, and an engine run
+where a slow cold load does not delay warm adapters (no head-of-line blocking)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.cache.adapters import (
+    AdapterCapacityError,
+    AdapterInUseError,
+    TieredAdapterCache,
+)
+from loraplex.cache.disk import DiskTier
+from loraplex.cache.policy import POLICIES
+from loraplex.cache.store import LocalDirStore, S3Store, StoreUnavailableError
+from loraplex.cache.verify import AdapterCorruptError, AdapterIntegrityError
+from loraplex.config import ADAPTER_EVICTION_POLICIES, EngineConfig
+from loraplex.lora.slots import LoRASlotBank
+from loraplex.requests import LoRARequest, SamplingParams
+from loraplex.types import AdapterError
+from s3fixture import TINY_SPEC, fake_aws_env, free_port, run_moto_server, write_adapter
+
+N_ADAPTERS = 8
+
+
+def adapter_bytes(path: Path) -> int:
+    """Host bytes of one converted tiny adapter."""
+    probe = make_cache()
+    a = probe.resolve(req("probe", path))
+    probe.release(a)
+    return a.nbytes
+
+
+def make_cache(**kw: object) -> TieredAdapterCache:
+    """A cache over a CPU slot bank for the tiny 2-layer spec of ``s3fixture``."""
+    max_loras = int(kw.pop("max_loras", 2))  # type: ignore[call-overload]
+    shapes = {
+        (layer, proj): dims
+        for layer in range(TINY_SPEC.num_layers)
+        for proj, dims in TINY_SPEC.module_shapes.items()
+    }
+    bank = LoRASlotBank(shapes, max_loras, 8, torch.float32, "cpu")
+    kw.setdefault("max_cpu_loras", 4)
+    kw.setdefault("load_wait_timeout_s", 2.0)
+    return TieredAdapterCache(
+        bank, TINY_SPEC, max_loras=max_loras, max_lora_rank=8, dtype=torch.float32, **kw
+    )
+
+
+class StageCounter:
+    """A load observer counting (and timing) stages."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    def __call__(self, stage: str, seconds: float) -> None:
+        with self.lock:
+            self.counts[stage] += 1
+
+
+class CountingStore(LocalDirStore):
+    """A local-dir L3 that counts fetches and can be slowed down or made to fail."""
+
+    def __init__(self, root: Path, *, delay: float = 0.0) -> None:
+        super().__init__(root)
+        self.delay = delay
+        self.fetches = 0
+        self.fail_next: BaseException | None = None
+        self.started: list[float] = []
+        self.ended: list[float] = []
+        self.fingerprints = 0
+        self.down = False
+
+    def fingerprint(self, uri):  # type: ignore[no-untyped-def]
+        self.fingerprints += 1
+        if self.down:
+            raise StoreUnavailableError("store down for the test")
+        return super().fingerprint(uri)
+
+    def fetch(self, uri, dest):  # type: ignore[no-untyped-def]
+        self.fetches += 1
+        self.started.append(time.monotonic())
+        try:
+            time.sleep(self.delay)
+            if self.fail_next is not None:
+                err, self.fail_next = self.fail_next, None
+                raise err
+            return super().fetch(uri, dest)
+        finally:
+            self.ended.append(time.monotonic())
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, str]]:
+    root = tmp_path_factory.mktemp("tiered-src")
+    return [write_adapter(root / f"a{i}", seed=100 + i) for i in range(N_ADAPTERS)]
+
+
+@pytest.fixture
+def store_root(tmp_path: Path, tiny_adapters: list[tuple[Path, str]]) -> Path:
+    root = tmp_path / "store"
+    for p, _ in tiny_adapters:
+        shutil.copytree(p, root / p.name)
+    return root
+
+
+def req(name: str, path: str | Path, **extra: object) -> LoRARequest:
+    r = LoRARequest(name, str(path))
+    r.extra.update(extra)
+    return r
+
+
+def hammer(fn, n: int = 100) -> list:  # type: ignore[no-untyped-def]
+    """Run ``fn()`` in ``n`` threads released at once; results or exceptions, in order."""
+    barrier = threading.Barrier(n)
+    out: list = [None] * n
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            out[i] = fn()
+        except BaseException as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+# ------------------------------------------------------------------------- single flight
+
+
+def test_100_concurrent_resolves_of_a_cold_local_adapter_load_once(
+    tiny_adapters: list[tuple[Path, str]],
+) -> None:
+    cache = make_cache()
+    stages = StageCounter()
+    cache.load_observers.append(stages)
+    path, digest = tiny_adapters[0]
+    results = hammer(lambda: cache.resolve_with_state(req("a0", path)))
+    assert not [r for r in results if isinstance(r, BaseException)]
+    assert len({id(a) for a, _ in results}) == 1
+    assert stages.counts["disk_load"] == 1
+    assert cache.stats.host_loads == 1  # late arrivals hit the fresh copy
+    assert cache.stats.cold_requests + cache.stats.host_hits == 100
+    assert cache.request_refs[digest] == 100 and cache.tier_of(digest) == "host"
+    host = cache.tier_counters()["host"]
+    assert host.misses == cache.stats.cold_requests and host.misses + host.hits == 100
+    for a, _ in results:
+        cache.release(a)
+    assert cache.is_idle()
+    cache.check_invariants()
+
+
+def test_100_concurrent_resolves_load_once_from_each_tier(
+    tmp_path: Path, store_root: Path, tiny_adapters: list[tuple[Path, str]]
+) -> None:
+    store = CountingStore(store_root, delay=0.2)
+    disk = DiskTier(tmp_path / "l2", 1 << 20)
+    cache = make_cache(store=store, disk=disk, fingerprint_ttl_s=60)
+    stages = StageCounter()
+    cache.load_observers.append(stages)
+    digest = tiny_adapters[1][1]
+    r = req("a1", store_root / "a1")
+    results = hammer(lambda: cache.resolve(r))
+    assert all(not isinstance(a, BaseException) for a in results)
+    assert store.fetches == 1 and stages.counts["remote_download"] == 1
+    assert store.fingerprints == 1  # change checks are shared too (and cached for the TTL)
+    assert digest in disk.entries() and cache.resident_bytes()["disk"][0] == 1
+    for a in results:
+        cache.release(a)
+    cache.evict(digest, tiers=["host"])  # an L1 miss whose digest is on L2
+    assert cache.tier_of(digest) == "disk"
+    stages.counts.clear()
+    results = hammer(lambda: cache.resolve(r))
+    assert all(not isinstance(a, BaseException) for a in results)
+    assert store.fetches == 1  # L3 untouched
+    assert stages.counts["disk_load"] == 1 and stages.counts["remote_download"] == 0
+    assert cache.stats.disk_hits == 1
+    for a in results:
+        cache.release(a)
+    cache.check_invariants()
+
+
+def test_a_failed_load_fails_all_waiters_and_the_next_request_retries(
+    tmp_path: Path, store_root: Path
+) -> None:
+    store = CountingStore(store_root, delay=0.3)
+    store.fail_next = StoreUnavailableError("store down for the test")
+    cache = make_cache(store=store, disk=DiskTier(tmp_path / "l2", 1 << 20))
+    r = req("a2", store_root / "a2")
+    results = hammer(lambda: cache.resolve(r), n=20)
+    assert all(isinstance(e, StoreUnavailableError) for e in results)
+    assert len({id(e) for e in results}) == 1 and store.fetches == 1
+    assert cache.stats.load_failures == 1 and cache.is_idle()
+    a = cache.resolve(r)  # no negative caching
+    assert store.fetches == 2
+    cache.release(a)
+    cache.check_invariants()
+
+
+# --------------------------------------------------------------------- hard constraints
+
+
+def test_count_budget_caps_cached_copies_and_lets_live_requests_exceed_it(
+    tiny_adapters: list[tuple[Path, str]],
+) -> None:
+    """vLLM's max_cpu_loras: an offline batch may hold more adapters than that at once."""
+    cache = make_cache(max_loras=1, max_cpu_loras=2)
+    held = [cache.resolve(req(f"a{i}", p)) for i, (p, _) in enumerate(tiny_adapters[:5])]
+    assert len(cache.host) == 5  # all in use: none may go
+    for a in held:
+        cache.release(a)
+    assert len(cache.host) == 2 and cache.tier_counters()["host"].evictions == 3
+    cache.check_invariants()
+
+
+def test_an_adapter_in_use_survives_any_pressure(tiny_adapters: list[tuple[Path, str]]) -> None:
+    cache = make_cache(max_loras=1, max_cpu_loras=2, load_wait_timeout_s=0.2)
+    (p0, d0), rest = tiny_adapters[0], tiny_adapters[1:]
+    held = cache.resolve(req("a0", p0))
+    slot = cache.acquire_slot(held)
+    assert slot is not None
+    for _ in range(3):
+        for i, (p, _) in enumerate(rest):
+            a = cache.resolve(req(f"a{i + 1}", p))
+            assert cache.acquire_slot(a) is None  # the only slot is in use
+            cache.release(a)
+            assert cache.tier_of(d0) == "device" and cache.slot_of[d0] == slot
+            assert cache.resident_bytes()["host"][0] <= 2
+    assert cache.stats.slot_waits == 3 * len(rest)
+    cache.release_slot(slot)
+    cache.release(held)
+    cache.check_invariants()
+
+
+def test_resolve_waits_for_room_then_raises_a_clear_capacity_error(
+    tiny_adapters: list[tuple[Path, str]],
+) -> None:
+    one = adapter_bytes(tiny_adapters[0][0])
+    cache = make_cache(max_loras=1, max_cpu_lora_bytes=one + one // 2, load_wait_timeout_s=0.3)
+    a0 = cache.resolve(req("a0", tiny_adapters[0][0]))
+    t0 = time.monotonic()
+    with pytest.raises(AdapterCapacityError, match=r"'a1'.*host memory.*in use") as info:
+        cache.resolve(req("a1", tiny_adapters[1][0]))
+    assert time.monotonic() - t0 >= 0.3 and info.value.tier == "host"
+    assert isinstance(info.value, AdapterError)
+    # woken by a release: the waiting load goes on
+    cache.load_wait_timeout_s = 5.0
+    threading.Timer(0.2, cache.release, args=(a0,)).start()
+    a1 = cache.resolve(req("a1", tiny_adapters[1][0]))
+    assert cache.tier_of(tiny_adapters[0][1]) is None and cache.stats.host_evictions == 1
+    cache.release(a1)
+    cache.check_invariants()
+
+
+def test_idle_slots_give_their_host_copies_room(tiny_adapters: list[tuple[Path, str]]) -> None:
+    one = adapter_bytes(tiny_adapters[0][0])
+    cache = make_cache(max_loras=2, max_cpu_lora_bytes=2 * one, load_wait_timeout_s=0.2)
+    for i in range(2):
+        a = cache.resolve(req(f"a{i}", tiny_adapters[i][0]))
+        cache.release_slot(cache.acquire_slot(a))  # type: ignore[arg-type]
+        cache.release(a)
+    a2 = cache.resolve(req("a2", tiny_adapters[2][0]))  # both L1 entries held only by idle slots
+    assert cache.tier_of(a2.ref.sha256) == "host"
+    slot = cache.acquire_slot(a2)  # reuses a retired slot (stale rows reset)
+    assert slot is not None
+    cache.release_slot(slot)
+    cache.release(a2)
+    cache.check_invariants()
+
+
+def test_byte_budget_is_never_exceeded(tiny_adapters: list[tuple[Path, str]]) -> None:
+    one = adapter_bytes(tiny_adapters[0][0])
+    budget = int(2.5 * one)
+    cache = make_cache(max_cpu_loras=8, max_cpu_lora_bytes=budget, max_loras=1)
+    for _ in range(2):
+        for i, (p, _) in enumerate(tiny_adapters):
+            a = cache.resolve(req(f"a{i}", p))
+            assert cache.resident_bytes()["host"][1] <= budget
+            cache.release(a)
+    assert cache.resident_bytes()["host"][0] == 2
+    host = cache.tier_counters()["host"]
+    assert host.inserts - host.evictions == 2 and host.evictions >= N_ADAPTERS
+    with pytest.raises(AdapterCapacityError, match="larger than the tier"):
+        make_cache(max_cpu_lora_bytes=one // 2).resolve(req("a0", tiny_adapters[0][0]))
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "lru"])
+def test_storm_of_loads_and_evictions_leaks_nothing(
+    tmp_path: Path, store_root: Path, tiny_adapters: list[tuple[Path, str]], policy: str
+) -> None:
+    disk_budget = 3 * DiskTier.nbytes_of(tiny_adapters[0][0])
+    disk = DiskTier(tmp_path / "l2", disk_budget)
+    host_budget = 3 * adapter_bytes(tiny_adapters[0][0])
+    cache = make_cache(
+        max_loras=2,
+        max_cpu_loras=3,
+        max_cpu_lora_bytes=host_budget,
+        policy=policy,
+        store=CountingStore(store_root),
+        disk=disk,
+        load_wait_timeout_s=0.5,
+    )
+    sources = [store_root / f"a{i}" for i in range(4)] + [p for p, _ in tiny_adapters[4:]]
+    stop = time.monotonic() + 3.0
+    errors: list[BaseException] = []
+    over: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < stop:
+            i = rng.randrange(len(sources))
+            try:
+                a = cache.resolve(req(f"a{i}", sources[i]))
+            except AdapterCapacityError:
+                continue
+            except BaseException as e:
+                errors.append(e)
+                return
+            time.sleep(rng.random() * 0.005)
+            cache.release(a)
+
+    def engine() -> None:  # the only thread touching slots
+        rng = random.Random(0)
+        while time.monotonic() < stop:
+            i = rng.randrange(len(sources))
+            try:
+                a = cache.resolve(req(f"a{i}", sources[i]))
+            except AdapterCapacityError:
+                continue
+            slot = cache.acquire_slot(a)
+            if slot is not None:
+                cache.release_slot(slot)
+            cache.release(a)
+
+    def monitor() -> None:
+        while time.monotonic() < stop:
+            res = cache.resident_bytes()
+            if res["host"][1] > host_budget or res["device"][0] > 2 or res["disk"][1] > disk_budget:
+                over.append(repr(res))
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    threads += [threading.Thread(target=engine), threading.Thread(target=monitor)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors and not over
+    assert cache.is_idle() and not cache.request_refs
+    assert len(cache.host) <= 3  # the cached-copy count once every request is gone
+    cache.check_invariants()
+    counters = cache.tier_counters()
+    assert counters["host"].evictions > 0 and counters["disk"].evictions > 0
+    assert 0 <= counters["host"].thrash_ratio <= 1
+    assert disk.used_bytes <= disk_budget
+
+
+# ------------------------------------------------------------------------------ faults
+
+
+def test_store_down_keeps_serving_known_copies(tmp_path: Path, store_root: Path) -> None:
+    store = CountingStore(store_root)
+    cache = make_cache(store=store, disk=DiskTier(tmp_path / "l2", 1 << 20), fingerprint_ttl_s=0)
+    known, cold = req("a0", store_root / "a0"), req("a1", store_root / "a1")
+    first = cache.resolve(known)
+    cache.release(first)
+    store.down = True
+    assert cache.resolve(known) is first  # L1 copy, although the change check failed
+    cache.release(first)
+    cache.evict("a0", tiers=["host"])
+    cache.release(cache.resolve(known))  # from L2
+    with pytest.raises(StoreUnavailableError):
+        cache.resolve(cold)
+    assert store.fetches == 1
+    cache.check_invariants()
+
+
+def test_truncated_disk_copy_is_a_clear_error_deleted_and_refetched(
+    tmp_path: Path, store_root: Path, tiny_adapters: list[tuple[Path, str]]
+) -> None:
+    store = CountingStore(store_root)
+    disk = DiskTier(tmp_path / "l2", 1 << 20)
+    cache = make_cache(store=store, disk=disk, fingerprint_ttl_s=60)
+    digest = tiny_adapters[3][1]
+    r = req("a3", store_root / "a3")
+    cache.release(cache.resolve(r))
+    other = cache.resolve(req("a0", tiny_adapters[0][0]))
+    cache.evict(digest, tiers=["host"])
+    weights = disk.root / digest / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(AdapterCorruptError, match=r"'a3'.*disk tier") as info:
+        cache.resolve(r)
+    assert info.value.deleted and digest not in disk.entries() and cache.tier_of(digest) is None
+    assert cache.tier_of(other.ref.sha256) == "host"  # others keep being served
+    cache.release(cache.resolve(r))  # the next request downloads it again
+    assert store.fetches == 2 and digest in disk.entries()
+    cache.release(other)
+    cache.check_invariants()
+
+
+def test_checksum_mismatch_names_adapter_and_tier(
+    tmp_path: Path, store_root: Path, tiny_adapters: list[tuple[Path, str]]
+) -> None:
+    disk = DiskTier(tmp_path / "l2", 1 << 20)
+    cache = make_cache(store=CountingStore(store_root), disk=disk, fingerprint_ttl_s=60)
+    wrong = tiny_adapters[5][1]  # the registry says a5's digest, the store holds a4
+    with pytest.raises(AdapterIntegrityError, match=r"'a4'.*object_store.*checksum mismatch"):
+        cache.resolve(req("a4", store_root / "a4", sha256=wrong))
+    assert not disk.entries() and cache.is_idle()
+    # a disk copy that was tampered with (same size, other bytes)
+    digest = tiny_adapters[4][1]
+    cache.release(cache.resolve(req("a4", store_root / "a4")))
+    cache.evict(digest, tiers=["host"])
+    cfg = disk.root / digest / "adapter_config.json"
+    cfg.write_text(cfg.read_text().replace('"r": 4', '"r": 5'))
+    with pytest.raises(AdapterIntegrityError, match=r"'a4'.*disk tier.*deleted"):
+        cache.resolve(req("a4", store_root / "a4"))
+    assert digest not in disk.entries()
+    cache.release(cache.resolve(req("a5", tiny_adapters[5][0])))
+    cache.check_invariants()
+
+
+def test_disk_budget_full_is_a_clear_error_and_others_are_served(
+    tmp_path: Path, store_root: Path, tiny_adapters: list[tuple[Path, str]]
+) -> None:
+    size = DiskTier.nbytes_of(tiny_adapters[0][0])
+    small = make_cache(store=CountingStore(store_root), disk=DiskTier(tmp_path / "s", size // 2))
+    with pytest.raises(AdapterCapacityError, match=r"'a0'.*disk tier.*larger than the tier"):
+        small.resolve(req("a0", store_root / "a0"))
+    small.release(small.resolve(req("a1", tiny_adapters[1][0])))  # local: no L2 needed
+    disk = DiskTier(tmp_path / "l2", size + size // 2)
+    cache = make_cache(store=CountingStore(store_root), disk=disk, load_wait_timeout_s=0.1)
+    cache.release(cache.resolve(req("a0", store_root / "a0")))
+    cache.pin("a0")
+    with pytest.raises(AdapterCapacityError, match=r"'a2'.*disk tier.*pinned"):
+        cache.resolve(req("a2", store_root / "a2"))
+    cache.release(cache.resolve(req("a3", tiny_adapters[3][0])))
+    cache.unpin("a0")
+    cache.release(cache.resolve(req("a2", store_root / "a2")))
+    assert set(disk.entries()) == {tiny_adapters[2][1]} and cache.stats.disk_evictions == 1
+    cache.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("moto-tiered")
+    with fake_aws_env(tmp), run_moto_server(tmp) as url:
+        yield url
+
+
+def test_s3_single_flight_and_endpoint_down(
+    s3_endpoint: str, tmp_path: Path, tiny_adapters: list[tuple[Path, str]]
+) -> None:
+    import boto3
+
+    session = boto3.session.Session()
+    bucket = f"lp-{uuid.uuid4().hex[:12]}"
+    s3 = S3Store(bucket, "adapters", endpoint_url=s3_endpoint, session=session)
+    s3._client.create_bucket(Bucket=bucket)
+    s3.put_dir(tiny_adapters[6][0], "a6")
+    fetches = Counter[str]()
+    real_fetch = s3.fetch
+
+    def counted(uri, dest):  # type: ignore[no-untyped-def]
+        fetches[uri] += 1
+        return real_fetch(uri, dest)
+
+    s3.fetch = counted  # type: ignore[method-assign]
+    cache = make_cache(store=s3, disk=DiskTier(tmp_path / "l2", 1 << 20))
+    uri = f"s3://{bucket}/adapters/a6"
+    results = hammer(lambda: cache.resolve(req("a6", uri)))
+    assert all(not isinstance(a, BaseException) for a in results)
+    assert sum(fetches.values()) == 1 and cache.tier_of(tiny_adapters[6][1]) == "host"
+    for a in results:
+        cache.release(a)
+    with pytest.raises(AdapterError, match=r"outside|not the store's bucket"):
+        cache.resolve(req("x", "s3://other-bucket/adapters/a6"))
+
+    down = S3Store(bucket, "adapters", endpoint_url=f"http://127.0.0.1:{free_port()}")
+    cache2 = make_cache(store=down, disk=DiskTier(tmp_path / "l2b", 1 << 20))
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match="unreachable"):
+        cache2.resolve(req("a6", uri))
+    assert time.monotonic() - t0 < 10
+    cache2.release(cache2.resolve(req("a7", tiny_adapters[7][0])))  # others keep being served
+    assert cache2.is_idle()
+    cache2.check_invariants()
+
+
+def test_s3_uri_without_a_store_is_a_clear_error(tiny_adapters: list[tuple[Path, str]]) -> None:
+    with pytest.raises(AdapterError, match="no object store is configured"):
+        make_cache().resolve(req("x", "s3://bucket/adapters/x"))
+
+
+# -------------------------------------------------------------- pins, evict, warm policies
+
+
+def test_prewarm_pins_and_admin_evict(tiny_adapters: list[tuple[Path, str]]) -> None:
+    cache = make_cache(max_loras=2, max_cpu_loras=3, load_wait_timeout_s=0.1)
+    (p0, d0), (p1, d1), (p2, d2) = tiny_adapters[:3]
+    refs = cache.prewarm(
+        [(req("a0", p0), "device-preferred"), (req("a1", p1), "host"), (req("a2", p2), "on-demand")]
+    )
+    assert [r.sha256 for r in refs] == [d0, d1, d2]
+    rows = {r.ref.sha256: r for r in cache.residency()}
+    assert rows[d0].tier == "device" and rows[d0].pinned and rows[d0].slot is not None
+    assert rows[d1].tier == "host" and rows[d1].pinned
+    assert rows[d2].tier == "host" and not rows[d2].pinned
+    with pytest.raises(ValueError, match="unknown warm policy"):
+        cache.prewarm([(req("a0", p0), "sometimes")])
+    # pressure: only the on-demand adapter may go
+    for i in range(3, 6):
+        cache.release(cache.resolve(req(f"a{i}", tiny_adapters[i][0])))
+        assert cache.tier_of(d0) == "device" and cache.tier_of(d1) == "host"
+    # admin evict: refused while pinned or in use
+    with pytest.raises(AdapterInUseError, match="pinned"):
+        cache.evict("a1")
+    cache.unpin("a1")
+    held = cache.resolve(req("a1", p1))
+    with pytest.raises(AdapterInUseError, match="in-flight"):
+        cache.evict(d1)
+    cache.release(held)
+    assert cache.evict(d1) == ["host"] and cache.tier_of(d1) is None
+    assert {r.ref.sha256: r.tier for r in cache.residency()}[d1] == "absent"
+    cache.unpin(d0)
+    assert cache.evict("a0") == ["device", "host"]
+    with pytest.raises(AdapterError, match="not known"):
+        cache.pin("nope")
+    cache.check_invariants()
+
+
+def test_more_device_preferred_adapters_than_slots(tiny_adapters: list[tuple[Path, str]]) -> None:
+    cache = make_cache(max_loras=1, max_cpu_loras=2)
+    with pytest.raises(AdapterCapacityError, match="device slot"):
+        cache.prewarm([(req(f"a{i}", tiny_adapters[i][0]), "device-preferred") for i in range(2)])
+
+
+def test_policy_names_match_the_config() -> None:
+    assert set(ADAPTER_EVICTION_POLICIES) == set(POLICIES)
+    with pytest.raises(ValueError, match="adapter_eviction_policy"):
+        EngineConfig(model="m", adapter_eviction_policy="mru").validate()
+    with pytest.raises(ValueError, match="disk_cache_bytes"):
+        EngineConfig(model="m", disk_cache_dir="/tmp/x").validate()
+    with pytest.raises(ValueError, match="adapter_store_url"):
+        EngineConfig(model="m", adapter_store_url="ftp://x").validate()
+
+
+# ------------------------------------------------------------------ engine: no HOL blocking
+
+
+def test_slow_cold_load_does_not_delay_warm_adapters(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.llm_engine import LLMEngine
+
+    root = tmp_path / "store"
+    shutil.copytree(adapters["all_r8"], root / "cold")
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model),
+            device="cpu",
+            dtype="float32",
+            max_loras=2,
+            max_cpu_loras=4,
+            num_kv_blocks=64,
+            adapter_store_url=str(root),
+            disk_cache_dir=str(tmp_path / "l2"),
+            disk_cache_bytes=1 << 24,
+        )
+    )
+    mgr = engine.adapters
+    assert mgr is not None and mgr.disk is not None
+    slow = CountingStore(root, delay=3.0)
+    mgr.store = slow
+    warm = [
+        LoRARequest(n, str(adapters[n]))
+        for n in ("attn_r4_rslora", "mlp_r16")  # local directories
+    ]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    aeng = AsyncEngine(engine)
+    aeng.start()
+
+    async def run(rid: str, lora: LoRARequest) -> float:
+        prepared = await aeng.prepare(rid, [1, 2, 3, 4, 5], params, lora)
+        async for out in aeng.generate(prepared):
+            if out.finished:
+                assert len(out.outputs[0].token_ids) == 8
+        return time.monotonic()
+
+    async def main() -> tuple[list[float], float]:
+        for i, lora in enumerate(warm):  # make them warm
+            await run(f"w{i}", lora)
+        cold = asyncio.create_task(run("cold", LoRARequest("cold", str(root / "cold"))))
+        await asyncio.sleep(0.3)
+        assert slow.fetches == 1  # the cold load is in progress
+        done = []
+        for j in range(3):
+            done += await asyncio.gather(*(run(f"w{i}-{j}", w) for i, w in enumerate(warm)))
+        return done, await cold
+
+    try:
+        warm_done, cold_done = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert max(warm_done) < slow.ended[0] <= cold_done
+    assert mgr.tier_of(mgr.digest_of("cold")) in ("device", "host")
+    assert mgr.stats.remote_loads == 1 and engine.is_idle()
+    mgr.check_invariants()
