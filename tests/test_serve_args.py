@@ -553,3 +553,20 @@ def test_adapter_cache_flag_semantic_errors(model_dir: Path, tmp_path: Path) -> 
     assert "is not a directory" in error_of(
         [model_dir, "--disk-cache-dir", tmp_path / "file", "--disk-cache-bytes", "1G"]
     )
+
+
+def test_lora_module_warm_policy_and_store_uris(
+    model_dir: Path, adapters: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = next(iter(adapters.values()))
+    spec = json.dumps({"name": "x", "path": str(a), "warm": "device-preferred"})
+    cfg = parse([model_dir, "--enable-lora", "--lora-modules", spec, "s3m=s3://bucket/p/s3m"])
+    assert [(m.name, m.warm) for m in cfg.lora_modules] == [
+        ("x", "device-preferred"),
+        ("s3m", "on-demand"),
+    ]
+    assert cfg.lora_modules[1].path == "s3://bucket/p/s3m"  # checked by the store at load time
+    bad = json.dumps({"name": "x", "path": str(a), "warm": "always"})
+    with pytest.raises(SystemExit) as e:
+        parse([model_dir, "--enable-lora", "--lora-modules", bad])
+    assert e.value.code == 2 and "'warm' must be one of" in capsys.readouterr().err

@@ -87,13 +87,17 @@ class EngineConfig:
                 raise bad("adapter_store_url", "s3:// URL without a bucket")
 
 
+WARM_POLICIES = ("device-preferred", "host", "on-demand")  # how an adapter is pre-warmed
+
+
 @dataclass
 class LoRAModule:
     """An adapter served under ``name`` from ``path`` (vLLM's ``--lora-modules``)."""
 
     name: str
-    path: str
+    path: str  # a local PEFT directory, or an object-store URI (s3://bucket/prefix/name)
     base_model_name: str | None = None
+    warm: str = "on-demand"  # device-preferred | host | on-demand (start-up pre-warming)
 
 
 @dataclass

@@ -63,6 +63,7 @@ from loraplex.cache.store import (
     open_store,
 )
 from loraplex.cache.verify import AdapterCopyError, fetch_verified
+from loraplex.config import WARM_POLICIES
 from loraplex.lora.adapter import (
     BaseModelSpec,
     LoRAAdapter,
@@ -86,8 +87,7 @@ STAGE_REMOTE_DOWNLOAD = "remote_download"
 STAGE_DISK_LOAD = "disk_load"
 STAGE_H2D = "h2d"
 STAGE_ACTIVATION = "activation"
-WARM_DEVICE, WARM_HOST, WARM_ON_DEMAND = "device-preferred", "host", "on-demand"
-WARM_POLICIES = (WARM_DEVICE, WARM_HOST, WARM_ON_DEMAND)
+WARM_DEVICE, WARM_HOST, WARM_ON_DEMAND = WARM_POLICIES
 
 __all__ = [
     "WARM_POLICIES",
@@ -142,6 +142,7 @@ class AdapterResidency:
     pinned: bool
     in_flight: int
     slot: int | None
+    warm_policy: str = "on-demand"
 
 
 @dataclass
@@ -949,6 +950,7 @@ class TieredAdapterCache:
                         pinned=self.is_pinned(d),
                         in_flight=refs.get(d, 0),
                         slot=slot_of.get(d),
+                        warm_policy=self.warm_policy.get(d, WARM_ON_DEMAND),
                     )
                 )
         return rows

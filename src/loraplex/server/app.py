@@ -27,6 +27,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import loraplex
+from loraplex.cache.adapters import AdapterCapacityError, AdapterInUseError
+from loraplex.cache.store import StoreNotFoundError, StorePermissionError, StoreUnavailableError
+from loraplex.cache.verify import AdapterCopyError
 from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from loraplex.engine.llm_engine import LLMEngine, PreparedRequest
@@ -37,7 +40,9 @@ from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraplex.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EvictLoRAAdapterRequest,
     LoadLoRAAdapterRequest,
+    PinLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
 from loraplex.types import AdapterError, InvalidRequestError, LoraplexError
@@ -82,13 +87,37 @@ def _as_api_error(e: BaseException) -> APIError:
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e))
     if isinstance(e, AdapterError):
-        return APIError(500, str(e), "server_error", code="adapter_load_failed")
+        return _adapter_api_error(e)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "service_unavailable")
     if isinstance(e, EngineStepError | LoraplexError):
         return APIError(500, str(e), "server_error")
     log.exception("unexpected error", exc_info=e)
     return APIError(500, f"internal error: {type(e).__name__}", "server_error")
+
+
+def _adapter_api_error(e: AdapterError) -> APIError:
+    """Adapter failures by cause: capacity and unreachable stores are retryable (503), a bad
+    copy in the object store is an upstream fault (502), anything else a server error."""
+    msg = str(e)
+    retry = {"Retry-After": "1"}
+    if isinstance(e, AdapterCapacityError):
+        return APIError(503, msg, "service_unavailable", code="adapter_capacity", headers=retry)
+    if isinstance(e, StoreUnavailableError):
+        return APIError(
+            503, msg, "service_unavailable", code="adapter_store_unavailable", headers=retry
+        )
+    if isinstance(e, StoreNotFoundError):
+        return APIError(404, msg, "NotFoundError", code="adapter_not_found")
+    if isinstance(e, StorePermissionError):
+        return APIError(403, msg, "permission_error", code="adapter_source_refused")
+    if isinstance(e, AdapterCopyError):
+        if e.tier == "object_store":
+            return APIError(502, msg, "server_error", code="adapter_copy_invalid")
+        return APIError(503, msg, "service_unavailable", code="adapter_copy_invalid", headers=retry)
+    if isinstance(e, AdapterInUseError):
+        return APIError(409, msg, "conflict_error", code="adapter_in_use")
+    return APIError(500, msg, "server_error", code="adapter_load_failed")
 
 
 def _validation_api_error(errs: list[Any]) -> APIError:
@@ -198,10 +227,11 @@ class ServerState:
         mgr = self.engine.adapters
         if mgr is None:
             return
-        for a in self.adapters.list():
-            adapter, _ = mgr.resolve_with_state(a.lora_request(), count=False)
-            mgr.release(adapter)
-            self.adapters.learn(a.name, adapter.ref.sha256)
+        adapters = self.adapters.list()
+        warm = {m.name: m.warm for m in self.config.lora_modules}
+        refs = mgr.prewarm([(a.lora_request(), warm.get(a.name, "on-demand")) for a in adapters])
+        for a, ref in zip(adapters, refs, strict=True):
+            self.adapters.learn(a.name, ref.sha256)
 
     # -- auth ------------------------------------------------------------------------------------
     @staticmethod
@@ -976,6 +1006,63 @@ def create_app(
         log.info("unloaded adapter %s (in-flight requests finish on it)", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
+    def _served(name: str) -> ServedAdapter:
+        a = state.adapters.get(name)
+        if a is None:
+            raise APIError(
+                404,
+                f"The lora adapter '{name}' cannot be found.",
+                "NotFoundError",
+                param="lora_name",
+                code="model_not_found",
+            )
+        if engine.adapters is None:
+            raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
+        return a
+
+    @app.post("/v1/pin_lora_adapter", dependencies=[Depends(admin_auth)])
+    async def pin_lora_adapter(body: PinLoRAAdapterRequest) -> dict[str, Any]:
+        """Load the adapter if needed and pin it in host memory and disk (and its device slot
+        with ``device``): pinned adapters are never evicted."""
+        a, mgr = _served(body.lora_name), engine.adapters
+        assert mgr is not None
+
+        def pin() -> str:
+            adapter, _ = mgr.resolve_with_state(a.lora_request(), count=False)
+            try:
+                return mgr.pin(adapter.ref.sha256, device=body.device)
+            finally:
+                mgr.release(adapter)
+
+        digest = await state.aengine.run_in_pool(pin)
+        state.adapters.learn(a.name, digest)
+        log.info("pinned adapter %s (%s, device=%s)", a.name, digest[:12], body.device)
+        return {"lora_name": a.name, "sha256": digest[:16], "pinned": True, "device": body.device}
+
+    @app.post("/v1/unpin_lora_adapter", dependencies=[Depends(admin_auth)])
+    async def unpin_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, Any]:
+        a, mgr = _served(body.lora_name), engine.adapters
+        assert mgr is not None
+        d = state.adapters.digest_of(a.name)
+        if d is None:
+            raise APIError(400, f"adapter {a.name!r} has never been loaded", param="lora_name")
+        mgr.unpin(d)
+        return {"lora_name": a.name, "sha256": d[:16], "pinned": False}
+
+    @app.post("/v1/evict_lora_adapter", dependencies=[Depends(admin_auth)])
+    async def evict_lora_adapter(body: EvictLoRAAdapterRequest) -> dict[str, Any]:
+        """Drop the adapter's copies from the given tiers (default: device, host, disk).
+        Refused with 409 while requests use it or it is pinned."""
+        a, mgr = _served(body.lora_name), engine.adapters
+        assert mgr is not None
+        d = state.adapters.digest_of(a.name)
+        if d is None:
+            return {"lora_name": a.name, "evicted_from": []}
+        tiers = body.tiers or ["device", "host", "disk"]
+        left = mgr.evict(d, tiers=tiers)
+        log.info("evicted adapter %s (%s) from %s", a.name, d[:12], left)
+        return {"lora_name": a.name, "sha256": d[:16], "evicted_from": left}
+
     return app
 
 
@@ -1003,6 +1090,7 @@ def _residency(state: ServerState) -> dict[str, Any]:
                 evictions=0,
                 last_access=None,
                 pinned=False,
+                warm_policy=None,
                 in_flight=0,
                 slot=None,
             )
@@ -1031,6 +1119,7 @@ def _residency(state: ServerState) -> dict[str, Any]:
         "max_loras": mgr.max_loras,
         "max_cpu_loras": mgr.max_cpu_loras,
         "tiers": {t: {"count": n, "bytes": b} for t, (n, b) in counts.items()},
+        "policy": mgr.policy.name,
     }
 
 
@@ -1046,6 +1135,7 @@ def _row(r: Any) -> dict[str, Any]:
         "evictions": r.evictions,
         "last_access": r.last_access or None,
         "pinned": r.pinned,
+        "warm_policy": r.warm_policy,
         "in_flight": r.in_flight,
         "slot": r.slot,
     }

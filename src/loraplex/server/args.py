@@ -23,7 +23,13 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from loraplex.config import ADAPTER_EVICTION_POLICIES, EngineConfig, LoRAModule, ServerConfig
+from loraplex.config import (
+    ADAPTER_EVICTION_POLICIES,
+    WARM_POLICIES,
+    EngineConfig,
+    LoRAModule,
+    ServerConfig,
+)
 
 __all__ = [
     "ServeConfigError",
@@ -151,7 +157,7 @@ def _lora_from_mapping(obj: object) -> LoRAModule:
     """{"name": ..., "path": ..., "base_model_name": ...} (vLLM's JSON form) -> LoRAModule."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected an object with name and path, got {obj!r}")
-    allowed = ("name", "path", "base_model_name")
+    allowed = ("name", "path", "base_model_name", "warm")
     unknown = [k for k in obj if k not in allowed]
     if unknown:
         raise ValueError(f"unknown field {unknown[0]!r} in {obj!r} (allowed: {', '.join(allowed)})")
@@ -161,8 +167,11 @@ def _lora_from_mapping(obj: object) -> LoRAModule:
             raise ValueError(f"{field_name!r} must be a non-empty string in {obj!r}")
     if base is not None and (not isinstance(base, str) or not base.strip()):
         raise ValueError(f"'base_model_name' must be a non-empty string in {obj!r}")
+    warm = obj.get("warm", "on-demand")
+    if warm not in WARM_POLICIES:
+        raise ValueError(f"'warm' must be one of {', '.join(WARM_POLICIES)} in {obj!r}")
     assert isinstance(name, str) and isinstance(path, str)
-    return LoRAModule(name=name.strip(), path=path.strip(), base_model_name=base)
+    return LoRAModule(name=name.strip(), path=path.strip(), base_model_name=base, warm=warm)
 
 
 def _lora_module(text: str) -> LoRAModule:
@@ -757,7 +766,10 @@ def config_from_args(
         )
     resolved_modules = []
     for m in lora_modules:
-        adapter_dir = _resolve(m.path)
+        if "://" in m.path and not m.path.startswith("file://"):  # object store: checked at load
+            resolved_modules.append(m)
+            continue
+        adapter_dir = _resolve(m.path.removeprefix("file://"))
         if not adapter_dir.is_dir():
             what = "does not exist" if not adapter_dir.exists() else "is not a directory"
             raise fail("lora_modules", f"adapter {m.name!r}: {m.path!r} {what}{_hub_hint(m.path)}")
@@ -767,7 +779,9 @@ def config_from_args(
                 f"adapter {m.name!r}: {m.path!r} has no adapter_config.json (expected a PEFT "
                 "adapter directory)",
             )
-        resolved_modules.append(LoRAModule(m.name, str(adapter_dir), m.base_model_name))
+        resolved_modules.append(
+            LoRAModule(m.name, str(adapter_dir), m.base_model_name, m.warm)
+        )
     disk_dir, disk_bytes = get("disk_cache_dir"), get("disk_cache_bytes")
     if disk_dir is not None and disk_bytes is None:
         raise fail("disk_cache_dir", "needs --disk-cache-bytes (the disk tier's byte budget)")

@@ -67,23 +67,46 @@ class _EngineCollector(Collector):
         if mgr is None:
             return
         st = mgr.stats
+        tiers = mgr.tier_counters()  # device, host (and disk when configured)
         hits = CounterMetricFamily(
             "adapter_cache_hits", "Adapter lookups served from a tier.", labels=["tier"]
-        )
-        hits.add_metric(["device"], st.slot_hits)
-        hits.add_metric(["host"], st.host_hits)
-        yield hits
-        yield CounterMetricFamily(
-            "adapter_cache_misses",
-            "Adapter lookups that missed every in-memory tier (a load).",
-            value=st.host_loads,
         )
         ev = CounterMetricFamily(
             "adapter_evictions", "Adapters evicted from a tier.", labels=["tier"]
         )
-        ev.add_metric(["device"], st.slot_evictions)
-        ev.add_metric(["host"], st.host_evictions)
+        reload = CounterMetricFamily(
+            "adapter_reload_after_eviction",
+            "Adapters loaded again into a tier soon (thrash window) after being evicted from it.",
+            labels=["tier"],
+        )
+        thrash = GaugeMetricFamily(
+            "adapter_thrash_ratio",
+            "Reloads within the window after an eviction / evictions, per tier.",
+            labels=["tier"],
+        )
+        for tier, c in tiers.items():
+            hits.add_metric([tier], c.hits)
+            ev.add_metric([tier], c.evictions)
+            reload.add_metric([tier], c.reload_after_eviction)
+            thrash.add_metric([tier], c.thrash_ratio)
+        yield hits
         yield ev
+        yield reload
+        yield thrash
+        host = tiers.get("host")
+        yield CounterMetricFamily(
+            "adapter_cache_misses",
+            "Adapter lookups that missed host memory (a load from disk or the object store).",
+            value=host.misses if host is not None else st.host_loads,
+        )
+        yield CounterMetricFamily(
+            "adapter_remote_loads",
+            "Adapters downloaded from the object store.",
+            value=st.remote_loads,
+        )
+        yield CounterMetricFamily(
+            "adapter_load_failures", "Adapter loads that failed.", value=st.load_failures
+        )
         yield CounterMetricFamily(
             "cold_adapter_requests",
             "Requests whose adapter was not in device or host memory on arrival.",

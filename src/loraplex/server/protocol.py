@@ -218,3 +218,17 @@ class UnloadLoRAAdapterRequest(_Body):
 
     lora_name: Text = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+class PinLoRAAdapterRequest(_Body):
+    """``POST /v1/pin_lora_adapter``: never evict the adapter (``device``: keep its slot too)."""
+
+    lora_name: str = Field(min_length=1)
+    device: bool = False
+
+
+class EvictLoRAAdapterRequest(_Body):
+    """``POST /v1/evict_lora_adapter``: drop the adapter's copies from ``tiers`` (default all)."""
+
+    lora_name: str = Field(min_length=1)
+    tiers: list[Literal["device", "host", "disk"]] | None = None

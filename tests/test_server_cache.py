@@ -1,0 +1,171 @@
+"""The tiered adapter cache through the server: warm policies at start-up, admin pin / unpin /
+evict, tier metrics, and a full host tier answering 503 + Retry-After (not a hang, not a 500)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loraplex.config import EngineConfig, LoRAModule, ServerConfig
+from loraplex.server.app import ServerState, create_app
+from loraplex.testing.server import serve_in_thread
+
+ADMIN = "sk-admin-cache"
+BASE = "tiny"
+ADMIN_H = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def _server(model: Path, modules: list[LoRAModule], root: Path, **engine: Any) -> Any:
+    return create_app(
+        ServerConfig(
+            EngineConfig(model=str(model), num_threads=1, **engine),
+            served_model_name=[BASE],
+            lora_modules=modules,
+            admin_api_key=ADMIN,
+            allowed_lora_roots=[str(root)],
+            log_level="warning",
+        )
+    )
+
+
+def _rows(c: httpx.Client) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in c.get("/v1/adapters").json()["data"]}
+
+
+def _wait_idle(state: ServerState) -> None:
+    deadline = time.monotonic() + 20
+    while not state.engine.is_idle():
+        assert time.monotonic() < deadline, "engine did not drain"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def warm_server(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[httpx.Client, ServerState]]:
+    modules = [
+        LoRAModule("dev", str(adapters["all_r8"]), warm="device-preferred"),
+        LoRAModule("hosted", str(adapters["mlp_r16"]), warm="host"),
+        LoRAModule("lazy", str(adapters["attn_r4_rslora"])),
+    ]
+    app = _server(tiny_model, modules, tmp_path_factory.mktemp("root"), max_loras=2)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        yield c, app.state.loraplex
+
+
+def test_warm_policies_at_start_up(warm_server: tuple[httpx.Client, ServerState]) -> None:
+    c, _ = warm_server
+    rows = _rows(c)
+    assert rows["dev"]["tier"] == "device" and rows["dev"]["pinned"]
+    assert rows["dev"]["warm_policy"] == "device-preferred"
+    assert rows["hosted"]["pinned"] and rows["hosted"]["warm_policy"] == "host"
+    assert rows["hosted"]["tier"] in ("host", "device")
+    assert not rows["lazy"]["pinned"] and rows["lazy"]["warm_policy"] == "on-demand"
+    assert c.get("/v1/adapters").json()["policy"] == "hybrid"
+
+
+def test_admin_pin_unpin_evict(warm_server: tuple[httpx.Client, ServerState]) -> None:
+    c, state = warm_server
+    # pinned adapters cannot be evicted: 409, nothing changes
+    r = c.post("/v1/evict_lora_adapter", json={"lora_name": "dev"}, headers=ADMIN_H)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_in_use"
+    assert _rows(c)["dev"]["tier"] == "device"
+
+    r = c.post("/v1/pin_lora_adapter", json={"lora_name": "lazy"}, headers=ADMIN_H)
+    assert r.status_code == 200 and r.json()["pinned"] is True
+    assert _rows(c)["lazy"]["pinned"]
+    r = c.post("/v1/evict_lora_adapter", json={"lora_name": "lazy"}, headers=ADMIN_H)
+    assert r.status_code == 409
+    r = c.post("/v1/unpin_lora_adapter", json={"lora_name": "lazy"}, headers=ADMIN_H)
+    assert r.status_code == 200 and not _rows(c)["lazy"]["pinned"]
+    r = c.post(
+        "/v1/evict_lora_adapter", json={"lora_name": "lazy", "tiers": ["host"]}, headers=ADMIN_H
+    )
+    assert r.status_code == 200 and "host" in r.json()["evicted_from"]
+    assert _rows(c)["lazy"]["tier"] == "disk"  # its directory is still on local disk
+
+    # the next request loads it again (cold), and the response says so
+    r = c.post("/v1/completions", json={"model": "lazy", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-loraplex-adapter-state"] == "cold"
+    _wait_idle(state)
+
+    for route in ("pin_lora_adapter", "unpin_lora_adapter", "evict_lora_adapter"):
+        r = c.post(f"/v1/{route}", json={"lora_name": "nope"}, headers=ADMIN_H)
+        assert r.status_code == 404, route
+        r = c.post(f"/v1/{route}", json={"lora_name": "lazy"})
+        assert r.status_code == 401, route
+    r = c.post("/v1/evict_lora_adapter", json={"lora_name": "lazy", "tiers": ["L9"]},
+               headers=ADMIN_H)  # fmt: skip
+    assert r.status_code == 400
+
+
+def test_tier_metrics(warm_server: tuple[httpx.Client, ServerState]) -> None:
+    c, _ = warm_server
+    c.post("/v1/completions", json={"model": "hosted", "prompt": "hi", "max_tokens": 2})
+    text = c.get("/metrics").text
+    for name in (
+        'adapter_cache_hits_total{tier="device"}',
+        'adapter_cache_hits_total{tier="host"}',
+        'adapter_evictions_total{tier="host"}',
+        'adapter_reload_after_eviction_total{tier="host"}',
+        'adapter_thrash_ratio{tier="device"}',
+        "adapter_cache_misses_total",
+        'adapter_resident_count{tier="host"}',
+        "adapter_remote_loads_total",
+    ):
+        assert name in text, name
+    assert 'running_lora_adapters="' in text and "dev" in text
+
+
+def test_full_host_tier_is_a_503_then_recovers(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Host memory fits one adapter; while a long request holds adapter A, a request for B
+    cannot make room: after the bounded wait it gets 503 + Retry-After, A is unaffected, and
+    once A finishes B is served."""
+    from loraplex.lora.adapter import BaseModelSpec, load_peft_adapter
+    from loraplex.model.config import load_model_config
+
+    mc = load_model_config(tiny_model)
+    spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
+    sizes = [load_peft_adapter(adapters[n], spec).nbytes for n in ("all_r8", "mlp_r16")]
+    modules = [LoRAModule("a", str(adapters["all_r8"])), LoRAModule("b", str(adapters["mlp_r16"]))]
+    app = _server(
+        tiny_model, modules, tmp_path_factory.mktemp("root"),
+        max_loras=2, max_cpu_lora_bytes=max(sizes), adapter_load_timeout_s=0.5,
+    )  # fmt: skip
+    state: ServerState = app.state.loraplex
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        c.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 1})
+        long_result: dict[str, Any] = {}
+
+        def long_request() -> None:
+            r = c.post(
+                "/v1/completions",
+                json={"model": "a", "prompt": "hi", "max_tokens": 300, "ignore_eos": True},
+            )
+            long_result["status"] = r.status_code
+            long_result["tokens"] = r.json()["usage"]["completion_tokens"]
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not state.engine.num_running:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = c.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "adapter_capacity"
+        assert r.headers.get("retry-after") == "1"
+        t.join(60)
+        assert long_result == {"status": 200, "tokens": 300}
+        r = c.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        _wait_idle(state)
+        assert c.get("/health").status_code == 200
