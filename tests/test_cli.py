@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def test_serve_as_a_user_runs_it(tiny_model: Path, adapters: dict[str, Path]) ->
         sys.executable, "-m", "loraplex.cli", "serve", str(tiny_model),
         "--port", str(port), "--enable-lora", "--max-loras", "2",
         "--lora-modules", f"sql={adapters['all_r8']}",
-        '{"name": "mlp", "path": "%s", "base_model_name": "tiny"}' % adapters["mlp_r16"],
+        json.dumps({"name": "mlp", "path": str(adapters["mlp_r16"]), "base_model_name": "tiny"}),
         "--served-model-name", "tiny", "--num-threads", "1",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
