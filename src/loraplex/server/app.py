@@ -431,6 +431,39 @@ class ServerState:
             with contextlib.suppress(BaseException):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def deltas(
+        self, admission: _Admission, finals: dict[int, RequestOutput]
+    ) -> AsyncIterator[_Delta]:
+        """Each completion's progress as deltas (text, logprobs, finish), one per change;
+        finished request outputs are collected into ``finals``."""
+        sent: dict[tuple[int, int], tuple[int, int]] = {}  # -> (chars, tokens) streamed
+        finished: set[tuple[int, int]] = set()
+        async for i, out in self.stream_outputs(admission):
+            if out.finished:
+                finals[i] = out
+            for o in out.outputs:
+                k = (i, o.index)
+                if k in finished:
+                    continue
+                t0, n0 = sent.get(k, (0, 0))
+                done = o.finish_reason is not None
+                new_lps = o.logprobs is not None and len(o.token_ids) > n0
+                if not (len(o.text) > t0 or new_lps or done):
+                    continue
+                sent[k] = (len(o.text), len(o.token_ids))
+                if done:
+                    finished.add(k)
+                lps = o.logprobs[n0:] if o.logprobs is not None else None
+                yield _Delta(i, o, o.text[t0:], t0, lps, done)
+
+    async def collect(self, admission: _Admission) -> dict[int, RequestOutput]:
+        """Run the admitted requests to the end; their final outputs by prompt index."""
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in self.stream_outputs(admission):
+            if out.finished:
+                finals[i] = out
+        return finals
+
     def _observe(self, track: _Tracked, out: RequestOutput) -> None:
         now = time.monotonic()
         first = out.outputs[0] if out.outputs else None
@@ -508,6 +541,40 @@ def _chat_logprobs(lps: list[TokenLogprob], text_of: _TokenText) -> dict[str, An
             for lp in lps
         ]
     }
+
+
+@dataclass
+class _Delta:
+    """What one completion gained since it was last streamed."""
+
+    prompt_index: int
+    output: CompletionOutput
+    text: str  # new text
+    text_offset: int  # where ``text`` starts in the completion's text
+    logprobs: list[TokenLogprob] | None  # for the new tokens, when asked for
+    done: bool
+
+
+async def _sse_events(
+    chunks: Callable[[dict[int, RequestOutput]], AsyncIterator[dict[str, Any]]],
+    base: dict[str, Any],
+    prepared: list[PreparedRequest],
+    stream_options: Any,
+) -> AsyncIterator[bytes]:
+    """SSE framing shared by both routes: ``base`` fields on every chunk, ``usage: null`` then a
+    final usage chunk when asked for, an error event instead of a hang, then ``[DONE]``."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for c in chunks(finals):
+            if include_usage:
+                c["usage"] = None
+            yield _sse({**base, **c})
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(prepared, finals)})
+    except Exception as e:
+        yield _sse(_as_api_error(e).body())
+    yield _DONE
 
 
 def _sse(obj: Any) -> bytes:
@@ -736,78 +803,28 @@ def create_app(
 
         headers = _adapter_header(prepared)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            async def events() -> AsyncIterator[bytes]:
-                sent_text: dict[tuple[int, int], int] = {}
-                sent_toks: dict[tuple[int, int], int] = {}
-                finished: set[tuple[int, int]] = set()
-                finals: dict[int, RequestOutput] = {}
-                base = {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": body.model,
-                }
-                try:
-                    if body.echo:
-                        for i in range(len(prepared)):
-                            for j in range(n):
-                                yield _sse(
-                                    {
-                                        **base,
-                                        "choices": [
-                                            {
-                                                "index": i * n + j,
-                                                "text": echo_text[i],
-                                                "logprobs": None,
-                                                "finish_reason": None,
-                                                "stop_reason": None,
-                                            }
-                                        ],
-                                    }
-                                )
-                    async for i, out in state.stream_outputs(admission):
-                        if out.finished:
-                            finals[i] = out
-                        for o in out.outputs:
-                            k = (i, o.index)
-                            if k in finished:
-                                continue
-                            t0, n0 = sent_text.get(k, 0), sent_toks.get(k, 0)
-                            done = o.finish_reason is not None
-                            new_text = len(o.text) > t0
-                            new_lps = o.logprobs is not None and len(o.token_ids) > n0
-                            if not (new_text or new_lps or done):
-                                continue
-                            lps = o.logprobs[n0:] if o.logprobs is not None else None
-                            c = choice(i, o, o.text[t0:], lps, t0 + len(echo_text[i]), done)
-                            sent_text[k], sent_toks[k] = len(o.text), len(o.token_ids)
-                            if done:
-                                finished.add(k)
-                            chunk = {**base, "choices": [c]}
-                            if include_usage:
-                                chunk["usage"] = None
-                            yield _sse(chunk)
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(prepared, finals)})
-                except Exception as e:
-                    yield _sse(_as_api_error(e).body())
-                yield _DONE
+            async def chunks(finals: dict[int, RequestOutput]) -> AsyncIterator[dict[str, Any]]:
+                if body.echo:
+                    for i in range(len(prepared)):
+                        for j in range(n):
+                            echo = {"index": i * n + j, "text": echo_text[i], "logprobs": None,
+                                    "finish_reason": None, "stop_reason": None}  # fmt: skip
+                            yield {"choices": [echo]}
+                async for d in state.deltas(admission, finals):
+                    offset = d.text_offset + len(echo_text[d.prompt_index])
+                    c = choice(d.prompt_index, d.output, d.text, d.logprobs, offset, d.done)
+                    yield {"choices": [c]}
 
+            base = {"id": rid, "object": "text_completion", "created": created,
+                    "model": body.model}  # fmt: skip
+            events = _sse_events(chunks, base, prepared, body.stream_options)
             state.metrics.requests.labels(status="200").inc()
             return _EngineStreamingResponse(
-                events(), on_close=admission.close, media_type="text/event-stream", headers=headers
+                events, on_close=admission.close, media_type="text/event-stream", headers=headers
             )
 
-        async def collect() -> dict[int, RequestOutput]:
-            finals: dict[int, RequestOutput] = {}
-            async for i, out in state.stream_outputs(admission):
-                if out.finished:
-                    finals[i] = out
-            return finals
-
-        finals = await _unless_disconnected(request, collect())
+        finals = await _unless_disconnected(request, state.collect(admission))
         choices = [
             choice(i, o, echo_text[i] + o.text, o.logprobs, len(echo_text[i]), True)
             for i in sorted(finals)
@@ -863,78 +880,34 @@ def create_app(
         }
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            async def events() -> AsyncIterator[bytes]:
-                sent_text: dict[int, int] = {}
-                sent_toks: dict[int, int] = {}
-                finished: set[int] = set()
-                finals: dict[int, RequestOutput] = {}
+            async def chunks(finals: dict[int, RequestOutput]) -> AsyncIterator[dict[str, Any]]:
+                yield {
+                    "choices": [
+                        {"index": j, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}
+                        for j in range(params.n)
+                    ]
+                }  # fmt: skip
+                async for d in state.deltas(admission, finals):
+                    o = d.output
+                    c: dict[str, Any] = {
+                        "index": o.index,
+                        "delta": {"content": d.text} if d.text else {},
+                        "logprobs": _chat_logprobs(d.logprobs, text_of) if d.logprobs else None,
+                        "finish_reason": o.finish_reason if d.done else None,
+                    }
+                    if d.done:
+                        c["stop_reason"] = o.stop_reason
+                    yield {"choices": [c]}
 
-                def chunk(choices: list[dict[str, Any]]) -> bytes:
-                    c: dict[str, Any] = {**base, "choices": choices}
-                    if include_usage:
-                        c["usage"] = None
-                    return _sse(c)
-
-                try:
-                    yield chunk(
-                        [
-                            {
-                                "index": j,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                            for j in range(params.n)
-                        ]
-                    )
-                    async for i, out in state.stream_outputs(admission):
-                        if out.finished:
-                            finals[i] = out
-                        for o in out.outputs:
-                            if o.index in finished:
-                                continue
-                            t0, n0 = sent_text.get(o.index, 0), sent_toks.get(o.index, 0)
-                            done = o.finish_reason is not None
-                            new_text = len(o.text) > t0
-                            new_lps = o.logprobs is not None and len(o.token_ids) > n0
-                            if not (new_text or new_lps or done):
-                                continue
-                            delta = {"content": o.text[t0:]} if new_text else {}
-                            lps = o.logprobs[n0:] if o.logprobs is not None else None
-                            sent_text[o.index], sent_toks[o.index] = len(o.text), len(o.token_ids)
-                            c = {
-                                "index": o.index,
-                                "delta": delta,
-                                "logprobs": _chat_logprobs(lps, text_of)
-                                if lps is not None
-                                else None,
-                                "finish_reason": o.finish_reason if done else None,
-                            }
-                            if done:
-                                c["stop_reason"] = o.stop_reason
-                                finished.add(o.index)
-                            yield chunk([c])
-                    if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(prepared, finals)})
-                except Exception as e:
-                    yield _sse(_as_api_error(e).body())
-                yield _DONE
-
+            events = _sse_events(chunks, base, prepared, body.stream_options)
             state.metrics.requests.labels(status="200").inc()
             return _EngineStreamingResponse(
-                events(), on_close=admission.close, media_type="text/event-stream", headers=headers
+                events, on_close=admission.close, media_type="text/event-stream", headers=headers
             )
 
-        async def collect() -> dict[int, RequestOutput]:
-            finals: dict[int, RequestOutput] = {}
-            async for i, out in state.stream_outputs(admission):
-                if out.finished:
-                    finals[i] = out
-            return finals
-
-        finals = await _unless_disconnected(request, collect())
+        finals = await _unless_disconnected(request, state.collect(admission))
         out = finals[0]
         choices = [
             {
