@@ -163,7 +163,24 @@ def _prepare_dest(dest: Path) -> bool:
     return True
 
 
-class LocalDirStore:
+class _StoreBase:
+    """What every store derives from :meth:`stat`."""
+
+    def stat(self, uri: str) -> StoreEntry:
+        raise NotImplementedError
+
+    def fingerprint(self, uri: str) -> str:
+        return self.stat(uri).fingerprint
+
+    def exists(self, uri: str) -> bool:
+        try:
+            self.stat(uri)
+        except StoreNotFoundError:
+            return False
+        return True
+
+
+class LocalDirStore(_StoreBase):
     """Adapters as directories under ``root``; nothing outside ``root`` is ever read or written.
 
     URIs are paths relative to ``root``, absolute paths inside it, or ``file://`` URLs of those.
@@ -244,16 +261,6 @@ class LocalDirStore:
             files[n] = st.st_size
             parts.append(f"{n}:{st.st_size}:{st.st_mtime_ns}")
         return StoreEntry(d.as_uri(), files, "|".join(parts))
-
-    def fingerprint(self, uri: str) -> str:
-        return self.stat(uri).fingerprint
-
-    def exists(self, uri: str) -> bool:
-        try:
-            self.stat(uri)
-        except StoreNotFoundError:
-            return False
-        return True
 
     def fetch(self, uri: str, dest: Path) -> FetchResult:
         t0 = time.perf_counter()
@@ -354,7 +361,7 @@ def _import_boto3() -> Any:
     return boto3
 
 
-class S3Store:
+class S3Store(_StoreBase):
     """Adapters as key prefixes ``<prefix><name>/`` in one S3 (or S3-compatible) bucket.
 
     Credentials come from the usual AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
@@ -554,16 +561,6 @@ class S3Store:
         files = {n: int(listing[n]["Size"]) for n in names}
         fp = "|".join(f"{n}:{listing[n]['Size']}:{listing[n]['ETag']}" for n in names)
         return StoreEntry(full, files, fp), listing
-
-    def fingerprint(self, uri: str) -> str:
-        return self.stat(uri).fingerprint
-
-    def exists(self, uri: str) -> bool:
-        try:
-            self.stat(uri)
-        except StoreNotFoundError:
-            return False
-        return True
 
     def fetch(self, uri: str, dest: Path) -> FetchResult:
         t0 = time.perf_counter()
