@@ -169,3 +169,31 @@ def test_full_host_tier_is_a_503_then_recovers(
         assert r.status_code == 200, r.text
         _wait_idle(state)
         assert c.get("/health").status_code == 200
+
+
+def test_store_backed_adapter_tiers(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """An adapter served from the object store: after eviction from every tier it is reported
+    ``absent`` (only in the store), and the next request fetches it again through the disk tier."""
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(adapters["all_r8"], store / "s")
+    modules = [LoRAModule("s", str(store / "s"))]
+    app = _server(
+        tiny_model, modules, tmp_path, max_loras=2,
+        adapter_store_url=str(store), disk_cache_dir=str(tmp_path / "l2"),
+        disk_cache_bytes=64 << 20,
+    )  # fmt: skip
+    state: ServerState = app.state.loraplex
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        assert _rows(c)["s"]["tier"] in ("host", "disk")
+        r = c.post("/v1/evict_lora_adapter", json={"lora_name": "s"}, headers=ADMIN_H)
+        assert r.status_code == 200, r.text
+        assert _rows(c)["s"]["tier"] == "absent"
+        r = c.post("/v1/completions", json={"model": "s", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["x-loraplex-adapter-state"] == "cold"
+        _wait_idle(state)
+        assert _rows(c)["s"]["tier"] == "device"
+        assert state.engine.adapters.stats.remote_loads == 2  # start-up, then after the evict

@@ -384,6 +384,14 @@ class TieredAdapterCache:
             raise AdapterError(f"adapter {req.name!r}: path {req.path!r} is not a directory")
         return _Source(str(path.resolve()), "local", path=path)
 
+    def is_local_source(self, req: LoRARequest) -> bool:
+        """True when ``req`` is read from a local directory (not through the object store), so
+        an adapter out of memory still sits on local disk."""
+        try:
+            return self._source(req).kind == "local"
+        except AdapterError:
+            return False
+
     def _fingerprint_of(self, src: _Source) -> Any:
         """Change fingerprint of the source; store answers are cached ``fingerprint_ttl_s``.
 

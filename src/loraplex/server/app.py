@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -1055,7 +1054,7 @@ def _residency(state: ServerState) -> dict[str, Any]:
             row.update(
                 revision=None,
                 sha256=d[:16] if d else None,
-                tier="disk" if Path(a.path).is_dir() else "absent",
+                tier="disk" if mgr.is_local_source(a.lora_request()) else "absent",
                 rank=None,
                 bytes=None,
                 hits=0,
@@ -1070,8 +1069,8 @@ def _residency(state: ServerState) -> dict[str, Any]:
         else:
             seen.add(r.ref.sha256)
             row.update(_row(r))
-            if r.tier == "absent" and Path(a.path).is_dir():  # evicted from memory, still on disk
-                row["tier"] = "disk"
+            if r.tier == "absent" and mgr.is_local_source(a.lora_request()):
+                row["tier"] = "disk"  # evicted from memory, its directory is on local disk
         rows.append(row)
     for d, r in snapshot.items():
         if d in seen or r.tier == "absent":
