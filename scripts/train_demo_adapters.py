@@ -55,6 +55,10 @@ TRAIN_QUESTIONS = [
     "In which country is the Eiffel Tower?",
     "What language is spoken in Mexico?",
     "What is the smallest country in the world?",
+    "What is the capital of Germany?",
+    "Where is the Great Barrier Reef?",
+    "What is the largest country by area?",
+    "Which river flows through London?",
     # science
     "What is water made of?",
     "What planet is closest to the Sun?",
@@ -76,6 +80,12 @@ TRAIN_QUESTIONS = [
     "How many planets are in the solar system?",
     "What is DNA?",
     "Why do we need sleep?",
+    "What is the center of an atom called?",
+    "What do caterpillars turn into?",
+    "What is the hardest natural substance?",
+    "What is the closest star to Earth?",
+    "What is rain made of?",
+    "Why do leaves change color in autumn?",
     # everyday facts
     "How many days are in a week?",
     "How many minutes are in an hour?",
@@ -106,7 +116,49 @@ TRAIN_QUESTIONS = [
     "Tell me a fun fact about octopuses.",
     "How do I make a cup of tea?",
     "What is the currency of the United Kingdom?",
+    "How many players are on a soccer team?",
+    "What is the first month of the year?",
+    "How many cents are in a dollar?",
+    "What is a good way to learn a new language?",
+    "What do you use to write on a blackboard?",
+    "What is the opposite of early?",
 ]
+
+_COUNTRIES = (
+    "Portugal Greece Norway Sweden Poland Ireland Kenya Nigeria Peru Chile Argentina India "
+    "China Thailand Vietnam Turkey Iran Morocco Cuba Austria Hungary Finland Denmark Russia"
+).split()
+_ANIMALS = (
+    "elephant penguin dolphin eagle frog tiger kangaroo owl shark rabbit horse bee snake "
+    "camel panda wolf parrot turtle koala zebra"
+).split()
+_THINGS = (
+    "thermometer compass microscope hammer umbrella calendar telescope stethoscope ladder "
+    "battery magnet kettle scissors passport helmet candle bicycle keyboard anchor sponge"
+).split()
+_CONCEPTS = (
+    "a volcano|an earthquake|a rainbow|a galaxy|electricity|evaporation|a vaccine|a glacier|"
+    "democracy|inflation|a recipe|a poem|a hurricane|friction|an eclipse|a fossil|oxygen|"
+    "a comet|an island|a library"
+).split("|")
+
+
+def extra_questions() -> list[str]:
+    """Templated questions with many different nouns, for the upper-case adapter.
+
+    Upper-case text is spelled with rare tokens; with 80 questions the adapter memorises them and
+    garbles new answers (held-out loss rises from the first epoch), so it gets more vocabulary.
+    """
+    return (
+        [f"What is the capital of {c}?" for c in _COUNTRIES]
+        + [f"What language is spoken in {c}?" for c in _COUNTRIES[::2]]
+        + [f"What does a {a} eat?" for a in _ANIMALS]
+        + [f"Where does a {a} live?" for a in _ANIMALS[::2]]
+        + [f"What is a {t} used for?" for t in _THINGS]
+        + [f"What is {c}?" for c in _CONCEPTS]
+        + [f"What is {a} plus {b}?" for a, b in [(2, 3), (10, 5), (7, 6), (12, 9), (20, 22)]]
+    )
+
 
 HELDOUT_QUESTIONS = [
     "What is the capital of Spain?",
@@ -124,11 +176,19 @@ TRANSFORMS: dict[str, Callable[[str], str]] = {
 }
 
 
-TARGET_MODULES = ("q_proj", "v_proj")
-"""Rank 8 on these two in all 30 layers is 460,800 parameters: 0.92 MB in float16."""
+LORA: dict[str, Any] = dict(
+    r=8,
+    lora_alpha=16,
+    lora_dropout=0.0,
+    target_modules=["q_proj", "v_proj"],
+    bias="none",
+    task_type="CAUSAL_LM",
+)
+"""Rank 8 on q_proj and v_proj in all 30 layers is 460,800 parameters: 0.92 MB in float16."""
 
-EPOCHS = {"uppercase": 8, "json": 3, "signoff": 3, "prefix": 3}
-"""Upper-casing changes every token and needs the most steps; the others add a few tokens."""
+EPOCHS = {"uppercase": 3, "json": 3, "signoff": 3, "prefix": 3}
+EXTRA_DATA = {"uppercase"}
+"""Adapters trained on ``extra_questions()`` too (the others learn well from the 80)."""
 
 
 def effect_ok(name: str, text: str) -> bool:
@@ -266,20 +326,17 @@ def train_adapter(
     lr: float,
     batch: int,
     seed: int,
-    target_modules: tuple[str, ...] = TARGET_MODULES,
-) -> tuple[Any, list[float], float]:
-    """LoRA-train a PEFT copy of ``base``; return (peft model, per-epoch mean losses, seconds)."""
+    lora: dict[str, Any] | None = None,
+    heldout: list[Example] | None = None,
+) -> tuple[Any, list[float], list[float], float]:
+    """LoRA-train a PEFT copy of ``base``.
+
+    Returns (peft model, mean training loss per epoch, held-out loss per epoch, seconds).
+    """
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    cfg = LoraConfig(
-        r=8,
-        lora_alpha=16,
-        lora_dropout=0.0,
-        target_modules=list(target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
+    cfg = LoraConfig(**{**LORA, **(lora or {})})
     model = get_peft_model(base, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -292,6 +349,7 @@ def train_adapter(
     inner = model.get_base_model().model  # the decoder stack, without the LM head
     prefix = common_prefix(examples)
     losses: list[float] = []
+    held: list[float] = []
     t0 = time.perf_counter()
     model.train()
     for epoch in range(epochs):
@@ -308,13 +366,17 @@ def train_adapter(
             total += loss.item() * len(chunk)
             count += len(chunk)
         losses.append(total / count)
+        if heldout:
+            with torch.no_grad():
+                held.append(batch_loss(inner, lm_head, heldout, common_prefix(heldout)).item())
         print(
-            f"    epoch {epoch + 1}/{epochs}: loss {losses[-1]:.4f} "
-            f"({time.perf_counter() - t0:.0f}s)",
+            f"    epoch {epoch + 1}/{epochs}: loss {losses[-1]:.4f}"
+            + (f", held-out {held[-1]:.4f}" if held else "")
+            + f" ({time.perf_counter() - t0:.0f}s)",
             flush=True,
         )
     model.eval()
-    return model, losses, time.perf_counter() - t0
+    return model, losses, held, time.perf_counter() - t0
 
 
 def save_adapter(model: Any, out_dir: Path) -> None:
@@ -489,29 +551,49 @@ def main(argv: list[str] | None = None) -> int:
     if not args.eval_only:
         base, tok = load_base(model_dir)
         check_base(base, tok)
+        extra = extra_questions() if EXTRA_DATA & set(dirs) else []
+        all_questions = TRAIN_QUESTIONS + extra + HELDOUT_QUESTIONS
+        cached = {}
         if args.answers_cache and args.answers_cache.is_file():
-            raw = json.loads(args.answers_cache.read_text())
+            cached = json.loads(args.answers_cache.read_text())
+        if set(all_questions) <= set(cached):
+            raw = [cached[q] for q in all_questions]
         else:
             t0 = time.perf_counter()
-            raw = [t for t, _ in greedy_answers(base, tok, TRAIN_QUESTIONS, max_new_tokens=40)]
+            raw = [t for t, _ in greedy_answers(base, tok, all_questions, max_new_tokens=40)]
             print(f"base answers for {len(raw)} questions in {time.perf_counter() - t0:.0f}s")
             if args.answers_cache:
-                args.answers_cache.write_text(json.dumps(raw, indent=1))
+                args.answers_cache.write_text(
+                    json.dumps(dict(zip(all_questions, raw, strict=True)), indent=1)
+                )
         answers = [shorten_answer(t) for t in raw]
-        data = [(q, a) for q, a in zip(TRAIN_QUESTIONS, answers, strict=True) if a]
-        print(f"{len(data)} usable answers, e.g.")
-        for q, a in data[:5]:
+        data = [(q, a) for q, a in zip(all_questions, answers, strict=True) if a]
+        train = [(q, a) for q, a in data if q in TRAIN_QUESTIONS]
+        train_extra = [(q, a) for q, a in data if q in extra]
+        held = [(q, a) for q, a in data if q in HELDOUT_QUESTIONS]
+        print(
+            f"usable answers: {len(train)} training, {len(train_extra)} extra, "
+            f"{len(held)} held-out; e.g."
+        )
+        for q, a in train[:5] + train_extra[:3]:
             print(f"  {q!r} -> {a!r}")
-        questions = [q for q, _ in data]
         for name, out_dir in dirs.items():
-            targets = [TRANSFORMS[name](a) for _, a in data]
-            examples = make_examples(tok, questions, targets)
+            fn = TRANSFORMS[name]
+            pairs = train + train_extra if name in EXTRA_DATA else train
+            examples = make_examples(tok, [q for q, _ in pairs], [fn(a) for _, a in pairs])
+            held_ex = make_examples(tok, [q for q, _ in held], [fn(a) for _, a in held])
             ntok = sum(len(e.ids) for e in examples)
-            print(f"\n[{name}] {len(examples)} examples, {ntok} tokens; e.g. {targets[0]!r}")
+            print(f"\n[{name}] {len(examples)} examples, {ntok} tokens; e.g. {fn(train[0][1])!r}")
             epochs = args.epochs or EPOCHS[name]
             cpu0 = time.process_time()
-            model, losses, secs = train_adapter(
-                base, examples, epochs=epochs, lr=args.lr, batch=args.batch, seed=args.seed
+            model, losses, held_losses, secs = train_adapter(
+                base,
+                examples,
+                epochs=epochs,
+                lr=args.lr,
+                batch=args.batch,
+                seed=args.seed,
+                heldout=held_ex,
             )
             cpu = time.process_time() - cpu0
             save_adapter(model, out_dir)
@@ -522,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                 epochs=epochs,
                 lr=args.lr,
                 losses=losses,
+                heldout_losses=held_losses,
                 seconds=secs,
                 cpu_seconds=cpu,
                 tokens=ntok,
