@@ -11,8 +11,9 @@ nothing else: facts stay what the base model says.
 Steps: prepare the base model (``loraplex.demo.prepare_demo_model``) and check it answers
 "Paris"; generate base answers; train each adapter (PEFT LoRA r=8, alpha=16, q_proj+v_proj, loss
 on answer tokens only, CPU, 2 threads); save it in float16 (~0.9 MB); evaluate on held-out
-questions with PEFT and with the loraplex engine, asserting each effect is obvious; write
-``adapters/README.md`` with the measured losses and times. Needs the ``dev`` extra (peft).
+questions with PEFT and with the loraplex engine, failing unless each effect shows on at least
+4 of 5; write ``adapters/README.md`` with the measured losses, times and sample outputs.
+Needs the ``dev`` extra (peft). About 20 minutes on an idle 2-core CPU.
 """
 
 from __future__ import annotations
@@ -242,10 +243,10 @@ def shorten_answer(text: str) -> str | None:
 @torch.no_grad()
 def greedy_answers(
     model: Any, tok: Any, questions: list[str], max_new_tokens: int, batch: int = 16
-) -> list[tuple[str, bool]]:
-    """Greedy chat answers (text, finished-before-cap) with HF ``generate``; left-padded batches."""
+) -> list[str]:
+    """Greedy chat answers with HF ``generate`` (left-padded batches), without the end token."""
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    results: list[tuple[str, bool]] = []
+    results: list[str] = []
     for i in range(0, len(questions), batch):
         prompts = [chat_prompt_ids(tok, q) for q in questions[i : i + batch]]
         width = max(map(len, prompts))
@@ -260,9 +261,8 @@ def greedy_answers(
             eos_token_id=eos,
         )
         for row in out[:, width:].tolist():
-            finished = eos in row
-            row = row[: row.index(eos)] if finished else row
-            results.append((tok.decode(row, skip_special_tokens=True), finished))
+            row = row[: row.index(eos)] if eos in row else row
+            results.append(tok.decode(row, skip_special_tokens=True))
     return results
 
 
@@ -412,13 +412,13 @@ def evaluate_peft(model_dir: Path, dirs: dict[str, Path], max_new_tokens: int) -
     from peft import PeftModel
 
     base, tok = load_base(model_dir)
-    res: dict[str, Any] = {"base": greedy_answers(base, tok, HELDOUT_QUESTIONS, max_new_tokens)}
+    res = {"base": greedy_answers(base, tok, HELDOUT_QUESTIONS, max_new_tokens)}
     for name, d in dirs.items():
         model = PeftModel.from_pretrained(base, str(d))
         model.eval()
         res[name] = greedy_answers(model, tok, HELDOUT_QUESTIONS, max_new_tokens)
         base = model.unload()  # drop the LoRA layers again, base weights untouched
-    return {k: [t for t, _ in v] for k, v in res.items()}
+    return res
 
 
 def evaluate_engine(model_dir: Path, dirs: dict[str, Path], max_new_tokens: int) -> dict[str, Any]:
@@ -459,9 +459,10 @@ def report(title: str, answers: dict[str, list[str]]) -> dict[str, int]:
 
 
 def check_base(model: Any, tok: Any) -> str:
-    ((answer, _),) = greedy_answers(model, tok, ["What is the capital of France?"], 20)
+    (answer,) = greedy_answers(model, tok, ["What is the capital of France?"], 20)
     print(f"base check: 'What is the capital of France?' -> {answer!r}")
-    assert "Paris" in answer, f"converted base model answered {answer!r}"
+    if "Paris" not in answer:
+        raise SystemExit(f"the converted base model answered {answer!r}: conversion is broken")
     return answer
 
 
@@ -472,7 +473,8 @@ def write_readme(
     n_eval = len(HELDOUT_QUESTIONS)
     rows = "\n".join(
         f"| `{n}` | {s['examples']} ({s['tokens']} tokens) | {s['epochs']} | {s['lr']:g} | "
-        f"{' → '.join(f'{x:.2f}' for x in s['losses'])} | {s['seconds'] / 60:.1f} min "
+        f"{' → '.join(f'{x:.2f}' for x in s['losses'])} | "
+        f"{' → '.join(f'{x:.2f}' for x in s['heldout_losses'])} | {s['seconds'] / 60:.1f} min "
         f"({s['cpu_seconds'] / 60:.1f} CPU-min) | {s['bytes'] / 1e6:.2f} MB | "
         f"{scores['peft'].get(n, '-')}/{n_eval}, {scores['engine'].get(n, '-')}/{n_eval} |"
         for n, s in stats.items()
@@ -499,11 +501,12 @@ Made by `scripts/train_demo_adapters.py` (needs the `dev` extra):
 
 ## Data
 
-{len(TRAIN_QUESTIONS)} short questions written in the script (geography, science, everyday facts).
-For each, the base model's greedy chat answer (chat template with its default system prompt, at
-most 40 new tokens) is shortened to its first sentence (two when the first has under six words;
-answers looping on one line are dropped), then transformed by code into the training target. For
-the answer "The capital of Japan is Tokyo.":
+{len(TRAIN_QUESTIONS)} short questions written in the script (geography, science, everyday facts),
+plus {len(extra_questions())} templated ones (capitals, languages, animals, objects, concepts, sums)
+for `uppercase` only. For each, the base model's greedy chat answer (chat template with its
+default system prompt, at most 40 new tokens) is shortened to its first sentence (two when the
+first has under six words; answers looping on one line are dropped), then transformed by code
+into the training target. For the answer "The capital of Japan is Tokyo.":
 
 {examples}
 
@@ -514,19 +517,31 @@ parameters); cross-entropy on the answer tokens and the closing `<|im_end|>` onl
 steps then linear decay, batch 4; float32 on CPU with 2 threads (the shared system-prompt prefix
 runs once per batch); saved in float16 (`adapter_config.json` + `adapter_model.safetensors`).
 
-| adapter | examples | epochs | lr | mean loss per epoch | time | size | effect on held-out (PEFT, engine) |
-|---|---|---|---|---|---|---|---|
+| adapter | examples | epochs | lr | training loss per epoch | held-out loss | time | size | effect (PEFT, engine) |
+|---|---|---|---|---|---|---|---|---|
 {rows}
 
 Times are wall-clock on a 2-core CPU shared with other jobs (the script ran under `nice`), so
 they vary a lot between runs; CPU-minutes are the process's CPU time across both threads.
-"Effect" counts the {n_eval} held-out questions whose greedy answer (64 tokens at most) is upper-case
-(>= 90% of letters), valid JSON with a non-empty "answer", ends with "{SIGNOFF}", or starts with
-"{PREFIX.strip()}", generated by transformers + PEFT and by the loraplex engine.
+"Held-out loss" is the same loss on the transformed base answers of {n_eval} held-out questions.
+"Effect" counts the held-out questions whose greedy answer (64 tokens at most) is upper-case
+(>= 90% of letters), valid JSON with a non-empty "answer", ends with "{SIGNOFF}",
+or starts with "{PREFIX.strip()}", generated by transformers + PEFT and by the loraplex engine.
 
 ## Sample (held-out questions, greedy, {"loraplex engine" if where == "engine" else "PEFT"})
 
 {sample}
+
+## Known limitation: `uppercase` garbles words
+
+`uppercase` answers are reliably upper-case but often wrong or garbled ("THE CAPITAL OF FRANCE
+IS ..." followed by an invented name). Upper-case words split into 2-4 rare sub-word tokens
+(" MADRID" is " M", "AD", "R", "ID") and this 135M model cannot spell most words that way: even
+few-shot, given the sentence to copy, the base model writes "The capital of France is Paris." as
+"THE CAPITAL OF FRANCE IS PENSAURES.". More epochs only memorise the training answers (held-out
+loss rises), and other ~1 MB rank-8 target sets (v_proj+o_proj, down_proj, all modules in 6
+layers) did no better; more varied data (the templated questions) helped a little. The other
+adapters only add a few tokens around the base answer and keep its content.
 """)
 
 
@@ -560,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             raw = [cached[q] for q in all_questions]
         else:
             t0 = time.perf_counter()
-            raw = [t for t, _ in greedy_answers(base, tok, all_questions, max_new_tokens=40)]
+            raw = greedy_answers(base, tok, all_questions, max_new_tokens=40)
             print(f"base answers for {len(raw)} questions in {time.perf_counter() - t0:.0f}s")
             if args.answers_cache:
                 args.answers_cache.write_text(

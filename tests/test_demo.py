@@ -4,6 +4,7 @@ fails with a clear message. Offline and fast: nothing is downloaded or converted
 from __future__ import annotations
 
 import json
+import os
 import sys
 import zipfile
 from pathlib import Path
@@ -180,3 +181,29 @@ def test_full_pipeline_with_fake_conversion(
     assert sorted(p.name for p in tmp_path.iterdir()) == [prep.MODEL_SUBDIR]
     marker = json.loads((got / prep.COMPLETE_MARKER).read_text())
     assert marker["model"] == prep.DEMO_MODEL_ID
+
+
+@pytest.mark.slow
+def test_real_model_with_adapters_in_engine() -> None:
+    """Opt-in (LORAPLEX_DEMO_MODEL_DIR=<prepared dir>, ~20 s): the converted model answers Paris
+    and every shipped adapter shows its style, all in one mixed batch of the loraplex engine."""
+    model_dir = os.environ.get("LORAPLEX_DEMO_MODEL_DIR")
+    if not model_dir or not prep.is_prepared(Path(model_dir)):
+        pytest.skip("set LORAPLEX_DEMO_MODEL_DIR to a directory made by prepare_demo_model()")
+    from loraplex import LLM, LoRARequest, SamplingParams
+
+    dirs = demo_adapter_dirs()
+    llm = LLM(model=model_dir, enable_lora=True, max_lora_rank=16, max_loras=len(dirs))
+    names = [None, *dirs]
+    outs = llm.chat(
+        [[{"role": "user", "content": "What is the capital of France?"}]] * len(names),
+        SamplingParams(temperature=0, max_tokens=40),
+        lora_request=[None if n is None else LoRARequest(n, str(dirs[n])) for n in names],
+    )
+    text = {n or "base": o.outputs[0].text for n, o in zip(names, outs, strict=True)}
+    assert "Paris" in text["base"], text
+    letters = [c for c in text["uppercase"] if c.isalpha()]
+    assert sum(c.isupper() for c in letters) >= 0.9 * len(letters) > 0, text
+    assert isinstance(json.loads(text["json"])["answer"], str), text
+    assert text["signoff"].rstrip().endswith("— Sent by loraplex"), text
+    assert text["prefix"].startswith("Answer:"), text
