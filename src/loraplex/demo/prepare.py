@@ -104,8 +104,14 @@ def prepare_demo_model(
     final = demo_model_dir(cache_dir)
     if is_prepared(final):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{MODEL_SUBDIR}-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{MODEL_SUBDIR}-", dir=final.parent))
+    except OSError as e:
+        raise ModelLoadError(
+            f"cannot prepare the demo model in {final.parent} ({e}); set LORAPLEX_CACHE_DIR "
+            "(or pass a cache directory) to a writable place with ~500 MB free"
+        ) from e
     try:
         _log(progress, f"Preparing the demo model {DEMO_MODEL_ID} in {final} (one time only)")
         dl_dir = work / "download"
