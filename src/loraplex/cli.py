@@ -1,4 +1,8 @@
-"""``loraplex`` command line: ``serve``, ``demo``, ``generate``, ``sim``."""
+"""``loraplex`` command line.
+
+``serve``, ``demo`` and ``generate`` are parsed here; the other commands own their parsers
+(several of them must not import torch) and get the rest of the command line.
+"""
 
 from __future__ import annotations
 
@@ -262,17 +266,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
-    # ``sim`` has its own parser (torch-free); main() hands it the rest of the command line
-    sub.add_parser("sim", help="replay an adapter trace through the cache policies (no torch)")
+    # commands with their own parsers; main() hands them the rest of the command line
+    for name, (_, help_) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
     return p
+
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "sim": ("loraplex.sim.cli", "replay an adapter trace through the cache policies (no torch)"),
+    "adapters": ("loraplex.registry.cli", "adapter registry: register, list, promote, canary, ..."),
+    "tenants": ("loraplex.registry.cli", "tenants and their API keys"),
+    "bench": ("loraplex.bench.cli", "load generator against any OpenAI-compatible server"),
+    "plan": ("loraplex.bench.plan", "capacity planner: adapter bytes, slots vs KV, decode bytes"),
+    "verify": ("loraplex.bench.verify", "check an adapter against a merged-weights reference"),
+    "route": ("loraplex.router.cli", "residency-aware router over many replicas (no torch)"),
+}
+"""``command -> (module, help)``; the module's ``main(argv) -> int`` gets the arguments after
+the command (``loraplex.registry.cli`` gets the command name too: it serves two)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "sim":
-        from loraplex.sim.cli import main as sim_main
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
 
-        return sim_main(argv[1:])
+        module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+        rest = argv if module.__name__ == "loraplex.registry.cli" else argv[1:]
+        return int(module.main(rest))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
