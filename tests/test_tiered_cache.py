@@ -625,3 +625,27 @@ def test_slow_cold_load_does_not_delay_warm_adapters(
     assert mgr.tier_of(mgr.digest_of("cold")) in ("device", "host")
     assert mgr.stats.remote_loads == 1 and engine.is_idle()
     mgr.check_invariants()
+
+
+def test_registered_digest_is_the_key_and_is_verified(tmp_path: Path) -> None:
+    """A request naming a registered sha256 is served by that verified copy in memory, whatever
+    its path holds now; read from a directory whose files no longer match, it is refused."""
+    p1, d1 = write_adapter(tmp_path / "x", seed=1)
+    _, d2 = write_adapter(tmp_path / "y", seed=2)
+    cache = make_cache()
+    a = cache.resolve(req("x", p1, sha256=d1))
+    assert a.ref.sha256 == d1
+    cache.release(a)
+    shutil.rmtree(p1)
+    shutil.copytree(tmp_path / "y", p1)  # rev 2's files where rev 1's were
+    a = cache.resolve(req("x", p1, sha256=d1))  # rev 1 still resident: served from memory
+    assert a.ref.sha256 == d1
+    cache.release(a)
+    b = cache.resolve(req("x", p1, sha256=d2))  # rev 2 by its own digest
+    assert b.ref.sha256 == d2
+    cache.release(b)
+    cache.evict(d1, tiers=["device", "host"])
+    with pytest.raises(AdapterIntegrityError, match="not the registered"):
+        cache.resolve(req("x", p1, sha256=d1))  # rev 1 gone from memory; its files changed
+    assert cache.is_idle()
+    cache.check_invariants()

@@ -62,7 +62,7 @@ from loraplex.cache.store import (
     StoreUnavailableError,
     open_store,
 )
-from loraplex.cache.verify import AdapterCopyError, fetch_verified
+from loraplex.cache.verify import AdapterCopyError, AdapterIntegrityError, fetch_verified
 from loraplex.config import WARM_POLICIES
 from loraplex.lora.adapter import (
     BaseModelSpec,
@@ -279,7 +279,7 @@ class TieredAdapterCache:
         self._by_source: dict[str, tuple[Any, str]] = {}  # source key -> (fingerprint, digest)
         self._fp_cache: dict[str, tuple[str, float]] = {}  # store URI -> (fingerprint, when)
         self._fp_locks: dict[str, threading.Lock] = {}
-        self._flights: dict[tuple[str, Any], _Flight] = {}
+        self._flights: dict[tuple[str, Any, str | None], _Flight] = {}
         self.slot_digest: list[str | None] = [None] * max_loras
         self.slot_users = [0] * max_loras
         self.slot_of: dict[str, int] = {}
@@ -436,12 +436,25 @@ class TieredAdapterCache:
         AdapterCopyError, DiskTierError, :class:`AdapterCapacityError`.
         """
         t0 = time.perf_counter()
+        expected = req.extra.get("sha256")
+        if expected is not None:  # a registry revision: its verified copy in memory serves it
+            with self._lock:
+                hit = self.host.get(expected)
+                if hit is not None:
+                    self._count_hit(hit, req, count)
+                    self._take_ref(expected)
+                    return hit, True
         src = self._source(req)
         fp = self._fingerprint_of(src)
-        fkey = (src.key, fp)
+        fkey = (src.key, fp, expected)  # a registered digest is part of what is asked for
         with self._lock:
             known = self._by_source.get(src.key)
-            if known is not None and known[0] == fp and known[1] in self.host:
+            if (
+                known is not None
+                and known[0] == fp
+                and known[1] in self.host
+                and expected in (None, known[1])
+            ):
                 adapter = self.host[known[1]]
                 self._count_hit(adapter, req, count)
                 self._take_ref(adapter.ref.sha256)
@@ -597,6 +610,17 @@ class TieredAdapterCache:
             config, tensors = read_adapter_files(src.path)  # type: ignore[arg-type]
             digest = compute_adapter_digest(config, tensors)
             self._observe(STAGE_DISK_LOAD, time.perf_counter() - t0)
+            want = req.extra.get("sha256")
+            if want is not None and digest != want:
+                raise AdapterIntegrityError(
+                    f"adapter {req.name!r}: the files in {src.path} have sha256 {digest[:16]}..., "
+                    f"not the registered {want[:16]}... (changed since registration?)",
+                    name=req.name,
+                    tier="local",
+                    path=str(src.path),
+                    expected=want,
+                    actual=digest,
+                )
             return config, tensors, digest
         expected = req.extra.get("sha256")
         if expected is None:
@@ -824,6 +848,17 @@ class TieredAdapterCache:
 
     def _indexes(self) -> list[TierIndex]:
         return [i for i in (self._device, self._host, self._disk) if i is not None]
+
+    def set_tenant_budget(self, tenant: str, host_bytes: int | None) -> None:
+        """Cap ``tenant``'s bytes in host memory (None: no cap). Applies to later admissions;
+        copies already resident stay until evicted."""
+        if host_bytes is not None and host_bytes < 0:
+            raise ValueError(f"tenant {tenant!r}: host byte budget must be >= 0")
+        with self._lock:
+            if host_bytes is None:
+                self._host.tenant_budgets.pop(tenant, None)
+            else:
+                self._host.tenant_budgets[tenant] = host_bytes
 
     def pin(self, digest_or_name: str, *, device: bool = False) -> str:
         """Never evict the adapter from host memory and disk (and its slot with ``device``);
