@@ -102,7 +102,7 @@ def _add_serve(sub: Any) -> None:
         "uniform:n=16",
     )
     src.add_argument("--trace", metavar="FILE.jsonl", help="a JSON-lines trace (loraplex sim's)")
-    load = p.add_mutually_exclusive_group(required=True)
+    load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=_positive(float), help="open loop: mean requests/s")
     load.add_argument(
         "--concurrency", type=_positive(int), help="closed loop: this many requests in flight"
@@ -112,7 +112,7 @@ def _add_serve(sub: Any) -> None:
         choices=["poisson", "gamma", "trace"],
         default="poisson",
         help="open-loop send times: poisson / gamma gaps at --rate, or the workload's own times "
-        "(rescaled to --rate if given)",
+        "(rescaled to --rate if given; without --rate as they are)",
     )
     p.add_argument("--cv", type=_positive(float), default=2.0, help="gamma gaps' cv (default 2)")
     p.add_argument("--prompt-len", type=_length, default=LengthDist(64, 64), metavar="N|LO:HI")
@@ -171,7 +171,7 @@ def _names(args: argparse.Namespace) -> list[str]:
 def _trace(args: argparse.Namespace) -> list:
     n = args.num_requests
     if n is None:
-        if args.duration is not None and args.rate is not None:
+        if args.duration is not None and args.rate is not None and args.arrivals != "trace":
             n = int(args.rate * args.duration * 1.25) + 16
         elif args.duration is not None:
             n = 20000
@@ -191,12 +191,14 @@ def _trace(args: argparse.Namespace) -> list:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.prompt_kind == "tokens" and args.endpoint == "chat":
         raise BenchError("--prompt-kind tokens needs --endpoint completions (chat takes text)")
-    if args.rate is None and args.arrivals != "poisson":
+    if args.concurrency is not None and args.arrivals != "poisson":
         raise BenchError("--arrivals applies to the open loop (--rate), not --concurrency")
+    if args.concurrency is None and args.rate is None and args.arrivals != "trace":
+        raise BenchError("give --rate (open loop), --concurrency (closed loop) or --arrivals trace")
     kind = args.prompt_kind or ("text" if args.endpoint == "chat" else "tokens")
     names = _names(args)
     trace = _trace(args)
-    arrivals = args.arrivals if args.rate is not None else "trace"
+    arrivals = "trace" if args.concurrency is not None else args.arrivals
     requests = build_requests(
         trace,
         names,
@@ -226,8 +228,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         progress=not args.no_progress,
     )
-    if args.rate is not None:
-        result.mode = f"rate={args.rate:g} req/s ({arrivals})"
+    if args.concurrency is None:
+        result.mode = f"{arrivals} arrivals" + (f" at {args.rate:g} req/s" if args.rate else "")
     result.meta = {
         "workload": args.trace or args.workload,
         "models": names,
