@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from loraplex.lora.digest import DIGEST_VERSION, _math_config
 from loraplex.types import AdapterError, AdapterRef
 
 PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -35,39 +36,6 @@ MLP_PROJ_NAMES = frozenset(PROJ_NAMES[4:])
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 BIN_NAME = "adapter_model.bin"
-
-DIGEST_VERSION = b"loraplex-adapter-digest-v1\n"
-
-# Config fields that change what the adapter computes, with PEFT's defaults (a missing field and
-# its default digest the same). Unsupported variants are listed too, so that if one is ever
-# supported its adapters can never share a digest with plain LoRA.
-_DIGEST_FIELDS: dict[str, Any] = {
-    "peft_type": None,
-    "r": 8,
-    "lora_alpha": 8,
-    "use_rslora": False,
-    "target_modules": None,
-    "exclude_modules": None,
-    "layers_to_transform": None,
-    "layers_pattern": None,
-    "rank_pattern": {},
-    "alpha_pattern": {},
-    "use_dora": False,
-    "fan_in_fan_out": False,
-    "bias": "none",
-    "lora_bias": False,
-    "modules_to_save": None,
-    "layer_replication": None,
-    "use_qalora": False,
-    "target_parameters": None,
-    "trainable_token_indices": None,
-    "init_lora_weights": True,
-    "alora_invocation_tokens": None,
-    "use_bdlora": None,
-    "arrow_config": None,
-    "kasa_config": None,
-    "monteclora_config": None,
-}
 
 # Fields whose presence (truthy value) means a variant we cannot serve as W + scale * B @ A.
 _UNSUPPORTED_FIELDS: dict[str, str] = {
@@ -218,37 +186,6 @@ def read_adapter_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise _fail(path, f"weights entry {name!r} is not a named tensor")
     return config, dict(tensors)
-
-
-def _as_float(v: Any) -> Any:
-    """16 and 16.0 are the same alpha: numbers become floats, anything else is left alone."""
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-
-
-def _math_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The digest-relevant subset of ``config``, normalised so equal math gives equal JSON.
-
-    Missing/None/empty values take PEFT's default, alphas are floats, name lists are sorted
-    sets and an int ``layers_to_transform`` is the one-element list it means.
-    """
-    out: dict[str, Any] = {}
-    for key, default in _DIGEST_FIELDS.items():
-        value = config.get(key)
-        if value is None or (isinstance(value, (list, dict)) and not value):
-            value = default
-        out[key] = value
-    out["lora_alpha"] = _as_float(out["lora_alpha"])
-    if isinstance(out["alpha_pattern"], dict):
-        out["alpha_pattern"] = {k: _as_float(v) for k, v in out["alpha_pattern"].items()}
-    for key in ("target_modules", "exclude_modules", "modules_to_save"):
-        if isinstance(out[key], list) and all(isinstance(x, str) for x in out[key]):
-            out[key] = sorted(set(out[key]))
-    layers = out["layers_to_transform"]
-    if isinstance(layers, int) and not isinstance(layers, bool):
-        layers = [layers]
-    if isinstance(layers, list) and all(isinstance(i, int) for i in layers):
-        out["layers_to_transform"] = sorted(set(layers))
-    return out
 
 
 def compute_adapter_digest(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> str:

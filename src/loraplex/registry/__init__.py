@@ -1,0 +1,45 @@
+"""Adapter registry (control plane): versioned manifests, lifecycle, signatures, releases with
+canary and rollback, tenants and API keys, audit log. SQLite embedded, PostgreSQL by URL.
+
+Never imports torch (nor the engine, cache or server): the CLI and tools use it standalone.
+"""
+
+from loraplex.registry.db import ADAPTER_STATUSES, default_url, loraplex_home
+from loraplex.registry.errors import NotFoundError, RegistryError, TransitionError, ValidationError
+from loraplex.registry.inspect import BaseModelInfo, base_model_info
+from loraplex.registry.lifecycle import TRANSITIONS
+from loraplex.registry.service import (
+    SCOPES,
+    AuditEntry,
+    Manifest,
+    Principal,
+    Registry,
+    RegistryPolicy,
+    Release,
+    Resolution,
+    Tenant,
+    signed_payload,
+)
+
+__all__ = [
+    "ADAPTER_STATUSES",
+    "SCOPES",
+    "TRANSITIONS",
+    "AuditEntry",
+    "BaseModelInfo",
+    "Manifest",
+    "NotFoundError",
+    "Principal",
+    "Registry",
+    "RegistryError",
+    "RegistryPolicy",
+    "Release",
+    "Resolution",
+    "Tenant",
+    "TransitionError",
+    "ValidationError",
+    "base_model_info",
+    "default_url",
+    "loraplex_home",
+    "signed_payload",
+]

@@ -1,0 +1,785 @@
+"""The adapter registry against SQLite and a real PostgreSQL: digests, validation reasons,
+lifecycle table, promote/canary/rollback, tenants, keys, audit, migrations, concurrency."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from sqlalchemy import create_engine, inspect, text
+
+from loraplex.lora.adapter import BaseModelSpec, compute_adapter_digest, read_adapter_files
+from loraplex.lora.digest import digest_safetensors_dir
+from loraplex.registry import (
+    ADAPTER_STATUSES,
+    TRANSITIONS,
+    NotFoundError,
+    Registry,
+    RegistryError,
+    RegistryPolicy,
+    TransitionError,
+    ValidationError,
+    base_model_info,
+    signing,
+)
+from loraplex.registry.db import Base, current_revision, head_revision
+from loraplex.registry.lifecycle import check_transition
+from loraplex.testing import make_random_model
+from pg import pg_url_or_skip
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep base-digest memos and default registries out of the real home."""
+    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("LORAPLEX_REGISTRY_URL", raising=False)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'registry.db'}"
+    return pg_url_or_skip()
+
+
+@pytest.fixture
+def root(tmp_path: Path, adapters: dict[str, Path]) -> Path:
+    """An allowed adapter root holding copies of the conftest adapters."""
+    r = tmp_path / "root"
+    for name, src in adapters.items():
+        shutil.copytree(src, r / name)
+    return r
+
+
+@pytest.fixture(scope="session")
+def base(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> object:
+    old = os.environ.get("LORAPLEX_HOME")
+    os.environ["LORAPLEX_HOME"] = str(tmp_path_factory.mktemp("home"))
+    try:
+        return base_model_info(tiny_model, "tiny")
+    finally:
+        if old is None:
+            os.environ.pop("LORAPLEX_HOME", None)
+        else:
+            os.environ["LORAPLEX_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def narrow_model(workdir: Path) -> Path:
+    """Another architecture size: every adapter of tiny_model is a shape mismatch here."""
+    return make_random_model(workdir / "narrow-llama", num_layers=3, hidden_size=32, seed=3,
+                             with_tokenizer=False)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def twin_model(workdir: Path) -> Path:
+    """Same shapes as tiny_model, other weights: only the base digest tells them apart."""
+    return make_random_model(workdir / "twin-llama", num_layers=3, seed=99, with_tokenizer=False)
+
+
+def open_reg(url: str, root: Path | None = None, **policy: object) -> Registry:
+    roots = (str(root),) if root is not None else ()
+    return Registry.open(url, policy=RegistryPolicy(allowed_roots=roots, **policy))  # type: ignore[arg-type]
+
+
+def variant(src: Path, dst: Path, seed: int) -> Path:
+    """A copy of adapter ``src`` with different weights (same shapes and config)."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "adapter_config.json", dst / "adapter_config.json")
+    _, tensors = read_adapter_files(src)
+    g = torch.Generator().manual_seed(seed)
+    save_file({k: torch.randn(v.shape, generator=g) * 0.05 for k, v in tensors.items()},
+              str(dst / "adapter_model.safetensors"))  # fmt: skip
+    return dst
+
+
+def file_sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------ digest
+
+
+def test_digest_equals_torch_digest(adapters: dict[str, Path], tmp_path: Path) -> None:
+    for name, path in adapters.items():
+        config, tensors = read_adapter_files(path)
+        assert digest_safetensors_dir(path) == compute_adapter_digest(config, tensors), name
+    # other dtypes and an extra metadata header entry digest the same way too
+    config, tensors = read_adapter_files(adapters["attn_r4_rslora"])
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        d = tmp_path / str(dtype)
+        d.mkdir()
+        shutil.copy(adapters["attn_r4_rslora"] / "adapter_config.json", d)
+        cast = {k: v.to(dtype) for k, v in tensors.items()}
+        save_file(cast, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+        assert digest_safetensors_dir(d) == compute_adapter_digest(config, cast), dtype
+    assert digest_safetensors_dir(d) != digest_safetensors_dir(adapters["attn_r4_rslora"])
+
+
+def test_registry_never_imports_torch() -> None:
+    code = (
+        "import sys, loraplex.registry, loraplex.registry.cli, loraplex.lora.digest; "
+        "bad = [m for m in ('torch', 'loraplex.engine', 'loraplex.cache', 'loraplex.server', "
+        "'loraplex.lora.adapter') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_inspect_tables_match_the_torch_loader(tiny_model: Path) -> None:
+    from loraplex.lora import adapter
+    from loraplex.registry import inspect as rinspect
+
+    assert rinspect.PROJ_NAMES == adapter.PROJ_NAMES
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    assert rinspect.projection_shapes(cfg) == BaseModelSpec.from_hf_config(cfg).module_shapes
+
+
+def test_base_model_info_is_memoised(tiny_model: Path, tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    a = base_model_info(model)
+    assert a.name == "m" and len(a.digest) == 64 and a.config["num_hidden_layers"] == 3
+    memo_path = tmp_path / "home" / "base-digests.json"
+    memo = json.loads(memo_path.read_text())
+    weights = str((model / "model.safetensors").resolve())
+    assert memo[weights]["sha256"] == file_sha(model / "model.safetensors")
+    # a restart trusts the memo while (size, mtime) match: prove it by planting a fake hash
+    memo[weights]["sha256"] = "0" * 64
+    memo_path.write_text(json.dumps(memo))
+    assert base_model_info(model).digest != a.digest
+    # touching the file invalidates the memo entry
+    st = (model / "model.safetensors").stat()
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert base_model_info(model).digest == a.digest
+    with pytest.raises(RegistryError, match=r"config\.json"):
+        base_model_info(tmp_path)
+
+
+# ------------------------------------------------------------------------------ register
+
+
+def test_register_records_a_full_manifest(db_url: str, root: Path, base: object) -> None:
+    reg = open_reg(db_url, root)
+    path = root / "all_r8"
+    m = reg.register(path, "x", base=base, actor="alice", priority=3, slo_class="gold",
+                     warm_policy="host")  # fmt: skip
+    config, tensors = read_adapter_files(path)
+    assert m.revision == "r1" and m.status == "validated" and m.tenant is None
+    assert m.sha256 == compute_adapter_digest(config, tensors)
+    assert m.weights_sha256 == file_sha(path / "adapter_model.safetensors")
+    assert m.config_sha256 == file_sha(path / "adapter_config.json")
+    assert (m.base_model_name, m.base_model_digest) == ("tiny", base.digest)  # type: ignore[attr-defined]
+    assert (m.rank, m.alpha, m.dtype) == (8, 16.0, "float32")
+    assert m.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj")  # fmt: skip
+    assert m.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert (m.priority, m.slo_class, m.warm_policy) == (3, "gold", "host")
+    assert m.source_uri == m.path == str(path.resolve())
+    assert m.ref.sha256 == m.sha256 and m.ref.revision == "r1"
+    assert reg.get("x", "r1") == m and reg.release("x").active_revision is None
+
+    # identical content again: the same revision, nothing new
+    gen = reg.generation()
+    assert reg.register(path, "x", base=base, actor="alice").revision == "r1"
+    assert len(reg.list()) == 1 and reg.generation() >= gen
+    with pytest.raises(RegistryError, match="already registered as revision 'r1'"):
+        reg.register(path, "x", base=base, actor="alice", revision="v9")
+    # new content: the next revision; an explicit label that exists is refused
+    m2 = reg.register(variant(path, root / "x2", 1), "x", base=base, actor="alice")
+    assert m2.revision == "r2" and m2.sha256 != m.sha256
+    with pytest.raises(RegistryError, match="already has a revision 'r2'"):
+        reg.register(variant(path, root / "x3", 2), "x", base=base, actor="a", revision="r2")
+    m3 = reg.register(root / "x3", "x", base=base, actor="a", revision="canary-1")
+    assert [r.revision for r in reg.list()] == ["r1", "r2", "canary-1"]
+    assert m3.status == "validated"
+    for bad in ("", "a b", "../x", "x..y", "-x"):
+        with pytest.raises(RegistryError, match="invalid adapter name"):
+            reg.register(path, bad, base=base, actor="a")
+    with pytest.raises(RegistryError, match="warm_policy"):
+        reg.register(path, "y", base=base, actor="a", warm_policy="always")
+    reg.close()
+
+
+def _refused(reg: Registry, reason: str, path: Path, name: str, base: object, **kw: object) -> None:
+    n_audit = len(reg.audit_log(limit=1000))
+    with pytest.raises(ValidationError) as ei:
+        reg.register(path, name, base=base, actor="mallory", **kw)  # type: ignore[arg-type]
+    assert ei.value.reason == reason, str(ei.value)
+    assert reason in str(ei.value)
+    with pytest.raises(NotFoundError):  # nothing recorded ...
+        reg.release(name)
+    log = reg.audit_log(limit=1000)
+    assert len(log) == n_audit + 1  # ... but the refusal is audited
+    assert (log[0].action, log[0].actor, log[0].after["reason"]) == (  # type: ignore[index]
+        "register.refused", "mallory", reason)  # fmt: skip
+
+
+def test_each_validation_failure_names_its_reason(
+    db_url: str, root: Path, base: object, tmp_path: Path, narrow_model: Path
+) -> None:
+    reg = open_reg(db_url, root, max_rank=32)
+    good = root / "all_r8"
+    _refused(reg, "rank_too_large", root / "all_r64_layer1", "big", base)
+    _refused(reg, "shape_mismatch", good, "narrow", base_model_info(narrow_model))
+    _refused(reg, "sha256_mismatch", good, "wrongsha", base, sha256="ab" * 32)
+
+    # unsupported targets: embedding / lm_head tensors, and lm_head in the config
+    config, tensors = read_adapter_files(good)
+    for i, extra in enumerate((
+        {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 100)},
+        {"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)},
+    )):  # fmt: skip
+        d = root / f"emb{i}"
+        d.mkdir()
+        shutil.copy(good / "adapter_config.json", d)
+        save_file({**tensors, **extra}, str(d / "adapter_model.safetensors"))
+        _refused(reg, "unsupported_target", d, f"emb{i}", base)
+    d = root / "lmhead_cfg"
+    shutil.copytree(good, d)
+    (d / "adapter_config.json").write_text(
+        json.dumps({**config, "target_modules": ["q_proj", "lm_head"]})
+    )
+    _refused(reg, "unsupported_target", d, "lmhead", base)
+
+    # sources: outside the roots, "..", a symlinked dir and a symlinked file leading out
+    outside = tmp_path / "outside"
+    shutil.copytree(good, outside)
+    _refused(reg, "source_not_allowed", outside, "out", base)
+    _refused(reg, "path_traversal", root / "all_r8" / ".." / "all_r8", "dots", base)
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    _refused(reg, "source_not_allowed", root / "link", "link", base)
+    d = root / "filelink"
+    d.mkdir()
+    shutil.copy(good / "adapter_config.json", d)
+    (d / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    _refused(reg, "source_not_allowed", d, "filelink", base)
+    _refused(reg, "source_not_allowed", good, "s3", base, source_uri="s3://evil/x/")
+    no_roots = open_reg(db_url)
+    _refused(no_roots, "source_not_allowed", good, "noroots", base)
+    # ... unless the operator says so (its own --lora-modules)
+    assert no_roots.register(outside, "op", base=base, actor="op", allow_any_source=True)
+    prefixed = open_reg(db_url, root, allowed_prefixes=("s3://bucket/adapters/",))
+    m = prefixed.register(outside, "s3ok", base=base, actor="a",
+                          source_uri="s3://bucket/adapters/s3ok/")  # fmt: skip
+    assert m.source_uri == "s3://bucket/adapters/s3ok/"
+    _refused(prefixed, "source_not_allowed", outside, "s3bad", base,
+             source_uri="s3://bucket/adapters-evil/x/")  # fmt: skip
+    _refused(prefixed, "path_traversal", outside, "s3dots", base,
+             source_uri="s3://bucket/adapters/../secrets/")  # fmt: skip
+
+    # tampered weights: accepted at registration, refused when re-validated
+    vic = root / "victim"
+    shutil.copytree(good, vic)
+    m = reg.register(vic, "victim", base=base, actor="a")
+    reg.validate("victim", m.revision, base=base, actor="a")
+    blob = bytearray((vic / "adapter_model.safetensors").read_bytes())
+    blob[-1] ^= 0x01
+    (vic / "adapter_model.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(ValidationError) as ei:
+        reg.validate("victim", m.revision, base=base, actor="a")
+    assert ei.value.reason == "sha256_mismatch"
+    assert reg.audit_log(limit=1)[0].action == "validate.failed"
+    reg.close()
+
+
+def test_wrong_base_digest_is_refused_on_validate(
+    db_url: str, root: Path, base: object, twin_model: Path
+) -> None:
+    reg = open_reg(db_url, root)
+    m = reg.register(root / "mlp_r16", "m", base=base, actor="a")
+    twin = base_model_info(twin_model)
+    assert twin.config["hidden_size"] == base.config["hidden_size"]  # type: ignore[attr-defined]
+    with pytest.raises(ValidationError) as ei:
+        reg.validate("m", m.revision, base=twin, actor="a")
+    assert ei.value.reason == "base_model_mismatch"
+    assert reg.validate("m", m.revision, base=base, actor="a").status == "validated"
+
+
+def test_signatures(db_url: str, root: Path, base: object) -> None:
+    priv, pub = signing.generate_keypair()
+    other_priv, other_pub = signing.generate_keypair()
+    reg = open_reg(db_url, root, require_signatures=True, trusted_keys=(pub,))
+    draft, _ = reg.prepare(root / "all_r8", "s", base=base)
+    good = signing.sign(draft.signed_payload(), priv)
+    _refused(reg, "unsigned", root / "all_r8", "s", base)
+    _refused(reg, "bad_signature", root / "all_r8", "s", base,
+             signature=signing.sign(draft.signed_payload(), other_priv))  # fmt: skip
+    _refused(reg, "bad_signature", root / "all_r8", "s", base, signature="not base64!")
+    # signed for another name (or tenant): the payload differs
+    other_draft, _ = reg.prepare(root / "all_r8", "t", base=base)
+    _refused(reg, "bad_signature", root / "all_r8", "s", base,
+             signature=signing.sign(other_draft.signed_payload(), priv))  # fmt: skip
+    m = reg.register(root / "all_r8", "s", base=base, actor="a", signature=good)
+    assert m.signature == good and m.signed_by == signing.key_id(pub)
+    assert m.signed_payload() == draft.signed_payload()
+    # raw base64 trusted keys work too; a present-but-bad signature is refused even when
+    # signatures are optional
+    raw = signing.load_public_key(pub).public_bytes_raw()
+    import base64
+
+    lax = open_reg(db_url, root, trusted_keys=(base64.b64encode(raw).decode(),))
+    assert lax.register(root / "mlp_r16", "u", base=base, actor="a").signature is None
+    bad = signing.sign(b"something else", priv)
+    _refused(lax, "bad_signature", root / "mlp_r16", "v", base, signature=bad)
+    # re-validation re-verifies the stored signature against the configured keys
+    assert lax.validate("s", "r1", base=base, actor="a").signed_by == signing.key_id(pub)
+    strict_other = open_reg(db_url, root, require_signatures=True, trusted_keys=(other_pub,))
+    with pytest.raises(ValidationError) as ei:
+        strict_other.validate("s", "r1", base=base, actor="a")
+    assert ei.value.reason == "bad_signature"
+    with pytest.raises(ValidationError) as ei:
+        strict_other.validate("u", "r1", base=base, actor="a")
+    assert ei.value.reason == "unsigned"
+    with pytest.raises(RegistryError, match="trusted key"):
+        RegistryPolicy(trusted_keys=("garbage",))
+    with pytest.raises(RegistryError, match="at least one trusted key"):
+        RegistryPolicy(require_signatures=True)
+
+
+# ------------------------------------------------------------------------------ lifecycle
+
+
+def test_transition_table_refuses_every_other_move() -> None:
+    for src in ADAPTER_STATUSES:
+        for dst in ADAPTER_STATUSES:
+            if dst in TRANSITIONS[src]:
+                check_transition(src, dst)
+            else:
+                with pytest.raises(TransitionError) as ei:
+                    check_transition(src, dst)
+                msg = str(ei.value)
+                assert f"{src} -> {dst}" in msg
+                assert all(a in msg for a in TRANSITIONS[src])
+
+
+def _at_status(reg: Registry, root: Path, base: object, name: str, status: str) -> None:
+    """Register ``name`` and walk its revision r2 to ``status`` (r1 stays as the other one)."""
+    reg.register(root / "attn_r4_rslora", name, base=base, actor="t")
+    reg.register(root / "all_r8", name, base=base, actor="t")
+    if status == "validated":
+        return
+    reg.stage(name, "r2", actor="t")
+    if status == "staged":
+        return
+    reg.promote(name, "r2", actor="t")
+    if status == "active":
+        return
+    if status == "deprecated":
+        reg.promote(name, "r1", actor="t")
+        return
+    reg.disable(name, "r2", actor="t")
+
+
+def test_registry_moves_follow_the_table(db_url: str, root: Path, base: object) -> None:
+    reg = open_reg(db_url, root)
+    ops = {
+        "stage": lambda n: reg.stage(n, "r2", actor="t"),
+        "promote": lambda n: reg.promote(n, "r2", actor="t"),
+        "disable": lambda n: reg.disable(n, "r2", actor="t"),
+        "canary": lambda n: reg.canary(n, "r2", 0.5, actor="t"),
+    }
+    i = 0
+    for status in ("validated", "staged", "active", "deprecated", "disabled"):
+        for op, call in ops.items():
+            i += 1
+            name = f"n{i}"
+            _at_status(reg, root, base, name, status)
+            assert reg.get(name, "r2").status == status
+            if op == "canary" and reg.release(name).active_revision is None:
+                reg.promote(name, "r1", actor="t")  # a canary needs an active revision
+            allowed = {
+                "stage": "staged" in TRANSITIONS[status],
+                "promote": "active" in TRANSITIONS[status] or status == "validated",
+                "disable": "disabled" in TRANSITIONS[status],
+                "canary": status in ("validated", "staged"),
+            }[op]
+            before = reg.get(name, "r2").status
+            if allowed:
+                call(name)
+            else:
+                with pytest.raises(TransitionError):
+                    call(name)
+                assert reg.get(name, "r2").status == before, (status, op)
+    reg.close()
+
+
+def test_promote_canary_rollback(db_url: str, root: Path, base: object) -> None:
+    reg = open_reg(db_url, root)
+    r1 = reg.register(root / "all_r8", "x", base=base, actor="a")
+    r2 = reg.register(variant(root / "all_r8", root / "v2", 1), "x", base=base, actor="a")
+    r3 = reg.register(variant(root / "all_r8", root / "v3", 2), "x", base=base, actor="a")
+    assert len({r1.sha256, r2.sha256, r3.sha256}) == 3
+    assert reg.resolve("x", tenant=None, u=0.0) is None  # nothing active yet
+    with pytest.raises(TransitionError, match="no active revision"):
+        reg.canary("x", "r2", 0.1, actor="a")
+    with pytest.raises(TransitionError, match="no canary"):
+        reg.promote("x", actor="a")
+    rel = reg.promote("x", "r1", actor="a")  # validated -> staged -> active
+    assert (rel.active_revision, rel.previous_revision) == ("r1", None)
+    assert reg.get("x").activated_at is not None and reg.get("x").rollback_revision is None
+    with pytest.raises(TransitionError, match="active -> active"):
+        reg.promote("x", "r1", actor="a")
+
+    rel = reg.canary("x", "r2", 0.1, actor="a")
+    assert (rel.canary_revision, rel.canary_weight) == ("r2", 0.1)
+    assert reg.get("x", "r2").status == "staged"
+    res = reg.resolve("x", tenant=None, u=0.05)
+    assert res is not None and (res.manifest.sha256, res.via) == (r2.sha256, "canary")
+    res = reg.resolve("x", tenant=None, u=0.1)
+    assert res is not None and (res.manifest.sha256, res.via) == (r1.sha256, "active")
+    with pytest.raises(RegistryError, match="weight"):
+        reg.canary("x", "r2", 1.5, actor="a")
+
+    rel = reg.promote("x", actor="a")  # the canary
+    assert (rel.active_revision, rel.previous_revision, rel.canary_revision) == ("r2", "r1", None)
+    assert rel.canary_weight == 0.0
+    assert reg.get("x", "r1").status == "deprecated"
+    assert reg.get("x").rollback_revision == "r1"
+    reg.promote("x", "r3", actor="a")
+    assert reg.get("x", "r2").status == "deprecated" and reg.get("x").rollback_revision == "r2"
+    assert [m.revision for m in reg.list(status="active")] == ["r3"]
+
+    rel = reg.rollback("x", actor="a")  # r3 -> disabled, r2 back at once
+    assert (rel.active_revision, rel.previous_revision) == ("r2", "r1")
+    assert reg.get("x", "r3").status == "disabled"
+    res = reg.resolve("x", tenant=None, u=0.0)
+    assert res is not None and res.manifest.sha256 == r2.sha256
+    rel = reg.rollback("x", actor="a")
+    assert (rel.active_revision, rel.previous_revision) == ("r1", None)
+    with pytest.raises(TransitionError, match="no previous revision"):
+        reg.rollback("x", actor="a")
+    # a disabled revision comes back only through stage -> promote
+    with pytest.raises(TransitionError):
+        reg.promote("x", "r3", actor="a")
+    reg.stage("x", "r3", actor="a")
+    reg.canary("x", "r3", 0.2, actor="a")
+    assert reg.release("x").canary_revision == "r3"
+    m = reg.disable("x", actor="a")  # the active one
+    assert m.revision == "r1" and reg.release("x").active_revision is None
+    assert reg.resolve("x", tenant=None, u=0.0) is None
+    with pytest.raises(NotFoundError, match="no active revision"):
+        reg.get("x")
+    with pytest.raises(NotFoundError):
+        reg.promote("nope", actor="a")
+    with pytest.raises(NotFoundError):
+        reg.get("x", "r99")
+    # the database itself refuses a second active revision of a name
+    reg.promote("x", "r3", actor="a")
+    eng = create_engine(db_url)
+    with pytest.raises(Exception, match=r"(?i)unique|duplicate"), eng.begin() as c:
+        c.execute(text("UPDATE adapter_revisions SET status = 'active' WHERE name = 'x'"))
+    eng.dispose()
+    assert [m.revision for m in reg.list(status="active")] == ["r3"]
+
+
+def test_canary_split_statistics(db_url: str, root: Path, base: object) -> None:
+    reg = open_reg(db_url, root)
+    reg.register(root / "all_r8", "x", base=base, actor="a")
+    reg.register(variant(root / "all_r8", root / "v2", 1), "x", base=base, actor="a")
+    reg.promote("x", "r1", actor="a")
+    rng = random.Random(1234)
+    for weight in (0.1, 0.5):
+        reg.canary("x", "r2", weight, actor="a")
+        n = 600
+        hits = sum(
+            reg.resolve("x", tenant=None, u=rng.random()).via == "canary"  # type: ignore[union-attr]
+            for _ in range(n)
+        )
+        sigma = (n * weight * (1 - weight)) ** 0.5
+        assert abs(hits - n * weight) < 4 * sigma, (weight, hits)
+    reg.canary("x", "r2", 0.0, actor="a")
+    assert all(reg.resolve("x", tenant=None, u=u).via == "active" for u in (0.0, 0.5))  # type: ignore[union-attr]
+    reg.canary("x", "r2", 1.0, actor="a")
+    assert all(reg.resolve("x", tenant=None, u=u).via == "canary" for u in (0.0, 0.999))  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------------------ tenants
+
+
+def test_tenant_visibility(db_url: str, root: Path, base: object) -> None:
+    reg = open_reg(db_url, root)
+    reg.create_tenant("acme", max_waiting=8, rate_limit_rps=2.5, host_bytes_budget=2**30,
+                      actor="op")  # fmt: skip
+    reg.create_tenant("globex", actor="op")
+    with pytest.raises(RegistryError, match="already exists"):
+        reg.create_tenant("acme", actor="op")
+    with pytest.raises(NotFoundError, match="unknown tenant"):
+        reg.register(root / "all_r8", "z", base=base, actor="a", tenant="initech")
+    reg.register(root / "all_r8", "a-only", base=base, actor="a", tenant="acme")
+    reg.register(root / "mlp_r16", "g-only", base=base, actor="a", tenant="globex")
+    reg.register(root / "attn_r4_rslora", "shared", base=base, actor="a")
+    reg.register(root / "qv_r32_regex", "a-staged", base=base, actor="a", tenant="acme")
+    for n in ("a-only", "g-only", "shared"):
+        reg.promote(n, "r1", actor="a")
+    with pytest.raises(RegistryError, match="already taken"):
+        reg.register(root / "patterns", "a-only", base=base, actor="g", tenant="globex")
+    with pytest.raises(RegistryError, match="already taken"):
+        reg.register(root / "patterns", "shared", base=base, actor="g", tenant="globex")
+
+    assert reg.resolve("a-only", tenant="acme", u=0.0) is not None
+    assert reg.resolve("a-only", tenant="globex", u=0.0) is None
+    assert reg.resolve("g-only", tenant="acme", u=0.0) is None
+    assert reg.resolve("shared", tenant="globex", u=0.0) is not None
+    assert reg.resolve("a-staged", tenant="acme", u=0.0) is None  # not active
+    assert reg.resolve("unknown", tenant="acme", u=0.0) is None
+    assert reg.resolve("g-only", tenant=None, u=0.0) is not None  # the operator sees all
+    assert [r.name for r in reg.visible(tenant="acme")] == ["a-only", "shared"]
+    assert [r.name for r in reg.visible(tenant="globex")] == ["g-only", "shared"]
+    assert [r.name for r in reg.visible(tenant=None)] == ["a-only", "g-only", "shared"]
+    assert reg.visible(tenant="acme")[0].tenant == "acme"
+    assert {m.name for m in reg.list(tenant="acme")} == {"a-only", "a-staged", "shared"}
+    assert {m.name for m in reg.list(tenant="acme", include_shared=False)} == {"a-only", "a-staged"}
+    assert len(reg.list()) == 4
+
+    t = reg.get_tenant("acme")
+    assert (t.max_waiting, t.rate_limit_rps, t.host_bytes_budget) == (8, 2.5, 2**30)
+    t = reg.update_tenant("acme", actor="op", rate_limit_rps=None, max_waiting=3)
+    assert (t.max_waiting, t.rate_limit_rps) == (3, None)
+    with pytest.raises(RegistryError, match="unknown tenant limit"):
+        reg.update_tenant("acme", actor="op", burst=3)
+    with pytest.raises(RegistryError, match="rate_limit_rps"):
+        reg.create_tenant("bad", rate_limit_rps=-1, actor="op")
+    with pytest.raises(NotFoundError):
+        reg.get_tenant("nobody")
+    assert [t.name for t in reg.list_tenants()] == ["acme", "globex"]
+
+
+def _all_cells(url: str) -> list[str]:
+    eng = create_engine(url)
+    cells: list[str] = []
+    with eng.connect() as c:
+        for table in inspect(eng).get_table_names():
+            for row in c.execute(text(f'SELECT * FROM "{table}"')):
+                cells += [str(v) for v in row]
+    eng.dispose()
+    return cells
+
+
+def test_api_keys_are_hashed_scoped_and_revocable(db_url: str, tmp_path: Path) -> None:
+    reg = Registry.open(db_url)
+    assert not reg.has_keys()
+    reg.create_tenant("acme", actor="op")
+    kid, secret = reg.create_key("acme", actor="op", label="ci")
+    aid, admin_secret = reg.create_key(None, scopes=("admin:*",), actor="op")
+    pid, promo_secret = reg.create_key(None, scopes=("admin:promote", "inference"), actor="op")
+    assert secret.startswith("lpx-") and len(secret) >= 36 and reg.has_keys()
+    p = reg.authenticate(secret)
+    assert p is not None and (p.key_id, p.tenant, p.scopes) == (kid, "acme", {"inference"})
+    assert p.allows("inference") and not p.allows("admin:register")
+    a = reg.authenticate(admin_secret)
+    assert a is not None and a.tenant is None
+    assert all(a.allows(s) for s in ("admin:register", "admin:promote", "admin:pin", "admin:load"))
+    assert not a.allows("inference")
+    q = reg.authenticate(promo_secret)
+    assert q is not None and q.allows("admin:promote") and not q.allows("admin:pin")
+    for wrong in ("", "lpx-", secret + "x", secret[:-1], "Bearer " + secret, None):
+        assert reg.authenticate(wrong) is None  # type: ignore[arg-type]
+    with pytest.raises(RegistryError, match="only hold the 'inference' scope"):
+        reg.create_key("acme", scopes=("admin:*",), actor="op")
+    with pytest.raises(RegistryError, match="unknown scope"):
+        reg.create_key(None, scopes=("root",), actor="op")
+    with pytest.raises(NotFoundError):
+        reg.create_key("initech", actor="op")
+
+    listed = reg.list_keys()
+    assert {k["key_id"] for k in listed} == {kid, aid, pid}
+    assert [k["key_id"] for k in reg.list_keys("acme")] == [kid]
+    dumped = json.dumps(listed)
+    for s in (secret, admin_secret, promo_secret):
+        assert s not in dumped and hashlib.sha256(s.encode()).hexdigest() not in dumped
+    # the secret is nowhere in the database, only its sha256
+    cells = _all_cells(db_url)
+    for s in (secret, admin_secret, promo_secret):
+        assert not any(s in c for c in cells)
+        assert hashlib.sha256(s.encode()).hexdigest() in cells
+    if db_url.startswith("sqlite"):
+        db = Path(db_url.removeprefix("sqlite:///"))
+        blob = b"".join(p.read_bytes() for p in db.parent.glob(db.name + "*"))
+        assert secret.encode() not in blob and secret[4:].encode() not in blob
+        assert hashlib.sha256(secret.encode()).hexdigest().encode() in blob
+
+    reg.revoke_key(kid, actor="op")
+    assert reg.authenticate(secret) is None
+    assert next(k for k in reg.list_keys() if k["key_id"] == kid)["revoked"]
+    with pytest.raises(RegistryError, match="already revoked"):
+        reg.revoke_key(kid, actor="op")
+    with pytest.raises(NotFoundError):
+        reg.revoke_key("key_nope", actor="op")
+    reg.revoke_key(aid, actor="op")
+    reg.revoke_key(pid, actor="op")
+    assert not reg.has_keys()
+
+
+# ------------------------------------------------------------------------------ audit
+
+
+def test_every_mutation_is_audited_with_before_after(db_url: str, root: Path, base: object) -> None:
+    reg = open_reg(db_url, root)
+    steps = [
+        ("tenant.create", "tenant:acme", lambda: reg.create_tenant("acme", actor="op")),
+        ("tenant.update", "tenant:acme",
+         lambda: reg.update_tenant("acme", actor="op", max_waiting=4)),
+        ("register", "x@r1", lambda: reg.register(root / "all_r8", "x", base=base, actor="op")),
+        ("register", "x@r2", lambda: reg.register(variant(root / "all_r8", root / "v2", 1), "x",
+                                                  base=base, actor="op")),
+        ("validate", "x@r1", lambda: reg.validate("x", "r1", base=base, actor="op")),
+        ("stage", "x@r1", lambda: reg.stage("x", "r1", actor="op")),
+        ("promote", "x", lambda: reg.promote("x", "r1", actor="op")),
+        ("canary", "x", lambda: reg.canary("x", "r2", 0.25, actor="op")),
+        ("promote", "x", lambda: reg.promote("x", actor="op")),
+        ("rollback", "x", lambda: reg.rollback("x", actor="op")),
+        ("disable", "x@r1", lambda: reg.disable("x", actor="op")),
+        ("key.create", None, lambda: reg.create_key("acme", actor="op")),
+        ("key.revoke", None, lambda: reg.revoke_key(reg.list_keys()[0]["key_id"], actor="op")),
+        ("pin", "x", lambda: reg.audit("op", "pin", "x", {"pinned": False}, {"pinned": True})),
+    ]  # fmt: skip
+    for action, target, call in steps:
+        gen = reg.generation()
+        call()
+        assert reg.generation() > gen, action
+        e = reg.audit_log(limit=1)[0]
+        assert (e.action, e.actor) == (action, "op")
+        if target is not None:
+            assert e.target == target
+        assert e.after is not None and e.ts > 0
+        if action not in ("tenant.create", "register", "key.create"):
+            assert e.before is not None and e.before != e.after, action
+    log = reg.audit_log(limit=100)
+    assert [e.action for e in reversed(log)] == [s[0] for s in steps]
+    promote = next(e for e in log if e.action == "promote")  # the canary's promotion
+    assert (promote.before["active_revision"], promote.before["canary_revision"]) == ("r1", "r2")
+    assert (promote.after["active_revision"], promote.after["canary_revision"]) == ("r2", None)
+    rb = next(e for e in log if e.action == "rollback")
+    assert (rb.before["active_revision"], rb.after["active_revision"]) == ("r2", "r1")
+    assert {e.target for e in reg.audit_log(target="x")} == {"x", "x@r1", "x@r2"}
+    assert len(reg.audit_log(limit=2)) == 2
+    created = next(e for e in log if e.action == "key.create")
+    assert "secret" not in json.dumps(created.after)
+
+
+# ------------------------------------------------------------------------------ migrations
+
+
+def test_migrations_run_once_and_match_the_models(db_url: str) -> None:
+    reg = Registry.open(db_url)
+    reg.create_tenant("t", actor="op")
+    eng = create_engine(db_url)
+    assert current_revision(eng) == head_revision()
+    tables = sorted(inspect(eng).get_table_names())
+    reg.close()
+    reg2 = Registry.open(db_url)  # a second open is a no-op that keeps the data
+    assert [t.name for t in reg2.list_tenants()] == ["t"]
+    assert current_revision(eng) == head_revision()
+    assert sorted(inspect(eng).get_table_names()) == tables
+    insp = inspect(eng)
+    for table in Base.metadata.sorted_tables:
+        cols = {c["name"] for c in insp.get_columns(table.name)}
+        assert cols == {c.name for c in table.columns}, table.name
+    indexes = {i["name"] for i in insp.get_indexes("adapter_revisions")}
+    assert {"uq_one_active", "ix_revisions_sha256"} <= indexes
+    with eng.connect() as c:
+        assert (
+            c.execute(text("SELECT version_num FROM alembic_version")).scalar() == head_revision()
+        )
+    eng.dispose()
+    reg2.close()
+
+
+def test_open_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(RegistryError, match="bad registry URL"):
+        Registry.open("not a url")
+    with pytest.raises(RegistryError, match="cannot open registry"):
+        Registry.open("postgresql+psycopg://u:secretpw@127.0.0.1:1/x")
+    try:
+        Registry.open("postgresql+psycopg://u:secretpw@127.0.0.1:1/x")
+    except RegistryError as e:
+        assert "secretpw" not in str(e)
+    reg = Registry.open()  # default: $LORAPLEX_HOME/registry.db
+    assert reg.url == f"sqlite:///{tmp_path / 'home' / 'registry.db'}"
+    assert (tmp_path / "home" / "registry.db").exists()
+
+
+def test_in_memory_registry_works_across_threads() -> None:
+    reg = Registry.open("sqlite://")
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            reg.create_tenant(f"t{i}", actor="op")
+            reg.create_key(f"t{i}", actor="op")
+            reg.list_tenants()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(reg.list_tenants()) == 8 and len(reg.list_keys()) == 8
+
+
+# ------------------------------------------------------------------------------ concurrency
+
+
+def test_concurrent_promotes_and_registers(db_url: str, root: Path, base: object) -> None:
+    regs = [open_reg(db_url, root) for _ in range(4)]
+    dirs = [variant(root / "all_r8", root / f"v{i}", i) for i in range(4)]
+    errors: list[BaseException] = []
+
+    def run_all(calls: list) -> list:
+        barrier = threading.Barrier(len(calls))
+        out: list = [None] * len(calls)
+
+        def go(i: int) -> None:
+            barrier.wait()
+            try:
+                out[i] = calls[i]()
+            except BaseException as e:
+                out[i] = e
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(calls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        return out
+
+    # four registrations of different content under one name: r1..r4, no duplicates
+    out = run_all([lambda i=i: regs[i].register(dirs[i], "x", base=base, actor=f"w{i}")
+                   for i in range(4)])  # fmt: skip
+    assert not [o for o in out if isinstance(o, BaseException)], out
+    assert sorted(m.revision for m in out) == ["r1", "r2", "r3", "r4"]
+    # the same content four times at once: one revision
+    out = run_all([lambda i=i: regs[i].register(root / "mlp_r16", "y", base=base, actor="w")
+                   for i in range(4)])  # fmt: skip
+    assert {m.revision for m in out} == {"r1"} and len(regs[0].list()) == 5
+    # rounds of simultaneous promotes of different revisions: always exactly one active
+    for rnd in range(3):
+        revs = ["r1", "r2", "r3", "r4"] if rnd % 2 == 0 else ["r4", "r3", "r2", "r1"]
+        out = run_all([lambda i=i, r=r: regs[i].promote("x", r, actor=f"w{i}")
+                       for i, r in enumerate(revs)])  # fmt: skip
+        errors += [o for o in out if isinstance(o, BaseException)
+                   and not isinstance(o, TransitionError)]  # fmt: skip
+        active = [m.revision for m in regs[0].list(status="active") if m.name == "x"]
+        assert len(active) == 1, active
+        assert regs[1].release("x").active_revision == active[0]
+    assert not errors, errors
+    promotes = [e for e in regs[0].audit_log(limit=1000) if e.action == "promote"]
+    # every successful promote left one audit entry whose before is the prior after
+    chain = sorted(promotes, key=lambda e: e.id)
+    for a, b in itertools.pairwise(chain):
+        assert a.after["active_revision"] == b.before["active_revision"]  # type: ignore[index]
+    for r in regs:
+        r.close()
