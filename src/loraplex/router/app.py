@@ -1,0 +1,481 @@
+"""The router's HTTP API: the same OpenAI routes as a replica, proxied to the best replica.
+
+``create_router_app(config)`` builds it. Per request::
+
+    adapter = body["model"]
+    for attempt in 1 .. 1 + max_retries:
+        replica = choose(views of the replicas, adapter, policy)   (loraplex.router.scoring)
+        send; on a refused connection, a dropped connection before the response or a 503:
+            eject/skip that replica, count a retry, try the next one
+        otherwise: pass the response through (status, body, headers; SSE streamed event by
+            event); a replica that dies mid-stream ends the stream with an OpenAI error event
+            and ``[DONE]``, never a hang
+
+Also ``/v1/models`` (union over the replicas), ``/v1/replicas`` (the router's view),
+``/health`` (200 while one replica is healthy) and ``/metrics`` (decisions by reason,
+per-replica latency, retries). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplex.router.replicas import Replica, ReplicaSet
+from loraplex.router.scoring import POLICIES, Thresholds, Weights, choose
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_HOP = {
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade", "host", "content-length", "content-encoding",
+    "accept-encoding",
+}  # fmt: skip
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+@dataclass
+class RouterConfig:
+    """Everything ``loraplex route`` can set (flags or a YAML/TOML file)."""
+
+    replicas: list[str] = field(default_factory=list)
+    replicas_file: str | None = None
+    replicas_dns: str | None = None  # NAME:PORT, re-resolved on every poll
+    policy: str = "residency"
+    weights: Weights = field(default_factory=Weights)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    poll_interval_s: float = 1.0
+    poll_timeout_s: float = 2.0
+    readmit_after: int = 2
+    max_retries: int = 2
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 300.0  # longest silence from a replica before the request fails
+    retry_after_s: int = 1
+    replica_api_key: str | None = None  # for the router's own polls of /v1/adapters
+    host: str = "127.0.0.1"
+    port: int = 8080
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting."""
+        if not (self.replicas or self.replicas_file or self.replicas_dns):
+            raise ValueError("no replicas: give --replica URL, --replicas-file or --replicas-dns")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        self.weights.validate()
+        self.thresholds.validate()
+        for name in ("poll_interval_s", "poll_timeout_s", "connect_timeout_s", "read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.readmit_after < 1:
+            raise ValueError(f"readmit_after must be >= 1, got {self.readmit_after}")
+        if self.replicas_dns is not None:
+            host, sep, port = self.replicas_dns.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"replicas_dns: expected NAME:PORT, got {self.replicas_dns!r}")
+
+
+def _error(
+    status: int,
+    message: str,
+    type_: str,
+    *,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code or status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n".encode() + b"data: [DONE]\n\n"
+
+
+class RouterMetrics:
+    """The router's own metrics, in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.decisions = Counter(
+            "loraplex_router_decisions",
+            "Routing decisions by reason (affinity, load, fallback, round_robin).",
+            ["reason"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "loraplex_router_replica_latency_seconds",
+            "Per replica: seconds to the response headers (first_byte) and to the end (total).",
+            ["replica", "stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "loraplex_router_retries",
+            "Requests sent again to another replica, by cause.",
+            ["cause"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "loraplex_router_requests", "Requests answered, by status.", ["status"], registry=r
+        )
+        self.stream_errors = Counter(
+            "loraplex_router_stream_errors",
+            "Streams cut by a replica failure after the first byte (client got an error event).",
+            ["replica"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "loraplex_router_ejections", "Replicas ejected.", ["replica"], registry=r
+        )
+        self.arrivals = Counter(
+            "loraplex_router_adapter_arrivals",
+            "Responses by the adapter state the replica reported (warm, cold).",
+            ["state"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "loraplex_router_replica_healthy", "1 while a replica takes requests.", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "loraplex_router_replica_in_flight", "Requests outstanding per replica.", ["replica"],
+            registry=r,
+        )  # fmt: skip
+
+    def render(self, replicas: list[Replica]) -> bytes:
+        self.healthy.clear()
+        self.in_flight.clear()
+        for rep in replicas:
+            self.healthy.labels(replica=rep.url).set(1 if rep.healthy else 0)
+            self.in_flight.labels(replica=rep.url).set(rep.in_flight)
+        return generate_latest(self.registry)
+
+
+class _ProxyStream(StreamingResponse):
+    """A streaming response that runs ``on_close`` however it ends, even when its body never
+    started (the client left first), so no upstream connection or in-flight count leaks."""
+
+    def __init__(self, *args: Any, on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+class _Retry(Exception):
+    """This attempt failed before any byte reached the client; try another replica."""
+
+    def __init__(self, cause: str, message: str, body_503: bytes | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.body_503 = body_503  # the replica's own 503 answer, if that was the failure
+
+
+class Router:
+    """Replica set + policy + one HTTP client; ``forward`` proxies one request."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.replicas = ReplicaSet(
+            static=config.replicas,
+            replicas_file=config.replicas_file,
+            dns=config.replicas_dns,
+            poll_interval_s=config.poll_interval_s,
+            poll_timeout_s=config.poll_timeout_s,
+            readmit_after=config.readmit_after,
+            api_key=config.replica_api_key,
+            on_eject=lambda url: self.metrics.ejections.labels(replica=url).inc(),
+        )
+        self.turn = 0
+        self.client: httpx.AsyncClient | None = None
+
+    def pick(self, adapter: str | None, tried: set[str]) -> Replica | None:
+        reps = self.replicas.ordered()
+        views = [r.view() for r in reps]
+        exclude = frozenset(i for i, r in enumerate(reps) if r.url in tried)
+        d = choose(
+            views,
+            adapter,
+            policy=self.config.policy,
+            weights=self.config.weights,
+            thresholds=self.config.thresholds,
+            turn=self.turn,
+            exclude=exclude,
+        )
+        self.turn += 1
+        if d is None:
+            return None
+        self.metrics.decisions.labels(reason=d.reason).inc()
+        return reps[d.index]
+
+    def _no_replica(self, tried: set[str], last: str | None) -> JSONResponse:
+        self.metrics.requests.labels(status="503").inc()
+        why = f" (last error: {last})" if last else ""
+        msg = (
+            f"no healthy replica is available; tried {len(tried)}{why}"
+            if tried
+            else "no healthy replica is available"
+        )
+        return _error(
+            503,
+            msg,
+            "service_unavailable",
+            code="no_healthy_replica",
+            headers={"Retry-After": str(self.config.retry_after_s)},
+        )
+
+    def _observe_headers(self, rep: Replica, adapter: str | None, resp: httpx.Response) -> None:
+        state = resp.headers.get("x-loraplex-adapter-state")
+        if state in ("warm", "cold"):
+            self.metrics.arrivals.labels(state=state).inc()
+        name = resp.headers.get("x-loraplex-adapter", "").split(";", 1)[0] or adapter
+        if state is not None and name:
+            rep.note_on_device(name)  # served from a device slot there, whatever it was before
+
+    async def forward(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self.metrics.requests.labels(status="400").inc()
+            return _error(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
+        model = body.get("model") if isinstance(body, dict) else None
+        adapter = model if isinstance(model, str) and model else None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        tried: set[str] = set()
+        last: _Retry | None = None
+        for attempt in range(self.config.max_retries + 1):
+            rep = self.pick(adapter, tried)
+            if rep is None:
+                break
+            tried.add(rep.url)
+            try:
+                return await self._attempt(rep, adapter, path, raw, headers)
+            except _Retry as e:
+                last = e
+                if attempt < self.config.max_retries:
+                    self.metrics.retries.labels(cause=e.cause).inc()
+        if last is not None and last.body_503 is not None:  # every replica tried is overloaded
+            self.metrics.requests.labels(status="503").inc()
+            return Response(last.body_503, status_code=503, media_type="application/json",
+                            headers={"Retry-After": str(self.config.retry_after_s)})  # fmt: skip
+        return self._no_replica(tried, str(last) if last else None)
+
+    async def _attempt(
+        self, rep: Replica, adapter: str | None, path: str, raw: bytes, headers: dict[str, str]
+    ) -> Response:
+        assert self.client is not None
+        t0 = time.monotonic()
+        rep.note_dispatch(adapter, t0)
+        done = False
+
+        def finish() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                rep.in_flight -= 1
+
+        try:
+            req = self.client.build_request(
+                "POST", f"{rep.url}{path}", content=raw, headers=headers
+            )
+            try:
+                resp = await self.client.send(req, stream=True)
+            except httpx.ConnectError as e:
+                self.replicas.mark_failed(rep, f"connect: {e}")
+                raise _Retry("connect", f"{rep.url}: cannot connect ({e})") from e
+            except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+                # the replica dropped the connection before answering: it died or restarted
+                self.replicas.mark_failed(rep, f"dropped: {e}")
+                raise _Retry("dropped", f"{rep.url}: connection dropped ({e})") from e
+            except httpx.TimeoutException as e:
+                finish()
+                self.metrics.requests.labels(status="504").inc()
+                return _error(504, f"replica {rep.url} timed out: {e}", "server_error",
+                              code="replica_timeout")  # fmt: skip
+            self.metrics.latency.labels(replica=rep.url, stage="first_byte").observe(
+                time.monotonic() - t0
+            )
+            if resp.status_code == 503:  # overloaded / draining: nothing was generated
+                content = await resp.aread()
+                await resp.aclose()
+                raise _Retry("status_503", f"{rep.url}: 503", content)
+            self._observe_headers(rep, adapter, resp)
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+            out_headers["x-loraplex-replica"] = rep.url
+            self.metrics.requests.labels(status=str(resp.status_code)).inc()
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+
+                async def close() -> None:
+                    finish()
+                    with contextlib.suppress(Exception):
+                        await resp.aclose()
+
+                return _ProxyStream(
+                    self._stream(rep, resp, t0), status_code=resp.status_code,
+                    headers=out_headers, media_type="text/event-stream", on_close=close,
+                )  # fmt: skip
+            try:
+                content = await resp.aread()
+            except httpx.HTTPError as e:
+                self.replicas.mark_failed(rep, f"body: {e}")
+                return _error(502, f"replica {rep.url} failed while answering: {e}",
+                              "server_error", code="replica_failed")  # fmt: skip
+            finally:
+                await resp.aclose()
+            self.metrics.latency.labels(replica=rep.url, stage="total").observe(
+                time.monotonic() - t0
+            )
+            finish()
+            return Response(content, status_code=resp.status_code, headers=out_headers)
+        except BaseException:
+            finish()
+            raise
+
+    async def _stream(self, rep: Replica, resp: httpx.Response, t0: float) -> AsyncIterator[bytes]:
+        """Forward whole SSE events; on a replica failure, an error event and ``[DONE]``."""
+        buf = b""
+        try:
+            async for chunk in resp.aiter_bytes():
+                buf += chunk
+                end = buf.rfind(b"\n\n")
+                if end >= 0:
+                    yield buf[: end + 2]
+                    buf = buf[end + 2 :]
+            if buf.strip():
+                yield buf
+            self.metrics.latency.labels(replica=rep.url, stage="total").observe(
+                time.monotonic() - t0
+            )
+        except httpx.HTTPError as e:
+            self.metrics.stream_errors.labels(replica=rep.url).inc()
+            if not isinstance(e, httpx.TimeoutException):
+                self.replicas.mark_failed(rep, f"stream: {e}")
+            log.warning("stream from %s cut: %s", rep.url, e)
+            yield _sse_error(
+                f"the replica serving this stream failed ({type(e).__name__}: {e}); "
+                "the output above is incomplete",
+                "replica_failed",
+            )
+
+    async def models(self, request: Request) -> Response:
+        """Union of every healthy replica's ``/v1/models`` (first replica's entry wins)."""
+        assert self.client is not None
+        auth = request.headers.get("authorization")
+        headers = {"Authorization": auth} if auth else {}
+        reps = [r for r in self.replicas.ordered() if r.healthy]
+        if not reps:
+            return self._no_replica(set(), None)
+
+        async def one(r: Replica) -> httpx.Response | None:
+            try:
+                return await self.client.get(f"{r.url}/v1/models", headers=headers)  # type: ignore[union-attr]
+            except httpx.HTTPError as e:
+                self.replicas.mark_failed(r, f"/v1/models: {e}")
+                return None
+
+        answers = await asyncio.gather(*(one(r) for r in reps))
+        data: dict[str, Any] = {}
+        for resp in answers:
+            if resp is not None and resp.status_code == 200:
+                for m in resp.json().get("data", []):
+                    data.setdefault(m.get("id"), m)
+        if not data:
+            failed = next((a for a in answers if a is not None and a.status_code >= 400), None)
+            if failed is not None:  # e.g. 401: the replicas' own answer
+                return Response(failed.content, status_code=failed.status_code,
+                                media_type="application/json")  # fmt: skip
+            return self._no_replica({r.url for r in reps}, None)
+        return JSONResponse({"object": "list", "data": list(data.values())})
+
+
+def create_router_app(config: RouterConfig) -> FastAPI:
+    """Build the router app; polling starts and stops with the app (lifespan)."""
+    config.validate()
+    router = Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            router.client = client
+            poller = asyncio.create_task(router.replicas.run())
+            try:
+                yield
+            finally:
+                poller.cancel()
+                with contextlib.suppress(BaseException):
+                    await poller
+                router.client = None
+
+    app = FastAPI(title="loraplex router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
+        return _error(e.status_code, str(e.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("router error", exc_info=e)
+        return _error(500, f"router error: {type(e).__name__}", "server_error")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    @app.get("/v1/replicas")
+    async def replicas() -> dict[str, Any]:
+        return {"object": "list", "policy": config.policy, "data": router.replicas.status()}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if any(r.healthy for r in router.replicas.ordered()):
+            return Response(status_code=200)
+        return _error(503, "no healthy replica", "service_unavailable",
+                      headers={"Retry-After": str(config.retry_after_s)})  # fmt: skip
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(router.metrics.render(router.replicas.ordered()), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def run_router(config: RouterConfig) -> None:
+    """Serve the router with uvicorn until interrupted."""
+    import uvicorn
+
+    app = create_router_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)

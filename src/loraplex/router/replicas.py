@@ -1,0 +1,421 @@
+"""The router's replica set: where replicas are, whether they are up, and what they hold.
+
+Replicas come from a static URL list, a file of URLs (re-read when it changes) and a DNS name
+(re-resolved on every poll), in any combination. Each poll asks every replica for ``/health``,
+``/v1/adapters`` (loraplex's residency: every adapter and its tier) and ``/metrics`` (queue,
+running, KV usage, device evictions, and the Gateway API Inference Extension's
+``vllm:lora_requests_info``), so vLLM replicas, which have no ``/v1/adapters``, are routed by
+their metrics alone. Between polls the view is updated from every dispatch and response: a
+request sent to a replica puts its adapter on that replica's device (evicting the least
+recently used one beyond ``max_loras``), as the replica itself will.
+
+A replica that refuses connections or fails a health check is ejected at once (no requests),
+and re-admitted after ``readmit_after`` consecutive good health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplex.router.scoring import TIERS, ReplicaView
+
+log = logging.getLogger(__name__)
+
+_TIER_RANK = {t: i for i, t in enumerate(TIERS)}  # device 0 (best) .. absent 3
+
+
+# --------------------------------------------------------------------------- metrics parsing
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The routing-relevant part of a replica's ``/metrics`` (loraplex or vLLM)."""
+
+    waiting: int | None = None
+    running: int | None = None
+    kv_usage: float | None = None
+    max_lora: int | None = None
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    device_evictions: float | None = None  # adapter_evictions_total{tier="device"} (loraplex)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n for n in (s.strip() for s in text.split(",")) if n)
+
+
+def parse_metrics(text: str) -> MetricsSnapshot:
+    """Parse Prometheus text exposition into a :class:`MetricsSnapshot`.
+
+    Gauges are summed over their label sets (vLLM labels them by model name and engine);
+    ``vllm:kv_cache_usage_perc`` falls back to the older ``vllm:gpu_cache_usage_perc``; of the
+    ``vllm:lora_requests_info`` samples (vLLM keeps one per label set, its value the time it was
+    last set) the newest is the current one. Raises ValueError on text that is not exposition
+    format."""
+    sums: dict[str, float] = {}
+    info: tuple[float, dict[str, str]] | None = None
+    evictions: float | None = None
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception as e:  # the parser raises bare ValueErrors and others on garbage
+        raise ValueError(f"not Prometheus text format: {e}") from e
+    for fam in families:
+        for s in fam.samples:
+            if s.name == "vllm:lora_requests_info":
+                if info is None or s.value >= info[0]:
+                    info = (s.value, dict(s.labels))
+            elif s.name == "adapter_evictions_total" and s.labels.get("tier") == "device":
+                evictions = s.value
+            elif s.name in (
+                "vllm:num_requests_waiting",
+                "vllm:num_requests_running",
+                "vllm:kv_cache_usage_perc",
+                "vllm:gpu_cache_usage_perc",
+            ):
+                sums[s.name] = sums.get(s.name, 0.0) + s.value
+    kv = sums.get("vllm:kv_cache_usage_perc", sums.get("vllm:gpu_cache_usage_perc"))
+    max_lora: int | None = None
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    if info is not None:
+        labels = info[1]
+        with contextlib.suppress(ValueError):
+            max_lora = int(float(labels.get("max_lora", "")))
+        running = _names(labels.get("running_lora_adapters", ""))
+        waiting = _names(labels.get("waiting_lora_adapters", ""))
+    w, r = sums.get("vllm:num_requests_waiting"), sums.get("vllm:num_requests_running")
+    return MetricsSnapshot(
+        waiting=int(w) if w is not None else None,
+        running=int(r) if r is not None else None,
+        kv_usage=kv,
+        max_lora=max_lora,
+        running_adapters=running,
+        waiting_adapters=waiting,
+        device_evictions=evictions,
+    )
+
+
+def parse_residency(body: Any) -> tuple[dict[str, str], int | None]:
+    """``/v1/adapters`` of a loraplex replica -> ({adapter name: tier}, max_loras), device
+    adapters ordered least recently used first. Raises ValueError on another shape."""
+    if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        raise ValueError("expected {'object': 'list', 'data': [...]} from /v1/adapters")
+    rows = [r for r in body["data"] if isinstance(r, dict) and isinstance(r.get("name"), str)]
+    rows.sort(key=lambda r: float(r.get("last_access") or 0.0))
+    tiers: dict[str, str] = {}
+    for r in rows:
+        tier = r.get("tier") if r.get("tier") in _TIER_RANK else "absent"
+        old = tiers.get(r["name"])
+        if old is None or _TIER_RANK[tier] < _TIER_RANK[old]:
+            tiers[r["name"]] = tier
+    max_loras = body.get("max_loras")
+    return tiers, max_loras if isinstance(max_loras, int) and max_loras > 0 else None
+
+
+# --------------------------------------------------------------------------- one replica
+@dataclass
+class Replica:
+    """The router's mutable view of one replica (event-loop thread only)."""
+
+    url: str
+    kind: str = "unknown"  # loraplex | vllm | unknown (not polled yet)
+    healthy: bool = True  # optimistic until the first health check says otherwise
+    tiers: dict[str, str] = field(default_factory=dict)
+    device_lru: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    max_loras: int | None = None
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    evictions_per_s: float = 0.0
+    in_flight: int = 0
+    good_checks: int = 0
+    failures: int = 0
+    last_poll: float = 0.0
+    last_error: str | None = None
+    _evictions: tuple[float, float] | None = None  # (monotonic time, counter) at last poll
+    _dispatched: dict[str, float] = field(default_factory=dict)  # adapter -> monotonic time
+
+    def view(self) -> ReplicaView:
+        return ReplicaView(
+            url=self.url,
+            healthy=self.healthy,
+            tiers=dict(self.tiers),
+            waiting=self.waiting,
+            running=self.running,
+            kv_usage=self.kv_usage,
+            evictions_per_s=self.evictions_per_s,
+            in_flight=self.in_flight,
+        )
+
+    # -- updates between polls ------------------------------------------------------------------
+    def note_on_device(self, adapter: str) -> None:
+        """``adapter`` is (or is about to be) in a device slot here: most recently used; the
+        least recently used device adapter beyond ``max_loras`` drops to host memory."""
+        self.tiers[adapter] = "device"
+        self.device_lru.pop(adapter, None)
+        self.device_lru[adapter] = None
+        if self.max_loras is not None:
+            while len(self.device_lru) > self.max_loras:
+                old, _ = self.device_lru.popitem(last=False)
+                self.tiers[old] = "host"
+
+    def note_dispatch(self, adapter: str | None, now: float) -> None:
+        self.in_flight += 1
+        if adapter is not None:
+            self._dispatched[adapter] = now
+            self.note_on_device(adapter)
+
+    # -- polls ----------------------------------------------------------------------------------
+    def apply_poll(
+        self,
+        started: float,
+        tiers: dict[str, str] | None,
+        max_loras: int | None,
+        m: MetricsSnapshot | None,
+    ) -> None:
+        """Replace the view with what a poll begun at ``started`` saw; adapters dispatched here
+        since then stay on device (the poll could not see them yet)."""
+        new: dict[str, str] = dict(tiers or {})
+        device = [a for a, t in new.items() if t == "device"]
+        if m is not None:
+            for a in m.waiting_adapters:  # queued here: it will be loaded here
+                if _TIER_RANK[new.get(a, "absent")] > _TIER_RANK["host"]:
+                    new[a] = "host"
+            for a in m.running_adapters:  # vLLM lists adapters with running requests
+                new[a] = "device"
+                if a not in device:
+                    device.append(a)
+            self.waiting = m.waiting if m.waiting is not None else self.waiting
+            self.running = m.running if m.running is not None else self.running
+            self.kv_usage = m.kv_usage if m.kv_usage is not None else self.kv_usage
+            if m.device_evictions is not None:
+                if self._evictions is not None and started > self._evictions[0]:
+                    dt = started - self._evictions[0]
+                    self.evictions_per_s = max(0.0, m.device_evictions - self._evictions[1]) / dt
+                self._evictions = (started, m.device_evictions)
+        self.max_loras = max_loras or (m.max_lora if m is not None else None) or self.max_loras
+        self.tiers = new
+        self.device_lru = OrderedDict((a, None) for a in device)
+        self._dispatched = {a: t for a, t in self._dispatched.items() if t >= started}
+        for a in sorted(self._dispatched, key=self._dispatched.__getitem__):
+            self.note_on_device(a)
+        self.last_poll = started
+
+
+def _dns_urls(spec: str, scheme: str = "http") -> list[str]:
+    """``NAME:PORT`` -> one URL per address the name resolves to (a headless Service)."""
+    host, _, port = spec.rpartition(":")
+    infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    out = []
+    for fam, *_, addr in infos:
+        ip = addr[0]
+        out.append(
+            f"{scheme}://[{ip}]:{port}" if fam == socket.AF_INET6 else f"{scheme}://{ip}:{port}"
+        )
+    return sorted(set(out))
+
+
+def read_replicas_file(path: Path) -> list[str]:
+    """One URL per line; blank lines and ``#`` comments ignored."""
+    urls = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            urls.append(normalize_url(line))
+    return urls
+
+
+def normalize_url(text: str) -> str:
+    """``host:port`` or ``http(s)://host:port[/]`` -> ``http(s)://host:port``; ValueError else."""
+    url = text.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("http", "https") or not rest or "/" in rest:
+        raise ValueError(f"expected a replica URL like http://10.0.0.5:8000, got {text!r}")
+    try:
+        httpx.URL(url)
+    except Exception as e:
+        raise ValueError(f"invalid replica URL {text!r}: {e}") from None
+    return url
+
+
+# --------------------------------------------------------------------------- the set
+class ReplicaSet:
+    """All replicas, their discovery, polling, ejection and re-admission."""
+
+    def __init__(
+        self,
+        *,
+        static: Iterable[str] = (),
+        replicas_file: str | None = None,
+        dns: str | None = None,
+        poll_interval_s: float = 1.0,
+        poll_timeout_s: float = 2.0,
+        readmit_after: int = 2,
+        api_key: str | None = None,
+        on_eject: Callable[[str], None] | None = None,
+    ) -> None:
+        self.static = [normalize_url(u) for u in static]
+        self.replicas_file = Path(replicas_file) if replicas_file else None
+        self.dns = dns
+        self.poll_interval_s = poll_interval_s
+        self.poll_timeout_s = poll_timeout_s
+        self.readmit_after = readmit_after
+        self.api_key = api_key
+        self.on_eject = on_eject
+        self.replicas: dict[str, Replica] = {}
+        self._file_mtime: float | None = None
+        self._file_urls: list[str] = []
+        self._dns_urls: list[str] = []
+        self._client: httpx.AsyncClient | None = None
+        for u in self.static:
+            self.replicas[u] = Replica(u)
+        self._reload_file()
+
+    # -- discovery ------------------------------------------------------------------------------
+    def _reload_file(self) -> None:
+        if self.replicas_file is None:
+            return
+        try:
+            mtime = self.replicas_file.stat().st_mtime
+        except OSError as e:
+            log.warning("replicas file %s: %s (keeping the last list)", self.replicas_file, e)
+            return
+        if mtime == self._file_mtime:
+            return
+        try:
+            self._file_urls = read_replicas_file(self.replicas_file)
+        except (OSError, ValueError) as e:
+            log.warning("replicas file %s: %s (keeping the last list)", self.replicas_file, e)
+            return
+        self._file_mtime = mtime
+        self._sync()
+
+    async def _resolve_dns(self) -> None:
+        if self.dns is None:
+            return
+        try:
+            self._dns_urls = await asyncio.to_thread(_dns_urls, self.dns)
+        except OSError as e:
+            log.warning("replicas DNS %s: %s (keeping the last list)", self.dns, e)
+            return
+        self._sync()
+
+    def _sync(self) -> None:
+        wanted = list(dict.fromkeys([*self.static, *self._file_urls, *self._dns_urls]))
+        for u in wanted:
+            if u not in self.replicas:
+                log.info("replica added: %s", u)
+                self.replicas[u] = Replica(u)
+        for u in list(self.replicas):
+            if u not in wanted:
+                log.info("replica removed: %s", u)
+                del self.replicas[u]
+
+    def ordered(self) -> list[Replica]:
+        return [self.replicas[u] for u in sorted(self.replicas)]
+
+    # -- health ---------------------------------------------------------------------------------
+    def mark_failed(self, r: Replica, why: str) -> None:
+        """A request or health check failed: eject now; re-admission needs good checks."""
+        r.failures += 1
+        r.good_checks = 0
+        r.last_error = why
+        if r.healthy:
+            log.warning("replica %s ejected: %s", r.url, why)
+            r.healthy = False
+            if self.on_eject is not None:
+                self.on_eject(r.url)
+
+    def _mark_good(self, r: Replica) -> None:
+        r.good_checks += 1
+        r.last_error = None
+        if not r.healthy and r.good_checks >= self.readmit_after:
+            log.info("replica %s re-admitted", r.url)
+            r.healthy = True
+
+    # -- polling --------------------------------------------------------------------------------
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    async def poll_one(self, r: Replica, client: httpx.AsyncClient) -> None:
+        started = time.monotonic()
+        try:
+            health = await client.get(f"{r.url}/health")
+            if health.status_code != 200:
+                raise RuntimeError(f"/health answered {health.status_code}")
+            tiers: dict[str, str] | None = None
+            max_loras: int | None = None
+            if r.kind != "vllm":
+                res = await client.get(f"{r.url}/v1/adapters", headers=self._headers())
+                if res.status_code == 404:
+                    r.kind = "vllm"
+                elif res.status_code == 200:
+                    tiers, max_loras = parse_residency(res.json())
+                    r.kind = "loraplex"
+                else:
+                    log.warning("replica %s /v1/adapters: %s", r.url, res.status_code)
+            met = await client.get(f"{r.url}/metrics")
+            m = parse_metrics(met.text) if met.status_code == 200 else None
+        except (httpx.HTTPError, RuntimeError, ValueError) as e:
+            self.mark_failed(r, f"{type(e).__name__}: {e}")
+            return
+        if r.url in self.replicas:
+            r.apply_poll(started, tiers, max_loras, m)
+            self._mark_good(r)
+
+    async def poll(self) -> None:
+        """One round: re-read the file and DNS name, then poll every replica concurrently."""
+        self._reload_file()
+        await self._resolve_dns()
+        client = self._client
+        if client is None:
+            return
+        await asyncio.gather(*(self.poll_one(r, client) for r in list(self.replicas.values())))
+
+    async def run(self) -> None:
+        """Poll forever (until cancelled)."""
+        timeout = httpx.Timeout(self.poll_timeout_s)
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            self._client = client
+            try:
+                while True:
+                    t0 = time.monotonic()
+                    try:
+                        await self.poll()
+                    except Exception:  # one bad round must not stop polling
+                        log.exception("replica poll failed")
+                    await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - t0)))
+            finally:
+                self._client = None
+
+    def status(self) -> list[dict[str, Any]]:
+        """The router's view of every replica (``GET /v1/replicas``)."""
+        return [
+            {
+                "url": r.url,
+                "kind": r.kind,
+                "healthy": r.healthy,
+                "in_flight": r.in_flight,
+                "waiting": r.waiting,
+                "running": r.running,
+                "kv_usage": r.kv_usage,
+                "evictions_per_s": r.evictions_per_s,
+                "max_loras": r.max_loras,
+                "device": list(r.device_lru),
+                "tiers": dict(sorted(r.tiers.items())),
+                "last_error": r.last_error,
+            }
+            for r in self.ordered()
+        ]

@@ -1,0 +1,185 @@
+"""Routing decisions as pure functions: a snapshot of each replica -> a score -> one choice.
+
+"Affinity until saturated"::
+
+    for each healthy replica r:
+        saturated(r) = r.waiting >= max_waiting or r.kv_usage >= max_kv_usage
+                       or r.in_flight >= max_in_flight
+        affinity(r)  = tier_weight[tier of the adapter on r]     (device > host > disk > absent)
+                       0 when r is saturated
+        load(r)      = w_waiting * waiting + w_running * running + w_in_flight * in_flight
+                       + w_kv * kv_usage + w_evictions * device evictions per second
+        score(r)     = affinity(r) - load(r) + w_hash * rendezvous(adapter, r)
+    pick the highest score among unsaturated replicas (reason "affinity" when the adapter
+    sits on it, "load" when it sits on no unsaturated replica); when every replica is
+    saturated, the least loaded one (reason "fallback").
+
+The rendezvous term (a per-(adapter, replica) hash in [0, 1)) is small: it only decides
+between replicas whose loads are within ``w_hash`` of each other, and then always the same
+way for one adapter, so an adapter that is resident nowhere gets a stable home instead of
+being loaded on every replica in turn.
+
+No I/O, no clocks, no randomness: the same views give the same decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+TIERS = ("device", "host", "disk", "absent")
+"""Where an adapter can sit on a replica, best first (the ``tier`` of ``/v1/adapters``)."""
+
+POLICIES = ("residency", "round-robin", "least-loaded")
+REASONS = ("affinity", "load", "fallback", "round_robin")
+"""Decision reasons, the label values of ``loraplex_router_decisions_total``."""
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Score weights. Affinity is per tier; load terms are per unit (request, fraction, 1/s)."""
+
+    device: float = 1.0
+    host: float = 0.6
+    disk: float = 0.25
+    absent: float = 0.0
+    waiting: float = 0.1
+    running: float = 0.02
+    in_flight: float = 0.05
+    kv_usage: float = 0.5
+    evictions: float = 0.1
+    hash: float = 0.05
+
+    def tier(self, tier: str) -> float:
+        return {"device": self.device, "host": self.host, "disk": self.disk}.get(tier, self.absent)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad weight (all >= 0, device >= host >= disk)."""
+        for name, value in vars(self).items():
+            if not value >= 0:
+                raise ValueError(f"weight {name} must be >= 0, got {value!r}")
+        if not self.device >= self.host >= self.disk >= self.absent:
+            raise ValueError(
+                "tier weights must satisfy device >= host >= disk >= absent, got "
+                f"{self.device}, {self.host}, {self.disk}, {self.absent}"
+            )
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a replica counts as saturated (affinity no longer counts there)."""
+
+    max_waiting: int = 4
+    max_kv_usage: float = 0.9
+    max_in_flight: int = 32
+
+    def validate(self) -> None:
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if not 0 < self.max_kv_usage <= 1:
+            raise ValueError(f"max_kv_usage must be in (0, 1], got {self.max_kv_usage}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the router knows about one replica at decision time (an immutable snapshot)."""
+
+    url: str
+    healthy: bool = True
+    tiers: Mapping[str, str] = field(default_factory=dict)  # adapter name -> tier
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    evictions_per_s: float = 0.0  # device-tier evictions per second, recent
+    in_flight: int = 0  # requests this router has outstanding there
+
+    def tier_of(self, adapter: str) -> str:
+        return self.tiers.get(adapter, "absent")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen replica (index into the views), why, and every candidate's score."""
+
+    index: int
+    reason: str
+    scores: tuple[float, ...]
+
+
+def is_saturated(v: ReplicaView, th: Thresholds) -> bool:
+    return (
+        v.waiting >= th.max_waiting
+        or v.kv_usage >= th.max_kv_usage
+        or (v.in_flight >= th.max_in_flight)
+    )
+
+
+def load(v: ReplicaView, w: Weights) -> float:
+    """Higher = busier."""
+    return (
+        w.waiting * v.waiting
+        + w.running * v.running
+        + w.in_flight * v.in_flight
+        + w.kv_usage * v.kv_usage
+        + w.evictions * v.evictions_per_s
+    )
+
+
+def rendezvous(adapter: str, url: str) -> float:
+    """A stable pseudo-random number in [0, 1) for (adapter, replica) (highest-random-weight
+    hashing: removing a replica only moves the adapters whose top choice it was)."""
+    h = hashlib.blake2b(f"{adapter}\0{url}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2.0**64
+
+
+def score(v: ReplicaView, adapter: str | None, w: Weights, th: Thresholds) -> float:
+    """Affinity (zero once saturated) minus load, plus the small stable hash term."""
+    affinity = 0.0
+    if adapter is not None and not is_saturated(v, th):
+        affinity = w.tier(v.tier_of(adapter))
+    tie = w.hash * rendezvous(adapter, v.url) if adapter is not None else 0.0
+    return affinity - load(v, w) + tie
+
+
+def choose(
+    views: Sequence[ReplicaView],
+    adapter: str | None,
+    *,
+    policy: str = "residency",
+    weights: Weights | None = None,
+    thresholds: Thresholds | None = None,
+    turn: int = 0,
+    exclude: frozenset[int] = frozenset(),
+) -> Decision | None:
+    """Pick a replica for a request naming ``adapter`` (``None``: the base model).
+
+    ``turn`` is a counter the caller advances per request (round-robin, and the starting point
+    that breaks exact ties fairly); ``exclude`` holds indices already tried for this request.
+    Returns None when no healthy replica is left.
+    """
+    w = weights or Weights()
+    th = thresholds or Thresholds()
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    n = len(views)
+    order = [(turn + k) % n for k in range(n)] if n else []
+    live = [i for i in order if views[i].healthy and i not in exclude]
+    if not live:
+        return None
+    if policy == "round-robin":
+        return Decision(live[0], "round_robin", tuple(0.0 for _ in views))
+    if policy == "least-loaded":
+        scores = tuple(-load(v, w) for v in views)
+        best = max(live, key=lambda i: scores[i])  # first of equals in rotating order
+        return Decision(best, "load", scores)
+    scores = tuple(score(v, adapter, w, th) for v in views)
+    open_ = [i for i in live if not is_saturated(views[i], th)]
+    if not open_:
+        loads = {i: load(views[i], w) for i in live}
+        return Decision(min(live, key=lambda i: loads[i]), "fallback", scores)
+    best = max(open_, key=lambda i: scores[i])
+    resident = adapter is not None and views[best].tier_of(adapter) != "absent"
+    return Decision(best, "affinity" if resident else "load", scores)
