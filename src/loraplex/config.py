@@ -115,6 +115,14 @@ class ServerConfig:
     max_waiting: int = 256  # queue depth above which new requests get 503 + Retry-After
     retry_after_seconds: int = 1
     log_level: str = "info"
+    # adapter registry: None = $LORAPLEX_REGISTRY_URL, else an in-memory one seeded from
+    # --lora-modules; "sqlite:///path.db" or "postgresql+psycopg://..." for a shared one
+    registry_url: str | None = None
+    registry_poll_s: float = 1.0  # how often the registry is checked for changes
+    require_signatures: bool = False
+    trusted_keys: list[str] = field(default_factory=list)  # ed25519 public key files
+    allowed_store_prefixes: list[str] = field(default_factory=list)  # s3://bucket/prefix/
+    swap_eviction_delay_s: float = 30.0  # a replaced revision's cached copies go after this
 
     @property
     def model_names(self) -> list[str]:
@@ -128,6 +136,12 @@ class ServerConfig:
             raise ValueError(f"invalid port: {self.port!r} (0-65535)")
         if self.max_waiting < 0:
             raise ValueError(f"invalid max_waiting: {self.max_waiting!r} (>= 0)")
+        if self.registry_poll_s <= 0:
+            raise ValueError(f"invalid registry_poll_s: {self.registry_poll_s!r} (> 0)")
+        if self.swap_eviction_delay_s < 0:
+            raise ValueError(
+                f"invalid swap_eviction_delay_s: {self.swap_eviction_delay_s!r} (>= 0)"
+            )
         if self.retry_after_seconds < 0:
             raise ValueError(f"invalid retry_after_seconds: {self.retry_after_seconds!r} (>= 0)")
         seen: set[str] = set(self.model_names)

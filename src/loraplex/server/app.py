@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
+import os
+import random
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -33,20 +38,49 @@ from loraplex.config import ServerConfig
 from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from loraplex.engine.llm_engine import LLMEngine, PreparedRequest
 from loraplex.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from loraplex.registry import (
+    Manifest,
+    NotFoundError,
+    Principal,
+    Registry,
+    RegistryError,
+    RegistryPolicy,
+    Tenant,
+    TransitionError,
+    ValidationError,
+    base_model_info,
+)
 from loraplex.requests import LoRARequest, SamplingParams
-from loraplex.server.adapters import AdapterDirectory, ServedAdapter, check_allowed_path
+from loraplex.server.adapters import check_allowed_path
+from loraplex.server.catalog import (
+    ADMIN_KEY,
+    ANONYMOUS,
+    STATIC_KEY,
+    Catalog,
+    Servable,
+    digests_of,
+    local_source,
+    retired_digests,
+)
+from loraplex.server.limits import TenantLimitExceeded, TenantLimits
 from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraplex.server.protocol import (
+    CanaryAdapterRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DisableAdapterRequest,
     EvictLoRAAdapterRequest,
     LoadLoRAAdapterRequest,
     PinLoRAAdapterRequest,
+    PromoteAdapterRequest,
+    RegisterAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
 from loraplex.types import AdapterError, InvalidRequestError, LoraplexError
 
 log = logging.getLogger(__name__)
+usage_log = logging.getLogger("loraplex.usage")
+"""One JSON line per finished call: tenant, key, adapter name, revision, sha256, tokens."""
 
 
 class APIError(Exception):
@@ -85,6 +119,8 @@ def _as_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e))
+    if isinstance(e, RegistryError):
+        return _registry_api_error(e)
     if isinstance(e, AdapterError):
         return _adapter_api_error(e)
     if isinstance(e, EngineDeadError):
@@ -111,6 +147,8 @@ def _adapter_api_error(e: AdapterError) -> APIError:
     if isinstance(e, StorePermissionError):
         return APIError(403, msg, "permission_error", code="adapter_source_refused")
     if isinstance(e, AdapterCopyError):
+        if e.tier == "local":  # the registered files changed: retrying will not help
+            return APIError(500, msg, "server_error", code="adapter_integrity_error")
         if e.tier == "object_store":
             return APIError(502, msg, "server_error", code="adapter_copy_invalid")
         return APIError(503, msg, "service_unavailable", code="adapter_copy_invalid", headers=retry)
@@ -162,12 +200,17 @@ class _Admission:
     stream began), so no adapter reference can leak. Event-loop thread only; idempotent.
     """
 
-    def __init__(self, aengine: AsyncEngine, n: int) -> None:
+    def __init__(
+        self, aengine: AsyncEngine, n: int, on_close: Callable[[], None] | None = None
+    ) -> None:
         aengine.reserve(n)
         self.aengine = aengine
         self.left = n
         self.prepared: list[PreparedRequest] = []
         self._handed: set[str] = set()
+        self._on_close = on_close
+        self.usage: _UsageRecord | None = None
+        self.finals: dict[int, RequestOutput] = {}  # finished outputs by prompt index
 
     def generate(self, prep: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Hand ``prep`` to the engine; iterate the result at once (its first step queues it)."""
@@ -184,6 +227,12 @@ class _Admission:
             if p.request_id not in self._handed:
                 self._handed.add(p.request_id)
                 self.aengine.discard(p)
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+        if self.usage is not None:
+            usage, self.usage = self.usage, None
+            usage.log(self.prepared, self.finals)
 
 
 class _EngineStreamingResponse(StreamingResponse):
@@ -207,30 +256,156 @@ class _EngineStreamingResponse(StreamingResponse):
                 self.on_close()
 
 
-class ServerState:
-    """Everything one app instance owns: engine, adapter names, metrics, config."""
+def open_registry(config: ServerConfig) -> Registry:
+    """The registry a server with ``config`` uses: ``--registry-url`` (or
+    ``$LORAPLEX_REGISTRY_URL``), else a private in-memory one; its policy from the flags."""
+    keys = []
+    for f in config.trusted_keys:
+        try:
+            keys.append(Path(f).read_text())
+        except OSError as e:
+            raise AdapterError(f"--trusted-key {f!r}: {e.strerror or e}") from e
+    policy = RegistryPolicy(
+        require_signatures=config.require_signatures,
+        trusted_keys=tuple(keys),
+        max_rank=config.engine.max_lora_rank,
+        allowed_roots=tuple(config.allowed_lora_roots),
+        allowed_prefixes=tuple(config.allowed_store_prefixes),
+    )
+    return Registry.open(config.registry_url or "sqlite://", policy=policy)
 
-    def __init__(self, config: ServerConfig, engine: LLMEngine) -> None:
+
+class ServerState:
+    """Everything one app instance owns: engine, registry view, metrics, config."""
+
+    def __init__(
+        self, config: ServerConfig, engine: LLMEngine, registry: Registry | None = None
+    ) -> None:
         self.config = config
         self.engine = engine
         self.aengine = AsyncEngine(engine)
-        self.adapters = AdapterDirectory()
-        self.metrics = ServerMetrics(self.aengine, self.adapters.names_of)
         self.started = int(time.time())
         self.base_names = config.model_names
-        for m in config.lora_modules:
-            self.adapters.add(ServedAdapter(m.name, m.path, m.base_model_name, "cli"))
+        self.owns_registry = registry is None
+        self.registry = registry if registry is not None else open_registry(config)
+        self.base = base_model_info(config.engine.model, name=self.base_names[0])
+        self.catalog = Catalog(
+            self.registry,
+            self.base,
+            poll_s=config.registry_poll_s,
+            on_change=self._on_catalog_change,
+        )
+        self.metrics = ServerMetrics(self.aengine, self.catalog.names_of)
+        self.limits = TenantLimits()
+        self._retiring: dict[str, float] = {}  # digest -> when its cached copies go
+        self._rng = random.Random()
+        self._static_names = self._register_static_adapters()
+        self.catalog.refresh(force=True)
 
-    def preload_static_adapters(self) -> None:
-        """Load and validate every ``--lora-modules`` adapter at start-up (fail fast)."""
+    def _register_static_adapters(self) -> list[str]:
+        """Register (validated) and activate every ``--lora-modules`` adapter; fail fast."""
+        mgr = self.engine.adapters
+        names = []
+        for m in self.config.lora_modules:
+            actor = "serve --lora-modules"
+            with self._local_copy(m.name, m.path) as (local, uri):
+                manifest = self.registry.register(
+                    local,
+                    m.name,
+                    base=self.base,
+                    source_uri=uri,
+                    warm_policy=m.warm,
+                    actor=actor,
+                    allow_any_source=True,
+                )
+            if self.registry.release(m.name).active_revision != manifest.revision:
+                self.registry.promote(m.name, manifest.revision, actor=actor)
+            names.append(m.name)
+        if names and mgr is None:  # config.validate() refuses this; keep the invariant loud
+            raise AdapterError("--lora-modules needs --enable-lora")
+        return names
+
+    @contextlib.contextmanager
+    def _local_copy(self, name: str, source: str) -> Iterator[tuple[str, str | None]]:
+        """A readable local directory of an adapter source (object-store sources are fetched
+        to a temporary directory) and the source URI to record (None: the local path)."""
+        mgr = self.engine.adapters
+        if "://" not in source or source.startswith("file://"):
+            yield source.removeprefix("file://"), None
+            return
+        if mgr is None or mgr.store is None:
+            raise AdapterError(
+                f"adapter {name!r}: {source!r} is an object-store URI but no object store is "
+                "configured (--adapter-store-url)"
+            )
+        uri = mgr.store.uri(source)
+        with tempfile.TemporaryDirectory(prefix="loraplex-register-") as tmp:
+            mgr.store.fetch(uri, Path(tmp) / "a")
+            yield str(Path(tmp) / "a"), uri
+
+    def preload_adapters(self) -> None:
+        """Load and verify every ``--lora-modules`` adapter, and pre-warm registered ones whose
+        warm policy asks for it (fail fast on anything unloadable)."""
         mgr = self.engine.adapters
         if mgr is None:
             return
-        adapters = self.adapters.list()
-        warm = {m.name: m.warm for m in self.config.lora_modules}
-        refs = mgr.prewarm([(a.lora_request(), warm.get(a.name, "on-demand")) for a in adapters])
-        for a, ref in zip(adapters, refs, strict=True):
-            self.adapters.learn(a.name, ref.sha256)
+        todo = []
+        for s in self.catalog.servables().values():
+            m = s.active
+            if s.name in self._static_names or m.warm_policy != "on-demand":
+                if self.catalog.compatible(m):
+                    todo.append((self.lora_request(m, "active"), m.warm_policy))
+        mgr.prewarm(todo)
+
+    def close(self) -> None:
+        if self.owns_registry:
+            self.registry.close()
+
+    # -- registry changes ------------------------------------------------------------------------
+    def _on_catalog_change(
+        self,
+        old: dict[str, Servable],
+        new: dict[str, Servable],
+        tenants: dict[str, Tenant],
+    ) -> None:
+        """Schedule the replaced revisions' cached copies for eviction (after the swap delay,
+        so a quick rollback is still warm), and apply tenants' host-memory budgets."""
+        now = time.monotonic()
+        serving = digests_of(new.values())
+        for d in retired_digests(old, new):
+            self._retiring.setdefault(d, now + self.config.swap_eviction_delay_s)
+        for d in serving:
+            self._retiring.pop(d, None)
+        mgr = self.engine.adapters
+        if mgr is not None:
+            for t in tenants.values():
+                mgr.set_tenant_budget(t.name, t.host_bytes_budget)
+
+    def retire_due(self) -> list[str]:
+        """Evict the cached copies of retired revisions whose delay is over; ones still in use
+        are retried later. Returns the digests evicted (worker thread)."""
+        mgr = self.engine.adapters
+        self.catalog.refresh()
+        now = time.monotonic()
+        done = []
+        for d, due in list(self._retiring.items()):
+            if due > now:
+                continue
+            if mgr is None:
+                self._retiring.pop(d, None)
+                continue
+            try:
+                mgr.unpin(d)
+                mgr.evict(d)
+            except AdapterInUseError:
+                self._retiring[d] = now + 1.0  # requests still run on it
+                continue
+            except AdapterError:
+                pass  # never loaded here
+            self._retiring.pop(d, None)
+            done.append(d)
+            log.info("evicted the cached copies of replaced adapter revision %s", d[:12])
+        return done
 
     # -- auth ------------------------------------------------------------------------------------
     @staticmethod
@@ -246,38 +421,51 @@ class ServerState:
             ok |= key is not None and hmac.compare_digest(key.encode(), k.encode())
         return ok
 
-    def check_inference_auth(self, request: Request) -> None:
-        keys = self.config.api_keys
-        if not keys:
-            return
-        key = self._bearer(request)
-        admin = [self.config.admin_api_key] if self.config.admin_api_key else []
-        if not self._matches(key, keys + admin):
-            raise APIError(
-                401,
-                "missing API key" if key is None else "invalid API key",
-                "authentication_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+    def _registry_key(self, key: str | None) -> Principal | None:
+        return self.catalog.authenticate(key) if key is not None else None
 
-    def check_admin_auth(self, request: Request) -> None:
-        admin = self.config.admin_api_key
-        if not admin:
+    def check_inference_auth(self, request: Request) -> Principal:
+        """The caller of an inference route; 401 when keys are configured and none matches."""
+        key = self._bearer(request)
+        if self._matches(key, self.config.api_keys):
+            return STATIC_KEY
+        if self.config.admin_api_key and self._matches(key, [self.config.admin_api_key]):
+            return ADMIN_KEY
+        p = self._registry_key(key)
+        if p is not None and (p.allows("inference") or p.tenant is None):
+            return p
+        if not (self.config.api_keys or self.catalog.has_keys()):  # vLLM: open without keys
+            return ANONYMOUS
+        raise APIError(
+            401,
+            "missing API key" if key is None else "invalid API key",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    def check_admin_auth(self, request: Request, scope: str) -> Principal:
+        """The caller of an admin route holding ``scope``: 404 while the admin API is off, 401
+        for an unknown key, 403 for a key without the scope."""
+        if not (self.config.admin_api_key or self.catalog.has_admin_keys()):
             raise APIError(
                 404,
                 "the admin API is disabled; start the server with --admin-api-key "
-                "(or LORAPLEX_ADMIN_API_KEY)",
+                "(or LORAPLEX_ADMIN_API_KEY), or create an admin key with "
+                "`loraplex tenants keys create --admin`",
                 "not_found_error",
                 code="admin_api_disabled",
             )
         key = self._bearer(request)
-        if self._matches(key, [admin]):
-            return
-        if self._matches(key, self.config.api_keys):
+        if self.config.admin_api_key and self._matches(key, [self.config.admin_api_key]):
+            return ADMIN_KEY
+        p = self._registry_key(key)
+        if p is not None and _has_scope(p, scope):
+            return p
+        if p is not None or self._matches(key, self.config.api_keys):
             raise APIError(
                 403,
-                "this API key may not call admin routes; use the admin key",
+                f"this API key may not call this route (it needs the {scope!r} scope)",
                 "permission_error",
                 code="insufficient_permissions",
             )
@@ -290,12 +478,41 @@ class ServerState:
         )
 
     # -- requests --------------------------------------------------------------------------------
-    def admit(self, n: int) -> _Admission:
-        """Admit a call with ``n`` prompts, or 503 (+ Retry-After) when the queue is full.
+    def admit(self, n: int, principal: Principal) -> _Admission:
+        """Admit a call with ``n`` prompts: 429 (+ Retry-After) when the caller's tenant is over
+        its rate or in-flight limit, 503 (+ Retry-After) when the shared queue is full.
 
         Its prompts count as waiting from now on; the caller must ``close()`` the admission."""
         if not self.aengine.is_running:
             raise APIError(503, "the engine is not running", "service_unavailable")
+        on_close = None
+        tenant = self.catalog.tenant(principal.tenant)
+        if tenant is not None and (tenant.rate_limit_rps is not None or tenant.max_waiting):
+            try:
+                self.limits.acquire(
+                    tenant.name,
+                    n,
+                    rate_rps=tenant.rate_limit_rps,
+                    max_in_flight=tenant.max_waiting,
+                )
+            except TenantLimitExceeded as e:
+                raise APIError(
+                    429,
+                    str(e),
+                    "rate_limit_error",
+                    code=e.code,
+                    headers={"Retry-After": str(e.retry_after)},
+                ) from e
+            name = tenant.name
+            on_close = lambda: self.limits.release(name, n)  # noqa: E731
+        try:
+            return self._admit_shared(n, on_close)
+        except BaseException:
+            if on_close is not None:
+                on_close()
+            raise
+
+    def _admit_shared(self, n: int, on_close: Callable[[], None] | None) -> _Admission:
         limit = self.config.max_waiting
         if limit and self.aengine.num_waiting >= limit:
             retry = str(self.config.retry_after_seconds)
@@ -307,7 +524,7 @@ class ServerState:
                 code="overloaded",
                 headers={"Retry-After": retry},
             )
-        return _Admission(self.aengine, n)
+        return _Admission(self.aengine, n, on_close)
 
     @staticmethod
     async def owned(admission: _Admission, work: Awaitable[Response]) -> Response:
@@ -324,11 +541,13 @@ class ServerState:
             admission.close()
         return response
 
-    def resolve_model(self, name: str) -> LoRARequest | None:
+    def resolve_model(self, name: str, principal: Principal) -> LoRARequest | None:
+        """The base model (None) or the adapter revision that serves this request: the active
+        one, or the canary with its traffic weight. 404 for names the caller may not see."""
         if name in self.base_names:
             return None
-        adapter = self.adapters.get(name)
-        if adapter is None:
+        s = self.catalog.lookup(name, principal)
+        if s is None:
             raise APIError(
                 404,
                 f"The model `{name}` does not exist.",
@@ -336,14 +555,37 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
-        if adapter.source == "admin":  # its files may have been replaced since it was loaded
-            try:
-                check_allowed_path(adapter.path, self.config.allowed_lora_roots)
+        manifest, via = s.choose(self._rng.random())
+        if not self.catalog.compatible(manifest):
+            raise APIError(
+                409,
+                f"adapter {name!r} revision {manifest.revision} was registered for base model "
+                f"{manifest.base_model_name!r} (digest {manifest.base_model_digest[:12]}...), "
+                f"not the one this server runs ({self.base.name!r}, {self.base.digest[:12]}...)",
+                "conflict_error",
+                param="model",
+                code="adapter_incompatible_base",
+            )
+        local = local_source(manifest)
+        roots = self.config.allowed_lora_roots
+        if local is not None and roots and _lexically_under(local, roots):
+            try:  # its files may have been replaced by links out of the roots since
+                check_allowed_path(str(local), roots)
             except AdapterError as e:
                 raise APIError(
                     403, f"adapter {name!r}: {e}", "permission_error", code="adapter_path_refused"
                 ) from e
-        return adapter.lora_request()
+        if self.engine.adapters is None:
+            raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
+        return self.lora_request(manifest, via)
+
+    @staticmethod
+    def lora_request(m: Manifest, via: str) -> LoRARequest:
+        """The engine request of one registry revision: its digest is the cache key and is
+        verified against the files read."""
+        req = LoRARequest(m.name, m.source_uri, revision=m.revision)
+        req.extra.update(sha256=m.sha256, tenant=m.tenant, priority=m.priority, via=via)
+        return req
 
     async def prepare(
         self,
@@ -364,8 +606,6 @@ class ServerState:
                 f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
                 param="max_tokens",
             )
-        if lora is not None and prep.adapter is not None:
-            self.adapters.learn(lora.name, prep.adapter.sha256)
         return prep
 
     async def prepare_all(
@@ -423,6 +663,8 @@ class ServerState:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    if item.finished:
+                        admission.finals[i] = item
                     yield i, item
         finally:
             for t in tasks:
@@ -583,17 +825,78 @@ def _sse(obj: Any) -> bytes:
 _DONE = b"data: [DONE]\n\n"
 
 
-def _adapter_header(outs: list[PreparedRequest]) -> dict[str, str]:
-    """Which adapter weights served the request, and whether they were warm on arrival."""
-    ref = outs[0].adapter if outs else None
-    if ref is None:
+def _registration_order(sv: Servable) -> tuple[float, str]:
+    """Adapters are listed in the order they were first registered (vLLM: the flag order)."""
+    return (sv.active.created_at, sv.name)
+
+
+def _has_scope(p: Principal, scope: str) -> bool:
+    """``scope`` held by ``p``; ``"admin:"`` means any admin scope (read-only admin routes)."""
+    if scope == "admin:":
+        return any(sc.startswith("admin:") for sc in p.scopes)
+    return p.allows(scope)
+
+
+def _lexically_under(path: Path, roots: list[str]) -> bool:
+    """Whether ``path`` (symlinks not resolved) lies under one of ``roots``."""
+    p = Path(os.path.abspath(path))
+    return any(p == Path(r) or p.is_relative_to(r) for r in roots)
+
+
+def _registry_api_error(e: RegistryError, param: str | None = None) -> APIError:
+    """Registry failures: unknown names 404, illegal lifecycle moves 409, refused content 400
+    (``code`` is the validation reason)."""
+    if isinstance(e, NotFoundError):
+        return APIError(404, str(e), "NotFoundError", param=param, code="not_found")
+    if isinstance(e, TransitionError):
+        return APIError(409, str(e), "conflict_error", param=param, code="illegal_transition")
+    if isinstance(e, ValidationError):
+        return APIError(400, str(e), param=param, code=e.reason)
+    return APIError(400, str(e), param=param, code="registry_error")
+
+
+def _adapter_header(outs: list[PreparedRequest], lora: LoRARequest | None) -> dict[str, str]:
+    """Which adapter revision served the request, whether it was warm on arrival, and whether
+    it came through the active revision or a canary."""
+    if lora is None:
         return {}
-    rev = f";revision={ref.revision}" if ref.revision else ""
+    digest = lora.extra.get("sha256") or (
+        outs[0].adapter.sha256 if outs and outs[0].adapter else ""
+    )
     warm = all(p.adapter_warm for p in outs)
     return {
-        "x-loraplex-adapter": f"{ref.name}{rev};sha256={ref.sha256[:16]}",
+        "x-loraplex-adapter": f"{lora.name};revision={lora.revision};sha256={digest[:16]}",
         "x-loraplex-adapter-state": "warm" if warm else "cold",
+        "x-loraplex-adapter-route": str(lora.extra.get("via", "active")),
     }
+
+
+@dataclass
+class _UsageRecord:
+    """One line of the usage log: who ran which adapter revision, and how many tokens."""
+
+    model: str
+    principal: Principal
+    lora: LoRARequest | None
+
+    def log(self, prepared: list[PreparedRequest], finals: dict[int, RequestOutput]) -> None:
+        if not usage_log.isEnabledFor(logging.INFO):
+            return
+        lora = self.lora
+        record = {
+            "model": self.model,
+            "tenant": self.principal.tenant,
+            "key_id": self.principal.key_id,
+            "adapter": lora.name if lora else None,
+            "revision": lora.revision if lora else None,
+            "sha256": lora.extra.get("sha256") if lora else None,
+            "route": lora.extra.get("via") if lora else None,
+            "requests": len(prepared),
+            "finished": len(finals),
+            "prompt_tokens": sum(len(p.prompt_token_ids) for p in prepared),
+            "completion_tokens": sum(len(o.token_ids) for r in finals.values() for o in r.outputs),
+        }
+        usage_log.info(json.dumps(record, sort_keys=True))
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -626,27 +929,44 @@ def create_app(
     config: ServerConfig,
     *,
     engine: LLMEngine | None = None,
+    registry: Registry | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """Build the server: the engine (unless given), adapter names, metrics and routes.
+    """Build the server: the engine (unless given), the registry view, metrics and routes.
 
-    The engine loop starts with the app (lifespan) and stops with it; ``on_ready`` runs once
-    the loop is up."""
+    ``registry``: an open registry to share (default: :func:`open_registry` of the config,
+    closed with the app). The engine loop starts with the app (lifespan) and stops with it;
+    ``on_ready`` runs once the loop is up."""
     config.validate()
     if engine is None:
         engine = LLMEngine(config.engine)
-    state = ServerState(config, engine)
-    state.preload_static_adapters()
+    state = ServerState(config, engine, registry)
+    state.preload_adapters()
+
+    async def retire_loop() -> None:
+        """Follow registry changes made elsewhere and evict replaced revisions when due."""
+        tick = min(1.0, config.registry_poll_s, max(config.swap_eviction_delay_s, 0.05))
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                await state.aengine.run_in_pool(state.retire_due)
+            except Exception:  # a registry hiccup must not end the loop
+                log.exception("registry refresh / eviction of replaced revisions failed")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.aengine.start()
+        retire = asyncio.create_task(retire_loop())
         if on_ready is not None:
             on_ready()
         try:
             yield
         finally:
+            retire.cancel()
+            with contextlib.suppress(BaseException):
+                await retire
             state.aengine.shutdown()
+            state.close()
 
     app = FastAPI(
         title="loraplex",
@@ -693,11 +1013,18 @@ def create_app(
         state.metrics.requests.labels(status=str(err.status)).inc()
         return err.response()
 
-    def inference_auth(request: Request) -> None:
-        state.check_inference_auth(request)
+    def inference_auth(request: Request) -> Principal:
+        return state.check_inference_auth(request)
 
-    def admin_auth(request: Request) -> None:
-        state.check_admin_auth(request)
+    def admin(scope: str) -> Callable[[Request], Principal]:
+        def check(request: Request) -> Principal:
+            return state.check_admin_auth(request, scope)
+
+        return check
+
+    load_auth, pin_auth = admin("admin:load"), admin("admin:pin")
+    any_admin = admin("admin:")  # reading the registry: any admin scope
+    register_auth, promote_auth = admin("admin:register"), admin("admin:promote")
 
     # -- plain routes ----------------------------------------------------------------------------
     @app.get("/health")
@@ -714,8 +1041,8 @@ def create_app(
     def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=[Depends(inference_auth)])
-    async def list_models() -> dict[str, Any]:
+    @app.get("/v1/models")
+    def list_models(principal: Principal = Depends(inference_auth)) -> dict[str, Any]:
         max_len = engine.max_model_len
         data = [
             {
@@ -729,32 +1056,40 @@ def create_app(
             }
             for name in state.base_names
         ]
-        for a in state.adapters.list():
+        for sv in sorted(state.catalog.visible(principal), key=_registration_order):
+            m = sv.active
             data.append(
                 {
-                    "id": a.name,
+                    "id": sv.name,
                     "object": "model",
-                    "created": a.created,
-                    "owned_by": "loraplex",
-                    "root": a.path,
-                    "parent": a.base_model_name or state.base_names[0],
+                    "created": int(m.activated_at or m.created_at),
+                    "owned_by": m.tenant or "loraplex",
+                    "root": m.source_uri,
+                    "parent": state.base_names[0],
                     "max_model_len": max_len,
+                    "revision": m.revision,
+                    "sha256": m.sha256,
                 }
             )
         return {"object": "list", "data": data}
 
-    @app.get("/v1/adapters", dependencies=[Depends(inference_auth)])
-    async def list_adapters() -> dict[str, Any]:
-        return _residency(state)
+    @app.get("/v1/adapters")
+    def list_adapters(principal: Principal = Depends(inference_auth)) -> dict[str, Any]:
+        return _residency(state, principal)
 
     # -- completions -----------------------------------------------------------------------------
-    @app.post("/v1/completions", dependencies=[Depends(inference_auth)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    @app.post("/v1/completions")
+    async def completions(
+        body: CompletionRequest,
+        request: Request,
+        principal: Principal = Depends(inference_auth),
+    ) -> Response:
         arrival = time.monotonic()
-        lora = state.resolve_model(body.model)
+        lora = state.resolve_model(body.model, principal)
         params = body.sampling_params()
         prompts = body.prompts()
-        admission = state.admit(len(prompts))
+        admission = state.admit(len(prompts), principal)
+        admission.usage = _UsageRecord(body.model, principal, lora)
         return await state.owned(
             admission, _completions(body, request, admission, lora, params, prompts, arrival)
         )
@@ -800,7 +1135,7 @@ def create_app(
                 "stop_reason": o.stop_reason if finish else None,
             }
 
-        headers = _adapter_header(prepared)
+        headers = _adapter_header(prepared, lora)
         if body.stream:
 
             async def chunks(finals: dict[int, RequestOutput]) -> AsyncIterator[dict[str, Any]]:
@@ -843,13 +1178,18 @@ def create_app(
         )
 
     # -- chat ------------------------------------------------------------------------------------
-    @app.post("/v1/chat/completions", dependencies=[Depends(inference_auth)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        request: Request,
+        principal: Principal = Depends(inference_auth),
+    ) -> Response:
         arrival = time.monotonic()
-        lora = state.resolve_model(body.model)
+        lora = state.resolve_model(body.model, principal)
         params = body.sampling_params()
         messages = body.template_messages()
-        admission = state.admit(1)
+        admission = state.admit(1, principal)
+        admission.usage = _UsageRecord(body.model, principal, lora)
         return await state.owned(
             admission, _chat_completions(body, request, admission, lora, params, messages, arrival)
         )
@@ -870,7 +1210,7 @@ def create_app(
         prepared = await state.prepare_all(admission, [ids], params, lora, arrival, rid)
         text_of = _TokenText(engine.tokenizer)
         created = int(time.time())
-        headers = _adapter_header(prepared)
+        headers = _adapter_header(prepared, lora)
         base = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -931,16 +1271,41 @@ def create_app(
             headers=headers,
         )
 
-    # -- admin -----------------------------------------------------------------------------------
-    @app.post("/v1/load_lora_adapter", dependencies=[Depends(admin_auth)])
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-        mgr = engine.adapters
-        if mgr is None:
+    # -- admin: vLLM's runtime loading, pins ------------------------------------------------------
+    def _lora_manager() -> Any:
+        if engine.adapters is None:
             raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
+        return engine.adapters
+
+    def _not_found(name: str, param: str = "lora_name") -> APIError:
+        return APIError(
+            404,
+            f"The lora adapter '{name}' cannot be found.",
+            "NotFoundError",
+            param=param,
+            code="model_not_found",
+        )
+
+    def _servable(name: str, principal: Principal) -> Servable:
+        sv = state.catalog.lookup(name, principal)
+        if sv is None:
+            raise _not_found(name)
+        return sv
+
+    def _changed() -> None:
+        state.catalog.refresh(force=True)
+
+    @app.post("/v1/load_lora_adapter")
+    def load_lora_adapter(
+        body: LoadLoRAAdapterRequest, principal: Principal = Depends(load_auth)
+    ) -> Response:
+        """vLLM's runtime load: register the directory as a new revision (validated against the
+        served base), load and verify it, then make it the active revision of ``lora_name``."""
+        mgr = _lora_manager()
         name = body.lora_name
         if name in state.base_names:
             raise APIError(400, f"{name!r} is the base model's name", param="lora_name")
-        if state.adapters.get(name) is not None and not body.load_inplace:
+        if state.catalog.lookup(name, ADMIN_KEY) is not None and not body.load_inplace:
             raise APIError(
                 400,
                 f"The lora adapter '{name}' has already been loaded. "
@@ -951,139 +1316,246 @@ def create_app(
             path = check_allowed_path(body.lora_path, config.allowed_lora_roots)
         except AdapterError as e:
             raise APIError(400, str(e), param="lora_path") from e
-        request = LoRARequest(name, str(path))
         try:
-            adapter, _ = await state.aengine.run_in_pool(
-                lambda: mgr.resolve_with_state(request, count=False)
+            manifest = state.registry.register(
+                str(path), name, base=state.base, tenant=principal.tenant, actor=principal.key_id
             )
+        except RegistryError as e:
+            raise _registry_api_error(e, param="lora_path") from e
+        try:
+            adapter, _ = mgr.resolve_with_state(state.lora_request(manifest, "active"), count=False)
         except AdapterError as e:
             raise APIError(400, str(e), param="lora_path") from e
         mgr.release(adapter)
-        state.adapters.add(ServedAdapter(name, str(path), None, "admin"), replace=True)
-        state.adapters.learn(name, adapter.ref.sha256)
+        if state.registry.release(name).active_revision != manifest.revision:
+            state.registry.promote(name, manifest.revision, actor=principal.key_id)
+        _changed()
         log.info("loaded adapter %s from %s (%s)", name, path, adapter.ref.short)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(admin_auth)])
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-        removed = state.adapters.remove(body.lora_name)
-        if removed is None:
-            raise APIError(
-                404,
-                f"The lora adapter '{body.lora_name}' cannot be found.",
-                "NotFoundError",
-                param="lora_name",
-                code="model_not_found",
-            )
+    @app.post("/v1/unload_lora_adapter")
+    def unload_lora_adapter(
+        body: UnloadLoRAAdapterRequest, principal: Principal = Depends(load_auth)
+    ) -> Response:
+        """Disable the active revision: new requests get 404, requests in flight finish on it."""
+        sv = _servable(body.lora_name, principal)
+        state.registry.disable(sv.name, sv.active.revision, actor=principal.key_id)
+        _changed()
         log.info("unloaded adapter %s (in-flight requests finish on it)", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
-    def _served(name: str) -> ServedAdapter:
-        a = state.adapters.get(name)
-        if a is None:
-            raise APIError(
-                404,
-                f"The lora adapter '{name}' cannot be found.",
-                "NotFoundError",
-                param="lora_name",
-                code="model_not_found",
-            )
-        if engine.adapters is None:
-            raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
-        return a
+    @app.post("/v1/pin_lora_adapter")
+    def pin_lora_adapter(
+        body: PinLoRAAdapterRequest, principal: Principal = Depends(pin_auth)
+    ) -> dict[str, Any]:
+        """Load the active revision if needed and pin it in host memory and disk (and its
+        device slot with ``device``): pinned adapters are never evicted."""
+        mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
+        adapter, _ = mgr.resolve_with_state(state.lora_request(sv.active, "active"), count=False)
+        try:
+            digest = mgr.pin(adapter.ref.sha256, device=body.device)
+        finally:
+            mgr.release(adapter)
+        state.registry.audit(
+            principal.key_id, "pin", sv.name,
+            after={"revision": sv.active.revision, "sha256": digest, "device": body.device},
+        )  # fmt: skip
+        log.info("pinned adapter %s (%s, device=%s)", sv.name, digest[:12], body.device)
+        return {"lora_name": sv.name, "sha256": digest[:16], "pinned": True, "device": body.device}
 
-    @app.post("/v1/pin_lora_adapter", dependencies=[Depends(admin_auth)])
-    async def pin_lora_adapter(body: PinLoRAAdapterRequest) -> dict[str, Any]:
-        """Load the adapter if needed and pin it in host memory and disk (and its device slot
-        with ``device``): pinned adapters are never evicted."""
-        a, mgr = _served(body.lora_name), engine.adapters
-        assert mgr is not None
-
-        def pin() -> str:
-            adapter, _ = mgr.resolve_with_state(a.lora_request(), count=False)
-            try:
-                return mgr.pin(adapter.ref.sha256, device=body.device)
-            finally:
-                mgr.release(adapter)
-
-        digest = await state.aengine.run_in_pool(pin)
-        state.adapters.learn(a.name, digest)
-        log.info("pinned adapter %s (%s, device=%s)", a.name, digest[:12], body.device)
-        return {"lora_name": a.name, "sha256": digest[:16], "pinned": True, "device": body.device}
-
-    @app.post("/v1/unpin_lora_adapter", dependencies=[Depends(admin_auth)])
-    async def unpin_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, Any]:
-        a, mgr = _served(body.lora_name), engine.adapters
-        assert mgr is not None
-        d = state.adapters.digest_of(a.name)
-        if d is None:
-            raise APIError(400, f"adapter {a.name!r} has never been loaded", param="lora_name")
+    @app.post("/v1/unpin_lora_adapter")
+    def unpin_lora_adapter(
+        body: UnloadLoRAAdapterRequest, principal: Principal = Depends(pin_auth)
+    ) -> dict[str, Any]:
+        mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
+        d = sv.active.sha256
         mgr.unpin(d)
-        return {"lora_name": a.name, "sha256": d[:16], "pinned": False}
+        state.registry.audit(principal.key_id, "unpin", sv.name, after={"sha256": d})
+        return {"lora_name": sv.name, "sha256": d[:16], "pinned": False}
 
-    @app.post("/v1/evict_lora_adapter", dependencies=[Depends(admin_auth)])
-    async def evict_lora_adapter(body: EvictLoRAAdapterRequest) -> dict[str, Any]:
-        """Drop the adapter's copies from the given tiers (default: device, host, disk).
+    @app.post("/v1/evict_lora_adapter")
+    def evict_lora_adapter(
+        body: EvictLoRAAdapterRequest, principal: Principal = Depends(pin_auth)
+    ) -> dict[str, Any]:
+        """Drop the active revision's copies from the given tiers (default: device, host, disk).
         Refused with 409 while requests use it or it is pinned."""
-        a, mgr = _served(body.lora_name), engine.adapters
-        assert mgr is not None
-        d = state.adapters.digest_of(a.name)
-        if d is None:
-            return {"lora_name": a.name, "evicted_from": []}
+        mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
+        d = sv.active.sha256
+        if mgr.tier_of(d) is None and not (mgr.disk is not None and d in mgr.disk.entries()):
+            return {"lora_name": sv.name, "sha256": d[:16], "evicted_from": []}
         tiers = body.tiers or ["device", "host", "disk"]
         left = mgr.evict(d, tiers=tiers)
-        log.info("evicted adapter %s (%s) from %s", a.name, d[:12], left)
-        return {"lora_name": a.name, "sha256": d[:16], "evicted_from": left}
+        state.registry.audit(principal.key_id, "evict", sv.name, after={"sha256": d, "tiers": left})
+        log.info("evicted adapter %s (%s) from %s", sv.name, d[:12], left)
+        return {"lora_name": sv.name, "sha256": d[:16], "evicted_from": left}
+
+    # -- admin: the registry -----------------------------------------------------------------------
+    def _owned_name(name: str, principal: Principal) -> None:
+        """A tenant-bound admin key may act only on its tenant's names (404 otherwise)."""
+        if principal.tenant is None:
+            return
+        owners = {m.tenant for m in state.registry.list() if m.name == name}
+        if owners and owners != {principal.tenant}:  # unknown names: the registry's own 404
+            raise _not_found(name, "name")
+
+    @app.get("/v1/admin/adapters")
+    def admin_list_adapters(
+        status: str | None = None, principal: Principal = Depends(any_admin)
+    ) -> dict[str, Any]:
+        ms = state.registry.list(tenant=principal.tenant, status=status)
+        if principal.tenant is not None:
+            ms = [m for m in ms if m.tenant == principal.tenant]
+        return {"object": "list", "data": [m.to_dict() for m in ms]}
+
+    @app.get("/v1/admin/adapters/{name}")
+    def admin_show_adapter(name: str, principal: Principal = Depends(any_admin)) -> dict[str, Any]:
+        _owned_name(name, principal)
+        rel = state.registry.release(name)
+        revisions = [m.to_dict() for m in state.registry.list() if m.name == name]
+        return {"name": name, "release": dataclasses.asdict(rel), "revisions": revisions}
+
+    @app.post("/v1/admin/adapters")
+    def admin_register_adapter(
+        body: RegisterAdapterRequest, principal: Principal = Depends(register_auth)
+    ) -> dict[str, Any]:
+        """Register one revision (validated against the served base model); ``stage`` or
+        ``activate`` it in the same call."""
+        if body.name in state.base_names:
+            raise APIError(400, f"{body.name!r} is the base model's name", param="name")
+        tenant = body.tenant
+        if principal.tenant is not None:
+            if tenant not in (None, principal.tenant):
+                raise APIError(403, "a tenant key may register only for its own tenant",
+                               "permission_error", param="tenant")  # fmt: skip
+            tenant = principal.tenant
+        _owned_name(body.name, principal)
+        m = state.registry.register(
+            body.path,
+            body.name,
+            base=state.base,
+            revision=body.revision,
+            tenant=tenant,
+            source_uri=body.source_uri,
+            priority=body.priority,
+            slo_class=body.slo_class,
+            warm_policy=body.warm_policy,
+            signature=body.signature,
+            actor=principal.key_id,
+        )
+        if body.activate:
+            state.registry.promote(body.name, m.revision, actor=principal.key_id)
+        elif body.stage:
+            state.registry.stage(body.name, m.revision, actor=principal.key_id)
+        _changed()
+        return state.registry.get(body.name, m.revision).to_dict()
+
+    @app.post("/v1/admin/adapters/{name}/promote")
+    def admin_promote(
+        name: str,
+        body: PromoteAdapterRequest,
+        principal: Principal = Depends(promote_auth),
+    ) -> dict[str, Any]:
+        _owned_name(name, principal)
+        rel = state.registry.promote(name, body.revision, actor=principal.key_id)
+        _changed()
+        return dataclasses.asdict(rel)
+
+    @app.post("/v1/admin/adapters/{name}/canary")
+    def admin_canary(
+        name: str,
+        body: CanaryAdapterRequest,
+        principal: Principal = Depends(promote_auth),
+    ) -> dict[str, Any]:
+        _owned_name(name, principal)
+        rel = state.registry.canary(name, body.revision, body.weight, actor=principal.key_id)
+        _changed()
+        return dataclasses.asdict(rel)
+
+    @app.post("/v1/admin/adapters/{name}/rollback")
+    def admin_rollback(name: str, principal: Principal = Depends(promote_auth)) -> dict[str, Any]:
+        _owned_name(name, principal)
+        rel = state.registry.rollback(name, actor=principal.key_id)
+        _changed()
+        return dataclasses.asdict(rel)
+
+    @app.post("/v1/admin/adapters/{name}/disable")
+    def admin_disable(
+        name: str,
+        body: DisableAdapterRequest,
+        principal: Principal = Depends(promote_auth),
+    ) -> dict[str, Any]:
+        _owned_name(name, principal)
+        m = state.registry.disable(name, body.revision, actor=principal.key_id)
+        _changed()
+        return m.to_dict()
+
+    @app.get("/v1/admin/audit")
+    def admin_audit(
+        target: str | None = None,
+        limit: int = 100,
+        principal: Principal = Depends(any_admin),
+    ) -> dict[str, Any]:
+        if not 1 <= limit <= 10_000:
+            raise APIError(400, "limit must be in [1, 10000]", param="limit")
+        if principal.tenant is not None:
+            if target is None:
+                raise APIError(400, "a tenant admin key must name a target", param="target")
+            _owned_name(target, principal)
+        entries = state.registry.audit_log(limit=limit, target=target)
+        return {"object": "list", "data": [dataclasses.asdict(e) for e in entries]}
 
     return app
 
 
-def _residency(state: ServerState) -> dict[str, Any]:
-    """``/v1/adapters``: every served adapter and every adapter still in memory."""
+def _residency(state: ServerState, principal: Principal) -> dict[str, Any]:
+    """``/v1/adapters``: every servable name the caller may see (its active revision's tiers,
+    and its canary's), plus, for operators, every other adapter still in memory."""
     mgr = state.engine.adapters
     rows: list[dict[str, Any]] = []
     if mgr is None:
         return {"object": "list", "data": rows, "max_loras": 0}
     snapshot = {r.ref.sha256: r for r in mgr.residency()}
     seen: set[str] = set()
-    for a in state.adapters.list():
-        d = state.adapters.digest_of(a.name)
-        r = snapshot.get(d) if d else None
-        row: dict[str, Any] = {"name": a.name, "path": a.path, "registered": True}
+
+    def row_of(m: Manifest) -> dict[str, Any]:
+        r = snapshot.get(m.sha256)
+        seen.add(m.sha256)
+        local = mgr.is_local_source(state.lora_request(m, "active"))
         if r is None:
-            row.update(
-                revision=None,
-                sha256=d[:16] if d else None,
-                tier="disk" if mgr.is_local_source(a.lora_request()) else "absent",
-                rank=None,
-                bytes=None,
-                hits=0,
-                loads=0,
-                evictions=0,
-                last_access=None,
-                pinned=False,
-                warm_policy=None,
-                in_flight=0,
-                slot=None,
-            )
-        else:
-            seen.add(r.ref.sha256)
-            row.update(_row(r))
-            if r.tier == "absent" and mgr.is_local_source(a.lora_request()):
-                row["tier"] = "disk"  # evicted from memory, its directory is on local disk
-        rows.append(row)
-    for d, r in snapshot.items():
-        if d in seen or r.tier == "absent":
-            continue
-        names = state.adapters.names_of(d)
-        rows.append(
-            {
-                "name": names[0] if names else r.ref.name,
-                "path": None,
-                "registered": False,
-                **_row(r),
+            row: dict[str, Any] = {
+                **_EMPTY_ROW,
+                "sha256": m.sha256[:16],
+                "tier": "disk" if local else "absent",
+                "rank": m.rank,
+                "bytes": None,
+                "warm_policy": m.warm_policy,
             }
-        )
+        else:
+            row = _row(r)
+            if r.tier == "absent" and local:
+                row["tier"] = "disk"  # evicted from memory, its directory is on local disk
+        row["revision"] = m.revision
+        return row
+
+    for sv in sorted(state.catalog.visible(principal), key=_registration_order):
+        row = {"name": sv.name, "path": sv.active.source_uri, "registered": True,
+               "tenant": sv.active.tenant, **row_of(sv.active)}  # fmt: skip
+        if sv.canary is not None:
+            row["canary"] = {**row_of(sv.canary), "weight": sv.canary_weight}
+        rows.append(row)
+    if principal.tenant is None:
+        for d, r in snapshot.items():
+            if d in seen or r.tier == "absent":
+                continue
+            names = state.catalog.names_of(d)
+            rows.append(
+                {
+                    "name": names[0] if names else r.ref.name,
+                    "path": None,
+                    "registered": False,
+                    **_row(r),
+                }
+            )
     counts = mgr.resident_bytes()
     return {
         "object": "list",
@@ -1093,6 +1565,12 @@ def _residency(state: ServerState) -> dict[str, Any]:
         "tiers": {t: {"count": n, "bytes": b} for t, (n, b) in counts.items()},
         "policy": mgr.policy.name,
     }
+
+
+_EMPTY_ROW: dict[str, Any] = {
+    "hits": 0, "loads": 0, "evictions": 0, "last_access": None, "pinned": False,
+    "in_flight": 0, "slot": None,
+}  # fmt: skip
 
 
 def _row(r: Any) -> dict[str, Any]:

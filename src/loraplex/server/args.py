@@ -429,6 +429,53 @@ def _options(d: Mapping[str, Any]) -> tuple[_Opt, ...]:
             metavar="DIR",
         ),
         _Opt(
+            "registry_url",
+            ("--registry-url",),
+            "str",
+            "adapter registry: sqlite:///FILE or postgresql+psycopg://... (default: "
+            "$LORAPLEX_REGISTRY_URL, else in memory, holding the --lora-modules adapters)",
+            metavar="URL",
+        ),
+        _Opt(
+            "registry_poll_s",
+            ("--registry-poll-interval",),
+            "float",
+            "seconds between checks for registry changes made elsewhere "
+            f"(default: {d['registry_poll_s']:g})",
+            _seconds,
+            "SECONDS",
+        ),
+        _Opt(
+            "require_signatures",
+            ("--require-signatures",),
+            "bool",
+            "refuse adapters without a valid ed25519 manifest signature (default: off)",
+        ),
+        _Opt(
+            "trusted_keys",
+            ("--trusted-key",),
+            "strs",
+            "ed25519 public key file(s) (PEM) whose signatures are accepted",
+            metavar="FILE",
+        ),
+        _Opt(
+            "allowed_store_prefixes",
+            ("--allowed-store-prefixes",),
+            "strs",
+            "object-store prefixes that registered adapter sources must lie under "
+            "(e.g. s3://bucket/adapters/)",
+            metavar="URI",
+        ),
+        _Opt(
+            "swap_eviction_delay_s",
+            ("--swap-eviction-delay",),
+            "float",
+            "seconds after a promote or rollback before the replaced revision's cached copies "
+            f"are evicted (default: {d['swap_eviction_delay_s']:g})",
+            _seconds,
+            "SECONDS",
+        ),
+        _Opt(
             "max_waiting",
             ("--max-waiting",),
             "int",
@@ -806,6 +853,21 @@ def config_from_args(
             raise fail("allowed_lora_roots", f"{root!r} {what}")
         roots.append(str(root_dir))
 
+    registry_url = get("registry_url")
+    if registry_url is None and env.get("LORAPLEX_REGISTRY_URL", "").strip():
+        registry_url = env["LORAPLEX_REGISTRY_URL"].strip()
+    trusted = []
+    for key_file in get("trusted_keys"):
+        key_path = _resolve(key_file)
+        if not key_path.is_file():
+            raise fail("trusted_keys", f"{key_file!r} is not a file")
+        trusted.append(str(key_path))
+    if get("require_signatures") and not trusted:
+        raise fail("require_signatures", "needs at least one --trusted-key")
+    for prefix in get("allowed_store_prefixes"):
+        if "://" not in prefix:
+            raise fail("allowed_store_prefixes", f"{prefix!r} is not a URI like s3://bucket/path/")
+
     engine = EngineConfig(
         model=str(model_dir),
         dtype=get("dtype"),
@@ -840,6 +902,12 @@ def config_from_args(
         allowed_lora_roots=roots,
         max_waiting=get("max_waiting"),
         log_level=get("log_level"),
+        registry_url=registry_url,
+        registry_poll_s=get("registry_poll_s"),
+        require_signatures=bool(get("require_signatures")),
+        trusted_keys=trusted,
+        allowed_store_prefixes=list(get("allowed_store_prefixes")),
+        swap_eviction_delay_s=get("swap_eviction_delay_s"),
     )
     try:
         config.validate()

@@ -232,3 +232,45 @@ class EvictLoRAAdapterRequest(_Body):
 
     lora_name: str = Field(min_length=1)
     tiers: list[Literal["device", "host", "disk"]] | None = None
+
+
+class _AdminBody(BaseModel):
+    """Admin bodies refuse unknown fields: a typo must not silently change what is registered."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class RegisterAdapterRequest(_AdminBody):
+    """``POST /v1/admin/adapters``: register (validate) a revision; optionally stage or activate."""
+
+    name: Text = Field(min_length=1, max_length=200)
+    path: Text = Field(min_length=1)
+    revision: Text | None = Field(default=None, min_length=1, max_length=100)
+    tenant: Text | None = None
+    source_uri: Text | None = None
+    priority: int = 0
+    slo_class: Text | None = None
+    warm_policy: Literal["device-preferred", "host", "on-demand"] = "on-demand"
+    signature: Text | None = None
+    stage: bool = False
+    activate: bool = False
+
+
+class PromoteAdapterRequest(_AdminBody):
+    """``POST /v1/admin/adapters/{name}/promote``: make ``revision`` (default: the canary) active."""
+
+    revision: Text | None = None
+
+
+class CanaryAdapterRequest(_AdminBody):
+    """``POST /v1/admin/adapters/{name}/canary``: send ``weight`` of the traffic to ``revision``."""
+
+    revision: Text = Field(min_length=1)
+    weight: float = Field(gt=0, le=1)
+
+
+class DisableAdapterRequest(_AdminBody):
+    """``POST /v1/admin/adapters/{name}/disable``: take ``revision`` (default: the active one) out
+    of service."""
+
+    revision: Text | None = None
