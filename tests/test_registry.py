@@ -783,3 +783,56 @@ def test_concurrent_promotes_and_registers(db_url: str, root: Path, base: object
         assert a.after["active_revision"] == b.before["active_revision"]  # type: ignore[index]
     for r in regs:
         r.close()
+
+
+_PROMOTER = """
+import os, sys, time
+from loraplex.registry import Registry, TransitionError
+reg = Registry.open(sys.argv[1])
+reg.generation()
+print("ready", flush=True)
+while not os.path.exists(sys.argv[3]):  # the parent says go to both at once
+    time.sleep(0.002)
+done = 0
+for rev in sys.argv[2].split(","):
+    try:
+        reg.promote("x", rev, actor="proc")
+        done += 1
+    except TransitionError:
+        pass  # the other process made it active first
+print(done)
+"""
+
+
+def test_processes_promoting_at_once_leave_one_active(
+    db_url: str, root: Path, base: object, tmp_path: Path
+) -> None:
+    """Two processes (separate connections and locks) promote at the same moment."""
+    reg = open_reg(db_url, root)
+    for i in range(3):
+        reg.register(variant(root / "all_r8", root / f"p{i}", i), "x", base=base, actor="a")
+    go = tmp_path / "go"
+    orders = ["r1,r2,r3,r1,r2,r3", "r3,r2,r1,r3,r1,r2"]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _PROMOTER, db_url, order, str(go)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for order in orders
+    ]  # fmt: skip
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready", p.stderr
+    go.touch()
+    done = 0
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        done += int(out)
+    assert done >= 2
+    active = [m.revision for m in reg.list(status="active")]
+    assert len(active) == 1 and reg.release("x").active_revision == active[0]
+    chain = sorted(
+        (e for e in reg.audit_log(limit=100) if e.action == "promote"), key=lambda e: e.id
+    )
+    assert len(chain) == done
+    for a, b in itertools.pairwise(chain):
+        assert a.after["active_revision"] == b.before["active_revision"]  # type: ignore[index]
+    reg.close()
