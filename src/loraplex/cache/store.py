@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -144,6 +144,23 @@ def _local_files(src: Path) -> list[str]:
     return [n for n in ADAPTER_FILE_NAMES if (src / n).is_file()]
 
 
+def _fetch_files(dest: Path, files: Sequence[str], copy_one: Callable[[str, Path], int]) -> int:
+    """Copy every file of an adapter into ``dest`` with ``copy_one(name, target) -> bytes``; on
+    any failure the files written so far (and ``dest``, if this call created it) are removed
+    before the error propagates. Returns the bytes written."""
+    created = _prepare_dest(dest)
+    written: list[str] = []
+    try:
+        total = 0
+        for name in files:
+            written.append(name)
+            total += copy_one(name, dest / name)
+        return total
+    except BaseException:
+        _remove_files(dest, written, created)
+        raise
+
+
 def _remove_files(dest: Path, names: Iterable[str], created_dest: bool) -> None:
     """Undo a failed fetch: drop the files it wrote (and ``dest`` if the fetch created it)."""
     for n in names:
@@ -266,27 +283,23 @@ class LocalDirStore(_StoreBase):
         t0 = time.perf_counter()
         entry = self.stat(uri)
         d = self._dir(uri)
-        dest = Path(dest)
-        created = _prepare_dest(dest)
-        written: list[str] = []
-        try:
-            for n in entry.files:
-                written.append(n)
-                shutil.copyfile(self._file(uri, d, n), dest / n)
-        except OSError as e:
-            _remove_files(dest, written, created)
-            raise StoreError(
-                f"{self.describe()}: cannot copy {uri!r} to {dest}: {e}",
-                store=self.describe(),
-                uri=uri,
-            ) from e
-        except BaseException:
-            _remove_files(dest, written, created)
-            raise
-        nbytes = sum((dest / n).stat().st_size for n in entry.files)
+
+        def copy_one(name: str, target: Path) -> int:
+            try:
+                shutil.copyfile(self._file(uri, d, name), target)
+                return target.stat().st_size
+            except OSError as e:
+                raise StoreError(
+                    f"{self.describe()}: cannot copy {uri!r} to {target.parent}: {e}",
+                    store=self.describe(),
+                    uri=uri,
+                ) from e
+
+        nbytes = _fetch_files(Path(dest), entry.files, copy_one)
         return FetchResult(
-            entry.uri, dest, tuple(entry.files), nbytes, time.perf_counter() - t0, entry.fingerprint
-        )
+            entry.uri, Path(dest), tuple(entry.files), nbytes, time.perf_counter() - t0,
+            entry.fingerprint,
+        )  # fmt: skip
 
     def put_dir(self, src: Path, uri: str) -> None:
         src = Path(src)
@@ -566,46 +579,42 @@ class S3Store(_StoreBase):
         t0 = time.perf_counter()
         key_dir = self._key_dir(uri)
         entry, listing = self._stat(uri)
-        dest = Path(dest)
-        created = _prepare_dest(dest)
-        written: list[str] = []
         etags = []
-        nbytes = 0
         from botocore.exceptions import BotoCoreError, ClientError
 
-        try:
-            for n in entry.files:
-                key = key_dir + n
-                written.append(n)
-                # IfMatch: the bytes we get are the version the listing (fingerprint) saw.
-                resp = self._call(
-                    f"s3://{self.bucket}/{key}",
-                    "downloading",
-                    self._client.get_object,
-                    Bucket=self.bucket,
-                    Key=key,
-                    IfMatch=listing[n]["ETag"],
-                )
-                etags.append(f"{n}:{resp.get('ContentLength')}:{resp.get('ETag')}")
-                try:
-                    with open(dest / n, "wb") as f:
-                        for chunk in resp["Body"].iter_chunks(self.chunk_bytes):
-                            f.write(chunk)
-                            nbytes += len(chunk)
-                except (BotoCoreError, ClientError) as e:
-                    raise self._error(e, f"s3://{self.bucket}/{key}", "downloading") from e
-                except OSError as e:
-                    raise StoreError(
-                        f"{self.describe()}: cannot write {dest / n} while downloading {uri}: {e}",
-                        store=self.describe(),
-                        uri=uri,
-                    ) from e
-        except BaseException:
-            _remove_files(dest, written, created)
-            raise
+        def download_one(name: str, target: Path) -> int:
+            key = key_dir + name
+            # IfMatch: the bytes we get are the version the listing (fingerprint) saw.
+            resp = self._call(
+                f"s3://{self.bucket}/{key}",
+                "downloading",
+                self._client.get_object,
+                Bucket=self.bucket,
+                Key=key,
+                IfMatch=listing[name]["ETag"],
+            )
+            etags.append(f"{name}:{resp.get('ContentLength')}:{resp.get('ETag')}")
+            nbytes = 0
+            try:
+                with open(target, "wb") as f:
+                    for chunk in resp["Body"].iter_chunks(self.chunk_bytes):
+                        f.write(chunk)
+                        nbytes += len(chunk)
+            except (BotoCoreError, ClientError) as e:
+                raise self._error(e, f"s3://{self.bucket}/{key}", "downloading") from e
+            except OSError as e:
+                raise StoreError(
+                    f"{self.describe()}: cannot write {target} while downloading {uri}: {e}",
+                    store=self.describe(),
+                    uri=uri,
+                ) from e
+            return nbytes
+
+        nbytes = _fetch_files(Path(dest), entry.files, download_one)
         return FetchResult(
-            entry.uri, dest, tuple(entry.files), nbytes, time.perf_counter() - t0, "|".join(etags)
-        )
+            entry.uri, Path(dest), tuple(entry.files), nbytes, time.perf_counter() - t0,
+            "|".join(etags),
+        )  # fmt: skip
 
     def put_dir(self, src: Path, uri: str) -> None:
         src = Path(src)

@@ -705,6 +705,27 @@ class ServerState:
                 finals[i] = out
         return finals
 
+    def ok_json(
+        self,
+        base: dict[str, Any],
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any],
+        headers: dict[str, str],
+    ) -> JSONResponse:
+        """A finished (non-streamed) completion: ``base`` fields (id, object, created, model),
+        its choices and usage."""
+        self.metrics.requests.labels(status="200").inc()
+        return JSONResponse({**base, "choices": choices, "usage": usage}, headers=headers)
+
+    def ok_stream(
+        self, events: AsyncIterator[bytes], admission: _Admission, headers: dict[str, str]
+    ) -> _EngineStreamingResponse:
+        """A streamed completion; the admission closes when the stream does."""
+        self.metrics.requests.labels(status="200").inc()
+        return _EngineStreamingResponse(
+            events, on_close=admission.close, media_type="text/event-stream", headers=headers
+        )
+
     def _observe(self, track: _Tracked, out: RequestOutput) -> None:
         now = time.monotonic()
         first = out.outputs[0] if out.outputs else None
@@ -1153,10 +1174,7 @@ def create_app(
             base = {"id": rid, "object": "text_completion", "created": created,
                     "model": body.model}  # fmt: skip
             events = _sse_events(chunks, base, prepared, body.stream_options)
-            state.metrics.requests.labels(status="200").inc()
-            return _EngineStreamingResponse(
-                events, on_close=admission.close, media_type="text/event-stream", headers=headers
-            )
+            return state.ok_stream(events, admission, headers)
 
         finals = await _unless_disconnected(request, state.collect(admission))
         choices = [
@@ -1164,18 +1182,8 @@ def create_app(
             for i in sorted(finals)
             for o in finals[i].outputs
         ]
-        state.metrics.requests.labels(status="200").inc()
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": choices,
-                "usage": _usage(prepared, finals),
-            },
-            headers=headers,
-        )
+        base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+        return state.ok_json(base, choices, _usage(prepared, finals), headers)
 
     # -- chat ------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -1241,10 +1249,7 @@ def create_app(
                     yield {"choices": [c]}
 
             events = _sse_events(chunks, base, prepared, body.stream_options)
-            state.metrics.requests.labels(status="200").inc()
-            return _EngineStreamingResponse(
-                events, on_close=admission.close, media_type="text/event-stream", headers=headers
-            )
+            return state.ok_stream(events, admission, headers)
 
         finals = await _unless_disconnected(request, state.collect(admission))
         out = finals[0]
@@ -1258,18 +1263,8 @@ def create_app(
             }
             for o in out.outputs
         ]
-        state.metrics.requests.labels(status="200").inc()
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": body.model,
-                "choices": choices,
-                "usage": _usage(prepared, finals),
-            },
-            headers=headers,
-        )
+        final = {**base, "object": "chat.completion"}
+        return state.ok_json(final, choices, _usage(prepared, finals), headers)
 
     # -- admin: vLLM's runtime loading, pins ------------------------------------------------------
     def _lora_manager() -> Any:
