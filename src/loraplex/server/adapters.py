@@ -44,3 +44,9 @@ def check_allowed_path(path: str, roots: list[str]) -> Path:
         if f.exists() and not inside(f.resolve()):
             raise AdapterError(f"{name} in {path!r} links outside the allowed roots")
     return resolved
+
+
+def lexically_under(path: Path, roots: list[str]) -> bool:
+    """Whether ``path`` (symlinks not resolved) lies under one of ``roots``."""
+    p = Path(os.path.abspath(path))
+    return any(p == Path(r) or p.is_relative_to(r) for r in roots)

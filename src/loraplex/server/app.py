@@ -1,21 +1,22 @@
 """The OpenAI-compatible HTTP API over one engine: ``create_app(config)`` builds everything.
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (streaming or not),
-``/v1/adapters`` (residency), admin ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``,
-``/health``, ``/version``, ``/metrics``. Requests are validated, tokenized and their adapter
-loaded in worker threads (:meth:`AsyncEngine.prepare`); the engine loop only ever sees prepared
-requests. Every error leaves as OpenAI's JSON shape with the right status code.
+``/v1/adapters`` (residency), ``/health``, ``/version``, ``/metrics``, and the admin routes of
+:mod:`loraplex.server.admin`. Callers are authenticated to a :class:`Principal` (tenant +
+scopes) and see only their tenant's and shared adapters; each request is served by the registry
+revision chosen at arrival (active, or canary by weight) and keyed by its sha256. Requests are
+validated, tokenized and their adapter loaded in worker threads (:meth:`AsyncEngine.prepare`);
+the engine loop only ever sees prepared requests. Every error leaves as OpenAI's JSON shape with
+the right status code (:mod:`loraplex.server.errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
-import os
 import random
 import tempfile
 import time
@@ -27,31 +28,26 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import loraplex
-from loraplex.cache.adapters import AdapterCapacityError, AdapterInUseError
-from loraplex.cache.store import StoreNotFoundError, StorePermissionError, StoreUnavailableError
-from loraplex.cache.verify import AdapterCopyError
+from loraplex.cache.adapters import AdapterInUseError
 from loraplex.config import ServerConfig
-from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine, PreparedRequest
 from loraplex.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from loraplex.registry import (
     Manifest,
-    NotFoundError,
     Principal,
     Registry,
-    RegistryError,
     RegistryPolicy,
     Tenant,
-    TransitionError,
-    ValidationError,
     base_model_info,
 )
 from loraplex.requests import LoRARequest, SamplingParams
-from loraplex.server.adapters import check_allowed_path
+from loraplex.server.adapters import check_allowed_path, lexically_under
+from loraplex.server.admin import add_admin_routes
 from loraplex.server.catalog import (
     ADMIN_KEY,
     ANONYMOUS,
@@ -59,126 +55,22 @@ from loraplex.server.catalog import (
     Catalog,
     Servable,
     digests_of,
+    has_scope,
     local_source,
     retired_digests,
 )
+from loraplex.server.errors import APIError, as_api_error, validation_api_error
 from loraplex.server.limits import TenantLimitExceeded, TenantLimits
 from loraplex.server.metrics import CONTENT_TYPE, ServerMetrics
 from loraplex.server.protocol import (
-    CanaryAdapterRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    DisableAdapterRequest,
-    EvictLoRAAdapterRequest,
-    LoadLoRAAdapterRequest,
-    PinLoRAAdapterRequest,
-    PromoteAdapterRequest,
-    RegisterAdapterRequest,
-    UnloadLoRAAdapterRequest,
 )
-from loraplex.types import AdapterError, InvalidRequestError, LoraplexError
+from loraplex.types import AdapterError, LoraplexError
 
 log = logging.getLogger(__name__)
 usage_log = logging.getLogger("loraplex.usage")
 """One JSON line per finished call: tenant, key, adapter name, revision, sha256, tokens."""
-
-
-class APIError(Exception):
-    """An error that leaves the server as ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code if self.code is not None else self.status,
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def _as_api_error(e: BaseException) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, InvalidRequestError):
-        return APIError(400, str(e))
-    if isinstance(e, RegistryError):
-        return _registry_api_error(e)
-    if isinstance(e, AdapterError):
-        return _adapter_api_error(e)
-    if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), "service_unavailable")
-    if isinstance(e, EngineStepError | LoraplexError):
-        return APIError(500, str(e), "server_error")
-    log.exception("unexpected error", exc_info=e)
-    return APIError(500, f"internal error: {type(e).__name__}", "server_error")
-
-
-def _adapter_api_error(e: AdapterError) -> APIError:
-    """Adapter failures by cause: capacity and unreachable stores are retryable (503), a bad
-    copy in the object store is an upstream fault (502), anything else a server error."""
-    msg = str(e)
-    retry = {"Retry-After": "1"}
-    if isinstance(e, AdapterCapacityError):
-        return APIError(503, msg, "service_unavailable", code="adapter_capacity", headers=retry)
-    if isinstance(e, StoreUnavailableError):
-        return APIError(
-            503, msg, "service_unavailable", code="adapter_store_unavailable", headers=retry
-        )
-    if isinstance(e, StoreNotFoundError):
-        return APIError(404, msg, "NotFoundError", code="adapter_not_found")
-    if isinstance(e, StorePermissionError):
-        return APIError(403, msg, "permission_error", code="adapter_source_refused")
-    if isinstance(e, AdapterCopyError):
-        if e.tier == "local":  # the registered files changed: retrying will not help
-            return APIError(500, msg, "server_error", code="adapter_integrity_error")
-        if e.tier == "object_store":
-            return APIError(502, msg, "server_error", code="adapter_copy_invalid")
-        return APIError(503, msg, "service_unavailable", code="adapter_copy_invalid", headers=retry)
-    if isinstance(e, AdapterInUseError):
-        return APIError(409, msg, "conflict_error", code="adapter_in_use")
-    return APIError(500, msg, "server_error", code="adapter_load_failed")
-
-
-def _validation_api_error(errs: list[Any]) -> APIError:
-    """One 400 for pydantic's errors, naming the first bad field as ``param``.
-
-    A value matching no member of a union gets one error per member, located at
-    ``field.<member type>``; those are one problem, so ``param`` is the location they share
-    (``prompt``, not ``prompt.str``)."""
-    locs = [[x for x in err.get("loc", ()) if x != "body"] for err in errs]
-    if not locs:
-        return APIError(400, "invalid request")
-    group = [i for i, loc in enumerate(locs) if loc[:1] == locs[0][:1]]
-    shared = locs[0]
-    if len(group) > 1:
-        n = 0
-        while all(len(locs[i]) > n and locs[i][n] == shared[n] for i in group):
-            n += 1
-        shared = shared[:n]
-    param = ".".join(str(x) for x in shared) or None
-    msgs = list(dict.fromkeys(str(errs[i].get("msg", "invalid value")) for i in group))
-    others = len(errs) - len(group)
-    more = f" (and {others} more problems)" if others else ""
-    msg = "; or ".join(msgs[:3])
-    return APIError(400, f"{param + ': ' if param else ''}{msg}{more}", param=param)
 
 
 @dataclass
@@ -460,7 +352,7 @@ class ServerState:
         if self.config.admin_api_key and self._matches(key, [self.config.admin_api_key]):
             return ADMIN_KEY
         p = self._registry_key(key)
-        if p is not None and _has_scope(p, scope):
+        if p is not None and has_scope(p, scope):
             return p
         if p is not None or self._matches(key, self.config.api_keys):
             raise APIError(
@@ -568,7 +460,7 @@ class ServerState:
             )
         local = local_source(manifest)
         roots = self.config.allowed_lora_roots
-        if local is not None and roots and _lexically_under(local, roots):
+        if local is not None and roots and lexically_under(local, roots):
             try:  # its files may have been replaced by links out of the roots since
                 check_allowed_path(str(local), roots)
             except AdapterError as e:
@@ -835,7 +727,7 @@ async def _sse_events(
         if include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(prepared, finals)})
     except Exception as e:
-        yield _sse(_as_api_error(e).body())
+        yield _sse(as_api_error(e).body())
     yield _DONE
 
 
@@ -849,31 +741,6 @@ _DONE = b"data: [DONE]\n\n"
 def _registration_order(sv: Servable) -> tuple[float, str]:
     """Adapters are listed in the order they were first registered (vLLM: the flag order)."""
     return (sv.active.created_at, sv.name)
-
-
-def _has_scope(p: Principal, scope: str) -> bool:
-    """``scope`` held by ``p``; ``"admin:"`` means any admin scope (read-only admin routes)."""
-    if scope == "admin:":
-        return any(sc.startswith("admin:") for sc in p.scopes)
-    return p.allows(scope)
-
-
-def _lexically_under(path: Path, roots: list[str]) -> bool:
-    """Whether ``path`` (symlinks not resolved) lies under one of ``roots``."""
-    p = Path(os.path.abspath(path))
-    return any(p == Path(r) or p.is_relative_to(r) for r in roots)
-
-
-def _registry_api_error(e: RegistryError, param: str | None = None) -> APIError:
-    """Registry failures: unknown names 404, illegal lifecycle moves 409, refused content 400
-    (``code`` is the validation reason)."""
-    if isinstance(e, NotFoundError):
-        return APIError(404, str(e), "NotFoundError", param=param, code="not_found")
-    if isinstance(e, TransitionError):
-        return APIError(409, str(e), "conflict_error", param=param, code="illegal_transition")
-    if isinstance(e, ValidationError):
-        return APIError(400, str(e), param=param, code=e.reason)
-    return APIError(400, str(e), param=param, code="registry_error")
 
 
 def _adapter_header(outs: list[PreparedRequest], lora: LoRARequest | None) -> dict[str, str]:
@@ -1005,7 +872,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        err = _validation_api_error(list(e.errors()))
+        err = validation_api_error(list(e.errors()))
         state.metrics.requests.labels(status="400").inc()
         return err.response()
 
@@ -1024,28 +891,18 @@ def create_app(
 
     @app.exception_handler(LoraplexError)
     async def _domain_error(request: Request, e: LoraplexError) -> JSONResponse:
-        err = _as_api_error(e)
+        err = as_api_error(e)
         state.metrics.requests.labels(status=str(err.status)).inc()
         return err.response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        err = _as_api_error(e)
+        err = as_api_error(e)
         state.metrics.requests.labels(status=str(err.status)).inc()
         return err.response()
 
     def inference_auth(request: Request) -> Principal:
         return state.check_inference_auth(request)
-
-    def admin(scope: str) -> Callable[[Request], Principal]:
-        def check(request: Request) -> Principal:
-            return state.check_admin_auth(request, scope)
-
-        return check
-
-    load_auth, pin_auth = admin("admin:load"), admin("admin:pin")
-    any_admin = admin("admin:")  # reading the registry: any admin scope
-    register_auth, promote_auth = admin("admin:register"), admin("admin:promote")
 
     # -- plain routes ----------------------------------------------------------------------------
     @app.get("/health")
@@ -1266,239 +1123,7 @@ def create_app(
         final = {**base, "object": "chat.completion"}
         return state.ok_json(final, choices, _usage(prepared, finals), headers)
 
-    # -- admin: vLLM's runtime loading, pins ------------------------------------------------------
-    def _lora_manager() -> Any:
-        if engine.adapters is None:
-            raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
-        return engine.adapters
-
-    def _not_found(name: str, param: str = "lora_name") -> APIError:
-        return APIError(
-            404,
-            f"The lora adapter '{name}' cannot be found.",
-            "NotFoundError",
-            param=param,
-            code="model_not_found",
-        )
-
-    def _servable(name: str, principal: Principal) -> Servable:
-        sv = state.catalog.lookup(name, principal)
-        if sv is None:
-            raise _not_found(name)
-        return sv
-
-    def _changed() -> None:
-        state.catalog.refresh(force=True)
-
-    @app.post("/v1/load_lora_adapter")
-    def load_lora_adapter(
-        body: LoadLoRAAdapterRequest, principal: Principal = Depends(load_auth)
-    ) -> Response:
-        """vLLM's runtime load: register the directory as a new revision (validated against the
-        served base), load and verify it, then make it the active revision of ``lora_name``."""
-        mgr = _lora_manager()
-        name = body.lora_name
-        if name in state.base_names:
-            raise APIError(400, f"{name!r} is the base model's name", param="lora_name")
-        if state.catalog.lookup(name, ADMIN_KEY) is not None and not body.load_inplace:
-            raise APIError(
-                400,
-                f"The lora adapter '{name}' has already been loaded. "
-                "Unload it first or pass load_inplace=true.",
-                param="lora_name",
-            )
-        try:
-            path = check_allowed_path(body.lora_path, config.allowed_lora_roots)
-        except AdapterError as e:
-            raise APIError(400, str(e), param="lora_path") from e
-        try:
-            manifest = state.registry.register(
-                str(path), name, base=state.base, tenant=principal.tenant, actor=principal.key_id
-            )
-        except RegistryError as e:
-            raise _registry_api_error(e, param="lora_path") from e
-        try:
-            adapter, _ = mgr.resolve_with_state(state.lora_request(manifest, "active"), count=False)
-        except AdapterError as e:
-            raise APIError(400, str(e), param="lora_path") from e
-        mgr.release(adapter)
-        if state.registry.release(name).active_revision != manifest.revision:
-            state.registry.promote(name, manifest.revision, actor=principal.key_id)
-        _changed()
-        log.info("loaded adapter %s from %s (%s)", name, path, adapter.ref.short)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    def unload_lora_adapter(
-        body: UnloadLoRAAdapterRequest, principal: Principal = Depends(load_auth)
-    ) -> Response:
-        """Disable the active revision: new requests get 404, requests in flight finish on it."""
-        sv = _servable(body.lora_name, principal)
-        state.registry.disable(sv.name, sv.active.revision, actor=principal.key_id)
-        _changed()
-        log.info("unloaded adapter %s (in-flight requests finish on it)", body.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-    @app.post("/v1/pin_lora_adapter")
-    def pin_lora_adapter(
-        body: PinLoRAAdapterRequest, principal: Principal = Depends(pin_auth)
-    ) -> dict[str, Any]:
-        """Load the active revision if needed and pin it in host memory and disk (and its
-        device slot with ``device``): pinned adapters are never evicted."""
-        mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
-        adapter, _ = mgr.resolve_with_state(state.lora_request(sv.active, "active"), count=False)
-        try:
-            digest = mgr.pin(adapter.ref.sha256, device=body.device)
-        finally:
-            mgr.release(adapter)
-        state.registry.audit(
-            principal.key_id, "pin", sv.name,
-            after={"revision": sv.active.revision, "sha256": digest, "device": body.device},
-        )  # fmt: skip
-        log.info("pinned adapter %s (%s, device=%s)", sv.name, digest[:12], body.device)
-        return {"lora_name": sv.name, "sha256": digest[:16], "pinned": True, "device": body.device}
-
-    @app.post("/v1/unpin_lora_adapter")
-    def unpin_lora_adapter(
-        body: UnloadLoRAAdapterRequest, principal: Principal = Depends(pin_auth)
-    ) -> dict[str, Any]:
-        mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
-        d = sv.active.sha256
-        mgr.unpin(d)
-        state.registry.audit(principal.key_id, "unpin", sv.name, after={"sha256": d})
-        return {"lora_name": sv.name, "sha256": d[:16], "pinned": False}
-
-    @app.post("/v1/evict_lora_adapter")
-    def evict_lora_adapter(
-        body: EvictLoRAAdapterRequest, principal: Principal = Depends(pin_auth)
-    ) -> dict[str, Any]:
-        """Drop the active revision's copies from the given tiers (default: device, host, disk).
-        Refused with 409 while requests use it or it is pinned."""
-        mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
-        d = sv.active.sha256
-        if mgr.tier_of(d) is None and not (mgr.disk is not None and d in mgr.disk.entries()):
-            return {"lora_name": sv.name, "sha256": d[:16], "evicted_from": []}
-        tiers = body.tiers or ["device", "host", "disk"]
-        left = mgr.evict(d, tiers=tiers)
-        state.registry.audit(principal.key_id, "evict", sv.name, after={"sha256": d, "tiers": left})
-        log.info("evicted adapter %s (%s) from %s", sv.name, d[:12], left)
-        return {"lora_name": sv.name, "sha256": d[:16], "evicted_from": left}
-
-    # -- admin: the registry -----------------------------------------------------------------------
-    def _owned_name(name: str, principal: Principal) -> None:
-        """A tenant-bound admin key may act only on its tenant's names (404 otherwise)."""
-        if principal.tenant is None:
-            return
-        owners = {m.tenant for m in state.registry.list() if m.name == name}
-        if owners and owners != {principal.tenant}:  # unknown names: the registry's own 404
-            raise _not_found(name, "name")
-
-    @app.get("/v1/admin/adapters")
-    def admin_list_adapters(
-        status: str | None = None, principal: Principal = Depends(any_admin)
-    ) -> dict[str, Any]:
-        ms = state.registry.list(tenant=principal.tenant, status=status)
-        if principal.tenant is not None:
-            ms = [m for m in ms if m.tenant == principal.tenant]
-        return {"object": "list", "data": [m.to_dict() for m in ms]}
-
-    @app.get("/v1/admin/adapters/{name}")
-    def admin_show_adapter(name: str, principal: Principal = Depends(any_admin)) -> dict[str, Any]:
-        _owned_name(name, principal)
-        rel = state.registry.release(name)
-        revisions = [m.to_dict() for m in state.registry.list() if m.name == name]
-        return {"name": name, "release": dataclasses.asdict(rel), "revisions": revisions}
-
-    @app.post("/v1/admin/adapters")
-    def admin_register_adapter(
-        body: RegisterAdapterRequest, principal: Principal = Depends(register_auth)
-    ) -> dict[str, Any]:
-        """Register one revision (validated against the served base model); ``stage`` or
-        ``activate`` it in the same call."""
-        if body.name in state.base_names:
-            raise APIError(400, f"{body.name!r} is the base model's name", param="name")
-        tenant = body.tenant
-        if principal.tenant is not None:
-            if tenant not in (None, principal.tenant):
-                raise APIError(403, "a tenant key may register only for its own tenant",
-                               "permission_error", param="tenant")  # fmt: skip
-            tenant = principal.tenant
-        _owned_name(body.name, principal)
-        m = state.registry.register(
-            body.path,
-            body.name,
-            base=state.base,
-            revision=body.revision,
-            tenant=tenant,
-            source_uri=body.source_uri,
-            priority=body.priority,
-            slo_class=body.slo_class,
-            warm_policy=body.warm_policy,
-            signature=body.signature,
-            actor=principal.key_id,
-        )
-        if body.activate:
-            state.registry.promote(body.name, m.revision, actor=principal.key_id)
-        elif body.stage:
-            state.registry.stage(body.name, m.revision, actor=principal.key_id)
-        _changed()
-        return state.registry.get(body.name, m.revision).to_dict()
-
-    @app.post("/v1/admin/adapters/{name}/promote")
-    def admin_promote(
-        name: str,
-        body: PromoteAdapterRequest,
-        principal: Principal = Depends(promote_auth),
-    ) -> dict[str, Any]:
-        _owned_name(name, principal)
-        rel = state.registry.promote(name, body.revision, actor=principal.key_id)
-        _changed()
-        return dataclasses.asdict(rel)
-
-    @app.post("/v1/admin/adapters/{name}/canary")
-    def admin_canary(
-        name: str,
-        body: CanaryAdapterRequest,
-        principal: Principal = Depends(promote_auth),
-    ) -> dict[str, Any]:
-        _owned_name(name, principal)
-        rel = state.registry.canary(name, body.revision, body.weight, actor=principal.key_id)
-        _changed()
-        return dataclasses.asdict(rel)
-
-    @app.post("/v1/admin/adapters/{name}/rollback")
-    def admin_rollback(name: str, principal: Principal = Depends(promote_auth)) -> dict[str, Any]:
-        _owned_name(name, principal)
-        rel = state.registry.rollback(name, actor=principal.key_id)
-        _changed()
-        return dataclasses.asdict(rel)
-
-    @app.post("/v1/admin/adapters/{name}/disable")
-    def admin_disable(
-        name: str,
-        body: DisableAdapterRequest,
-        principal: Principal = Depends(promote_auth),
-    ) -> dict[str, Any]:
-        _owned_name(name, principal)
-        m = state.registry.disable(name, body.revision, actor=principal.key_id)
-        _changed()
-        return m.to_dict()
-
-    @app.get("/v1/admin/audit")
-    def admin_audit(
-        target: str | None = None,
-        limit: int = 100,
-        principal: Principal = Depends(any_admin),
-    ) -> dict[str, Any]:
-        if not 1 <= limit <= 10_000:
-            raise APIError(400, "limit must be in [1, 10000]", param="limit")
-        if principal.tenant is not None:
-            if target is None:
-                raise APIError(400, "a tenant admin key must name a target", param="target")
-            _owned_name(target, principal)
-        entries = state.registry.audit_log(limit=limit, target=target)
-        return {"object": "list", "data": [dataclasses.asdict(e) for e in entries]}
-
+    add_admin_routes(app, state)
     return app
 
 

@@ -826,9 +826,7 @@ def config_from_args(
                 f"adapter {m.name!r}: {m.path!r} has no adapter_config.json (expected a PEFT "
                 "adapter directory)",
             )
-        resolved_modules.append(
-            LoRAModule(m.name, str(adapter_dir), m.base_model_name, m.warm)
-        )
+        resolved_modules.append(LoRAModule(m.name, str(adapter_dir), m.base_model_name, m.warm))
     disk_dir, disk_bytes = get("disk_cache_dir"), get("disk_cache_bytes")
     if disk_dir is not None and disk_bytes is None:
         raise fail("disk_cache_dir", "needs --disk-cache-bytes (the disk tier's byte budget)")

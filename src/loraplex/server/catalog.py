@@ -242,3 +242,10 @@ def digests_of(servables: Iterable[Servable]) -> set[str]:
     for s in servables:
         out |= s.digests
     return out
+
+
+def has_scope(p: Principal, scope: str) -> bool:
+    """``scope`` held by ``p``; ``"admin:"`` means any admin scope (read-only admin routes)."""
+    if scope == "admin:":
+        return any(sc.startswith("admin:") for sc in p.scopes)
+    return p.allows(scope)
