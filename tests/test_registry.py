@@ -836,3 +836,36 @@ def test_processes_promoting_at_once_leave_one_active(
     for a, b in itertools.pairwise(chain):
         assert a.after["active_revision"] == b.before["active_revision"]  # type: ignore[index]
     reg.close()
+
+
+_OPENER = """
+import os, sys, time
+import loraplex.registry as R
+print("ready", flush=True)
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.002)
+reg = R.Registry.open(sys.argv[1])
+reg.create_tenant(f"t{os.getpid()}", actor="proc")
+"""
+
+
+def test_processes_opening_a_fresh_database_at_once(db_url: str, tmp_path: Path) -> None:
+    """Only one process migrates; the others wait and find the schema current."""
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _OPENER, db_url, str(go)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]  # fmt: skip
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    go.touch()
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    reg = Registry.open(db_url)
+    assert len(reg.list_tenants()) == 3 and reg.generation() == 3
+    eng = create_engine(db_url)
+    assert current_revision(eng) == head_revision()
+    eng.dispose()
+    reg.close()

@@ -216,12 +216,15 @@ def run_migrations(engine: Engine) -> None:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    with _migrate_lock, engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            # two processes opening a fresh database at once: one migrates, the other waits
-            conn.execute(text("SELECT pg_advisory_xact_lock(7418275301)"))
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+    # two processes opening a fresh database at once: one migrates, the other waits for it and
+    # then finds the schema current (SQLite: a write transaction; PostgreSQL: an advisory lock)
+    with _migrate_lock, engine.connect() as plain:
+        conn = plain.execution_options(loraplex_write=True)
+        with conn.begin():
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(7418275301)"))
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
 
 
 def current_revision(engine: Engine) -> str | None:

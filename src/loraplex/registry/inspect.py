@@ -184,8 +184,13 @@ def _check_config(config: dict[str, Any], max_rank: int) -> None:
     alpha = config.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValidationError("unsupported_config", f"lora_alpha must be a number, got {alpha!r}")
+    for field in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(field) or {}, dict):
+            raise ValidationError("unsupported_config", f"{field} must be a JSON object")
     ranks = [r, *(config.get("rank_pattern") or {}).values()]
-    too_big = [x for x in ranks if isinstance(x, int) and x > max_rank]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ranks):
+        raise ValidationError("unsupported_config", "rank_pattern values must be positive ints")
+    too_big = [x for x in ranks if x > max_rank]
     if too_big:
         raise ValidationError("rank_too_large", f"rank {max(too_big)} > max rank {max_rank}")
     targets = config.get("target_modules")
