@@ -368,3 +368,68 @@ def test_audit_records_every_registry_and_admin_action(env: Env) -> None:
     promote = next(e for e in entries if e["action"] == "promote")
     assert promote["actor"] == "admin-api-key" and promote["after"]["active_revision"]
     assert env.complete("audited").status_code == 404  # disabled: no longer served
+
+
+def test_usage_log_records_the_revision(env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    import json
+
+    m = register(env, "usage", env.root / "x1", activate=True)
+    with caplog.at_level("INFO", logger="loraplex.usage"):
+        assert env.complete("usage", key=env.keys["acme"]).status_code == 200
+        deadline = time.monotonic() + 5
+        while not any(r.name == "loraplex.usage" for r in caplog.records):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    rec = json.loads(next(r for r in caplog.records if r.name == "loraplex.usage").getMessage())
+    assert rec["adapter"] == "usage" and rec["revision"] == m["revision"]
+    assert rec["sha256"] == m["sha256"] and rec["tenant"] == "acme" and rec["route"] == "active"
+    assert rec["completion_tokens"] == 6 and rec["prompt_tokens"] > 0
+
+
+def test_cli_registered_adapters_and_keys_are_served(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """The operator's flow: ``loraplex adapters register --activate`` and ``loraplex tenants``
+    into a registry file, then a server on ``--registry-url`` serves them to the tenant's key."""
+    import contextlib
+    import io
+    import json
+
+    from loraplex.cli import main
+
+    url = f"sqlite:///{tmp_path / 'reg.db'}"
+    adapter = make_random_adapter(tiny_model, tmp_path / "roots" / "sql", r=4, seed=41)
+
+    def cli(*args: str) -> Any:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main([*args, "--registry-url", url, "--json"]) == 0
+        return json.loads(out.getvalue())
+
+    cli("tenants", "create", "acme")
+    cli("adapters", "register", "sql", str(adapter), "--base-model", str(tiny_model),
+        "--tenant", "acme", "--allowed-root", str(tmp_path / "roots"), "--activate")  # fmt: skip
+    key = cli("tenants", "keys", "create", "--tenant", "acme")["secret"]
+    config = ServerConfig(
+        EngineConfig(model=str(tiny_model), max_loras=2, num_threads=1),
+        served_model_name=[BASE],
+        registry_url=url,
+        log_level="warning",
+    )
+    with serve_in_thread(create_app(config)) as server_url:
+        with httpx.Client(base_url=server_url, timeout=60) as h:
+            auth = {"Authorization": f"Bearer {key}"}
+            assert h.get("/v1/models").status_code == 401  # tenant keys exist: auth is on
+            ids = [m["id"] for m in h.get("/v1/models", headers=auth).json()["data"]]
+            assert ids == [BASE, "sql"]
+            body = {"model": "sql", "prompt": "hi", "max_tokens": 3}
+            r = h.post("/v1/completions", json=body, headers=auth)
+            assert r.status_code == 200 and revision_of(r) == "r1"
+            # a revision registered by the CLI while the server runs is picked up
+            cli("adapters", "register", "sql", str(adapters["all_r8"]),
+                "--base-model", str(tiny_model), "--tenant", "acme", "--allow-any-source",
+                "--activate")  # fmt: skip
+            deadline = time.monotonic() + 5
+            while revision_of(h.post("/v1/completions", json=body, headers=auth)) != "r2":
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
