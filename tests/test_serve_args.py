@@ -570,3 +570,25 @@ def test_lora_module_warm_policy_and_store_uris(
     with pytest.raises(SystemExit) as e:
         parse([model_dir, "--enable-lora", "--lora-modules", bad])
     assert e.value.code == 2 and "'warm' must be one of" in capsys.readouterr().err
+
+
+def test_registry_flags(model_dir: Path, tmp_path: Path) -> None:
+    key = tmp_path / "pub.pem"
+    key.write_text("-----BEGIN PUBLIC KEY-----\n")
+    c = parse([model_dir, "--registry-url", "sqlite:///r.db", "--registry-poll-interval", "0.5",
+               "--require-signatures", "--trusted-key", key, "--swap-eviction-delay", "5",
+               "--allowed-store-prefixes", "s3://b/adapters/"])  # fmt: skip
+    assert c.registry_url == "sqlite:///r.db" and c.registry_poll_s == 0.5
+    assert c.require_signatures and c.trusted_keys == [str(key.resolve())]
+    assert c.swap_eviction_delay_s == 5 and c.allowed_store_prefixes == ["s3://b/adapters/"]
+    assert parse([model_dir]).registry_url is None  # in memory
+    env = {"LORAPLEX_REGISTRY_URL": "postgresql+psycopg://db/reg"}
+    assert parse([model_dir], env).registry_url == "postgresql+psycopg://db/reg"
+    assert parse([model_dir, "--registry-url", "sqlite://"], env).registry_url == "sqlite://"
+
+
+def test_bad_registry_flags(model_dir: Path, tmp_path: Path) -> None:
+    assert "--trusted-key" in error_of([model_dir, "--require-signatures"])
+    assert "not a file" in error_of([model_dir, "--trusted-key", tmp_path / "missing.pem"])
+    assert "s3://" in error_of([model_dir, "--allowed-store-prefixes", "bucket/x"])
+    assert "--registry-poll-interval" in error_of([model_dir, "--registry-poll-interval", "0"])

@@ -754,6 +754,7 @@ def config_from_args(
         "max_cpu_lora_bytes": (1, None),
         "disk_cache_bytes": (1, None),
         "adapter_load_timeout_s": (0.001, None),
+        "registry_poll_s": (0.001, None),
     }
     for dest, (lo, hi) in bounds.items():
         value = get(dest)
