@@ -649,3 +649,23 @@ def test_registered_digest_is_the_key_and_is_verified(tmp_path: Path) -> None:
         cache.resolve(req("x", p1, sha256=d1))  # rev 1 gone from memory; its files changed
     assert cache.is_idle()
     cache.check_invariants()
+
+
+def test_tenant_host_budget_set_at_run_time(tiny_adapters: list[tuple[Path, str]]) -> None:
+    """A tenant budget of one adapter: its second adapter evicts its first, never another
+    tenant's copy."""
+    cache = make_cache(max_cpu_loras=8)
+    (p0, d0), (p1, d1), (p2, d2) = tiny_adapters[:3]
+    other = cache.resolve(req("other", p2, tenant="bravo"))
+    cache.release(other)
+    one = cache.resolve(req("a0", p0, tenant="acme"))
+    cache.release(one)
+    cache.set_tenant_budget("acme", one.nbytes)
+    two = cache.resolve(req("a1", p1, tenant="acme"))
+    cache.release(two)
+    assert cache.tier_of(d1) == "host" and cache.tier_of(d0) is None
+    assert cache.tier_of(d2) == "host"
+    cache.set_tenant_budget("acme", None)
+    with pytest.raises(ValueError):
+        cache.set_tenant_budget("acme", -1)
+    cache.check_invariants()
