@@ -82,7 +82,7 @@ def postgres_server() -> Iterator[str]:
         )  # fmt: skip
         opts = (
             f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off "
-            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=100"
+            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
         )
         _run_as(user, [str(bindir / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(log),
                        "-w", "-t", "60", "start"])  # fmt: skip

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,23 @@ def twin_model(workdir: Path) -> Path:
     return make_random_model(workdir / "twin-llama", num_layers=3, seed=99, with_tokenizer=False)
 
 
+_opened: list[Registry] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_registries() -> Iterator[None]:
+    """Close every registry a test opened (PostgreSQL connections are a finite resource)."""
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
 def open_reg(url: str, root: Path | None = None, **policy: object) -> Registry:
+    """A registry over ``url`` allowing adapters under ``root``; closed after the test."""
     roots = (str(root),) if root is not None else ()
-    return Registry.open(url, policy=RegistryPolicy(allowed_roots=roots, **policy))  # type: ignore[arg-type]
+    reg = Registry.open(url, policy=RegistryPolicy(allowed_roots=roots, **policy))  # type: ignore[arg-type]
+    _opened.append(reg)
+    return reg
 
 
 def variant(src: Path, dst: Path, seed: int) -> Path:
@@ -567,7 +582,7 @@ def _all_cells(url: str) -> list[str]:
 
 
 def test_api_keys_are_hashed_scoped_and_revocable(db_url: str, tmp_path: Path) -> None:
-    reg = Registry.open(db_url)
+    reg = open_reg(db_url)
     assert not reg.has_keys()
     reg.create_tenant("acme", actor="op")
     kid, secret = reg.create_key("acme", actor="op", label="ci")
@@ -672,13 +687,13 @@ def test_every_mutation_is_audited_with_before_after(db_url: str, root: Path, ba
 
 
 def test_migrations_run_once_and_match_the_models(db_url: str) -> None:
-    reg = Registry.open(db_url)
+    reg = open_reg(db_url)
     reg.create_tenant("t", actor="op")
     eng = create_engine(db_url)
     assert current_revision(eng) == head_revision()
     tables = sorted(inspect(eng).get_table_names())
     reg.close()
-    reg2 = Registry.open(db_url)  # a second open is a no-op that keeps the data
+    reg2 = open_reg(db_url)  # a second open is a no-op that keeps the data
     assert [t.name for t in reg2.list_tenants()] == ["t"]
     assert current_revision(eng) == head_revision()
     assert sorted(inspect(eng).get_table_names()) == tables
@@ -863,7 +878,7 @@ def test_processes_opening_a_fresh_database_at_once(db_url: str, tmp_path: Path)
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
-    reg = Registry.open(db_url)
+    reg = open_reg(db_url)
     assert len(reg.list_tenants()) == 2 and reg.generation() == 2
     eng = create_engine(db_url)
     assert current_revision(eng) == head_revision()
