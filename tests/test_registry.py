@@ -481,6 +481,13 @@ def test_promote_canary_rollback(db_url: str, root: Path, base: object) -> None:
     reg.canary("x", "r3", 0.2, actor="a")
     assert reg.release("x").canary_revision == "r3"
     m = reg.disable("x", actor="a")  # the active one
+    # activate() re-enables in one step (disabled -> staged -> active) and is idempotent
+    gen = reg.generation()
+    assert reg.activate("x", "r1", actor="a").active_revision == "r1"
+    assert reg.get("x", "r1").status == "active"
+    assert reg.audit_log(limit=1)[0].action == "promote" and reg.generation() == gen + 1
+    assert reg.activate("x", "r1", actor="a").active_revision == "r1"
+    m = reg.disable("x", actor="a")
     assert m.revision == "r1" and reg.release("x").active_revision is None
     assert reg.resolve("x", tenant=None, u=0.0) is None
     with pytest.raises(NotFoundError, match="no active revision"):

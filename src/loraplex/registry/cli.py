@@ -192,11 +192,11 @@ def cmd_register(args: argparse.Namespace, reg: Registry) -> int:
         allow_any_source=args.allow_any_source,
         sha256=args.sha256,
     )
-    if (args.stage or args.activate) and m.status in ("validated", "disabled"):
-        m = reg.stage(m.name, m.revision, actor=args.actor)
-    if args.activate and m.status != "active":
-        reg.promote(m.name, m.revision, actor=args.actor)
+    if args.activate:
+        reg.activate(m.name, m.revision, actor=args.actor)
         m = reg.get(m.name, m.revision)
+    elif args.stage and m.status in ("validated", "disabled"):
+        m = reg.stage(m.name, m.revision, actor=args.actor)
     _emit(
         args,
         m.to_dict(),

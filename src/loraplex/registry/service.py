@@ -845,6 +845,15 @@ class Registry:
         """Make ``revision`` (default: the canary) the active one. The old active revision
         becomes ``deprecated`` and is remembered as previous / the new one's rollback target;
         the canary is cleared."""
+        return self._promote(name, revision, actor=actor, reenable=False)
+
+    def activate(self, name: str, revision: str, *, actor: str) -> Release:
+        """Make ``revision`` active from any status, walking the table in one transaction
+        (disabled -> staged -> active re-enables it); a no-op when it is already active.
+        For "load this adapter now" callers (vLLM's load after unload of the same files)."""
+        return self._promote(name, revision, actor=actor, reenable=True)
+
+    def _promote(self, name: str, revision: str | None, *, actor: str, reenable: bool) -> Release:
         with self._write() as s:
             rel = self._release_row(s, name, lock=True)
             before = _release_state(rel)
@@ -856,8 +865,10 @@ class Registry:
                 revision = rel.canary_revision
             row = self._revision_row(s, name, revision)
             target = f"{name}@{revision}"
-            if row.status == "validated":  # validated -> staged -> active, both via the table
-                check_transition("validated", "staged", target)
+            if reenable and row.status == "active":
+                return _release(rel)
+            if row.status == "validated" or (reenable and row.status == "disabled"):
+                check_transition(row.status, "staged", target)  # ... -> staged -> active
                 row.status = "staged"
             check_transition(row.status, "active", target)
             old_rev = rel.active_revision
