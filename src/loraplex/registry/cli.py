@@ -261,14 +261,14 @@ def cmd_audit(args: argparse.Namespace, reg: Registry) -> int:
     entries = reg.audit_log(limit=args.limit, target=args.target)
 
     def change(e: Any) -> str:
+        """The fields an entry changed, ``key old -> new`` (or the refusal reason)."""
         after = e.after or {}
         if "reason" in after:
-            return after["reason"]
-        if e.before and "status" in e.before and "status" in after:
-            return f"{e.before['status']} -> {after['status']}"
-        if e.before and "active_revision" in e.before:
-            return f"active {e.before['active_revision']} -> {after.get('active_revision')}"
-        return ""
+            return f"refused: {after['reason']}"
+        if not e.before:
+            return ""
+        keys = [k for k in after if k in e.before and e.before[k] != after[k]]
+        return ", ".join(f"{k} {e.before[k]} -> {after[k]}" for k in keys)
 
     rows = [[e.id, _when(e.ts), e.actor, e.action, e.target, change(e)] for e in entries]
     _emit(
@@ -531,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_keygen(args)
         with _open(args) as reg:
             return args.func(args, reg)
+    except BrokenPipeError:  # output piped into e.g. head: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except (LoraplexError, ValueError, OSError) as e:
         print(f"loraplex {command}: error: {e}", file=sys.stderr)
         return 2
