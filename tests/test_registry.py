@@ -248,6 +248,22 @@ def test_each_validation_failure_names_its_reason(
     _refused(reg, "rank_too_large", root / "all_r64_layer1", "big", base)
     _refused(reg, "shape_mismatch", good, "narrow", base_model_info(narrow_model))
     _refused(reg, "sha256_mismatch", good, "wrongsha", base, sha256="ab" * 32)
+    # formats and files the torch-free reader refuses: pickle weights, a truncated file, a
+    # module without its lora_B
+    cfg_only = [root / n for n in ("pickled", "truncated", "halfmodule")]
+    for d in cfg_only:
+        d.mkdir()
+        shutil.copy(good / "adapter_config.json", d)
+    _, tensors0 = read_adapter_files(good)
+    torch.save(tensors0, cfg_only[0] / "adapter_model.bin")
+    _refused(reg, "unsupported_format", cfg_only[0], "pickled", base)
+    blob0 = (good / "adapter_model.safetensors").read_bytes()
+    (cfg_only[1] / "adapter_model.safetensors").write_bytes(blob0[: len(blob0) // 2])
+    _refused(reg, "unreadable", cfg_only[1], "truncated", base)
+    b_key = next(k for k in sorted(tensors0) if "lora_B" in k)
+    save_file({k: v for k, v in tensors0.items() if k != b_key},
+              str(cfg_only[2] / "adapter_model.safetensors"))  # fmt: skip
+    _refused(reg, "incomplete_adapter", cfg_only[2], "halfmodule", base)
 
     # unsupported targets: embedding / lm_head tensors, and lm_head in the config
     config, tensors = read_adapter_files(good)

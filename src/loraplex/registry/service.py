@@ -413,8 +413,10 @@ class Registry:
         before: dict | None = None,
         after: dict | None = None,
     ) -> None:
-        if not isinstance(actor, str) or not actor:
-            raise RegistryError("actor must be a non-empty string (who did this)")
+        if not isinstance(actor, str) or not 0 < len(actor) <= 256:
+            raise RegistryError("actor must be a non-empty string of at most 256 characters")
+        if len(action) > 64 or len(target) > 256:
+            raise RegistryError("audit action (64) or target (256 characters) too long")
         s.add(
             AuditRow(
                 ts=time.time(),
