@@ -433,3 +433,17 @@ def test_cli_registered_adapters_and_keys_are_served(
             while revision_of(h.post("/v1/completions", json=body, headers=auth)) != "r2":
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
+
+
+def test_vllm_load_unload_load_again(env: Env) -> None:
+    """vLLM's load, unload, then load of the same files re-enables the same revision."""
+    path = str(env.root / "x2")
+    for _ in range(2):
+        r = env.admin("POST", "/v1/load_lora_adapter", lora_name="again", lora_path=path)
+        assert r.status_code == 200, r.text
+        assert env.complete("again").status_code == 200
+        r = env.admin("POST", "/v1/unload_lora_adapter", lora_name="again")
+        assert r.status_code == 200, r.text
+        assert env.complete("again").status_code == 404
+    revisions = {m.revision for m in env.registry.list() if m.name == "again"}
+    assert revisions == {"r1"}

@@ -111,7 +111,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, str(e), param="lora_path") from e
         mgr.release(adapter)
         if state.registry.release(name).active_revision != manifest.revision:
-            state.registry.promote(name, manifest.revision, actor=principal.key_id)
+            state.registry.activate(name, manifest.revision, actor=principal.key_id)
         _changed()
         log.info("loaded adapter %s from %s (%s)", name, path, adapter.ref.short)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -226,7 +226,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
             actor=principal.key_id,
         )
         if body.activate:
-            state.registry.promote(body.name, m.revision, actor=principal.key_id)
+            state.registry.activate(body.name, m.revision, actor=principal.key_id)
         elif body.stage:
             state.registry.stage(body.name, m.revision, actor=principal.key_id)
         _changed()

@@ -211,7 +211,7 @@ class ServerState:
                     allow_any_source=True,
                 )
             if self.registry.release(m.name).active_revision != manifest.revision:
-                self.registry.promote(m.name, manifest.revision, actor=actor)
+                self.registry.activate(m.name, manifest.revision, actor=actor)
             names.append(m.name)
         if names and mgr is None:  # config.validate() refuses this; keep the invariant loud
             raise AdapterError("--lora-modules needs --enable-lora")
