@@ -330,10 +330,11 @@ def test_vllm_metrics_parsing() -> None:
 
 
 def test_loraplex_residency_and_eviction_rate() -> None:
-    tiers, max_loras = parse_residency(
+    tiers, max_loras, max_cpu = parse_residency(
         {
             "object": "list",
             "max_loras": 2,
+            "max_cpu_loras": 4,
             "data": [
                 {"name": "a", "tier": "device", "last_access": 5.0},
                 {"name": "b", "tier": "device", "last_access": 3.0},
@@ -344,13 +345,17 @@ def test_loraplex_residency_and_eviction_rate() -> None:
         }
     )
     assert tiers == {"c": "host", "d": "disk", "e": "absent", "b": "device", "a": "device"}
-    assert max_loras == 2
+    assert (max_loras, max_cpu) == (2, 4)
     r = Replica("http://r:1")
     text = '# TYPE adapter_evictions_total counter\nadapter_evictions_total{tier="device"} 4.0\n'
-    r.apply_poll(10.0, tiers, max_loras, parse_metrics(text))
+    r.apply_poll(10.0, tiers, max_loras, parse_metrics(text), max_cpu)
     assert list(r.device_lru) == ["b", "a"]  # least recently used first
     r.note_dispatch("c", 10.5)  # c goes to the device, b (LRU) drops to host
     assert r.tiers["c"] == "device" and r.tiers["b"] == "host" and r.in_flight == 1
+    r.note_dispatch("d", 10.6)
+    r.note_dispatch("e", 10.7)  # 5 in memory > max_cpu_loras 4: b (LRU of host) leaves memory
+    assert list(r.device_lru) == ["d", "e"] and list(r.host_lru) == ["a", "c"]
+    assert r.tiers["b"] == "absent" and r.tiers["a"] == "host"
     r.apply_poll(12.0, tiers, max_loras, parse_metrics(text.replace("4.0", "10.0")))
     assert r.evictions_per_s == pytest.approx(3.0)  # 6 evictions in 2 s
     r.note_dispatch("d", 12.5)

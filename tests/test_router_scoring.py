@@ -9,6 +9,7 @@ from loraplex.router.scoring import (
     Thresholds,
     Weights,
     choose,
+    home,
     is_saturated,
     load,
     rendezvous,
@@ -52,7 +53,7 @@ def test_load_wins_once_saturated() -> None:
         warm = rv("a", {"x": "device"}, **busy)
         assert is_saturated(warm, th)
         d = choose([warm, rv("b"), rv("c", running=1)], "x", thresholds=th)
-        assert d is not None and d.index == 1 and d.reason == "load", busy
+        assert d is not None and d.index in (1, 2) and d.reason == "load", busy
     # the host copy on an unsaturated replica beats a saturated device copy
     d = choose([rv("a", {"x": "device"}, waiting=9), rv("b", {"x": "host"})], "x", thresholds=th)
     assert d is not None and (d.index, d.reason) == (1, "affinity")
@@ -139,3 +140,35 @@ def test_weights_and_thresholds_validate() -> None:
         Thresholds(max_waiting=0).validate()
     Weights().validate()
     Thresholds().validate()
+
+
+def test_disk_copy_preferred_when_nobody_holds_it_in_memory() -> None:
+    # an object-store adapter already in b's disk cache: b, unless b is much busier
+    views = [rv(f"http://r{i}", {"x": "disk"} if i == 1 else {}) for i in range(4)]
+    d = choose(views, "x")
+    assert d is not None and (d.index, d.reason) == (1, "load")
+    busy = [rv(v.url, dict(v.tiers), in_flight=(10 if i == 1 else 0)) for i, v in enumerate(views)]
+    d = choose(busy, "x", thresholds=Thresholds(max_in_flight=32))
+    assert d is not None and d.index == 1  # the only disk copy: least loaded among candidates
+
+
+def test_home_holds_within_the_load_bound() -> None:
+    w = Weights()
+    urls = [f"http://r{i}" for i in range(4)]
+    idle = [rv(u) for u in urls]
+    h = home(idle, "x", [0, 1, 2, 3], w)
+    # the home one request busier than the rest is still within (1 + balance) * mean + 1 req
+    one = [rv(u, in_flight=(1 if i == h else 0)) for i, u in enumerate(urls)]
+    assert choose(one, "x").index == h  # type: ignore[union-attr]
+    # three requests busier is not
+    three = [rv(u, in_flight=(3 if i == h else 0)) for i, u in enumerate(urls)]
+    assert choose(three, "x").index != h  # type: ignore[union-attr]
+
+
+def test_warm_copy_loses_to_a_much_less_loaded_replica() -> None:
+    th = Thresholds(max_in_flight=100)
+    near = [rv("a", {"x": "device"}, in_flight=10), rv("b")]
+    assert choose(near, "x", thresholds=th).index == 0  # type: ignore[union-attr]
+    far = [rv("a", {"x": "device"}, in_flight=25), rv("b")]
+    d = choose(far, "x", thresholds=th)  # 25 * 0.05 > device weight 1.0
+    assert d is not None and (d.index, d.reason) == (1, "load")

@@ -60,8 +60,9 @@ class RouterConfig:
     poll_interval_s: float = 1.0
     poll_timeout_s: float = 2.0
     readmit_after: int = 2
+    eject_after: int = 2  # failed health checks in a row (a refused connection: at once)
     max_retries: int = 2
-    connect_timeout_s: float = 2.0
+    connect_timeout_s: float = 5.0
     read_timeout_s: float = 300.0  # longest silence from a replica before the request fails
     retry_after_s: int = 1
     replica_api_key: str | None = None  # for the router's own polls of /v1/adapters
@@ -84,6 +85,8 @@ class RouterConfig:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.readmit_after < 1:
             raise ValueError(f"readmit_after must be >= 1, got {self.readmit_after}")
+        if self.eject_after < 1:
+            raise ValueError(f"eject_after must be >= 1, got {self.eject_after}")
         if self.replicas_dns is not None:
             host, sep, port = self.replicas_dns.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -204,6 +207,7 @@ class Router:
             poll_interval_s=config.poll_interval_s,
             poll_timeout_s=config.poll_timeout_s,
             readmit_after=config.readmit_after,
+            eject_after=config.eject_after,
             api_key=config.replica_api_key,
             on_eject=lambda url: self.metrics.ejections.labels(replica=url).inc(),
         )
@@ -249,9 +253,8 @@ class Router:
         state = resp.headers.get("x-loraplex-adapter-state")
         if state in ("warm", "cold"):
             self.metrics.arrivals.labels(state=state).inc()
-        name = resp.headers.get("x-loraplex-adapter", "").split(";", 1)[0] or adapter
-        if state is not None and name:
-            rep.note_on_device(name)  # served from a device slot there, whatever it was before
+        if state is not None and adapter is not None:  # keyed by the name clients route by
+            rep.note_on_device(adapter)  # served from a device slot there, whatever it was
 
     async def forward(self, request: Request, path: str) -> Response:
         raw = await request.body()
@@ -302,17 +305,20 @@ class Router:
             )
             try:
                 resp = await self.client.send(req, stream=True)
-            except httpx.ConnectError as e:
+            except httpx.ConnectError as e:  # refused: the replica is down
                 self.replicas.mark_failed(rep, f"connect: {e}")
                 raise _Retry("connect", f"{rep.url}: cannot connect ({e})") from e
-            except (httpx.RemoteProtocolError, httpx.ReadError) as e:
-                # the replica dropped the connection before answering: it died or restarted
-                self.replicas.mark_failed(rep, f"dropped: {e}")
-                raise _Retry("dropped", f"{rep.url}: connection dropped ({e})") from e
-            except httpx.TimeoutException as e:
+            except (httpx.ConnectTimeout, httpx.PoolTimeout) as e:  # nothing was sent
+                raise _Retry("connect_timeout", f"{rep.url}: connect timed out ({e})") from e
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+                # closed before answering: the replica died (its next connection is refused and
+                # the health checks eject it) or closed an idle keep-alive connection just as
+                # the request went out; either way it produced nothing, so try elsewhere
+                raise _Retry("dropped", f"{rep.url}: connection dropped ({e!r})") from e
+            except httpx.TimeoutException as e:  # it has the request and said nothing
                 finish()
                 self.metrics.requests.labels(status="504").inc()
-                return _error(504, f"replica {rep.url} timed out: {e}", "server_error",
+                return _error(504, f"replica {rep.url} timed out: {e!r}", "server_error",
                               code="replica_timeout")  # fmt: skip
             self.metrics.latency.labels(replica=rep.url, stage="first_byte").observe(
                 time.monotonic() - t0
@@ -392,7 +398,8 @@ class Router:
             try:
                 return await self.client.get(f"{r.url}/v1/models", headers=headers)  # type: ignore[union-attr]
             except httpx.HTTPError as e:
-                self.replicas.mark_failed(r, f"/v1/models: {e}")
+                if isinstance(e, httpx.ConnectError):
+                    self.replicas.mark_failed(r, f"/v1/models: {e}")
                 return None
 
         answers = await asyncio.gather(*(one(r) for r in reps))
@@ -418,7 +425,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # idle connections expire before uvicorn's 5 s keep-alive closes them under us
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+        )
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             router.client = client
             poller = asyncio.create_task(router.replicas.run())

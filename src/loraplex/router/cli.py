@@ -29,6 +29,7 @@ _SCALARS: dict[str, tuple[str, type]] = {
     "poll_interval": ("poll_interval_s", float),
     "poll_timeout": ("poll_timeout_s", float),
     "readmit_after": ("readmit_after", int),
+    "eject_after": ("eject_after", int),
     "max_retries": ("max_retries", int),
     "connect_timeout": ("connect_timeout_s", float),
     "read_timeout": ("read_timeout_s", float),
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--readmit-after", type=int, default=None, metavar="N",
                    help=f"good health checks before an ejected replica is used again (default: "
                         f"{d.readmit_after})")  # fmt: skip
+    h.add_argument("--eject-after", type=int, default=None, metavar="N",
+                   help=f"failed or timed-out health checks in a row that eject a replica "
+                        f"(default: {d.eject_after}; a refused connection ejects at once)")  # fmt: skip
     h.add_argument("--max-retries", type=int, default=None, metavar="N",
                    help=f"other replicas tried when one fails before the first byte (default: "
                         f"{d.max_retries})")  # fmt: skip

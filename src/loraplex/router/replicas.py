@@ -9,8 +9,9 @@ their metrics alone. Between polls the view is updated from every dispatch and r
 request sent to a replica puts its adapter on that replica's device (evicting the least
 recently used one beyond ``max_loras``), as the replica itself will.
 
-A replica that refuses connections or fails a health check is ejected at once (no requests),
-and re-admitted after ``readmit_after`` consecutive good health checks.
+A replica that refuses a connection is ejected at once (no requests); one whose health checks
+fail or time out ``eject_after`` times in a row too; either is re-admitted after
+``readmit_after`` consecutive good health checks.
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     )
 
 
-def parse_residency(body: Any) -> tuple[dict[str, str], int | None]:
-    """``/v1/adapters`` of a loraplex replica -> ({adapter name: tier}, max_loras), device
-    adapters ordered least recently used first. Raises ValueError on another shape."""
+def parse_residency(body: Any) -> tuple[dict[str, str], int | None, int | None]:
+    """``/v1/adapters`` of a loraplex replica -> ({adapter name: tier}, max_loras,
+    max_cpu_loras), adapters ordered least recently used first. Raises ValueError on another
+    shape."""
     if not isinstance(body, dict) or not isinstance(body.get("data"), list):
         raise ValueError("expected {'object': 'list', 'data': [...]} from /v1/adapters")
     rows = [r for r in body["data"] if isinstance(r, dict) and isinstance(r.get("name"), str)]
@@ -118,8 +120,12 @@ def parse_residency(body: Any) -> tuple[dict[str, str], int | None]:
         old = tiers.get(r["name"])
         if old is None or _TIER_RANK[tier] < _TIER_RANK[old]:
             tiers[r["name"]] = tier
-    max_loras = body.get("max_loras")
-    return tiers, max_loras if isinstance(max_loras, int) and max_loras > 0 else None
+
+    def positive(key: str) -> int | None:
+        v = body.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    return tiers, positive("max_loras"), positive("max_cpu_loras")
 
 
 # --------------------------------------------------------------------------- one replica
@@ -132,7 +138,10 @@ class Replica:
     healthy: bool = True  # optimistic until the first health check says otherwise
     tiers: dict[str, str] = field(default_factory=dict)
     device_lru: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    host_lru: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    base_tiers: dict[str, str] = field(default_factory=dict)  # tier outside memory (disk/absent)
     max_loras: int | None = None
+    max_cpu_loras: int | None = None  # adapters in memory (device + host) at most
     waiting: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -140,6 +149,7 @@ class Replica:
     in_flight: int = 0
     good_checks: int = 0
     failures: int = 0
+    failed_polls: int = 0  # consecutive
     last_poll: float = 0.0
     last_error: str | None = None
     _evictions: tuple[float, float] | None = None  # (monotonic time, counter) at last poll
@@ -160,14 +170,22 @@ class Replica:
     # -- updates between polls ------------------------------------------------------------------
     def note_on_device(self, adapter: str) -> None:
         """``adapter`` is (or is about to be) in a device slot here: most recently used; the
-        least recently used device adapter beyond ``max_loras`` drops to host memory."""
+        least recently used device adapter beyond ``max_loras`` drops to host memory, and the
+        least recently used host adapter beyond ``max_cpu_loras`` out of memory, as the
+        replica's LRU-like cache would do (the next poll corrects any guess)."""
         self.tiers[adapter] = "device"
+        self.host_lru.pop(adapter, None)
         self.device_lru.pop(adapter, None)
         self.device_lru[adapter] = None
         if self.max_loras is not None:
             while len(self.device_lru) > self.max_loras:
                 old, _ = self.device_lru.popitem(last=False)
                 self.tiers[old] = "host"
+                self.host_lru[old] = None
+        if self.max_cpu_loras is not None:
+            while self.host_lru and len(self.device_lru) + len(self.host_lru) > self.max_cpu_loras:
+                old, _ = self.host_lru.popitem(last=False)
+                self.tiers[old] = self.base_tiers.get(old, "absent")
 
     def note_dispatch(self, adapter: str | None, now: float) -> None:
         self.in_flight += 1
@@ -182,6 +200,7 @@ class Replica:
         tiers: dict[str, str] | None,
         max_loras: int | None,
         m: MetricsSnapshot | None,
+        max_cpu_loras: int | None = None,
     ) -> None:
         """Replace the view with what a poll begun at ``started`` saw; adapters dispatched here
         since then stay on device (the poll could not see them yet)."""
@@ -204,8 +223,11 @@ class Replica:
                     self.evictions_per_s = max(0.0, m.device_evictions - self._evictions[1]) / dt
                 self._evictions = (started, m.device_evictions)
         self.max_loras = max_loras or (m.max_lora if m is not None else None) or self.max_loras
+        self.max_cpu_loras = max_cpu_loras or self.max_cpu_loras
         self.tiers = new
+        self.base_tiers = {a: t for a, t in new.items() if t in ("disk", "absent")}
         self.device_lru = OrderedDict((a, None) for a in device)
+        self.host_lru = OrderedDict((a, None) for a, t in new.items() if t == "host")
         self._dispatched = {a: t for a, t in self._dispatched.items() if t >= started}
         for a in sorted(self._dispatched, key=self._dispatched.__getitem__):
             self.note_on_device(a)
@@ -263,6 +285,7 @@ class ReplicaSet:
         poll_interval_s: float = 1.0,
         poll_timeout_s: float = 2.0,
         readmit_after: int = 2,
+        eject_after: int = 2,
         api_key: str | None = None,
         on_eject: Callable[[str], None] | None = None,
     ) -> None:
@@ -272,6 +295,7 @@ class ReplicaSet:
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.readmit_after = readmit_after
+        self.eject_after = eject_after
         self.api_key = api_key
         self.on_eject = on_eject
         self.replicas: dict[str, Replica] = {}
@@ -338,7 +362,17 @@ class ReplicaSet:
             if self.on_eject is not None:
                 self.on_eject(r.url)
 
+    def _poll_failed(self, r: Replica, why: str) -> None:
+        """A refused connection ejects at once; a slow or failing health check only after
+        ``eject_after`` in a row (one slow answer on a busy machine is not an outage)."""
+        r.failed_polls += 1
+        if r.failed_polls >= self.eject_after:
+            self.mark_failed(r, why)
+        else:
+            r.last_error = why
+
     def _mark_good(self, r: Replica) -> None:
+        r.failed_polls = 0
         r.good_checks += 1
         r.last_error = None
         if not r.healthy and r.good_checks >= self.readmit_after:
@@ -357,22 +391,26 @@ class ReplicaSet:
                 raise RuntimeError(f"/health answered {health.status_code}")
             tiers: dict[str, str] | None = None
             max_loras: int | None = None
+            max_cpu: int | None = None
             if r.kind != "vllm":
                 res = await client.get(f"{r.url}/v1/adapters", headers=self._headers())
                 if res.status_code == 404:
                     r.kind = "vllm"
                 elif res.status_code == 200:
-                    tiers, max_loras = parse_residency(res.json())
+                    tiers, max_loras, max_cpu = parse_residency(res.json())
                     r.kind = "loraplex"
                 else:
                     log.warning("replica %s /v1/adapters: %s", r.url, res.status_code)
             met = await client.get(f"{r.url}/metrics")
             m = parse_metrics(met.text) if met.status_code == 200 else None
-        except (httpx.HTTPError, RuntimeError, ValueError) as e:
+        except httpx.ConnectError as e:
             self.mark_failed(r, f"{type(e).__name__}: {e}")
             return
+        except (httpx.HTTPError, RuntimeError, ValueError) as e:
+            self._poll_failed(r, f"{type(e).__name__}: {e}")
+            return
         if r.url in self.replicas:
-            r.apply_poll(started, tiers, max_loras, m)
+            r.apply_poll(started, tiers, max_loras, m, max_cpu)
             self._mark_good(r)
 
     async def poll(self) -> None:

@@ -1,25 +1,25 @@
 """Routing decisions as pure functions: a snapshot of each replica -> a score -> one choice.
 
-"Affinity until saturated"::
+"Affinity until saturated" (policy ``residency``)::
 
-    for each healthy replica r:
-        saturated(r) = r.waiting >= max_waiting or r.kv_usage >= max_kv_usage
-                       or r.in_flight >= max_in_flight
-        affinity(r)  = tier_weight[tier of the adapter on r]     (device > host > disk > absent)
-                       0 when r is saturated
-        load(r)      = w_waiting * waiting + w_running * running + w_in_flight * in_flight
-                       + w_kv * kv_usage + w_evictions * device evictions per second
-        score(r)     = affinity(r) - load(r) + w_hash * rendezvous(adapter, r)
-    pick the highest score among unsaturated replicas (reason "affinity" when the adapter
-    sits on it, "load" when it sits on no unsaturated replica); when every replica is
-    saturated, the least loaded one (reason "fallback").
+    saturated(r) = r.waiting >= max_waiting or r.kv_usage >= max_kv_usage
+                   or r.in_flight >= max_in_flight
+    load(r)      = w_waiting * waiting + w_running * running + w_in_flight * in_flight
+                   + w_kv * kv_usage + w_evictions * device evictions per second
+    open         = healthy, unsaturated replicas (none: the least loaded one, "fallback")
+    if some open replica holds the adapter in memory (device slot or host):
+        pick argmax over open r of  tier_weight[tier on r] - load(r) + w_hash * h(adapter, r)
+        ("affinity": a warm copy wins until its replica is saturated or much busier)
+    else (on local disk or nowhere):
+        home = the first replica in rendezvous order h(adapter, .) among those with the best
+               tier (disk copies first) whose load <= (1 + w_balance) * mean load + w_in_flight
+        ("load": consistent hashing with bounded loads, so a cold adapter always lands on the
+        same replica while that replica is not much busier than the others; loading it
+        everywhere in turn is what makes round-robin cold)
 
-The rendezvous term (a per-(adapter, replica) hash in [0, 1)) is small: it only decides
-between replicas whose loads are within ``w_hash`` of each other, and then always the same
-way for one adapter, so an adapter that is resident nowhere gets a stable home instead of
-being loaded on every replica in turn.
-
-No I/O, no clocks, no randomness: the same views give the same decision.
+``h`` is a per-(adapter, replica) hash in [0, 1): removing a replica only moves the adapters
+whose first choice it was. No I/O, no clocks, no randomness: the same views give the same
+decision.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Weights:
     kv_usage: float = 0.5
     evictions: float = 0.1
     hash: float = 0.05
+    balance: float = 0.25  # a cold adapter's home may be this much busier than the mean
 
     def tier(self, tier: str) -> float:
         return {"device": self.device, "host": self.host, "disk": self.disk}.get(tier, self.absent)
@@ -180,6 +181,26 @@ def choose(
     if not open_:
         loads = {i: load(views[i], w) for i in live}
         return Decision(min(live, key=lambda i: loads[i]), "fallback", scores)
-    best = max(open_, key=lambda i: scores[i])
-    resident = adapter is not None and views[best].tier_of(adapter) != "absent"
-    return Decision(best, "affinity" if resident else "load", scores)
+    if adapter is None:  # the base model: anywhere, by load
+        return Decision(min(open_, key=lambda i: load(views[i], w)), "load", scores)
+    rank = {i: TIERS.index(views[i].tier_of(adapter)) for i in open_}
+    best_rank = min(rank.values())
+    if TIERS[best_rank] in ("device", "host"):
+        best = max(open_, key=lambda i: scores[i])
+        reason = "affinity" if TIERS[rank[best]] in ("device", "host") else "load"
+        return Decision(best, reason, scores)
+    return Decision(home(views, adapter, [i for i in open_ if rank[i] == best_rank], w), "load",
+                    scores)  # fmt: skip
+
+
+def home(views: Sequence[ReplicaView], adapter: str, candidates: list[int], w: Weights) -> int:
+    """Consistent hashing with bounded loads: the first candidate in the adapter's rendezvous
+    order whose load is at most ``(1 + w.balance) * mean load + w.in_flight`` (mean over the
+    candidates), else the least loaded candidate."""
+    loads = {i: load(views[i], w) for i in candidates}
+    bound = (1 + w.balance) * sum(loads.values()) / len(loads) + w.in_flight
+    order = sorted(candidates, key=lambda i: rendezvous(adapter, views[i].url), reverse=True)
+    for i in order:
+        if loads[i] <= bound + 1e-12:
+            return i
+    return min(candidates, key=lambda i: loads[i])
