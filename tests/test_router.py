@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from loraplex.router.app import RouterConfig, create_router_app
-from loraplex.router.replicas import Replica, parse_metrics, parse_residency
+from loraplex.router.replicas import Replica, parse_base_models, parse_metrics, parse_residency
 from loraplex.router.scoring import Thresholds
 from loraplex.testing.server import free_port, serve_in_thread
 
@@ -151,6 +151,7 @@ def test_an_adapter_stays_where_it_is_warm(router: str) -> None:
             assert r.headers["x-loraplex-adapter-state"] == "warm"
         view = {v["url"]: v for v in c.get(f"{router}/v1/replicas").json()["data"]}
         assert view[home]["tiers"]["mlp_r16"] == "device"
+        assert all(v["base_models"] == ["tiny"] for v in view.values())
         metrics = c.get(f"{router}/metrics").text
         assert 'loraplex_router_decisions_total{reason="affinity"}' in metrics
 
@@ -363,6 +364,8 @@ def test_loraplex_residency_and_eviction_rate() -> None:
     assert r.tiers["d"] == "device"
     with pytest.raises(ValueError):
         parse_residency({"data": "nope"})
+    models = {"data": [{"id": "base", "parent": None}, {"id": "sql", "parent": "base"}]}
+    assert parse_base_models(models) == {"base"}
 
 
 def test_route_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

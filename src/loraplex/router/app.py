@@ -265,6 +265,8 @@ class Router:
             return _error(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
         model = body.get("model") if isinstance(body, dict) else None
         adapter = model if isinstance(model, str) and model else None
+        if adapter is not None and self.replicas.is_base_model(adapter):
+            adapter = None  # the base model: no adapter to be near, route by load
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         tried: set[str] = set()
         last: _Retry | None = None

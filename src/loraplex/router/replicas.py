@@ -128,6 +128,19 @@ def parse_residency(body: Any) -> tuple[dict[str, str], int | None, int | None]:
     return tiers, positive("max_loras"), positive("max_cpu_loras")
 
 
+def parse_base_models(body: Any) -> frozenset[str]:
+    """``/v1/models`` -> the names of base models (entries whose ``parent`` is null, as in
+    loraplex and vLLM); requests for them have no adapter to be near."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("expected {'object': 'list', 'data': [...]} from /v1/models")
+    return frozenset(
+        m["id"]
+        for m in data
+        if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("parent") is None
+    )
+
+
 # --------------------------------------------------------------------------- one replica
 @dataclass
 class Replica:
@@ -142,6 +155,7 @@ class Replica:
     base_tiers: dict[str, str] = field(default_factory=dict)  # tier outside memory (disk/absent)
     max_loras: int | None = None
     max_cpu_loras: int | None = None  # adapters in memory (device + host) at most
+    base_models: frozenset[str] = frozenset()  # /v1/models entries without a parent
     waiting: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -347,6 +361,9 @@ class ReplicaSet:
                 log.info("replica removed: %s", u)
                 del self.replicas[u]
 
+    def is_base_model(self, name: str) -> bool:
+        return any(name in r.base_models for r in self.replicas.values())
+
     def ordered(self) -> list[Replica]:
         return [self.replicas[u] for u in sorted(self.replicas)]
 
@@ -401,6 +418,9 @@ class ReplicaSet:
                     r.kind = "loraplex"
                 else:
                     log.warning("replica %s /v1/adapters: %s", r.url, res.status_code)
+            models = await client.get(f"{r.url}/v1/models", headers=self._headers())
+            if models.status_code == 200:
+                r.base_models = parse_base_models(models.json())
             met = await client.get(f"{r.url}/metrics")
             m = parse_metrics(met.text) if met.status_code == 200 else None
         except httpx.ConnectError as e:
@@ -451,6 +471,8 @@ class ReplicaSet:
                 "kv_usage": r.kv_usage,
                 "evictions_per_s": r.evictions_per_s,
                 "max_loras": r.max_loras,
+                "max_cpu_loras": r.max_cpu_loras,
+                "base_models": sorted(r.base_models),
                 "device": list(r.device_lru),
                 "tiers": dict(sorted(r.tiers.items())),
                 "last_error": r.last_error,
