@@ -152,10 +152,8 @@ def test_registry_never_imports_torch() -> None:
 
 
 def test_inspect_tables_match_the_torch_loader(tiny_model: Path) -> None:
-    from loraplex.lora import adapter
     from loraplex.registry import inspect as rinspect
 
-    assert rinspect.PROJ_NAMES == adapter.PROJ_NAMES
     cfg = json.loads((tiny_model / "config.json").read_text())
     assert rinspect.projection_shapes(cfg) == BaseModelSpec.from_hf_config(cfg).module_shapes
 

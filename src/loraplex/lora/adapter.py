@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from loraplex.lora.digest import DIGEST_VERSION, _math_config
+from loraplex.lora.digest import (
+    ATTN_PROJ_NAMES,
+    DIGEST_VERSION,
+    PROJ_NAMES,
+    _math_config,
+)
 from loraplex.types import AdapterError, AdapterRef
-
-PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTN_PROJ_NAMES = frozenset(PROJ_NAMES[:4])
-MLP_PROJ_NAMES = frozenset(PROJ_NAMES[4:])
 
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"

@@ -25,6 +25,11 @@ from typing import Any, BinaryIO
 
 DIGEST_VERSION = b"loraplex-adapter-digest-v1\n"
 
+PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Llama-family projections an adapter may target (attention first, then MLP)."""
+ATTN_PROJ_NAMES = frozenset(PROJ_NAMES[:4])
+MLP_PROJ_NAMES = frozenset(PROJ_NAMES[4:])
+
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 
@@ -88,6 +93,19 @@ _CHUNK = 1 << 20
 
 class DigestError(ValueError):
     """The adapter files cannot be read or parsed (missing, not JSON, corrupt header, ...)."""
+
+
+def read_json_object(path: Path, what: str) -> tuple[bytes, dict[str, Any]]:
+    """The bytes of a JSON file holding one object, and the object; :class:`DigestError`
+    starting with ``what`` when it is not valid JSON or not an object."""
+    raw = path.read_bytes()
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DigestError(f"{what} is not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise DigestError(f"{what} must hold a JSON object")
+    return raw, obj
 
 
 def _as_float(v: Any) -> Any:
@@ -223,13 +241,7 @@ def read_adapter_dir(path: str | Path) -> AdapterFiles:
         raise DigestError(f"{path}: missing {CONFIG_NAME}")
     if not st_path.is_file():
         raise DigestError(f"{path}: missing {SAFETENSORS_NAME} (only safetensors is supported)")
-    cfg_bytes = cfg_path.read_bytes()
-    try:
-        config = json.loads(cfg_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DigestError(f"{path}: {CONFIG_NAME} is not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise DigestError(f"{path}: {CONFIG_NAME} must hold a JSON object")
+    cfg_bytes, config = read_json_object(cfg_path, f"{path}: {CONFIG_NAME}")
 
     h = hashlib.sha256(DIGEST_VERSION)
     h.update(config_digest_line(config))

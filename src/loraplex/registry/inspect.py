@@ -18,13 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.lora.digest import FLOAT_DTYPES, AdapterFiles, DigestError, read_adapter_dir
+from loraplex.lora.digest import (
+    ATTN_PROJ_NAMES,
+    FLOAT_DTYPES,
+    PROJ_NAMES,
+    AdapterFiles,
+    DigestError,
+    read_adapter_dir,
+    read_json_object,
+)
 from loraplex.registry.db import loraplex_home
 from loraplex.registry.errors import RegistryError, ValidationError
-
-# Kept equal to loraplex.lora.adapter's (a test checks); that module imports torch.
-PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTN_PROJ_NAMES = frozenset(PROJ_NAMES[:4])
 
 _KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
@@ -128,13 +132,10 @@ def base_model_info(model_dir: str | Path, name: str | None = None) -> BaseModel
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise RegistryError(f"base model {model_dir}: missing config.json")
-    cfg_bytes = cfg_path.read_bytes()
     try:
-        config = json.loads(cfg_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RegistryError(f"base model {model_dir}: config.json is not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise RegistryError(f"base model {model_dir}: config.json must hold a JSON object")
+        cfg_bytes, config = read_json_object(cfg_path, f"base model {model_dir}: config.json")
+    except DigestError as e:
+        raise RegistryError(str(e)) from e
     weights = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
     if not weights:
         raise RegistryError(
