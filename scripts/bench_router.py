@@ -106,6 +106,23 @@ def router_counts(url: str) -> dict[str, float]:
     return out
 
 
+def spread(records: list[Any]) -> dict[str, float]:
+    """How many replicas served each adapter (mean, over adapters, and request-weighted)."""
+    where: dict[str, set[str]] = {}
+    count: dict[str, int] = {}
+    for r in records:
+        if r.ok:
+            where.setdefault(r.model, set()).add(r.served_by)
+            count[r.model] = count.get(r.model, 0) + 1
+    if not where:
+        return {}
+    n = sum(count.values())
+    return {
+        "replicas_per_adapter": sum(len(v) for v in where.values()) / len(where),
+        "replicas_per_request": sum(len(where[m]) * c for m, c in count.items()) / n,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", help="HF model directory (default: a random h128 Llama)")
@@ -119,6 +136,19 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals, req/s")
     ap.add_argument("--prompt-len", default="16")
     ap.add_argument("--output-len", default="8")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=200,
+        help="requests sent (same workload kind, another seed) before each measured "
+        "run and not recorded, so the rates are steady-state",
+    )
+    ap.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra loraplex route flag for every router, e.g. --router-arg=--max-in-flight=4",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="repeat all policies, order rotated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default=None, help="keep the model and adapters here")
@@ -152,15 +182,18 @@ def main() -> int:
             ]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL))
             replicas.append(f"http://127.0.0.1:{port}")
+        for url, p in zip(replicas, procs, strict=True):
+            wait_up(url, p)
         routers = {}
         for policy in POLICIES:
             port = free_port()
             cmd = [sys.executable, "-m", "loraplex.cli", "route", "--policy", policy,
                    "--port", str(port), "--poll-interval", "0.5", "--log-level", "warning",
+                   *args.router_arg,
                    *(x for u in replicas for x in ("--replica", u))]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env))
             routers[policy] = f"http://127.0.0.1:{port}"
-        for url, p in zip(replicas + list(routers.values()), procs, strict=True):
+        for url, p in zip(routers.values(), procs[len(replicas) :], strict=True):
             wait_up(url, p)
         print(f"{args.replicas} replicas and {len(routers)} routers up after "
               f"{time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
@@ -171,12 +204,21 @@ def main() -> int:
             trace, names, prompt_len=LengthDist.parse(args.prompt_len),
             output_len=LengthDist.parse(args.output_len), rate=args.rate, seed=args.seed,
         )  # fmt: skip
+        warm_trace = generate_workload(
+            f"{args.workload},n={args.adapters},requests={max(args.warmup, 1)},seed={args.seed + 1}"
+        ).requests
+        warm_reqs = build_requests(
+            warm_trace, names, prompt_len=LengthDist.parse(args.prompt_len),
+            output_len=LengthDist.parse(args.output_len), rate=args.rate, seed=args.seed + 1,
+        )[: args.warmup]  # fmt: skip
         results: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
         for rnd in range(args.rounds):
             order = POLICIES[rnd % 3 :] + POLICIES[: rnd % 3]
             for policy in order:
                 evict_all(replicas, names)
                 time.sleep(1.0)  # let the routers see the empty caches
+                if warm_reqs:
+                    run_load(routers[policy], warm_reqs, fetch_ranks=False)
                 before = router_counts(routers[policy])
                 res = run_load(routers[policy], reqs, fetch_ranks=False)
                 s = summarize(res)
@@ -196,9 +238,11 @@ def main() -> int:
                     "by_replica": {k: v["requests"] for k, v in s["by_replica"].items()},
                     "router": {k: after[k] - before.get(k, 0.0) for k in after},
                     "errors": s["error_kinds"],
+                    "spread": spread(res.records),
+                    "records": [[r.model, r.served_by, r.state, r.ttft] for r in res.records],
                 }
                 results[policy].append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "records"}), flush=True)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -217,7 +261,9 @@ def main() -> int:
     print(f"{args.replicas} replicas x (--max-loras {args.max_loras}, --max-cpu-loras "
           f"{args.max_cpu_loras}), {args.adapters} adapters rank {args.rank}, {spec}, "
           f"Poisson {args.rate:g} req/s, prompt {args.prompt_len} / output {args.output_len} "
-          f"tokens, {args.rounds} round(s), best round per policy")  # fmt: skip
+          f"tokens, {args.warmup} warm-up + {args.requests} measured requests per policy, "
+          f"{args.rounds} round(s), best round per policy"
+          + (f", router flags {' '.join(args.router_arg)}" if args.router_arg else ""))  # fmt: skip
     print(f"{'policy':<14}{'cold-start rate':>16}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}"
           f"{'cold p50 ms':>13}{'warm p50 ms':>13}")  # fmt: skip
     for p in POLICIES:
