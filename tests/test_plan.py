@@ -109,7 +109,10 @@ def test_cli(tiny_model: Path, adapters: dict[str, Path], capsys: pytest.Capture
         (["--model", "llama-3-8b", "--rank", "8", "--targets", "lm_head"], "change nothing"),
         (["--model", "llama-3-8b"], "no adapters"),
         (["--model", "llama-3-8b", "--rank", "0"], "integer >= 1"),
-        (["--model", "llama-3-8b", "--rank", "8", "--device-budget", "lots"], "bad size"),
+        (
+            ["--model", "llama-3-8b", "--rank", "8", "--device-budget", "lots"],
+            "expected a byte size",
+        ),
         (["--model", "llama-3-8b", "--rank", "32", "--max-lora-rank", "16"], "below"),
     ]
     for argv, msg in bad:

@@ -304,7 +304,10 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
         (["--workload", "nope"], "unknown workload kind 'nope'"),
         (["--workload", "zipf", "--policy", "arc"], "unknown eviction policy 'arc'"),
         (["--workload", "zipf", "--policy", ","], "names no policy"),
-        (["--workload", "zipf", "--host-bytes", "lots"], "bad size 'lots'"),
+        (
+            ["--workload", "zipf", "--host-bytes", "lots"],
+            "expected a byte size such as 2GiB, 512MiB, 1G or 1073741824, got 'lots'",
+        ),
         (["--workload", "zipf", "--slots", "0"], "expected an integer >= 1"),
         (["--workload", "zipf", "--service-time", "-1"], "finite number >= 0"),
         (["--trace", "/nonexistent/trace.jsonl"], "cannot read trace"),

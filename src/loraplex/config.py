@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 ADAPTER_EVICTION_POLICIES = ("hybrid", "lru", "lfu", "fifo")
 """Names of ``loraplex.cache.policy.POLICIES`` (checked by a test; config imports nothing)."""
+
+
+_BYTE_SIZE = re.compile(
+    r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*(?:([kmgtp])(i)?)?b?\s*", re.IGNORECASE
+)
+
+
+def parse_byte_size(text: str) -> int:
+    """Bytes from '4096', '1e9', '512MiB', '2GiB', '1.5Gi' (powers of 1024) or '1G', '1GB',
+    '500M' (powers of 1000); case-insensitive; a trailing 'B' is optional. The one byte-size
+    syntax of every flag, config file and workload spec; ``ValueError`` names the problem."""
+    m = _BYTE_SIZE.fullmatch(text)
+    if m is None:
+        raise ValueError(
+            f"expected a byte size such as 2GiB, 512MiB, 1G or 1073741824, got {text!r}"
+        )
+    power = "kmgtp".index(m.group(2).lower()) + 1 if m.group(2) else 0
+    return int(Decimal(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.sim.workloads import WorkloadSpecError, parse_size
+from loraplex.cliargs import byte_size, positive_int, positive_ints
 
 __all__ = [
     "PRESETS",
@@ -451,28 +451,6 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 
 # -- CLI -------------------------------------------------------------------------------------------
-def _size(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except WorkloadSpecError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"size must be >= 1 byte, got {text!r}")
-    return n
-
-
-def _posint(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
-
-
-def _int_list(text: str) -> list[int]:
-    return [_posint(t) for t in text.split(",") if t.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -487,17 +465,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--adapter", action="append", default=[], metavar="PATH",
                    help="PEFT dir / adapter_config.json / JSON manifest (repeatable)")  # fmt: skip
-    p.add_argument("--rank", type=_posint, help="a synthetic adapter of this rank (with --targets)")
+    p.add_argument(
+        "--rank", type=positive_int, help="a synthetic adapter of this rank (with --targets)"
+    )
     p.add_argument("--targets", default="q_proj,v_proj",
                    help="with --rank: projections, comma-separated, or all-linear")  # fmt: skip
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), help="default: the model's")
-    p.add_argument("--max-lora-rank", type=_posint, help="slot rank (default: the largest)")
-    p.add_argument("--device-budget", type=_size, metavar="BYTES", help="e.g. 2GiB for adapters")
-    p.add_argument("--slots", type=_posint, help="device slots (max_loras) to price in KV tokens")
-    p.add_argument("--num-adapters", type=_posint, help="adapters to keep on host and disk")
-    p.add_argument("--host-budget", type=_size, metavar="BYTES")
-    p.add_argument("--disk-budget", type=_size, metavar="BYTES")
-    p.add_argument("--decode-k", type=_int_list, default=[1, 2, 4, 8, 16, 32], metavar="K,K,...")
+    p.add_argument("--max-lora-rank", type=positive_int, help="slot rank (default: the largest)")
+    p.add_argument(
+        "--device-budget", type=byte_size, metavar="BYTES", help="e.g. 2GiB for adapters"
+    )
+    p.add_argument(
+        "--slots", type=positive_int, help="device slots (max_loras) to price in KV tokens"
+    )
+    p.add_argument("--num-adapters", type=positive_int, help="adapters to keep on host and disk")
+    p.add_argument("--host-budget", type=byte_size, metavar="BYTES")
+    p.add_argument("--disk-budget", type=byte_size, metavar="BYTES")
+    p.add_argument(
+        "--decode-k", type=positive_ints, default=[1, 2, 4, 8, 16, 32], metavar="K,K,..."
+    )
     p.add_argument("--json", action="store_true")
     return p
 

@@ -17,14 +17,13 @@ import argparse
 import datetime as _dt
 import json
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, NoReturn
 
+from loraplex.cliargs import byte_size, fraction, positive_int
 from loraplex.config import WARM_POLICIES
 from loraplex.registry import signing
 from loraplex.registry.db import ADAPTER_STATUSES
@@ -41,41 +40,6 @@ class _Usage(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise _Usage(message)
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '4096', '512MiB', '2GiB' (powers of 1024) or '1G', '500MB' (powers of 1000)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i)?)?b?\s*", text, re.IGNORECASE)
-    if m is None:
-        raise argparse.ArgumentTypeError(
-            f"expected a byte size such as 2GiB or 512MiB, got {text!r}"
-        )
-    try:
-        num = Decimal(m.group(1))
-    except InvalidOperation as e:  # pragma: no cover - the regex admits only decimals
-        raise argparse.ArgumentTypeError(f"bad size {text!r}") from e
-    power = "kmgtp".index(m.group(2).lower()) + 1 if m.group(2) else 0
-    return int(num * (1024 if m.group(3) else 1000) ** power)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def _weight(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return v
 
 
 # --------------------------------------------------------------------------- output
@@ -417,7 +381,7 @@ def _policy_opts() -> argparse.ArgumentParser:
     p.add_argument("--trusted-key", action="append", metavar="FILE", help="ed25519 public key")
     p.add_argument("--allowed-root", action="append", metavar="DIR", help="allowed local root")
     p.add_argument("--allowed-prefix", action="append", metavar="URI", help="allowed store prefix")
-    p.add_argument("--max-rank", type=_positive_int, default=64, help="largest rank (default 64)")
+    p.add_argument("--max-rank", type=positive_int, default=64, help="largest rank (default 64)")
     return p
 
 
@@ -474,7 +438,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p = add("canary", cmd_canary, "send a share of traffic to a staged revision")
         p.add_argument("name")
         p.add_argument("revision")
-        p.add_argument("--weight", type=_weight, required=True, help="share in [0, 1], e.g. 0.1")
+        p.add_argument("--weight", type=fraction, required=True, help="share in [0, 1], e.g. 0.1")
         p = add("rollback", cmd_rollback, "disable the active revision, restore the previous")
         p.add_argument("name")
         p = add("disable", cmd_disable, "disable a revision (default: the active one)")
@@ -482,16 +446,16 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--revision", default=None)
         p = add("audit", cmd_audit, "show the audit log, newest first")
         p.add_argument("--target", default=None, help="adapter name (and its revisions)")
-        p.add_argument("--limit", type=_positive_int, default=50)
+        p.add_argument("--limit", type=positive_int, default=50)
         p = add("keygen", cmd_keygen, "write an ed25519 key pair for signing manifests")
         p.add_argument("--out", required=True, metavar="DIR")
         p.add_argument("--force", action="store_true", help="overwrite an existing key")
     else:
         p = add("create", cmd_tenant_create, "create a tenant")
         p.add_argument("name")
-        p.add_argument("--max-waiting", type=_positive_int, default=None)
+        p.add_argument("--max-waiting", type=positive_int, default=None)
         p.add_argument("--rate-limit", type=float, default=None, metavar="RPS")
-        p.add_argument("--host-bytes", type=parse_size, default=None, metavar="SIZE")
+        p.add_argument("--host-bytes", type=byte_size, default=None, metavar="SIZE")
         add("list", cmd_tenant_list, "list tenants")
         keys = sub.add_parser("keys", help="API keys", description="API keys")
         ksub = keys.add_subparsers(dest="key_action", required=True, parser_class=_Parser)

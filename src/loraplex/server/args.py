@@ -29,6 +29,7 @@ from loraplex.config import (
     EngineConfig,
     LoRAModule,
     ServerConfig,
+    parse_byte_size,
 )
 
 __all__ = [
@@ -82,21 +83,6 @@ def _human_int(text: str) -> int:
     if value != value.to_integral_value():
         raise ValueError(f"{text!r} is not a whole number")
     return int(value)
-
-
-def parse_byte_size(text: str) -> int:
-    """Bytes from '4096', '512MiB', '2GiB', '1.5Gi' (powers of 1024) or '1G', '1GB', '500M'
-    (powers of 1000); case-insensitive; a trailing 'B' is optional."""
-    m = re.fullmatch(
-        r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i)?)?b?\s*", text, flags=re.IGNORECASE
-    )
-    if m is None:
-        raise ValueError(
-            f"expected a byte size such as 2GiB, 512MiB, 1G or 1073741824, got {text!r}"
-        )
-    power = "kmgtp".index(m.group(2).lower()) + 1 if m.group(2) else 0
-    base = 1024 if m.group(3) else 1000
-    return int(Decimal(m.group(1)) * base**power)
 
 
 def _seconds(text: str) -> float:

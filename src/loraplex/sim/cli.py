@@ -19,47 +19,17 @@ import sys
 from collections import Counter
 
 from loraplex.cache.policy import POLICIES, belady_hit_ratio
+from loraplex.cliargs import byte_size, nonneg_float, positive_int
 from loraplex.sim.simulate import SimConfig, SimResult, a0_hit_ratio, policy_factory, simulate
 from loraplex.sim.workloads import (
     Workload,
     WorkloadSpecError,
     generate_workload,
-    parse_size,
     read_trace,
     write_trace,
 )
 
 __all__ = ["build_parser", "main"]
-
-
-def _size(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except WorkloadSpecError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"size must be >= 1 byte, got {text!r}")
-    return n
-
-
-def _nonneg(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return v
-
-
-def _posint(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
 
 
 def build_parser(prog: str = "loraplex sim") -> argparse.ArgumentParser:
@@ -84,28 +54,33 @@ def build_parser(prog: str = "loraplex sim") -> argparse.ArgumentParser:
         help=f"comma-separated policies to compare (from: {', '.join(POLICIES)}); "
         "default: lru,hybrid",
     )
-    p.add_argument("--slots", type=_posint, default=8, help="L0 device slots (default 8)")
-    p.add_argument("--host-bytes", type=_size, help="L1 host-memory budget, e.g. 2GiB")
-    p.add_argument("--host-count", type=_posint, help="L1 entry limit (vLLM's --max-cpu-loras)")
-    p.add_argument("--disk-bytes", type=_size, help="L2 local-disk budget, e.g. 64GiB")
+    p.add_argument("--slots", type=positive_int, default=8, help="L0 device slots (default 8)")
+    p.add_argument("--host-bytes", type=byte_size, help="L1 host-memory budget, e.g. 2GiB")
+    p.add_argument(
+        "--host-count", type=positive_int, help="L1 entry limit (vLLM's --max-cpu-loras)"
+    )
+    p.add_argument("--disk-bytes", type=byte_size, help="L2 local-disk budget, e.g. 64GiB")
     p.add_argument(
         "--service-time",
-        type=_nonneg,
+        type=nonneg_float,
         default=0.0,
         help="seconds each request keeps its adapter in flight (default 0)",
     )
     p.add_argument(
-        "--min-residency", type=_nonneg, default=0.0, help="seconds a new entry cannot be evicted"
+        "--min-residency",
+        type=nonneg_float,
+        default=0.0,
+        help="seconds a new entry cannot be evicted",
     )
     p.add_argument(
         "--thrash-window",
-        type=_nonneg,
+        type=nonneg_float,
         default=60.0,
         help="a reload within this many seconds of an eviction counts as thrash (default 60)",
     )
     p.add_argument(
         "--patience",
-        type=_nonneg,
+        type=nonneg_float,
         default=1.0,
         help="seconds a cold request may wait for a busy low-value slot rather than evict a "
         "more valuable idle adapter (policies that support it, i.e. hybrid; default 1, 0 = off)",

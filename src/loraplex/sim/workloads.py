@@ -55,6 +55,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loraplex.config import parse_byte_size
+
 __all__ = [
     "WORKLOAD_KINDS",
     "Request",
@@ -168,30 +170,15 @@ def _request_from(obj: object, where: str) -> Request:
 
 # ------------------------------------------------------------------------------ helpers
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-
 
 def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1e9"``, ``"4096"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise WorkloadSpecError(f"bad size {text!r} (examples: 4096, 512MiB, 2GiB, 1.5GB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    """``"2GiB"``, ``"512MB"``, ``"1e9"``, ``"4096"`` -> bytes (:func:`loraplex.config.parse_byte_size`)."""
+    try:
+        return parse_byte_size(text)
+    except ValueError:
+        raise WorkloadSpecError(
+            f"bad size {text!r} (examples: 4096, 512MiB, 2GiB, 1.5GB)"
+        ) from None
 
 
 def _arrival_times(
