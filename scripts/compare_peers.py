@@ -346,12 +346,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.requests} requests per workload, prompt {args.prompt_len} tokens, output "
           f"{args.output_len} tokens (ignore_eos), max_num_seqs {args.max_num_seqs}, "
           f"max_cpu_loras {args.max_cpu_loras}")  # fmt: skip
-    t0 = time.monotonic()
-    results = run_all(systems, model, adapters, wls, args, work)
-    print(f"\nboth servers measured in this run ({time.monotonic() - t0:.0f} s); machine now: "
-          f"{machine()}\n")  # fmt: skip
-    print(report(results, wls))
-    (work / "results.json").write_text(json.dumps(results, indent=1))
+    if systems and wls:
+        t0 = time.monotonic()
+        results = run_all(systems, model, adapters, wls, args, work)
+        print(f"\nboth servers measured in this run ({time.monotonic() - t0:.0f} s); machine now: "
+              f"{machine()}\n")  # fmt: skip
+        print(report(results, wls))
+        (work / "results.json").write_text(json.dumps(results, indent=1))
     if args.peft:
         peft_baseline(model, adapters, args)
     return 0

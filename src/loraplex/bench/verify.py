@@ -268,9 +268,9 @@ def verify_adapter(
 def render(report: VerifyReport) -> str:
     lines = [f"adapter {report.adapter} on {report.model}"]
     if report.modules:
+        fit = "" if report.verdict == "wrong_base" else ": shapes fit the base"
         lines.append(
-            f"rank {report.rank}, {report.modules} modules ({','.join(report.targets)}): shapes "
-            "fit the base"
+            f"rank {report.rank}, {report.modules} modules ({','.join(report.targets)}){fit}"
         )
     if report.prompts:
         lines += ["", f"{'prompt':<40}{'tokens':>7}{'agree':>7}{'ties':>5}{'first diff':>11}"
