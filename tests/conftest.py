@@ -34,6 +34,25 @@ ADAPTER_SPECS: dict[str, dict] = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _loraplex_home(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Base-digest memos and default registries go to a temp dir, never the real home, and no
+    test sees the caller's ``$LORAPLEX_REGISTRY_URL``."""
+    os.environ["LORAPLEX_HOME"] = str(tmp_path_factory.mktemp("home"))
+    os.environ.pop("LORAPLEX_REGISTRY_URL", None)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty registry database: a SQLite file, or a new database on the test
+    PostgreSQL server (skipped without one, unless ``LORAPLEX_REQUIRE_POSTGRES=1``)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'registry.db'}"
+    from pg import pg_url_or_skip
+
+    return pg_url_or_skip()
+
+
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("loraplex")

@@ -37,21 +37,12 @@ from loraplex.registry import (
 from loraplex.registry.db import Base, current_revision, head_revision
 from loraplex.registry.lifecycle import check_transition
 from loraplex.testing import make_random_model
-from pg import pg_url_or_skip
 
 
 @pytest.fixture(autouse=True)
 def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep base-digest memos and default registries out of the real home."""
+    """A fresh home per test: tests of the default registry location start empty."""
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("LORAPLEX_REGISTRY_URL", raising=False)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'registry.db'}"
-    return pg_url_or_skip()
 
 
 @pytest.fixture

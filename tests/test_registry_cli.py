@@ -14,20 +14,12 @@ import pytest
 
 from loraplex.cli import main
 from loraplex.registry import Registry
-from pg import pg_url_or_skip
 
 
 @pytest.fixture(autouse=True)
 def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh home per test: the CLI's default registry starts empty."""
     monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("LORAPLEX_REGISTRY_URL", raising=False)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'reg.db'}"
-    return pg_url_or_skip()
 
 
 @pytest.fixture
@@ -59,9 +51,9 @@ def fails(capsys: pytest.CaptureFixture[str], cmd: str, *argv: str) -> str:
 
 
 def test_adapter_lifecycle_from_the_command_line(
-    capsys: pytest.CaptureFixture[str], url: str, root: Path, tiny_model: Path, tmp_path: Path
+    capsys: pytest.CaptureFixture[str], db_url: str, root: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
-    u = ["--registry-url", url, "--actor", "alice"]
+    u = ["--registry-url", db_url, "--actor", "alice"]
     pol = ["--allowed-root", str(root)]
     reg = ["adapters", "register", "--base-model", str(tiny_model), *u, *pol]
     m = ok_json(capsys, *reg, "x", str(root / "all_r8"), "--activate", "--priority", "2")
@@ -126,7 +118,7 @@ def test_adapter_lifecycle_from_the_command_line(
     keys = ok_json(capsys, "tenants", "keys", "list", *u)
     assert len(keys) == 2 and k["secret"] not in json.dumps(keys)
     assert ok_json(capsys, "tenants", "keys", "revoke", k["key_id"], *u)["revoked"] is True
-    with Registry.open(url) as r:
+    with Registry.open(db_url) as r:
         assert r.authenticate(k["secret"]) is None
     assert "already exists" in fails(capsys, "tenants", "create", "acme", *u)
     assert "one of the arguments --tenant --admin is required" in fails(
