@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.cli import main
+from loraplex.testing.sync import wait_healthy
 
 
 def test_generate_with_adapter(tiny_model: Path, adapters: dict[str, Path], capsys) -> None:
@@ -72,7 +73,6 @@ def test_serve_as_a_user_runs_it(tiny_model: Path, adapters: dict[str, Path]) ->
     import signal
     import subprocess
     import sys
-    import time
 
     import httpx
 
@@ -89,16 +89,7 @@ def test_serve_as_a_user_runs_it(tiny_model: Path, adapters: dict[str, Path]) ->
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, url)
         models = httpx.get(f"{url}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["tiny", "sql", "mlp"]
         r = httpx.post(

@@ -214,3 +214,23 @@ def test_real_model_with_adapters_in_engine() -> None:
     assert isinstance(json.loads(text["json"])["answer"], str), text
     assert text["signoff"].rstrip().endswith("— Sent by loraplex"), text
     assert text["prefix"].startswith("Answer:"), text
+
+
+def test_random_demo_builds_under_the_cache_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``loraplex demo --random`` writes under ``$LORAPLEX_CACHE_DIR``, never the home, and its
+    mixed batch equals transformers + PEFT with each adapter merged."""
+    from loraplex.cli import main
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["demo", "--random", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "DIFFERENT" not in out and "all KV blocks and slots free afterwards: True" in out, out
+    root = tmp_path / "cache" / "demo-random"
+    assert (root / "model" / "config.json").is_file()
+    assert len(list((root / "adapters").glob("*/adapter_config.json"))) == 4
+    assert not any(home.iterdir())  # nothing written to ~/.cache

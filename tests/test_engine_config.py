@@ -28,6 +28,30 @@ def test_auto_dtype_prefers_fast_types(tiny_model: Path, monkeypatch: pytest.Mon
     assert resolve_dtype("auto", bf16_cfg, torch.device("cuda")) == torch.bfloat16
 
 
+@pytest.mark.parametrize("fast_bf16", [True, False], ids=["avx512-bf16-cpu", "plain-cpu"])
+def test_auto_dtype_end_to_end_on_each_kind_of_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fast_bf16: bool
+) -> None:
+    """A bfloat16 checkpoint under ``dtype="auto"``: the engine, its KV cache, its adapter slot
+    tables and its adapter copies all follow the capability probe, whatever CPU runs the test."""
+    from loraplex.lora.adapter import BaseModelSpec, load_peft_adapter
+    from loraplex.requests import LoRARequest
+    from loraplex.testing import ALL_PROJ, make_random_adapter, make_random_model
+
+    model = make_random_model(tmp_path / "bf16", dtype=torch.bfloat16, seed=5)
+    adapter = make_random_adapter(model, tmp_path / "a", r=4, target_modules=ALL_PROJ, seed=6)
+    monkeypatch.setattr(llm_engine, "cpu_has_fast_bf16", lambda: fast_bf16)
+    want = torch.bfloat16 if fast_bf16 else torch.float32
+    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=8, max_loras=1))
+    assert engine.dtype == want and engine.cache.k.dtype == want
+    assert engine.adapters is not None and engine.adapters.dtype == want
+    got = engine.adapters.resolve(LoRARequest("a", str(adapter)))
+    mc = engine.model_config
+    spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
+    assert got.nbytes == load_peft_adapter(adapter, spec, dtype=want).nbytes
+    engine.adapters.release(got)
+
+
 def test_kv_budget_and_max_model_len(tiny_model: Path) -> None:
     cfg = load_model_config(tiny_model)
     per_block = PagedKVCache.bytes_per_block(

@@ -11,7 +11,6 @@ import asyncio
 import json
 import re
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from transformers import AutoTokenizer
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.config import EngineConfig, LoRAModule, ServerConfig
 from loraplex.server.app import ServerState, create_app
-from loraplex.testing import ALL_PROJ, make_random_adapter
+from loraplex.testing import ALL_PROJ, make_random_adapter, sync
 from loraplex.testing.server import serve_in_thread
 
 KEY = "sk-inference-test"
@@ -88,22 +87,9 @@ def tokenizer(tiny_model: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tiny_model))
 
 
-def wait_idle(state: ServerState, timeout: float = 10.0) -> None:
-    """Poll until the engine holds no request, KV block or slot user (the loop is asynchronous)."""
-    eng = state.engine
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (
-            eng.is_idle()
-            and eng.num_free_blocks == eng.pool.num_blocks
-            and state.aengine.num_waiting == 0
-        ):
-            return
-        time.sleep(0.02)
-    raise AssertionError(
-        f"engine not idle: waiting={eng.num_waiting} running={eng.num_running} "
-        f"free={eng.num_free_blocks}/{eng.pool.num_blocks}"
-    )
+def wait_idle(state: ServerState) -> None:
+    """Wait until the engine holds no request, KV block or slot user (the loop is asynchronous)."""
+    sync.wait_idle(state.engine, state.aengine)
 
 
 def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
@@ -792,9 +778,7 @@ def test_admin_adapter_swapped_for_links_outside_is_refused(
             f.unlink()
             f.symlink_to(adapters["all_r8"] / f.name)
         with server.http() as h:
-            r = h.post(
-                "/v1/completions", json={"model": "swapped", "prompt": "x", "max_tokens": 2}
-            )
+            r = h.post("/v1/completions", json={"model": "swapped", "prompt": "x", "max_tokens": 2})
         assert assert_openai_error(r, 403)["code"] == "adapter_path_refused"
     finally:
         _admin(server, "unload_lora_adapter", lora_name="swapped")

@@ -4,17 +4,18 @@ evict, tier metrics, and a full host tier answering 503 + Retry-After (not a han
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from loraplex.config import EngineConfig, LoRAModule, ServerConfig
 from loraplex.server.app import ServerState, create_app
 from loraplex.testing.server import serve_in_thread
+from loraplex.testing.sync import StepGate, wait_idle
 
 ADMIN = "sk-admin-cache"
 BASE = "tiny"
@@ -36,13 +37,6 @@ def _server(model: Path, modules: list[LoRAModule], root: Path, **engine: Any) -
 
 def _rows(c: httpx.Client) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in c.get("/v1/adapters").json()["data"]}
-
-
-def _wait_idle(state: ServerState) -> None:
-    deadline = time.monotonic() + 20
-    while not state.engine.is_idle():
-        assert time.monotonic() < deadline, "engine did not drain"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +87,7 @@ def test_admin_pin_unpin_evict(warm_server: tuple[httpx.Client, ServerState]) ->
     # the next request loads it again (cold), and the response says so
     r = c.post("/v1/completions", json={"model": "lazy", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200 and r.headers["x-loraplex-adapter-state"] == "cold"
-    _wait_idle(state)
+    wait_idle(state.engine)
 
     for route in ("pin_lora_adapter", "unpin_lora_adapter", "evict_lora_adapter"):
         r = c.post(f"/v1/{route}", json={"lora_name": "nope"}, headers=ADMIN_H)
@@ -126,48 +120,58 @@ def test_tier_metrics(warm_server: tuple[httpx.Client, ServerState]) -> None:
 def test_full_host_tier_is_a_503_then_recovers(
     tiny_model: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Host memory fits one adapter; while a long request holds adapter A, a request for B
-    cannot make room: after the bounded wait it gets 503 + Retry-After, A is unaffected, and
-    once A finishes B is served."""
+    """Host memory fits one adapter; while request A holds adapter a (the engine loop is held at
+    a step gate, so A cannot finish), a request for b cannot make room: after the bounded wait it
+    gets 503 + Retry-After, A is unaffected, and once A finishes b is served.
+
+    The byte budget is computed at float32 and the server runs in float32 (``dtype="auto"``
+    would pick bfloat16 on a CPU with AVX512-BF16, and then both adapters fit)."""
     from loraplex.lora.adapter import BaseModelSpec, load_peft_adapter
     from loraplex.model.config import load_model_config
 
     mc = load_model_config(tiny_model)
     spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
-    sizes = [load_peft_adapter(adapters[n], spec).nbytes for n in ("all_r8", "mlp_r16")]
+    sizes = {
+        n: load_peft_adapter(adapters[n], spec, dtype=torch.float32).nbytes
+        for n in ("all_r8", "mlp_r16")
+    }
+    assert sum(sizes.values()) > max(sizes.values())  # both never fit in the budget below
     modules = [LoRAModule("a", str(adapters["all_r8"])), LoRAModule("b", str(adapters["mlp_r16"]))]
     app = _server(
-        tiny_model, modules, tmp_path_factory.mktemp("root"),
-        max_loras=2, max_cpu_lora_bytes=max(sizes), adapter_load_timeout_s=0.5,
+        tiny_model, modules, tmp_path_factory.mktemp("root"), dtype="float32",
+        max_loras=2, max_cpu_lora_bytes=max(sizes.values()), adapter_load_timeout_s=0.5,
     )  # fmt: skip
     state: ServerState = app.state.loraplex
-    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=120) as c:
+        assert _rows(c)["a"]["bytes"] == sizes["all_r8"]  # the server sizes copies the same way
         c.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 1})
-        long_result: dict[str, Any] = {}
+        held: dict[str, Any] = {}
 
-        def long_request() -> None:
+        def request_a() -> None:
             r = c.post(
                 "/v1/completions",
-                json={"model": "a", "prompt": "hi", "max_tokens": 300, "ignore_eos": True},
+                json={"model": "a", "prompt": "hi", "max_tokens": 5, "ignore_eos": True},
             )
-            long_result["status"] = r.status_code
-            long_result["tokens"] = r.json()["usage"]["completion_tokens"]
+            held["status"] = r.status_code
+            held["tokens"] = r.json()["usage"]["completion_tokens"]
 
-        t = threading.Thread(target=long_request)
-        t.start()
-        deadline = time.monotonic() + 10
-        while not state.engine.num_running:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        r = c.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 503, r.text
-        assert r.json()["error"]["code"] == "adapter_capacity"
-        assert r.headers.get("retry-after") == "1"
-        t.join(60)
-        assert long_result == {"status": 200, "tokens": 300}
+        with StepGate(state.engine) as gate:
+            gate.hold()
+            t = threading.Thread(target=request_a)
+            t.start()
+            gate.wait_held()  # A is in the engine, holding adapter a, and cannot finish
+            assert state.engine.adapters.request_refs
+            r = c.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "adapter_capacity"
+            assert r.headers.get("retry-after") == "1"
+            assert t.is_alive()
+            gate.open()
+            t.join()
+        assert held == {"status": 200, "tokens": 5}
         r = c.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
-        _wait_idle(state)
+        wait_idle(state.engine)
         assert c.get("/health").status_code == 200
 
 
@@ -194,6 +198,6 @@ def test_store_backed_adapter_tiers(
         assert _rows(c)["s"]["tier"] == "absent"
         r = c.post("/v1/completions", json={"model": "s", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.headers["x-loraplex-adapter-state"] == "cold"
-        _wait_idle(state)
+        wait_idle(state.engine)
         assert _rows(c)["s"]["tier"] == "device"
         assert state.engine.adapters.stats.remote_loads == 2  # start-up, then after the evict

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,9 @@ import pytest
 
 from loraplex.config import EngineConfig, LoRAModule, ServerConfig
 from loraplex.server.app import ServerState, create_app
-from loraplex.testing import ALL_PROJ, make_random_adapter
+from loraplex.testing import ALL_PROJ, make_random_adapter, sync
 from loraplex.testing.server import serve_in_thread
+from loraplex.testing.sync import EVENT_TIMEOUT_S, StepGate, wait_until
 
 KEY = "sk-inference-test"
 ADMIN = "sk-admin-test"
@@ -82,18 +82,8 @@ def engine_idle(state: ServerState) -> bool:
     )
 
 
-def wait_idle(state: ServerState, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine_idle(state):
-            return
-        time.sleep(0.02)
-    eng = state.engine
-    raise AssertionError(
-        f"engine not idle: waiting={eng.num_waiting} running={eng.num_running} "
-        f"free={eng.num_free_blocks}/{eng.pool.num_blocks} requests={list(eng.requests)} "
-        f"slot_users={eng.adapters.slot_users if eng.adapters else None}"
-    )
+def wait_idle(state: ServerState) -> None:
+    sync.wait_idle(state.engine, state.aengine)
 
 
 def sse_payloads(lines: list[str]) -> list[Any]:
@@ -141,10 +131,21 @@ def test_64_concurrent_streams_over_8_adapters(server: Server) -> None:
         async with client:
             return await asyncio.gather(*(one(client, i) for i in range(64)))
 
+    async def held_main(gate: StepGate) -> list[tuple[str, int, str | None]]:
+        # every request is in the engine before the first step runs, so the first step has
+        # more adapters waiting than slots (whatever the machine's speed)
+        run = asyncio.ensure_future(main())
+        eng = server.state.engine
+        await asyncio.to_thread(wait_until, lambda: eng.num_waiting == 64, what="64 waiting")
+        gate.open()
+        return await run
+
     peak_distinct = []
     server.state.aengine.step_observers.append(lambda s: peak_distinct.append(s.distinct_adapters))
     try:
-        results = asyncio.run(main())
+        with StepGate(server.state.engine) as gate:
+            gate.hold()
+            results = asyncio.run(held_main(gate))
     finally:
         server.state.aengine.step_observers.pop()
     assert len(results) == 64
@@ -210,18 +211,34 @@ def test_disconnect_mid_stream_aborts_and_frees(server: Server) -> None:
                     return line  # leaving the block closes the connection
         raise AssertionError("no chunk")
 
-    async def main() -> tuple[list[str], list[httpx.Response]]:
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as h:
+    async def main(gate: StepGate) -> tuple[list[str], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as h:
             others = [
                 asyncio.ensure_future(h.post("/v1/completions", json=short_body)) for _ in range(4)
             ]
-            firsts = await asyncio.gather(
-                *(leave_early(h, m) for m in ("all_r8", "patterns", BASE))
+            leaving = [
+                asyncio.ensure_future(leave_early(h, m)) for m in ("all_r8", "patterns", BASE)
+            ]
+            # one step at a time until each long stream has its first chunk: none can reach
+            # its 400 tokens, so each one is still running when its client leaves
+            await asyncio.to_thread(wait_until, lambda: eng.num_waiting == 7, what="7 waiting")
+            while not all(t.done() for t in leaving):
+                gate.allow(1)
+                await asyncio.to_thread(gate.wait_held)
+                await asyncio.sleep(0.005)  # let that step's chunks reach the clients
+            firsts = [t.result() for t in leaving]
+            await asyncio.to_thread(
+                wait_until,
+                lambda: len([a for a in aborted if a[0].startswith("cmpl-")]) >= 3,
+                what="the three abandoned streams to be aborted",
             )
+            gate.open()
             return firsts, list(await asyncio.gather(*others))
 
     try:
-        firsts, others = asyncio.run(main())
+        with StepGate(eng) as gate:
+            gate.hold()
+            firsts, others = asyncio.run(main(gate))
         wait_idle(server.state)
     finally:
         del eng.abort_request
@@ -234,11 +251,19 @@ def test_disconnect_mid_stream_aborts_and_frees(server: Server) -> None:
 
 
 def test_disconnect_during_non_streaming_request_aborts(server: Server) -> None:
+    """The request runs three steps, then the engine is held while its client leaves: it is
+    aborted (freed) while running, never run to its 450 tokens."""
     eng = server.state.engine
-    steps_before = eng.num_steps
+    aborted: list[tuple[str, bool]] = []
+    real_abort = eng.abort_request
 
-    async def main() -> None:
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as h:
+    def spy(request_id: str) -> bool:
+        ok = real_abort(request_id)
+        aborted.append((request_id, ok))
+        return ok
+
+    async def main(gate: StepGate) -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as h:
             task = asyncio.ensure_future(
                 h.post(
                     "/v1/completions",
@@ -250,17 +275,24 @@ def test_disconnect_during_non_streaming_request_aborts(server: Server) -> None:
                     },
                 )
             )
-            deadline = time.monotonic() + 30
-            while eng.num_steps < steps_before + 3:  # it is running
-                assert time.monotonic() < deadline and not task.done()
-                await asyncio.sleep(0.01)
+            await asyncio.to_thread(wait_until, lambda: eng.num_waiting == 1, what="1 waiting")
+            gate.allow(3)
+            await asyncio.to_thread(gate.wait_held)
+            assert eng.num_running == 1 and not task.done()  # it is running, and held
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            await asyncio.to_thread(wait_until, lambda: aborted, what="the abort")
 
-    asyncio.run(main())
+    eng.abort_request = spy  # type: ignore[method-assign]
+    try:
+        with StepGate(eng) as gate:
+            gate.hold()
+            asyncio.run(main(gate))
+    finally:
+        del eng.abort_request
     wait_idle(server.state)
-    assert eng.num_steps - steps_before < 400  # stopped long before its 450 tokens
+    assert len(aborted) == 1 and aborted[0][1], aborted  # aborted while still in the engine
 
 
 # -- unloading an adapter while it streams --------------------------------------------------------
@@ -286,11 +318,17 @@ def test_unload_is_drain_safe(server: Server) -> None:
             reference = stream_text(sse_payloads(list(r.iter_lines())))
         lines: list[str] = []
         unloaded = threading.Event()
-        with h.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+        eng = server.state.engine
+        with (
+            StepGate(eng) as gate,
+            h.stream("POST", "/v1/completions", json=body, headers=AUTH) as r,
+        ):
             assert r.status_code == 200
             for line in r.iter_lines():
                 lines.append(line)
                 if line.startswith("data: ") and not unloaded.is_set():
+                    gate.hold()  # the stream cannot finish while the name is unloaded
+                    gate.wait_held()
                     u = h.post(
                         "/v1/unload_lora_adapter", json={"lora_name": "drainee"}, headers=admin
                     )
@@ -304,7 +342,8 @@ def test_unload_is_drain_safe(server: Server) -> None:
                     )
                     assert again.status_code == 404
                     assert again.json()["error"]["code"] == "model_not_found"
-                    assert server.state.engine.num_running + server.state.engine.num_waiting > 0
+                    assert eng.num_running == 1
+                    gate.open()
         payloads = sse_payloads(lines)
         assert unloaded.is_set()
         assert stream_text(payloads) == reference
@@ -326,28 +365,32 @@ def test_overload_gets_503_with_retry_after(
     body = {"prompt": "Hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     models = ["all_r8", "mlp_r16", BASE]
 
-    async def main(url: str) -> list[httpx.Response]:
+    async def main(url: str, gate: StepGate) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as h:
-            return list(
-                await asyncio.gather(
-                    *(
-                        h.post("/v1/completions", json={**body, "model": models[i % 3]})
-                        for i in range(16)
-                    )
+            calls = [
+                asyncio.ensure_future(
+                    h.post("/v1/completions", json={**body, "model": models[i % 3]})
                 )
-            )
+                for i in range(16)
+            ]
+            # nothing leaves the queue until every refused call has its answer
+            while sum(c.done() for c in calls) < 14:
+                await asyncio.sleep(0.01)
+            gate.open()
+            return list(await asyncio.gather(*calls))
 
     with serve_in_thread(app) as url:
-        responses = asyncio.run(main(url))
+        with StepGate(state.engine) as gate:
+            gate.hold()
+            responses = asyncio.run(main(url, gate))
         wait_idle(state)
         codes = sorted(r.status_code for r in responses)
         assert set(codes) == {200, 503}, codes
         ok = [r for r in responses if r.status_code == 200]
         shed = [r for r in responses if r.status_code == 503]
-        # arriving together, the first max_waiting are admitted and the rest shed (a few more
-        # may get in if arrivals spread out while the queue drains; without admission
-        # counting requests still being prepared, all 16 were admitted)
-        assert 2 <= len(ok) <= 8, (len(ok), len(shed))
+        # while the queue cannot drain, exactly max_waiting calls are admitted (admission
+        # counts requests still being prepared; without that, all 16 were admitted)
+        assert len(ok) == 2, (len(ok), len(shed))
         for r in shed:
             assert r.headers["retry-after"] == "1"
             err = r.json()["error"]
@@ -368,12 +411,15 @@ def test_disconnect_while_preparing_leaks_nothing(server: Server, stream: bool) 
     must not leave the prepared request's adapter references behind."""
     eng = server.state.engine
     real_prepare = eng.prepare_request
-    started = threading.Event()
+    started, resume, prepared = threading.Event(), threading.Event(), threading.Event()
 
     def slow_prepare(*args: Any, **kw: Any) -> Any:
         started.set()
-        time.sleep(0.4)
-        return real_prepare(*args, **kw)
+        resume.wait(EVENT_TIMEOUT_S)  # held until the client has gone
+        try:
+            return real_prepare(*args, **kw)
+        finally:
+            prepared.set()
 
     eng.prepare_request = slow_prepare  # type: ignore[method-assign]
     body = {
@@ -387,12 +433,12 @@ def test_disconnect_while_preparing_leaks_nothing(server: Server, stream: bool) 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as h:
             task = asyncio.ensure_future(h.post("/v1/completions", json=body))
-            while not started.is_set():
-                await asyncio.sleep(0.01)
+            await asyncio.to_thread(started.wait, EVENT_TIMEOUT_S)
             task.cancel()  # closes the connection while the server is preparing
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.sleep(0.6)  # preparation finishes after the client is gone
+            resume.set()  # preparation finishes after the client is gone
+            await asyncio.to_thread(prepared.wait, EVENT_TIMEOUT_S)
 
     try:
         asyncio.run(main())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,8 +21,10 @@ from loraplex.config import EngineConfig, ServerConfig
 from loraplex.registry import Registry, RegistryPolicy, base_model_info
 from loraplex.registry.signing import generate_keypair, sign
 from loraplex.server.app import ServerState, create_app
+from loraplex.server.limits import TenantLimits
 from loraplex.testing import ALL_PROJ, load_merged_reference, make_random_adapter, reference_greedy
 from loraplex.testing.server import serve_in_thread
+from loraplex.testing.sync import StepGate, wait_idle, wait_until
 from pg import pg_url_or_skip
 
 ADMIN = "sk-admin-registry"
@@ -115,13 +116,6 @@ def revision_of(r: httpx.Response) -> str:
     return fields["revision"]
 
 
-def wait_idle(state: ServerState, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not state.engine.is_idle():
-        assert time.monotonic() < deadline, "engine not idle"
-        time.sleep(0.02)
-
-
 def register(env: Env, name: str, path: Path, **kw: Any) -> dict[str, Any]:
     r = env.admin("POST", "/v1/admin/adapters", name=name, path=str(path), **kw)
     assert r.status_code == 200, r.text
@@ -141,29 +135,23 @@ def test_hot_swap_serves_new_weights_and_queued_requests_finish_on_old(env: Env,
     r = env.complete("swap")  # the prefix cache now holds PROMPT's blocks under rev 1
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
-    # fill every sequence slot with long base requests, then queue a rev-1 request behind them
+    # queue a rev-1 request and hold the engine loop before it can run: it has resolved rev 1
+    # and waits in the scheduler's queue while rev 2 is promoted
     results: dict[str, httpx.Response] = {}
 
     def run(key: str, model: str, **kw: Any) -> None:
         results[key] = env.complete(model, **kw)
 
-    blockers = [threading.Thread(target=run, args=(f"b{i}", BASE), kwargs={"max_tokens": 120})
-                for i in range(4)]  # fmt: skip
-    for t in blockers:
-        t.start()
-    deadline = time.monotonic() + 30
-    while env.state.engine.num_running < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    queued = threading.Thread(target=run, args=("queued", "swap"))
-    queued.start()
-    while env.state.engine.num_waiting < 1:  # prepared (rev 1 resolved), in the queue
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    rev2 = register(env, "swap", x2, activate=True)["revision"]
-    assert rev2 != rev1
-    for t in [*blockers, queued]:
-        t.join(60)
+    with StepGate(env.state.engine) as gate:
+        gate.hold()
+        queued = threading.Thread(target=run, args=("queued", "swap"))
+        queued.start()
+        gate.wait_held()
+        assert env.state.engine.num_waiting == 1
+        rev2 = register(env, "swap", x2, activate=True)["revision"]
+        assert rev2 != rev1
+        gate.open()
+        queued.join()
     assert revision_of(results["queued"]) == rev1
     assert results["queued"].json()["choices"][0]["text"] == want1
 
@@ -174,20 +162,20 @@ def test_hot_swap_serves_new_weights_and_queued_requests_finish_on_old(env: Env,
     assert r.headers["x-loraplex-adapter"].endswith(
         f"sha256={env.registry.get('swap').sha256[:16]}"
     )
-    wait_idle(env.state)
+    wait_idle(env.state.engine)
 
 
 def test_replaced_revision_is_evicted_after_the_delay(env: Env) -> None:
     """After a promote, the old revision's copies leave memory once the swap delay is over."""
     mgr = env.state.engine.adapters
-    old = register(env, "evictme", env.root / "x1", activate=True)
+    own = make_random_adapter(  # weights no other test serves, so no other name keeps them
+        env.model, env.root / "evictme-v1", r=4, lora_alpha=8, target_modules=ALL_PROJ, seed=31
+    )
+    old = register(env, "evictme", own, activate=True)
     assert env.complete("evictme").status_code == 200
     assert mgr.tier_of(old["sha256"]) is not None
     register(env, "evictme", env.root / "a_only", activate=True)
-    deadline = time.monotonic() + 10
-    while mgr.tier_of(old["sha256"]) is not None:
-        assert time.monotonic() < deadline, "replaced revision still cached"
-        time.sleep(0.05)
+    wait_until(lambda: mgr.tier_of(old["sha256"]) is None, what="the replaced revision's eviction")
     mgr.check_invariants()
 
 
@@ -247,21 +235,22 @@ def test_tenant_sees_and_runs_only_its_own_and_shared_adapters(env: Env) -> None
         assert r.status_code == 403
 
 
-def test_tenant_rate_limit_is_429_with_retry_after(env: Env) -> None:
+def test_tenant_rate_limit_is_429_with_retry_after(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1 req/s tenant: the second request in the same instant is refused, one second later
+    the bucket has refilled (the limiter runs on a test clock, not on the machine's speed)."""
+    now = [1000.0]
+    monkeypatch.setattr(env.state, "limits", TenantLimits(clock=lambda: now[0]))
     kb = env.keys["bravo"]
-    codes = [env.complete("b_only", key=kb, max_tokens=1).status_code for _ in range(3)]
-    assert codes[0] == 200 and 429 in codes[1:]
-    time.sleep(1.1)
+    assert env.complete("b_only", key=kb, max_tokens=1).status_code == 200
     r = env.complete("b_only", key=kb, max_tokens=1)
-    assert r.status_code == 200
-    for _ in range(3):
-        r = env.complete("b_only", key=kb, max_tokens=1)
-        if r.status_code == 429:
-            assert r.headers["retry-after"] == "1"
-            assert r.json()["error"]["code"] == "rate_limit_exceeded"
-            break
-    else:
-        pytest.fail("no 429 from a 1 req/s tenant")
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    now[0] += 1.0
+    assert env.complete("b_only", key=kb, max_tokens=1).status_code == 200
+    assert env.complete("b_only", key=kb, max_tokens=1).status_code == 429
 
 
 def test_scoped_admin_keys(env: Env) -> None:
@@ -305,7 +294,7 @@ def test_tampered_files_are_refused_and_the_server_keeps_serving(env: Env) -> No
     shutil.copytree(env.root / "x1", src)
     m = register(env, "tamper", src, activate=True)
     assert env.complete("tamper").status_code == 200
-    wait_idle(env.state)
+    wait_idle(env.state.engine)
     env.state.engine.adapters.evict(m["sha256"])
     weights = src / "adapter_model.safetensors"
     raw = bytearray(weights.read_bytes())
@@ -316,7 +305,7 @@ def test_tampered_files_are_refused_and_the_server_keeps_serving(env: Env) -> No
     assert "not the registered" in r.json()["error"]["message"]
     assert env.complete(BASE).status_code == 200
     assert env.complete("shared").status_code == 200
-    wait_idle(env.state)
+    wait_idle(env.state.engine)
 
 
 def test_bad_and_missing_signatures_are_refused(env: Env, tiny_model: Path) -> None:
@@ -348,10 +337,8 @@ def test_bad_and_missing_signatures_are_refused(env: Env, tiny_model: Path) -> N
         strict.promote("signed", m.revision, actor="test")
     finally:
         strict.close()
-    deadline = time.monotonic() + 5  # the server sees the change within its poll interval
-    while (r := env.complete("signed")).status_code != 200:
-        assert time.monotonic() < deadline, r.text
-        time.sleep(0.05)
+    # the server sees the change within its poll interval
+    wait_until(lambda: env.complete("signed").status_code == 200, what="'signed' to be served")
 
 
 def test_audit_records_every_registry_and_admin_action(env: Env) -> None:
@@ -376,10 +363,9 @@ def test_usage_log_records_the_revision(env: Env, caplog: pytest.LogCaptureFixtu
     m = register(env, "usage", env.root / "x1", activate=True)
     with caplog.at_level("INFO", logger="loraplex.usage"):
         assert env.complete("usage", key=env.keys["acme"]).status_code == 200
-        deadline = time.monotonic() + 5
-        while not any(r.name == "loraplex.usage" for r in caplog.records):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(
+            lambda: any(r.name == "loraplex.usage" for r in caplog.records), what="a usage line"
+        )
     rec = json.loads(next(r for r in caplog.records if r.name == "loraplex.usage").getMessage())
     assert rec["adapter"] == "usage" and rec["revision"] == m["revision"]
     assert rec["sha256"] == m["sha256"] and rec["tenant"] == "acme" and rec["route"] == "active"
@@ -429,10 +415,11 @@ def test_cli_registered_adapters_and_keys_are_served(
             cli("adapters", "register", "sql", str(adapters["all_r8"]),
                 "--base-model", str(tiny_model), "--tenant", "acme", "--allow-any-source",
                 "--activate")  # fmt: skip
-            deadline = time.monotonic() + 5
-            while revision_of(h.post("/v1/completions", json=body, headers=auth)) != "r2":
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            wait_until(
+                lambda: revision_of(h.post("/v1/completions", json=body, headers=auth)) == "r2",
+                interval=0.1,
+                what="revision r2 to be served",
+            )
 
 
 def test_vllm_load_unload_load_again(env: Env) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from schemathesis.checks import not_a_server_error
 from loraplex.config import EngineConfig, LoRAModule, ServerConfig
 from loraplex.server.app import ServerState, create_app
 from loraplex.testing.server import serve_in_thread
+from loraplex.testing.sync import wait_idle
 
 KEY = "sk-inference-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -129,12 +129,7 @@ def test_engine_idle_after_fuzzing(live: Live) -> None:
     state, eng = live.state, live.state.engine
     assert STATUSES.count(200) >= 5  # generation itself was exercised, not only validation
     assert eng.num_steps > 0
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if eng.is_idle() and state.aengine.num_waiting == 0:
-            break
-        time.sleep(0.05)
-    assert eng.is_idle(), (eng.num_waiting, eng.num_running, eng.num_free_blocks)
+    wait_idle(eng, state.aengine)
     assert eng.num_free_blocks == eng.pool.num_blocks
     assert state.aengine.num_step_errors == 0
     assert state.aengine.is_running

@@ -167,6 +167,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_demo_random(args: argparse.Namespace) -> int:
     """Build (once) a small random Llama and four PEFT adapters, then run one mixed batch."""
     from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex.demo.prepare import default_cache_dir
     from loraplex.testing import (
         ALL_PROJ,
         ATTN_PROJ,
@@ -177,7 +178,8 @@ def cmd_demo_random(args: argparse.Namespace) -> int:
         reference_greedy,
     )
 
-    root = Path(args.cache_dir or "~/.cache/loraplex/demo-random").expanduser()
+    cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    root = cache / "demo-random"
     model_dir = root / "model"
     if not (model_dir / "config.json").is_file():
         print(f"building a random Llama (h256, 4 layers, GQA) in {model_dir} ...")

@@ -450,18 +450,13 @@ def tier_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[
     return out
 
 
-def wait_idle(engine: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not engine.is_idle() and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build assets, serve, drive the stream, measure L2 vs raw; returns the results dict."""
     from loraplex.config import EngineConfig, LoRAModule, ServerConfig
     from loraplex.engine.llm_engine import LLMEngine
     from loraplex.server.app import create_app
     from loraplex.testing.server import serve_in_thread
+    from loraplex.testing.sync import wait_idle
 
     model, store = build_assets(Path(args.cache_dir), args.shape, args.adapters)
     names = [adapter_name(i) for i in range(args.adapters)]
@@ -488,6 +483,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             disk_cache_bytes=disk_budget,
             adapter_store_url=str(store),
             adapter_eviction_policy=args.policy,
+            adapter_load_timeout_s=args.load_timeout,
             skip_tokenizer_init=True,
             kv_cache_memory_bytes=64 << 20,
             max_num_seqs=max(16, args.concurrency),
@@ -626,6 +622,8 @@ def format_table(res: dict[str, Any]) -> str:
             f"{k:<14}{s['n']:>9}{_ms(s['p50']):>9}{_ms(s['p99']):>9}{_ms(s['mean']):>9}{_ms(h):>13}"
         )
     lines.append("(headers: sent once the adapter's host copy is ready, before scheduling)")
+    for err in res["errors"]:
+        lines.append(f"error: {err}")
     if res["cold_unattributed"]:
         lines.append(f"(cold requests with no L2/L3 load seen: {res['cold_unattributed']})")
     lines += ["", f"{'tier':<8}{'lookups':>9}{'hits':>7}{'hit ratio':>11}{'evictions':>11}"]
@@ -710,6 +708,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-adapters", type=float, default=8, help="L1 budget in mean adapters")
     ap.add_argument("--disk-adapters", type=float, default=24, help="L2 budget in mean adapters")
     ap.add_argument("--policy", default="hybrid")
+    ap.add_argument(
+        "--load-timeout", type=float, default=300.0,
+        help="seconds a request may wait for room in host memory (the server's "
+        "--adapter-load-timeout); long, so a slow machine queues instead of answering 503",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=None, help="engine intra-op threads")
     ap.add_argument("--sample", type=int, default=6, help="disk entries timed for L2 vs raw")
     ap.add_argument("--repeats", type=int, default=7, help="warm-cache rounds (median kept)")

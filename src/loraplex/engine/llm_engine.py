@@ -327,9 +327,7 @@ class LLMEngine:
                     gen = torch.Generator().manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
                 detok = None
                 if self.tokenizer is not None:
-                    detok = IncrementalDetokenizer(
-                        self.tokenizer, ids, params.skip_special_tokens
-                    )
+                    detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                 seq = Sequence(
                     request_id=request_id,
                     prompt=text,
@@ -414,6 +412,7 @@ class LLMEngine:
         """One iteration: schedule → run the model → sample and update. Returns progressed requests."""
         batch = self.scheduler.schedule()
         if batch.empty:
+            self.last_step = StepStats()  # nothing ran: observers must not see the last step again
             return []
         logits, samplers = self.runner.run(batch)
         # sample before advancing: if sampling raises, the step is simply redone next time
