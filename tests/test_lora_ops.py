@@ -9,14 +9,12 @@ import torch
 
 from loraplex.lora.ops import (
     DEFAULT_BACKENDS,
-    LoRABatchPlan,
     LoRAOpsBackend,
-    LoRAPlanCosts,
     TorchLoRAOps,
     TorchReferenceOps,
-    plan_lora_batch,
     select_lora_ops,
 )
+from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch
 
 LOWP = (torch.bfloat16, torch.float16)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loraplex.lora.ops import TorchLoRAOps, plan_lora_batch, select_lora_ops
+from loraplex.lora.ops import TorchLoRAOps, select_lora_ops
+from loraplex.lora.plan import plan_lora_batch
 from loraplex.lora.slots import LoRASlotBank
 
 LAYERS = 2

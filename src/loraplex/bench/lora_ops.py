@@ -27,13 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.lora.adapter import projection_shapes
-from loraplex.lora.ops import (
-    LoRABatchPlan,
-    LoRAOps,
-    LoRAPlanCosts,
-    plan_lora_batch,
-    select_lora_ops,
-)
+from loraplex.lora.ops import LoRAOps, select_lora_ops
+from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch
 from loraplex.lora.slots import LoRASlotBank
 
 HIDDEN, LAYERS, INTER, HEADS, KV_HEADS, HEAD_DIM = 512, 8, 1536, 8, 4, 64

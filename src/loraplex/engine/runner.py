@@ -8,7 +8,7 @@ from loraplex.cache.adapters import AdapterManager
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
-from loraplex.lora.ops import LoRAPlanCosts, plan_lora_batch
+from loraplex.lora.plan import LoRAPlanCosts, plan_lora_batch
 from loraplex.model.attention import AttentionMetadata, PrefillSpan
 from loraplex.model.llama import ForwardBatch, LlamaForCausalLM
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.lora.ops import LoRABatchPlan
+from loraplex.lora.plan import LoRABatchPlan
 
 
 @triton.jit

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kv.cache import PagedKVCache
-from loraplex.lora.ops import LoRABatchPlan, LoRAOps
+from loraplex.lora.ops import LoRAOps
+from loraplex.lora.plan import LoRABatchPlan
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.attention import AttentionMetadata, paged_attention
 from loraplex.model.config import ModelConfig

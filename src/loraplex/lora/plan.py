@@ -1,0 +1,179 @@
+"""The LoRA batch plan of one engine step: which tokens use which rank rows, grouped into runs.
+
+Layout (see ``loraplex.lora.slots``): every module has tables ``a [capacity, d_in]`` and
+``bt [capacity, d_out]`` (``bt = (scale * B).T``) and each resident adapter owns a contiguous
+range of rank rows in all of them. The runner orders the step's tokens so each adapter's tokens
+are contiguous and adapters appear in increasing row order; a *segment*
+``(tok_start, tok_end, row_start, row_end)`` says "these tokens use these rows". Tokens outside
+every segment use the base model only.
+
+``plan_lora_batch`` turns segments into *runs*: one shrink GEMM + one expand GEMM each. Adjacent
+segments are coalesced into one run with a 0/1 mask (each token keeps only its own rows) when the
+extra masked work costs less than the dispatch of the extra GEMM pairs it saves; decode steps
+(one token per adapter) become one or a few runs, prefill stays one run per segment.
+
+The plan is backend-neutral: every backend of ``loraplex.lora.ops`` (torch, Triton) consumes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+Segment = tuple[int, int, int, int]
+"""``(tok_start, tok_end, row_start, row_end)``: tokens ``[tok_start, tok_end)`` use rows
+``[row_start, row_end)`` of every module's tables."""
+
+# ------------------------------------------------------------------------------------ plan
+
+
+class LoRARun(NamedTuple):
+    """One shrink/expand GEMM pair over a token range and a contiguous row range."""
+
+    tok_start: int
+    tok_end: int
+    row_start: int
+    row_end: int
+    mask: torch.Tensor | None
+    """``None`` for a single segment; else ``[tok_end - tok_start, row_end - row_start]`` 0/1,
+    1 where the token's segment owns the row (coalesced segments, base tokens get all zeros)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRABatchPlan:
+    """The step's LoRA work, computed once and shared by every adapted module."""
+
+    num_tokens: int
+    num_rows: int  # max row_end over the segments: the width of shrink's y
+    runs: list[LoRARun]
+    segments: tuple[Segment, ...]  # the non-empty input segments: the semantics, for references
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAPlanCosts:
+    """Cost model deciding which adjacent segments share one GEMM pair.
+
+    Cost of a run over segments i..j (``T`` tokens, ``R`` rows including gap rows)::
+
+        run_overhead_us + (mask_overhead_us if coalesced) + mac_ns * feature_dim * T * R
+            + gap_rows * feature_dim * itemsize / bandwidth
+
+    The plan minimises the total over the step (an exact DP over the segment sequence). Rows a
+    segment needs are read once whatever the partition, so only gap rows count as extra reads.
+
+    Defaults: torch fast path (``TorchLoRAOps``, float32 compute) on the 2-core AMD EPYC
+    (AVX2) dev box, from ``python -m loraplex.bench.lora_ops --calibrate`` (best of repeats;
+    the box is shared and noisy, three calibrations spread as shown):
+
+    - least-squares fit of single-run time over T 1..208, R 8..192, d_in + d_out 1024/2048:
+      ``run_overhead_us`` 23-37 (slicing + two small GEMMs: a 16x512x8 GEMM alone takes
+      ~12 us here) and ``mac_ns`` 0.022-0.035 (~35 GMAC/s over two cores);
+    - mask multiply of a [16, 192] run: ~2.5 us;
+    - copy bandwidth (read + write, 256 MiB): 10-16 GB/s.
+
+    With these, a decode step of 16 one-token segments (ranks 8/16) becomes 1-4 runs and
+    prefill segments of a few hundred tokens stay one run each. Whole decode steps of the
+    benchmark model (``python -m loraplex.bench.lora_ops``) stream the tables from DRAM and
+    measure within noise of each other for 1-16 runs, while coalescing all of a 16 x 26 token
+    prefill is ~2x slower, which the model avoids. On a GPU the dispatch is relatively dearer
+    and the MACs cheaper, so coalescing pays more; pass costs measured there.
+
+    ``feature_dim`` is the mean ``d_in + d_out`` over adapted modules; pass the model's
+    (the default, 1536, is a small Llama's).
+    """
+
+    run_overhead_us: float = 25.0
+    mask_overhead_us: float = 2.5
+    mac_ns: float = 0.025
+    feature_dim: int = 1536
+    bandwidth_gbs: float = 15.0
+    max_run_segments: int = 64  # bounds the DP and the mask size
+
+
+def plan_lora_batch(
+    num_tokens: int,
+    segments: Sequence[Segment],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    costs: LoRAPlanCosts | None = None,
+) -> LoRABatchPlan:
+    """Plan one step: group the sorted segments into runs minimising ``costs``' model.
+
+    ``segments`` must be sorted: token ranges and row ranges both increasing and disjoint.
+    Segments with no tokens or no rows are dropped. ``dtype``/``device``: the masks' (the
+    ops' compute dtype is fine too; masks are exactly 0/1 in any float dtype).
+    """
+    costs = costs or LoRAPlanCosts()
+    segs = _check_segments(num_tokens, segments)
+    num_rows = max((s[3] for s in segs), default=0)
+    itemsize = dtype.itemsize
+    overhead, mask_cost = costs.run_overhead_us, costs.mask_overhead_us
+    mac_us = costs.mac_ns * 1e-3 * costs.feature_dim  # per token x row
+    gap_us = costs.feature_dim * itemsize / (costs.bandwidth_gbs * 1e3)  # per gap row
+    n = len(segs)
+    # best[j]: min cost of segs[:j]; cut[j]: start of the last run in that optimum.
+    best = [0.0] * (n + 1)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        te, re = segs[j - 1][1], segs[j - 1][3]
+        best_j, used_rows = float("inf"), 0
+        for i in range(j - 1, max(-1, j - 1 - costs.max_run_segments), -1):  # run = segs[i:j]
+            ts, _, rs, r_end = segs[i]
+            used_rows += r_end - rs
+            work = overhead + mac_us * (te - ts) * (re - rs)
+            # work only grows as i decreases and best[] >= 0: no earlier start can do better.
+            if work >= best_j:
+                break
+            cost = best[i] + work
+            if i < j - 1:
+                cost += mask_cost + gap_us * (re - rs - used_rows)
+            if cost < best_j:
+                best_j, cut[j] = cost, i
+        best[j] = best_j
+    bounds: list[tuple[int, int]] = []
+    j = n
+    while j > 0:
+        bounds.append((cut[j], j))
+        j = cut[j]
+    device = torch.device(device)
+    runs = [_make_run(segs[i:j], dtype, device) for i, j in reversed(bounds)]
+    return LoRABatchPlan(num_tokens=num_tokens, num_rows=num_rows, runs=runs, segments=tuple(segs))
+
+
+def _check_segments(num_tokens: int, segments: Sequence[Segment]) -> list[Segment]:
+    """Validate order and bounds; return the non-empty segments as int tuples."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    kept: list[Segment] = []
+    prev_te = prev_re = 0
+    for seg in segments:
+        ts, te, rs, re = seg
+        if not (0 <= ts <= te <= num_tokens and 0 <= rs <= re):
+            raise ValueError(f"bad segment {seg} for {num_tokens} tokens")
+        if ts == te or rs == re:
+            continue
+        if ts < prev_te or rs < prev_re:
+            raise ValueError(f"segments must be sorted and disjoint in tokens and rows: {seg}")
+        kept.append((int(ts), int(te), int(rs), int(re)))
+        prev_te, prev_re = te, re
+    return kept
+
+
+def _make_run(segs: Sequence[Segment], dtype: torch.dtype, device: torch.device) -> LoRARun:
+    """One run over consecutive segments; a 0/1 mask when there is more than one."""
+    t0, t1, r0, r1 = segs[0][0], segs[-1][1], segs[0][2], segs[-1][3]
+    if len(segs) == 1:
+        return LoRARun(t0, t1, r0, r1, None)
+    # Label every token and row with its segment index; base tokens -1, gap rows -2.
+    # (numpy: small torch ops cost ~5-20 us each on the dev box, numpy ones < 1 us.)
+    tok_labels = np.full(t1 - t0, -1)  # [T_run]
+    row_labels = np.full(r1 - r0, -2)  # [R_run]
+    for k, (ts, te, rs, re) in enumerate(segs):
+        tok_labels[ts - t0 : te - t0] = k
+        row_labels[rs - r0 : re - r0] = k
+    mask = torch.from_numpy(tok_labels[:, None] == row_labels[None, :])  # [T_run, R_run]
+    return LoRARun(t0, t1, r0, r1, mask.to(device=device, dtype=dtype))

@@ -1,0 +1,156 @@
+"""The package layering of ``../shared/DESIGN.md``, checked on the source: no import cycle between
+modules, and no package importing one it may not (lower layers never import higher ones, the
+server never imports the cache, the router only the config layer).
+
+Every ``import`` statement counts, also inside functions and under ``TYPE_CHECKING``: a lazy or
+type-only import upward is still a dependency a reader has to know about.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import loraplex
+
+SRC = Path(loraplex.__file__).parent
+
+BASE = {"types", "config", "settings", "paths", "outputs", "requests", "cliargs"}
+"""The value types and configuration: importable from anywhere."""
+
+ALLOWED: dict[str, set[str]] = {
+    # layer 1: no internal imports beyond each other
+    "types": set(),
+    "paths": set(),
+    "config": {"settings"},
+    "settings": {"config"},
+    "outputs": {"types"},
+    "requests": {"types"},
+    "cliargs": {"config", "settings"},
+    # layer 2
+    "lora": BASE,
+    "kv": BASE,
+    "registry": BASE | {"lora"},  # the torch-free format and digest modules only (tested below)
+    # layer 3
+    "model": BASE | {"kv", "lora"},
+    "cache": BASE | {"lora", "registry"},
+    # layer 4
+    "engine": BASE | {"kv", "lora", "model", "cache", "registry"},
+    "entrypoints": BASE | {"engine", "lora", "model"},
+    # layer 5: talks to the engine through its client interface, never to the cache
+    "server": BASE | {"engine", "registry", "lora"},
+    # layer 6: HTTP only, never torch
+    "router": BASE,
+    # layer 7: on top; nothing imports them
+    "sim": BASE | {"cache"},
+    "bench": BASE | {"cache", "engine", "entrypoints", "lora", "model", "registry", "server",
+                     "sim", "testing", "kv"},  # fmt: skip
+    "testing": BASE | {"engine", "lora", "model", "kv"},
+    "demo": BASE | {"engine", "entrypoints", "lora", "model", "server", "testing"},
+    "cli": BASE | {"bench", "demo", "engine", "entrypoints", "registry", "router", "server",
+                   "sim", "testing", "lora", "model"},  # fmt: skip
+    "__main__": {"cli"},
+}
+
+TORCH_FREE_LORA = {"loraplex.lora.digest", "loraplex.lora.peft_format"}
+"""The modules of ``lora`` that the registry may import (they import no torch)."""
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ``loraplex.*`` module imported by the file (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), str(path))
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("loraplex")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            if not mod.startswith("loraplex"):
+                continue
+            out.add(mod)
+            for a in node.names:  # ``from loraplex.cache import adapters`` imports a module
+                if (SRC.parent / Path(*f"{mod}.{a.name}".split("."))).with_suffix(".py").exists():
+                    out.add(f"{mod}.{a.name}")
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in SRC.rglob("*.py") if "migrations" not in p.parts}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        deps = set()
+        for dep in _imports(path):
+            while dep not in files and "." in dep:  # a name imported from a module
+                dep = dep.rpartition(".")[0]
+            if dep in files and dep != mod and dep != "loraplex":
+                deps.add(dep)
+        graph[mod] = deps
+    return graph
+
+
+def _package(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "loraplex"
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(mod: str, stack: list[str]) -> None:
+        state[mod] = 1
+        stack.append(mod)
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_package_imports_upward() -> None:
+    bad = []
+    for mod, deps in sorted(_graph().items()):
+        pkg = _package(mod)
+        if pkg == "loraplex":  # the package's own __init__: the public facade
+            continue
+        assert pkg in ALLOWED, f"{mod}: package {pkg!r} has no layer in ALLOWED (add it)"
+        for dep in sorted(deps):
+            dpkg = _package(dep)
+            if dpkg == pkg:
+                continue
+            if dpkg not in ALLOWED[pkg]:
+                bad.append(f"{mod} imports {dep} ({pkg} may import {sorted(ALLOWED[pkg])})")
+            elif pkg == "registry" and dpkg == "lora" and dep not in TORCH_FREE_LORA:
+                bad.append(f"{mod} imports {dep} (the registry may use only {TORCH_FREE_LORA})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_imports() -> None:
+    """The walk itself works: known edges are found (a checker that sees nothing passes all)."""
+    graph = _graph()
+    assert "loraplex.types" in graph["loraplex.engine.llm_engine"]
+    assert "loraplex.kv.block_pool" in graph["loraplex.engine.scheduler"]
+    assert len(graph) > 60
