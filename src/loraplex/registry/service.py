@@ -31,7 +31,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from loraplex.config import WARM_POLICIES
 from loraplex.lora.peft_format import ADAPTER_FILES
 from loraplex.paths import contained, first_outside
-from loraplex.registry import signing
 from loraplex.registry.db import (
     ADAPTER_STATUSES,
     ApiKeyRow,
@@ -52,6 +51,8 @@ from loraplex.registry.errors import (
 )
 from loraplex.registry.inspect import AdapterInfo, BaseModelInfo, inspect_adapter
 from loraplex.registry.lifecycle import check_transition
+from loraplex.registry.signing import load_public_key
+from loraplex.registry.signing import verify as verify_signature
 from loraplex.types import AdapterRef
 
 SCOPES = ("inference", "admin:register", "admin:promote", "admin:pin", "admin:load", "admin:*")
@@ -81,7 +82,7 @@ class RegistryPolicy:
         if not isinstance(self.max_rank, int) or self.max_rank <= 0:
             raise RegistryError(f"max_rank must be a positive integer, got {self.max_rank!r}")
         for key in self.trusted_keys:
-            signing.load_public_key(key)  # a bad key is an error now, not at first use
+            load_public_key(key)  # a bad key is an error now, not at first use
         if self.require_signatures and not self.trusted_keys:
             raise RegistryError("require_signatures needs at least one trusted key")
 
@@ -523,7 +524,7 @@ class Registry:
             raise ValidationError("bad_signature", "empty signature")
         if not self.policy.trusted_keys:
             raise ValidationError("bad_signature", "signature given but no trusted keys configured")
-        signer = signing.verify(payload, signature, self.policy.trusted_keys)
+        signer = verify_signature(payload, signature, self.policy.trusted_keys)
         if signer is None:
             raise ValidationError(
                 "bad_signature", "the signature does not verify against any trusted key"
