@@ -38,28 +38,24 @@ ADMIN = "sk-bench-admin"
 
 def build_model(root: Path, n_adapters: int, rank: int) -> tuple[Path, list[tuple[str, Path]]]:
     """A random Llama (h128, 4 layers) and ``n_adapters`` distinct random adapters."""
-    from loraplex.testing import make_random_adapter, make_random_model
+    from loraplex.testing import make_random_model
 
     model = root / "model"
     if not (model / "config.json").is_file():
         make_random_model(model, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                           intermediate_size=384, seed=0)  # fmt: skip
-    out = []
-    for i in range(n_adapters):
-        d = root / "adapters" / f"a{i:02d}"
-        if not (d / "adapter_config.json").is_file():
-            make_random_adapter(model, d, r=rank, lora_alpha=2 * rank, seed=100 + i)
-        out.append((f"a{i:02d}", d))
-    return model, out
+    return model, adapters_for(model, root, n_adapters, rank)
 
 
 def adapters_for(model_dir: Path, root: Path, n: int, rank: int) -> list[tuple[str, Path]]:
+    """``n`` distinct random adapters for ``model_dir`` under ``root/adapters`` (built once)."""
+    from loraplex.lora.peft_format import CONFIG_NAME
     from loraplex.testing import make_random_adapter
 
     out = []
     for i in range(n):
         d = root / "adapters" / f"a{i:02d}"
-        if not (d / "adapter_config.json").is_file():
+        if not (d / CONFIG_NAME).is_file():
             make_random_adapter(model_dir, d, r=rank, lora_alpha=2 * rank, seed=100 + i)
         out.append((f"a{i:02d}", d))
     return out

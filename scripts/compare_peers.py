@@ -82,19 +82,20 @@ def make_adapters(model: Path, root: Path) -> list[Path]:
     import torch
     from safetensors.torch import load_file, save_file
 
+    from loraplex.lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
     from loraplex.testing import make_random_adapter
 
     template = root / "template"
-    if not (template / "adapter_model.safetensors").is_file():
+    if not (template / SAFETENSORS_NAME).is_file():
         make_random_adapter(
             model, template, r=RANK, lora_alpha=2 * RANK, target_modules=["q_proj", "v_proj"],
             seed=0, std=0.02,
         )  # fmt: skip
-    tensors = load_file(str(template / "adapter_model.safetensors"))
+    tensors = load_file(str(template / SAFETENSORS_NAME))
     out = []
     for i in range(N_ADAPTERS):
         d = root / f"a{i:02d}"
-        if not (d / "adapter_model.safetensors").is_file():
+        if not (d / SAFETENSORS_NAME).is_file():
             tmp = root / f".tmp-a{i:02d}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -103,8 +104,8 @@ def make_adapters(model: Path, root: Path) -> list[Path]:
                 k: (0.02 * torch.randn(v.shape, generator=gen)).to(v.dtype)
                 for k, v in tensors.items()
             }
-            shutil.copyfile(template / "adapter_config.json", tmp / "adapter_config.json")
-            save_file(fresh, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            shutil.copyfile(template / CONFIG_NAME, tmp / CONFIG_NAME)
+            save_file(fresh, str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
             os.rename(tmp, d)
         out.append(d)
     return out

@@ -22,8 +22,10 @@ from loraplex.lora.adapter import (
     LoRAAdapter,
     compute_adapter_digest,
     load_peft_adapter,
+    projection_shapes,
     read_adapter_files,
 )
+from loraplex.lora.peft_format import UNSUPPORTED_FIELDS, block_of
 from loraplex.testing import (
     ALL_PROJ,
     ATTN_PROJ,
@@ -264,6 +266,54 @@ def test_merged_weights_equal_peft_merge_and_unload(
             ours = base[key] + w.scale * (w.b @ w.a)  # [d_out, d_in]
             assert not torch.equal(base[key], merged[key]), "adapter must change the weight"
             torch.testing.assert_close(ours, merged[key], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the format tables
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({}, id="tiny-gqa"),
+        pytest.param({"head_dim": 32, "num_key_value_heads": 1}, id="explicit-head-dim"),
+        pytest.param({"num_key_value_heads": None}, id="mha-default-kv-heads"),
+    ],
+)
+def test_projection_shapes_are_what_transformers_builds(
+    base_dir: Path, overrides: dict[str, Any]
+) -> None:
+    """The one table of projection shapes (loader, registry and planner all use it) equals the
+    nn.Linear weights transformers builds from the same config.json."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    raw = {**json.loads((base_dir / "config.json").read_text()), **overrides}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    spec = BaseModelSpec.from_hf_config(raw)
+    hf = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")}
+    model = LlamaForCausalLM(LlamaConfig(**hf))
+    layers = model.model.layers
+    assert spec.num_layers == len(layers)
+    assert set(spec.module_shapes) == set(PROJ_NAMES)
+    for proj, (d_in, d_out) in spec.module_shapes.items():
+        weight = getattr(getattr(layers[0], block_of(proj)), proj).weight  # [d_out, d_in]
+        assert tuple(weight.shape) == (d_out, d_in), proj
+    assert projection_shapes(*_dims(raw)) == spec.module_shapes
+
+
+def _dims(raw: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    heads = raw["num_attention_heads"]
+    hd = raw.get("head_dim") or raw["hidden_size"] // heads
+    kv = raw.get("num_key_value_heads") or heads
+    return raw["hidden_size"], heads, kv, hd, raw["intermediate_size"]
+
+
+def test_every_refused_config_field_is_digested() -> None:
+    """Unsupported variants are part of the digest, so if one is ever supported its adapters
+    can never share a digest with plain LoRA."""
+    from loraplex.lora.digest import _DIGEST_FIELDS
+
+    assert set(UNSUPPORTED_FIELDS) <= set(_DIGEST_FIELDS)
+    assert {"init_lora_weights", "bias"} <= set(_DIGEST_FIELDS)
 
 
 # --------------------------------------------------------------------------- identity, dtype

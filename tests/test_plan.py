@@ -36,6 +36,14 @@ def test_llama3_8b_hand_computed() -> None:
     assert _params(16, ["q_proj", "v_proj"], rank_pattern={"v_proj": 4}) == 4_849_664
     # a regex target_modules string is a full match on the module name (PEFT's rule)
     assert _params(16, r".*\.(q_proj|v_proj)") == 6_815_744
+    # the loader's module selection: exclude_modules drops v (16 x 5120 x 32 = 2,621,440 less),
+    # "all-linear" in any case, layers_pattern names the layer list, [] means every layer
+    assert _params(16, "all-linear", exclude_modules=["v_proj"]) == 41_943_040 - 2_621_440
+    assert _params(16, "All-Linear") == 41_943_040
+    assert _params(16, "all-linear", layers_to_transform=[0], layers_pattern="layers") == 1_310_720
+    assert _params(16, ["q_proj", "v_proj"], layers_to_transform=[]) == 6_815_744
+    with pytest.raises(PlanError, match="change nothing"):
+        _params(16, ["q_proj"], layers_to_transform=[0], layers_pattern="h")
     # Llama-2-7B (no GQA), r8 on q,v: 8 x (8192 + 8192) x 32 = 4,194,304 (PEFT's well-known
     # "trainable params: 4,194,304")
     l2 = PRESETS["llama-2-7b"]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,22 +21,26 @@ import torch
 from safetensors.torch import save_file
 from sqlalchemy import create_engine, inspect, text
 
-from loraplex.lora.adapter import BaseModelSpec, compute_adapter_digest, read_adapter_files
+from loraplex.lora.adapter import compute_adapter_digest, read_adapter_files
 from loraplex.lora.digest import digest_safetensors_dir
 from loraplex.registry import (
     ADAPTER_STATUSES,
     TRANSITIONS,
+    Manifest,
     NotFoundError,
+    Principal,
     Registry,
     RegistryError,
     RegistryPolicy,
     TransitionError,
     ValidationError,
     base_model_info,
+    signed_payload,
     signing,
 )
 from loraplex.registry.db import Base, current_revision, head_revision
 from loraplex.registry.lifecycle import check_transition
+from loraplex.server.catalog import Catalog
 from loraplex.testing import make_random_model
 
 
@@ -99,6 +104,17 @@ def open_reg(url: str, root: Path | None = None, **policy: object) -> Registry:
     return reg
 
 
+def serving(reg: Registry, base: object, name: str, *, tenant: str | None, u: float
+            ) -> tuple[Manifest, str] | None:  # fmt: skip
+    """The (manifest, via) a request for ``name`` by ``tenant`` (None: an operator, who sees
+    every name) is served with for the uniform draw ``u``, as the server decides it: the
+    catalog's snapshot of the registry's releases and ``Servable.choose``. None when the name
+    is unknown, invisible to the tenant or has no active revision."""
+    catalog = Catalog(reg, base, poll_s=0.0)  # type: ignore[arg-type]
+    s = catalog.lookup(name, Principal("test-key", tenant, frozenset({"inference"})))
+    return None if s is None else s.choose(u)
+
+
 def variant(src: Path, dst: Path, seed: int) -> Path:
     """A copy of adapter ``src`` with different weights (same shapes and config)."""
     dst.mkdir(parents=True)
@@ -135,18 +151,43 @@ def test_digest_equals_torch_digest(adapters: dict[str, Path], tmp_path: Path) -
 
 def test_registry_never_imports_torch() -> None:
     code = (
-        "import sys, loraplex.registry, loraplex.registry.cli, loraplex.lora.digest; "
+        "import sys, loraplex.registry, loraplex.registry.cli, loraplex.lora.digest, "
+        "loraplex.lora.peft_format, loraplex.paths, loraplex.bench.plan; "
         "bad = [m for m in ('torch', 'loraplex.engine', 'loraplex.cache', 'loraplex.server', "
         "'loraplex.lora.adapter') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_inspect_tables_match_the_torch_loader(tiny_model: Path) -> None:
-    from loraplex.registry import inspect as rinspect
+def test_manifest_fields_are_the_revision_columns() -> None:
+    """The Manifest dataclass is the one field list: the row conversion maps it by name."""
+    from dataclasses import fields
 
-    cfg = json.loads((tiny_model / "config.json").read_text())
-    assert rinspect.projection_shapes(cfg) == BaseModelSpec.from_hf_config(cfg).module_shapes
+    from loraplex.registry.db import RevisionRow
+
+    columns = set(RevisionRow.__table__.columns.keys()) - {"id"}
+    assert {f.name for f in fields(Manifest)} == columns
+
+
+def test_signed_payload_bytes_are_stable() -> None:
+    """Signatures already stored must keep verifying: the signed bytes of a manifest are pinned."""
+    m = Manifest(
+        name="x", tenant=None, revision="r7", sha256="a" * 64, weights_sha256="b" * 64,
+        config_sha256="c" * 64, base_model_name="tiny", base_model_digest="d" * 64, rank=8,
+        alpha=16, dtype="float32", target_modules=("q_proj", "v_proj"), nbytes=4096,
+        source_uri="/elsewhere", priority=5, warm_policy="host", status="active",
+    )  # fmt: skip
+    expected = (
+        '{"alpha":16.0,"base_model_digest":"' + "d" * 64 + '","config_sha256":"' + "c" * 64
+        + '","dtype":"float32","name":"x","nbytes":4096,"rank":8,"sha256":"' + "a" * 64
+        + '","target_modules":["q_proj","v_proj"],"tenant":null,"v":"loraplex-manifest-v1",'
+        '"weights_sha256":"' + "b" * 64 + '"}'
+    )  # fmt: skip
+    assert m.signed_payload() == signed_payload(m) == expected.encode()
+    # the revision, source and serving knobs are not signed
+    moved = replace(m, revision="r8", source_uri="/other", priority=0, status="staged")
+    assert moved.signed_payload() == m.signed_payload()
+    assert replace(m, rank=9).signed_payload() != m.signed_payload()
 
 
 def test_base_model_info_is_memoised(tiny_model: Path, tmp_path: Path) -> None:
@@ -313,6 +354,50 @@ def test_each_validation_failure_names_its_reason(
     reg.close()
 
 
+def _drop_layer1_q(t: dict[str, torch.Tensor]) -> None:
+    for k in [k for k in t if ".layers.1.self_attn.q_proj." in k]:
+        del t[k]
+
+
+@pytest.mark.parametrize(
+    ("config", "edit", "reason"),
+    [
+        pytest.param({"init_lora_weights": "pissa"}, None, "unsupported_config", id="pissa"),
+        pytest.param({"use_dora": True}, None, "unsupported_config", id="dora"),
+        pytest.param({"target_modules": "(unclosed"}, None, "unsupported_config", id="regex"),
+        pytest.param({"use_rslora": "yes"}, None, "unsupported_config", id="rslora-type"),
+        pytest.param({"r": 4}, None, "shape_mismatch", id="rank-vs-r"),
+        pytest.param({"layers_to_transform": [0, 1]}, None, "unsupported_tensor", id="untargeted"),
+        pytest.param({"exclude_modules": ["v_proj"]}, None, "unsupported_tensor", id="excluded"),
+        pytest.param({}, _drop_layer1_q, "incomplete_adapter", id="targeted-but-missing"),
+    ],
+)
+def test_registry_refuses_what_the_loader_refuses(
+    adapters: dict[str, Path], base: object, tmp_path: Path, config: dict, edit: object,
+    reason: str,
+) -> None:  # fmt: skip
+    """One set of format rules: an adapter the engine's loader refuses cannot be registered,
+    and both say why in the same words."""
+    from loraplex.lora.adapter import BaseModelSpec, load_peft_adapter
+    from loraplex.registry.inspect import inspect_adapter
+    from loraplex.types import AdapterError
+
+    cfg, tensors = read_adapter_files(adapters["all_r8"])
+    if edit is not None:
+        edit(tensors)  # type: ignore[operator]
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError) as loader:
+        load_peft_adapter(d, BaseModelSpec.from_hf_config(base.config))  # type: ignore[attr-defined]
+    with pytest.raises(ValidationError) as registry:
+        inspect_adapter(d, base, max_rank=64)  # type: ignore[arg-type]
+    assert registry.value.reason == reason, str(registry.value)
+    why = str(registry.value).removeprefix(f"{reason}: ")
+    assert str(loader.value) == f"adapter {d}: {why}"
+
+
 def test_wrong_base_digest_is_refused_on_validate(
     db_url: str, root: Path, base: object, twin_model: Path
 ) -> None:
@@ -440,7 +525,7 @@ def test_promote_canary_rollback(db_url: str, root: Path, base: object) -> None:
     r2 = reg.register(variant(root / "all_r8", root / "v2", 1), "x", base=base, actor="a")
     r3 = reg.register(variant(root / "all_r8", root / "v3", 2), "x", base=base, actor="a")
     assert len({r1.sha256, r2.sha256, r3.sha256}) == 3
-    assert reg.resolve("x", tenant=None, u=0.0) is None  # nothing active yet
+    assert serving(reg, base, "x", tenant=None, u=0.0) is None  # nothing active yet
     with pytest.raises(TransitionError, match="no active revision"):
         reg.canary("x", "r2", 0.1, actor="a")
     with pytest.raises(TransitionError, match="no canary"):
@@ -454,10 +539,10 @@ def test_promote_canary_rollback(db_url: str, root: Path, base: object) -> None:
     rel = reg.canary("x", "r2", 0.1, actor="a")
     assert (rel.canary_revision, rel.canary_weight) == ("r2", 0.1)
     assert reg.get("x", "r2").status == "staged"
-    res = reg.resolve("x", tenant=None, u=0.05)
-    assert res is not None and (res.manifest.sha256, res.via) == (r2.sha256, "canary")
-    res = reg.resolve("x", tenant=None, u=0.1)
-    assert res is not None and (res.manifest.sha256, res.via) == (r1.sha256, "active")
+    res = serving(reg, base, "x", tenant=None, u=0.05)
+    assert res is not None and (res[0].sha256, res[1]) == (r2.sha256, "canary")
+    res = serving(reg, base, "x", tenant=None, u=0.1)
+    assert res is not None and (res[0].sha256, res[1]) == (r1.sha256, "active")
     with pytest.raises(RegistryError, match="weight"):
         reg.canary("x", "r2", 1.5, actor="a")
 
@@ -473,8 +558,8 @@ def test_promote_canary_rollback(db_url: str, root: Path, base: object) -> None:
     rel = reg.rollback("x", actor="a")  # r3 -> disabled, r2 back at once
     assert (rel.active_revision, rel.previous_revision) == ("r2", "r1")
     assert reg.get("x", "r3").status == "disabled"
-    res = reg.resolve("x", tenant=None, u=0.0)
-    assert res is not None and res.manifest.sha256 == r2.sha256
+    res = serving(reg, base, "x", tenant=None, u=0.0)
+    assert res is not None and res[0].sha256 == r2.sha256
     rel = reg.rollback("x", actor="a")
     assert (rel.active_revision, rel.previous_revision) == ("r1", None)
     with pytest.raises(TransitionError, match="no previous revision"):
@@ -494,7 +579,7 @@ def test_promote_canary_rollback(db_url: str, root: Path, base: object) -> None:
     assert reg.activate("x", "r1", actor="a").active_revision == "r1"
     m = reg.disable("x", actor="a")
     assert m.revision == "r1" and reg.release("x").active_revision is None
-    assert reg.resolve("x", tenant=None, u=0.0) is None
+    assert serving(reg, base, "x", tenant=None, u=0.0) is None
     with pytest.raises(NotFoundError, match="no active revision"):
         reg.get("x")
     with pytest.raises(NotFoundError):
@@ -520,15 +605,17 @@ def test_canary_split_statistics(db_url: str, root: Path, base: object) -> None:
         reg.canary("x", "r2", weight, actor="a")
         n = 400
         hits = sum(
-            reg.resolve("x", tenant=None, u=rng.random()).via == "canary"  # type: ignore[union-attr]
+            serving(reg, base, "x", tenant=None, u=rng.random())[1] == "canary"  # type: ignore[index]
             for _ in range(n)
         )
         sigma = (n * weight * (1 - weight)) ** 0.5
         assert abs(hits - n * weight) < 4 * sigma, (weight, hits)
     reg.canary("x", "r2", 0.0, actor="a")
-    assert all(reg.resolve("x", tenant=None, u=u).via == "active" for u in (0.0, 0.5))  # type: ignore[union-attr]
+    assert all(serving(reg, base, "x", tenant=None, u=u)[1] == "active"  # type: ignore[index]
+               for u in (0.0, 0.5))  # fmt: skip
     reg.canary("x", "r2", 1.0, actor="a")
-    assert all(reg.resolve("x", tenant=None, u=u).via == "canary" for u in (0.0, 0.999))  # type: ignore[union-attr]
+    assert all(serving(reg, base, "x", tenant=None, u=u)[1] == "canary"  # type: ignore[index]
+               for u in (0.0, 0.999))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ tenants
@@ -554,13 +641,13 @@ def test_tenant_visibility(db_url: str, root: Path, base: object) -> None:
     with pytest.raises(RegistryError, match="already taken"):
         reg.register(root / "patterns", "shared", base=base, actor="g", tenant="globex")
 
-    assert reg.resolve("a-only", tenant="acme", u=0.0) is not None
-    assert reg.resolve("a-only", tenant="globex", u=0.0) is None
-    assert reg.resolve("g-only", tenant="acme", u=0.0) is None
-    assert reg.resolve("shared", tenant="globex", u=0.0) is not None
-    assert reg.resolve("a-staged", tenant="acme", u=0.0) is None  # not active
-    assert reg.resolve("unknown", tenant="acme", u=0.0) is None
-    assert reg.resolve("g-only", tenant=None, u=0.0) is not None  # the operator sees all
+    assert serving(reg, base, "a-only", tenant="acme", u=0.0) is not None
+    assert serving(reg, base, "a-only", tenant="globex", u=0.0) is None
+    assert serving(reg, base, "g-only", tenant="acme", u=0.0) is None
+    assert serving(reg, base, "shared", tenant="globex", u=0.0) is not None
+    assert serving(reg, base, "a-staged", tenant="acme", u=0.0) is None  # not active
+    assert serving(reg, base, "unknown", tenant="acme", u=0.0) is None
+    assert serving(reg, base, "g-only", tenant=None, u=0.0) is not None  # the operator sees all
     assert [r.name for r in reg.visible(tenant="acme")] == ["a-only", "shared"]
     assert [r.name for r in reg.visible(tenant="globex")] == ["g-only", "shared"]
     assert [r.name for r in reg.visible(tenant=None)] == ["a-only", "g-only", "shared"]

@@ -25,6 +25,7 @@ from loraplex.cache.store import (
 )
 from loraplex.cache.verify import AdapterIntegrityError, fetch_verified
 from loraplex.lora import adapter as adapter_mod
+from loraplex.lora import peft_format
 from loraplex.lora.adapter import compute_adapter_digest, load_peft_adapter, read_adapter_files
 from s3fixture import TINY_SPEC, fake_aws_env, free_port, run_moto_server, write_adapter
 
@@ -33,10 +34,15 @@ def digest_of(path: Path) -> str:
     return compute_adapter_digest(*read_adapter_files(path))
 
 
-def test_file_names_match_the_adapter_reader() -> None:
-    assert store_mod.CONFIG_NAME == adapter_mod.CONFIG_NAME
-    assert store_mod.SAFETENSORS_NAME == adapter_mod.SAFETENSORS_NAME
-    assert store_mod.BIN_NAME == adapter_mod.BIN_NAME
+def test_file_names_are_the_adapter_reader_s() -> None:
+    """The store moves exactly the files the reader reads: both take them from peft_format."""
+    assert store_mod.CONFIG_NAME is adapter_mod.CONFIG_NAME is peft_format.CONFIG_NAME
+    assert store_mod.SAFETENSORS_NAME is adapter_mod.SAFETENSORS_NAME
+    assert store_mod.BIN_NAME is adapter_mod.BIN_NAME
+    assert store_mod.ADAPTER_FILES == (
+        peft_format.CONFIG_NAME, peft_format.SAFETENSORS_NAME, peft_format.BIN_NAME
+    )  # fmt: skip
+    assert store_mod.choose_adapter_files is peft_format.choose_adapter_files
 
 
 # -- open_store -----------------------------------------------------------------------------------

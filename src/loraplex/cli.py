@@ -168,6 +168,7 @@ def cmd_demo_random(args: argparse.Namespace) -> int:
     """Build (once) a small random Llama and four PEFT adapters, then run one mixed batch."""
     from loraplex import LLM, LoRARequest, SamplingParams
     from loraplex.demo.prepare import default_cache_dir
+    from loraplex.lora.peft_format import CONFIG_NAME
     from loraplex.testing import (
         ALL_PROJ,
         ATTN_PROJ,
@@ -201,7 +202,7 @@ def cmd_demo_random(args: argparse.Namespace) -> int:
     loras: list[LoRARequest | None] = [None]
     for name, kw in specs.items():
         d = root / "adapters" / name
-        if not (d / "adapter_config.json").is_file():
+        if not (d / CONFIG_NAME).is_file():
             make_random_adapter(model_dir, d, **kw)
         loras.append(LoRARequest(name, d))
     llm = LLM(str(model_dir), max_loras=4, dtype="auto")

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
@@ -42,7 +41,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraplex.bench.common import percentile, sse_json
 from loraplex.bench.throughput import SHAPE as H512_SHAPE
+from loraplex.lora.peft_format import CONFIG_NAME as CONFIG_FILE
+from loraplex.lora.peft_format import SAFETENSORS_NAME as WEIGHTS_FILE
 
 SHAPES: dict[str, dict[str, int]] = {
     "h512": dict(H512_SHAPE),
@@ -57,7 +59,6 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 RANKS = (8, 16, 64)
 STAGES = ("resolve", "remote_download", "disk_load", "h2d", "activation")
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 BASE_NAME = "base"
 
 
@@ -210,13 +211,7 @@ async def _one(
         if r.status_code != 200:
             error = (await r.aread()).decode(errors="replace")[:200]
         else:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
+            async for obj in sse_json(r.aiter_lines()):
                 if "error" in obj:
                     error = json.dumps(obj["error"])[:200]
                     continue
@@ -275,20 +270,17 @@ def classify(records: list[RequestRecord], loads: list[tuple[str, str, float]]) 
         r.source = max(seen)[1] if seen else "?"
 
 
-def pct(xs: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no data."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
-    return s[k]
+def _pct(xs: Sequence[float], q: float) -> float:
+    """:func:`~loraplex.bench.common.percentile`, NaN for no data (this report's JSON)."""
+    p = percentile(xs, q)
+    return float("nan") if p is None else p
 
 
 def summary(xs: Sequence[float]) -> dict[str, float]:
     return {
         "n": len(xs),
-        "p50": pct(xs, 50),
-        "p99": pct(xs, 99),
+        "p50": _pct(xs, 50),
+        "p99": _pct(xs, 99),
         "mean": statistics.fmean(xs) if xs else float("nan"),
         "total": float(sum(xs)),
     }

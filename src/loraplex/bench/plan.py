@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import re
-import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.cliargs import byte_size, positive_int, positive_ints
+from loraplex.lora.digest import DigestError, safetensors_header
+from loraplex.lora.peft_format import (
+    CONFIG_NAME,
+    PROJ_NAMES,
+    SAFETENSORS_NAME,
+    LoraSettings,
+    module_key,
+    projection_shapes,
+)
 
 __all__ = [
     "PRESETS",
@@ -46,10 +54,7 @@ __all__ = [
     "render_plan",
 ]
 
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_GROUP = {p: ("self_attn" if p in PROJ[:4] else "mlp") for p in PROJ}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}
 
 
 class PlanError(ValueError):
@@ -77,25 +82,14 @@ class ModelShape:
 
     def dims(self, proj: str) -> tuple[int, int]:
         """(d_in, d_out) of a projection."""
-        h, q, kv, i = (
-            self.hidden_size,
-            self.num_heads * self.hd,
-            self.num_kv_heads * self.hd,
-            self.intermediate_size,
+        shapes = projection_shapes(
+            self.hidden_size, self.num_heads, self.num_kv_heads, self.hd, self.intermediate_size
         )
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }[proj]
+        return shapes[proj]
 
     def linear_params(self) -> int:
         """Parameters of every projection of every layer (no norms, embeddings or head)."""
-        return self.num_layers * sum(a * b for a, b in map(self.dims, PROJ))
+        return self.num_layers * sum(a * b for a, b in map(self.dims, PROJ_NAMES))
 
     def params(self) -> int:
         """All parameters: projections, norms, embedding, LM head (unless tied)."""
@@ -192,7 +186,7 @@ class AdapterShape:
 
     @property
     def targets(self) -> list[str]:
-        return [p for p in PROJ if any(q == p for _, q in self.modules)]
+        return [p for p in PROJ_NAMES if any(q == p for _, q in self.modules)]
 
     @property
     def layers(self) -> int:
@@ -202,28 +196,10 @@ class AdapterShape:
         return sum(r * sum(m.dims(p)) for (_, p), r in self.modules.items())
 
 
-def _module_name(layer: int, proj: str) -> str:
-    return f"model.layers.{layer}.{_GROUP[proj]}.{proj}"
-
-
-def _targeted(name: str, proj: str, targets: str | Sequence[str]) -> bool:
-    """PEFT's target_modules semantics: a string is a regex fullmatch on the module name, a list
-    matches names equal to or ending in ``.entry``; ``all-linear`` is every projection."""
-    if isinstance(targets, str):
-        return targets == "all-linear" or re.fullmatch(targets, name) is not None
-    return any(name == t or name.endswith(f".{t}") for t in targets)
-
-
-def _pattern(name: str, patterns: dict[str, Any], default: Any) -> Any:
-    for key, value in patterns.items():  # PEFT: the key matches the name's tail
-        if re.match(rf"(.*\.)?({key})$", name):
-            return value
-    return default
-
-
 def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> AdapterShape:
     """(layer, projection) -> rank for a PEFT LoraConfig (``r``/``rank``, ``target_modules``,
-    ``rank_pattern``, ``layers_to_transform``) applied to the model's layers."""
+    ``exclude_modules``, ``layers_to_transform``/``layers_pattern``, ``rank_pattern``) applied
+    to the model's layers with the loader's own module selection (``LoraSettings``)."""
     r = cfg.get("r", cfg.get("rank"))
     targets = cfg.get("target_modules")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
@@ -231,28 +207,28 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
     if not (isinstance(targets, str) or (isinstance(targets, list) and targets)):
         raise PlanError(f"adapter {name}: target_modules must be a string or a non-empty list")
     layers = cfg.get("layers_to_transform")
-    if isinstance(layers, int):
-        layers = [layers]
-    wanted = set(range(m.num_layers)) if layers is None else set(layers)
-    if not wanted <= set(range(m.num_layers)):
+    wanted = [layers] if isinstance(layers, int) else (layers or [])
+    if not set(wanted) <= set(range(m.num_layers)):
         raise PlanError(
             f"adapter {name}: layers_to_transform {sorted(wanted)} beyond the model's "
             f"{m.num_layers} layers"
         )
-    ranks = cfg.get("rank_pattern") or {}
+    settings = LoraSettings.of({**cfg, "r": r})
     mods = {}
     try:
-        for layer in sorted(wanted):
-            for p in PROJ:
-                full = _module_name(layer, p)
-                if _targeted(full, p, targets):
-                    mods[(layer, p)] = int(_pattern(full, ranks, r))
-    except re.error as e:
-        raise PlanError(f"adapter {name}: bad target_modules / rank_pattern regex ({e})") from None
+        for layer in range(m.num_layers):
+            for p in PROJ_NAMES:
+                full = module_key(layer, p)
+                if settings.is_targeted(full):
+                    mods[(layer, p)] = int(settings.rank_of(full))
+    except (re.error, TypeError, ValueError) as e:
+        raise PlanError(
+            f"adapter {name}: bad target_modules / exclude_modules / rank_pattern ({e})"
+        ) from None
     if not mods:
         raise PlanError(
             f"adapter {name}: target_modules {targets!r} match none of the model's projections "
-            f"({', '.join(PROJ)}): this adapter would change nothing"
+            f"({', '.join(PROJ_NAMES)}): this adapter would change nothing"
         )
     return AdapterShape(name, mods)
 
@@ -260,26 +236,18 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
 def _safetensors_stats(path: Path) -> tuple[int, int]:
     """(LoRA parameters, their bytes) from a safetensors header (no tensor data read)."""
     try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
+        header = safetensors_header(path)
+    except (OSError, DigestError) as e:
         raise PlanError(f"cannot read the safetensors header of {path}: {e}") from None
-    params = nbytes = 0
-    for key, t in header.items():
-        if key == "__metadata__" or "lora_" not in key:
-            continue
-        count = math.prod(t["shape"])
-        params += count
-        nbytes += count * _ST_BYTES.get(t["dtype"], 4)
-    return params, nbytes
+    lora = [t for key, t in header.items() if "lora_" in key]
+    return sum(math.prod(t.shape) for t in lora), sum(t.nbytes for t in lora)
 
 
 def adapter_from_path(spec: str, m: ModelShape) -> AdapterShape:
     """A PEFT directory, its adapter_config.json, or a JSON manifest (``r``/``rank`` and
     ``target_modules``, or an ``adapter_config`` / ``config`` object holding them)."""
     p = Path(spec)
-    cfg_path = p / "adapter_config.json" if p.is_dir() else p
+    cfg_path = p / CONFIG_NAME if p.is_dir() else p
     if not cfg_path.is_file():
         raise PlanError(f"--adapter {spec!r}: no such PEFT directory or JSON file")
     try:
@@ -293,7 +261,7 @@ def adapter_from_path(spec: str, m: ModelShape) -> AdapterShape:
             cfg = cfg[key]
     name = p.name if p.is_dir() else cfg_path.stem
     a = adapter_from_config(cfg, m, name)
-    weights = cfg_path.parent / "adapter_model.safetensors"
+    weights = cfg_path.parent / SAFETENSORS_NAME
     if weights.is_file():
         a.file_params, a.file_bytes = _safetensors_stats(weights)
         if a.file_params != a.params(m):
@@ -336,7 +304,7 @@ def build_plan(
     max_rank = max_lora_rank or max(a.max_rank for a in adapters)
     if max_rank < max(a.max_rank for a in adapters):
         raise PlanError(f"--max-lora-rank {max_rank} is below an adapter's rank")
-    union = [p for p in PROJ if any(p in a.targets for a in adapters)]
+    union = [p for p in PROJ_NAMES if any(p in a.targets for a in adapters)]
     slot_params = m.num_layers * sum(max_rank * sum(m.dims(p)) for p in union)
     slot_bytes = slot_params * b
     kv_tok = m.kv_bytes_per_token(b)

@@ -23,9 +23,11 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from loraplex.bench.common import SSEDecodeError, percentile, sse_json
 from loraplex.sim.workloads import Request as TraceRequest
 
 __all__ = [
@@ -339,31 +341,24 @@ async def _send(
                 rec.error_kind = f"http_{r.status_code}"
                 rec.error = _error_message(text)
                 return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    obj = json.loads(data)
-                except json.JSONDecodeError:
-                    rec.error_kind, rec.error = "protocol", f"bad SSE data: {data[:120]!r}"
-                    break
-                if not isinstance(obj, dict):
-                    continue
-                if "error" in obj:
-                    rec.error_kind, rec.error = "stream", _error_message(json.dumps(obj))
-                    break
-                has, n = _chunk_output(obj)
-                if has and rec.ttft is None:
-                    rec.ttft = time.perf_counter() - t0
-                pieces += n
-                usage = obj.get("usage")
-                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                    usage_tokens = usage["completion_tokens"]
-                    if isinstance(usage.get("prompt_tokens"), int):
-                        rec.prompt_tokens = usage["prompt_tokens"]
+            async with aclosing(sse_json(r.aiter_lines())) as events:
+                async for obj in events:
+                    if not isinstance(obj, dict):
+                        continue
+                    if "error" in obj:
+                        rec.error_kind, rec.error = "stream", _error_message(json.dumps(obj))
+                        break
+                    has, n = _chunk_output(obj)
+                    if has and rec.ttft is None:
+                        rec.ttft = time.perf_counter() - t0
+                    pieces += n
+                    usage = obj.get("usage")
+                    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                        usage_tokens = usage["completion_tokens"]
+                        if isinstance(usage.get("prompt_tokens"), int):
+                            rec.prompt_tokens = usage["prompt_tokens"]
+    except SSEDecodeError as e:
+        rec.error_kind, rec.error = "protocol", str(e)
     except httpx.TimeoutException as e:
         rec.error_kind, rec.error = "timeout", str(e) or type(e).__name__
     except httpx.ConnectError as e:
@@ -510,14 +505,6 @@ def run_load(
 
 
 # -- summary ---------------------------------------------------------------------------------------
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
-
-
 def _dist(xs: Sequence[float]) -> dict[str, float | None]:
     return {
         "p50": percentile(xs, 50),

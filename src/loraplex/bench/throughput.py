@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.lora.peft_format import CONFIG_NAME
+
 SHAPE = dict(
     hidden_size=512,
     num_layers=8,
@@ -45,7 +47,7 @@ def build_assets(root: Path) -> tuple[Path, list[Path]]:
     adapters = []
     for i in range(N_ADAPTERS):
         d = root / f"adapter{i:02d}"
-        if not (d / "adapter_config.json").is_file():
+        if not (d / CONFIG_NAME).is_file():
             r = 8 if i % 2 == 0 else 16
             make_random_adapter(
                 model, d, r=r, lora_alpha=2 * r, target_modules=ALL_PROJ, seed=100 + i, std=0.02

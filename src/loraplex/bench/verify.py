@@ -22,14 +22,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import struct
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.bench.plan import PROJ, PlanError, adapter_from_config, model_from_config
+from loraplex.bench.plan import PlanError, adapter_from_config, model_from_config
+from loraplex.lora.digest import DigestError, safetensors_header
+from loraplex.lora.peft_format import (
+    BIN_NAME,
+    CONFIG_NAME,
+    PROJ_NAMES,
+    SAFETENSORS_NAME,
+    parse_tensor_key,
+)
 
 __all__ = ["DEFAULT_PROMPTS", "VerifyReport", "main", "static_check", "verify_adapter"]
 
@@ -42,9 +48,6 @@ DEFAULT_PROMPTS = [
     "List three colors:",
 ]
 TOP_K = 20  # the engine's logprobs limit
-_KEY = re.compile(
-    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[^.]+)?\.weight$"
-)
 
 
 @dataclass
@@ -76,25 +79,25 @@ class VerifyReport:
 
 # -- static ----------------------------------------------------------------------------------------
 def _tensor_shapes(adapter: Path) -> dict[str, list[int]]:
-    st = adapter / "adapter_model.safetensors"
+    st = adapter / SAFETENSORS_NAME
     if st.is_file():
-        with open(st, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
-    binf = adapter / "adapter_model.bin"
+        try:
+            return {k: list(t.shape) for k, t in safetensors_header(st).items()}
+        except (OSError, DigestError) as e:
+            raise PlanError(f"cannot read {st}: {e}") from None
+    binf = adapter / BIN_NAME
     if binf.is_file():
         import torch
 
         sd = torch.load(binf, map_location="cpu", weights_only=True)
         return {k: list(v.shape) for k, v in sd.items()}
-    raise PlanError(f"{adapter} has no adapter_model.safetensors or adapter_model.bin")
+    raise PlanError(f"{adapter} has no {SAFETENSORS_NAME} or {BIN_NAME}")
 
 
 def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
     """Targets vs the model's projections and tensor shapes vs the base; fills ``report``."""
     try:
-        cfg = json.loads((adapter / "adapter_config.json").read_text())
+        cfg = json.loads((adapter / CONFIG_NAME).read_text())
         mcfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise PlanError(f"cannot read the adapter or model config: {e}") from None
@@ -106,8 +109,8 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
             report.verdict = "silent_no_op"
             report.problems.append(
                 f"silent no-op: target_modules {cfg.get('target_modules')!r} match none of this "
-                f"model's projections ({', '.join(PROJ)}); served, it would answer exactly like "
-                "the base model"
+                f"model's projections ({', '.join(PROJ_NAMES)}); served, it would answer exactly "
+                "like the base model"
             )
             return
         raise
@@ -115,13 +118,13 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
     wrong: list[str] = []
     seen: set[tuple[int, str]] = set()
     for key, sh in sorted(_tensor_shapes(adapter).items()):
-        mt = _KEY.match(key)
-        if not mt:
+        k = parse_tensor_key(key)
+        if k is None:
             if "lora_" in key:
                 wrong.append(f"{key}: not a projection of a Llama-family decoder layer")
             continue
-        layer, proj, ab = int(mt[1]), mt[2], mt[3]
-        if proj not in PROJ or layer >= m.num_layers:
+        layer, proj, ab = k.layer, k.proj, k.ab
+        if proj not in PROJ_NAMES or layer >= m.num_layers:
             wrong.append(f"{key}: the model has no such module ({m.num_layers} layers)")
             continue
         d_in, d_out = m.dims(proj)
@@ -147,13 +150,13 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
 def _zero_b(adapter: Path) -> bool:
     import torch
 
-    st = adapter / "adapter_model.safetensors"
+    st = adapter / SAFETENSORS_NAME
     if st.is_file():
         from safetensors.torch import load_file
 
         sd = load_file(str(st))
     else:
-        sd = torch.load(adapter / "adapter_model.bin", map_location="cpu", weights_only=True)
+        sd = torch.load(adapter / BIN_NAME, map_location="cpu", weights_only=True)
     bs = [v for k, v in sd.items() if "lora_B" in k]
     return bool(bs) and all(not bool(torch.any(v != 0)) for v in bs)
 
@@ -321,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     adapter, model = Path(args.adapter), Path(args.model)
-    if not (adapter / "adapter_config.json").is_file():
-        return fail(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
+    if not (adapter / CONFIG_NAME).is_file():
+        return fail(f"{adapter} is not a PEFT adapter directory (no {CONFIG_NAME})")
     if not (model / "config.json").is_file():
         return fail(f"{model} is not a model directory (no config.json)")
     if args.max_tokens < 1 or not args.atol > 0:

@@ -36,13 +36,19 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cache.store import ADAPTER_FILE_NAMES, choose_adapter_files
 from loraplex.cache.verify import (
     STAGE_DISK_LOAD,
     TIER_DISK,
     AdapterCopyError,
     check_digest,
     verify_adapter_dir,
+)
+from loraplex.lora.peft_format import (
+    ADAPTER_FILES,
+    BIN_NAME,
+    CONFIG_NAME,
+    SAFETENSORS_NAME,
+    choose_adapter_files,
 )
 from loraplex.types import AdapterError
 
@@ -98,11 +104,11 @@ class DiskLoadResult:
 def _adapter_files(src: Path) -> list[Path]:
     """The files ``put`` copies from ``src``: config + the weights file ``read_adapter_files``
     would read. ``AdapterError`` if either is missing."""
-    names = choose_adapter_files(n for n in ADAPTER_FILE_NAMES if (src / n).is_file())
+    names = choose_adapter_files(n for n in ADAPTER_FILES if (src / n).is_file())
     if len(names) < 2:
         raise AdapterError(
-            f"adapter {src}: not an adapter directory (needs adapter_config.json and "
-            "adapter_model.safetensors or adapter_model.bin)"
+            f"adapter {src}: not an adapter directory (needs {CONFIG_NAME} and "
+            f"{SAFETENSORS_NAME} or {BIN_NAME})"
         )
     return [src / n for n in names]
 
@@ -226,7 +232,7 @@ class DiskTier:
         if not isinstance(files, dict) or len(files) < 2:
             return "manifest does not list the adapter's files"
         for name, size in files.items():
-            if name not in ADAPTER_FILE_NAMES:
+            if name not in ADAPTER_FILES:
                 return f"manifest names an unknown file {name!r}"
             try:
                 actual = (entry / name).stat().st_size

@@ -25,13 +25,15 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
 
+from loraplex.lora.peft_format import (
+    ADAPTER_FILES,
+    BIN_NAME,
+    CONFIG_NAME,
+    SAFETENSORS_NAME,
+    choose_adapter_files,
+)
+from loraplex.paths import contained
 from loraplex.types import AdapterError
-
-# The same names as loraplex.lora.adapter (not imported from there: that module imports torch).
-CONFIG_NAME = "adapter_config.json"
-SAFETENSORS_NAME = "adapter_model.safetensors"
-BIN_NAME = "adapter_model.bin"
-ADAPTER_FILE_NAMES = (CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME)
 
 STAGE_REMOTE_DOWNLOAD = "remote_download"
 
@@ -55,21 +57,6 @@ class StorePermissionError(StoreError):
 
 class StoreUnavailableError(StoreError):
     """The store did not answer: endpoint unreachable, timed out, or the transfer broke off."""
-
-
-def choose_adapter_files(names: Iterable[str]) -> tuple[str, ...]:
-    """The files that make up an adapter, given the names present in its directory.
-
-    Mirrors ``read_adapter_files``: the config plus safetensors if present, else the .bin. Returns
-    ``()`` when there is no config and ``(CONFIG_NAME,)`` when there are no weights.
-    """
-    present = set(names)
-    if CONFIG_NAME not in present:
-        return ()
-    for weights in (SAFETENSORS_NAME, BIN_NAME):
-        if weights in present:
-            return (CONFIG_NAME, weights)
-    return (CONFIG_NAME,)
 
 
 @dataclass(frozen=True)
@@ -141,7 +128,7 @@ class ObjectStore(Protocol):
 
 def _local_files(src: Path) -> list[str]:
     """Known adapter file names present (as regular files) in a local directory."""
-    return [n for n in ADAPTER_FILE_NAMES if (src / n).is_file()]
+    return [n for n in ADAPTER_FILES if (src / n).is_file()]
 
 
 def _fetch_files(dest: Path, files: Sequence[str], copy_one: Callable[[str, Path], int]) -> int:
@@ -227,7 +214,8 @@ class LocalDirStore(_StoreBase):
         )
 
     def _contained(self, p: Path) -> bool:
-        return p != self.root and p.is_relative_to(self.root)
+        """Strictly inside the root (the root itself is no adapter directory)."""
+        return p != self.root and contained(p, (self.root,))
 
     def _dir(self, uri: str) -> Path:
         """Resolved adapter directory for ``uri``, checked to lie strictly inside the root."""
@@ -317,7 +305,7 @@ class LocalDirStore(_StoreBase):
                     os.replace(tmp, d / n)
                 finally:
                     tmp.unlink(missing_ok=True)
-            for n in ADAPTER_FILE_NAMES:
+            for n in ADAPTER_FILES:
                 if n not in names:
                     (d / n).unlink(missing_ok=True)
         except OSError as e:
@@ -327,7 +315,7 @@ class LocalDirStore(_StoreBase):
 
     def delete(self, uri: str) -> None:
         d = self._dir(uri)
-        for n in ADAPTER_FILE_NAMES:
+        for n in ADAPTER_FILES:
             (d / n).unlink(missing_ok=True)
         try:
             d.rmdir()
@@ -551,7 +539,7 @@ class S3Store(_StoreBase):
         out = {}
         for obj in resp.get("Contents", []):
             name = obj["Key"][len(key_dir) :]
-            if name in ADAPTER_FILE_NAMES:
+            if name in ADAPTER_FILES:
                 out[name] = obj
         return out
 
@@ -633,7 +621,7 @@ class S3Store(_StoreBase):
                     Key=key_dir + n,
                     Body=f,
                 )
-        for n in ADAPTER_FILE_NAMES:
+        for n in ADAPTER_FILES:
             if n not in names:
                 self._call(
                     uri, "deleting", self._client.delete_object, Bucket=self.bucket, Key=key_dir + n
@@ -642,7 +630,7 @@ class S3Store(_StoreBase):
     def delete(self, uri: str) -> None:
         key_dir = self._key_dir(uri)
         # Config first: the adapter disappears as a whole before its weights do.
-        for n in ADAPTER_FILE_NAMES:
+        for n in ADAPTER_FILES:
             self._call(
                 uri, "deleting", self._client.delete_object, Bucket=self.bucket, Key=key_dir + n
             )

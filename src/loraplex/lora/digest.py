@@ -11,6 +11,9 @@ other torch-free tools name adapters exactly as the engine does::
     for name in sorted(tensors):
         h.update(canonical_json({name, dtype: "torch.<dtype>", shape, nbytes}) + "\\n")
         h.update(raw little-endian bytes of the tensor)
+
+:func:`read_safetensors_header` is loraplex's one safetensors header parser: the model loader,
+the registry and the planning tools read every safetensors file through it.
 """
 
 from __future__ import annotations
@@ -23,15 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from loraplex.lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
+
 DIGEST_VERSION = b"loraplex-adapter-digest-v1\n"
-
-PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The Llama-family projections an adapter may target (attention first, then MLP)."""
-ATTN_PROJ_NAMES = frozenset(PROJ_NAMES[:4])
-MLP_PROJ_NAMES = frozenset(PROJ_NAMES[4:])
-
-CONFIG_NAME = "adapter_config.json"
-SAFETENSORS_NAME = "adapter_model.safetensors"
 
 # Config fields that change what the adapter computes, with PEFT's defaults (a missing field and
 # its default digest the same). Unsupported variants are listed too, so that if one is ever
@@ -214,6 +211,12 @@ def read_safetensors_header(f: BinaryIO, path: str | Path = "") -> dict[str, Ten
             )
         out[name] = TensorInfo(name, torch_dtype, tuple(shape), base + start, base + end)
     return out
+
+
+def safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
+    """:func:`read_safetensors_header` of the file at ``path`` (``OSError`` if unreadable)."""
+    with open(path, "rb") as f:
+        return read_safetensors_header(f, path)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from loraplex.registry.service import (
     Registry,
     RegistryPolicy,
     Release,
-    Resolution,
     Tenant,
     signed_payload,
 )
@@ -34,7 +33,6 @@ __all__ = [
     "RegistryError",
     "RegistryPolicy",
     "Release",
-    "Resolution",
     "Tenant",
     "TransitionError",
     "ValidationError",

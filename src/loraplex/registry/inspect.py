@@ -1,8 +1,9 @@
 """Torch-free inspection of adapters and base models for the registry.
 
 :func:`inspect_adapter` reads an adapter directory once (digest, file hashes, safetensors
-header) and checks it against a base model's ``config.json``: supported config, tensor names
-of the seven Llama projections, ``A: [r, d_in]`` / ``B: [d_out, r]`` shapes, rank limit.
+header) and checks it against a base model's ``config.json`` with the engine loader's own
+format rules (:mod:`loraplex.lora.peft_format`: supported config, tensor names of the seven
+Llama projections, ``A: [r, d_in]`` / ``B: [d_out, r]`` shapes, targeted modules, rank limit).
 Each failure is a :class:`ValidationError` with a short ``reason`` code.
 :func:`base_model_info` fingerprints a base model directory (memoised across restarts).
 """
@@ -12,64 +13,33 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loraplex.lora.digest import (
-    ATTN_PROJ_NAMES,
     FLOAT_DTYPES,
-    PROJ_NAMES,
     AdapterFiles,
     DigestError,
     read_adapter_dir,
     read_json_object,
 )
+from loraplex.lora.peft_format import (
+    BIN_NAME,
+    PROJ_NAMES,
+    SAFETENSORS_NAME,
+    BaseModelSpec,
+    FormatError,
+    TensorMeta,
+    check_layout,
+    parse_lora_config,
+    unservable_targets,
+)
 from loraplex.registry.db import loraplex_home
 from loraplex.registry.errors import RegistryError, ValidationError
 
-_KEY_RE = re.compile(
-    r"^(?:base_model\.model\.)?"
-    r"(?P<module>(?:model\.)?layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<proj>[^.]+))"
-    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
-)
-_UNSUPPORTED_CONFIG = (
-    "use_dora",
-    "modules_to_save",
-    "lora_bias",
-    "fan_in_fan_out",
-    "layer_replication",
-    "use_qalora",
-    "target_parameters",
-    "trainable_token_indices",
-    "alora_invocation_tokens",
-    "use_bdlora",
-    "arrow_config",
-    "kasa_config",
-    "monteclora_config",
-)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-def projection_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """proj name -> (d_in, d_out) from a Llama-family HF ``config.json`` dict."""
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    inter = int(config["intermediate_size"])
-    q, kv = heads * head_dim, kv_heads * head_dim
-    return {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
 
 
 @dataclass(frozen=True)
@@ -167,137 +137,52 @@ def base_model_info(model_dir: str | Path, name: str | None = None) -> BaseModel
     return BaseModelInfo(name or root.resolve().name, h.hexdigest(), config)
 
 
-def _check_config(config: dict[str, Any], max_rank: int) -> None:
-    if config.get("peft_type") != "LORA":
-        raise ValidationError(
-            "unsupported_config", f"peft_type must be 'LORA', got {config.get('peft_type')!r}"
-        )
-    for field in _UNSUPPORTED_CONFIG:
-        if config.get(field):
-            raise ValidationError(
-                "unsupported_config", f"{field}={config[field]!r} is not supported"
-            )
-    if config.get("bias", "none") != "none":
-        raise ValidationError("unsupported_config", f"bias={config['bias']!r}: only 'none'")
-    r = config.get("r", 8)
-    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        raise ValidationError("unsupported_config", f"r must be a positive integer, got {r!r}")
-    alpha = config.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise ValidationError("unsupported_config", f"lora_alpha must be a number, got {alpha!r}")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(field) or {}, dict):
-            raise ValidationError("unsupported_config", f"{field} must be a JSON object")
-    ranks = [r, *(config.get("rank_pattern") or {}).values()]
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in ranks):
-        raise ValidationError("unsupported_config", "rank_pattern values must be positive ints")
-    too_big = [x for x in ranks if x > max_rank]
-    if too_big:
-        raise ValidationError("rank_too_large", f"rank {max(too_big)} > max rank {max_rank}")
-    targets = config.get("target_modules")
-    if isinstance(targets, list):
-        bad = [t for t in targets if not isinstance(t, str) or t.split(".")[-1] not in PROJ_NAMES]
-        if bad:
-            raise ValidationError(
-                "unsupported_target",
-                f"target_modules {bad} not supported (supported: {', '.join(PROJ_NAMES)})",
-            )
-    elif not isinstance(targets, str) or not targets:
-        raise ValidationError(
-            "unsupported_config", f"target_modules must be a string or list, got {targets!r}"
-        )
-
-
 def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> AdapterInfo:
-    """Read and validate the adapter in ``path`` for ``base``; ValidationError names the reason:
-    ``unreadable``, ``unsupported_format``, ``unsupported_config``, ``unsupported_target``,
-    ``unsupported_tensor``, ``unsupported_dtype``, ``incomplete_adapter``, ``shape_mismatch``,
-    ``unsupported_base``, ``rank_too_large``."""
+    """Read and validate the adapter in ``path`` for ``base`` with the loader's format rules
+    (:mod:`loraplex.lora.peft_format`), so a registered adapter is one the engine loads.
+
+    ValidationError names the reason: ``unreadable``, ``unsupported_format`` (pickle weights),
+    ``unsupported_config``, ``unsupported_target`` (also a config naming a module that is not
+    a projection, e.g. ``lm_head``), ``unsupported_tensor``, ``unsupported_dtype``,
+    ``incomplete_adapter``, ``shape_mismatch``, ``unsupported_base``, ``rank_too_large``."""
     root = Path(path)
-    if (
-        root.is_dir()
-        and not (root / "adapter_model.safetensors").exists()
-        and (root / "adapter_model.bin").exists()
-    ):
+    if root.is_dir() and not (root / SAFETENSORS_NAME).exists() and (root / BIN_NAME).exists():
         raise ValidationError(
             "unsupported_format",
-            f"{path}: adapter_model.bin (pickle) is not accepted by the registry; "
-            "convert it to adapter_model.safetensors",
+            f"{path}: {BIN_NAME} (pickle) is not accepted by the registry; "
+            f"convert it to {SAFETENSORS_NAME}",
         )
     try:
         files = read_adapter_dir(root)
     except (DigestError, OSError) as e:
         raise ValidationError("unreadable", str(e)) from e
     config = files.config
-    _check_config(config, max_rank)
     try:
-        shapes = projection_shapes(base.config)
-        num_layers = int(base.config["num_hidden_layers"])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ValidationError(
-            "unsupported_base", f"base model {base.name}: not a Llama-family config ({e})"
-        ) from e
-
-    modules: dict[tuple[int, str], dict[str, tuple[str, tuple[int, ...]]]] = {}
-    dtypes: set[str] = set()
-    for tname, t in sorted(files.tensors.items()):
-        m = _KEY_RE.match(tname)
-        if m is None:
-            if any(k in tname for k in ("embed_tokens", "lm_head", "lora_embedding_")):
-                raise ValidationError(
-                    "unsupported_target", f"tensor {tname!r}: embedding / lm_head LoRA"
-                )
-            raise ValidationError(
-                "unsupported_tensor", f"tensor {tname!r} is not a LoRA A/B projection weight"
-            )
-        proj, block, layer = m["proj"], m["block"], int(m["layer"])
-        if proj not in PROJ_NAMES:
-            raise ValidationError(
+        settings = parse_lora_config(config)
+        bad = unservable_targets(config.get("target_modules"))
+        if bad:
+            raise FormatError(
                 "unsupported_target",
-                f"tensor {tname!r}: module {proj!r} (supported: {', '.join(PROJ_NAMES)})",
+                f"target_modules {bad} not supported (supported: {', '.join(PROJ_NAMES)})",
             )
-        if (block == "self_attn") != (proj in ATTN_PROJ_NAMES):
-            raise ValidationError("unsupported_tensor", f"tensor {tname!r}: {proj} under {block}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValidationError("unsupported_dtype", f"tensor {tname!r}: dtype {t.dtype}")
-        dtypes.add(t.dtype.removeprefix("torch."))
-        slot = modules.setdefault((layer, proj), {})
-        if m["ab"] in slot:
-            raise ValidationError("unsupported_tensor", f"tensor {tname!r} is a duplicate")
-        slot[m["ab"]] = (tname, t.shape)
-    if not modules:
-        raise ValidationError("incomplete_adapter", f"{path}: no LoRA tensors")
-
-    rank = 0
-    for (layer, proj), slot in sorted(modules.items()):
-        if set(slot) != {"A", "B"}:
-            missing = ({"A", "B"} - set(slot)).pop()
-            raise ValidationError(
-                "incomplete_adapter", f"layer {layer} {proj}: lora_{missing} weight missing"
-            )
-        (a_name, a), (b_name, b) = slot["A"], slot["B"]
-        if len(a) != 2 or len(b) != 2:
-            raise ValidationError("shape_mismatch", f"{a_name!r}/{b_name!r}: expected 2-D tensors")
-        if layer >= num_layers:
-            raise ValidationError(
-                "shape_mismatch",
-                f"tensor {a_name!r}: layer {layer} >= base model num_hidden_layers {num_layers}",
-            )
-        d_in, d_out = shapes[proj]
-        r = a[0]
-        if a[1] != d_in or b[0] != d_out or b[1] != r:
-            raise ValidationError(
-                "shape_mismatch",
-                f"layer {layer} {proj}: A {list(a)} / B {list(b)} do not fit the base model "
-                f"{base.name} (expected A [r, {d_in}], B [{d_out}, r])",
-            )
-        rank = max(rank, r)
-    if rank > max_rank:
-        raise ValidationError("rank_too_large", f"rank {rank} > max rank {max_rank}")
-    present = {proj for _, proj in modules}
+        try:
+            spec = BaseModelSpec.from_hf_config(base.config)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            raise FormatError(
+                "unsupported_base", f"base model {base.name}: not a Llama-family config ({e})"
+            ) from e
+        metas = {
+            name: TensorMeta(t.shape, t.dtype, t.dtype in FLOAT_DTYPES)
+            for name, t in files.tensors.items()
+        }
+        layout = check_layout(settings, metas, spec, max_rank=max_rank)
+    except FormatError as e:
+        raise ValidationError(e.reason, str(e)) from e
+    dtypes = {t.dtype.removeprefix("torch.") for t in files.tensors.values()}
+    present = {proj for _, proj in layout}
     return AdapterInfo(
         files=files,
-        rank=rank,
+        rank=max(m.rank for m in layout.values()),
         alpha=float(config.get("lora_alpha", 8)),
         dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
         target_modules=tuple(p for p in PROJ_NAMES if p in present),

@@ -17,19 +17,20 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.config import WARM_POLICIES
-from loraplex.registry import signing
+from loraplex.lora.peft_format import ADAPTER_FILES
+from loraplex.paths import contained, first_outside
 from loraplex.registry.db import (
     ADAPTER_STATUSES,
     ApiKeyRow,
@@ -50,6 +51,8 @@ from loraplex.registry.errors import (
 )
 from loraplex.registry.inspect import AdapterInfo, BaseModelInfo, inspect_adapter
 from loraplex.registry.lifecycle import check_transition
+from loraplex.registry.signing import load_public_key
+from loraplex.registry.signing import verify as verify_signature
 from loraplex.types import AdapterRef
 
 SCOPES = ("inference", "admin:register", "admin:promote", "admin:pin", "admin:load", "admin:*")
@@ -58,8 +61,6 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _AUTO_REV_RE = re.compile(r"r(\d+)")
-_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-_TENANT_LIMITS = ("max_waiting", "rate_limit_rps", "host_bytes_budget")
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,19 @@ class RegistryPolicy:
         if not isinstance(self.max_rank, int) or self.max_rank <= 0:
             raise RegistryError(f"max_rank must be a positive integer, got {self.max_rank!r}")
         for key in self.trusted_keys:
-            signing.load_public_key(key)  # a bad key is an error now, not at first use
+            load_public_key(key)  # a bad key is an error now, not at first use
         if self.require_signatures and not self.trusted_keys:
             raise RegistryError("require_signatures needs at least one trusted key")
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """One adapter revision as registered (``sha256`` is the AdapterRef digest)."""
+    """One adapter revision as registered (``sha256`` is the AdapterRef digest).
+
+    The one list of a manifest's fields: the database row (``RevisionRow``, same column
+    names), ``to_dict`` and the audit entries derive from it; :data:`SIGNED_FIELDS` names the
+    ones a signature covers. Fields with defaults are set by the registry, not by inspection.
+    """
 
     name: str
     tenant: str | None
@@ -104,15 +110,15 @@ class Manifest:
     target_modules: tuple[str, ...]
     nbytes: int
     source_uri: str
-    priority: int
-    slo_class: str | None
-    warm_policy: str
-    status: str
-    created_at: float
-    activated_at: float | None
-    rollback_revision: str | None
-    signature: str | None
-    signed_by: str | None
+    priority: int = 0
+    slo_class: str | None = None
+    warm_policy: str = "on-demand"
+    status: str = "uploaded"
+    created_at: float = 0.0
+    activated_at: float | None = None
+    rollback_revision: str | None = None
+    signature: str | None = None
+    signed_by: str | None = None
     path: str = ""  # the local directory that was validated (what the server loads)
 
     @property
@@ -127,52 +133,41 @@ class Manifest:
 
     def signed_payload(self) -> bytes:
         """Canonical JSON of the content fields a signature covers (see :func:`signed_payload`)."""
-        return signed_payload(
-            name=self.name,
-            tenant=self.tenant,
-            sha256=self.sha256,
-            weights_sha256=self.weights_sha256,
-            config_sha256=self.config_sha256,
-            base_model_digest=self.base_model_digest,
-            rank=self.rank,
-            alpha=self.alpha,
-            dtype=self.dtype,
-            target_modules=self.target_modules,
-            nbytes=self.nbytes,
-        )
+        return signed_payload(self)
 
 
-def signed_payload(
-    *,
-    name: str,
-    tenant: str | None,
-    sha256: str,
-    weights_sha256: str,
-    config_sha256: str,
-    base_model_digest: str,
-    rank: int,
-    alpha: float,
-    dtype: str,
-    target_modules: tuple[str, ...] | list[str],
-    nbytes: int,
-) -> bytes:
-    """What a manifest signature signs: name, tenant, content digests, base digest and shape
-    facts. The revision label, source location and serving knobs are not covered (a signer
-    cannot know the revision the registry will assign, and moving files is not a change)."""
-    doc = {
-        "v": "loraplex-manifest-v1",
-        "name": name,
-        "tenant": tenant,
-        "sha256": sha256,
-        "weights_sha256": weights_sha256,
-        "config_sha256": config_sha256,
-        "base_model_digest": base_model_digest,
-        "rank": int(rank),
-        "alpha": float(alpha),
-        "dtype": dtype,
-        "target_modules": list(target_modules),
-        "nbytes": int(nbytes),
-    }
+SIGNED_FIELDS = (
+    "name",
+    "tenant",
+    "sha256",
+    "weights_sha256",
+    "config_sha256",
+    "base_model_digest",
+    "rank",
+    "alpha",
+    "dtype",
+    "target_modules",
+    "nbytes",
+)
+"""What a manifest signature signs: name, tenant, content digests, base digest and shape facts.
+The revision label, source location and serving knobs are not covered (a signer cannot know the
+revision the registry will assign, and moving files is not a change)."""
+
+_SIGNED_AS: dict[str, Callable[[Any], Any]] = {
+    "rank": int,
+    "alpha": float,
+    "target_modules": list,
+    "nbytes": int,
+}
+
+
+def signed_payload(m: Manifest) -> bytes:
+    """The bytes a signature of ``m`` covers: canonical JSON (sorted keys) of
+    ``{"v": "loraplex-manifest-v1", <each of SIGNED_FIELDS>}``."""
+    doc: dict[str, Any] = {"v": "loraplex-manifest-v1"}
+    for f in SIGNED_FIELDS:
+        value = getattr(m, f)
+        doc[f] = _SIGNED_AS[f](value) if f in _SIGNED_AS else value
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -189,20 +184,16 @@ class Release:
 
 
 @dataclass(frozen=True)
-class Resolution:
-    """Which revision serves a request and why (``via``: "active" or "canary")."""
-
-    manifest: Manifest
-    via: str
-
-
-@dataclass(frozen=True)
 class Tenant:
     name: str
     max_waiting: int | None
     rate_limit_rps: float | None
     host_bytes_budget: int | None
     created_at: float
+
+
+_TENANT_LIMITS = tuple(f.name for f in fields(Tenant) if f.name not in ("name", "created_at"))
+"""The limits a tenant carries (``max_waiting``, ``rate_limit_rps``, ``host_bytes_budget``)."""
 
 
 @dataclass(frozen=True)
@@ -232,50 +223,27 @@ class AuditEntry:
 # --------------------------------------------------------------------------- row conversion
 
 
+_MANIFEST_FIELDS = tuple(f.name for f in fields(Manifest))
+
+
 def _manifest(row: RevisionRow) -> Manifest:
-    return Manifest(
-        name=row.name,
-        tenant=row.tenant,
-        revision=row.revision,
-        sha256=row.sha256,
-        weights_sha256=row.weights_sha256,
-        config_sha256=row.config_sha256,
-        base_model_name=row.base_model_name,
-        base_model_digest=row.base_model_digest,
-        rank=row.rank,
-        alpha=row.alpha,
-        dtype=row.dtype,
-        target_modules=tuple(json.loads(row.target_modules)),
-        nbytes=row.nbytes,
-        source_uri=row.source_uri,
-        priority=row.priority,
-        slo_class=row.slo_class,
-        warm_policy=row.warm_policy,
-        status=row.status,
-        created_at=row.created_at,
-        activated_at=row.activated_at,
-        rollback_revision=row.rollback_revision,
-        signature=row.signature,
-        signed_by=row.signed_by,
-        path=row.path,
-    )
+    values = {f: getattr(row, f) for f in _MANIFEST_FIELDS}
+    values["target_modules"] = tuple(json.loads(row.target_modules))
+    return Manifest(**values)
+
+
+def _revision_row(m: Manifest) -> RevisionRow:
+    values = {f: getattr(m, f) for f in _MANIFEST_FIELDS}
+    values["target_modules"] = json.dumps(list(m.target_modules))
+    return RevisionRow(**values)
 
 
 def _release(row: ReleaseRow) -> Release:
-    return Release(
-        name=row.name,
-        active_revision=row.active_revision,
-        canary_revision=row.canary_revision,
-        canary_weight=row.canary_weight,
-        previous_revision=row.previous_revision,
-        tenant=row.tenant,
-    )
+    return Release(**{f.name: getattr(row, f.name) for f in fields(Release)})
 
 
 def _tenant(row: TenantRow) -> Tenant:
-    return Tenant(
-        row.name, row.max_waiting, row.rate_limit_rps, row.host_bytes_budget, row.created_at
-    )
+    return Tenant(**{f.name: getattr(row, f.name) for f in fields(Tenant)})
 
 
 def _release_state(row: ReleaseRow) -> dict[str, Any]:
@@ -486,29 +454,6 @@ class Registry:
             rows = s.execute(q.order_by(RevisionRow.name, RevisionRow.id)).scalars().all()
             return [_manifest(r) for r in rows]
 
-    def resolve(self, name: str, *, tenant: str | None, u: float) -> Resolution | None:
-        """The revision that serves a request for ``name`` by ``tenant`` (None = operator, sees
-        every name); ``u`` uniform in [0, 1) picks the canary when ``u < canary_weight``.
-        None when the name is unknown, invisible to the tenant or has no active revision."""
-        use_canary = ReleaseRow.canary_revision.is_not(None) & (ReleaseRow.canary_weight > u)
-        chosen = case((use_canary, ReleaseRow.canary_revision), else_=ReleaseRow.active_revision)
-        q = (
-            select(RevisionRow, use_canary.label("canary"))
-            .join(ReleaseRow, ReleaseRow.name == RevisionRow.name)
-            .where(
-                ReleaseRow.name == name,
-                ReleaseRow.active_revision.is_not(None),
-                RevisionRow.revision == chosen,
-            )
-        )
-        if tenant is not None:
-            q = q.where((ReleaseRow.tenant == tenant) | ReleaseRow.tenant.is_(None))
-        with self._read() as s:  # one query: release and revision read together
-            found = s.execute(q).first()
-            if found is None:
-                return None
-            return Resolution(_manifest(found[0]), "canary" if found[1] else "active")
-
     def visible(self, *, tenant: str | None) -> list[Release]:
         """Releases with an active revision that ``tenant`` may see (its own and shared)."""
         q = select(ReleaseRow).where(ReleaseRow.active_revision.is_not(None))
@@ -551,27 +496,22 @@ class Registry:
                     f"{source_uri!r} is not under an allowed prefix ({allowed})",
                 )
             return resolved, source_uri
-        roots = [Path(r).expanduser().resolve() for r in self.policy.allowed_roots]
+        roots = self.policy.allowed_roots
         if not roots:
             raise ValidationError(
                 "source_not_allowed", f"{raw!r}: no allowed adapter roots are configured"
             )
-
-        def inside(p: Path) -> bool:
-            return any(p == r or p.is_relative_to(r) for r in roots)
-
-        if not inside(resolved):
+        if not contained(resolved, roots):
+            real_roots = ", ".join(str(Path(r).expanduser().resolve()) for r in roots)
             raise ValidationError(
                 "source_not_allowed",
-                f"{raw!r} (resolved {str(resolved)!r}) is outside the allowed roots "
-                f"({', '.join(map(str, roots))})",
+                f"{raw!r} (resolved {str(resolved)!r}) is outside the allowed roots ({real_roots})",
             )
-        for fname in _ADAPTER_FILES:
-            f = resolved / fname
-            if (f.exists() or f.is_symlink()) and not inside(f.resolve()):
-                raise ValidationError(
-                    "source_not_allowed", f"{fname} in {raw!r} links outside the allowed roots"
-                )
+        fname = first_outside(resolved, ADAPTER_FILES, roots)
+        if fname is not None:
+            raise ValidationError(
+                "source_not_allowed", f"{fname} in {raw!r} links outside the allowed roots"
+            )
         return resolved, source_uri or str(resolved)
 
     def _check_signature(self, payload: bytes, signature: str | None) -> str | None:
@@ -584,7 +524,7 @@ class Registry:
             raise ValidationError("bad_signature", "empty signature")
         if not self.policy.trusted_keys:
             raise ValidationError("bad_signature", "signature given but no trusted keys configured")
-        signer = signing.verify(payload, signature, self.policy.trusted_keys)
+        signer = verify_signature(payload, signature, self.policy.trusted_keys)
         if signer is None:
             raise ValidationError(
                 "bad_signature", "the signature does not verify against any trusted key"
@@ -624,15 +564,6 @@ class Registry:
             target_modules=info.target_modules,
             nbytes=info.nbytes,
             source_uri=src,
-            priority=0,
-            slo_class=None,
-            warm_policy="on-demand",
-            status="uploaded",
-            created_at=0.0,
-            activated_at=None,
-            rollback_revision=None,
-            signature=None,
-            signed_by=None,
             path=str(resolved),
         )
         return manifest, resolved
@@ -741,31 +672,18 @@ class Registry:
                     f"adapter {name!r} already has a revision {revision!r} with other content"
                 )
             check_transition("uploaded", "validated", f"{name}@{revision}")
-            row = RevisionRow(
-                name=name,
-                revision=revision,
-                tenant=tenant,
-                sha256=draft.sha256,
-                weights_sha256=draft.weights_sha256,
-                config_sha256=draft.config_sha256,
-                base_model_name=draft.base_model_name,
-                base_model_digest=draft.base_model_digest,
-                rank=draft.rank,
-                alpha=draft.alpha,
-                dtype=draft.dtype,
-                target_modules=json.dumps(list(draft.target_modules)),
-                nbytes=draft.nbytes,
-                source_uri=draft.source_uri,
-                path=draft.path,
-                priority=priority,
-                slo_class=slo_class,
-                warm_policy=warm_policy,
-                status="validated",
-                created_at=now,
-                activated_at=None,
-                rollback_revision=None,
-                signature=signature,
-                signed_by=signer,
+            row = _revision_row(
+                replace(
+                    draft,
+                    revision=revision,
+                    priority=priority,
+                    slo_class=slo_class,
+                    warm_policy=warm_policy,
+                    status="validated",
+                    created_at=now,
+                    signature=signature,
+                    signed_by=signer,
+                )
             )
             s.add(row)
             rel.updated_at = now

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from loraplex.lora.peft_format import ADAPTER_FILES
+from loraplex.paths import contained, first_outside
 from loraplex.types import AdapterError
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
 
 def check_allowed_path(path: str, roots: list[str]) -> Path:
@@ -24,29 +24,22 @@ def check_allowed_path(path: str, roots: list[str]) -> Path:
         )
     if "\x00" in path:
         raise AdapterError("lora_path contains a NUL byte")
-    real_roots = [Path(r).resolve() for r in roots]
     p = Path(os.path.expanduser(path))
     if not p.is_absolute():
         raise AdapterError(f"lora_path {path!r} must be an absolute path")
     resolved = p.resolve()
-
-    def inside(x: Path) -> bool:
-        return any(x == r or x.is_relative_to(r) for r in real_roots)
-
-    if not inside(resolved):
-        raise AdapterError(
-            f"lora_path {path!r} is outside the allowed roots ({', '.join(map(str, real_roots))})"
-        )
+    if not contained(resolved, roots):
+        real_roots = ", ".join(str(Path(r).resolve()) for r in roots)
+        raise AdapterError(f"lora_path {path!r} is outside the allowed roots ({real_roots})")
     if not resolved.is_dir():
         raise AdapterError(f"lora_path {path!r} is not a directory")
-    for name in ADAPTER_FILES:
-        f = resolved / name
-        if f.exists() and not inside(f.resolve()):
-            raise AdapterError(f"{name} in {path!r} links outside the allowed roots")
+    name = first_outside(resolved, ADAPTER_FILES, roots)
+    if name is not None:
+        raise AdapterError(f"{name} in {path!r} links outside the allowed roots")
     return resolved
 
 
 def lexically_under(path: Path, roots: list[str]) -> bool:
-    """Whether ``path`` (symlinks not resolved) lies under one of ``roots``."""
-    p = Path(os.path.abspath(path))
-    return any(p == Path(r) or p.is_relative_to(r) for r in roots)
+    """Whether ``path`` was named under one of ``roots`` (symlinks not resolved; see
+    :func:`loraplex.paths.contained` for when the lexical form is the right question)."""
+    return contained(path, roots, resolve=False)

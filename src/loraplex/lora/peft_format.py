@@ -1,0 +1,512 @@
+"""The PEFT LoRA adapter format as loraplex serves it, written once and without torch.
+
+Everything the loader (:mod:`loraplex.lora.adapter`), the registry
+(:mod:`loraplex.registry.inspect`) and the planning tools (:mod:`loraplex.bench.plan`,
+:mod:`loraplex.bench.verify`) know about an adapter directory lives here:
+
+- the file names (``adapter_config.json`` + ``adapter_model.safetensors``, or the older
+  ``adapter_model.bin``) and which weights file a directory is read from;
+- the seven projections of a Llama-family decoder layer and their ``(d_in, d_out)``;
+- the config features we refuse (DoRA, biases, modules_to_save, base-modifying inits, ...),
+  checked by :func:`parse_lora_config`;
+- PEFT's module selection and per-module rank/scale (:class:`LoraSettings`: ``target_modules``
+  as a list, a regex or ``all-linear``, ``exclude_modules``, ``layers_to_transform`` with
+  ``layers_pattern``, ``rank_pattern`` / ``alpha_pattern``);
+- the tensor names PEFT saves and what a set of tensors must look like for a base model
+  (:func:`check_layout`: every tensor a LoRA A/B of a targeted projection, ``A: [r, d_in]``,
+  ``B: [d_out, r]``, the configured rank, every targeted module present).
+
+Each refusal is a :class:`FormatError` with a registry ``reason`` code and a message; the
+loader wraps it into an ``AdapterError`` naming the path, the registry into a
+``ValidationError`` carrying the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_NAME = "adapter_model.safetensors"
+BIN_NAME = "adapter_model.bin"
+ADAPTER_FILES = (CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME)
+"""Every file that can make up an adapter directory (the config, then weights by preference)."""
+
+
+def choose_adapter_files(names: Iterable[str]) -> tuple[str, ...]:
+    """The files an adapter is read from, given the names present in its directory: the config
+    plus safetensors if present, else the .bin. ``()`` without a config, ``(CONFIG_NAME,)``
+    without weights."""
+    present = set(names)
+    if CONFIG_NAME not in present:
+        return ()
+    for weights in (SAFETENSORS_NAME, BIN_NAME):
+        if weights in present:
+            return (CONFIG_NAME, weights)
+    return (CONFIG_NAME,)
+
+
+# -- the base model ------------------------------------------------------------------------------
+
+PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Llama-family projections an adapter may target (attention first, then MLP)."""
+ATTN_PROJ_NAMES = frozenset(PROJ_NAMES[:4])
+MLP_PROJ_NAMES = frozenset(PROJ_NAMES[4:])
+
+
+def block_of(proj: str) -> str:
+    """The submodule of a decoder layer that holds ``proj``: ``self_attn`` or ``mlp``."""
+    return "self_attn" if proj in ATTN_PROJ_NAMES else "mlp"
+
+
+def module_key(layer: int, proj: str, prefix: str = "model.") -> str:
+    """The module name PEFT matches its patterns against: ``model.layers.3.mlp.up_proj``."""
+    return f"{prefix}layers.{layer}.{block_of(proj)}.{proj}"
+
+
+def projection_shapes(
+    hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int
+) -> dict[str, tuple[int, int]]:
+    """proj name -> (d_in, d_out) of the seven adaptable projections of a Llama-family layer."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """What an adapter is validated against, built from the base model's config."""
+
+    num_layers: int
+    module_shapes: dict[str, tuple[int, int]]  # proj name -> (d_in, d_out)
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf_config(cls, raw: Mapping[str, Any]) -> BaseModelSpec:
+        """Spec from a Llama-family HF ``config.json`` dict; ``KeyError`` / ``TypeError`` /
+        ``ValueError`` / ``ZeroDivisionError`` when it is not one."""
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        inter = int(raw["intermediate_size"])
+        shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
+        return cls(int(raw["num_hidden_layers"]), shapes, str(raw.get("model_type", "llama")))
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+class FormatError(ValueError):
+    """An adapter breaks a format rule. ``reason`` is the registry's code (``unsupported_config``,
+    ``unsupported_target``, ``unsupported_tensor``, ``unsupported_dtype``, ``incomplete_adapter``,
+    ``shape_mismatch``, ``rank_too_large``, ``unsupported_base``); the message names the field
+    or tensor."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# -- the config ----------------------------------------------------------------------------------
+
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "use_dora": "DoRA adapters are not supported",
+    "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+    "lora_bias": "LoRA bias terms are not supported",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights) is not supported",
+    "layer_replication": "layer_replication is not supported",
+    "use_qalora": "QA-LoRA adapters are not supported",
+    "target_parameters": "LoRA on nn.Parameter targets (target_parameters) is not supported",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices) are not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+    "arrow_config": "Arrow routing (arrow_config) is not supported",
+    "kasa_config": "KaSA adapters (kasa_config) are not supported",
+    "monteclora_config": "MonteCLoRA adapters (monteclora_config) are not supported",
+}
+"""Fields whose presence (truthy value) means a variant we cannot serve as W + scale * B @ A."""
+
+BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+"""``init_lora_weights`` values that rewrite the base weights at init: such an adapter only fits
+the modified base unless PEFT converted it on save (which resets init_lora_weights to True)."""
+
+
+def pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
+    """PEFT's ``get_pattern_key``: the first pattern (in file order) matching a suffix of
+    ``module``."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return None
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The parts of adapter_config.json that decide which modules are adapted and how."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: str | list[str]
+    exclude_modules: str | list[str] | None
+    layers_to_transform: int | list[int] | None
+    layers_pattern: list[str] | None
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> LoraSettings:
+        """The settings as ``config`` spells them, PEFT's defaults for missing fields; no checks
+        (:func:`parse_lora_config` checks first)."""
+        pattern = config.get("layers_pattern")
+        alpha = config.get("lora_alpha", 8)
+        return cls(
+            r=config.get("r", 8),
+            lora_alpha=float(alpha) if _is_number(alpha) else alpha,
+            use_rslora=config.get("use_rslora", False),
+            target_modules=config.get("target_modules"),  # type: ignore[arg-type]
+            exclude_modules=config.get("exclude_modules"),
+            layers_to_transform=config.get("layers_to_transform"),
+            layers_pattern=[pattern] if isinstance(pattern, str) else (pattern or None),
+            rank_pattern=config.get("rank_pattern") or {},
+            alpha_pattern=config.get("alpha_pattern") or {},
+        )
+
+    def is_targeted(self, module: str) -> bool:
+        """PEFT's ``check_target_module_exists`` for a key like ``model.layers.3.mlp.up_proj``."""
+        ex = self.exclude_modules
+        if ex:
+            if isinstance(ex, str):
+                if re.fullmatch(ex, module):
+                    return False
+            elif module in ex or any(module.endswith(f".{e}") for e in ex):
+                return False
+        tm = self.target_modules
+        if isinstance(tm, str):
+            if tm.lower() == "all-linear":  # every linear except the LM head: all 7 projections
+                found = True
+            else:
+                return re.fullmatch(tm, module) is not None
+        elif module in tm:
+            return True
+        else:
+            found = any(module.endswith(f".{t}") for t in tm)
+        lt = self.layers_to_transform
+        if not found or lt is None or (isinstance(lt, list) and not lt):
+            return found
+        match = None
+        if not self.layers_pattern:
+            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+        else:
+            for pattern in self.layers_pattern:
+                match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+                if match is not None:
+                    break
+        if match is None:
+            return False
+        idx = int(match.group("idx"))
+        return idx == lt if isinstance(lt, int) else idx in lt
+
+    def rank_and_scale(self, module: str) -> tuple[int, float]:
+        """Configured (rank, scale) of one module: ``scale = alpha / r`` (``alpha / sqrt(r)``
+        with rsLoRA); rank and alpha from the first matching pattern, else ``r`` /
+        ``lora_alpha``."""
+        r = self.rank_of(module)
+        a_key = pattern_key(self.alpha_pattern, module)
+        alpha = self.alpha_pattern[a_key] if a_key is not None else self.lora_alpha
+        scale = alpha / math.sqrt(r) if self.use_rslora else alpha / r
+        return r, float(scale)
+
+    def rank_of(self, module: str) -> int:
+        """Configured rank of one module: the first matching ``rank_pattern`` entry, else ``r``."""
+        key = pattern_key(self.rank_pattern, module)
+        return self.rank_pattern[key] if key is not None else self.r
+
+    def rank_field(self, module: str) -> str:
+        """The config field the module's rank comes from: ``rank_pattern`` or ``r``."""
+        return "rank_pattern" if pattern_key(self.rank_pattern, module) else "r"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _str_or_str_list(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+
+
+def _config_error(message: str) -> FormatError:
+    return FormatError("unsupported_config", message)
+
+
+def parse_lora_config(config: Mapping[str, Any]) -> LoraSettings:
+    """Refuse every config feature we cannot serve exactly (``FormatError``, reason
+    ``unsupported_config``); return the targeting settings."""
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise _config_error(f"peft_type must be 'LORA', got {peft_type!r}")
+    for field, why in UNSUPPORTED_FIELDS.items():
+        if config.get(field):
+            raise _config_error(f"{field}={config[field]!r}: {why}")
+    bias = config.get("bias", "none")
+    if bias != "none":
+        raise _config_error(f"bias={bias!r}: only bias='none' is supported")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_MODIFYING_INITS):
+        raise _config_error(
+            f"init_lora_weights={init!r}: this adapter expects a modified base model; convert it "
+            "with save_pretrained(path_initial_model_for_weight_conversion=...) first",
+        )
+
+    r = config.get("r", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise _config_error(f"r must be a positive integer, got {r!r}")
+    alpha = config.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        raise _config_error(f"lora_alpha must be a number, got {alpha!r}")
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _config_error(f"use_rslora must be a boolean, got {use_rslora!r}")
+    rank_pattern = config.get("rank_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in rank_pattern.values()
+    ):
+        raise _config_error(
+            f"rank_pattern must map patterns to positive ints, got {rank_pattern!r}"
+        )
+    alpha_pattern = config.get("alpha_pattern") or {}
+    if not isinstance(alpha_pattern, dict) or not all(
+        _is_number(v) for v in alpha_pattern.values()
+    ):
+        raise _config_error(f"alpha_pattern must map patterns to numbers, got {alpha_pattern!r}")
+    target = config.get("target_modules")
+    if not target or not _str_or_str_list(target):
+        raise _config_error(f"target_modules must be a string or list of strings, got {target!r}")
+    exclude = config.get("exclude_modules")
+    if exclude is not None and not _str_or_str_list(exclude):
+        raise _config_error(f"exclude_modules must be a string or list of strings, got {exclude!r}")
+    layers = config.get("layers_to_transform")
+    if layers is not None and not (
+        (isinstance(layers, int) and not isinstance(layers, bool))
+        or (isinstance(layers, list) and all(isinstance(i, int) for i in layers))
+    ):
+        raise _config_error(f"layers_to_transform must be an int or list of ints, got {layers!r}")
+    pattern = config.get("layers_pattern")
+    if pattern is not None and not _str_or_str_list(pattern):
+        raise _config_error(f"layers_pattern must be a string or list of strings, got {pattern!r}")
+    for field, value in (("target_modules", target), ("exclude_modules", exclude)):
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise _config_error(f"{field} is not a valid regex {value!r}: {e}") from e
+    return LoraSettings.of(config)
+
+
+def unservable_targets(target_modules: Any) -> list[Any]:
+    """Entries of a ``target_modules`` list that name no projection we serve (``lm_head``,
+    ``embed_tokens``, GPT-2's ``c_attn``, non-strings). The registry refuses adapters whose
+    config names such modules; the loader only refuses their tensors."""
+    if not isinstance(target_modules, list):
+        return []
+    return [
+        t for t in target_modules if not isinstance(t, str) or t.split(".")[-1] not in PROJ_NAMES
+    ]
+
+
+# -- the tensors ---------------------------------------------------------------------------------
+
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
+TENSOR_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?"
+    r"(?P<module>(?:model\.)?layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<proj>[^.]+))"
+    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+
+
+@dataclass(frozen=True)
+class TensorKey:
+    """A tensor name PEFT saves for one LoRA factor of a decoder-layer module."""
+
+    module: str  # e.g. "model.layers.3.self_attn.q_proj" (what patterns are matched against)
+    layer: int
+    block: str  # self_attn | mlp
+    proj: str
+    ab: str  # "A" | "B"
+
+
+def parse_tensor_key(name: str) -> TensorKey | None:
+    """The parts of ``...layers.N.{self_attn,mlp}.<proj>.lora_{A,B}[.<adapter>].weight``."""
+    m = TENSOR_KEY_RE.match(name)
+    if m is None:
+        return None
+    return TensorKey(m["module"], int(m["layer"]), m["block"], m["proj"], m["ab"])
+
+
+def unknown_tensor_error(name: str) -> FormatError:
+    """Why a tensor whose name :func:`parse_tensor_key` does not parse is refused."""
+    if "lora_embedding_" in name or ".embed_tokens." in name or "lm_head" in name:
+        return FormatError(
+            "unsupported_target", f"tensor {name!r}: embedding / lm_head LoRA is not supported"
+        )
+    if "lora_magnitude_vector" in name:
+        why = "DoRA magnitude vectors are not supported"
+    elif "modules_to_save" in name:
+        why = "modules_to_save weights are not supported"
+    elif "trainable_tokens" in name:
+        why = "trainable tokens are not supported"
+    elif ".lora_" in name and name.endswith(".bias"):
+        why = "LoRA bias (lora_bias) is not supported"
+    else:
+        return FormatError(
+            "unsupported_tensor",
+            f"tensor {name!r} is not a LoRA A/B weight of a decoder-layer projection we understand",
+        )
+    return FormatError("unsupported_tensor", f"tensor {name!r}: {why}")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the layout check needs of one tensor (no data)."""
+
+    shape: tuple[int, ...]
+    dtype: str  # str(torch dtype), e.g. "torch.float32"
+    floating: bool
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """One adapted projection as the tensors and the config describe it."""
+
+    module: str  # the module key PEFT saw
+    a_name: str
+    b_name: str
+    rank: int
+    scale: float
+
+
+def check_layout(
+    settings: LoraSettings,
+    tensors: Mapping[str, TensorMeta],
+    spec: BaseModelSpec,
+    *,
+    max_rank: int,
+) -> dict[tuple[int, str], ModuleLayout]:
+    """Check a set of tensors (name -> shape and kind, no data) against the config and the base.
+
+    Every tensor must be ``lora_A``/``lora_B`` of a projection of a decoder layer, each module
+    has both, ``A: [r, d_in]`` and ``B: [d_out, r]`` of the base's shapes with the configured
+    rank ``r <= max_rank``, the config targets it, and every module the config targets has
+    tensors (a half-present adapter, e.g. made for a model with fewer layers, is a mismatch).
+    Returns ``(layer, proj) -> ModuleLayout`` in (layer, projection table) order.
+    """
+    pairs: dict[tuple[int, str], dict[str, str]] = {}  # (layer, proj) -> {"A": name, "B": name}
+    module_keys: dict[tuple[int, str], str] = {}
+    for name in sorted(tensors):
+        k = parse_tensor_key(name)
+        if k is None:
+            raise unknown_tensor_error(name)
+        if k.proj not in PROJ_NAMES:
+            raise FormatError(
+                "unsupported_target",
+                f"tensor {name!r}: target module {k.proj!r} is not supported "
+                f"(supported: {', '.join(PROJ_NAMES)})",
+            )
+        if k.block != block_of(k.proj):
+            raise FormatError(
+                "unsupported_tensor", f"tensor {name!r}: {k.proj} does not belong under {k.block}"
+            )
+        slot = pairs.setdefault((k.layer, k.proj), {})
+        if k.ab in slot:
+            raise FormatError("unsupported_tensor", f"tensor {name!r} duplicates {slot[k.ab]!r}")
+        slot[k.ab] = name
+        module_keys[(k.layer, k.proj)] = k.module
+    if not pairs:
+        raise FormatError("incomplete_adapter", "no LoRA tensors (lora_A/lora_B weights) found")
+
+    out: dict[tuple[int, str], ModuleLayout] = {}
+    for key in sorted(pairs, key=lambda k: (k[0], PROJ_NAMES.index(k[1]))):
+        layer, proj = key
+        mkey, slot = module_keys[key], pairs[key]
+        for ab in "AB":
+            if ab not in slot:
+                raise FormatError("incomplete_adapter", f"module {mkey}: lora_{ab} weight missing")
+        a_name, b_name = slot["A"], slot["B"]
+        a, b = tensors[a_name], tensors[b_name]
+        if layer >= spec.num_layers:
+            raise FormatError(
+                "shape_mismatch",
+                f"tensor {a_name!r}: layer {layer} >= base model num_layers {spec.num_layers}",
+            )
+        if proj not in spec.module_shapes:
+            raise FormatError("shape_mismatch", f"tensor {a_name!r}: base model has no {proj}")
+        if not settings.is_targeted(mkey):
+            raise FormatError(
+                "unsupported_tensor",
+                f"tensor {a_name!r}: module {mkey} is not targeted by the config "
+                "(target_modules / layers_to_transform / exclude_modules)",
+            )
+        for tname, t in ((a_name, a), (b_name, b)):
+            if not t.floating:
+                raise FormatError(
+                    "unsupported_dtype", f"tensor {tname!r}: dtype {t.dtype} is not floating point"
+                )
+            if len(t.shape) != 2:
+                raise FormatError(
+                    "shape_mismatch", f"tensor {tname!r}: expected 2-D, got shape {list(t.shape)}"
+                )
+        d_in, d_out = spec.module_shapes[proj]
+        rank = a.shape[0]
+        if b.shape[1] != rank:
+            raise FormatError(
+                "shape_mismatch",
+                f"rank mismatch in {mkey}: {a_name!r} has rank {rank}, {b_name!r} has {b.shape[1]}",
+            )
+        if a.shape[1] != d_in:
+            raise FormatError(
+                "shape_mismatch",
+                f"tensor {a_name!r}: shape {list(a.shape)}, expected [r, d_in={d_in}] "
+                "(adapter made for a different base model?)",
+            )
+        if b.shape[0] != d_out:
+            raise FormatError(
+                "shape_mismatch",
+                f"tensor {b_name!r}: shape {list(b.shape)}, expected [d_out={d_out}, r] "
+                "(adapter made for a different base model?)",
+            )
+        cfg_rank, scale = settings.rank_and_scale(mkey)
+        if rank != cfg_rank:
+            raise FormatError(
+                "shape_mismatch",
+                f"tensor {a_name!r}: rank {rank} != configured rank {cfg_rank} "
+                f"({settings.rank_field(mkey)})",
+            )
+        if rank > max_rank:
+            raise FormatError(
+                "rank_too_large", f"tensor {a_name!r}: rank {rank} > max_lora_rank {max_rank}"
+            )
+        out[key] = ModuleLayout(mkey, a_name, b_name, rank, scale)
+
+    prefix = next(iter(module_keys.values())).split("layers.")[0]
+    for layer in range(spec.num_layers):
+        for proj in spec.module_shapes:
+            mkey = module_key(layer, proj, prefix)
+            if (layer, proj) not in out and settings.is_targeted(mkey):
+                raise FormatError(
+                    "incomplete_adapter",
+                    f"module {mkey} is targeted by the config (target_modules / "
+                    "layers_to_transform) but has no LoRA tensors "
+                    "(adapter made for another model?)",
+                )
+    return out
