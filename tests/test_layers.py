@@ -43,12 +43,35 @@ ALLOWED: dict[str, set[str]] = {
     "router": BASE,
     # layer 7: on top; nothing imports them
     "sim": BASE | {"cache"},
-    "bench": BASE | {"cache", "engine", "entrypoints", "lora", "model", "registry", "server",
-                     "sim", "testing", "kv"},  # fmt: skip
+    "bench": BASE
+    | {
+        "cache",
+        "engine",
+        "entrypoints",
+        "lora",
+        "model",
+        "registry",
+        "server",
+        "sim",
+        "testing",
+        "kv",
+    },
     "testing": BASE | {"engine", "lora", "model", "kv"},
     "demo": BASE | {"engine", "entrypoints", "lora", "model", "server", "testing"},
-    "cli": BASE | {"bench", "demo", "engine", "entrypoints", "registry", "router", "server",
-                   "sim", "testing", "lora", "model"},  # fmt: skip
+    "cli": BASE
+    | {
+        "bench",
+        "demo",
+        "engine",
+        "entrypoints",
+        "registry",
+        "router",
+        "server",
+        "sim",
+        "testing",
+        "lora",
+        "model",
+    },
     "__main__": {"cli"},
 }
 
