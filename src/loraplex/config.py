@@ -1,14 +1,31 @@
-"""Typed engine configuration, passed explicitly (no module-level singletons)."""
+"""Typed engine and server configuration, passed explicitly (no module-level singletons).
+
+Each field that ``loraplex serve`` can set declares it once in its metadata
+(:func:`loraplex.settings.setting`): flags, value parser, bounds and help. The serve command's
+flags, config-file keys and constructor call come from there (``loraplex.server.args``), and
+``validate()`` checks the same declared bounds plus the cross-field rules written below.
+"""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
 
+from loraplex.settings import FieldError, check_fields, human_int, seconds, setting, stripped
+
 ADAPTER_EVICTION_POLICIES = ("hybrid", "lru", "lfu", "fifo")
 """Names of ``loraplex.cache.policy.POLICIES`` (checked by a test; config imports nothing)."""
+WARM_POLICIES = ("device-preferred", "host", "on-demand")  # how an adapter is pre-warmed
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+ENV_API_KEYS = ("LORAPLEX_API_KEY", "VLLM_API_KEY")  # first one set wins
+ENV_ADMIN_API_KEY = "LORAPLEX_ADMIN_API_KEY"
+ENV_REGISTRY_URL = "LORAPLEX_REGISTRY_URL"
 
+# --------------------------------------------------------------------------- value parsers
+# text -> value, or ValueError with a message that does not repeat the flag name
 
 _BYTE_SIZE = re.compile(
     r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*(?:([kmgtp])(i)?)?b?\s*", re.IGNORECASE
@@ -28,86 +45,325 @@ def parse_byte_size(text: str) -> int:
     return int(Decimal(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
 
 
+def parse_dtype(text: str) -> str:
+    """auto/float32/bfloat16/float16, plus vLLM's aliases half -> float16, float -> float32."""
+    value = text.strip().lower()
+    value = {"half": "float16", "float": "float32"}.get(value, value)
+    if value not in DTYPES:
+        raise ValueError(
+            f"invalid dtype {text!r} (choose from auto, float32, float, bfloat16, float16, half)"
+        )
+    return value
+
+
+def parse_device(text: str) -> str:
+    value = text.strip().lower()
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise ValueError(f"invalid device {text!r} (choose from auto, cpu, cuda, cuda:N)")
+    return value
+
+
+def parse_eviction_policy(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ADAPTER_EVICTION_POLICIES:
+        choices = ", ".join(ADAPTER_EVICTION_POLICIES)
+        raise ValueError(f"invalid eviction policy {text!r} (choose from {choices})")
+    return value
+
+
+def parse_store_url(text: str) -> str:
+    """s3://bucket/prefix, file:///dir or a directory."""
+    value = text.strip()
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme.lower() not in ("s3", "file"):
+        raise ValueError(f"unsupported object store {text!r} (use s3://bucket/prefix or a dir)")
+    if sep and scheme.lower() == "s3" and not rest.split("/", 1)[0]:
+        raise ValueError(f"{text!r} has no bucket (expected s3://bucket/prefix)")
+    if not value:
+        raise ValueError("must not be empty")
+    return value
+
+
+def parse_log_level(text: str) -> str:
+    value = text.strip().lower()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"invalid log level {text!r} (choose from {', '.join(LOG_LEVELS)})")
+    return value
+
+
+def _lora_from_mapping(obj: object) -> LoRAModule:
+    """{"name": ..., "path": ..., "base_model_name": ...} (vLLM's JSON form) -> LoRAModule."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected an object with name and path, got {obj!r}")
+    allowed = ("name", "path", "base_model_name", "warm")
+    unknown = [k for k in obj if k not in allowed]
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r} in {obj!r} (allowed: {', '.join(allowed)})")
+    name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name")
+    for field_name, value in (("name", name), ("path", path)):
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{field_name!r} must be a non-empty string in {obj!r}")
+    if base is not None and (not isinstance(base, str) or not base.strip()):
+        raise ValueError(f"'base_model_name' must be a non-empty string in {obj!r}")
+    warm = obj.get("warm", "on-demand")
+    if warm not in WARM_POLICIES:
+        raise ValueError(f"'warm' must be one of {', '.join(WARM_POLICIES)} in {obj!r}")
+    assert isinstance(name, str) and isinstance(path, str)
+    return LoRAModule(name=name.strip(), path=path.strip(), base_model_name=base, warm=warm)
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """'name=path' or vLLM's JSON '{"name": ..., "path": ..., "base_model_name": ...}'."""
+    spec = text.strip()
+    if spec.startswith("{"):
+        try:
+            obj = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid JSON {text!r}: {e.msg}") from None
+        return _lora_from_mapping(obj)
+    name, sep, path = spec.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(
+            f"expected NAME=PATH or JSON like "
+            f'{{"name": "sql", "path": "/adapters/sql"}}, got {text!r}'
+        )
+    return LoRAModule(name=name.strip(), path=path.strip())
+
+
+def lora_modules_from_value(value: object) -> list[LoRAModule]:
+    """A config-file value: list of 'name=path' strings or dicts, or a mapping name -> path."""
+    if isinstance(value, str):
+        return [parse_lora_module(value)]
+    if isinstance(value, list):
+        out = []
+        for item in value:
+            if isinstance(item, str):
+                out.append(parse_lora_module(item))
+            elif isinstance(item, dict):
+                out.append(_lora_from_mapping(item))
+            else:
+                raise ValueError(f"each item must be 'name=path' or a mapping, got {item!r}")
+        return out
+    if isinstance(value, dict):
+        if isinstance(value.get("name"), str) and isinstance(value.get("path"), str):
+            return [_lora_from_mapping(value)]  # one module written as a single mapping
+        out = []
+        for name, spec in value.items():
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError(f"adapter names must be non-empty strings, got {name!r}")
+            if isinstance(spec, str):
+                out.append(_lora_from_mapping({"name": name, "path": spec}))
+            elif isinstance(spec, dict):
+                if spec.get("name", name) != name:
+                    raise ValueError(f"adapter {name!r} has a different name {spec['name']!r}")
+                out.append(_lora_from_mapping({**spec, "name": name}))
+            else:
+                raise ValueError(f"adapter {name!r}: expected a path, got {spec!r}")
+        return out
+    raise ValueError(f"expected a list or a mapping of name to path, got {value!r}")
+
+
+# --------------------------------------------------------------------------- config objects
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine; names follow vLLM's so users recognise them."""
 
-    model: str
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 0
+    model: str = field(
+        metadata=setting(
+            "--model", metavar="MODEL_DIR", help="same as MODEL_DIR (vLLM's older form)"
+        )
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=setting(
+            "--dtype",
+            parse=parse_dtype,
+            choices=DTYPES,
+            metavar="{auto,float32,float,bfloat16,float16,half}",
+            help="weight/activation dtype (default: {default})",
+        ),
+    )
+    device: str = field(
+        default="auto",
+        metadata=setting(
+            "--device", parse=parse_device, help="auto, cpu, cuda or cuda:N (default: {default})"
+        ),
+    )
+    seed: int = field(
+        default=0, metadata=setting("--seed", help="random seed (default: {default})")
+    )
     # LoRA
-    enable_lora: bool = True
-    max_loras: int = 8
-    max_cpu_loras: int = 32
-    max_lora_rank: int = 64
+    enable_lora: bool = field(
+        default=True,
+        metadata=setting(
+            "--enable-lora",
+            cli_default=False,  # vLLM semantics: `serve` has LoRA off unless --enable-lora
+            help="serve LoRA adapters (default: {default})",
+        ),
+    )
+    max_loras: int = field(
+        default=8,
+        metadata=setting(
+            "--max-loras", ge=1, help="adapters resident on the device at once (default: {default})"
+        ),
+    )
+    max_cpu_loras: int = field(
+        default=32,
+        metadata=setting(
+            "--max-cpu-loras",
+            ge=1,
+            help="adapters kept in host memory (default: {default}, at least --max-loras)",
+        ),
+    )
+    max_lora_rank: int = field(
+        default=64,
+        metadata=setting(
+            "--max-lora-rank", ge=1, help="largest adapter rank accepted (default: {default})"
+        ),
+    )
     # adapter cache tiers (see loraplex.cache.adapters)
-    max_cpu_lora_bytes: int | None = None  # L1 byte budget (with the max_cpu_loras count)
-    adapter_eviction_policy: str = "hybrid"  # one of ADAPTER_EVICTION_POLICIES
-    disk_cache_dir: str | None = None  # L2 directory (object-store adapters); None: no L2
-    disk_cache_bytes: int | None = None  # L2 byte budget (required with disk_cache_dir)
-    adapter_min_residency_s: float = 0.0  # a newly loaded adapter is not evicted before this
-    adapter_load_timeout_s: float = 10.0  # max wait for room in host memory, then an error
-    adapter_store_url: str | None = None  # L3: s3://bucket/prefix, file:///dir or a directory
+    max_cpu_lora_bytes: int | None = field(  # L1 byte budget (with the max_cpu_loras count)
+        default=None,
+        metadata=setting(
+            "--max-cpu-lora-bytes",
+            parse=parse_byte_size,
+            ge=1,
+            metavar="BYTES",
+            help="host-memory budget of adapter weights, e.g. 4GiB, 512MiB, 1G (default: no "
+            "byte limit, only --max-cpu-loras)",
+        ),
+    )
+    adapter_eviction_policy: str = field(
+        default="hybrid",
+        metadata=setting(
+            "--adapter-eviction-policy",
+            parse=parse_eviction_policy,
+            metavar="{" + ",".join(ADAPTER_EVICTION_POLICIES) + "}",
+            help="adapter eviction policy (default: {default})",
+        ),
+    )
+    disk_cache_dir: str | None = field(  # L2 directory (object-store adapters); None: no L2
+        default=None,
+        metadata=setting(
+            "--disk-cache-dir",
+            metavar="DIR",
+            help="local directory caching object-store adapters (L2; needs --disk-cache-bytes)",
+        ),
+    )
+    disk_cache_bytes: int | None = field(  # L2 byte budget (required with disk_cache_dir)
+        default=None,
+        metadata=setting(
+            "--disk-cache-bytes",
+            parse=parse_byte_size,
+            ge=1,
+            metavar="BYTES",
+            help="byte budget of --disk-cache-dir, e.g. 20GiB",
+        ),
+    )
+    adapter_min_residency_s: float = field(
+        default=0.0,
+        metadata=setting(
+            "--adapter-min-residency",
+            parse=seconds,
+            ge=0,
+            metavar="SECONDS",
+            help="seconds a newly loaded adapter is protected from eviction (default: {default})",
+        ),
+    )
+    adapter_load_timeout_s: float = field(
+        default=10.0,
+        metadata=setting(
+            "--adapter-load-timeout",
+            parse=seconds,
+            gt=0,
+            metavar="SECONDS",
+            help="seconds a request waits for room in host memory before a 503 "
+            "(default: {default})",
+        ),
+    )
+    adapter_store_url: str | None = field(  # L3
+        default=None,
+        metadata=setting(
+            "--adapter-store-url",
+            parse=parse_store_url,
+            metavar="URL",
+            help="object store of adapters: s3://bucket/prefix (endpoint from $AWS_ENDPOINT_URL, "
+            "credentials from the AWS variables), file:///dir or a directory",
+        ),
+    )
     # KV cache and scheduling
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # None: a default sized from device memory
-    num_kv_blocks: int | None = None  # explicit override of the block count (tests)
-    max_model_len: int | None = None  # None: from the model config (capped)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
+    block_size: int = field(default=16, metadata=setting(ge=1))
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata=setting(
+            "--kv-cache-memory",
+            "--kv-cache-memory-bytes",
+            parse=parse_byte_size,
+            ge=1,
+            metavar="BYTES",
+            help="KV cache size in bytes: 2GiB, 512MiB (powers of 1024), 1G, 1GB (powers of "
+            "1000) or a number (default: sized from device memory)",
+        ),
+    )
+    num_kv_blocks: int | None = field(  # explicit override of the block count (tests)
+        default=None, metadata=setting(ge=1)
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=setting(
+            "--max-model-len",
+            parse=human_int,
+            ge=1,
+            help="context length, e.g. 4096, 32k, 32K (default: from the model config)",
+        ),
+    )
+    max_num_seqs: int = field(
+        default=64,
+        metadata=setting("--max-num-seqs", ge=1, help="sequences per step (default: {default})"),
+    )
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata=setting(
+            "--max-num-batched-tokens",
+            parse=human_int,
+            ge=1,
+            help="tokens per step (default: {default})",
+        ),
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=setting(
+            "--enable-prefix-caching",
+            help="reuse KV blocks of shared prefixes (default: {default})",
+        ),
+    )
     skip_tokenizer_init: bool = False
-    num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    num_threads: int | None = field(
+        default=None,
+        metadata=setting("--num-threads", ge=1, help="CPU intra-op threads (default: torch's)"),
+    )
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
-        checks = [
-            ("max_loras", self.max_loras >= 1),
-            ("max_cpu_loras", self.max_cpu_loras >= self.max_loras),
-            ("max_lora_rank", self.max_lora_rank >= 1),
-            ("block_size", self.block_size >= 1),
-            ("max_num_seqs", self.max_num_seqs >= 1),
-            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
-            ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16")),
-        ]
-        for name, ok in checks:
-            if not ok:
-                raise ValueError(f"invalid EngineConfig.{name}: {getattr(self, name)!r}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError("invalid EngineConfig.kv_cache_memory_bytes: must be > 0")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError("invalid EngineConfig.num_kv_blocks: must be >= 1")
-        self._validate_adapter_cache()
-
-    def _validate_adapter_cache(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"invalid EngineConfig.{name}: {getattr(self, name)!r} ({why})")
-
-        if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes <= 0:
-            raise bad("max_cpu_lora_bytes", "must be > 0 bytes")
-        if self.adapter_eviction_policy.strip().lower() not in ADAPTER_EVICTION_POLICIES:
-            raise bad("adapter_eviction_policy", f"one of {', '.join(ADAPTER_EVICTION_POLICIES)}")
-        if self.disk_cache_bytes is not None and self.disk_cache_bytes <= 0:
-            raise bad("disk_cache_bytes", "must be > 0 bytes")
+        """Raise FieldError (a ValueError) naming the first invalid field."""
+        check_fields(self)  # the declared syntax, choices and bounds of every field
+        if self.max_cpu_loras < self.max_loras:
+            raise FieldError(
+                self,
+                "max_cpu_loras",
+                lambda n: (
+                    f"must be >= {n('max_loras')} ({self.max_loras}), got {self.max_cpu_loras}"
+                ),
+            )
         if self.disk_cache_dir is not None and self.disk_cache_bytes is None:
-            raise bad("disk_cache_bytes", "required with disk_cache_dir")
+            raise FieldError(
+                self,
+                "disk_cache_dir",
+                lambda n: f"needs {n('disk_cache_bytes')} (the disk tier's byte budget)",
+            )
         if self.disk_cache_bytes is not None and self.disk_cache_dir is None:
-            raise bad("disk_cache_dir", "required with disk_cache_bytes")
-        if not self.adapter_min_residency_s >= 0:
-            raise bad("adapter_min_residency_s", "must be >= 0 seconds")
-        if not self.adapter_load_timeout_s > 0:
-            raise bad("adapter_load_timeout_s", "must be > 0 seconds")
-        url = self.adapter_store_url
-        if url is not None:
-            scheme, sep, rest = url.partition("://")
-            if not url or (sep and scheme.lower() not in ("s3", "file")):
-                raise bad("adapter_store_url", "expected s3://bucket/prefix, file:///dir or a path")
-            if sep and scheme.lower() == "s3" and not rest.split("/", 1)[0]:
-                raise bad("adapter_store_url", "s3:// URL without a bucket")
-
-
-WARM_POLICIES = ("device-preferred", "host", "on-demand")  # how an adapter is pre-warmed
+            raise FieldError(self, "disk_cache_bytes", lambda n: f"needs {n('disk_cache_dir')}")
 
 
 @dataclass
@@ -124,25 +380,138 @@ class LoRAModule:
 class ServerConfig:
     """Settings of ``loraplex serve``: the engine's plus the HTTP layer's (vLLM flag names)."""
 
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: list[str] = field(default_factory=list)  # empty: the model path
-    lora_modules: list[LoRAModule] = field(default_factory=list)
-    api_keys: list[str] = field(default_factory=list)  # inference keys; empty: no auth
-    admin_api_key: str | None = None  # admin routes are off unless set
-    allowed_lora_roots: list[str] = field(default_factory=list)
-    max_waiting: int = 256  # queue depth above which new requests get 503 + Retry-After
-    retry_after_seconds: int = 1
-    log_level: str = "info"
+    engine: EngineConfig  # its settings are serve's too
+    host: str = field(
+        default="127.0.0.1", metadata=setting("--host", help="address to bind (default: {default})")
+    )
+    port: int = field(
+        default=8000,
+        metadata=setting("--port", ge=0, le=65535, help="port to bind (default: {default})"),
+    )
+    served_model_name: list[str] = field(  # empty: the model path
+        default_factory=list,
+        metadata=setting(
+            "--served-model-name",
+            metavar="NAME",
+            help="names the base model answers to; the first is reported (default: MODEL_DIR "
+            "as given)",
+        ),
+    )
+    lora_modules: list[LoRAModule] = field(
+        default_factory=list,
+        metadata=setting(
+            "--lora-modules",
+            parse=parse_lora_module,
+            coerce=lora_modules_from_value,
+            metavar="SPEC",
+            help="adapters to serve at start-up: NAME=PATH or JSON "
+            '\'{"name": N, "path": P, "base_model_name": B}\'; needs --enable-lora',
+        ),
+    )
+    api_keys: list[str] = field(  # inference keys; empty: no auth
+        default_factory=list,
+        metadata=setting(
+            "--api-key",
+            env=ENV_API_KEYS,
+            metavar="KEY",
+            help="inference API key(s); repeat or list several (default: {env}; none: no auth)",
+        ),
+    )
+    admin_api_key: str | None = field(  # admin routes are off unless set
+        default=None,
+        metadata=setting(
+            "--admin-api-key",
+            env=(ENV_ADMIN_API_KEY,),
+            metavar="KEY",
+            help="key for the admin routes (default: {env}; none: admin routes off)",
+        ),
+    )
+    allowed_lora_roots: list[str] = field(
+        default_factory=list,
+        metadata=setting(
+            "--allowed-lora-roots",
+            metavar="DIR",
+            help="directories that runtime-loaded adapters must lie under",
+        ),
+    )
+    max_waiting: int = field(  # queue depth above which new requests get 503 + Retry-After
+        default=256,
+        metadata=setting(
+            "--max-waiting",
+            ge=0,
+            help="queued requests before 503 + Retry-After (default: {default})",
+        ),
+    )
+    retry_after_seconds: int = field(default=1, metadata=setting(ge=0))
+    log_level: str = field(
+        default="info",
+        metadata=setting(
+            "--uvicorn-log-level",
+            "--log-level",
+            parse=parse_log_level,
+            choices=LOG_LEVELS,
+            metavar="LEVEL",
+            help="server log level: {choices} (default: {default})",
+        ),
+    )
     # adapter registry: None = $LORAPLEX_REGISTRY_URL, else an in-memory one seeded from
     # --lora-modules; "sqlite:///path.db" or "postgresql+psycopg://..." for a shared one
-    registry_url: str | None = None
-    registry_poll_s: float = 1.0  # how often the registry is checked for changes
-    require_signatures: bool = False
-    trusted_keys: list[str] = field(default_factory=list)  # ed25519 public key files
-    allowed_store_prefixes: list[str] = field(default_factory=list)  # s3://bucket/prefix/
-    swap_eviction_delay_s: float = 30.0  # a replaced revision's cached copies go after this
+    registry_url: str | None = field(
+        default=None,
+        metadata=setting(
+            "--registry-url",
+            parse=stripped,
+            env=(ENV_REGISTRY_URL,),
+            metavar="URL",
+            help="adapter registry: sqlite:///FILE or postgresql+psycopg://... (default: "
+            "{env}, else in memory, holding the --lora-modules adapters)",
+        ),
+    )
+    registry_poll_s: float = field(
+        default=1.0,
+        metadata=setting(
+            "--registry-poll-interval",
+            parse=seconds,
+            gt=0,
+            metavar="SECONDS",
+            help="seconds between checks for registry changes made elsewhere (default: {default})",
+        ),
+    )
+    require_signatures: bool = field(
+        default=False,
+        metadata=setting(
+            "--require-signatures",
+            help="refuse adapters without a valid ed25519 manifest signature (default: {default})",
+        ),
+    )
+    trusted_keys: list[str] = field(
+        default_factory=list,
+        metadata=setting(
+            "--trusted-key",
+            metavar="FILE",
+            help="ed25519 public key file(s) (PEM) whose signatures are accepted",
+        ),
+    )
+    allowed_store_prefixes: list[str] = field(
+        default_factory=list,
+        metadata=setting(
+            "--allowed-store-prefixes",
+            metavar="URI",
+            help="object-store prefixes that registered adapter sources must lie under "
+            "(e.g. s3://bucket/adapters/)",
+        ),
+    )
+    swap_eviction_delay_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "--swap-eviction-delay",
+            parse=seconds,
+            ge=0,
+            metavar="SECONDS",
+            help="seconds after a promote or rollback before the replaced revision's cached "
+            "copies are evicted (default: {default})",
+        ),
+    )
 
     @property
     def model_names(self) -> list[str]:
@@ -150,26 +519,38 @@ class ServerConfig:
         return self.served_model_name or [self.engine.model]
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise FieldError (a ValueError) naming the first invalid field."""
         self.engine.validate()
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"invalid port: {self.port!r} (0-65535)")
-        if self.max_waiting < 0:
-            raise ValueError(f"invalid max_waiting: {self.max_waiting!r} (>= 0)")
-        if self.registry_poll_s <= 0:
-            raise ValueError(f"invalid registry_poll_s: {self.registry_poll_s!r} (> 0)")
-        if self.swap_eviction_delay_s < 0:
-            raise ValueError(
-                f"invalid swap_eviction_delay_s: {self.swap_eviction_delay_s!r} (>= 0)"
+        check_fields(self)
+        if self.lora_modules and not self.engine.enable_lora:
+            raise FieldError(
+                self,
+                "lora_modules",
+                lambda n: f"LoRA is off: add {n('enable_lora')} to serve LoRA modules",
             )
-        if self.retry_after_seconds < 0:
-            raise ValueError(f"invalid retry_after_seconds: {self.retry_after_seconds!r} (>= 0)")
-        seen: set[str] = set(self.model_names)
+        seen = dict.fromkeys(self.model_names, "served model name")
         for m in self.lora_modules:
             if not m.name or not m.path:
-                raise ValueError(f"invalid lora module {m!r}: name and path are required")
+                raise FieldError(self, "lora_modules", f"{m!r}: name and path are required")
             if m.name in seen:
-                raise ValueError(f"lora module name {m.name!r} is used twice")
-            seen.add(m.name)
-        if self.lora_modules and not self.engine.enable_lora:
-            raise ValueError("--lora-modules needs --enable-lora")
+                raise FieldError(
+                    self,
+                    "lora_modules",
+                    f"name {m.name!r} is used twice (already a {seen[m.name]})",
+                )
+            seen[m.name] = "LoRA module name"
+        if self.admin_api_key is not None and self.admin_api_key in self.api_keys:
+            raise FieldError(
+                self, "admin_api_key", "the admin key must differ from every inference API key"
+            )
+        if self.require_signatures and not self.trusted_keys:
+            raise FieldError(
+                self, "require_signatures", lambda n: f"needs at least one {n('trusted_keys')}"
+            )
+        for prefix in self.allowed_store_prefixes:
+            if "://" not in prefix:
+                raise FieldError(
+                    self,
+                    "allowed_store_prefixes",
+                    f"{prefix!r} is not a URI like s3://bucket/path/",
+                )

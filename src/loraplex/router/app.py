@@ -24,7 +24,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -33,8 +32,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.router.config import RouterConfig
 from loraplex.router.replicas import Replica, ReplicaSet
-from loraplex.router.scoring import POLICIES, Thresholds, Weights, choose
+from loraplex.router.scoring import choose
 
 log = logging.getLogger(__name__)
 
@@ -45,52 +45,6 @@ _HOP = {
     "accept-encoding",
 }  # fmt: skip
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-
-
-@dataclass
-class RouterConfig:
-    """Everything ``loraplex route`` can set (flags or a YAML/TOML file)."""
-
-    replicas: list[str] = field(default_factory=list)
-    replicas_file: str | None = None
-    replicas_dns: str | None = None  # NAME:PORT, re-resolved on every poll
-    policy: str = "residency"
-    weights: Weights = field(default_factory=Weights)
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    poll_interval_s: float = 1.0
-    poll_timeout_s: float = 2.0
-    readmit_after: int = 2
-    eject_after: int = 2  # failed health checks in a row (a refused connection: at once)
-    max_retries: int = 2
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 300.0  # longest silence from a replica before the request fails
-    retry_after_s: int = 1
-    replica_api_key: str | None = None  # for the router's own polls of /v1/adapters
-    host: str = "127.0.0.1"
-    port: int = 8080
-    log_level: str = "info"
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad setting."""
-        if not (self.replicas or self.replicas_file or self.replicas_dns):
-            raise ValueError("no replicas: give --replica URL, --replicas-file or --replicas-dns")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        self.weights.validate()
-        self.thresholds.validate()
-        for name in ("poll_interval_s", "poll_timeout_s", "connect_timeout_s", "read_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.readmit_after < 1:
-            raise ValueError(f"readmit_after must be >= 1, got {self.readmit_after}")
-        if self.eject_after < 1:
-            raise ValueError(f"eject_after must be >= 1, got {self.eject_after}")
-        if self.replicas_dns is not None:
-            host, sep, port = self.replicas_dns.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"replicas_dns: expected NAME:PORT, got {self.replicas_dns!r}")
 
 
 def _error(

@@ -27,6 +27,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from loraplex.settings import check_fields, setting
 
 TIERS = ("device", "host", "disk", "absent")
 """Where an adapter can sit on a replica, best first (the ``tier`` of ``/v1/adapters``)."""
@@ -36,30 +39,32 @@ REASONS = ("affinity", "load", "fallback", "round_robin")
 """Decision reasons, the label values of ``loraplex_router_decisions_total``."""
 
 
+def _weight(default: float, help: str) -> Any:
+    return field(default=default, metadata=setting(ge=0, help=help))
+
+
 @dataclass(frozen=True)
 class Weights:
     """Score weights. Affinity is per tier; load terms are per unit (request, fraction, 1/s)."""
 
-    device: float = 1.0
-    host: float = 0.6
-    disk: float = 0.25
-    absent: float = 0.0
-    waiting: float = 0.1
-    running: float = 0.02
-    in_flight: float = 0.05
-    kv_usage: float = 0.5
-    evictions: float = 0.1
-    hash: float = 0.05
-    balance: float = 0.25  # a cold adapter's home may be this much busier than the mean
+    device: float = _weight(1.0, "affinity of a copy in a device slot")
+    host: float = _weight(0.6, "affinity of a copy in host memory")
+    disk: float = _weight(0.25, "affinity of a copy on local disk")
+    absent: float = _weight(0.0, "affinity where the adapter is not held")
+    waiting: float = _weight(0.1, "load per queued request")
+    running: float = _weight(0.02, "load per running request")
+    in_flight: float = _weight(0.05, "load per request this router has outstanding there")
+    kv_usage: float = _weight(0.5, "load per unit of KV-cache usage")
+    evictions: float = _weight(0.1, "load per device eviction per second")
+    hash: float = _weight(0.05, "weight of the per-(adapter, replica) hash")
+    balance: float = _weight(0.25, "how much busier than the mean a cold adapter's home may be")
 
     def tier(self, tier: str) -> float:
         return {"device": self.device, "host": self.host, "disk": self.disk}.get(tier, self.absent)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad weight (all >= 0, device >= host >= disk)."""
-        for name, value in vars(self).items():
-            if not value >= 0:
-                raise ValueError(f"weight {name} must be >= 0, got {value!r}")
+        check_fields(self)
         if not self.device >= self.host >= self.disk >= self.absent:
             raise ValueError(
                 "tier weights must satisfy device >= host >= disk >= absent, got "
@@ -71,17 +76,41 @@ class Weights:
 class Thresholds:
     """When a replica counts as saturated (affinity no longer counts there)."""
 
-    max_waiting: int = 4
-    max_kv_usage: float = 0.9
-    max_in_flight: int = 32
+    max_waiting: int = field(
+        default=4,
+        metadata=setting(
+            "--max-waiting",
+            ge=1,
+            metavar="N",
+            group="routing",
+            help="queue depth at which a replica is saturated (default: {default})",
+        ),
+    )
+    max_kv_usage: float = field(
+        default=0.9,
+        metadata=setting(
+            "--max-kv-usage",
+            gt=0,
+            le=1,
+            metavar="FRACTION",
+            group="routing",
+            help="KV-cache usage at which a replica is saturated (default: {default})",
+        ),
+    )
+    max_in_flight: int = field(
+        default=32,
+        metadata=setting(
+            "--max-in-flight",
+            ge=1,
+            metavar="N",
+            group="routing",
+            help="router requests outstanding at which a replica is saturated (default: {default})",
+        ),
+    )
 
     def validate(self) -> None:
-        if self.max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
-        if not 0 < self.max_kv_usage <= 1:
-            raise ValueError(f"max_kv_usage must be in (0, 1], got {self.max_kv_usage}")
-        if self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        """Raise ValueError naming the first bad threshold (the declared bounds)."""
+        check_fields(self)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,197 @@
+"""``RouterConfig``: everything ``loraplex route`` can set, each field declaring its flag,
+config-file key, bounds and help once (:mod:`loraplex.settings`). Torch- and FastAPI-free, so
+the command line parses without the HTTP stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.config import LOG_LEVELS, parse_log_level
+from loraplex.router.replicas import normalize_url
+from loraplex.router.scoring import POLICIES, Thresholds, Weights
+from loraplex.settings import check_fields, setting
+
+_HEALTH = "health and retries"  # an argparse group of `loraplex route --help`
+
+
+@dataclass
+class RouterConfig:
+    """Everything ``loraplex route`` can set; each field declares its flag, config-file key,
+    bounds and help once (``loraplex.settings``)."""
+
+    replicas: list[str] = field(
+        default_factory=list,
+        metadata=setting(
+            "--replica",
+            keys=("replicas",),
+            parse=normalize_url,
+            nargs=None,
+            metavar="URL",
+            group="replicas",
+            help="a replica's base URL (repeat for more)",
+        ),
+    )
+    replicas_file: str | None = field(
+        default=None,
+        metadata=setting(
+            "--replicas-file",
+            metavar="FILE",
+            group="replicas",
+            help="file of replica URLs, one per line; re-read when it changes",
+        ),
+    )
+    replicas_dns: str | None = field(  # NAME:PORT, re-resolved on every poll
+        default=None,
+        metadata=setting(
+            "--replicas-dns",
+            metavar="NAME:PORT",
+            group="replicas",
+            help="DNS name whose addresses are the replicas (a headless Service); "
+            "re-resolved on every poll",
+        ),
+    )
+    policy: str = field(
+        default="residency",
+        metadata=setting(
+            "--policy",
+            choices=POLICIES,
+            group="routing",
+            help="routing policy (default: {default})",
+        ),
+    )
+    weights: Weights = field(
+        default_factory=Weights,
+        metadata=setting(
+            "--weight",
+            keys=("weights",),
+            nargs=None,
+            metavar="NAME=VALUE",
+            group="routing",
+            help="score weight, e.g. --weight device=1 --weight waiting=0.1",
+        ),
+    )
+    thresholds: Thresholds = field(default_factory=Thresholds)  # its settings are route's too
+    poll_interval_s: float = field(
+        default=1.0,
+        metadata=setting(
+            "--poll-interval",
+            gt=0,
+            metavar="SECONDS",
+            group=_HEALTH,
+            help="seconds between polls of every replica (default: {default})",
+        ),
+    )
+    poll_timeout_s: float = field(
+        default=2.0,
+        metadata=setting(
+            "--poll-timeout",
+            gt=0,
+            metavar="SECONDS",
+            group=_HEALTH,
+            help="timeout of one poll request (default: {default})",
+        ),
+    )
+    readmit_after: int = field(
+        default=2,
+        metadata=setting(
+            "--readmit-after",
+            ge=1,
+            metavar="N",
+            group=_HEALTH,
+            help="good health checks before an ejected replica is used again (default: {default})",
+        ),
+    )
+    eject_after: int = field(  # failed health checks in a row (a refused connection: at once)
+        default=2,
+        metadata=setting(
+            "--eject-after",
+            ge=1,
+            metavar="N",
+            group=_HEALTH,
+            help="failed or timed-out health checks in a row that eject a replica "
+            "(default: {default}; a refused connection ejects at once)",
+        ),
+    )
+    max_retries: int = field(
+        default=2,
+        metadata=setting(
+            "--max-retries",
+            ge=0,
+            metavar="N",
+            group=_HEALTH,
+            help="other replicas tried when one fails before the first byte (default: {default})",
+        ),
+    )
+    connect_timeout_s: float = field(
+        default=5.0,
+        metadata=setting(
+            "--connect-timeout",
+            gt=0,
+            metavar="SECONDS",
+            group=_HEALTH,
+            help="(default: {default})",
+        ),
+    )
+    read_timeout_s: float = field(  # longest silence from a replica before the request fails
+        default=300.0,
+        metadata=setting(
+            "--read-timeout",
+            gt=0,
+            metavar="SECONDS",
+            group=_HEALTH,
+            help="longest silence from a replica (default: {default})",
+        ),
+    )
+    retry_after_s: int = field(
+        default=1,
+        metadata=setting(
+            "--retry-after",
+            ge=0,
+            metavar="SECONDS",
+            group=_HEALTH,
+            help="Retry-After of the router's 503s (default: {default})",
+        ),
+    )
+    replica_api_key: str | None = field(  # for the router's own polls of /v1/adapters
+        default=None,
+        metadata=setting(
+            "--replica-api-key",
+            env=("LORAPLEX_API_KEY",),
+            metavar="KEY",
+            group="replicas",
+            help="API key for the router's own polls of /v1/adapters (default: {env}); "
+            "clients' Authorization headers are passed through",
+        ),
+    )
+    host: str = field(
+        default="127.0.0.1",
+        metadata=setting("--host", group="server", help="address to bind (default: {default})"),
+    )
+    port: int = field(
+        default=8080,
+        metadata=setting(
+            "--port", ge=0, le=65535, group="server", help="port to bind (default: {default})"
+        ),
+    )
+    log_level: str = field(
+        default="info",
+        metadata=setting(
+            "--log-level",
+            parse=parse_log_level,
+            choices=LOG_LEVELS,
+            group="server",
+            help="(default: {default})",
+        ),
+    )
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting."""
+        if not (self.replicas or self.replicas_file or self.replicas_dns):
+            raise ValueError("no replicas: give --replica URL, --replicas-file or --replicas-dns")
+        check_fields(self)  # the declared choices and bounds
+        self.weights.validate()
+        self.thresholds.validate()
+        if self.replicas_dns is not None:
+            host, sep, port = self.replicas_dns.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"replicas_dns: expected NAME:PORT, got {self.replicas_dns!r}")
