@@ -21,6 +21,9 @@ Admission is two-phase because the new copy is loaded *before* any victim is dro
     evicted = index.commit_admission(info, victims, now)   # re-checks, re-plans if stale
     ... free the copies of ``evicted`` (not ``victims``: the plan may have changed) ...
 
+An owner that routes every eviction through one path of its own (the tier controller) evicts a
+plan's victims one by one with :meth:`TierIndex.evict`, then calls :meth:`TierIndex.insert`.
+
 Request accounting: call ``lookup(key, now)`` once per request that reaches this tier (counts a
 hit or a miss and refreshes recency); the policy's ``on_access`` is called by the owner once per
 request, not by the index (one policy instance can serve every tier).
@@ -37,6 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy
+from loraplex.cache.stats import TierCounters
 
 __all__ = [
     "AdmissionDeferred",
@@ -79,28 +83,6 @@ class Entry:
     last_access: float
     pinned: bool = False
     inflight: int = 0
-
-
-@dataclass
-class TierCounters:
-    """Monotonic counters of one tier (the cache exports them as Prometheus metrics)."""
-
-    hits: int = 0
-    misses: int = 0
-    inserts: int = 0
-    evictions: int = 0
-    reload_after_eviction: int = 0
-    """Inserts of a key evicted from this tier less than ``thrash_window_s`` before."""
-
-    @property
-    def thrash_ratio(self) -> float:
-        """Reloads within the window after an eviction / evictions (0 when nothing evicted)."""
-        return self.reload_after_eviction / self.evictions if self.evictions else 0.0
-
-    @property
-    def hit_ratio(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
 
 class TierIndex:
@@ -246,6 +228,19 @@ class TierIndex:
         self.policy.on_evict(key, self.name, now)
         return e
 
+    def evict(self, key: str, now: float) -> Entry:
+        """Evict ``key`` as a policy eviction: counted, remembered for reload-after-eviction.
+
+        Only an entry the hard constraints allow to go (see :meth:`evictable`); anything else
+        raises ResidencyError. The caller chose it (a plan's victim, or policy-ordered).
+        """
+        e = self._require(key)
+        why = self._why_kept(key, e, now)
+        if why is not None:
+            raise ResidencyError(f"tier {self.name}: adapter {key[:16]} may not be evicted ({why})")
+        self._evict(key, now)
+        return e
+
     # ------------------------------------------------------------------------ admission
     def plan_admission(self, info: AdapterInfo, now: float, *, patient: bool = False) -> list[str]:
         """Victims to evict so that ``info`` fits, lowest keep-score first; [] when it already fits.
@@ -346,6 +341,16 @@ class TierIndex:
             self._evict(k, now)
         self._insert(info, now)
         return planned
+
+    def insert(self, info: AdapterInfo, now: float) -> None:
+        """Insert ``info`` when it fits now (its victims already evicted); ResidencyError if it
+        does not, NoRoomError never: nothing is evicted here. A resident key is a hit."""
+        if info.key in self._entries:
+            self.touch(info.key, now)
+            return
+        if not self._plan_valid(info, [], now):
+            raise ResidencyError(f"tier {self.name}: adapter {info.key[:16]} does not fit")
+        self._insert(info, now)
 
     def admit(self, info: AdapterInfo, now: float, *, patient: bool = False) -> list[str]:
         """plan + commit in one step (when loading happens elsewhere); returns evicted keys."""
