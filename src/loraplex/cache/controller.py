@@ -215,7 +215,7 @@ class TierController:
 
     def host_info(self, key: str) -> AdapterInfo:
         """What the L1 admission of ``key`` recorded (size, tenant, priority, rank)."""
-        e = self.host.get(key) if self.host is not None else None
+        e = self.host.peek(key) if self.host is not None else None
         if e is None:
             raise RuntimeError(f"adapter {key[:12]} is not held in host memory")
         return e.info
@@ -245,8 +245,8 @@ class TierController:
             return False
         cands = []
         for k in self.slot_of:
-            h = host.get(k)
-            if not self.device.evictable(k, now) or h is None or h.inflight != 1 or h.pinned:
+            h = host.peek(k)
+            if h is None or h.inflight != 1 or h.pinned or not self.device.evictable(k, now):
                 continue
             if now - h.inserted_at >= host.min_residency_s:  # L1 may then evict it
                 cands.append(k)

@@ -35,8 +35,9 @@ it under its own lock, which must also cover multi-tier sequences such as plan â
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy
@@ -63,11 +64,20 @@ class NoRoomError(ResidencyError):
     waits (bounded) and retries, or answers with a clear 503.
     """
 
-    def __init__(self, tier: str, key: str, reason: str) -> None:
-        super().__init__(f"tier {tier}: no room for adapter {key[:16]}: {reason}")
+    def __init__(self, tier: str, key: str, reason: str | Callable[[], str]) -> None:
+        super().__init__(tier, key)
         self.tier = tier
         self.key = key
-        self.reason = reason
+        self._reason = reason  # a callable is formatted on first use (most refusals are retried)
+
+    @property
+    def reason(self) -> str:
+        if callable(self._reason):
+            self._reason = self._reason()
+        return self._reason
+
+    def __str__(self) -> str:
+        return f"tier {self.tier}: no room for adapter {self.key[:16]}: {self.reason}"
 
 
 class AdmissionDeferred(NoRoomError):
@@ -159,6 +169,10 @@ class TierIndex:
         """A copy of ``key``'s entry, or None."""
         e = self._entries.get(key)
         return dataclasses.replace(e) if e is not None else None
+
+    def peek(self, key: str) -> Entry | None:
+        """``key``'s live entry, or None: read it, never change it (:meth:`get` copies)."""
+        return self._entries.get(key)
 
     def entries(self) -> dict[str, Entry]:
         """Snapshot (copies) of every resident entry."""
@@ -301,7 +315,8 @@ class TierIndex:
                 if self._fits(size, freed, len(victims)):
                     break
             else:
-                raise NoRoomError(self.name, info.key, self._kept_reason(list(self._entries), now))
+                why = functools.partial(self._kept_reason, list(self._entries), now)
+                raise NoRoomError(self.name, info.key, why)
         victims = self._trim(victims, info, now)
         if patient and victims:
             scope = [self._entries[v].info.tenant for v in victims]
@@ -386,6 +401,7 @@ class TierIndex:
         return order
 
     def _kept_reason(self, keys: list[str], now: float) -> str:
+        keys = [k for k in keys if k in self._entries]  # formatted later: some may have left
         why: dict[str, int] = {}
         for k in keys:
             r = self._why_kept(k, self._entries[k], now)
