@@ -27,6 +27,7 @@ from loraplex.cache.policy import POLICIES
 from loraplex.cache.store import LocalDirStore, S3Store, StoreUnavailableError
 from loraplex.cache.verify import AdapterCorruptError, AdapterIntegrityError
 from loraplex.config import ADAPTER_EVICTION_POLICIES, EngineConfig
+from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.lora.adapter import LoRAAdapter
 from loraplex.lora.digest import digest_safetensors_dir
 from loraplex.lora.slots import LoRASlotBank
@@ -569,6 +570,21 @@ def test_s3_single_flight_and_endpoint_down(
     with pytest.raises(AdapterError, match=r"outside|not the store's bucket"):
         resolve(cache, spec("x", "s3://other-bucket/adapters/a6", tiny_adapters[5][1]))
 
+    # offline requests name the URI: the engine's catalog learns its digest once per version
+    catalog = LocalAdapterCatalog(s3, fingerprint_ttl_s=0)
+    assert catalog.spec(LoRARequest("a6", uri)).sha256 == d6
+    assert catalog.spec(LoRARequest("a6", uri)).sha256 == d6 and catalog.hashes == 1
+    real_fingerprint = s3.fingerprint
+
+    def down(uri):  # type: ignore[no-untyped-def]
+        raise StoreUnavailableError("store down for the test")
+
+    s3.fingerprint = down  # type: ignore[method-assign]
+    assert catalog.spec(LoRARequest("a6", uri)).sha256 == d6  # known: keeps being served
+    with pytest.raises(StoreUnavailableError):
+        LocalAdapterCatalog(s3).spec(LoRARequest("a6", uri))  # unknown: a clear error
+    s3.fingerprint = real_fingerprint  # type: ignore[method-assign]
+
     down = S3Store(bucket, "adapters", endpoint_url=f"http://127.0.0.1:{free_port()}")
     cache2 = make_cache(store=down, disk=DiskTier(tmp_path / "l2b", 1 << 20))
     t0 = time.monotonic()
@@ -584,6 +600,51 @@ def test_s3_uri_without_a_store_is_a_clear_error(tiny_adapters: list[tuple[Path,
     digest = tiny_adapters[0][1]
     with pytest.raises(AdapterError, match="no object store is configured"):
         resolve(make_cache(), spec("x", "s3://bucket/adapters/x", digest))
+
+
+class WatchedBank(LoRASlotBank):
+    """The real slot bank; each weight copy checks that another thread can use the cache."""
+
+    cache: TieredAdapterCache | None = None
+    copies = 0
+
+    def set_lora(self, slot, weights):  # type: ignore[no-untyped-def]
+        assert self.cache is not None
+        done: list[object] = []
+        other = threading.Thread(target=lambda: done.append(self.cache.tier_of("0" * 64)))
+        other.start()
+        other.join(EVENT_TIMEOUT_S)
+        assert done, "the weights were copied under the cache lock"
+        self.copies += 1
+        super().set_lora(slot, weights)
+
+
+def test_slots_are_reserved_under_the_lock_and_filled_outside_it(
+    tiny_adapters: list[tuple[Path, str]],
+) -> None:
+    shapes = {
+        (layer, proj): dims
+        for layer in range(TINY_SPEC.num_layers)
+        for proj, dims in TINY_SPEC.module_shapes.items()
+    }
+    bank = WatchedBank(shapes, 2, 8, torch.float32, "cpu")
+    cache = TieredAdapterCache(
+        bank, TINY_SPEC, max_loras=2, max_cpu_loras=4, max_lora_rank=8, dtype=torch.float32
+    )
+    bank.cache = cache
+    a0, a1 = (resolve(cache, spec(f"a{i}", tiny_adapters[i][0])) for i in range(2))
+    s0, s1 = cache.reserve_slot(a0), cache.reserve_slot(a1)
+    assert s0 is not None and s1 is not None and bank.copies == 0  # bookkeeping only
+    batch = Batch({s0: a0, s1: a1})
+    cache.activate(batch)
+    assert bank.copies == 2 and batch.slot_rows == {s: bank.slot_rows(s) for s in (s0, s1)}
+    cache.activate(Batch({s0: a0}))  # already in its slot: nothing is copied again
+    assert bank.copies == 2
+    for s in (s0, s1):
+        cache.release_slot(s)
+    for a in (a0, a1):
+        cache.release(a)
+    cache.check_invariants()
 
 
 # -------------------------------------------------------------- pins, evict, warm policies
