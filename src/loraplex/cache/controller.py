@@ -338,12 +338,9 @@ class TierController:
         self.release_slot(slot)
         self._evict(self.device, key, self.clock(), removal=True, force=True)
 
-    # -- generic holds, loads ------------------------------------------------------------------
-    def hold(self, tier: str, key: str) -> None:
-        """Hold resident ``key`` in ``tier`` against eviction (e.g. while it is read)."""
-        self._index[tier].acquire(key)
-
+    # -- holds, loads ---------------------------------------------------------------------------
     def release(self, tier: str, key: str) -> None:
+        """End a hold taken by :meth:`hold_disk_copy` or :meth:`admit_disk`."""
         self._index[tier].release(key)
 
     def record_load(self, tier: str, key: str, seconds: float) -> None:
@@ -418,10 +415,6 @@ class TierController:
             self.host.tenant_budgets[tenant] = host_bytes
 
     # -- reports -------------------------------------------------------------------------------
-    def tiers(self) -> list[TierIndex]:
-        """The configured tiers' indexes, device first."""
-        return list(self._index.values())
-
     def tier_of(self, key: str) -> str | None:
         """The fastest tier holding ``key`` (L0, then L1, then L2), or None."""
         if key in self.slot_of:
