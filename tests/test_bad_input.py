@@ -85,9 +85,25 @@ def test_prompt_too_long_and_bad_tokens(llm: LLM, adapters: dict[str, Path]) -> 
     _still_serves(llm, adapters)
 
 
-def test_generation_stops_at_max_model_len(llm: LLM) -> None:
+def test_generation_stops_at_max_model_len(llm: LLM, adapters: dict[str, Path]) -> None:
+    """max_tokens=None: up to max_model_len; an explicit max_tokens that does not fit is a clear
+    error (OpenAI's message, param max_tokens), never silently clamped."""
     out = llm.generate(
-        [list(range(10, 60))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        [list(range(10, 60))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     )
     assert len(out[0].outputs[0].token_ids) == 64 - 50
     assert out[0].outputs[0].finish_reason == "length"
+    exact = llm.generate(
+        [list(range(10, 60))], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    )
+    assert exact[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(
+            [list(range(10, 60))], SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+        )
+    assert str(info.value) == (
+        "This model's maximum context length is 64 tokens. However, you requested 65 tokens "
+        "(50 in the prompt, 15 in the completion). Reduce the prompt or max_tokens."
+    )
+    assert info.value.param == "max_tokens"
+    _still_serves(llm, adapters)

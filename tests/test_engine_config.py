@@ -45,7 +45,8 @@ def test_auto_dtype_end_to_end_on_each_kind_of_cpu(
     engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=8, max_loras=1))
     assert engine.dtype == want and engine.cache.k.dtype == want
     assert engine.adapters is not None and engine.adapters.dtype == want
-    got = engine.adapters.resolve(LoRARequest("a", str(adapter)))
+    assert engine.adapter_catalog is not None
+    got, _ = engine.adapters.acquire(engine.adapter_catalog.spec(LoRARequest("a", str(adapter))))
     mc = engine.model_config
     spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
     assert got.nbytes == load_peft_adapter(adapter, spec, dtype=want).nbytes

@@ -55,6 +55,24 @@ def test_requests_join_mid_run(tiny_model: Path, adapters: dict[str, Path]) -> N
     assert e.is_idle()
 
 
+def test_the_scheduler_reserves_slots_and_the_engine_fills_them(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    e = _engine(tiny_model, max_loras=2)
+    lora = LoRARequest("a", adapters["all_r8"])
+    e.add_request("r", "Hello world!", GREEDY, lora)
+    assert e.adapters is not None
+    batch = e.scheduler.schedule()
+    ((seq, _),) = batch.items
+    assert seq.slot is not None and e.adapters.slot_digest[seq.slot] == seq.adapter.ref.sha256
+    assert e.adapters.bank.occupied_slots == () and batch.slot_rows == {}  # nothing copied
+    e.adapters.activate(batch)
+    assert e.adapters.bank.occupied_slots == (seq.slot,)
+    assert batch.slot_rows == {seq.slot: e.adapters.bank.slot_rows(seq.slot)}
+    assert _run(e)["r"] == _solo(tiny_model, "Hello world!", lora)  # the step is redone
+    assert e.is_idle()
+
+
 def test_preemption_under_tiny_block_budget(tiny_model: Path) -> None:
     """6 blocks of 4 tokens cannot hold 4 growing sequences: some are preempted and recomputed."""
     e = _engine(

@@ -193,7 +193,8 @@ def test_replay_accounting_across_tiers() -> None:
     l0, l1, l2 = res.tiers
     assert [t.name for t in res.tiers] == ["L0", "L1", "L2"]
     assert l0.lookups == 3000 and l0.hits == round(res.l0_hit_ratio * 3000)
-    assert l1.lookups == 3000 - l0.hits  # every L0 miss reaches L1
+    assert l1.lookups == 3000  # as in the server, every request looks up its host copy first
+    assert l1.hits >= l0.hits  # inclusive: an adapter in a slot keeps its host copy
     assert l2.lookups == l1.lookups - l1.hits
     assert res.remote_fetches == l2.lookups - l2.hits
     assert l0.loads == 3000 - l0.hits  # demand paging: every L0 miss is loaded

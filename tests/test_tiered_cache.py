@@ -27,10 +27,13 @@ from loraplex.cache.policy import POLICIES
 from loraplex.cache.store import LocalDirStore, S3Store, StoreUnavailableError
 from loraplex.cache.verify import AdapterCorruptError, AdapterIntegrityError
 from loraplex.config import ADAPTER_EVICTION_POLICIES, EngineConfig
+from loraplex.engine.adapter_catalog import LocalAdapterCatalog
+from loraplex.lora.adapter import LoRAAdapter
+from loraplex.lora.digest import digest_safetensors_dir
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.requests import LoRARequest, SamplingParams
 from loraplex.testing.sync import EVENT_TIMEOUT_S, wait_until
-from loraplex.types import AdapterError
+from loraplex.types import AdapterError, AdapterRef, AdapterSpec
 from s3fixture import TINY_SPEC, fake_aws_env, free_port, run_moto_server, write_adapter
 
 N_ADAPTERS = 8
@@ -39,7 +42,7 @@ N_ADAPTERS = 8
 def adapter_bytes(path: Path) -> int:
     """Host bytes of one converted tiny adapter."""
     probe = make_cache()
-    a = probe.resolve(req("probe", path))
+    a = resolve(probe, spec("probe", path))
     probe.release(a)
     return a.nbytes
 
@@ -96,6 +99,8 @@ class CountingStore(LocalDirStore):
         return super().fingerprint(uri)
 
     def fetch(self, uri, dest):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise StoreUnavailableError("store down for the test")
         self.fetches += 1
         self.started.append(time.monotonic())
         self.fetching.set()
@@ -123,10 +128,35 @@ def store_root(tmp_path: Path, tiny_adapters: list[tuple[Path, str]]) -> Path:
     return root
 
 
-def req(name: str, path: str | Path, **extra: object) -> LoRARequest:
-    r = LoRARequest(name, str(path))
-    r.extra.update(extra)
-    return r
+def spec(
+    name: str,
+    source: str | Path,
+    digest: str | None = None,
+    *,
+    tenant: str | None = None,
+    warm: str = "on-demand",
+) -> AdapterSpec:
+    """What a catalog hands the cache: the digest (given, as a registry's, or computed from the
+    local directory's files), the source and the tenant."""
+    if digest is None:
+        digest = digest_safetensors_dir(source)
+    return AdapterSpec(AdapterRef(name, digest[:12], digest), str(source), tenant, 0, warm)
+
+
+def resolve(cache: TieredAdapterCache, s: AdapterSpec) -> LoRAAdapter:
+    """The host copy of ``s`` with one request reference."""
+    return cache.acquire(s)[0]
+
+
+class Batch:
+    """A step's slots as the engine hands them to ``activate``."""
+
+    def __init__(self, slots: dict[int, LoRAAdapter]) -> None:
+        self.slots = slots
+        self.slot_rows: dict[int, tuple[int, int]] = {}
+
+    def slot_adapters(self) -> dict[int, LoRAAdapter]:
+        return self.slots
 
 
 def hammer(fn, n: int = 100, *, until=None) -> list:  # type: ignore[no-untyped-def]
@@ -154,16 +184,13 @@ def hammer(fn, n: int = 100, *, until=None) -> list:  # type: ignore[no-untyped-
     return out
 
 
-def share_one_load(cache: TieredAdapterCache, store: CountingStore, n: int):  # type: ignore[no-untyped-def]
+def share_one_load(cache: TieredAdapterCache, store: CountingStore, digest: str, n: int):  # type: ignore[no-untyped-def]
     """An ``until`` for :func:`hammer`: wait until the held fetch has ``n - 1`` waiters, then
     release it (every caller shares the one load, whatever the machine's speed)."""
 
     def until() -> None:
         wait_until(
-            lambda: (
-                store.fetching.is_set()
-                and sum(f.waiters for f in list(cache._flights.values())) == n - 1
-            ),
+            lambda: store.fetching.is_set() and cache.loader.waiters(digest) == n - 1,
             what=f"{n} callers sharing one load",
         )
         store.release.set()
@@ -181,15 +208,15 @@ def test_100_concurrent_resolves_of_a_cold_local_adapter_load_once(
     stages = StageCounter()
     cache.load_observers.append(stages)
     path, digest = tiny_adapters[0]
-    results = hammer(lambda: cache.resolve_with_state(req("a0", path)))
+    results = hammer(lambda: cache.acquire(spec("a0", path, digest)))
     assert not [r for r in results if isinstance(r, BaseException)]
     assert len({id(a) for a, _ in results}) == 1
     assert stages.counts["disk_load"] == 1
-    assert cache.stats.host_loads == 1  # late arrivals hit the fresh copy
-    assert cache.stats.cold_requests + cache.stats.host_hits == 100
-    assert cache.request_refs[digest] == 100 and cache.tier_of(digest) == "host"
     host = cache.tier_counters()["host"]
-    assert host.misses == cache.stats.cold_requests and host.misses + host.hits == 100
+    assert host.inserts == 1  # one load; late arrivals hit the fresh copy
+    assert cache.stats.cold_requests == host.misses and host.misses + host.hits == 100
+    assert sum(not warm for _, warm in results) == host.misses  # cold: shared the one load
+    assert cache.request_refs[digest] == 100 and cache.tier_of(digest) == "host"
     for a, _ in results:
         cache.release(a)
     assert cache.is_idle()
@@ -201,26 +228,26 @@ def test_100_concurrent_resolves_load_once_from_each_tier(
 ) -> None:
     store = CountingStore(store_root, hold=True)
     disk = DiskTier(tmp_path / "l2", 1 << 20)
-    cache = make_cache(store=store, disk=disk, fingerprint_ttl_s=60)
+    cache = make_cache(store=store, disk=disk)
     stages = StageCounter()
     cache.load_observers.append(stages)
     digest = tiny_adapters[1][1]
-    r = req("a1", store_root / "a1")
-    results = hammer(lambda: cache.resolve(r), until=share_one_load(cache, store, 100))
+    r = spec("a1", store_root / "a1", digest)
+    results = hammer(lambda: resolve(cache, r), until=share_one_load(cache, store, digest, 100))
     assert all(not isinstance(a, BaseException) for a in results)
     assert store.fetches == 1 and stages.counts["remote_download"] == 1
-    assert store.fingerprints == 1  # change checks are shared too (and cached for the TTL)
+    assert store.fingerprints == 0  # keyed by digest: the cache never asks if the store changed
     assert digest in disk.entries() and cache.resident_bytes()["disk"][0] == 1
     for a in results:
         cache.release(a)
     cache.evict(digest, tiers=["host"])  # an L1 miss whose digest is on L2
     assert cache.tier_of(digest) == "disk"
     stages.counts.clear()
-    results = hammer(lambda: cache.resolve(r))
+    results = hammer(lambda: resolve(cache, r))
     assert all(not isinstance(a, BaseException) for a in results)
     assert store.fetches == 1  # L3 untouched
     assert stages.counts["disk_load"] == 1 and stages.counts["remote_download"] == 0
-    assert cache.stats.disk_hits == 1
+    assert cache.tier_counters()["disk"].hits == 1  # one read of the L2 copy
     for a in results:
         cache.release(a)
     cache.check_invariants()
@@ -232,12 +259,14 @@ def test_a_failed_load_fails_all_waiters_and_the_next_request_retries(
     store = CountingStore(store_root, hold=True)
     store.fail_next = StoreUnavailableError("store down for the test")
     cache = make_cache(store=store, disk=DiskTier(tmp_path / "l2", 1 << 20))
-    r = req("a2", store_root / "a2")
-    results = hammer(lambda: cache.resolve(r), n=20, until=share_one_load(cache, store, 20))
+    r = spec("a2", store_root / "a2")
+    results = hammer(
+        lambda: resolve(cache, r), n=20, until=share_one_load(cache, store, r.sha256, 20)
+    )
     assert all(isinstance(e, StoreUnavailableError) for e in results)
     assert len({id(e) for e in results}) == 1 and store.fetches == 1
     assert cache.stats.load_failures == 1 and cache.is_idle()
-    a = cache.resolve(r)  # no negative caching
+    a = resolve(cache, r)  # no negative caching
     assert store.fetches == 2
     cache.release(a)
     cache.check_invariants()
@@ -251,7 +280,7 @@ def test_count_budget_caps_cached_copies_and_lets_live_requests_exceed_it(
 ) -> None:
     """vLLM's max_cpu_loras: an offline batch may hold more adapters than that at once."""
     cache = make_cache(max_loras=1, max_cpu_loras=2)
-    held = [cache.resolve(req(f"a{i}", p)) for i, (p, _) in enumerate(tiny_adapters[:5])]
+    held = [resolve(cache, spec(f"a{i}", p)) for i, (p, _) in enumerate(tiny_adapters[:5])]
     assert len(cache.host) == 5  # all in use: none may go
     for a in held:
         cache.release(a)
@@ -262,13 +291,13 @@ def test_count_budget_caps_cached_copies_and_lets_live_requests_exceed_it(
 def test_an_adapter_in_use_survives_any_pressure(tiny_adapters: list[tuple[Path, str]]) -> None:
     cache = make_cache(max_loras=1, max_cpu_loras=2, load_wait_timeout_s=0.2)
     (p0, d0), rest = tiny_adapters[0], tiny_adapters[1:]
-    held = cache.resolve(req("a0", p0))
-    slot = cache.acquire_slot(held)
+    held = resolve(cache, spec("a0", p0))
+    slot = cache.reserve_slot(held)
     assert slot is not None
     for _ in range(3):
         for i, (p, _) in enumerate(rest):
-            a = cache.resolve(req(f"a{i + 1}", p))
-            assert cache.acquire_slot(a) is None  # the only slot is in use
+            a = resolve(cache, spec(f"a{i + 1}", p))
+            assert cache.reserve_slot(a) is None  # the only slot is in use
             cache.release(a)
             assert cache.tier_of(d0) == "device" and cache.slot_of[d0] == slot
             assert cache.resident_bytes()["host"][0] <= 2
@@ -283,17 +312,18 @@ def test_resolve_waits_for_room_then_raises_a_clear_capacity_error(
 ) -> None:
     one = adapter_bytes(tiny_adapters[0][0])
     cache = make_cache(max_loras=1, max_cpu_lora_bytes=one + one // 2, load_wait_timeout_s=0.3)
-    a0 = cache.resolve(req("a0", tiny_adapters[0][0]))
+    a0 = resolve(cache, spec("a0", tiny_adapters[0][0]))
     t0 = time.monotonic()
     with pytest.raises(AdapterCapacityError, match=r"'a1'.*host memory.*in use") as info:
-        cache.resolve(req("a1", tiny_adapters[1][0]))
+        resolve(cache, spec("a1", tiny_adapters[1][0]))
     assert time.monotonic() - t0 >= 0.3 and info.value.tier == "host"
     assert isinstance(info.value, AdapterError)
     # woken by a release: the waiting load goes on
     cache.load_wait_timeout_s = 5.0
     threading.Timer(0.2, cache.release, args=(a0,)).start()
-    a1 = cache.resolve(req("a1", tiny_adapters[1][0]))
-    assert cache.tier_of(tiny_adapters[0][1]) is None and cache.stats.host_evictions == 1
+    a1 = resolve(cache, spec("a1", tiny_adapters[1][0]))
+    assert cache.tier_of(tiny_adapters[0][1]) is None
+    assert cache.tier_counters()["host"].evictions == 1 and cache.stats.capacity_waits == 2
     cache.release(a1)
     cache.check_invariants()
 
@@ -302,13 +332,22 @@ def test_idle_slots_give_their_host_copies_room(tiny_adapters: list[tuple[Path, 
     one = adapter_bytes(tiny_adapters[0][0])
     cache = make_cache(max_loras=2, max_cpu_lora_bytes=2 * one, load_wait_timeout_s=0.2)
     for i in range(2):
-        a = cache.resolve(req(f"a{i}", tiny_adapters[i][0]))
-        cache.release_slot(cache.acquire_slot(a))  # type: ignore[arg-type]
+        a = resolve(cache, spec(f"a{i}", tiny_adapters[i][0]))
+        slot = cache.reserve_slot(a)
+        assert slot is not None
+        cache.activate(Batch({slot: a}))
+        cache.release_slot(slot)
         cache.release(a)
-    a2 = cache.resolve(req("a2", tiny_adapters[2][0]))  # both L1 entries held only by idle slots
+    assert cache.bank.occupied_slots == (0, 1)
+    a2 = resolve(cache, spec("a2", tiny_adapters[2][0]))  # both L1 entries held only by idle slots
     assert cache.tier_of(a2.ref.sha256) == "host"
-    slot = cache.acquire_slot(a2)  # reuses a retired slot (stale rows reset)
+    slot = cache.reserve_slot(a2)  # reuses a retired slot
     assert slot is not None
+    batch = Batch({slot: a2})
+    cache.activate(batch)  # its stale rows are reset, a2's copied in
+    rank = max(w.rank for w in a2.weights.values())
+    assert batch.slot_rows[slot] == cache.bank.slot_rows(slot)
+    assert batch.slot_rows[slot][1] - batch.slot_rows[slot][0] == rank
     cache.release_slot(slot)
     cache.release(a2)
     cache.check_invariants()
@@ -320,14 +359,14 @@ def test_byte_budget_is_never_exceeded(tiny_adapters: list[tuple[Path, str]]) ->
     cache = make_cache(max_cpu_loras=8, max_cpu_lora_bytes=budget, max_loras=1)
     for _ in range(2):
         for i, (p, _) in enumerate(tiny_adapters):
-            a = cache.resolve(req(f"a{i}", p))
+            a = resolve(cache, spec(f"a{i}", p))
             assert cache.resident_bytes()["host"][1] <= budget
             cache.release(a)
     assert cache.resident_bytes()["host"][0] == 2
     host = cache.tier_counters()["host"]
     assert host.inserts - host.evictions == 2 and host.evictions >= N_ADAPTERS
     with pytest.raises(AdapterCapacityError, match="larger than the tier"):
-        make_cache(max_cpu_lora_bytes=one // 2).resolve(req("a0", tiny_adapters[0][0]))
+        resolve(make_cache(max_cpu_lora_bytes=one // 2), spec("a0", tiny_adapters[0][0]))
 
 
 @pytest.mark.parametrize("policy", ["hybrid", "lru"])
@@ -347,6 +386,7 @@ def test_storm_of_loads_and_evictions_leaks_nothing(
         load_wait_timeout_s=0.5,
     )
     sources = [store_root / f"a{i}" for i in range(4)] + [p for p, _ in tiny_adapters[4:]]
+    specs = [spec(f"a{i}", src, tiny_adapters[i][1]) for i, src in enumerate(sources)]
     rounds = 150  # a fixed amount of work per thread, whatever the machine's speed
     done = threading.Event()
     errors: list[BaseException] = []
@@ -357,7 +397,7 @@ def test_storm_of_loads_and_evictions_leaks_nothing(
         for _ in range(rounds):
             i = rng.randrange(len(sources))
             try:
-                a = cache.resolve(req(f"a{i}", sources[i]))
+                a = resolve(cache, specs[i])
             except AdapterCapacityError:
                 continue
             except BaseException as e:
@@ -371,11 +411,12 @@ def test_storm_of_loads_and_evictions_leaks_nothing(
         for _ in range(rounds):
             i = rng.randrange(len(sources))
             try:
-                a = cache.resolve(req(f"a{i}", sources[i]))
+                a = resolve(cache, specs[i])
             except AdapterCapacityError:
                 continue
-            slot = cache.acquire_slot(a)
+            slot = cache.reserve_slot(a)
             if slot is not None:
+                cache.activate(Batch({slot: a}))
                 cache.release_slot(slot)
             cache.release(a)
 
@@ -410,18 +451,18 @@ def test_storm_of_loads_and_evictions_leaks_nothing(
 
 def test_store_down_keeps_serving_known_copies(tmp_path: Path, store_root: Path) -> None:
     store = CountingStore(store_root)
-    cache = make_cache(store=store, disk=DiskTier(tmp_path / "l2", 1 << 20), fingerprint_ttl_s=0)
-    known, cold = req("a0", store_root / "a0"), req("a1", store_root / "a1")
-    first = cache.resolve(known)
+    cache = make_cache(store=store, disk=DiskTier(tmp_path / "l2", 1 << 20))
+    known, cold = spec("a0", store_root / "a0"), spec("a1", store_root / "a1")
+    first = resolve(cache, known)
     cache.release(first)
     store.down = True
-    assert cache.resolve(known) is first  # L1 copy, although the change check failed
+    assert resolve(cache, known) is first  # L1 copy, the store never asked
     cache.release(first)
-    cache.evict("a0", tiers=["host"])
-    cache.release(cache.resolve(known))  # from L2
+    cache.evict(known.sha256, tiers=["host"])
+    cache.release(resolve(cache, known))  # from L2
     with pytest.raises(StoreUnavailableError):
-        cache.resolve(cold)
-    assert store.fetches == 1
+        resolve(cache, cold)
+    assert store.fetches == 1 and store.fingerprints == 0
     cache.check_invariants()
 
 
@@ -430,19 +471,19 @@ def test_truncated_disk_copy_is_a_clear_error_deleted_and_refetched(
 ) -> None:
     store = CountingStore(store_root)
     disk = DiskTier(tmp_path / "l2", 1 << 20)
-    cache = make_cache(store=store, disk=disk, fingerprint_ttl_s=60)
+    cache = make_cache(store=store, disk=disk)
     digest = tiny_adapters[3][1]
-    r = req("a3", store_root / "a3")
-    cache.release(cache.resolve(r))
-    other = cache.resolve(req("a0", tiny_adapters[0][0]))
+    r = spec("a3", store_root / "a3", digest)
+    cache.release(resolve(cache, r))
+    other = resolve(cache, spec("a0", tiny_adapters[0][0]))
     cache.evict(digest, tiers=["host"])
     weights = disk.root / digest / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(AdapterCorruptError, match=r"'a3'.*disk tier") as info:
-        cache.resolve(r)
+        resolve(cache, r)
     assert info.value.deleted and digest not in disk.entries() and cache.tier_of(digest) is None
     assert cache.tier_of(other.ref.sha256) == "host"  # others keep being served
-    cache.release(cache.resolve(r))  # the next request downloads it again
+    cache.release(resolve(cache, r))  # the next request downloads it again
     assert store.fetches == 2 and digest in disk.entries()
     cache.release(other)
     cache.check_invariants()
@@ -452,21 +493,21 @@ def test_checksum_mismatch_names_adapter_and_tier(
     tmp_path: Path, store_root: Path, tiny_adapters: list[tuple[Path, str]]
 ) -> None:
     disk = DiskTier(tmp_path / "l2", 1 << 20)
-    cache = make_cache(store=CountingStore(store_root), disk=disk, fingerprint_ttl_s=60)
+    cache = make_cache(store=CountingStore(store_root), disk=disk)
     wrong = tiny_adapters[5][1]  # the registry says a5's digest, the store holds a4
     with pytest.raises(AdapterIntegrityError, match=r"'a4'.*object_store.*checksum mismatch"):
-        cache.resolve(req("a4", store_root / "a4", sha256=wrong))
+        resolve(cache, spec("a4", store_root / "a4", wrong))
     assert not disk.entries() and cache.is_idle()
     # a disk copy that was tampered with (same size, other bytes)
     digest = tiny_adapters[4][1]
-    cache.release(cache.resolve(req("a4", store_root / "a4")))
+    cache.release(resolve(cache, spec("a4", store_root / "a4")))
     cache.evict(digest, tiers=["host"])
     cfg = disk.root / digest / "adapter_config.json"
     cfg.write_text(cfg.read_text().replace('"r": 4', '"r": 5'))
     with pytest.raises(AdapterIntegrityError, match=r"'a4'.*disk tier.*deleted"):
-        cache.resolve(req("a4", store_root / "a4"))
+        resolve(cache, spec("a4", store_root / "a4", digest))
     assert digest not in disk.entries()
-    cache.release(cache.resolve(req("a5", tiny_adapters[5][0])))
+    cache.release(resolve(cache, spec("a5", tiny_adapters[5][0])))
     cache.check_invariants()
 
 
@@ -476,18 +517,20 @@ def test_disk_budget_full_is_a_clear_error_and_others_are_served(
     size = DiskTier.nbytes_of(tiny_adapters[0][0])
     small = make_cache(store=CountingStore(store_root), disk=DiskTier(tmp_path / "s", size // 2))
     with pytest.raises(AdapterCapacityError, match=r"'a0'.*disk tier.*larger than the tier"):
-        small.resolve(req("a0", store_root / "a0"))
-    small.release(small.resolve(req("a1", tiny_adapters[1][0])))  # local: no L2 needed
+        resolve(small, spec("a0", store_root / "a0"))
+    small.release(resolve(small, spec("a1", tiny_adapters[1][0])))  # local: no L2 needed
     disk = DiskTier(tmp_path / "l2", size + size // 2)
     cache = make_cache(store=CountingStore(store_root), disk=disk, load_wait_timeout_s=0.1)
-    cache.release(cache.resolve(req("a0", store_root / "a0")))
-    cache.pin("a0")
+    cache.release(resolve(cache, spec("a0", store_root / "a0")))
+    d0 = tiny_adapters[0][1]
+    cache.pin(d0)
     with pytest.raises(AdapterCapacityError, match=r"'a2'.*disk tier.*pinned"):
-        cache.resolve(req("a2", store_root / "a2"))
-    cache.release(cache.resolve(req("a3", tiny_adapters[3][0])))
-    cache.unpin("a0")
-    cache.release(cache.resolve(req("a2", store_root / "a2")))
-    assert set(disk.entries()) == {tiny_adapters[2][1]} and cache.stats.disk_evictions == 1
+        resolve(cache, spec("a2", store_root / "a2"))
+    cache.release(resolve(cache, spec("a3", tiny_adapters[3][0])))
+    cache.unpin(d0)
+    cache.release(resolve(cache, spec("a2", store_root / "a2")))
+    assert set(disk.entries()) == {tiny_adapters[2][1]}
+    assert cache.tier_counters()["disk"].evictions == 1
     cache.check_invariants()
 
 
@@ -518,28 +561,90 @@ def test_s3_single_flight_and_endpoint_down(
     s3.fetch = counted  # type: ignore[method-assign]
     cache = make_cache(store=s3, disk=DiskTier(tmp_path / "l2", 1 << 20))
     uri = f"s3://{bucket}/adapters/a6"
-    results = hammer(lambda: cache.resolve(req("a6", uri)))
+    d6 = tiny_adapters[6][1]
+    results = hammer(lambda: resolve(cache, spec("a6", uri, d6)))
     assert all(not isinstance(a, BaseException) for a in results)
-    assert sum(fetches.values()) == 1 and cache.tier_of(tiny_adapters[6][1]) == "host"
+    assert sum(fetches.values()) == 1 and cache.tier_of(d6) == "host"
     for a in results:
         cache.release(a)
     with pytest.raises(AdapterError, match=r"outside|not the store's bucket"):
-        cache.resolve(req("x", "s3://other-bucket/adapters/a6"))
+        resolve(cache, spec("x", "s3://other-bucket/adapters/a6", tiny_adapters[5][1]))
+
+    # offline requests name the URI: the engine's catalog learns its digest once per version
+    catalog = LocalAdapterCatalog(s3, fingerprint_ttl_s=0)
+    assert catalog.spec(LoRARequest("a6", uri)).sha256 == d6
+    assert catalog.spec(LoRARequest("a6", uri)).sha256 == d6 and catalog.hashes == 1
+    real_fingerprint = s3.fingerprint
+
+    def down(uri):  # type: ignore[no-untyped-def]
+        raise StoreUnavailableError("store down for the test")
+
+    s3.fingerprint = down  # type: ignore[method-assign]
+    assert catalog.spec(LoRARequest("a6", uri)).sha256 == d6  # known: keeps being served
+    with pytest.raises(StoreUnavailableError):
+        LocalAdapterCatalog(s3).spec(LoRARequest("a6", uri))  # unknown: a clear error
+    s3.fingerprint = real_fingerprint  # type: ignore[method-assign]
 
     down = S3Store(bucket, "adapters", endpoint_url=f"http://127.0.0.1:{free_port()}")
     cache2 = make_cache(store=down, disk=DiskTier(tmp_path / "l2b", 1 << 20))
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailableError, match="unreachable"):
-        cache2.resolve(req("a6", uri))
+        resolve(cache2, spec("a6", uri, d6))
     assert time.monotonic() - t0 < 60  # a refused connection fails at once, not after retries
-    cache2.release(cache2.resolve(req("a7", tiny_adapters[7][0])))  # others keep being served
+    cache2.release(resolve(cache2, spec("a7", tiny_adapters[7][0])))  # others keep being served
     assert cache2.is_idle()
     cache2.check_invariants()
 
 
 def test_s3_uri_without_a_store_is_a_clear_error(tiny_adapters: list[tuple[Path, str]]) -> None:
+    digest = tiny_adapters[0][1]
     with pytest.raises(AdapterError, match="no object store is configured"):
-        make_cache().resolve(req("x", "s3://bucket/adapters/x"))
+        resolve(make_cache(), spec("x", "s3://bucket/adapters/x", digest))
+
+
+class WatchedBank(LoRASlotBank):
+    """The real slot bank; each weight copy checks that another thread can use the cache."""
+
+    cache: TieredAdapterCache | None = None
+    copies = 0
+
+    def set_lora(self, slot, weights):  # type: ignore[no-untyped-def]
+        assert self.cache is not None
+        done: list[object] = []
+        other = threading.Thread(target=lambda: done.append(self.cache.tier_of("0" * 64)))
+        other.start()
+        other.join(EVENT_TIMEOUT_S)
+        assert done, "the weights were copied under the cache lock"
+        self.copies += 1
+        super().set_lora(slot, weights)
+
+
+def test_slots_are_reserved_under_the_lock_and_filled_outside_it(
+    tiny_adapters: list[tuple[Path, str]],
+) -> None:
+    shapes = {
+        (layer, proj): dims
+        for layer in range(TINY_SPEC.num_layers)
+        for proj, dims in TINY_SPEC.module_shapes.items()
+    }
+    bank = WatchedBank(shapes, 2, 8, torch.float32, "cpu")
+    cache = TieredAdapterCache(
+        bank, TINY_SPEC, max_loras=2, max_cpu_loras=4, max_lora_rank=8, dtype=torch.float32
+    )
+    bank.cache = cache
+    a0, a1 = (resolve(cache, spec(f"a{i}", tiny_adapters[i][0])) for i in range(2))
+    s0, s1 = cache.reserve_slot(a0), cache.reserve_slot(a1)
+    assert s0 is not None and s1 is not None and bank.copies == 0  # bookkeeping only
+    batch = Batch({s0: a0, s1: a1})
+    cache.activate(batch)
+    assert bank.copies == 2 and batch.slot_rows == {s: bank.slot_rows(s) for s in (s0, s1)}
+    cache.activate(Batch({s0: a0}))  # already in its slot: nothing is copied again
+    assert bank.copies == 2
+    for s in (s0, s1):
+        cache.release_slot(s)
+    for a in (a0, a1):
+        cache.release(a)
+    cache.check_invariants()
 
 
 # -------------------------------------------------------------- pins, evict, warm policies
@@ -549,40 +654,46 @@ def test_prewarm_pins_and_admin_evict(tiny_adapters: list[tuple[Path, str]]) -> 
     cache = make_cache(max_loras=2, max_cpu_loras=3, load_wait_timeout_s=0.1)
     (p0, d0), (p1, d1), (p2, d2) = tiny_adapters[:3]
     refs = cache.prewarm(
-        [(req("a0", p0), "device-preferred"), (req("a1", p1), "host"), (req("a2", p2), "on-demand")]
+        [spec("a0", p0, warm="device-preferred"), spec("a1", p1, warm="host"), spec("a2", p2)]
     )
     assert [r.sha256 for r in refs] == [d0, d1, d2]
     rows = {r.ref.sha256: r for r in cache.residency()}
     assert rows[d0].tier == "device" and rows[d0].pinned and rows[d0].slot is not None
+    assert cache.bank.occupied_slots == (rows[d0].slot,)  # its weights are in the slot
     assert rows[d1].tier == "host" and rows[d1].pinned
     assert rows[d2].tier == "host" and not rows[d2].pinned
     with pytest.raises(ValueError, match="unknown warm policy"):
-        cache.prewarm([(req("a0", p0), "sometimes")])
+        cache.prewarm([spec("a0", p0, warm="sometimes")])
     # pressure: only the on-demand adapter may go
     for i in range(3, 6):
-        cache.release(cache.resolve(req(f"a{i}", tiny_adapters[i][0])))
+        cache.release(resolve(cache, spec(f"a{i}", tiny_adapters[i][0])))
         assert cache.tier_of(d0) == "device" and cache.tier_of(d1) == "host"
     # admin evict: refused while pinned or in use
     with pytest.raises(AdapterInUseError, match="pinned"):
-        cache.evict("a1")
-    cache.unpin("a1")
-    held = cache.resolve(req("a1", p1))
+        cache.evict(d1)
+    cache.unpin(d1)
+    held = resolve(cache, spec("a1", p1))
     with pytest.raises(AdapterInUseError, match="in-flight"):
         cache.evict(d1)
     cache.release(held)
+    before = cache.tier_counters()
     assert cache.evict(d1) == ["host"] and cache.tier_of(d1) is None
     assert {r.ref.sha256: r.tier for r in cache.residency()}[d1] == "absent"
     cache.unpin(d0)
-    assert cache.evict("a0") == ["device", "host"]
-    with pytest.raises(AdapterError, match="not known"):
-        cache.pin("nope")
+    assert cache.evict(d0) == ["device", "host"]
+    assert cache.tier_counters() == before  # admin removals are not policy evictions
+    assert {r.ref.sha256: r.evictions for r in cache.residency()}[d0] == 2  # slot + host copy
+    with pytest.raises(AdapterError, match="not an adapter digest"):
+        cache.pin("a0")  # names are no keys
     cache.check_invariants()
 
 
 def test_more_device_preferred_adapters_than_slots(tiny_adapters: list[tuple[Path, str]]) -> None:
     cache = make_cache(max_loras=1, max_cpu_loras=2)
     with pytest.raises(AdapterCapacityError, match="device slot"):
-        cache.prewarm([(req(f"a{i}", tiny_adapters[i][0]), "device-preferred") for i in range(2)])
+        cache.prewarm(
+            [spec(f"a{i}", tiny_adapters[i][0], warm="device-preferred") for i in range(2)]
+        )
 
 
 def test_policy_names_match_the_config() -> None:
@@ -622,7 +733,7 @@ def test_slow_cold_load_does_not_delay_warm_adapters(
     mgr = engine.adapters
     assert mgr is not None and mgr.disk is not None
     slow = CountingStore(root, hold=True)  # the cold load lasts until the test releases it
-    mgr.store = slow
+    mgr.loader.store = slow
     warm = [
         LoRARequest(n, str(adapters[n]))
         for n in ("attn_r4_rslora", "mlp_r16")  # local directories
@@ -659,7 +770,7 @@ def test_slow_cold_load_does_not_delay_warm_adapters(
         aeng.shutdown()
     # every warm request finished while the cold load was still held
     assert max(warm_done) <= released <= slow.ended[0] <= cold_done
-    assert mgr.tier_of(mgr.digest_of("cold")) in ("device", "host")
+    assert mgr.tier_of(digest_safetensors_dir(root / "cold")) in ("device", "host")
     assert mgr.stats.remote_loads == 1 and engine.is_idle()
     mgr.check_invariants()
 
@@ -670,20 +781,20 @@ def test_registered_digest_is_the_key_and_is_verified(tmp_path: Path) -> None:
     p1, d1 = write_adapter(tmp_path / "x", seed=1)
     _, d2 = write_adapter(tmp_path / "y", seed=2)
     cache = make_cache()
-    a = cache.resolve(req("x", p1, sha256=d1))
+    a = resolve(cache, spec("x", p1, d1))
     assert a.ref.sha256 == d1
     cache.release(a)
     shutil.rmtree(p1)
     shutil.copytree(tmp_path / "y", p1)  # rev 2's files where rev 1's were
-    a = cache.resolve(req("x", p1, sha256=d1))  # rev 1 still resident: served from memory
+    a = resolve(cache, spec("x", p1, d1))  # rev 1 still resident: served from memory
     assert a.ref.sha256 == d1
     cache.release(a)
-    b = cache.resolve(req("x", p1, sha256=d2))  # rev 2 by its own digest
+    b = resolve(cache, spec("x", p1, d2))  # rev 2 by its own digest
     assert b.ref.sha256 == d2
     cache.release(b)
     cache.evict(d1, tiers=["device", "host"])
     with pytest.raises(AdapterIntegrityError, match="not the registered"):
-        cache.resolve(req("x", p1, sha256=d1))  # rev 1 gone from memory; its files changed
+        resolve(cache, spec("x", p1, d1))  # rev 1 gone from memory; its files changed
     assert cache.is_idle()
     cache.check_invariants()
 
@@ -693,12 +804,12 @@ def test_tenant_host_budget_set_at_run_time(tiny_adapters: list[tuple[Path, str]
     tenant's copy."""
     cache = make_cache(max_cpu_loras=8)
     (p0, d0), (p1, d1), (p2, d2) = tiny_adapters[:3]
-    other = cache.resolve(req("other", p2, tenant="bravo"))
+    other = resolve(cache, spec("other", p2, tenant="bravo"))
     cache.release(other)
-    one = cache.resolve(req("a0", p0, tenant="acme"))
+    one = resolve(cache, spec("a0", p0, tenant="acme"))
     cache.release(one)
     cache.set_tenant_budget("acme", one.nbytes)
-    two = cache.resolve(req("a1", p1, tenant="acme"))
+    two = resolve(cache, spec("a1", p1, tenant="acme"))
     cache.release(two)
     assert cache.tier_of(d1) == "host" and cache.tier_of(d0) is None
     assert cache.tier_of(d2) == "host"

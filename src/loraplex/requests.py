@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from loraplex.types import InvalidRequestError
 
@@ -86,8 +85,10 @@ class SamplingParams:
 
 @dataclass(init=False)
 class LoRARequest:
-    """Which adapter serves a request: a name and a local PEFT adapter directory.
+    """Which adapter serves an offline request: a name and a PEFT adapter directory (vLLM's shape).
 
+    The engine turns it into an :class:`~loraplex.types.AdapterSpec` once (its local catalog
+    hashes the directory's files: the digest, never the name or the path, is the cache key).
     Accepts vLLM's form too: ``LoRARequest("sql", 1, "/path")`` (the integer id is ignored —
     loraplex identifies adapters by the sha256 of their contents, never by an id).
     """
@@ -95,7 +96,6 @@ class LoRARequest:
     name: str
     path: str
     revision: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __init__(
         self,
@@ -118,7 +118,6 @@ class LoRARequest:
         self.name = name
         self.path = str(p)
         self.revision = revision
-        self.extra = {}
 
     @property
     def lora_name(self) -> str:

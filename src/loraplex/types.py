@@ -37,6 +37,34 @@ class AdapterRef:
         return f"{self.name}@{self.revision}#{self.sha256[:12]}"
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """What to serve: one adapter revision and where its bytes come from.
+
+    Built once where a catalog resolves a request (the server's registry view, or the engine's
+    local catalog for offline ``LoRARequest`` s) and the only adapter input of the cache and the
+    engine. ``ref.sha256`` is the key of every cache tier and is verified against the bytes read;
+    the name is for people and errors. ``source_uri`` is a local directory, a ``file://`` URI or
+    an object-store URI (``s3://...``). ``tenant`` and ``priority`` feed residency decisions
+    (tenant budgets, the policy's SLO weight); ``warm_policy`` is one of
+    ``loraplex.config.WARM_POLICIES`` (used by start-up warming).
+    """
+
+    ref: AdapterRef
+    source_uri: str
+    tenant: str | None = None
+    priority: int = 0
+    warm_policy: str = "on-demand"
+
+    @property
+    def sha256(self) -> str:
+        return self.ref.sha256
+
+    @property
+    def name(self) -> str:
+        return self.ref.name
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -49,7 +77,14 @@ class LoraplexError(Exception):
 
 
 class InvalidRequestError(LoraplexError, ValueError):
-    """The request itself is invalid (bad parameters, prompt too long, ...)."""
+    """The request itself is invalid (bad parameters, prompt too long, ...).
+
+    ``param`` names the request field at fault when there is one (OpenAI's error ``param``).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class AdapterError(LoraplexError, ValueError):

@@ -494,7 +494,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         instrument(mgr, events)
         app = create_app(config, engine=engine)  # registers (and so loads) every adapter
         startup_s = time.perf_counter() - t0
-        stats0 = asdict(mgr.stats)
+        stats0 = mgr.stats.snapshot()
         tiers0 = mgr.tier_counters()
         events.phase = "serve"
         stream = zipf_stream(
@@ -507,11 +507,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             wait_idle(engine)
             events.phase = "done"
             tiers1 = mgr.tier_counters()
-            stats1 = asdict(mgr.stats)
+            stats1 = mgr.stats.snapshot()
             resident = mgr.resident_bytes()
         classify(records, events.loads)
 
-        by_digest = {u.ref.sha256: u for u in mgr.usage.values()}
+        by_digest = {u.ref.sha256: u for u in mgr.residency()}
         on_disk = [d for d in mgr.disk.entries() if d in by_digest]
         sample = []
         for r in RANKS:  # up to --sample adapters, ranks in turn

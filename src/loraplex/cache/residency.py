@@ -21,6 +21,9 @@ Admission is two-phase because the new copy is loaded *before* any victim is dro
     evicted = index.commit_admission(info, victims, now)   # re-checks, re-plans if stale
     ... free the copies of ``evicted`` (not ``victims``: the plan may have changed) ...
 
+An owner that routes every eviction through one path of its own (the tier controller) evicts a
+plan's victims one by one with :meth:`TierIndex.evict`, then calls :meth:`TierIndex.insert`.
+
 Request accounting: call ``lookup(key, now)`` once per request that reaches this tier (counts a
 hit or a miss and refreshes recency); the policy's ``on_access`` is called by the owner once per
 request, not by the index (one policy instance can serve every tier).
@@ -32,11 +35,13 @@ it under its own lock, which must also cover multi-tier sequences such as plan â
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy
+from loraplex.cache.stats import TierCounters
 
 __all__ = [
     "AdmissionDeferred",
@@ -59,11 +64,20 @@ class NoRoomError(ResidencyError):
     waits (bounded) and retries, or answers with a clear 503.
     """
 
-    def __init__(self, tier: str, key: str, reason: str) -> None:
-        super().__init__(f"tier {tier}: no room for adapter {key[:16]}: {reason}")
+    def __init__(self, tier: str, key: str, reason: str | Callable[[], str]) -> None:
+        super().__init__(tier, key)
         self.tier = tier
         self.key = key
-        self.reason = reason
+        self._reason = reason  # a callable is formatted on first use (most refusals are retried)
+
+    @property
+    def reason(self) -> str:
+        if callable(self._reason):
+            self._reason = self._reason()
+        return self._reason
+
+    def __str__(self) -> str:
+        return f"tier {self.tier}: no room for adapter {self.key[:16]}: {self.reason}"
 
 
 class AdmissionDeferred(NoRoomError):
@@ -79,28 +93,6 @@ class Entry:
     last_access: float
     pinned: bool = False
     inflight: int = 0
-
-
-@dataclass
-class TierCounters:
-    """Monotonic counters of one tier (the cache exports them as Prometheus metrics)."""
-
-    hits: int = 0
-    misses: int = 0
-    inserts: int = 0
-    evictions: int = 0
-    reload_after_eviction: int = 0
-    """Inserts of a key evicted from this tier less than ``thrash_window_s`` before."""
-
-    @property
-    def thrash_ratio(self) -> float:
-        """Reloads within the window after an eviction / evictions (0 when nothing evicted)."""
-        return self.reload_after_eviction / self.evictions if self.evictions else 0.0
-
-    @property
-    def hit_ratio(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
 
 class TierIndex:
@@ -178,6 +170,10 @@ class TierIndex:
         e = self._entries.get(key)
         return dataclasses.replace(e) if e is not None else None
 
+    def peek(self, key: str) -> Entry | None:
+        """``key``'s live entry, or None: read it, never change it (:meth:`get` copies)."""
+        return self._entries.get(key)
+
     def entries(self) -> dict[str, Entry]:
         """Snapshot (copies) of every resident entry."""
         return {k: dataclasses.replace(e) for k, e in self._entries.items()}
@@ -246,6 +242,19 @@ class TierIndex:
         self.policy.on_evict(key, self.name, now)
         return e
 
+    def evict(self, key: str, now: float) -> Entry:
+        """Evict ``key`` as a policy eviction: counted, remembered for reload-after-eviction.
+
+        Only an entry the hard constraints allow to go (see :meth:`evictable`); anything else
+        raises ResidencyError. The caller chose it (a plan's victim, or policy-ordered).
+        """
+        e = self._require(key)
+        why = self._why_kept(key, e, now)
+        if why is not None:
+            raise ResidencyError(f"tier {self.name}: adapter {key[:16]} may not be evicted ({why})")
+        self._evict(key, now)
+        return e
+
     # ------------------------------------------------------------------------ admission
     def plan_admission(self, info: AdapterInfo, now: float, *, patient: bool = False) -> list[str]:
         """Victims to evict so that ``info`` fits, lowest keep-score first; [] when it already fits.
@@ -306,7 +315,8 @@ class TierIndex:
                 if self._fits(size, freed, len(victims)):
                     break
             else:
-                raise NoRoomError(self.name, info.key, self._kept_reason(list(self._entries), now))
+                why = functools.partial(self._kept_reason, list(self._entries), now)
+                raise NoRoomError(self.name, info.key, why)
         victims = self._trim(victims, info, now)
         if patient and victims:
             scope = [self._entries[v].info.tenant for v in victims]
@@ -347,6 +357,16 @@ class TierIndex:
         self._insert(info, now)
         return planned
 
+    def insert(self, info: AdapterInfo, now: float) -> None:
+        """Insert ``info`` when it fits now (its victims already evicted); ResidencyError if it
+        does not, NoRoomError never: nothing is evicted here. A resident key is a hit."""
+        if info.key in self._entries:
+            self.touch(info.key, now)
+            return
+        if not self._plan_valid(info, [], now):
+            raise ResidencyError(f"tier {self.name}: adapter {info.key[:16]} does not fit")
+        self._insert(info, now)
+
     def admit(self, info: AdapterInfo, now: float, *, patient: bool = False) -> list[str]:
         """plan + commit in one step (when loading happens elsewhere); returns evicted keys."""
         return self.commit_admission(info, self.plan_admission(info, now, patient=patient), now)
@@ -381,6 +401,7 @@ class TierIndex:
         return order
 
     def _kept_reason(self, keys: list[str], now: float) -> str:
+        keys = [k for k in keys if k in self._entries]  # formatted later: some may have left
         why: dict[str, int] = {}
         for k in keys:
             r = self._why_kept(k, self._entries[k], now)

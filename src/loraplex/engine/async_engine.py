@@ -24,7 +24,7 @@ from typing import Any
 from loraplex.engine.llm_engine import LLMEngine, PreparedRequest, StepStats
 from loraplex.outputs import RequestOutput
 from loraplex.requests import LoRARequest, SamplingParams
-from loraplex.types import LoraplexError
+from loraplex.types import AdapterSpec, LoraplexError
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class AsyncEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        lora_request: LoRARequest | None = None,
+        lora_request: AdapterSpec | LoRARequest | None = None,
         arrival: float | None = None,
     ) -> PreparedRequest:
         """Validate, tokenize and resolve the adapter in a worker thread."""

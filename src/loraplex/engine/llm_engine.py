@@ -1,19 +1,20 @@
-"""The engine: add requests, then ``step()`` until done. schedule → run → postprocess."""
+"""The engine: add requests, then ``step()`` until done. schedule → activate → run → postprocess."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
-from loraplex.cache.adapters import AdapterManager
+from loraplex.cache.adapters import TieredAdapterCache
 from loraplex.config import EngineConfig
+from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import Sampler
@@ -28,7 +29,13 @@ from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.llama import LlamaForCausalLM, LoRABinding
 from loraplex.outputs import CompletionOutput, RequestOutput
 from loraplex.requests import LoRARequest, SamplingParams
-from loraplex.types import AdapterRef, FinishReason, InvalidRequestError, ModelLoadError
+from loraplex.types import (
+    AdapterRef,
+    AdapterSpec,
+    FinishReason,
+    InvalidRequestError,
+    ModelLoadError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +132,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
 
-        self.adapters: AdapterManager | None = None
+        self.adapters: TieredAdapterCache | None = None
+        self.adapter_catalog: LocalAdapterCatalog | None = None  # LoRARequest -> AdapterSpec
         if config.enable_lora:
             shapes = {
                 (layer, proj): dims
@@ -139,7 +147,8 @@ class LLMEngine:
             )
             self.model.lora = LoRABinding(bank, ops)
             spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
-            self.adapters = AdapterManager.from_config(bank, spec, config, dtype=table_dtype)
+            self.adapters = TieredAdapterCache.from_config(bank, spec, config, dtype=table_dtype)
+            self.adapter_catalog = LocalAdapterCatalog(self.adapters.store)
 
         num_blocks = self._num_kv_blocks()
         self.cache = PagedKVCache(
@@ -159,7 +168,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.runner = ModelRunner(self.model, self.cache, self.adapters)
+        self.runner = ModelRunner(self.model, self.cache)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0
@@ -263,7 +272,7 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: AdapterSpec | LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request. Raises InvalidRequestError / AdapterError; on error
         nothing is queued and no resource is held."""
@@ -274,15 +283,18 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: AdapterSpec | LoRARequest | None = None,
         *,
         arrival: float | None = None,
     ) -> PreparedRequest:
         """Everything that can fail or take time, done before the engine loop sees the request:
         validation, tokenization, the adapter's host copy (one reference per completion).
 
-        Thread-safe with respect to the loop, so servers call it from worker threads. The result
-        must be passed to :meth:`add_prepared` or :meth:`discard_prepared` exactly once."""
+        ``lora_request``: the adapter as a spec (from a catalog, e.g. the server's registry
+        view), or an offline ``LoRARequest(name, path)`` that the engine's local catalog turns
+        into one (its digest, memoised). Thread-safe with respect to the loop, so servers call
+        it from worker threads. The result must be passed to :meth:`add_prepared` or
+        :meth:`discard_prepared` exactly once."""
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -306,12 +318,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"stop_token_ids contains {bad}, which is outside the vocabulary [0, {vocab})"
             )
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        stop_ids = tuple(self.eos_token_ids) + tuple(params.stop_token_ids or ())
+        max_tokens = self.check_max_tokens(ids, params.max_tokens)
+        eos_ids = tuple(self.eos_token_ids)
+        spec = self._adapter_spec(lora_request)
         adapter = None
-        if lora_request is not None and self.adapters is not None:
-            adapter, warm = self.adapters.resolve_with_state(lora_request)
+        if spec is not None and self.adapters is not None:
+            adapter, warm = self.adapters.acquire(spec)
         else:
             warm = True
         # nothing below may leave a reference behind if it raises
@@ -336,7 +348,7 @@ class LLMEngine:
                     max_tokens=max_tokens,
                     adapter=adapter,
                     generator=gen,
-                    eos_token_ids=stop_ids,
+                    eos_token_ids=eos_ids,
                     detokenizer=detok,
                 )
                 seqs.append(seq)
@@ -345,15 +357,19 @@ class LLMEngine:
                 self.adapters.release(adapter)  # type: ignore[union-attr, arg-type]
             raise
         # the ref reports the name (and revision) the request used; caches key on the digest only
-        ref = None
-        if adapter is not None and lora_request is not None:
-            revision = lora_request.revision or adapter.ref.revision
-            ref = replace(adapter.ref, name=lora_request.name, revision=revision)
+        ref = spec.ref if spec is not None else None
         now = time.monotonic()
         return PreparedRequest(
             _Request(request_id, text, ids, seqs, ref, arrival if arrival is not None else now),
             adapter_warm=warm,
         )
+
+    def _adapter_spec(self, lora_request: AdapterSpec | LoRARequest | None) -> AdapterSpec | None:
+        """The spec of an offline LoRARequest (the local catalog hashes its files), or the spec."""
+        if lora_request is None or isinstance(lora_request, AdapterSpec):
+            return lora_request
+        assert self.adapter_catalog is not None
+        return self.adapter_catalog.spec(lora_request)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a prepared request (loop thread only). Cheap; raises only for a reused id,
@@ -394,6 +410,22 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}"
             )
 
+    def check_max_tokens(self, ids: list[int], max_tokens: int | None) -> int:
+        """The completion's token budget: ``max_tokens``, or with None all the room left within
+        ``max_model_len``. An explicit budget that does not fit raises InvalidRequestError
+        (param ``max_tokens``), as OpenAI and vLLM do: lengths are never clamped silently."""
+        n, limit = len(ids), self.max_model_len
+        if max_tokens is None:
+            return limit - n
+        if n + max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
+                "completion). Reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        return max_tokens
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks and slot. False if unknown or done."""
         req = self.requests.pop(request_id, None)
@@ -409,11 +441,14 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule → run the model → sample and update. Returns progressed requests."""
+        """One iteration: schedule → activate the batch's adapters → run the model → sample and
+        update. Returns the requests that progressed."""
         batch = self.scheduler.schedule()
         if batch.empty:
             self.last_step = StepStats()  # nothing ran: observers must not see the last step again
             return []
+        if self.adapters is not None:
+            self.adapters.activate(batch)  # newly reserved slots get their weights
         logits, samplers = self.runner.run(batch)
         # sample before advancing: if sampling raises, the step is simply redone next time
         tokens = self.sampler(logits, samplers) if samplers else []

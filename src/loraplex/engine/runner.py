@@ -1,10 +1,14 @@
-"""Turn a scheduled batch into tensors and run the model once."""
+"""Turn a scheduled batch into tensors and run the model once.
+
+Adapter slots come with the batch: ``batch.slot_rows[slot]`` is the ``(row_start, row_end)``
+range the slot's adapter occupies in the slot bank's tables (recorded when the engine activated
+the batch's adapters); the runner never asks the adapter cache.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from loraplex.cache.adapters import AdapterManager
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
@@ -16,25 +20,22 @@ from loraplex.model.llama import ForwardBatch, LlamaForCausalLM
 class ModelRunner:
     """Owns the model and its KV cache; one ``run`` per engine step."""
 
-    def __init__(
-        self, model: LlamaForCausalLM, cache: PagedKVCache, adapters: AdapterManager | None
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
-        self.adapters = adapters
         self.device = model.device
         self.block_size = cache.block_size
         dims = model.cfg.module_shapes.values()
         self.lora_costs = LoRAPlanCosts(feature_dim=sum(i + o for i, o in dims) // len(dims))
 
-    def order(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+    @staticmethod
+    def order(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Base-model sequences first, then grouped by adapter slot in row order (LoRA runs)."""
+        rows = batch.slot_rows
 
         def key(item: tuple[Sequence, int]) -> tuple[int, int]:
-            seq = item[0]
-            if seq.slot is None or self.adapters is None:
-                return (-1, -1)
-            return (self.adapters.slot_rows(seq.slot)[0], seq.slot)
+            slot = item[0].slot
+            return (-1, -1) if slot is None else (rows[slot][0], slot)
 
         return sorted(batch.items, key=key)
 
@@ -45,8 +46,12 @@ class ModelRunner:
         table = torch.tensor(seq.block_ids, dtype=torch.long)
         return table[pos // bs] * bs + pos % bs
 
-    def prepare(self, items: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
-        """Flatten the step into a ForwardBatch; returns it and the sequences that sample."""
+    def prepare(
+        self, items: list[tuple[Sequence, int]], slot_rows: dict[int, tuple[int, int]]
+    ) -> tuple[ForwardBatch, list[Sequence]]:
+        """Flatten the step into a ForwardBatch; returns it and the sequences that sample.
+
+        ``slot_rows``: slot -> (row_start, row_end) of the adapters in ``items``."""
         ids: list[int] = []
         positions: list[int] = []
         slot_chunks: list[torch.Tensor] = []
@@ -78,8 +83,8 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 logits_idx.append(t + n - 1)
                 samplers.append(seq)
-            if seq.slot is not None and self.adapters is not None:
-                rs, re = self.adapters.slot_rows(seq.slot)
+            if seq.slot is not None:
+                rs, re = slot_rows[seq.slot]
                 if segments and segments[-1][2] == rs and segments[-1][1] == t:
                     segments[-1] = (segments[-1][0], t + n, rs, re)
                 else:
@@ -117,6 +122,6 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward the step; returns logits [S, vocab] (float32) and the sampling sequences."""
-        fb, samplers = self.prepare(self.order(batch))
+        fb, samplers = self.prepare(self.order(batch), batch.slot_rows)
         logits = self.model.forward(fb, self.cache)  # [0, vocab] for partial prefill chunks only
         return logits, samplers

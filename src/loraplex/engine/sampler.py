@@ -37,8 +37,8 @@ class Sampler:
         for i, seq in enumerate(seqs):
             p = seq.params
             if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
-                row = logits[i].clone()
-                for t in seq.eos_token_ids:
+                row = logits[i].clone()  # no EOS and no stop id before min_tokens
+                for t in (*seq.eos_token_ids, *(p.stop_token_ids or ())):
                     row[t] = float("-inf")
                 logits[i] = row
                 if p.greedy:

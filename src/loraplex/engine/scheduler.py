@@ -4,35 +4,59 @@ Per step: running sequences first (decode, or the next chunk of a long prompt), 
 newest running ones (free + recompute) when KV blocks run out; then waiting sequences in arrival
 order while the token budget, ``max_num_seqs`` and free blocks allow. A waiting sequence whose
 adapter cannot get a device slot is skipped, not waited on: it never blocks requests behind it.
+
+Slots are only *reserved* here ("slot k now belongs to digest d", bookkeeping in the adapter
+cache); the engine copies the weights of newly reserved adapters before the step runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from loraplex.cache.adapters import AdapterManager
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool, hash_block, hash_prefix_blocks
+
+if TYPE_CHECKING:
+    from loraplex.lora.adapter import LoRAAdapter
+
+
+class SlotReservations(Protocol):
+    """Slot bookkeeping the scheduler needs (the tiered adapter cache provides it)."""
+
+    def reserve_slot(self, adapter: LoRAAdapter) -> int | None:
+        """The slot ``adapter`` runs in for one more request; None: none may be freed now."""
+        ...
+
+    def release_slot(self, slot: int) -> None: ...
 
 
 @dataclass
 class ScheduledBatch:
-    """The step's work: (sequence, number of new tokens) pairs."""
+    """The step's work: (sequence, number of new tokens) pairs, and once the adapters are
+    activated, the rank rows ``(row_start, row_end)`` each slot of the batch occupies."""
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     num_preempted: int = 0
+    slot_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
         return not self.items
+
+    def slot_adapters(self) -> dict[int, LoRAAdapter]:
+        """slot -> the adapter reserved in it, for every slot this batch uses."""
+        return {
+            s.slot: s.adapter for s, _ in self.items if s.slot is not None and s.adapter is not None
+        }
 
 
 class Scheduler:
     def __init__(
         self,
         pool: BlockPool,
-        adapters: AdapterManager | None,
+        adapters: SlotReservations | None,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -118,7 +142,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
             if seq.adapter is not None and self.adapters is not None:
-                slot = self.adapters.acquire_slot(seq.adapter)
+                slot = self.adapters.reserve_slot(seq.adapter)
                 if slot is None:  # every slot busy with other adapters: let others pass
                     skipped.append(seq)
                     continue

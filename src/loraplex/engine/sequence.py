@@ -32,7 +32,7 @@ class Sequence:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int  # resolved against max_model_len
+    max_tokens: int  # checked against max_model_len (None: all the room left)
     adapter: LoRAAdapter | None = None
     arrival: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -52,7 +52,7 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids (stop ids: params)
     detokenizer: IncrementalDetokenizer | None = None  # None without a tokenizer
 
     @property

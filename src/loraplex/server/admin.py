@@ -106,7 +106,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         except RegistryError as e:
             raise registry_api_error(e, param="lora_path") from e
         try:
-            adapter, _ = mgr.resolve_with_state(state.lora_request(manifest, "active"), count=False)
+            adapter, _ = mgr.acquire(state.adapter_spec(manifest), count=False)
         except AdapterError as e:
             raise APIError(400, str(e), param="lora_path") from e
         mgr.release(adapter)
@@ -134,7 +134,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         """Load the active revision if needed and pin it in host memory and disk (and its
         device slot with ``device``): pinned adapters are never evicted."""
         mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
-        adapter, _ = mgr.resolve_with_state(state.lora_request(sv.active, "active"), count=False)
+        adapter, _ = mgr.acquire(state.adapter_spec(sv.active), count=False)
         try:
             digest = mgr.pin(adapter.ref.sha256, device=body.device)
         finally:

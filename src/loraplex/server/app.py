@@ -45,7 +45,7 @@ from loraplex.registry import (
     Tenant,
     base_model_info,
 )
-from loraplex.requests import LoRARequest, SamplingParams
+from loraplex.requests import SamplingParams
 from loraplex.server.adapters import check_allowed_path, lexically_under
 from loraplex.server.admin import add_admin_routes
 from loraplex.server.catalog import (
@@ -66,11 +66,20 @@ from loraplex.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from loraplex.types import AdapterError, LoraplexError
+from loraplex.types import AdapterError, AdapterSpec, LoraplexError
 
 log = logging.getLogger(__name__)
 usage_log = logging.getLogger("loraplex.usage")
 """One JSON line per finished call: tenant, key, adapter name, revision, sha256, tokens."""
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    """The adapter revision one call is served with, and how it was chosen: ``route`` is
+    ``active`` or ``canary`` (the server's business: response header and usage log only)."""
+
+    spec: AdapterSpec
+    route: str
 
 
 @dataclass
@@ -246,7 +255,7 @@ class ServerState:
             m = s.active
             if s.name in self._static_names or m.warm_policy != "on-demand":
                 if self.catalog.compatible(m):
-                    todo.append((self.lora_request(m, "active"), m.warm_policy))
+                    todo.append(self.adapter_spec(m))
         mgr.prewarm(todo)
 
     def close(self) -> None:
@@ -433,7 +442,7 @@ class ServerState:
             admission.close()
         return response
 
-    def resolve_model(self, name: str, principal: Principal) -> LoRARequest | None:
+    def resolve_model(self, name: str, principal: Principal) -> ServedAdapter | None:
         """The base model (None) or the adapter revision that serves this request: the active
         one, or the canary with its traffic weight. 404 for names the caller may not see."""
         if name in self.base_names:
@@ -469,43 +478,31 @@ class ServerState:
                 ) from e
         if self.engine.adapters is None:
             raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
-        return self.lora_request(manifest, via)
+        return ServedAdapter(self.adapter_spec(manifest), via)
 
     @staticmethod
-    def lora_request(m: Manifest, via: str) -> LoRARequest:
-        """The engine request of one registry revision: its digest is the cache key and is
+    def adapter_spec(m: Manifest) -> AdapterSpec:
+        """What the engine serves for one registry revision: its digest is the cache key and is
         verified against the files read."""
-        req = LoRARequest(m.name, m.source_uri, revision=m.revision)
-        req.extra.update(sha256=m.sha256, tenant=m.tenant, priority=m.priority, via=via)
-        return req
+        return AdapterSpec(m.ref, m.source_uri, m.tenant, m.priority, m.warm_policy)
 
     async def prepare(
         self,
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        lora: LoRARequest | None,
+        lora: ServedAdapter | None,
         arrival: float,
     ) -> PreparedRequest:
-        prep = await self.aengine.prepare(request_id, prompt, params, lora, arrival)
-        n_prompt, limit = len(prep.prompt_token_ids), self.engine.max_model_len
-        if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
-            self.aengine.discard(prep)
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
-                f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
-                param="max_tokens",
-            )
-        return prep
+        spec = lora.spec if lora is not None else None
+        return await self.aengine.prepare(request_id, prompt, params, spec, arrival)
 
     async def prepare_all(
         self,
         admission: _Admission,
         prompts: list[str | list[int]],
         params: SamplingParams,
-        lora: LoRARequest | None,
+        lora: ServedAdapter | None,
         arrival: float,
         base_id: str,
     ) -> list[PreparedRequest]:
@@ -743,19 +740,17 @@ def _registration_order(sv: Servable) -> tuple[float, str]:
     return (sv.active.created_at, sv.name)
 
 
-def _adapter_header(outs: list[PreparedRequest], lora: LoRARequest | None) -> dict[str, str]:
+def _adapter_header(outs: list[PreparedRequest], lora: ServedAdapter | None) -> dict[str, str]:
     """Which adapter revision served the request, whether it was warm on arrival, and whether
     it came through the active revision or a canary."""
     if lora is None:
         return {}
-    digest = lora.extra.get("sha256") or (
-        outs[0].adapter.sha256 if outs and outs[0].adapter else ""
-    )
+    ref = lora.spec.ref
     warm = all(p.adapter_warm for p in outs)
     return {
-        "x-loraplex-adapter": f"{lora.name};revision={lora.revision};sha256={digest[:16]}",
+        "x-loraplex-adapter": f"{ref.name};revision={ref.revision};sha256={ref.sha256[:16]}",
         "x-loraplex-adapter-state": "warm" if warm else "cold",
-        "x-loraplex-adapter-route": str(lora.extra.get("via", "active")),
+        "x-loraplex-adapter-route": lora.route,
     }
 
 
@@ -765,20 +760,20 @@ class _UsageRecord:
 
     model: str
     principal: Principal
-    lora: LoRARequest | None
+    lora: ServedAdapter | None
 
     def log(self, prepared: list[PreparedRequest], finals: dict[int, RequestOutput]) -> None:
         if not usage_log.isEnabledFor(logging.INFO):
             return
-        lora = self.lora
+        ref = self.lora.spec.ref if self.lora else None
         record = {
             "model": self.model,
             "tenant": self.principal.tenant,
             "key_id": self.principal.key_id,
-            "adapter": lora.name if lora else None,
-            "revision": lora.revision if lora else None,
-            "sha256": lora.extra.get("sha256") if lora else None,
-            "route": lora.extra.get("via") if lora else None,
+            "adapter": ref.name if ref else None,
+            "revision": ref.revision if ref else None,
+            "sha256": ref.sha256 if ref else None,
+            "route": self.lora.route if self.lora else None,
             "requests": len(prepared),
             "finished": len(finals),
             "prompt_tokens": sum(len(p.prompt_token_ids) for p in prepared),
@@ -976,7 +971,7 @@ def create_app(
         body: CompletionRequest,
         request: Request,
         admission: _Admission,
-        lora: LoRARequest | None,
+        lora: ServedAdapter | None,
         params: SamplingParams,
         prompts: list[str | list[int]],
         arrival: float,
@@ -1063,7 +1058,7 @@ def create_app(
         body: ChatCompletionRequest,
         request: Request,
         admission: _Admission,
-        lora: LoRARequest | None,
+        lora: ServedAdapter | None,
         params: SamplingParams,
         messages: list[dict[str, Any]],
         arrival: float,
@@ -1140,7 +1135,7 @@ def _residency(state: ServerState, principal: Principal) -> dict[str, Any]:
     def row_of(m: Manifest) -> dict[str, Any]:
         r = snapshot.get(m.sha256)
         seen.add(m.sha256)
-        local = mgr.is_local_source(state.lora_request(m, "active"))
+        local = mgr.is_local_source(state.adapter_spec(m))
         if r is None:
             row: dict[str, Any] = {
                 **_EMPTY_ROW,

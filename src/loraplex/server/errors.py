@@ -53,7 +53,7 @@ def as_api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, InvalidRequestError):
-        return APIError(400, str(e))
+        return APIError(400, str(e), param=e.param)
     if isinstance(e, RegistryError):
         return registry_api_error(e)
     if isinstance(e, AdapterError):

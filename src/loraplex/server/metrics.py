@@ -93,11 +93,10 @@ class _EngineCollector(Collector):
         yield ev
         yield reload
         yield thrash
-        host = tiers.get("host")
         yield CounterMetricFamily(
             "adapter_cache_misses",
             "Adapter lookups that missed host memory (a load from disk or the object store).",
-            value=host.misses if host is not None else st.host_loads,
+            value=tiers["host"].misses,
         )
         yield CounterMetricFamily(
             "adapter_remote_loads",

@@ -1,32 +1,42 @@
-"""Replay a request trace through stacked tiers — the same TierIndex and policy code the server uses.
+"""Replay a request trace through the server's own tier controller, in simulated time.
 
-Tiers (inclusive, like the server's cache): L0 device slots (count), L1 host memory (bytes and/or
+The replay drives :class:`loraplex.cache.controller.TierController` — the code the server's
+tiered cache runs for every lookup, fill, admission, hold, eviction and counter — with the
+simulated clock injected. Only the event queue, simulated time and the load-time model live
+here. Tiers: L0 device slots (count), L1 host memory (bytes and/or ``max_cpu_loras``-style
 count, optional), L2 local disk (bytes, optional), L3 the object store (always hits). Per
-request at time ``t``::
+request at time ``t``, as the server handles it::
 
-    policy.on_access(key)                       # once per request, shared by every tier
-    L0 hit?  -> serve
-    else     -> if a load of this adapter is already waiting, join it (single flight)
-                look up L1, L2 (first hit is the source; none -> fetch from L3)
-                fill the tiers between the source and L0 (plan + commit; a tier with no room
-                is bypassed), then admit into L0, first come first served; no room in L0
-                (everything in use, pinned or too new) -> wait for a completion
-    serve    -> with --service-time > 0 the adapter is in flight (acquired in L0 and L1) until
+    L1 hit?  -> hold the host copy (every live request holds its copy)
+    else     -> if a load of this adapter waits for room in L1, join it (single flight)
+                else read it: L2 hit, or fetch from L3 and admit into L2 (policy evictions
+                first; no room: the request is refused, as the server answers 503)
+                admit into L1 (no evictable room even after retiring idle slots: wait for a
+                release, up to ``load_wait_timeout_s``, then refuse)
+    slot     -> reserve an L0 slot (inclusive: a slotted adapter holds its host copy);
+                none may be freed (all in use, pinned or too new): wait, others pass
+    serve    -> with --service-time > 0 the request holds its slot and host copy until
                 t + service_time, so the hard constraints bite
 
-Patience (``--patience``): for up to that long after its first request, an L0 admission is
-planned patiently — if the policy finds it better to wait for a busy low-value slot (a cold
+Without L1 (no ``--host-bytes`` / ``--host-count``) the simulator models L0 straight in front
+of L2/L3: an L0 miss loads through a transient host buffer (shared by the requests waiting for
+the slot). The server always has an L1; ``max_cpu_loras = max_loras`` comes closest.
+
+Patience (``--patience``): for up to that long after a request first waits, its L0 admission
+is planned patiently — if the policy finds it better to wait for a busy low-value slot (a cold
 adapter still in flight) than to evict a valuable idle one, the load waits. Hybrid does; the
-baselines never wait.
+baselines never wait. The server runs with no patience.
 
 Loads are instantaneous in simulated time but each gets a modeled duration (``LoadModel``) that
 is reported as load seconds and fed to the policy as the measured reload cost.
 
-Hit ratios: L0 = L0 hits / requests; L1 (L2) = hits / lookups that reached L1 (L2). Reference
-lines on the same trace (L0, count capacity): Belady's MIN (offline optimum) and A0 (keep the
-C-1 most requested adapters of the whole trace, cycle the last slot) — the best any online
-demand-paging policy can do in expectation when requests are independent draws (Aho, Denning &
-Ullman 1971), so on Zipf traces it is the realistic ceiling, below Belady.
+Hit ratios are the server's per-tier counters: L0 = slot reservations that found the adapter
+in its slot / requests; L1 = requests that found their copy in host memory / requests; L2 =
+disk hits / disk lookups (one per load from below L1). ``bypassed`` counts the requests a tier
+refused. Reference lines on the same trace (L0, count capacity): Belady's MIN (offline optimum)
+and A0 (keep the C-1 most requested adapters of the whole trace, cycle the last slot) — the best
+any online demand-paging policy can do in expectation when requests are independent draws (Aho,
+Denning & Ullman 1971), so on Zipf traces it is the realistic ceiling, below Belady.
 """
 
 from __future__ import annotations
@@ -36,8 +46,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from loraplex.cache.controller import TierController
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy, make_policy
-from loraplex.cache.residency import AdmissionDeferred, NoRoomError, TierIndex
+from loraplex.cache.residency import NoRoomError
 from loraplex.sim.workloads import Request
 
 __all__ = [
@@ -84,6 +95,9 @@ class SimConfig:
     patience_s: float = 1.0
     """How long a waiting request lets the policy hold out for a busy low-value slot (hybrid)
     before evicting a more valuable idle adapter; 0 = never hold out."""
+    load_wait_timeout_s: float = 10.0
+    """How long a load waits for room in host memory before its requests are refused (the
+    server's ``--adapter-load-timeout``)."""
     load_model: LoadModel = field(default_factory=LoadModel)
 
     def __post_init__(self) -> None:
@@ -98,6 +112,8 @@ class SimConfig:
             < 0
         ):
             raise ValueError("service time, min residency, thrash window, patience must be >= 0")
+        if not self.load_wait_timeout_s > 0:
+            raise ValueError("load_wait_timeout_s must be > 0")
 
     @property
     def has_l1(self) -> bool:
@@ -120,7 +136,7 @@ class TierResult:
     evictions: int
     reload_after_eviction: int
     thrash_ratio: float
-    bypassed: int
+    bypassed: int  # requests this tier refused (no room: the server answers 503)
 
 
 @dataclass
@@ -137,7 +153,7 @@ class SimResult:
     load_seconds: float
     waits: int
     mean_wait_s: float
-    unserved: int
+    unserved: int  # requests refused, or still waiting when the trace ended
 
     def tier(self, name: str) -> TierResult | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -179,41 +195,37 @@ def simulate(
     *,
     hot_adapters: frozenset[str] | None = None,
 ) -> SimResult:
-    """Replay ``requests`` (sorted by time) through fresh tiers driven by ``policy``."""
+    """Replay ``requests`` (sorted by time) through a fresh tier controller driven by ``policy``."""
     pol = policy if isinstance(policy, EvictionPolicy) else policy()
-    run = _Run(pol, config)
-    hot = hot_adapters or frozenset()
-    hot_total = hot_hits = 0
+    run = _Run(pol, config, hot_adapters or frozenset())
     for req in requests:
         run.advance(req.time)
-        hit = run.arrive(req)
-        if req.adapter in hot:
-            hot_total += 1
-            hot_hits += hit
+        run.arrive(req)
     run.finish()
     n = len(requests)
+    counters = run.ctl.stats.tiers
     tiers = [
         TierResult(
-            name=t.name,
-            lookups=t.counters.hits + t.counters.misses,
-            hits=t.counters.hits,
-            hit_ratio=t.counters.hit_ratio,
-            loads=t.counters.inserts,
-            evictions=t.counters.evictions,
-            reload_after_eviction=t.counters.reload_after_eviction,
-            thrash_ratio=t.counters.thrash_ratio,
-            bypassed=run.bypassed[t.name],
+            name=name,
+            lookups=c.hits + c.misses,
+            hits=c.hits,
+            hit_ratio=c.hit_ratio,
+            loads=c.inserts,
+            evictions=c.evictions,
+            reload_after_eviction=c.reload_after_eviction,
+            thrash_ratio=c.thrash_ratio,
+            bypassed=run.refused[name],
         )
-        for t in run.tiers
+        for name, c in counters.items()
     ]
     return SimResult(
         policy=pol.name,
         requests=n,
-        l0_hit_ratio=run.tiers[0].counters.hits / n if n else 0.0,
-        hot_hit_ratio=hot_hits / hot_total if hot_total else None,
-        hot_requests=hot_total,
+        l0_hit_ratio=counters["L0"].hits / n if n else 0.0,
+        hot_hit_ratio=run.hot_hits / run.hot_total if run.hot_total else None,
+        hot_requests=run.hot_total,
         tiers=tiers,
-        remote_fetches=run.remote_fetches,
+        remote_fetches=run.ctl.stats.remote_loads,
         load_seconds=run.load_seconds,
         waits=run.waits,
         mean_wait_s=run.wait_total / run.waits if run.waits else 0.0,
@@ -221,63 +233,74 @@ def simulate(
     )
 
 
-@dataclass
-class _Waiting:
-    """Requests for one adapter waiting for an L0 slot (they share one load: single flight)."""
+@dataclass(eq=False)
+class _Pending:
+    """One request between its arrival and the start of its service."""
 
     info: AdapterInfo
-    since: float  # first arrival
-    source: str  # where its L0 load comes from
-    held: tuple[TierIndex, ...]  # the group's reference on its L1 copy, if any
-    arrivals: list[float]
+    arrival: float
+    hot: bool
+    waited: bool = False  # counted in ``waits`` once
+
+
+@dataclass(eq=False)
+class _Load:
+    """A loaded copy waiting for room in host memory, with the requests sharing it."""
+
+    info: AdapterInfo
+    seconds: float  # modeled load time into L1
+    since: float
+    requests: list[_Pending]
 
 
 class _Run:
-    """State of one replay: the tier stack, in-flight completions and waiting requests."""
+    """One replay: the tier controller, the event queue and the waiting requests."""
 
-    def __init__(self, policy: EvictionPolicy, cfg: SimConfig) -> None:
-        self.policy = policy
+    def __init__(self, policy: EvictionPolicy, cfg: SimConfig, hot: frozenset[str]) -> None:
         self.cfg = cfg
-        common = dict(
-            policy=policy,
+        self.hot = hot
+        self.now = 0.0
+        self.ctl = TierController(
+            policy,
+            slots=cfg.slots,
+            clock=lambda: self.now,
+            host_bytes=cfg.host_bytes,
+            max_host_copies=cfg.host_count,
+            disk_bytes=cfg.disk_bytes,
+            host_tier=cfg.has_l1,
             min_residency_s=cfg.min_residency_s,
             thrash_window_s=cfg.thrash_window_s,
+            patience_s=cfg.patience_s,
+            names=("L0", "L1", "L2"),
         )
-        self.tiers = [TierIndex("L0", capacity_bytes=None, capacity_count=cfg.slots, **common)]
-        if cfg.has_l1:
-            self.tiers.append(
-                TierIndex(
-                    "L1", capacity_bytes=cfg.host_bytes, capacity_count=cfg.host_count, **common
-                )
-            )
-        if cfg.disk_bytes:
-            self.tiers.append(
-                TierIndex("L2", capacity_bytes=cfg.disk_bytes, capacity_count=None, **common)
-            )
-        self.bypassed = {t.name: 0 for t in self.tiers}
-        self.remote_fetches = 0
+        self.refused = {name: 0 for name in cfg.tier_names}
         self.load_seconds = 0.0
-        self.now = 0.0
         self._seq = 0
-        # (time, seq, key, tiers to release) for completions; key None: a patience timer
-        self.completions: list[tuple[float, int, str | None, tuple[TierIndex, ...]]] = []
-        self._timers: set[str] = set()
-        self.waiting: dict[str, _Waiting] = {}  # FIFO by first arrival (dicts keep order)
+        # (time, seq, slot, key): a request ends; slot -1 is a timer (patience, load timeout)
+        self.events: list[tuple[float, int, int, str]] = []
+        self.host_waiting: dict[str, _Load] = {}  # loads waiting for L1 room, FIFO
+        self.slot_waiting: list[_Pending] = []  # requests waiting for a slot, FIFO
+        self.buffered: dict[str, str] = {}  # without L1: key -> source of its transient copy
         self.waits = 0
         self.wait_total = 0.0
+        self.hot_total = self.hot_hits = 0
+        self.n_refused = 0
 
     @property
     def unserved(self) -> int:
-        return sum(len(w.arrivals) for w in self.waiting.values())
+        waiting = sum(len(w.requests) for w in self.host_waiting.values())
+        return self.n_refused + waiting + len(self.slot_waiting)
 
     # -------------------------------------------------------------------------- events
     def advance(self, t: float) -> None:
-        """Complete every request finishing by ``t``; waiting ones get the freed slots."""
-        while self.completions and self.completions[0][0] <= t:
-            when, _, key, held = heapq.heappop(self.completions)
+        """Process every event due by ``t``; waiting requests get what was freed."""
+        while self.events and self.events[0][0] <= t:
+            when, _, slot, key = heapq.heappop(self.events)
             self.now = max(self.now, when)
-            for tier in held:
-                tier.release(key)  # type: ignore[arg-type]
+            if slot >= 0:
+                self.ctl.release_slot(slot)
+                if self.ctl.host is not None:
+                    self.ctl.release_request(key)
             self._drain()
         self.now = max(self.now, t)
         if self.cfg.min_residency_s > 0:
@@ -286,113 +309,151 @@ class _Run:
     def finish(self) -> None:
         """After the last arrival: run in-flight and waiting requests while that makes progress."""
         while True:
-            while self.completions:
-                self.advance(self.completions[0][0])
-            if not self.waiting or self.cfg.min_residency_s <= 0:
+            while self.events:
+                self.advance(self.events[0][0])
+            if not (self.host_waiting or self.slot_waiting) or self.cfg.min_residency_s <= 0:
                 return
             left = self.unserved
             self.advance(self.now + self.cfg.min_residency_s)
-            if self.unserved == left and not self.completions:
+            if self.unserved == left and not self.events:
                 return
 
-    def arrive(self, req: Request) -> bool:
-        """Handle one arrival; True if it was an L0 hit."""
-        now = self.now
-        info = AdapterInfo(
-            key=req.adapter,
-            size_bytes=req.size,
-            tenant=req.tenant,
-            priority=req.priority,
-            rank=req.rank,
-        )
-        self.policy.on_access(info.key, info, now)
-        if self.tiers[0].lookup(info.key, now):
-            self._run_request(info, now, self._hold_l1(info.key))
-            return True
-        group = self.waiting.get(info.key)
-        if group is not None:  # its load is already waiting for a slot: join it
-            group.arrivals.append(now)
-        else:
-            source = self._fill_lower(info, now)
-            held = self._hold_l1(info.key)  # a request waiting for a slot keeps its host copy
-            self.waiting[info.key] = _Waiting(info, now, "L1" if held else source, held, [now])
-            self._drain()
-        if info.key in self.waiting:
+    def _timer(self, when: float) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (when, self._seq, -1, ""))
+
+    def arrive(self, req: Request) -> None:
+        """One arrival, handled as the server does (see the module docstring)."""
+        info = AdapterInfo(req.adapter, req.size, req.tenant, req.priority, req.rank)
+        p = _Pending(info, self.now, req.adapter in self.hot)
+        self.hot_total += p.hot
+        ctl = self.ctl
+        if ctl.host is None:
+            ctl.access(info)
+            self._to_slot(p)
+            return
+        if ctl.serve_from_host(info):
+            self._to_slot(p)
+            return
+        waiting = self.host_waiting.get(info.key)
+        if waiting is not None:  # its load waits for room in host memory: share it
+            self._wait(p)
+            waiting.requests.append(p)
+            return
+        source = self._fill(info)
+        if source is None:
+            self._refuse([p], "L2")
+            return
+        load = _Load(info, self.cfg.load_model.seconds(source, info.size_bytes), self.now, [p])
+        if not self._admit_host(load):
+            self._wait(p)
+            self.host_waiting[info.key] = load
+            self._timer(self.now + self.cfg.load_wait_timeout_s)
+
+    # -------------------------------------------------------------------------- steps
+    def _fill(self, info: AdapterInfo) -> str | None:
+        """Read ``info`` from below L1: ``L2`` (a disk hit, or a fetch from L3 admitted into
+        L2) or ``L3`` (no disk tier); None when the disk tier refused the download."""
+        ctl, key = self.ctl, info.key
+        if ctl.disk is None:
+            ctl.stats.remote_loads += 1
+            return "L3"
+        if ctl.hold_disk_copy(key):
+            ctl.release("L2", key)
+            return "L2"
+        ctl.stats.remote_loads += 1
+        seconds = self.cfg.load_model.seconds("L3", info.size_bytes)
+        try:
+            ctl.admit_disk(info, hold=False, load_seconds=seconds)
+        except NoRoomError:
+            return None
+        self.load_seconds += seconds
+        return "L2"
+
+    def _admit_host(self, load: _Load) -> bool:
+        """Admit a loaded copy into L1 for its requests; False when there is no room yet."""
+        n = len(load.requests)
+        try:
+            self.ctl.admit_host(load.info, holds=n, counted=n, load_seconds=load.seconds)
+        except NoRoomError:
+            return False
+        self.load_seconds += load.seconds
+        for p in load.requests:
+            self._to_slot(p)
+        return True
+
+    def _to_slot(self, p: _Pending) -> bool:
+        """Reserve a slot and serve ``p``, or queue it for one; True when it is served."""
+        ctl, key, size = self.ctl, p.info.key, p.info.size_bytes
+        flat = ctl.host is None
+        if flat and key not in ctl.slot_of and key not in self.buffered:
+            source = self._fill(p.info)  # the transient host copy an L0 load comes through
+            if source is None:
+                self._refuse([p], "L2")
+                return False
+            self.buffered[key] = source
+        got = ctl.reserve_slot(p.info, waiting_since=p.arrival)
+        if got is None:
+            if not p.waited and self.now < p.arrival + ctl.patience_s:
+                self._timer(p.arrival + ctl.patience_s)  # plan impatiently from then on
+            self._wait(p)
+            self.slot_waiting.append(p)
+            return False
+        slot, fresh = got
+        if fresh:
+            model = self.cfg.load_model
+            seconds = model.seconds("L1", size)
+            if flat:
+                seconds += model.seconds(self.buffered.pop(key), size)
+            self.load_seconds += seconds
+            ctl.record_load("L0", key, seconds)
+        self._serve(p, slot, hit=not fresh)
+        return True
+
+    def _serve(self, p: _Pending, slot: int, *, hit: bool) -> None:
+        """``p`` runs in ``slot`` until now + service time (it holds the slot and its copy)."""
+        if p.waited:
+            self.wait_total += self.now - p.arrival
+        self.hot_hits += p.hot and hit
+        if self.cfg.service_time_s <= 0:
+            self.ctl.release_slot(slot)
+            if self.ctl.host is not None:
+                self.ctl.release_request(p.info.key)
+            return
+        self._seq += 1
+        done = (self.now + self.cfg.service_time_s, self._seq, slot, p.info.key)
+        heapq.heappush(self.events, done)
+
+    def _wait(self, p: _Pending) -> None:
+        if not p.waited:
+            p.waited = True
             self.waits += 1
-        return False
 
-    # -------------------------------------------------------------------------- helpers
-    def _hold_l1(self, key: str) -> tuple[TierIndex, ...]:
-        """Acquire ``key`` in L1 if it is there (in-flight protection); the tiers acquired."""
-        held = tuple(t for t in self.tiers[1:2] if t.name == "L1" and t.contains(key))
-        for tier in held:
-            tier.acquire(key)
-        return held
-
-    def _fill_lower(self, info: AdapterInfo, now: float) -> str:
-        """Fill the tiers above the nearest one below L0 that holds ``info``; the L0 source."""
-        source = "L3"
-        missing: list[TierIndex] = []
-        for tier in self.tiers[1:]:
-            if tier.lookup(info.key, now):
-                source = tier.name
-                break
-            missing.append(tier)
-        if source == "L3":
-            self.remote_fetches += 1
-        for tier in reversed(missing):  # bottom-up: L2 from L3, then L1 from L2
-            try:
-                tier.admit(info, now)
-            except NoRoomError:
-                self.bypassed[tier.name] += 1
-                continue
-            self._record_load(tier, info, source)
-            source = tier.name
-        return source
+    def _refuse(self, requests: list[_Pending], tier: str) -> None:
+        """The server answers these requests 503 (no room in ``tier``)."""
+        self.refused[tier] += len(requests)
+        self.n_refused += len(requests)
 
     def _drain(self) -> None:
-        """Admit waiting adapters into L0 in arrival order, until one finds no room."""
-        while self.waiting:
-            key, group = next(iter(self.waiting.items()))
-            deadline = group.since + self.cfg.patience_s
-            try:
-                self.tiers[0].admit(group.info, self.now, patient=self.now < deadline)
-            except AdmissionDeferred:
-                if key not in self._timers:  # wake up when its patience runs out
-                    self._timers.add(key)
-                    self._seq += 1
-                    heapq.heappush(self.completions, (deadline, self._seq, None, ()))
-                return
-            except NoRoomError:
-                return
-            self._timers.discard(key)
-            self._record_load(self.tiers[0], group.info, group.source)
-            del self.waiting[key]
-            for i, arrived in enumerate(group.arrivals):
-                self.wait_total += self.now - arrived
-                if i and group.held:  # the first request inherits the group's reference
-                    for tier in group.held:
-                        tier.acquire(key)
-                self._run_request(group.info, self.now, group.held)
-
-    def _record_load(self, tier: TierIndex, info: AdapterInfo, source: str) -> None:
-        seconds = self.cfg.load_model.seconds(source, info.size_bytes)
-        if tier.name == "L0" and source != "L1":  # through a transient host buffer
-            seconds += self.cfg.load_model.seconds("L1", info.size_bytes)
-        self.load_seconds += seconds
-        self.policy.record_load_cost(tier.name, info.key, seconds)
-
-    def _run_request(self, info: AdapterInfo, now: float, held: tuple[TierIndex, ...]) -> None:
-        """The request runs on its (resident) adapter until now + service time.
-
-        ``held``: tiers where this request already holds a reference; released when it ends.
-        """
-        if self.cfg.service_time_s <= 0:
-            for tier in held:
-                tier.release(info.key)
-            return
-        l0 = self.tiers[0]
-        l0.acquire(info.key)
-        self._seq += 1
-        done = (now + self.cfg.service_time_s, self._seq, info.key, (l0, *held))
-        heapq.heappush(self.completions, done)
+        """Give waiting loads and requests what was freed, in arrival order, until nothing
+        more fits (every waiting request is tried: none blocks the ones behind it)."""
+        progress = True
+        while progress:
+            progress = False
+            # A load that found no room has retired every idle slot it could: until something is
+            # admitted, a load at least as large cannot find room either (the simulated L1 has
+            # no tenant budgets), so it is not tried; same outcome, far fewer attempts.
+            no_room = None
+            for key, load in list(self.host_waiting.items()):
+                size = load.info.size_bytes
+                if (no_room is None or size < no_room) and self._admit_host(load):
+                    del self.host_waiting[key]
+                    progress, no_room = True, None
+                    continue
+                no_room = size if no_room is None else min(no_room, size)
+                if self.now >= load.since + self.cfg.load_wait_timeout_s:
+                    del self.host_waiting[key]
+                    self._refuse(load.requests, "L1")
+            waiting, self.slot_waiting = self.slot_waiting, []
+            for p in waiting:
+                progress |= self._to_slot(p)
