@@ -50,6 +50,7 @@ from loraplex.lora.adapter import (
     compute_adapter_digest,
     read_adapter_files,
 )
+from loraplex.paths import contained
 from loraplex.types import AdapterError, AdapterSpec
 
 log = logging.getLogger(__name__)
@@ -173,9 +174,9 @@ class AdapterLoader:
                 )
             return Source("store", uri=self.store.uri(raw))
         if isinstance(self.store, LocalDirStore):
-            local = Path(raw[len("file://") :] if scheme else raw).expanduser()
-            if local.resolve().is_relative_to(self.store.root):
-                return Source("store", uri=self.store.uri(str(local.resolve())))
+            local = Path(raw[len("file://") :] if scheme else raw).expanduser().resolve()
+            if contained(local, [self.store.root]):
+                return Source("store", uri=self.store.uri(str(local)))
         if scheme:
             raise AdapterError(f"adapter {name!r}: {raw!r} is not under the object store")
         path = Path(raw).expanduser()

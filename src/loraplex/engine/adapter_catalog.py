@@ -26,13 +26,12 @@ from pathlib import Path
 from loraplex.cache.store import ObjectStore, StoreUnavailableError
 from loraplex.cache.verify import fetch_verified
 from loraplex.lora.adapter import compute_adapter_digest, read_adapter_files
-from loraplex.lora.digest import SAFETENSORS_NAME, DigestError, digest_safetensors_dir
+from loraplex.lora.digest import DigestError, digest_safetensors_dir
+from loraplex.lora.peft_format import ADAPTER_FILES, SAFETENSORS_NAME
 from loraplex.requests import LoRARequest
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec
 
 log = logging.getLogger(__name__)
-
-_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
 __all__ = ["LocalAdapterCatalog"]
 
@@ -40,7 +39,7 @@ __all__ = ["LocalAdapterCatalog"]
 def files_fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
     """(name, size, mtime_ns) of the files that define an adapter — changes when rewritten."""
     out = []
-    for name in _ADAPTER_FILES:
+    for name in ADAPTER_FILES:
         p = path / name
         if p.is_file():
             st = p.stat()

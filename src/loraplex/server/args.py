@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from loraplex.config import LoRAModule, ServerConfig, parse_byte_size
+from loraplex.lora.peft_format import CONFIG_NAME
 from loraplex.settings import FieldError, Settings, Values
 
 __all__ = [
@@ -152,7 +153,7 @@ def _check_paths(
         if not adapter_dir.is_dir():
             problem = f"adapter {m.name!r}: {m.path!r} {_what(adapter_dir)}{_hub_hint(m.path)}"
             raise values.error("lora_modules", problem)
-        if not (adapter_dir / "adapter_config.json").is_file():
+        if not (adapter_dir / CONFIG_NAME).is_file():
             raise values.error(
                 "lora_modules",
                 f"adapter {m.name!r}: {m.path!r} has no adapter_config.json (expected a PEFT "
