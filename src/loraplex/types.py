@@ -1,4 +1,10 @@
-"""Core value types shared by every layer. No torch, no internal imports."""
+"""Core value types shared by every layer, and the errors callers act on. No torch, no internal
+imports.
+
+The adapter errors below are raised by the cache and its stores (which re-export them where
+they were defined before) and mapped to status codes by the server, which may not import the
+cache: so they live here, at the bottom layer.
+"""
 
 from __future__ import annotations
 
@@ -93,3 +99,76 @@ class AdapterError(LoraplexError, ValueError):
 
 class ModelLoadError(LoraplexError, ValueError):
     """A base model directory cannot be loaded: missing file, unsupported architecture, ..."""
+
+
+# -- adapter errors that callers tell apart (raised by the cache, mapped by the server) ----------
+class AdapterCapacityError(AdapterError):
+    """No room for an adapter in a tier without breaking a hard constraint (every resident
+    adapter in use or pinned), even after waiting. Transient: servers answer 503 + Retry-After."""
+
+    def __init__(self, message: str, *, tier: str = "") -> None:
+        super().__init__(message)
+        self.tier = tier
+
+
+class AdapterInUseError(AdapterError):
+    """An admin eviction was refused: the adapter has in-flight requests or is pinned (409)."""
+
+
+class StoreError(AdapterError):
+    """An object store could not serve a request; the message names store, URI and cause."""
+
+    def __init__(self, message: str, *, store: str = "", uri: str = "") -> None:
+        super().__init__(message)
+        self.store = store
+        self.uri = uri
+
+
+class StoreNotFoundError(StoreError):
+    """The adapter (or one of its required files, or the bucket) does not exist."""
+
+
+class StorePermissionError(StoreError):
+    """Refused: a URI outside the configured root/bucket/prefix, or access denied by the store."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store did not answer: endpoint unreachable, timed out, or the transfer broke off."""
+
+
+class AdapterCopyError(AdapterError):
+    """A copy of an adapter in one tier cannot be used. ``deleted`` says if it was removed."""
+
+    def __init__(self, message: str, *, name: str = "", tier: str = "", path: str = "") -> None:
+        super().__init__(message)
+        self.name = name
+        self.tier = tier
+        self.path = path
+        self.deleted = False
+
+    def mark_deleted(self) -> None:
+        """Record (in the message too) that the owner removed the bad copy."""
+        self.deleted = True
+        self.args = (f"{self.args[0]}; the bad copy was deleted",)
+
+
+class AdapterCorruptError(AdapterCopyError):
+    """The copy's files are missing, truncated or do not parse."""
+
+
+class AdapterIntegrityError(AdapterCopyError):
+    """The copy parses but its content digest is not the expected sha256."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str = "",
+        tier: str = "",
+        path: str = "",
+        expected: str = "",
+        actual: str = "",
+    ) -> None:
+        super().__init__(message, name=name, tier=tier, path=path)
+        self.expected = expected
+        self.actual = actual

@@ -33,30 +33,14 @@ from loraplex.lora.peft_format import (
     choose_adapter_files,
 )
 from loraplex.paths import contained
-from loraplex.types import AdapterError
+from loraplex.types import (  # defined at the types layer; re-exported for the cache's users
+    StoreError,
+    StoreNotFoundError,
+    StorePermissionError,
+    StoreUnavailableError,
+)
 
 STAGE_REMOTE_DOWNLOAD = "remote_download"
-
-
-class StoreError(AdapterError):
-    """An object store could not serve a request; the message names store, URI and cause."""
-
-    def __init__(self, message: str, *, store: str = "", uri: str = "") -> None:
-        super().__init__(message)
-        self.store = store
-        self.uri = uri
-
-
-class StoreNotFoundError(StoreError):
-    """The adapter (or one of its required files, or the bucket) does not exist."""
-
-
-class StorePermissionError(StoreError):
-    """Refused: a URI outside the configured root/bucket/prefix, or access denied by the store."""
-
-
-class StoreUnavailableError(StoreError):
-    """The store did not answer: endpoint unreachable, timed out, or the transfer broke off."""
 
 
 @dataclass(frozen=True)

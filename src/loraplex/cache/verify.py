@@ -23,7 +23,12 @@ import torch
 
 from loraplex.cache.store import STAGE_REMOTE_DOWNLOAD, FetchResult, ObjectStore
 from loraplex.lora.adapter import compute_adapter_digest, read_adapter_files
-from loraplex.types import AdapterError
+from loraplex.types import (  # defined at the types layer; re-exported for the cache's users
+    AdapterCopyError,
+    AdapterCorruptError,
+    AdapterError,
+    AdapterIntegrityError,
+)
 
 STAGE_DISK_LOAD = "disk_load"
 TIER_DISK = "disk"
@@ -42,44 +47,6 @@ __all__ = [
     "fetch_verified",
     "verify_adapter_dir",
 ]
-
-
-class AdapterCopyError(AdapterError):
-    """A copy of an adapter in one tier cannot be used. ``deleted`` says if it was removed."""
-
-    def __init__(self, message: str, *, name: str = "", tier: str = "", path: str = "") -> None:
-        super().__init__(message)
-        self.name = name
-        self.tier = tier
-        self.path = path
-        self.deleted = False
-
-    def mark_deleted(self) -> None:
-        """Record (in the message too) that the owner removed the bad copy."""
-        self.deleted = True
-        self.args = (f"{self.args[0]}; the bad copy was deleted",)
-
-
-class AdapterCorruptError(AdapterCopyError):
-    """The copy's files are missing, truncated or do not parse."""
-
-
-class AdapterIntegrityError(AdapterCopyError):
-    """The copy parses but its content digest is not the expected sha256."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        name: str = "",
-        tier: str = "",
-        path: str = "",
-        expected: str = "",
-        actual: str = "",
-    ) -> None:
-        super().__init__(message, name=name, tier=tier, path=path)
-        self.expected = expected
-        self.actual = actual
 
 
 def check_digest(digest: str) -> str:
