@@ -1,4 +1,5 @@
-"""The engine loop in its own thread, driven by asyncio callers (the HTTP server).
+"""The engine loop in its own thread, driven by asyncio callers (the HTTP server, through
+:class:`~loraplex.engine.client.EngineClient`).
 
 One thread owns the :class:`LLMEngine` and runs ``drain commands → step → deliver`` forever.
 Callers never touch the engine's queues directly: they prepare a request in a worker pool

@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP server: routes, admin API, auth and metrics over the async engine."""
+"""OpenAI-compatible HTTP server: routes, admin API, auth and metrics over the engine client."""

@@ -37,9 +37,3 @@ def check_allowed_path(path: str, roots: list[str]) -> Path:
     if name is not None:
         raise AdapterError(f"{name} in {path!r} links outside the allowed roots")
     return resolved
-
-
-def lexically_under(path: Path, roots: list[str]) -> bool:
-    """Whether ``path`` was named under one of ``roots`` (symlinks not resolved; see
-    :func:`loraplex.paths.contained` for when the lexical form is the right question)."""
-    return contained(path, roots, resolve=False)

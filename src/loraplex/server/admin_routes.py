@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse, Response
 
 from loraplex.registry import Principal, RegistryError
 from loraplex.server.adapters import check_allowed_path
+from loraplex.server.auth import admin_principal
 from loraplex.server.catalog import ADMIN_KEY, Servable
 from loraplex.server.errors import APIError, registry_api_error
 from loraplex.server.protocol import (
@@ -32,257 +32,288 @@ from loraplex.server.protocol import (
     RegisterAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from loraplex.server.state import ServerState, get_state
 from loraplex.types import AdapterError
 
-if TYPE_CHECKING:
-    from loraplex.server.app import ServerState
+log = logging.getLogger("loraplex.server.app")  # the server's log lines keep one logger name
 
-log = logging.getLogger("loraplex.server.app")
+router = APIRouter()
+
+load_auth, pin_auth = admin_principal("admin:load"), admin_principal("admin:pin")
+any_admin = admin_principal("admin:")  # reading the registry: any admin scope
+register_auth, promote_auth = admin_principal("admin:register"), admin_principal("admin:promote")
 
 
-def add_admin_routes(app: FastAPI, state: ServerState) -> None:
-    """Register the admin routes of ``state``'s server on ``app``."""
-    engine, config = state.engine, state.config
+# -- helpers ---------------------------------------------------------------------------------------
+def _lora_enabled(state: ServerState) -> None:
+    if not state.client.lora_enabled:
+        raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
 
-    def admin(scope: str) -> Callable[[Request], Principal]:
-        def check(request: Request) -> Principal:
-            return state.check_admin_auth(request, scope)
 
-        return check
+def _not_found(name: str, param: str = "lora_name") -> APIError:
+    return APIError(
+        404,
+        f"The lora adapter '{name}' cannot be found.",
+        "NotFoundError",
+        param=param,
+        code="model_not_found",
+    )
 
-    load_auth, pin_auth = admin("admin:load"), admin("admin:pin")
-    any_admin = admin("admin:")  # reading the registry: any admin scope
-    register_auth, promote_auth = admin("admin:register"), admin("admin:promote")
 
-    # -- admin: vLLM's runtime loading, pins ------------------------------------------------------
-    def _lora_manager() -> Any:
-        if engine.adapters is None:
-            raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
-        return engine.adapters
+def _servable(state: ServerState, name: str, principal: Principal) -> Servable:
+    sv = state.catalog.lookup(name, principal)
+    if sv is None:
+        raise _not_found(name)
+    return sv
 
-    def _not_found(name: str, param: str = "lora_name") -> APIError:
-        return APIError(
-            404,
-            f"The lora adapter '{name}' cannot be found.",
-            "NotFoundError",
-            param=param,
-            code="model_not_found",
+
+def _changed(state: ServerState) -> None:
+    state.catalog.refresh(force=True)
+
+
+def _owned_name(state: ServerState, name: str, principal: Principal) -> None:
+    """A tenant-bound admin key may act only on its tenant's names (404 otherwise)."""
+    if principal.tenant is None:
+        return
+    owners = {m.tenant for m in state.registry.list() if m.name == name}
+    if owners and owners != {principal.tenant}:  # unknown names: the registry's own 404
+        raise _not_found(name, "name")
+
+
+# -- vLLM's runtime loading, pins ------------------------------------------------------------------
+@router.post("/v1/load_lora_adapter")
+def load_lora_adapter(
+    body: LoadLoRAAdapterRequest,
+    principal: Principal = Depends(load_auth),
+    state: ServerState = Depends(get_state),
+) -> Response:
+    """vLLM's runtime load: register the directory as a new revision (validated against the
+    served base), load and verify it, then make it the active revision of ``lora_name``."""
+    _lora_enabled(state)
+    name = body.lora_name
+    if name in state.base_names:
+        raise APIError(400, f"{name!r} is the base model's name", param="lora_name")
+    if state.catalog.lookup(name, ADMIN_KEY) is not None and not body.load_inplace:
+        raise APIError(
+            400,
+            f"The lora adapter '{name}' has already been loaded. "
+            "Unload it first or pass load_inplace=true.",
+            param="lora_name",
         )
-
-    def _servable(name: str, principal: Principal) -> Servable:
-        sv = state.catalog.lookup(name, principal)
-        if sv is None:
-            raise _not_found(name)
-        return sv
-
-    def _changed() -> None:
-        state.catalog.refresh(force=True)
-
-    @app.post("/v1/load_lora_adapter")
-    def load_lora_adapter(
-        body: LoadLoRAAdapterRequest, principal: Principal = Depends(load_auth)
-    ) -> Response:
-        """vLLM's runtime load: register the directory as a new revision (validated against the
-        served base), load and verify it, then make it the active revision of ``lora_name``."""
-        mgr = _lora_manager()
-        name = body.lora_name
-        if name in state.base_names:
-            raise APIError(400, f"{name!r} is the base model's name", param="lora_name")
-        if state.catalog.lookup(name, ADMIN_KEY) is not None and not body.load_inplace:
-            raise APIError(
-                400,
-                f"The lora adapter '{name}' has already been loaded. "
-                "Unload it first or pass load_inplace=true.",
-                param="lora_name",
-            )
-        try:
-            path = check_allowed_path(body.lora_path, config.allowed_lora_roots)
-        except AdapterError as e:
-            raise APIError(400, str(e), param="lora_path") from e
-        try:
-            manifest = state.registry.register(
-                str(path), name, base=state.base, tenant=principal.tenant, actor=principal.key_id
-            )
-        except RegistryError as e:
-            raise registry_api_error(e, param="lora_path") from e
-        try:
-            adapter, _ = mgr.acquire(state.adapter_spec(manifest), count=False)
-        except AdapterError as e:
-            raise APIError(400, str(e), param="lora_path") from e
-        mgr.release(adapter)
-        if state.registry.release(name).active_revision != manifest.revision:
-            state.registry.activate(name, manifest.revision, actor=principal.key_id)
-        _changed()
-        log.info("loaded adapter %s from %s (%s)", name, path, adapter.ref.short)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    def unload_lora_adapter(
-        body: UnloadLoRAAdapterRequest, principal: Principal = Depends(load_auth)
-    ) -> Response:
-        """Disable the active revision: new requests get 404, requests in flight finish on it."""
-        sv = _servable(body.lora_name, principal)
-        state.registry.disable(sv.name, sv.active.revision, actor=principal.key_id)
-        _changed()
-        log.info("unloaded adapter %s (in-flight requests finish on it)", body.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-    @app.post("/v1/pin_lora_adapter")
-    def pin_lora_adapter(
-        body: PinLoRAAdapterRequest, principal: Principal = Depends(pin_auth)
-    ) -> dict[str, Any]:
-        """Load the active revision if needed and pin it in host memory and disk (and its
-        device slot with ``device``): pinned adapters are never evicted."""
-        mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
-        adapter, _ = mgr.acquire(state.adapter_spec(sv.active), count=False)
-        try:
-            digest = mgr.pin(adapter.ref.sha256, device=body.device)
-        finally:
-            mgr.release(adapter)
-        state.registry.audit(
-            principal.key_id, "pin", sv.name,
-            after={"revision": sv.active.revision, "sha256": digest, "device": body.device},
-        )  # fmt: skip
-        log.info("pinned adapter %s (%s, device=%s)", sv.name, digest[:12], body.device)
-        return {"lora_name": sv.name, "sha256": digest[:16], "pinned": True, "device": body.device}
-
-    @app.post("/v1/unpin_lora_adapter")
-    def unpin_lora_adapter(
-        body: UnloadLoRAAdapterRequest, principal: Principal = Depends(pin_auth)
-    ) -> dict[str, Any]:
-        mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
-        d = sv.active.sha256
-        mgr.unpin(d)
-        state.registry.audit(principal.key_id, "unpin", sv.name, after={"sha256": d})
-        return {"lora_name": sv.name, "sha256": d[:16], "pinned": False}
-
-    @app.post("/v1/evict_lora_adapter")
-    def evict_lora_adapter(
-        body: EvictLoRAAdapterRequest, principal: Principal = Depends(pin_auth)
-    ) -> dict[str, Any]:
-        """Drop the active revision's copies from the given tiers (default: device, host, disk).
-        Refused with 409 while requests use it or it is pinned."""
-        mgr, sv = _lora_manager(), _servable(body.lora_name, principal)
-        d = sv.active.sha256
-        if mgr.tier_of(d) is None and not (mgr.disk is not None and d in mgr.disk.entries()):
-            return {"lora_name": sv.name, "sha256": d[:16], "evicted_from": []}
-        tiers = body.tiers or ["device", "host", "disk"]
-        left = mgr.evict(d, tiers=tiers)
-        state.registry.audit(principal.key_id, "evict", sv.name, after={"sha256": d, "tiers": left})
-        log.info("evicted adapter %s (%s) from %s", sv.name, d[:12], left)
-        return {"lora_name": sv.name, "sha256": d[:16], "evicted_from": left}
-
-    # -- admin: the registry -----------------------------------------------------------------------
-    def _owned_name(name: str, principal: Principal) -> None:
-        """A tenant-bound admin key may act only on its tenant's names (404 otherwise)."""
-        if principal.tenant is None:
-            return
-        owners = {m.tenant for m in state.registry.list() if m.name == name}
-        if owners and owners != {principal.tenant}:  # unknown names: the registry's own 404
-            raise _not_found(name, "name")
-
-    @app.get("/v1/admin/adapters")
-    def admin_list_adapters(
-        status: str | None = None, principal: Principal = Depends(any_admin)
-    ) -> dict[str, Any]:
-        ms = state.registry.list(tenant=principal.tenant, status=status)
-        if principal.tenant is not None:
-            ms = [m for m in ms if m.tenant == principal.tenant]
-        return {"object": "list", "data": [m.to_dict() for m in ms]}
-
-    @app.get("/v1/admin/adapters/{name}")
-    def admin_show_adapter(name: str, principal: Principal = Depends(any_admin)) -> dict[str, Any]:
-        _owned_name(name, principal)
-        rel = state.registry.release(name)
-        revisions = [m.to_dict() for m in state.registry.list() if m.name == name]
-        return {"name": name, "release": dataclasses.asdict(rel), "revisions": revisions}
-
-    @app.post("/v1/admin/adapters")
-    def admin_register_adapter(
-        body: RegisterAdapterRequest, principal: Principal = Depends(register_auth)
-    ) -> dict[str, Any]:
-        """Register one revision (validated against the served base model); ``stage`` or
-        ``activate`` it in the same call."""
-        if body.name in state.base_names:
-            raise APIError(400, f"{body.name!r} is the base model's name", param="name")
-        tenant = body.tenant
-        if principal.tenant is not None:
-            if tenant not in (None, principal.tenant):
-                raise APIError(403, "a tenant key may register only for its own tenant",
-                               "permission_error", param="tenant")  # fmt: skip
-            tenant = principal.tenant
-        _owned_name(body.name, principal)
-        m = state.registry.register(
-            body.path,
-            body.name,
-            base=state.base,
-            revision=body.revision,
-            tenant=tenant,
-            source_uri=body.source_uri,
-            priority=body.priority,
-            slo_class=body.slo_class,
-            warm_policy=body.warm_policy,
-            signature=body.signature,
-            actor=principal.key_id,
+    try:
+        path = check_allowed_path(body.lora_path, state.config.allowed_lora_roots)
+    except AdapterError as e:
+        raise APIError(400, str(e), param="lora_path") from e
+    try:
+        manifest = state.registry.register(
+            str(path), name, base=state.base, tenant=principal.tenant, actor=principal.key_id
         )
-        if body.activate:
-            state.registry.activate(body.name, m.revision, actor=principal.key_id)
-        elif body.stage:
-            state.registry.stage(body.name, m.revision, actor=principal.key_id)
-        _changed()
-        return state.registry.get(body.name, m.revision).to_dict()
+    except RegistryError as e:
+        raise registry_api_error(e, param="lora_path") from e
+    try:
+        ref = state.client.check_loadable(state.adapter_spec(manifest))
+    except AdapterError as e:
+        raise APIError(400, str(e), param="lora_path") from e
+    if state.registry.release(name).active_revision != manifest.revision:
+        state.registry.activate(name, manifest.revision, actor=principal.key_id)
+    _changed(state)
+    log.info("loaded adapter %s from %s (%s)", name, path, ref.short)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/admin/adapters/{name}/promote")
-    def admin_promote(
-        name: str,
-        body: PromoteAdapterRequest,
-        principal: Principal = Depends(promote_auth),
-    ) -> dict[str, Any]:
-        _owned_name(name, principal)
-        rel = state.registry.promote(name, body.revision, actor=principal.key_id)
-        _changed()
-        return dataclasses.asdict(rel)
 
-    @app.post("/v1/admin/adapters/{name}/canary")
-    def admin_canary(
-        name: str,
-        body: CanaryAdapterRequest,
-        principal: Principal = Depends(promote_auth),
-    ) -> dict[str, Any]:
-        _owned_name(name, principal)
-        rel = state.registry.canary(name, body.revision, body.weight, actor=principal.key_id)
-        _changed()
-        return dataclasses.asdict(rel)
+@router.post("/v1/unload_lora_adapter")
+def unload_lora_adapter(
+    body: UnloadLoRAAdapterRequest,
+    principal: Principal = Depends(load_auth),
+    state: ServerState = Depends(get_state),
+) -> Response:
+    """Disable the active revision: new requests get 404, requests in flight finish on it."""
+    sv = _servable(state, body.lora_name, principal)
+    state.registry.disable(sv.name, sv.active.revision, actor=principal.key_id)
+    _changed(state)
+    log.info("unloaded adapter %s (in-flight requests finish on it)", body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
-    @app.post("/v1/admin/adapters/{name}/rollback")
-    def admin_rollback(name: str, principal: Principal = Depends(promote_auth)) -> dict[str, Any]:
-        _owned_name(name, principal)
-        rel = state.registry.rollback(name, actor=principal.key_id)
-        _changed()
-        return dataclasses.asdict(rel)
 
-    @app.post("/v1/admin/adapters/{name}/disable")
-    def admin_disable(
-        name: str,
-        body: DisableAdapterRequest,
-        principal: Principal = Depends(promote_auth),
-    ) -> dict[str, Any]:
-        _owned_name(name, principal)
-        m = state.registry.disable(name, body.revision, actor=principal.key_id)
-        _changed()
-        return m.to_dict()
+@router.post("/v1/pin_lora_adapter")
+def pin_lora_adapter(
+    body: PinLoRAAdapterRequest,
+    principal: Principal = Depends(pin_auth),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    """Load the active revision if needed and pin it in host memory and disk (and its
+    device slot with ``device``): pinned adapters are never evicted."""
+    _lora_enabled(state)
+    sv = _servable(state, body.lora_name, principal)
+    digest = state.client.pin(state.adapter_spec(sv.active), device=body.device)
+    state.registry.audit(
+        principal.key_id, "pin", sv.name,
+        after={"revision": sv.active.revision, "sha256": digest, "device": body.device},
+    )  # fmt: skip
+    log.info("pinned adapter %s (%s, device=%s)", sv.name, digest[:12], body.device)
+    return {"lora_name": sv.name, "sha256": digest[:16], "pinned": True, "device": body.device}
 
-    @app.get("/v1/admin/audit")
-    def admin_audit(
-        target: str | None = None,
-        limit: int = 100,
-        principal: Principal = Depends(any_admin),
-    ) -> dict[str, Any]:
-        if not 1 <= limit <= 10_000:
-            raise APIError(400, "limit must be in [1, 10000]", param="limit")
-        if principal.tenant is not None:
-            if target is None:
-                raise APIError(400, "a tenant admin key must name a target", param="target")
-            _owned_name(target, principal)
-        entries = state.registry.audit_log(limit=limit, target=target)
-        return {"object": "list", "data": [dataclasses.asdict(e) for e in entries]}
+
+@router.post("/v1/unpin_lora_adapter")
+def unpin_lora_adapter(
+    body: UnloadLoRAAdapterRequest,
+    principal: Principal = Depends(pin_auth),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    _lora_enabled(state)
+    sv = _servable(state, body.lora_name, principal)
+    d = sv.active.sha256
+    state.client.unpin(d)
+    state.registry.audit(principal.key_id, "unpin", sv.name, after={"sha256": d})
+    return {"lora_name": sv.name, "sha256": d[:16], "pinned": False}
+
+
+@router.post("/v1/evict_lora_adapter")
+def evict_lora_adapter(
+    body: EvictLoRAAdapterRequest,
+    principal: Principal = Depends(pin_auth),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    """Drop the active revision's copies from the given tiers (default: device, host, disk).
+    Refused with 409 while requests use it or it is pinned."""
+    _lora_enabled(state)
+    sv = _servable(state, body.lora_name, principal)
+    d = sv.active.sha256
+    if not state.client.has_copy(d):
+        return {"lora_name": sv.name, "sha256": d[:16], "evicted_from": []}
+    tiers = body.tiers or ["device", "host", "disk"]
+    left = state.client.evict(d, tiers=tiers)
+    state.registry.audit(principal.key_id, "evict", sv.name, after={"sha256": d, "tiers": left})
+    log.info("evicted adapter %s (%s) from %s", sv.name, d[:12], left)
+    return {"lora_name": sv.name, "sha256": d[:16], "evicted_from": left}
+
+
+# -- the registry ----------------------------------------------------------------------------------
+@router.get("/v1/admin/adapters")
+def admin_list_adapters(
+    status: str | None = None,
+    principal: Principal = Depends(any_admin),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    ms = state.registry.list(tenant=principal.tenant, status=status)
+    if principal.tenant is not None:
+        ms = [m for m in ms if m.tenant == principal.tenant]
+    return {"object": "list", "data": [m.to_dict() for m in ms]}
+
+
+@router.get("/v1/admin/adapters/{name}")
+def admin_show_adapter(
+    name: str,
+    principal: Principal = Depends(any_admin),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    _owned_name(state, name, principal)
+    rel = state.registry.release(name)
+    revisions = [m.to_dict() for m in state.registry.list() if m.name == name]
+    return {"name": name, "release": dataclasses.asdict(rel), "revisions": revisions}
+
+
+@router.post("/v1/admin/adapters")
+def admin_register_adapter(
+    body: RegisterAdapterRequest,
+    principal: Principal = Depends(register_auth),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    """Register one revision (validated against the served base model); ``stage`` or
+    ``activate`` it in the same call."""
+    if body.name in state.base_names:
+        raise APIError(400, f"{body.name!r} is the base model's name", param="name")
+    tenant = body.tenant
+    if principal.tenant is not None:
+        if tenant not in (None, principal.tenant):
+            raise APIError(403, "a tenant key may register only for its own tenant",
+                           "permission_error", param="tenant")  # fmt: skip
+        tenant = principal.tenant
+    _owned_name(state, body.name, principal)
+    m = state.registry.register(
+        body.path,
+        body.name,
+        base=state.base,
+        revision=body.revision,
+        tenant=tenant,
+        source_uri=body.source_uri,
+        priority=body.priority,
+        slo_class=body.slo_class,
+        warm_policy=body.warm_policy,
+        signature=body.signature,
+        actor=principal.key_id,
+    )
+    if body.activate:
+        state.registry.activate(body.name, m.revision, actor=principal.key_id)
+    elif body.stage:
+        state.registry.stage(body.name, m.revision, actor=principal.key_id)
+    _changed(state)
+    return state.registry.get(body.name, m.revision).to_dict()
+
+
+@router.post("/v1/admin/adapters/{name}/promote")
+def admin_promote(
+    name: str,
+    body: PromoteAdapterRequest,
+    principal: Principal = Depends(promote_auth),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    _owned_name(state, name, principal)
+    rel = state.registry.promote(name, body.revision, actor=principal.key_id)
+    _changed(state)
+    return dataclasses.asdict(rel)
+
+
+@router.post("/v1/admin/adapters/{name}/canary")
+def admin_canary(
+    name: str,
+    body: CanaryAdapterRequest,
+    principal: Principal = Depends(promote_auth),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    _owned_name(state, name, principal)
+    rel = state.registry.canary(name, body.revision, body.weight, actor=principal.key_id)
+    _changed(state)
+    return dataclasses.asdict(rel)
+
+
+@router.post("/v1/admin/adapters/{name}/rollback")
+def admin_rollback(
+    name: str,
+    principal: Principal = Depends(promote_auth),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    _owned_name(state, name, principal)
+    rel = state.registry.rollback(name, actor=principal.key_id)
+    _changed(state)
+    return dataclasses.asdict(rel)
+
+
+@router.post("/v1/admin/adapters/{name}/disable")
+def admin_disable(
+    name: str,
+    body: DisableAdapterRequest,
+    principal: Principal = Depends(promote_auth),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    _owned_name(state, name, principal)
+    m = state.registry.disable(name, body.revision, actor=principal.key_id)
+    _changed(state)
+    return m.to_dict()
+
+
+@router.get("/v1/admin/audit")
+def admin_audit(
+    target: str | None = None,
+    limit: int = 100,
+    principal: Principal = Depends(any_admin),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    if not 1 <= limit <= 10_000:
+        raise APIError(400, "limit must be in [1, 10000]", param="limit")
+    if principal.tenant is not None:
+        if target is None:
+            raise APIError(400, "a tenant admin key must name a target", param="target")
+        _owned_name(state, target, principal)
+    entries = state.registry.audit_log(limit=limit, target=target)
+    return {"object": "list", "data": [dataclasses.asdict(e) for e in entries]}

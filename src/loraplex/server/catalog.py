@@ -249,3 +249,9 @@ def has_scope(p: Principal, scope: str) -> bool:
     if scope == "admin:":
         return any(sc.startswith("admin:") for sc in p.scopes)
     return p.allows(scope)
+
+
+def registration_order(sv: Servable) -> tuple[float, str]:
+    """Sort key: adapters are listed in the order they were first registered (vLLM: the flag
+    order)."""
+    return (sv.active.created_at, sv.name)

@@ -8,12 +8,19 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from loraplex.cache.adapters import AdapterCapacityError, AdapterInUseError
-from loraplex.cache.store import StoreNotFoundError, StorePermissionError, StoreUnavailableError
-from loraplex.cache.verify import AdapterCopyError
-from loraplex.engine.async_engine import EngineDeadError, EngineStepError
+from loraplex.engine.client import EngineDeadError, EngineStepError
 from loraplex.registry import NotFoundError, RegistryError, TransitionError, ValidationError
-from loraplex.types import AdapterError, InvalidRequestError, LoraplexError
+from loraplex.types import (
+    AdapterCapacityError,
+    AdapterCopyError,
+    AdapterError,
+    AdapterInUseError,
+    InvalidRequestError,
+    LoraplexError,
+    StoreNotFoundError,
+    StorePermissionError,
+    StoreUnavailableError,
+)
 
 log = logging.getLogger("loraplex.server.app")
 

@@ -18,8 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from loraplex.engine.async_engine import AsyncEngine
-    from loraplex.engine.llm_engine import StepStats
+    from loraplex.engine.client import EngineClient, StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -29,16 +28,17 @@ _LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 
 class _EngineCollector(Collector):
-    """Gauges and tier counters computed from the engine's state at scrape time."""
+    """Gauges and tier counters computed from the engine's state at scrape time (through its
+    client)."""
 
-    def __init__(self, engine: AsyncEngine, adapter_names: Callable[[str], list[str]]) -> None:
-        self._engine = engine
+    def __init__(self, client: EngineClient, adapter_names: Callable[[str], list[str]]) -> None:
+        self._client = client
         self._names = adapter_names  # digest -> served names
 
     def collect(self) -> Iterable[Metric]:
-        eng = self._engine.engine
-        waiting = self._engine.num_waiting
-        running = eng.num_running
+        client = self._client
+        waiting = client.num_waiting
+        running = client.num_running
         yield GaugeMetricFamily(
             "vllm:num_requests_waiting", "Requests waiting to be scheduled.", value=waiting
         )
@@ -48,26 +48,30 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "vllm:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (1 = full).",
-            value=eng.kv_cache_usage(),
+            value=client.kv_cache_usage(),
         )
-        mgr = eng.adapters
+        lora = client.lora_enabled
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "LoRA adapters resident on the device (idle or busy) and adapters of waiting requests.",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
-        if mgr is not None:
-            resident = [n for d in list(mgr.slot_of) for n in self._names(d)]
-            waiting_names = [n for d in eng.waiting_adapter_digests() for n in self._names(d)]
+        if lora:
+            resident = [n for d in client.device_adapter_digests() for n in self._names(d)]
+            waiting_names = [n for d in client.waiting_adapter_digests() for n in self._names(d)]
             info.add_metric(
-                [str(mgr.max_loras), ",".join(sorted(resident)), ",".join(sorted(waiting_names))],
+                [
+                    str(client.max_loras),
+                    ",".join(sorted(resident)),
+                    ",".join(sorted(waiting_names)),
+                ],
                 time.time(),
             )
         yield info
-        if mgr is None:
+        if not lora:
             return
-        st = mgr.stats
-        tiers = mgr.tier_counters()  # device, host (and disk when configured)
+        st = client.cache_stats
+        tiers = client.tier_counters()  # device, host (and disk when configured)
         hits = CounterMetricFamily(
             "adapter_cache_hits", "Adapter lookups served from a tier.", labels=["tier"]
         )
@@ -119,18 +123,18 @@ class _EngineCollector(Collector):
             "Bytes of adapter weights resident in a tier.",
             labels=["tier"],
         )
-        for tier, (n, b) in mgr.resident_bytes().items():
+        for tier, (n, b) in client.resident_bytes().items():
             count.add_metric([tier], n)
             nbytes.add_metric([tier], b)
         yield count
         yield nbytes
-        yield GaugeMetricFamily("loraplex_max_loras", "Device LoRA slots.", value=mgr.max_loras)
+        yield GaugeMetricFamily("loraplex_max_loras", "Device LoRA slots.", value=client.max_loras)
 
 
 class ServerMetrics:
     """All metrics of one server instance."""
 
-    def __init__(self, engine: AsyncEngine, adapter_names: Callable[[str], list[str]]) -> None:
+    def __init__(self, client: EngineClient, adapter_names: Callable[[str], list[str]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -185,10 +189,9 @@ class ServerMetrics:
         self.step_errors = Counter(
             "loraplex_engine_step_errors", "Engine steps that raised.", registry=r
         )
-        r.register(_EngineCollector(engine, adapter_names))
-        engine.step_observers.append(self._on_step)
-        if engine.engine.adapters is not None:
-            engine.engine.adapters.load_observers.append(self._on_load)
+        r.register(_EngineCollector(client, adapter_names))
+        client.add_step_observer(self._on_step)
+        client.add_load_observer(self._on_load)
 
     def _on_step(self, stats: StepStats) -> None:
         self.distinct_adapters.observe(stats.distinct_adapters)

@@ -1,0 +1,295 @@
+"""The one interface through which the HTTP server reaches the engine: :class:`EngineClient`.
+
+It wraps the engine loop (:class:`~loraplex.engine.async_engine.AsyncEngine`, which owns the
+thread running one :class:`~loraplex.engine.llm_engine.LLMEngine`) and that engine's tiered
+adapter cache, and offers what a server needs:
+
+    requests   prepare (worker pool) -> reserve/unreserve a waiting place -> generate
+               (async iterator of RequestOutput) -> abort / discard; run_in_pool;
+               chat template, decode, max_model_len
+    life cycle start, shutdown, is_running
+    gauges     num_waiting, num_running, kv_cache_usage, waiting / device adapter digests,
+               step observers
+    adapters   lora_enabled, max_loras, max_cpu_loras, policy_name, check_loadable,
+               pin / unpin / evict / has_copy / prewarm, tier_of, residency, resident_bytes,
+               tier_counters, cache_stats, set_tenant_budget, is_local_source,
+               staged_source, load observers
+
+The loop's semantics are :class:`AsyncEngine`'s (read its docstring): nothing slow reaches the
+loop, a request leaves the engine when its iterator is closed, a failing step fails only the
+requests it ran. The adapter members need LoRA enabled (``lora_enabled``); without it they raise
+:class:`AdapterError`. The value types they return (:class:`AdapterResidency`,
+:class:`TierCounters`, :class:`CacheStats`) and the loop's errors are re-exported here, so a
+caller names them without importing the cache.
+
+``engine`` (the LLMEngine) and ``aengine`` (the AsyncEngine) stay reachable for white-box tests
+and benchmarks; a server goes through the methods only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from loraplex.cache.adapters import AdapterResidency, TieredAdapterCache
+from loraplex.cache.stats import CacheStats, TierCounters
+from loraplex.config import EngineConfig
+from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from loraplex.engine.llm_engine import LLMEngine, PreparedRequest, StepStats
+from loraplex.outputs import RequestOutput
+from loraplex.requests import SamplingParams
+from loraplex.types import AdapterError, AdapterRef, AdapterSpec
+
+__all__ = [
+    "AdapterResidency",
+    "AsyncEngine",
+    "CacheStats",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineStepError",
+    "LLMEngine",
+    "PreparedRequest",
+    "StepStats",
+    "TierCounters",
+]
+
+
+class EngineClient:
+    """One engine (its loop, worker pool and adapter cache) as seen by a server. The async
+    members and ``generate`` run on the caller's event loop; the others may be called from any
+    thread (the loop's and the cache's own locking)."""
+
+    def __init__(self, engine: LLMEngine, *, prepare_workers: int = 4) -> None:
+        self.engine = engine
+        self.aengine = AsyncEngine(engine, prepare_workers=prepare_workers)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineClient:
+        """Build the engine of ``config`` (loads the model) and its client."""
+        return cls(LLMEngine(config))
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine loop (idempotent)."""
+        self.aengine.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop; requests still in flight get :class:`EngineDeadError`."""
+        self.aengine.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self.aengine.is_running
+
+    # -- requests --------------------------------------------------------------------------------
+    async def prepare(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: AdapterSpec | None,
+        arrival: float | None = None,
+    ) -> PreparedRequest:
+        """Validate, tokenize and load ``adapter`` in a worker thread (never on the loop)."""
+        return await self.aengine.prepare(request_id, prompt, params, adapter, arrival)
+
+    def reserve(self, n: int = 1) -> None:
+        """Count ``n`` admitted requests as waiting before they are prepared (admission sees
+        concurrent arrivals at once); each is used by ``generate(..., reserved=True)`` or
+        given back with :meth:`unreserve`."""
+        self.aengine.reserve(n)
+
+    def unreserve(self, n: int = 1) -> None:
+        self.aengine.unreserve(n)
+
+    def generate(
+        self, prepared: PreparedRequest, *, reserved: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """Hand ``prepared`` to the loop; its outputs until it finishes. Closing the iterator
+        early aborts the request (KV blocks and slot freed)."""
+        return self.aengine.generate(prepared, reserved=reserved)
+
+    def abort(self, request_id: str) -> None:
+        self.aengine.abort(request_id)
+
+    def discard(self, prepared: PreparedRequest) -> None:
+        """Drop a prepared request never handed to :meth:`generate` (its adapter reference)."""
+        self.aengine.discard(prepared)
+
+    async def run_in_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in the preparation pool (anything slow: never the event loop)."""
+        return await self.aengine.run_in_pool(fn, *args)
+
+    async def chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> list[int]:
+        """Token ids of a conversation under the model's chat template (in the worker pool)."""
+        return await self.run_in_pool(
+            self.engine.apply_chat_template, messages, add_generation_prompt
+        )
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """False when the engine runs without one (``skip_tokenizer_init``: token ids only)."""
+        return self.engine.tokenizer is not None
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (needs :attr:`has_tokenizer`)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise RuntimeError("this engine has no tokenizer")
+        return str(tok.decode(token_ids))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # -- gauges ----------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued in the engine plus those admitted or handed over, not yet queued."""
+        return self.aengine.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV-cache blocks in use (1 = full)."""
+        return self.engine.kv_cache_usage()
+
+    def waiting_adapter_digests(self) -> set[str]:
+        """Digests of the adapters of requests waiting in the scheduler."""
+        return self.engine.waiting_adapter_digests()
+
+    def device_adapter_digests(self) -> list[str]:
+        """Digests of the adapters whose weights are in a device slot (idle or busy)."""
+        return list(self._adapters.slot_of)
+
+    def add_step_observer(self, fn: Callable[[StepStats], None]) -> None:
+        """Call ``fn`` on the loop thread after every step that ran sequences."""
+        self.aengine.step_observers.append(fn)
+
+    # -- adapters --------------------------------------------------------------------------------
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.adapters is not None
+
+    @property
+    def _adapters(self) -> TieredAdapterCache:
+        mgr = self.engine.adapters
+        if mgr is None:
+            raise AdapterError("LoRA is disabled on this engine (--enable-lora)")
+        return mgr
+
+    @property
+    def max_loras(self) -> int:
+        """Device slots."""
+        return self._adapters.max_loras
+
+    @property
+    def max_cpu_loras(self) -> int:
+        """Adapters host memory may hold."""
+        return self._adapters.max_cpu_loras
+
+    @property
+    def policy_name(self) -> str:
+        """The eviction policy every tier uses."""
+        return self._adapters.policy.name
+
+    def check_loadable(self, spec: AdapterSpec) -> AdapterRef:
+        """Load and verify ``spec`` (uncounted: not a request), then let it go; its ref.
+        Raises the cache's AdapterError subclasses."""
+        mgr = self._adapters
+        adapter, _ = mgr.acquire(spec, count=False)
+        mgr.release(adapter)
+        return adapter.ref
+
+    def pin(self, spec: AdapterSpec, *, device: bool = False) -> str:
+        """Load ``spec`` if needed and pin it in host memory and disk (and its device slot with
+        ``device``); returns the digest pinned."""
+        mgr = self._adapters
+        adapter, _ = mgr.acquire(spec, count=False)
+        try:
+            return mgr.pin(adapter.ref.sha256, device=device)
+        finally:
+            mgr.release(adapter)
+
+    def unpin(self, digest: str) -> str:
+        """Remove every pin of the adapter ``digest``; returns the digest."""
+        return self._adapters.unpin(digest)
+
+    def evict(self, digest: str, *, tiers: Iterable[str] | None = None) -> list[str]:
+        """Drop the adapter's copies from ``tiers`` (default: every tier); the tiers it left.
+        :class:`~loraplex.types.AdapterInUseError` (nothing changes) while it is used or
+        pinned."""
+        mgr = self._adapters
+        return mgr.evict(digest) if tiers is None else mgr.evict(digest, tiers=tiers)
+
+    def has_copy(self, digest: str) -> bool:
+        """Whether any tier (device, host, the disk index or the disk directory) holds a copy."""
+        mgr = self._adapters
+        return mgr.tier_of(digest) is not None or (
+            mgr.disk is not None and digest in mgr.disk.entries()
+        )
+
+    def prewarm(self, specs: Iterable[AdapterSpec]) -> list[AdapterRef]:
+        """Start-up warming by each spec's warm policy (before the loop runs: it fills slots)."""
+        return self._adapters.prewarm(specs)
+
+    def tier_of(self, digest: str) -> str | None:
+        """``device``, ``host``, ``disk`` or None (in no tier)."""
+        return self._adapters.tier_of(digest)
+
+    def residency(self) -> list[AdapterResidency]:
+        """A snapshot of every adapter loaded since start-up, most recently used first."""
+        return self._adapters.residency()
+
+    def resident_bytes(self) -> dict[str, tuple[int, int]]:
+        """tier -> (count, bytes) for every tier (``disk`` only when configured)."""
+        return self._adapters.resident_bytes()
+
+    def tier_counters(self) -> dict[str, TierCounters]:
+        """tier -> a copy of its counters (device, host, and disk when configured)."""
+        return self._adapters.tier_counters()
+
+    @property
+    def cache_stats(self) -> CacheStats:
+        """The cache's live counters (remote loads, load failures, cold requests, ...)."""
+        return self._adapters.stats
+
+    def set_tenant_budget(self, tenant: str, host_bytes: int | None) -> None:
+        """Cap ``tenant``'s bytes in host memory (None: no cap) for later admissions."""
+        self._adapters.set_tenant_budget(tenant, host_bytes)
+
+    def is_local_source(self, spec: AdapterSpec) -> bool:
+        """True when ``spec`` is read from a local directory (not through the object store)."""
+        return self._adapters.is_local_source(spec)
+
+    @contextlib.contextmanager
+    def staged_source(self, name: str, source: str) -> Iterator[tuple[str, str | None]]:
+        """A readable local directory of adapter ``name``'s ``source`` and the URI to record
+        for it (None: the local path itself). Local paths and ``file://`` URIs are used in
+        place; object-store URIs are fetched into a temporary directory, removed on exit."""
+        if "://" not in source or source.startswith("file://"):
+            yield source.removeprefix("file://"), None
+            return
+        store = self.engine.adapters.store if self.engine.adapters is not None else None
+        if store is None:
+            raise AdapterError(
+                f"adapter {name!r}: {source!r} is an object-store URI but no object store is "
+                "configured (--adapter-store-url)"
+            )
+        uri = store.uri(source)
+        with tempfile.TemporaryDirectory(prefix="loraplex-register-") as tmp:
+            store.fetch(uri, Path(tmp) / "a")
+            yield str(Path(tmp) / "a"), uri
+
+    def add_load_observer(self, fn: Callable[[str, float], None]) -> None:
+        """Call ``fn(stage, seconds)`` for every adapter load stage (resolve, remote_download,
+        disk_load, h2d / activation); nothing when LoRA is disabled (nothing loads)."""
+        if self.engine.adapters is not None:
+            self.engine.adapters.load_observers.append(fn)

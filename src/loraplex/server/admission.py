@@ -1,0 +1,185 @@
+"""Admission of one HTTP call: per-tenant limits (429), the shared ``--max-waiting`` queue (503),
+and the :class:`Admission` that holds the call's engine requests until it is done — for a
+stream, until the stream ends however it ends (:class:`EngineStreamingResponse`) — and then
+writes its usage line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import Response, StreamingResponse
+
+from loraplex.engine.client import EngineClient, PreparedRequest
+from loraplex.outputs import RequestOutput
+from loraplex.registry import Principal
+from loraplex.server.errors import APIError
+from loraplex.server.limits import TenantLimitExceeded
+from loraplex.server.state import ServedAdapter, ServerState
+
+usage_log = logging.getLogger("loraplex.usage")
+"""One JSON line per finished call: tenant, key, adapter name, revision, sha256, tokens."""
+
+
+@dataclass
+class UsageRecord:
+    """One line of the usage log: who ran which adapter revision, and how many tokens."""
+
+    model: str
+    principal: Principal
+    lora: ServedAdapter | None
+
+    def log(self, prepared: list[PreparedRequest], finals: dict[int, RequestOutput]) -> None:
+        if not usage_log.isEnabledFor(logging.INFO):
+            return
+        ref = self.lora.spec.ref if self.lora else None
+        record = {
+            "model": self.model,
+            "tenant": self.principal.tenant,
+            "key_id": self.principal.key_id,
+            "adapter": ref.name if ref else None,
+            "revision": ref.revision if ref else None,
+            "sha256": ref.sha256 if ref else None,
+            "route": self.lora.route if self.lora else None,
+            "requests": len(prepared),
+            "finished": len(finals),
+            "prompt_tokens": sum(len(p.prompt_token_ids) for p in prepared),
+            "completion_tokens": sum(len(o.token_ids) for r in finals.values() for o in r.outputs),
+        }
+        usage_log.info(json.dumps(record, sort_keys=True))
+
+
+class Admission:
+    """The engine requests of one HTTP call, from admission until the engine has them.
+
+    Admission reserves a place in the waiting count for each prompt, so requests arriving
+    together see each other before any is prepared and ``--max-waiting`` holds; each prepared
+    request uses its reservation when handed to the engine. :meth:`close` gives back unused
+    reservations and discards prepared requests never handed over (a client gone before its
+    stream began), so no adapter reference can leak. Event-loop thread only; idempotent.
+    """
+
+    def __init__(
+        self, client: EngineClient, n: int, on_close: Callable[[], None] | None = None
+    ) -> None:
+        client.reserve(n)
+        self.client = client
+        self.left = n
+        self.prepared: list[PreparedRequest] = []
+        self._handed: set[str] = set()
+        self._on_close = on_close
+        self.usage: UsageRecord | None = None
+        self.finals: dict[int, RequestOutput] = {}  # finished outputs by prompt index
+
+    def generate(self, prep: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """Hand ``prep`` to the engine; iterate the result at once (its first step queues it)."""
+        self._handed.add(prep.request_id)
+        reserved = self.left > 0
+        self.left -= int(reserved)
+        return self.client.generate(prep, reserved=reserved)
+
+    def close(self) -> None:
+        if self.left:
+            self.client.unreserve(self.left)
+            self.left = 0
+        for p in self.prepared:
+            if p.request_id not in self._handed:
+                self._handed.add(p.request_id)
+                self.client.discard(p)
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+        if self.usage is not None:
+            usage, self.usage = self.usage, None
+            usage.log(self.prepared, self.finals)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A streaming response that closes its body iterator and runs ``on_close`` however the
+    stream ends — including when the iterator never started (client gone before the first byte).
+    """
+
+    def __init__(self, *args: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self.on_close()
+
+
+def admit(state: ServerState, n: int, principal: Principal) -> Admission:
+    """Admit a call with ``n`` prompts: 429 (+ Retry-After) when the caller's tenant is over
+    its rate or in-flight limit, 503 (+ Retry-After) when the shared queue is full.
+
+    Its prompts count as waiting from now on; the caller must ``close()`` the admission."""
+    if not state.client.is_running:
+        raise APIError(503, "the engine is not running", "service_unavailable")
+    on_close = None
+    tenant = state.catalog.tenant(principal.tenant)
+    if tenant is not None and (tenant.rate_limit_rps is not None or tenant.max_waiting):
+        try:
+            state.limits.acquire(
+                tenant.name,
+                n,
+                rate_rps=tenant.rate_limit_rps,
+                max_in_flight=tenant.max_waiting,
+            )
+        except TenantLimitExceeded as e:
+            raise APIError(
+                429,
+                str(e),
+                "rate_limit_error",
+                code=e.code,
+                headers={"Retry-After": str(e.retry_after)},
+            ) from e
+        name = tenant.name
+        on_close = lambda: state.limits.release(name, n)  # noqa: E731
+    try:
+        return _admit_shared(state, n, on_close)
+    except BaseException:
+        if on_close is not None:
+            on_close()
+        raise
+
+
+def _admit_shared(state: ServerState, n: int, on_close: Callable[[], None] | None) -> Admission:
+    limit = state.config.max_waiting
+    client = state.client
+    if limit and client.num_waiting >= limit:
+        retry = str(state.config.retry_after_seconds)
+        raise APIError(
+            503,
+            f"the server is overloaded ({client.num_waiting} requests waiting, "
+            f"limit {limit}); retry later",
+            "service_unavailable",
+            code="overloaded",
+            headers={"Retry-After": retry},
+        )
+    return Admission(client, n, on_close)
+
+
+async def owned(admission: Admission, work: Awaitable[Response]) -> Response:
+    """Await the response of an admitted call; the admission closes when the call is done,
+    or, for a stream, when the stream is."""
+    try:
+        response = await work
+    except BaseException:
+        admission.close()
+        raise
+    if isinstance(response, EngineStreamingResponse):
+        response.on_close = admission.close
+    else:
+        admission.close()
+    return response

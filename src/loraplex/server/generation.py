@@ -1,0 +1,193 @@
+"""Running an admitted call's engine requests: prepare them all in the worker pool, run them
+concurrently, and hand their progress on as outputs (:func:`collect`) or as per-completion
+deltas for streaming (:func:`deltas`), observing latency metrics on the way. A client that
+goes away cancels its work (:func:`unless_disconnected`), which aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from loraplex.engine.client import EngineClient, PreparedRequest
+from loraplex.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from loraplex.requests import SamplingParams
+from loraplex.server.admission import Admission
+from loraplex.server.errors import APIError
+from loraplex.server.metrics import ServerMetrics
+from loraplex.server.state import ServedAdapter
+
+
+@dataclass
+class _Tracked:
+    """Latency bookkeeping of one engine request."""
+
+    arrival: float
+    state: str  # warm | cold
+    first_token: float | None = None
+
+
+@dataclass
+class Delta:
+    """What one completion gained since it was last streamed."""
+
+    prompt_index: int
+    output: CompletionOutput
+    text: str  # new text
+    text_offset: int  # where ``text`` starts in the completion's text
+    logprobs: list[TokenLogprob] | None  # for the new tokens, when asked for
+    done: bool
+
+
+async def prepare_all(
+    client: EngineClient,
+    admission: Admission,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    lora: ServedAdapter | None,
+    arrival: float,
+    base_id: str,
+) -> list[PreparedRequest]:
+    """Prepare one engine request per prompt (ids ``{base_id}-{i}``) concurrently; if any
+    fails, the others are discarded and its error raised. They become ``admission.prepared``."""
+    spec = lora.spec if lora is not None else None
+    results = await asyncio.gather(
+        *(
+            client.prepare(f"{base_id}-{i}", p, params, spec, arrival)
+            for i, p in enumerate(prompts)
+        ),
+        return_exceptions=True,
+    )
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        for r in results:
+            if isinstance(r, PreparedRequest):
+                client.discard(r)
+        raise failed
+    admission.prepared = results  # type: ignore[assignment]
+    return results  # type: ignore[return-value]
+
+
+async def stream_outputs(
+    metrics: ServerMetrics, admission: Admission
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run an admission's prepared requests concurrently; yield (index, output) as they
+    progress. Closing the iterator aborts every request still running."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, prep: PreparedRequest) -> None:
+        track = _Tracked(prep.request.arrival, "warm" if prep.adapter_warm else "cold")
+        try:
+            async for out in admission.generate(prep):
+                _observe(metrics, track, out)
+                await queue.put((i, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(admission.prepared)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                if item.finished:
+                    admission.finals[i] = item
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def deltas(
+    metrics: ServerMetrics, admission: Admission, finals: dict[int, RequestOutput]
+) -> AsyncIterator[Delta]:
+    """Each completion's progress as deltas (text, logprobs, finish), one per change;
+    finished request outputs are collected into ``finals``."""
+    sent: dict[tuple[int, int], tuple[int, int]] = {}  # -> (chars, tokens) streamed
+    finished: set[tuple[int, int]] = set()
+    async for i, out in stream_outputs(metrics, admission):
+        if out.finished:
+            finals[i] = out
+        for o in out.outputs:
+            k = (i, o.index)
+            if k in finished:
+                continue
+            t0, n0 = sent.get(k, (0, 0))
+            done = o.finish_reason is not None
+            new_lps = o.logprobs is not None and len(o.token_ids) > n0
+            if not (len(o.text) > t0 or new_lps or done):
+                continue
+            sent[k] = (len(o.text), len(o.token_ids))
+            if done:
+                finished.add(k)
+            lps = o.logprobs[n0:] if o.logprobs is not None else None
+            yield Delta(i, o, o.text[t0:], t0, lps, done)
+
+
+async def collect(metrics: ServerMetrics, admission: Admission) -> dict[int, RequestOutput]:
+    """Run the admitted requests to the end; their final outputs by prompt index."""
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in stream_outputs(metrics, admission):
+        if out.finished:
+            finals[i] = out
+    return finals
+
+
+def _observe(metrics: ServerMetrics, track: _Tracked, out: RequestOutput) -> None:
+    now = time.monotonic()
+    first = out.outputs[0] if out.outputs else None
+    m = metrics
+    if track.first_token is None and first is not None and first.token_ids:
+        track.first_token = now
+        m.ttft.labels(adapter_state=track.state).observe(now - track.arrival)
+    if not out.finished:
+        return
+    m.e2e.labels(adapter_state=track.state).observe(now - track.arrival)
+    m.prompt_tokens.inc(len(out.prompt_token_ids))
+    for o in out.outputs:
+        m.generation_tokens.inc(len(o.token_ids))
+        m.finished.labels(finished_reason=o.finish_reason or "unknown").inc()
+    if first is not None and len(first.token_ids) > 1 and track.first_token is not None:
+        tpot = (now - track.first_token) / (len(first.token_ids) - 1)
+        m.tpot.labels(adapter_state=track.state).observe(tpot)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client goes away first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise APIError(499, "client disconnected", "client_closed_request")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()

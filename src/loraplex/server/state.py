@@ -1,0 +1,250 @@
+"""What one app instance owns (:class:`ServerState`): config, the engine client, the registry and
+its in-memory view, metrics and tenant limits; which adapter revision serves a request
+(:meth:`ServerState.resolve_model`); and the loop that retires replaced revisions' cached copies.
+
+Routes reach the state of their app through the :func:`get_state` dependency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+
+from loraplex.config import ServerConfig
+from loraplex.engine.client import AsyncEngine, EngineClient, LLMEngine
+from loraplex.paths import contained
+from loraplex.registry import (
+    Manifest,
+    Principal,
+    Registry,
+    RegistryPolicy,
+    Tenant,
+    base_model_info,
+)
+from loraplex.server.adapters import check_allowed_path
+from loraplex.server.catalog import Catalog, Servable, digests_of, local_source, retired_digests
+from loraplex.server.errors import APIError
+from loraplex.server.limits import TenantLimits
+from loraplex.server.metrics import ServerMetrics
+from loraplex.types import AdapterError, AdapterInUseError, AdapterSpec
+
+log = logging.getLogger("loraplex.server.app")  # the server's log lines keep one logger name
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    """The adapter revision one call is served with, and how it was chosen: ``route`` is
+    ``active`` or ``canary`` (the server's business: response header and usage log only)."""
+
+    spec: AdapterSpec
+    route: str
+
+
+def open_registry(config: ServerConfig) -> Registry:
+    """The registry a server with ``config`` uses: ``--registry-url`` (or
+    ``$LORAPLEX_REGISTRY_URL``), else a private in-memory one; its policy from the flags."""
+    keys = []
+    for f in config.trusted_keys:
+        try:
+            keys.append(Path(f).read_text())
+        except OSError as e:
+            raise AdapterError(f"--trusted-key {f!r}: {e.strerror or e}") from e
+    policy = RegistryPolicy(
+        require_signatures=config.require_signatures,
+        trusted_keys=tuple(keys),
+        max_rank=config.engine.max_lora_rank,
+        allowed_roots=tuple(config.allowed_lora_roots),
+        allowed_prefixes=tuple(config.allowed_store_prefixes),
+    )
+    return Registry.open(config.registry_url or "sqlite://", policy=policy)
+
+
+class ServerState:
+    """Everything one app instance owns: engine client, registry view, metrics, config."""
+
+    def __init__(
+        self, config: ServerConfig, client: EngineClient, registry: Registry | None = None
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.started = int(time.time())
+        self.base_names = config.model_names
+        self.owns_registry = registry is None
+        self.registry = registry if registry is not None else open_registry(config)
+        self.base = base_model_info(config.engine.model, name=self.base_names[0])
+        self.catalog = Catalog(
+            self.registry,
+            self.base,
+            poll_s=config.registry_poll_s,
+            on_change=self._on_catalog_change,
+        )
+        self.metrics = ServerMetrics(client, self.catalog.names_of)
+        self.limits = TenantLimits()
+        self._retiring: dict[str, float] = {}  # digest -> when its cached copies go
+        self._rng = random.Random()
+        self._static_names = self._register_static_adapters()
+        self.catalog.refresh(force=True)
+
+    # -- white-box access (tests, benchmarks); the server itself goes through ``client`` -------
+    @property
+    def engine(self) -> LLMEngine:
+        return self.client.engine
+
+    @property
+    def aengine(self) -> AsyncEngine:
+        return self.client.aengine
+
+    # -- start-up and shut-down -----------------------------------------------------------------
+    def _register_static_adapters(self) -> list[str]:
+        """Register (validated) and activate every ``--lora-modules`` adapter; fail fast."""
+        names = []
+        for m in self.config.lora_modules:
+            actor = "serve --lora-modules"
+            with self.client.staged_source(m.name, m.path) as (local, uri):
+                manifest = self.registry.register(
+                    local,
+                    m.name,
+                    base=self.base,
+                    source_uri=uri,
+                    warm_policy=m.warm,
+                    actor=actor,
+                    allow_any_source=True,
+                )
+            if self.registry.release(m.name).active_revision != manifest.revision:
+                self.registry.activate(m.name, manifest.revision, actor=actor)
+            names.append(m.name)
+        if names and not self.client.lora_enabled:  # config.validate() refuses this: stay loud
+            raise AdapterError("--lora-modules needs --enable-lora")
+        return names
+
+    def preload_adapters(self) -> None:
+        """Load and verify every ``--lora-modules`` adapter, and pre-warm registered ones whose
+        warm policy asks for it (fail fast on anything unloadable)."""
+        if not self.client.lora_enabled:
+            return
+        todo = []
+        for s in self.catalog.servables().values():
+            m = s.active
+            if s.name in self._static_names or m.warm_policy != "on-demand":
+                if self.catalog.compatible(m):
+                    todo.append(self.adapter_spec(m))
+        self.client.prewarm(todo)
+
+    def close(self) -> None:
+        if self.owns_registry:
+            self.registry.close()
+
+    # -- registry changes ------------------------------------------------------------------------
+    def _on_catalog_change(
+        self,
+        old: dict[str, Servable],
+        new: dict[str, Servable],
+        tenants: dict[str, Tenant],
+    ) -> None:
+        """Schedule the replaced revisions' cached copies for eviction (after the swap delay,
+        so a quick rollback is still warm), and apply tenants' host-memory budgets."""
+        now = time.monotonic()
+        serving = digests_of(new.values())
+        for d in retired_digests(old, new):
+            self._retiring.setdefault(d, now + self.config.swap_eviction_delay_s)
+        for d in serving:
+            self._retiring.pop(d, None)
+        if self.client.lora_enabled:
+            for t in tenants.values():
+                self.client.set_tenant_budget(t.name, t.host_bytes_budget)
+
+    def retire_due(self) -> list[str]:
+        """Evict the cached copies of retired revisions whose delay is over; ones still in use
+        are retried later. Returns the digests evicted (worker thread)."""
+        client = self.client
+        self.catalog.refresh()
+        now = time.monotonic()
+        done = []
+        for d, due in list(self._retiring.items()):
+            if due > now:
+                continue
+            if not client.lora_enabled:
+                self._retiring.pop(d, None)
+                continue
+            try:
+                client.unpin(d)
+                client.evict(d)
+            except AdapterInUseError:
+                self._retiring[d] = now + 1.0  # requests still run on it
+                continue
+            except AdapterError:
+                pass  # never loaded here
+            self._retiring.pop(d, None)
+            done.append(d)
+            log.info("evicted the cached copies of replaced adapter revision %s", d[:12])
+        return done
+
+    # -- which revision serves a request ---------------------------------------------------------
+    def resolve_model(self, name: str, principal: Principal) -> ServedAdapter | None:
+        """The base model (None) or the adapter revision that serves this request: the active
+        one, or the canary with its traffic weight. 404 for names the caller may not see."""
+        if name in self.base_names:
+            return None
+        s = self.catalog.lookup(name, principal)
+        if s is None:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist.",
+                "NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
+        manifest, via = s.choose(self._rng.random())
+        if not self.catalog.compatible(manifest):
+            raise APIError(
+                409,
+                f"adapter {name!r} revision {manifest.revision} was registered for base model "
+                f"{manifest.base_model_name!r} (digest {manifest.base_model_digest[:12]}...), "
+                f"not the one this server runs ({self.base.name!r}, {self.base.digest[:12]}...)",
+                "conflict_error",
+                param="model",
+                code="adapter_incompatible_base",
+            )
+        local = local_source(manifest)
+        roots = self.config.allowed_lora_roots
+        if local is not None and roots and contained(local, roots, resolve=False):
+            try:  # its files may have been replaced by links out of the roots since
+                check_allowed_path(str(local), roots)
+            except AdapterError as e:
+                raise APIError(
+                    403, f"adapter {name!r}: {e}", "permission_error", code="adapter_path_refused"
+                ) from e
+        if not self.client.lora_enabled:
+            raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
+        return ServedAdapter(self.adapter_spec(manifest), via)
+
+    @staticmethod
+    def adapter_spec(m: Manifest) -> AdapterSpec:
+        """What the engine serves for one registry revision: its digest is the cache key and is
+        verified against the files read."""
+        return AdapterSpec(m.ref, m.source_uri, m.tenant, m.priority, m.warm_policy)
+
+
+async def get_state(request: Request) -> ServerState:
+    """Dependency: the state of the app serving ``request``."""
+    state: ServerState = request.app.state.loraplex
+    return state
+
+
+async def retire_loop(state: ServerState) -> None:
+    """Follow registry changes made elsewhere and evict replaced revisions when due (runs for
+    the app's lifetime; a failing round is logged and the loop goes on)."""
+    config = state.config
+    tick = min(1.0, config.registry_poll_s, max(config.swap_eviction_delay_s, 0.05))
+    while True:
+        await asyncio.sleep(tick)
+        try:
+            await state.client.run_in_pool(state.retire_due)
+        except Exception:  # a registry hiccup must not end the loop
+            log.exception("registry refresh / eviction of replaced revisions failed")
