@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from loraplex.cache import store as store_mod
+from loraplex.cache.backends import open_store
+from loraplex.cache.s3 import S3Store
 from loraplex.cache.store import (
     LocalDirStore,
     ObjectStore,
-    S3Store,
     StoreError,
     StoreNotFoundError,
     StorePermissionError,
     StoreUnavailableError,
-    open_store,
 )
 from loraplex.cache.verify import AdapterIntegrityError, fetch_verified
 from loraplex.lora import adapter as adapter_mod

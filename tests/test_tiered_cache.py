@@ -24,7 +24,8 @@ from loraplex.cache.adapters import (
 )
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.policy import POLICIES
-from loraplex.cache.store import LocalDirStore, S3Store, StoreUnavailableError
+from loraplex.cache.s3 import S3Store
+from loraplex.cache.store import LocalDirStore, StoreUnavailableError
 from loraplex.cache.verify import AdapterCorruptError, AdapterIntegrityError
 from loraplex.config import ADAPTER_EVICTION_POLICIES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog

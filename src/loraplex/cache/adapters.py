@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from loraplex.cache.backends import open_store
 from loraplex.cache.controller import TIER_DEVICE, TIER_HOST, TIERS, TierController
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.errors import AdapterCapacityError, AdapterInUseError
@@ -49,7 +50,7 @@ from loraplex.cache.loader import (
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy, make_policy
 from loraplex.cache.residency import NoRoomError
 from loraplex.cache.stats import CacheStats, TierCounters
-from loraplex.cache.store import ObjectStore, open_store
+from loraplex.cache.store import ObjectStore
 from loraplex.config import WARM_POLICIES
 from loraplex.lora.adapter import BaseModelSpec, LoRAAdapter
 from loraplex.lora.slots import LoRASlotBank

@@ -8,17 +8,17 @@ from loraplex.registry.db import ADAPTER_STATUSES, default_url, loraplex_home
 from loraplex.registry.errors import NotFoundError, RegistryError, TransitionError, ValidationError
 from loraplex.registry.inspect import BaseModelInfo, base_model_info
 from loraplex.registry.lifecycle import TRANSITIONS
-from loraplex.registry.service import (
+from loraplex.registry.policy import RegistryPolicy
+from loraplex.registry.records import (
     SCOPES,
     AuditEntry,
     Manifest,
     Principal,
-    Registry,
-    RegistryPolicy,
     Release,
     Tenant,
     signed_payload,
 )
+from loraplex.registry.service import Registry
 
 __all__ = [
     "ADAPTER_STATUSES",

@@ -29,7 +29,9 @@ from loraplex.registry import signing
 from loraplex.registry.db import ADAPTER_STATUSES
 from loraplex.registry.errors import RegistryError
 from loraplex.registry.inspect import base_model_info
-from loraplex.registry.service import SCOPES, Manifest, Registry, RegistryPolicy, Release
+from loraplex.registry.policy import RegistryPolicy
+from loraplex.registry.records import SCOPES, Manifest, Release
+from loraplex.registry.service import Registry
 from loraplex.types import LoraplexError
 
 

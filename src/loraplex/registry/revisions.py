@@ -1,0 +1,280 @@
+"""Adapter revisions: registering an adapter directory as a validated revision of a name,
+re-validating it later, and reading manifests back.
+
+Slow work (hashing the adapter's files) happens before the write transaction opens. A refused
+registration or failed validation raises :class:`ValidationError` and records only an audit entry.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from sqlalchemy import select
+
+from loraplex.config import WARM_POLICIES
+from loraplex.registry.audit import add_entry
+from loraplex.registry.checks import NAME_RE, REVISION_RE, TENANT_RE, check_name
+from loraplex.registry.db import ADAPTER_STATUSES, ReleaseRow, RevisionRow, TenantRow
+from loraplex.registry.errors import NotFoundError, RegistryError, ValidationError
+from loraplex.registry.inspect import AdapterInfo, BaseModelInfo, inspect_adapter
+from loraplex.registry.lifecycle import check_transition
+from loraplex.registry.policy import RegistryPolicy, check_signature, check_source
+from loraplex.registry.records import Manifest
+from loraplex.registry.rows import (
+    manifest_of,
+    release_row,
+    revision_row,
+    revision_row_of,
+    row_or_active,
+)
+from loraplex.registry.sessions import Database
+
+_AUTO_REV_RE = re.compile(r"r(\d+)")
+
+
+class Revisions:
+    """Manifests per ``(name, revision)``, checked against the operator's policy."""
+
+    def __init__(self, db: Database, policy: RegistryPolicy) -> None:
+        self._db = db
+        self.policy = policy
+
+    def get(self, name: str, revision: str | None = None) -> Manifest:
+        """One revision's manifest (``revision`` None: the active one)."""
+        with self._db.read() as s:
+            return manifest_of(row_or_active(s, release_row(s, name), revision))
+
+    def list(
+        self, *, tenant: str | None = None, include_shared: bool = True, status: str | None = None
+    ) -> list[Manifest]:
+        """Manifests by name and registration order; ``tenant`` None lists every tenant's."""
+        q = select(RevisionRow)
+        if tenant is not None:
+            cond = RevisionRow.tenant == tenant
+            q = q.where(cond | RevisionRow.tenant.is_(None) if include_shared else cond)
+        if status is not None:
+            if status not in ADAPTER_STATUSES:
+                raise RegistryError(
+                    f"unknown status {status!r} (one of {', '.join(ADAPTER_STATUSES)})"
+                )
+            q = q.where(RevisionRow.status == status)
+        with self._db.read() as s:
+            rows = s.execute(q.order_by(RevisionRow.name, RevisionRow.id)).scalars().all()
+            return [manifest_of(r) for r in rows]
+
+    def prepare(
+        self,
+        path: str | Path,
+        name: str,
+        *,
+        base: BaseModelInfo,
+        tenant: str | None = None,
+        source_uri: str | None = None,
+        allow_any_source: bool = False,
+    ) -> tuple[Manifest, Path]:
+        """Validate an adapter directory (all checks but the signature) and return the manifest
+        it would get (``revision`` "", status "uploaded") with its resolved path; records
+        nothing. ``manifest.signed_payload()`` is what to sign."""
+        check_name("adapter name", name, NAME_RE)
+        if tenant is not None:
+            check_name("tenant name", tenant, TENANT_RE)
+        resolved, src = check_source(self.policy, path, source_uri, allow_any_source)
+        info: AdapterInfo = inspect_adapter(resolved, base, max_rank=self.policy.max_rank)
+        manifest = Manifest(
+            name=name,
+            tenant=tenant,
+            revision="",
+            sha256=info.files.digest,
+            weights_sha256=info.files.weights_sha256,
+            config_sha256=info.files.config_sha256,
+            base_model_name=base.name,
+            base_model_digest=base.digest,
+            rank=info.rank,
+            alpha=info.alpha,
+            dtype=info.dtype,
+            target_modules=info.target_modules,
+            nbytes=info.nbytes,
+            source_uri=src,
+            path=str(resolved),
+        )
+        return manifest, resolved
+
+    def register(
+        self,
+        path: str | Path,
+        name: str,
+        *,
+        base: BaseModelInfo,
+        revision: str | None = None,
+        tenant: str | None = None,
+        source_uri: str | None = None,
+        priority: int = 0,
+        slo_class: str | None = None,
+        warm_policy: str = "on-demand",
+        signature: str | None = None,
+        actor: str,
+        allow_any_source: bool = False,
+        sha256: str | None = None,
+    ) -> Manifest:
+        """Validate the adapter in ``path`` and record it as a ``validated`` revision of
+        ``name``. ``sha256`` (optional) is the digest the caller expects. Re-registering the
+        same content under ``name`` returns the existing revision. A failed validation
+        raises ValidationError and records only an audit entry."""
+        if revision is not None:
+            check_name("revision", revision, REVISION_RE)
+        if warm_policy not in WARM_POLICIES:
+            raise RegistryError(
+                f"warm_policy must be one of {', '.join(WARM_POLICIES)}, got {warm_policy!r}"
+            )
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RegistryError(f"priority must be an integer, got {priority!r}")
+        if slo_class is not None and (
+            not isinstance(slo_class, str) or not 0 < len(slo_class) <= 64
+        ):
+            raise RegistryError(f"slo_class must be a short string, got {slo_class!r}")
+        try:
+            draft, _ = self.prepare(
+                path,
+                name,
+                base=base,
+                tenant=tenant,
+                source_uri=source_uri,
+                allow_any_source=allow_any_source,
+            )
+            if sha256 is not None and sha256 != draft.sha256:
+                raise ValidationError(
+                    "sha256_mismatch", f"expected digest {sha256}, the files have {draft.sha256}"
+                )
+            signer = check_signature(self.policy, draft.signed_payload(), signature)
+        except ValidationError as e:
+            with self._db.write() as s:
+                add_entry(
+                    s,
+                    actor,
+                    "register.refused",
+                    name if isinstance(name, str) else repr(name),
+                    None,
+                    {"reason": e.reason, "error": str(e), "path": str(path), "tenant": tenant},
+                )
+            raise
+        now = time.time()
+        with self._db.write() as s:
+            if tenant is not None and s.get(TenantRow, tenant) is None:
+                raise NotFoundError(f"unknown tenant {tenant!r}")
+            rel = s.execute(
+                select(ReleaseRow).where(ReleaseRow.name == name).with_for_update()
+            ).scalar_one_or_none()
+            if rel is None:
+                rel = ReleaseRow(name=name, tenant=tenant, canary_weight=0.0, created_at=now)
+                rel.updated_at = now
+                s.add(rel)
+                s.flush()
+            elif rel.tenant != tenant:
+                owner = "shared" if rel.tenant is None else "owned by another tenant"
+                raise RegistryError(f"adapter name {name!r} is already taken ({owner})")
+            same = (
+                s.execute(
+                    select(RevisionRow)
+                    .where(RevisionRow.name == name, RevisionRow.sha256 == draft.sha256)
+                    .order_by(RevisionRow.id)
+                )
+                .scalars()
+                .first()
+            )
+            if same is not None:
+                if revision is None or revision == same.revision:
+                    # idempotent: the same content is already this revision (no audit noise,
+                    # but the transaction still bumped the generation harmlessly)
+                    return manifest_of(same)
+                raise RegistryError(
+                    f"adapter {name!r}: this content is already registered as revision "
+                    f"{same.revision!r}"
+                )
+            if revision is None:
+                revs = s.execute(select(RevisionRow.revision).where(RevisionRow.name == name))
+                nums = [int(m[1]) for (r,) in revs if (m := _AUTO_REV_RE.fullmatch(r))]
+                revision = f"r{max(nums, default=0) + 1}"
+            elif s.execute(
+                select(RevisionRow.id).where(
+                    RevisionRow.name == name, RevisionRow.revision == revision
+                )
+            ).first():
+                raise RegistryError(
+                    f"adapter {name!r} already has a revision {revision!r} with other content"
+                )
+            check_transition("uploaded", "validated", f"{name}@{revision}")
+            row = revision_row_of(
+                replace(
+                    draft,
+                    revision=revision,
+                    priority=priority,
+                    slo_class=slo_class,
+                    warm_policy=warm_policy,
+                    status="validated",
+                    created_at=now,
+                    signature=signature,
+                    signed_by=signer,
+                )
+            )
+            s.add(row)
+            rel.updated_at = now
+            s.flush()
+            manifest = manifest_of(row)
+            add_entry(s, actor, "register", f"{name}@{revision}", None, manifest.to_dict())
+            return manifest
+
+    def validate(self, name: str, revision: str, *, base: BaseModelInfo, actor: str) -> Manifest:
+        """Re-check a revision's files now against its manifest and ``base``: base digest,
+        shapes, digests and file hashes, signature. ``uploaded`` becomes ``validated``; a
+        failure is audited and raised (the status is left for the operator to decide)."""
+        m = self.get(name, revision)
+        target = f"{name}@{revision}"
+        try:
+            if base.digest != m.base_model_digest:
+                raise ValidationError(
+                    "base_model_mismatch",
+                    f"{target} was registered for base {m.base_model_name} "
+                    f"({m.base_model_digest[:12]}), this base {base.name} is {base.digest[:12]}",
+                )
+            now_path = Path(m.path).resolve()
+            if str(now_path) != m.path:
+                raise ValidationError(
+                    "source_not_allowed",
+                    f"{m.path!r} now resolves to {str(now_path)!r} (a link was swapped in)",
+                )
+            info = inspect_adapter(now_path, base, max_rank=self.policy.max_rank)
+            got = (info.files.digest, info.files.weights_sha256, info.files.config_sha256)
+            if got != (m.sha256, m.weights_sha256, m.config_sha256):
+                raise ValidationError(
+                    "sha256_mismatch",
+                    f"{target}: the files in {m.path} no longer match the manifest "
+                    f"(digest {info.files.digest[:12]} != {m.sha256[:12]})",
+                )
+            check_signature(self.policy, m.signed_payload(), m.signature)
+        except ValidationError as e:
+            with self._db.write() as s:
+                add_entry(
+                    s, actor, "validate.failed", target, None, {"reason": e.reason, "error": str(e)}
+                )
+            raise
+        with self._db.write() as s:
+            row = revision_row(s, name, revision)
+            before = manifest_of(row)
+            if row.status == "uploaded":
+                check_transition(row.status, "validated", target)
+                row.status = "validated"
+            s.flush()
+            after = manifest_of(row)
+            checked = {
+                "sha256": m.sha256,
+                "base_model_digest": base.digest,
+                "signed_by": m.signed_by,
+            }
+            add_entry(
+                s, actor, "validate", target, {"status": before.status},
+                {"status": after.status, "verified": checked},
+            )  # fmt: skip
+            return after

@@ -1,0 +1,67 @@
+"""Between ORM rows and the registry's value types: conversions both ways and the row lookups
+every store shares (each raises :class:`NotFoundError` naming what is missing)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplex.registry.db import ReleaseRow, RevisionRow, TenantRow
+from loraplex.registry.errors import NotFoundError
+from loraplex.registry.records import Manifest, Release, Tenant
+
+_MANIFEST_FIELDS = tuple(f.name for f in fields(Manifest))
+
+
+def manifest_of(row: RevisionRow) -> Manifest:
+    values = {f: getattr(row, f) for f in _MANIFEST_FIELDS}
+    values["target_modules"] = tuple(json.loads(row.target_modules))
+    return Manifest(**values)
+
+
+def revision_row_of(m: Manifest) -> RevisionRow:
+    values = {f: getattr(m, f) for f in _MANIFEST_FIELDS}
+    values["target_modules"] = json.dumps(list(m.target_modules))
+    return RevisionRow(**values)
+
+
+def release_of(row: ReleaseRow) -> Release:
+    return Release(**{f.name: getattr(row, f.name) for f in fields(Release)})
+
+
+def tenant_of(row: TenantRow) -> Tenant:
+    return Tenant(**{f.name: getattr(row, f.name) for f in fields(Tenant)})
+
+
+def release_state(row: ReleaseRow) -> dict[str, Any]:
+    """A release's revisions and canary weight (what its audit entries record)."""
+    return {k: v for k, v in asdict(release_of(row)).items() if k not in ("name", "tenant")}
+
+
+def release_row(s: Session, name: str, *, lock: bool = False) -> ReleaseRow:
+    q = select(ReleaseRow).where(ReleaseRow.name == name)
+    row = s.execute(q.with_for_update() if lock else q).scalar_one_or_none()
+    if row is None:
+        raise NotFoundError(f"unknown adapter {name!r}")
+    return row
+
+
+def revision_row(s: Session, name: str, revision: str) -> RevisionRow:
+    row = s.execute(
+        select(RevisionRow).where(RevisionRow.name == name, RevisionRow.revision == revision)
+    ).scalar_one_or_none()
+    if row is None:
+        raise NotFoundError(f"adapter {name!r} has no revision {revision!r}")
+    return row
+
+
+def row_or_active(s: Session, rel: ReleaseRow, revision: str | None) -> RevisionRow:
+    if revision is None:
+        if rel.active_revision is None:
+            raise NotFoundError(f"adapter {rel.name!r} has no active revision")
+        revision = rel.active_revision
+    return revision_row(s, rel.name, revision)
