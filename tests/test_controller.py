@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from loraplex.cache.controller import TierController
-from loraplex.cache.errors import AdapterInUseError
 from loraplex.cache.policy import AdapterInfo, LRUPolicy, make_policy
 from loraplex.cache.residency import NoRoomError
+from loraplex.types import AdapterInUseError
 
 
 class Clock:

@@ -15,12 +15,8 @@ from safetensors.torch import load_file, save_file
 from loraplex.cache import disk as disk_mod
 from loraplex.cache.disk import MANIFEST_NAME, DiskBudgetError, DiskTier, DiskTierError
 from loraplex.cache.store import LocalDirStore
-from loraplex.cache.verify import (
-    AdapterCorruptError,
-    AdapterIntegrityError,
-    verify_adapter_dir,
-)
-from loraplex.types import AdapterError
+from loraplex.cache.verify import verify_adapter_dir
+from loraplex.types import AdapterCorruptError, AdapterError, AdapterIntegrityError
 from s3fixture import write_adapter
 
 ST = "adapter_model.safetensors"

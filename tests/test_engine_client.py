@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraplex.cache.store import S3Store
+from loraplex.cache.s3 import S3Store
 from loraplex.config import EngineConfig, LoRAModule, ServerConfig
 from loraplex.engine.client import EngineClient
 from loraplex.lora.digest import digest_safetensors_dir

@@ -15,18 +15,18 @@ import pytest
 from loraplex.cache import store as store_mod
 from loraplex.cache.backends import open_store
 from loraplex.cache.s3 import S3Store
-from loraplex.cache.store import (
-    LocalDirStore,
-    ObjectStore,
+from loraplex.cache.store import LocalDirStore, ObjectStore
+from loraplex.cache.verify import fetch_verified
+from loraplex.lora import adapter as adapter_mod
+from loraplex.lora import peft_format
+from loraplex.lora.adapter import compute_adapter_digest, load_peft_adapter, read_adapter_files
+from loraplex.types import (
+    AdapterIntegrityError,
     StoreError,
     StoreNotFoundError,
     StorePermissionError,
     StoreUnavailableError,
 )
-from loraplex.cache.verify import AdapterIntegrityError, fetch_verified
-from loraplex.lora import adapter as adapter_mod
-from loraplex.lora import peft_format
-from loraplex.lora.adapter import compute_adapter_digest, load_peft_adapter, read_adapter_files
 from s3fixture import TINY_SPEC, fake_aws_env, free_port, run_moto_server, write_adapter
 
 

@@ -17,16 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.cache.adapters import (
-    AdapterCapacityError,
-    AdapterInUseError,
-    TieredAdapterCache,
-)
+from loraplex.cache.adapters import TieredAdapterCache
 from loraplex.cache.disk import DiskTier
 from loraplex.cache.policy import POLICIES
 from loraplex.cache.s3 import S3Store
-from loraplex.cache.store import LocalDirStore, StoreUnavailableError
-from loraplex.cache.verify import AdapterCorruptError, AdapterIntegrityError
+from loraplex.cache.store import LocalDirStore
 from loraplex.config import ADAPTER_EVICTION_POLICIES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.lora.adapter import LoRAAdapter
@@ -34,7 +29,16 @@ from loraplex.lora.digest import digest_safetensors_dir
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.requests import LoRARequest, SamplingParams
 from loraplex.testing.sync import EVENT_TIMEOUT_S, wait_until
-from loraplex.types import AdapterError, AdapterRef, AdapterSpec
+from loraplex.types import (
+    AdapterCapacityError,
+    AdapterCorruptError,
+    AdapterError,
+    AdapterIntegrityError,
+    AdapterInUseError,
+    AdapterRef,
+    AdapterSpec,
+    StoreUnavailableError,
+)
 from s3fixture import TINY_SPEC, fake_aws_env, free_port, run_moto_server, write_adapter
 
 N_ADAPTERS = 8

@@ -39,7 +39,6 @@ import torch
 from loraplex.cache.backends import open_store
 from loraplex.cache.controller import TIER_DEVICE, TIER_HOST, TIERS, TierController
 from loraplex.cache.disk import DiskTier
-from loraplex.cache.errors import AdapterCapacityError, AdapterInUseError
 from loraplex.cache.loader import (
     STAGE_ACTIVATION,
     STAGE_H2D,
@@ -54,7 +53,13 @@ from loraplex.cache.store import ObjectStore
 from loraplex.config import WARM_POLICIES
 from loraplex.lora.adapter import BaseModelSpec, LoRAAdapter
 from loraplex.lora.slots import LoRASlotBank
-from loraplex.types import AdapterError, AdapterRef, AdapterSpec
+from loraplex.types import (
+    AdapterCapacityError,
+    AdapterError,
+    AdapterInUseError,
+    AdapterRef,
+    AdapterSpec,
+)
 
 if TYPE_CHECKING:
     from loraplex.config import EngineConfig

@@ -50,10 +50,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from loraplex.cache.errors import AdapterInUseError
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy
 from loraplex.cache.residency import NoRoomError, ResidencyError, TierIndex
 from loraplex.cache.stats import AdapterUsage, CacheStats, TierCounters
+from loraplex.types import AdapterInUseError
 
 __all__ = ["TIERS", "HostAdmission", "TierController"]
 

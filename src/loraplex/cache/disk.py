@@ -36,13 +36,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cache.verify import (
-    STAGE_DISK_LOAD,
-    TIER_DISK,
-    AdapterCopyError,
-    check_digest,
-    verify_adapter_dir,
-)
+from loraplex.cache.verify import STAGE_DISK_LOAD, TIER_DISK, check_digest, verify_adapter_dir
 from loraplex.lora.peft_format import (
     ADAPTER_FILES,
     BIN_NAME,
@@ -50,7 +44,7 @@ from loraplex.lora.peft_format import (
     SAFETENSORS_NAME,
     choose_adapter_files,
 )
-from loraplex.types import AdapterError
+from loraplex.types import AdapterCopyError, AdapterError
 
 try:
     import fcntl

@@ -38,11 +38,10 @@ import torch
 
 from loraplex.cache.controller import TierController
 from loraplex.cache.disk import DiskTier, DiskTierError
-from loraplex.cache.errors import AdapterCapacityError
 from loraplex.cache.policy import AdapterInfo
 from loraplex.cache.residency import NoRoomError
 from loraplex.cache.store import LocalDirStore, ObjectStore
-from loraplex.cache.verify import AdapterCopyError, AdapterIntegrityError, fetch_verified
+from loraplex.cache.verify import fetch_verified
 from loraplex.lora.adapter import (
     BaseModelSpec,
     LoRAAdapter,
@@ -51,7 +50,13 @@ from loraplex.lora.adapter import (
     read_adapter_files,
 )
 from loraplex.paths import contained
-from loraplex.types import AdapterError, AdapterSpec
+from loraplex.types import (
+    AdapterCapacityError,
+    AdapterCopyError,
+    AdapterError,
+    AdapterIntegrityError,
+    AdapterSpec,
+)
 
 log = logging.getLogger(__name__)
 

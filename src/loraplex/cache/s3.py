@@ -13,23 +13,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loraplex.cache.store import (
-    FetchResult,
-    StoreBase,
-    StoreEntry,
-    StoreError,
-    StoreNotFoundError,
-    StorePermissionError,
-    StoreUnavailableError,
-    fetch_files,
-    local_files,
-)
+from loraplex.cache.store import FetchResult, StoreBase, StoreEntry, fetch_files, local_files
 from loraplex.lora.peft_format import (
     ADAPTER_FILES,
     BIN_NAME,
     CONFIG_NAME,
     SAFETENSORS_NAME,
     choose_adapter_files,
+)
+from loraplex.types import (
+    StoreError,
+    StoreNotFoundError,
+    StorePermissionError,
+    StoreUnavailableError,
 )
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchBucket"})

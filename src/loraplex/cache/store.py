@@ -36,12 +36,7 @@ from loraplex.lora.peft_format import (
     choose_adapter_files,
 )
 from loraplex.paths import contained
-from loraplex.types import (  # defined at the types layer; re-exported for the cache's users
-    StoreError,
-    StoreNotFoundError,
-    StorePermissionError,
-    StoreUnavailableError,
-)
+from loraplex.types import StoreError, StoreNotFoundError, StorePermissionError
 
 STAGE_REMOTE_DOWNLOAD = "remote_download"
 

@@ -23,7 +23,7 @@ import torch
 
 from loraplex.cache.store import STAGE_REMOTE_DOWNLOAD, FetchResult, ObjectStore
 from loraplex.lora.adapter import compute_adapter_digest, read_adapter_files
-from loraplex.types import (  # defined at the types layer; re-exported for the cache's users
+from loraplex.types import (
     AdapterCopyError,
     AdapterCorruptError,
     AdapterError,

@@ -23,13 +23,13 @@ import threading
 import time
 from pathlib import Path
 
-from loraplex.cache.store import ObjectStore, StoreUnavailableError
+from loraplex.cache.store import ObjectStore
 from loraplex.cache.verify import fetch_verified
 from loraplex.lora.adapter import compute_adapter_digest, read_adapter_files
 from loraplex.lora.digest import DigestError, digest_safetensors_dir
 from loraplex.lora.peft_format import ADAPTER_FILES, SAFETENSORS_NAME
 from loraplex.requests import LoRARequest
-from loraplex.types import AdapterError, AdapterRef, AdapterSpec
+from loraplex.types import AdapterError, AdapterRef, AdapterSpec, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
