@@ -177,3 +177,21 @@ def test_the_checker_sees_imports() -> None:
     assert "loraplex.types" in graph["loraplex.engine.llm_engine"]
     assert "loraplex.kv.block_pool" in graph["loraplex.engine.scheduler"]
     assert len(graph) > 60
+
+
+def test_adapter_identity_is_typed_end_to_end() -> None:
+    """No untyped adapter side-channel is left: ``LoRARequest`` carries no ``extra`` dict, and
+    no source mentions the old ``AdapterManager`` alias or reads adapter keys out of a dict."""
+    import re
+
+    from loraplex.requests import LoRARequest
+
+    assert not hasattr(LoRARequest("a", "/x"), "extra")
+    pattern = re.compile(r"AdapterManager|\.extra\[|\.extra\.get\(|\bextra=\{")
+    hits = [
+        f"{p.relative_to(SRC.parent)}:{i}: {line.strip()}"
+        for p in SRC.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, "\n".join(hits)

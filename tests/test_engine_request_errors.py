@@ -1,4 +1,5 @@
-"""Regressions found in review: bad input that crashed a step or leaked state, and edge cases."""
+"""The engine under bad requests and failing steps: clear errors, nothing leaked behind, and
+the edge cases of stop strings, seeds and revisions that review found."""
 
 from __future__ import annotations
 
