@@ -166,9 +166,7 @@ def test_truncated_file_never_crashes_the_server(
             raise
 
 
-def test_bin_swapped_in_for_registered_safetensors_is_refused(
-    tiny_model: Path, root: Path
-) -> None:
+def test_bin_swapped_in_for_registered_safetensors_is_refused(tiny_model: Path, root: Path) -> None:
     """The registry registered safetensors: a pickle put in its place (same tensors, so the
     same digest) is never unpickled for that revision."""
     from safetensors.torch import load_file

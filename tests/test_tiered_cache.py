@@ -31,7 +31,6 @@ from loraplex.requests import LoRARequest, SamplingParams
 from loraplex.testing.sync import EVENT_TIMEOUT_S, wait_until
 from loraplex.types import (
     AdapterCapacityError,
-    AdapterCorruptError,
     AdapterError,
     AdapterIntegrityError,
     AdapterInUseError,

@@ -48,7 +48,7 @@ from loraplex.cache.disk import DiskTier, DiskTierError
 from loraplex.cache.policy import AdapterInfo
 from loraplex.cache.residency import NoRoomError
 from loraplex.cache.store import LocalDirStore, ObjectStore
-from loraplex.cache.verify import fetch_verified, verified_read
+from loraplex.cache.verify import fetch_verified, mismatch_cause, verified_read
 from loraplex.lora.adapter import BaseModelSpec, LoRAAdapter, build_adapter
 from loraplex.paths import contained
 from loraplex.types import (
@@ -255,20 +255,18 @@ class AdapterLoader:
         does not verify is an :class:`AdapterCopyError` of tier ``local``."""
         t0 = time.perf_counter()
         name, want = spec.ref.name, spec.sha256
-        try:
-            read = verified_read(
-                path, want, name=name, tier=TIER_LOCAL, allow_pickle=spec.allow_pickle
-            )
-        except AdapterIntegrityError as e:
+        read = verified_read(path, None, name=name, tier=TIER_LOCAL, allow_pickle=spec.allow_pickle)
+        if read.digest != want:
+            why = mismatch_cause(read, want, "changed since registration?")
             raise AdapterIntegrityError(
-                f"adapter {name!r}: the files in {path} have sha256 {e.actual[:16]}..., "
-                f"not the registered {want[:16]}... (changed since registration?)",
+                f"adapter {name!r}: the files in {path} have sha256 {read.digest[:16]}..., "
+                f"not the registered {want[:16]}... ({why})",
                 name=name,
                 tier=TIER_LOCAL,
                 path=str(path),
                 expected=want,
-                actual=e.actual,
-            ) from e
+                actual=read.digest,
+            )
         self._observe(STAGE_DISK_LOAD, time.perf_counter() - t0)
         return read.config, read.tensors
 

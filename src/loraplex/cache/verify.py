@@ -101,14 +101,19 @@ def verified_read(
     return read
 
 
-def mismatch_cause(read: AdapterRead, expected_sha256: str) -> str:
-    """Why a copy's digest is not the expected one, as far as can be told."""
+def mismatch_cause(
+    read: AdapterRead,
+    expected_sha256: str,
+    otherwise: str = "checksum mismatch: corrupted, or changed without re-registering",
+) -> str:
+    """Why a copy's digest is not the expected one, as far as can be told: the expected digest
+    is these bytes' digest under the previous digest version, or ``otherwise``."""
     if read.legacy_digest() == expected_sha256:
         return (
             "the expected digest is the previous digest version's (v1, which ignored the order "
             "of rank_pattern / alpha_pattern): register the revision again"
         )
-    return "checksum mismatch: corrupted, or changed without re-registering"
+    return otherwise
 
 
 def verify_adapter_dir(
