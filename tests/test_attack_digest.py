@@ -140,3 +140,22 @@ def test_a_revision_registered_under_the_old_digest_fails_verification_loudly(
     with pytest.raises(AdapterIntegrityError, match=r"previous digest version.*register"):
         cache.acquire(spec)
     assert cache.is_idle()
+
+
+def test_validate_names_a_revision_registered_under_the_old_digest(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """A manifest stored with its v1 digest (as an earlier loraplex registered it) is not
+    re-validated against the same files: ``validate`` refuses it and says why."""
+    from loraplex.lora.adapter import read_adapter
+    from loraplex.registry.rows import revision_row
+
+    src = adapters["patterns"]
+    base = base_model_info(tiny_model, "tiny")
+    policy = RegistryPolicy(allowed_roots=(str(src.parent),))
+    with Registry.open(f"sqlite:///{tmp_path / 'reg.db'}", policy=policy) as reg:
+        m = reg.register(src, "old", base=base, actor="t")
+        with reg._db.write() as s:  # what the registry of digest v1 stored for these files
+            revision_row(s, "old", m.revision).sha256 = read_adapter(src).legacy_digest()
+        with pytest.raises(ValidationError, match=r"unchanged.*earlier digest version"):
+            reg.validate("old", m.revision, base=base, actor="t")
