@@ -135,3 +135,25 @@ def test_a_wait_on_another_request_s_load_is_bounded(
         assert slow.fetches == 1
         wait_idle(state.engine)
         cache.check_invariants()
+
+
+def test_offline_generate_holds_more_adapters_than_max_cpu_loras_for_one_call(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """``LLM.generate`` holds every adapter of its call at once, so the call widens the count
+    for itself; the hard cap is back (and holds) once it returns."""
+    from loraplex.entrypoints.llm import LLM
+    from loraplex.requests import LoRARequest, SamplingParams
+
+    llm = LLM(str(tiny_model), max_loras=1, max_cpu_loras=1, max_lora_rank=64, num_threads=1)
+    names = ("all_r8", "mlp_r16", "attn_r4_rslora")
+    outs = llm.generate(
+        [[1, 2, 3]] * 3,
+        SamplingParams(max_tokens=2, ignore_eos=True),
+        lora_request=[LoRARequest(n, str(adapters[n])) for n in names],
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2, 2]
+    cache = llm.engine.adapters
+    assert cache is not None and cache.tiers.max_host_copies == 1
+    assert cache.resident_bytes()["host"][0] == 1 and cache.is_idle()
+    cache.check_invariants()
