@@ -63,20 +63,33 @@ def test_slots_hold_their_host_copies_and_idle_ones_are_retired_for_room() -> No
     ctl.check_invariants()
 
 
-def test_count_cap_trims_cached_copies_but_live_ones_may_exceed_it() -> None:
+def test_count_cap_is_hard_even_for_live_copies() -> None:
+    """max_host_copies (vLLM's max_cpu_loras) is a limit like the byte budget: with every copy
+    held by a live request, one more admission is refused (the owner waits and retries), never
+    admitted over the cap; a release makes room, and the policy picks the cached victim."""
     clock = Clock()
     ctl = controller(clock, slots=1, max_host_copies=2)
-    for k in "abcd":
-        load(ctl, clock, k)
-    assert ctl.host.count == 4  # every copy is held by a live request
-    ctl.release_request("a")
-    ctl.release_request("b")
-    assert ctl.host.count == 2 and ctl.tier_counters()["host"].evictions == 2
-    assert ctl.release_request("c") == []  # at the cap: c stays cached
-    assert load(ctl, clock, "e") == ["c"]  # over it: the cached copy goes, live ones stay
-    assert set(ctl.host.entries()) == {"d", "e"}
+    load(ctl, clock, "a")
+    load(ctl, clock, "b")
+    with pytest.raises(NoRoomError, match="in use"):
+        load(ctl, clock, "c")  # both copies are held by live requests
+    assert set(ctl.host.entries()) == {"a", "b"}
+    assert ctl.release_request("a") == []  # at the cap, not over it: a stays cached
+    assert load(ctl, clock, "c") == ["a"]  # the cached copy goes, the live one stays
+    assert set(ctl.host.entries()) == {"b", "c"} and ctl.host.count == 2
     with pytest.raises(RuntimeError, match="released more often"):
         ctl.release_request("a")
+    # a widened cap (the offline API, for one call) admits more; lowering it trims what no
+    # request holds at once and the rest as it is released
+    assert ctl.set_max_host_copies(3) == []
+    load(ctl, clock, "d")
+    assert ctl.host.count == 3
+    ctl.release_request("b")
+    assert ctl.set_max_host_copies(2) == ["b"]
+    assert ctl.host.count == 2
+    ctl.set_max_host_copies(1)
+    assert ctl.host.count == 2  # c and d are still held
+    assert ctl.release_request("c") == ["c"] and ctl.host.count == 1
     ctl.check_invariants()
 
 

@@ -224,6 +224,20 @@ def test_replay_with_service_time_serves_everything() -> None:
         assert res.requests == 1500 and res.hot_requests > 0
 
 
+def test_host_count_is_a_hard_cap_as_in_the_server() -> None:
+    """``host_count`` (the server's --max-cpu-loras) caps host copies even when every copy is
+    held by a request in service: a third adapter's load waits for a release (then is served),
+    or is refused after ``load_wait_timeout_s``."""
+    trace = [Request(0.0, k, "t", 1 << 20) for k in "abc"]
+    cfg = dict(slots=3, host_count=2, service_time_s=1.0, patience_s=0.0)
+    res = simulate(trace, policy_factory("lru", ("L0", "L1")), SimConfig(**cfg))  # type: ignore[arg-type]
+    assert res.waits == 1 and res.unserved == 0  # c waited until a request let go of its copy
+    assert res.mean_wait_s == pytest.approx(1.0)
+    quick = SimConfig(**cfg, load_wait_timeout_s=0.5)  # type: ignore[arg-type]
+    res = simulate(trace, policy_factory("lru", ("L0", "L1")), quick)
+    assert res.unserved == 1 and res.tier("L1").bypassed == 1  # type: ignore[union-attr]
+
+
 def test_patience_protects_the_hot_set_under_concurrency() -> None:
     spec = "hotburst:requests=3000"
     _, eager = run(spec, "hybrid", slots=8, service_time_s=0.005, patience_s=0.0)

@@ -31,7 +31,6 @@ from loraplex.requests import LoRARequest, SamplingParams
 from loraplex.testing.sync import EVENT_TIMEOUT_S, wait_until
 from loraplex.types import (
     AdapterCapacityError,
-    AdapterCorruptError,
     AdapterError,
     AdapterIntegrityError,
     AdapterInUseError,
@@ -280,14 +279,25 @@ def test_a_failed_load_fails_all_waiters_and_the_next_request_retries(
 # --------------------------------------------------------------------- hard constraints
 
 
-def test_count_budget_caps_cached_copies_and_lets_live_requests_exceed_it(
+def test_count_budget_is_a_hard_cap_on_host_copies(
     tiny_adapters: list[tuple[Path, str]],
 ) -> None:
-    """vLLM's max_cpu_loras: an offline batch may hold more adapters than that at once."""
-    cache = make_cache(max_loras=1, max_cpu_loras=2)
-    held = [resolve(cache, spec(f"a{i}", p)) for i, (p, _) in enumerate(tiny_adapters[:5])]
-    assert len(cache.host) == 5  # all in use: none may go
-    for a in held:
+    """vLLM's max_cpu_loras holds like the byte budget: with every copy in use, loading one more
+    adapter waits (bounded) and then gets AdapterCapacityError; a release lets it in. The
+    offline API widens the count for one call (``host_copies_at_least``), then trims back."""
+    cache = make_cache(max_loras=1, max_cpu_loras=2, load_wait_timeout_s=0.3)
+    held = [resolve(cache, spec(f"a{i}", p)) for i, (p, _) in enumerate(tiny_adapters[:2])]
+    with pytest.raises(AdapterCapacityError, match=r"'a2'.*host memory.*in use") as info:
+        resolve(cache, spec("a2", tiny_adapters[2][0]))
+    assert info.value.tier == "host" and len(cache.host) == 2
+    cache.release(held[0])
+    a2 = resolve(cache, spec("a2", tiny_adapters[2][0]))
+    assert len(cache.host) == 2 and cache.tier_of(tiny_adapters[0][1]) is None
+    with cache.host_copies_at_least(4):
+        more = [resolve(cache, spec(f"a{i}", tiny_adapters[i][0])) for i in (3, 4)]
+        assert len(cache.host) == 4
+    assert len(cache.host) == 4  # all of them are still in use
+    for a in [held[1], a2, *more]:
         cache.release(a)
     assert len(cache.host) == 2 and cache.tier_counters()["host"].evictions == 3
     cache.check_invariants()
@@ -471,25 +481,30 @@ def test_store_down_keeps_serving_known_copies(tmp_path: Path, store_root: Path)
     cache.check_invariants()
 
 
-def test_truncated_disk_copy_is_a_clear_error_deleted_and_refetched(
+def test_truncated_disk_copy_is_deleted_and_refetched_within_the_request(
     tmp_path: Path, store_root: Path, tiny_adapters: list[tuple[Path, str]]
 ) -> None:
+    """A bad L2 copy never reaches the request: it is deleted and the adapter fetched again from
+    the object store in the same load (one status for one cause: only a bad L3 copy fails)."""
     store = CountingStore(store_root)
     disk = DiskTier(tmp_path / "l2", 1 << 20)
     cache = make_cache(store=store, disk=disk)
     digest = tiny_adapters[3][1]
     r = spec("a3", store_root / "a3", digest)
-    cache.release(resolve(cache, r))
+    first = resolve(cache, r)
+    want = {k: (w.a.clone(), w.b.clone()) for k, w in first.weights.items()}
+    cache.release(first)
     other = resolve(cache, spec("a0", tiny_adapters[0][0]))
     cache.evict(digest, tiers=["host"])
     weights = disk.root / digest / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
-    with pytest.raises(AdapterCorruptError, match=r"'a3'.*disk tier") as info:
-        resolve(cache, r)
-    assert info.value.deleted and digest not in disk.entries() and cache.tier_of(digest) is None
-    assert cache.tier_of(other.ref.sha256) == "host"  # others keep being served
-    cache.release(resolve(cache, r))  # the next request downloads it again
+    again = resolve(cache, r)  # the same request downloads it again
     assert store.fetches == 2 and digest in disk.entries()
+    assert cache.stats.bad_copies_replaced == 1 and cache.stats.load_failures == 0
+    for k, (a, b) in want.items():
+        assert torch.equal(again.weights[k].a, a) and torch.equal(again.weights[k].b, b)
+    assert cache.tier_of(other.ref.sha256) == "host"  # others keep being served
+    cache.release(again)
     cache.release(other)
     cache.check_invariants()
 
@@ -503,15 +518,25 @@ def test_checksum_mismatch_names_adapter_and_tier(
     with pytest.raises(AdapterIntegrityError, match=r"'a4'.*object_store.*checksum mismatch"):
         resolve(cache, spec("a4", store_root / "a4", wrong))
     assert not disk.entries() and cache.is_idle()
-    # a disk copy that was tampered with (same size, other bytes)
+    # a disk copy that was tampered with (same size, other bytes) is replaced from the store
     digest = tiny_adapters[4][1]
     cache.release(resolve(cache, spec("a4", store_root / "a4")))
     cache.evict(digest, tiers=["host"])
-    cfg = disk.root / digest / "adapter_config.json"
+    entry = disk.root / digest
+    cfg = entry / "adapter_config.json"
     cfg.write_text(cfg.read_text().replace('"r": 4', '"r": 5'))
-    with pytest.raises(AdapterIntegrityError, match=r"'a4'.*disk tier.*deleted"):
+    cache.release(resolve(cache, spec("a4", store_root / "a4", digest)))
+    assert digest in disk.entries() and '"r": 4' in cfg.read_text()
+    assert cache.stats.bad_copies_replaced == 1
+    # a bad object in the store itself (the source of truth) is the request's error
+    cache.evict(digest, tiers=["host", "disk"])
+    st = store_root / "a4" / "adapter_model.safetensors"
+    data = bytearray(st.read_bytes())
+    data[-4:] = b"\x00\x00\x80\x7f"  # the last element becomes +inf: other bytes, same size
+    st.write_bytes(bytes(data))
+    with pytest.raises(AdapterIntegrityError, match=r"'a4'.*object_store.*deleted") as info:
         resolve(cache, spec("a4", store_root / "a4", digest))
-    assert digest not in disk.entries()
+    assert info.value.tier == "object_store" and digest not in disk.entries()
     cache.release(resolve(cache, spec("a5", tiny_adapters[5][0])))
     cache.check_invariants()
 

@@ -53,7 +53,10 @@ class AdapterSpec:
     the name is for people and errors. ``source_uri`` is a local directory, a ``file://`` URI or
     an object-store URI (``s3://...``). ``tenant`` and ``priority`` feed residency decisions
     (tenant budgets, the policy's SLO weight); ``warm_policy`` is one of
-    ``loraplex.config.WARM_POLICIES`` (used by start-up warming).
+    ``loraplex.config.WARM_POLICIES`` (used by start-up warming). ``allow_pickle``: whether the
+    weights may be read from ``adapter_model.bin`` (a pickle) when there is no safetensors file;
+    False unless the catalog that built the spec found only a ``.bin`` (the registry registers
+    safetensors only, so specs of registered revisions never allow it).
     """
 
     ref: AdapterRef
@@ -61,6 +64,7 @@ class AdapterSpec:
     tenant: str | None = None
     priority: int = 0
     warm_policy: str = "on-demand"
+    allow_pickle: bool = False
 
     @property
     def sha256(self) -> str:
@@ -109,6 +113,12 @@ class AdapterCapacityError(AdapterError):
     def __init__(self, message: str, *, tier: str = "") -> None:
         super().__init__(message)
         self.tier = tier
+
+
+class AdapterLoadTimeoutError(AdapterCapacityError):
+    """A request gave up waiting for a load of its adapter that another request started (the
+    bounded wait of single flight); the load goes on for later requests. Transient: 503 +
+    Retry-After, like any capacity error."""
 
 
 class AdapterInUseError(AdapterError):

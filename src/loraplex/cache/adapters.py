@@ -13,10 +13,15 @@
 The input is always an AdapterSpec: its ``ref.sha256`` is the key of every tier and is verified
 against the bytes read; names and paths are never keys.
 
+Host memory has two hard limits: ``max_cpu_lora_bytes`` and the ``max_cpu_loras`` count (vLLM's
+name); neither is exceeded, whatever requests hold (the offline API widens the count for one
+call: :meth:`TieredAdapterCache.host_copies_at_least`).
+
 Thread safety: one lock (and its condition) guards the controller, the flights and ``host``.
 Loads (file reads, downloads, conversion) run outside it in the caller's thread; a load that
 finds no room in host memory waits on the condition (bounded by ``load_wait_timeout_s``, woken
-by releases) and then raises :class:`AdapterCapacityError`. The engine thread reserves slots
+by releases) and then raises :class:`AdapterCapacityError`; a request that joined another's
+load waits for it at most as long (:class:`~loraplex.types.AdapterLoadTimeoutError`). The engine thread reserves slots
 (:meth:`reserve_slot`, bookkeeping only, never blocks) and then :meth:`activate` copies the
 newly reserved adapters' weights into their slot rows — outside the lock, timed as ``h2d`` on
 CUDA or ``activation`` elsewhere. Every load stage is reported to ``load_observers``
@@ -28,9 +33,10 @@ Pins (``pin``/``unpin``, and the warm policies ``device-preferred``/``host``/``o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -259,9 +265,12 @@ class TieredAdapterCache:
         (already in host memory) — a cold request paid for a load. ``count=False`` for loads
         that are not requests (start-up, admin): they stay out of the hit/miss counters.
 
-        Blocks while the adapter loads (shared with concurrent requests for it) and while host
-        memory has no evictable room (bounded). Raises AdapterError subclasses: StoreError,
-        AdapterCopyError, DiskTierError, :class:`AdapterCapacityError`.
+        Blocks while the adapter loads (shared with concurrent requests for it; a request that
+        joined another's load waits at most ``load_wait_timeout_s``, then gets
+        :class:`~loraplex.types.AdapterLoadTimeoutError`) and while host memory has no evictable
+        room under its byte budget and its ``max_cpu_loras`` count (bounded by the same
+        timeout, then :class:`AdapterCapacityError`). Raises AdapterError subclasses:
+        StoreError, AdapterCopyError, DiskTierError, :class:`AdapterCapacityError`.
         """
         t0 = time.perf_counter()
         d = spec.sha256
@@ -272,7 +281,9 @@ class TieredAdapterCache:
                 return hit, True
             flight, leader = self.loader.join(d, count=count)
         if not leader:
-            adapter, warm = flight.result()
+            adapter, warm = self.loader.wait(
+                d, flight, count=count, timeout=self.load_wait_timeout_s, name=spec.ref.name
+            )
             self._observe(STAGE_RESOLVE, time.perf_counter() - t0)
             return adapter, warm
         try:
@@ -324,6 +335,21 @@ class TieredAdapterCache:
                 self._refs.setdefault(d, adapter.ref)
             self.loader.finish(d, flight, adapter, adm.warm)
         return adapter, adm.warm
+
+    @contextlib.contextmanager
+    def host_copies_at_least(self, n: int) -> Iterator[None]:
+        """For the block, let host memory hold ``max(max_cpu_loras, n)`` copies (the byte
+        budget still holds): the offline ``LLM.generate`` holds every adapter of one call at
+        once. Afterwards the count cap is ``max_cpu_loras`` again (copies beyond it that no
+        request holds are evicted). Not for concurrent callers (a server never uses it)."""
+        with self._cond:
+            self._drop(self.tiers.set_max_host_copies(max(self.max_cpu_loras, n)))
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._drop(self.tiers.set_max_host_copies(self.max_cpu_loras))
+                self._cond.notify_all()
 
     def retain(self, adapter: LoRAAdapter) -> None:
         """One more request reference on an adapter already held (from :meth:`acquire`)."""

@@ -15,13 +15,13 @@ Tiers and what lives there (keys are content digests, never names):
   slot may be freed (the scheduler lets other requests pass). Device residency is inclusive:
   a slotted adapter holds one in-flight hold on its L1 copy. Idle slots are retired when L1
   needs their host copies' room.
-- **L1 host** (``host_bytes``, a hard byte budget, and ``max_host_copies``): every live
-  request holds its copy (:meth:`hold_request` ... :meth:`release_request`), so an adapter in
-  use is never dropped. :meth:`admit_host` runs after the copy was loaded (loads happen before
-  evictions) and raises NoRoomError when the byte budget has no evictable room; the owner
-  waits for a release and retries. ``max_host_copies`` is vLLM's ``max_cpu_loras``: it caps the
-  *cached* copies (policy-chosen evictions after every admission and last release); copies held
-  by live requests may exceed it, never the byte budget.
+- **L1 host** (``host_bytes``, a hard byte budget, and ``max_host_copies``, a hard count: vLLM's
+  ``max_cpu_loras``): every live request holds its copy (:meth:`hold_request` ...
+  :meth:`release_request`), so an adapter in use is never dropped. :meth:`admit_host` runs
+  after the copy was loaded (loads happen before evictions) and raises NoRoomError when either
+  limit has no evictable room (every copy in use or pinned); the owner waits for a release and
+  retries. Neither limit is ever exceeded; :meth:`set_max_host_copies` changes the count (the
+  offline API widens it for one call), copies beyond a lowered count leave once released.
 - **L2 disk** (``disk_bytes``): verified copies of object-store adapters. Admission evicts
   (policy-chosen) *before* the put; a copy being read or written is held.
 
@@ -111,7 +111,7 @@ class TierController:
             )
 
         self.device = index(self.device_name, None, slots)
-        self.host = index(self.host_name, host_bytes, None) if host_tier else None
+        self.host = index(self.host_name, host_bytes, max_host_copies) if host_tier else None
         self.disk = index(self.disk_name, disk_bytes, None) if disk_bytes is not None else None
         self._index = {i.name: i for i in (self.device, self.host, self.disk) if i is not None}
         self.stats = CacheStats(
@@ -220,8 +220,21 @@ class TierController:
             raise RuntimeError(f"adapter {key[:12]} is not held in host memory")
         return e.info
 
+    def set_max_host_copies(self, n: int | None) -> list[str]:
+        """Make ``n`` the L1 count cap (None: none). Copies beyond a lowered cap that nobody
+        holds are evicted now (returned: the owner drops them), held ones once released."""
+        if n is not None and n < 0:
+            raise ValueError(f"max_host_copies must be >= 0, got {n}")
+        self.max_host_copies = n
+        if self.host is None:
+            return []
+        self.host.capacity_count = n
+        self._trim_host(self.clock())
+        return self._take(self.host_name)
+
     def _trim_host(self, now: float) -> None:
-        """Evict cached (evictable) L1 copies beyond ``max_host_copies``, lowest score first."""
+        """Evict cached (evictable) L1 copies beyond ``max_host_copies``, lowest score first
+        (only after the cap was lowered: admissions never exceed it)."""
         host = self.host
         if host is None or self.max_host_copies is None:
             return

@@ -11,7 +11,8 @@ A write fills ``.tmp-<uuid>/``, fsyncs the files, the manifest and the directory
 ``os.rename``s it to ``<sha256>/``: an entry is either complete or absent. At start-up the index
 is rebuilt by scanning: ``.tmp-*`` leftovers of a crash are removed, and entries whose files do
 not match their manifest's sizes (the cheap check) are dropped. Full verification happens on use
-(:meth:`DiskTier.load_verified`), which deletes a bad copy.
+(:meth:`DiskTier.load_verified`: the entry is read into owned memory and hashed before it is
+parsed), which deletes a bad copy.
 
 The budget counts the adapter files' bytes (the manifest and directory metadata are not counted,
 nor transient ``.tmp`` staging). ``put`` never exceeds it: it raises :class:`DiskBudgetError` and
@@ -402,11 +403,13 @@ class DiskTier:
         return nbytes
 
     # -- verified reads -----------------------------------------------------------------------
-    def load_verified(self, digest: str, name: str) -> DiskLoadResult:
-        """Read entry ``digest`` and check it hashes to ``digest`` (the ``disk_load`` stage).
+    def load_verified(self, digest: str, name: str, *, allow_pickle: bool = True) -> DiskLoadResult:
+        """Read entry ``digest`` once into owned memory and check those bytes hash to ``digest``
+        (the ``disk_load`` stage); the tensors are parsed from the bytes that were hashed.
 
-        A corrupt or mismatching entry is deleted, then :class:`AdapterCopyError` (naming the
-        adapter ``name``, the disk tier and both digests) is raised. Missing: DiskTierError.
+        A corrupt or mismatching entry (or a ``.bin`` one when ``allow_pickle`` is False) is
+        deleted, then :class:`AdapterCopyError` (naming the adapter ``name``, the disk tier and
+        both digests) is raised. Missing: DiskTierError.
         """
         t0 = time.perf_counter()
         p = self.path(digest)
@@ -415,7 +418,9 @@ class DiskTier:
                 f"adapter {name!r} ({digest[:12]}) is not in the disk tier {self.root}"
             )
         try:
-            config, tensors, _ = verify_adapter_dir(p, digest, name=name, tier=TIER_DISK)
+            config, tensors, _ = verify_adapter_dir(
+                p, digest, name=name, tier=TIER_DISK, allow_pickle=allow_pickle
+            )
         except AdapterCopyError as e:
             self.remove(digest)
             e.mark_deleted()

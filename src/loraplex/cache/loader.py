@@ -3,23 +3,30 @@
 Where the bytes come from (keys are content digests, never names):
 
 - a **local directory** that is not in the object store: read directly (it is on local disk
-  already: stage ``disk_load``);
+  already: stage ``disk_load``); a copy that does not verify is an error of tier ``local``
+  (the registered files changed: retrying will not help);
 - the **L2 disk tier** (:class:`~loraplex.cache.disk.DiskTier`): verified copies of object-store
-  adapters, content-addressed, surviving restarts (stage ``disk_load``). A bad copy is deleted
-  and the error names the adapter and the tier;
+  adapters, content-addressed, surviving restarts (stage ``disk_load``). A bad copy heals
+  itself: it is deleted and the adapter fetched again from L3 within the same load, so a
+  request never fails because of L2;
 - the **L3 object store** (:class:`~loraplex.cache.store.ObjectStore`, the source of truth):
   ``s3://`` URIs, or paths under a configured local store root; downloaded (stage
   ``remote_download``), verified (``disk_load``) and, with a disk tier, admitted into L2
-  (policy-chosen evictions *before* the put).
+  (policy-chosen evictions *before* the put). A bad copy here is an error of tier
+  ``object_store`` (the store holds other bytes than were registered).
 
-The spec's digest is checked against the bytes read, whatever the source
-(:class:`~loraplex.cache.verify.AdapterIntegrityError` on a mismatch), so a copy known by its
-digest never needs the store: while the store is unreachable, every adapter with a copy in
-memory or on disk keeps being served.
+Every copy is read once into memory the process owns, hashed, and only then parsed
+(:func:`~loraplex.cache.verify.verified_read`): the spec's digest is checked against exactly
+the bytes that become the host copy, whatever the source, and no later change to the files can
+reach it. A copy known by its digest never needs the store: while the store is unreachable,
+every adapter with a copy in memory or on disk keeps being served. The weights are read from
+``adapter_model.bin`` (a pickle) only when the spec allows it (``AdapterSpec.allow_pickle``).
 
 Single flight per digest: concurrent requests for one cold adapter share one load
 (:meth:`AdapterLoader.join`); a failed load fails all its waiters with the same error and the
-next request retries (no negative caching). Flights are guarded by the owner's lock (the tiered
+next request retries (no negative caching). A waiter waits a bounded time
+(:meth:`AdapterLoader.wait`) and then gets :class:`~loraplex.types.AdapterLoadTimeoutError`;
+the load itself goes on for later requests. Flights are guarded by the owner's lock (the tiered
 cache's, which also covers its host-memory check, so a late arrival never starts a second load).
 Loads run in the caller's thread (the server's worker threads), never on the engine loop.
 """
@@ -41,20 +48,15 @@ from loraplex.cache.disk import DiskTier, DiskTierError
 from loraplex.cache.policy import AdapterInfo
 from loraplex.cache.residency import NoRoomError
 from loraplex.cache.store import LocalDirStore, ObjectStore
-from loraplex.cache.verify import fetch_verified
-from loraplex.lora.adapter import (
-    BaseModelSpec,
-    LoRAAdapter,
-    build_adapter,
-    compute_adapter_digest,
-    read_adapter_files,
-)
+from loraplex.cache.verify import fetch_verified, mismatch_cause, verified_read
+from loraplex.lora.adapter import BaseModelSpec, LoRAAdapter, build_adapter
 from loraplex.paths import contained
 from loraplex.types import (
     AdapterCapacityError,
     AdapterCopyError,
     AdapterError,
     AdapterIntegrityError,
+    AdapterLoadTimeoutError,
     AdapterSpec,
 )
 
@@ -65,6 +67,7 @@ STAGE_REMOTE_DOWNLOAD = "remote_download"
 STAGE_DISK_LOAD = "disk_load"
 STAGE_H2D = "h2d"
 STAGE_ACTIVATION = "activation"
+TIER_LOCAL = "local"  # the tier name of errors about a local directory's registered files
 
 __all__ = ["AdapterLoader", "Flight", "Source"]
 
@@ -91,8 +94,8 @@ class Flight:
     error: BaseException | None = None
 
     def result(self) -> tuple[LoRAAdapter, bool]:
-        """Wait for the leader; its copy and warmth, or its error raised."""
-        self.event.wait()
+        """The leader's copy and warmth, or its error raised (once ``event`` is set)."""
+        assert self.event.is_set()
         if self.error is not None:
             raise self.error
         assert self.adapter is not None
@@ -140,6 +143,28 @@ class AdapterLoader:
         flight.waiters += 1
         flight.counted += int(count)
         return flight, False
+
+    def wait(
+        self, digest: str, flight: Flight, *, count: bool, timeout: float, name: str
+    ) -> tuple[LoRAAdapter, bool]:
+        """Wait (at most ``timeout`` seconds) for a flight joined with :meth:`join` as a waiter;
+        the leader's copy (its hold already taken for this waiter) or its error.
+
+        On time-out the waiter leaves the flight (the leader takes no hold for it) and gets
+        :class:`AdapterLoadTimeoutError`; the load goes on. Call without the owner's lock.
+        """
+        if not flight.event.wait(timeout):
+            with self._lock:
+                if not flight.event.is_set():  # finish/fail run under this lock: no race
+                    flight.waiters -= 1
+                    flight.counted -= int(count)
+                    self.tiers.stats.join_timeouts += 1
+                    raise AdapterLoadTimeoutError(
+                        f"adapter {name!r}: its load (started by another request) did not "
+                        f"finish within {timeout:g}s; it goes on, retry later",
+                        tier=self.tiers.host_name,
+                    )
+        return flight.result()
 
     def finish(self, digest: str, flight: Flight, adapter: LoRAAdapter, warm: bool) -> None:
         """The leader's load is in host memory (its waiters' holds taken): wake them."""
@@ -211,6 +236,7 @@ class AdapterLoader:
         else:
             assert src.uri is not None
             config, tensors = self._read_store(spec, src.uri, count)
+        # the tensors were parsed from owned bytes whose digest is spec.sha256: no re-hash
         adapter = build_adapter(
             config,
             tensors,
@@ -225,27 +251,30 @@ class AdapterLoader:
         return adapter, time.perf_counter() - t0
 
     def _read_local(self, spec: AdapterSpec, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The verified copy of a local directory: the registered files, read now. A copy that
+        does not verify is an :class:`AdapterCopyError` of tier ``local``."""
         t0 = time.perf_counter()
-        config, tensors = read_adapter_files(path)
-        digest = compute_adapter_digest(config, tensors)
-        self._observe(STAGE_DISK_LOAD, time.perf_counter() - t0)
-        want, name = spec.sha256, spec.ref.name
-        if digest != want:
+        name, want = spec.ref.name, spec.sha256
+        read = verified_read(path, None, name=name, tier=TIER_LOCAL, allow_pickle=spec.allow_pickle)
+        if read.digest != want:
+            why = mismatch_cause(read, want, "changed since registration?")
             raise AdapterIntegrityError(
-                f"adapter {name!r}: the files in {path} have sha256 {digest[:16]}..., "
-                f"not the registered {want[:16]}... (changed since registration?)",
+                f"adapter {name!r}: the files in {path} have sha256 {read.digest[:16]}..., "
+                f"not the registered {want[:16]}... ({why})",
                 name=name,
-                tier="local",
+                tier=TIER_LOCAL,
                 path=str(path),
                 expected=want,
-                actual=digest,
+                actual=read.digest,
             )
-        return config, tensors
+        self._observe(STAGE_DISK_LOAD, time.perf_counter() - t0)
+        return read.config, read.tensors
 
     def _read_store(
         self, spec: AdapterSpec, uri: str, count: bool
     ) -> tuple[dict, dict[str, torch.Tensor]]:
-        """The verified L2 copy if the disk tier holds one, else a verified download."""
+        """The verified L2 copy if the disk tier holds one, else a verified download (also
+        when the L2 copy was bad: it is deleted and fetched again here)."""
         if self.disk is not None:
             got = self._read_disk(spec, count)
             if got is not None:
@@ -255,21 +284,24 @@ class AdapterLoader:
     def _read_disk(
         self, spec: AdapterSpec, count: bool
     ) -> tuple[dict, dict[str, torch.Tensor]] | None:
-        """The verified L2 copy of ``spec``, or None if the disk tier does not hold it."""
+        """The verified L2 copy of ``spec``, or None if the disk tier does not hold a usable one
+        (absent, vanished, or bad: a bad copy is deleted and counted, never raised)."""
         assert self.disk is not None
         digest, tier = spec.sha256, self.tiers.disk_name
         with self._lock:
             if not self.tiers.hold_disk_copy(digest, count=count):  # held: not evicted
                 return None
         try:
-            res = self.disk.load_verified(digest, spec.ref.name)
+            res = self.disk.load_verified(digest, spec.ref.name, allow_pickle=spec.allow_pickle)
         except (AdapterCopyError, DiskTierError) as e:
             with self._lock:
                 self.tiers.release(tier, digest)
                 self.tiers.remove(tier, digest)  # another reader holds it: it removes it too
-            if isinstance(e, AdapterCopyError):
-                raise  # names adapter and tier; the bad copy was deleted
-            return None  # vanished behind our back: fetch it again
+                if isinstance(e, AdapterCopyError):
+                    self.tiers.stats.bad_copies_replaced += 1
+            if isinstance(e, AdapterCopyError):  # deleted by load_verified: fetch it again
+                log.warning("%s; fetching it again from the object store", e)
+            return None
         with self._lock:
             self.tiers.release(tier, digest)
         self._observe(STAGE_DISK_LOAD, res.seconds)
@@ -279,12 +311,14 @@ class AdapterLoader:
         """Fetch from L3, verify, and (with a disk tier) admit the copy into L2."""
         assert self.store is not None
         name, digest = spec.ref.name, spec.sha256
+        pickle = spec.allow_pickle
         if self.disk is None:
             with tempfile.TemporaryDirectory(prefix="loraplex-fetch-") as tmp:
-                vf = fetch_verified(self.store, uri, Path(tmp) / "a", digest, name=name)
+                dest = Path(tmp) / "a"
+                vf = fetch_verified(self.store, uri, dest, digest, name=name, allow_pickle=pickle)
         else:
             with self.disk.staging() as tmp:
-                vf = fetch_verified(self.store, uri, tmp, digest, name=name)
+                vf = fetch_verified(self.store, uri, tmp, digest, name=name, allow_pickle=pickle)
                 self._put_disk(spec, tmp, vf.fetch.seconds)
         with self._lock:
             self.tiers.stats.remote_loads += 1

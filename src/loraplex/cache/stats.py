@@ -3,7 +3,8 @@
 Each tier's :class:`~loraplex.cache.residency.TierIndex` keeps its own :class:`TierCounters`
 (lookups that hit or missed, inserts = loads into the tier, policy evictions, reloads soon
 after an eviction). :class:`CacheStats` holds those (the same objects, never copies) plus the
-few events no tier sees: object-store downloads, failed loads, and waits for room. Anything
+few events no tier sees: object-store downloads, failed loads, waits for room, bad disk copies
+replaced and waits for another request's load that timed out. Anything
 else is derived from them (``cold_requests`` is the host tier's misses). Per-adapter numbers
 for the residency view are :class:`AdapterUsage`.
 
@@ -51,6 +52,8 @@ class CacheStats:
     load_failures: int = 0  # failed loads (each fails all the requests that shared it)
     capacity_waits: int = 0  # loads that had to wait for room in host memory
     slot_waits: int = 0  # slot reservations refused (every slot in use, pinned or too new)
+    bad_copies_replaced: int = 0  # bad L2 copies deleted and fetched again from L3
+    join_timeouts: int = 0  # requests that stopped waiting for a load another one started
     host_tier: str = "host"
     device_tier: str = "device"
 
@@ -74,6 +77,8 @@ class CacheStats:
             "load_failures": self.load_failures,
             "capacity_waits": self.capacity_waits,
             "slot_waits": self.slot_waits,
+            "bad_copies_replaced": self.bad_copies_replaced,
+            "join_timeouts": self.join_timeouts,
             "cold_requests": self.cold_requests,
         }
         for tier, c in self.tiers.items():

@@ -1,8 +1,9 @@
 """Verification of every adapter copy against its content digest before it is used.
 
-A copy (a download from the object store, an entry of the disk tier) is read with
-``read_adapter_files`` and hashed with ``compute_adapter_digest``; the digest must equal the
-``AdapterRef.sha256`` it is supposed to be. Otherwise:
+A copy (a download from the object store, an entry of the disk tier, a local directory) is read
+once into memory this process owns (``read_adapter``: the bytes are hashed, then parsed, so the
+tensors are exactly what was hashed); the digest must equal the ``AdapterRef.sha256`` it is
+supposed to be before anything uses the copy. Otherwise:
 
     unreadable / truncated files  -> AdapterCorruptError   (names adapter, tier, path, cause)
     digest != expected            -> AdapterIntegrityError (names adapter, tier, both digests)
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from loraplex.cache.store import STAGE_REMOTE_DOWNLOAD, FetchResult, ObjectStore
-from loraplex.lora.adapter import compute_adapter_digest, read_adapter_files
+from loraplex.lora.adapter import AdapterRead, read_adapter
 from loraplex.types import (
     AdapterCopyError,
     AdapterCorruptError,
@@ -45,6 +46,7 @@ __all__ = [
     "VerifiedFetch",
     "check_digest",
     "fetch_verified",
+    "verified_read",
     "verify_adapter_dir",
 ]
 
@@ -63,19 +65,21 @@ def check_digest(digest: str) -> str:
     return digest
 
 
-def verify_adapter_dir(
-    path: Path, expected_sha256: str | None, *, name: str, tier: str
-) -> tuple[dict, dict[str, torch.Tensor], str]:
-    """Read the adapter at ``path`` and return ``(config, tensors, digest)``.
+def verified_read(
+    path: Path, expected_sha256: str | None, *, name: str, tier: str, allow_pickle: bool = True
+) -> AdapterRead:
+    """Read the adapter at ``path`` once into owned memory (:func:`read_adapter`) and check the
+    digest of those bytes against ``expected_sha256`` (when given) before anything uses them.
 
-    ``digest`` is ``compute_adapter_digest(config, tensors)``; when ``expected_sha256`` is given
-    it must match, else :class:`AdapterIntegrityError`. Unreadable files raise
-    :class:`AdapterCorruptError`. Both messages name the adapter and the tier. Deletes nothing.
+    Unreadable, truncated or refused files (a ``.bin`` where ``allow_pickle`` is False) raise
+    :class:`AdapterCorruptError`; a digest mismatch :class:`AdapterIntegrityError` (saying so
+    when the copy matches the expected digest under the previous digest version). Both name
+    the adapter and the tier. Deletes nothing.
     """
     if expected_sha256 is not None:
         check_digest(expected_sha256)
     try:
-        config, tensors = read_adapter_files(path)
+        read = read_adapter(path, allow_pickle=allow_pickle)
     except AdapterError as e:
         raise AdapterCorruptError(
             f"adapter {name!r}: the {tier} tier copy at {path} is unusable: {e}",
@@ -83,19 +87,46 @@ def verify_adapter_dir(
             tier=tier,
             path=str(path),
         ) from e
-    digest = compute_adapter_digest(config, tensors)
+    digest = read.digest
     if expected_sha256 is not None and digest != expected_sha256:
         raise AdapterIntegrityError(
             f"adapter {name!r}: the {tier} tier copy at {path} has digest {digest[:12]}…, "
-            f"expected {expected_sha256[:12]}… (checksum mismatch: corrupted, or changed without "
-            "re-registering)",
+            f"expected {expected_sha256[:12]}… ({mismatch_cause(read, expected_sha256)})",
             name=name,
             tier=tier,
             path=str(path),
             expected=expected_sha256,
             actual=digest,
         )
-    return config, tensors, digest
+    return read
+
+
+def mismatch_cause(
+    read: AdapterRead,
+    expected_sha256: str,
+    otherwise: str = "checksum mismatch: corrupted, or changed without re-registering",
+) -> str:
+    """Why a copy's digest is not the expected one, as far as can be told: the expected digest
+    is these bytes' digest under the previous digest version, or ``otherwise``."""
+    if read.legacy_digest() == expected_sha256:
+        return (
+            "the expected digest is the previous digest version's (v1, which ignored the order "
+            "of rank_pattern / alpha_pattern): register the revision again"
+        )
+    return otherwise
+
+
+def verify_adapter_dir(
+    path: Path,
+    expected_sha256: str | None,
+    *,
+    name: str,
+    tier: str,
+    allow_pickle: bool = True,
+) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """``(config, tensors, digest)`` of :func:`verified_read` (same checks and errors)."""
+    read = verified_read(path, expected_sha256, name=name, tier=tier, allow_pickle=allow_pickle)
+    return read.config, read.tensors, read.digest
 
 
 @dataclass
@@ -121,9 +152,11 @@ def fetch_verified(
     *,
     name: str,
     tier: str = TIER_OBJECT_STORE,
+    allow_pickle: bool = True,
 ) -> VerifiedFetch:
-    """Download ``uri`` into ``dest`` and verify it; on any failure ``dest``'s adapter files are
-    removed (the directory too if this call created it) and the error propagates.
+    """Download ``uri`` into ``dest`` and verify it (read once into owned memory, hashed, then
+    parsed: :func:`verified_read`); on any failure ``dest``'s adapter files are removed (the
+    directory too if this call created it) and the error propagates.
 
     ``StoreError`` for transfer problems, :class:`AdapterCopyError` for a bad copy. A digest
     mismatch here means the store holds other bytes than were registered: the store object is
@@ -134,7 +167,7 @@ def fetch_verified(
     res = store.fetch(uri, dest)
     t0 = time.perf_counter()
     try:
-        config, tensors, digest = verify_adapter_dir(dest, expected_sha256, name=name, tier=tier)
+        read = verified_read(dest, expected_sha256, name=name, tier=tier, allow_pickle=allow_pickle)
     except AdapterCopyError as e:
         for f in res.files:
             (dest / f).unlink(missing_ok=True)
@@ -142,4 +175,4 @@ def fetch_verified(
             shutil.rmtree(dest, ignore_errors=True)
         e.mark_deleted()
         raise
-    return VerifiedFetch(res, config, tensors, digest, time.perf_counter() - t0)
+    return VerifiedFetch(res, read.config, read.tensors, read.digest, time.perf_counter() - t0)

@@ -8,7 +8,10 @@ can never be served old weights or old KV).
 
 Safetensors directories are hashed without loading tensors
 (:func:`loraplex.lora.digest.digest_safetensors_dir`); ``.bin`` ones need torch
-(:func:`loraplex.lora.adapter.compute_adapter_digest`). Object-store URIs (``s3://...``) are
+(:func:`loraplex.lora.adapter.read_adapter`). Only a directory (or store object) whose weights
+are a ``.bin`` alone gets a spec that allows reading a pickle (``AdapterSpec.allow_pickle``): if
+a safetensors directory later loses its safetensors file and gains a ``.bin``, its new
+fingerprint makes a new spec, and a spec made for safetensors never reads the ``.bin``. Object-store URIs (``s3://...``) are
 memoised by the store's change fingerprint, checked at most every ``fingerprint_ttl_s`` (one
 check per URI at a time); the first request of a version downloads it once to hash it. While
 the store is unreachable, a URI whose digest is known keeps that digest (its copy in memory or
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from loraplex.cache.store import ObjectStore
 from loraplex.cache.verify import fetch_verified
-from loraplex.lora.adapter import compute_adapter_digest, read_adapter_files
+from loraplex.lora.adapter import read_adapter
 from loraplex.lora.digest import DigestError, digest_safetensors_dir
 from loraplex.lora.peft_format import ADAPTER_FILES, SAFETENSORS_NAME
 from loraplex.requests import LoRARequest
@@ -47,15 +50,15 @@ def files_fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
     return tuple(out)
 
 
-def digest_dir(path: Path, name: str) -> str:
-    """The adapter digest of a local directory (AdapterError when it cannot be read)."""
+def digest_dir(path: Path, name: str) -> tuple[str, bool]:
+    """The adapter digest of a local directory, and whether its weights are a ``.bin`` (a
+    pickle) alone (AdapterError when it cannot be read)."""
     if (path / SAFETENSORS_NAME).is_file():
         try:
-            return digest_safetensors_dir(path)
+            return digest_safetensors_dir(path), False
         except DigestError as e:
             raise AdapterError(f"adapter {name!r}: {e}") from e
-    config, tensors = read_adapter_files(path)  # .bin: needs torch
-    return compute_adapter_digest(config, tensors)
+    return read_adapter(path).digest, True  # .bin: needs torch
 
 
 class LocalAdapterCatalog:
@@ -69,7 +72,8 @@ class LocalAdapterCatalog:
         self.fingerprint_ttl_s = float(fingerprint_ttl_s)
         self.hashes = 0  # directories hashed (each memo miss)
         self._lock = threading.Lock()
-        self._memo: dict[str, tuple[object, str]] = {}  # path or URI -> (fingerprint, digest)
+        # path or URI -> (fingerprint, (digest, weights are a .bin alone))
+        self._memo: dict[str, tuple[object, tuple[str, bool]]] = {}
         self._fp_cache: dict[str, tuple[str, float]] = {}  # URI -> (store fingerprint, when)
         self._key_locks: dict[str, threading.Lock] = {}
 
@@ -79,33 +83,33 @@ class LocalAdapterCatalog:
         raw = req.path
         scheme = raw.split("://", 1)[0].lower() if "://" in raw else ""
         if scheme and scheme != "file":
-            digest = self._store_digest(req)
+            digest, pickle = self._store_digest(req)
         else:
             path = Path(raw[len("file://") :] if scheme else raw).expanduser()
             if not path.is_dir():
                 raise AdapterError(f"adapter {req.name!r}: path {raw!r} is not a directory")
-            digest = self._dir_digest(req.name, path)
+            digest, pickle = self._dir_digest(req.name, path)
         revision = req.revision if req.revision is not None else digest[:12]
-        return AdapterSpec(AdapterRef(req.name, revision, digest), raw)
+        return AdapterSpec(AdapterRef(req.name, revision, digest), raw, allow_pickle=pickle)
 
     def _key_lock(self, key: str) -> threading.Lock:
         with self._lock:
             return self._key_locks.setdefault(key, threading.Lock())
 
-    def _dir_digest(self, name: str, path: Path) -> str:
+    def _dir_digest(self, name: str, path: Path) -> tuple[str, bool]:
         key = str(path.resolve())
         fp = files_fingerprint(path)
         with self._key_lock(key):  # concurrent requests for one directory hash it once
             known = self._memo.get(key)
             if known is not None and known[0] == fp:
                 return known[1]
-            digest = digest_dir(path, name)
+            got = digest_dir(path, name)
             with self._lock:
                 self.hashes += 1
-                self._memo[key] = (fp, digest)
-            return digest
+                self._memo[key] = (fp, got)
+            return got
 
-    def _store_digest(self, req: LoRARequest) -> str:
+    def _store_digest(self, req: LoRARequest) -> tuple[str, bool]:
         if self.store is None:
             raise AdapterError(
                 f"adapter {req.name!r}: {req.path!r} is an object-store URI but no object store "
@@ -130,10 +134,9 @@ class LocalAdapterCatalog:
             if known is not None and known[0] == fp:
                 return known[1]
             with tempfile.TemporaryDirectory(prefix="loraplex-digest-") as tmp:
-                digest = fetch_verified(
-                    self.store, uri, Path(tmp) / "a", None, name=req.name
-                ).digest
+                vf = fetch_verified(self.store, uri, Path(tmp) / "a", None, name=req.name)
+            got = (vf.digest, SAFETENSORS_NAME not in vf.fetch.files)
             with self._lock:
                 self.hashes += 1
-                self._memo[uri] = (fp, digest)
-            return digest
+                self._memo[uri] = (fp, got)
+            return got

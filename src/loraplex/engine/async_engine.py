@@ -103,11 +103,16 @@ class AsyncEngine:
         params: SamplingParams,
         lora_request: AdapterSpec | LoRARequest | None = None,
         arrival: float | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
-        """Validate, tokenize and resolve the adapter in a worker thread."""
+        """Validate, tokenize and resolve the adapter in a worker thread (``cache_salt``: the
+        prefix-cache salt, see :meth:`LLMEngine.prepare_request`)."""
         fn = self.engine.prepare_request
         return await self.run_in_pool(
-            lambda: fn(request_id, prompt, params, lora_request, arrival=arrival)
+            lambda: fn(
+                request_id, prompt, params, lora_request, arrival=arrival, cache_salt=cache_salt
+            )
         )
 
     def discard(self, prepared: PreparedRequest) -> None:

@@ -92,9 +92,14 @@ class EngineClient:
         params: SamplingParams,
         adapter: AdapterSpec | None,
         arrival: float | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
-        """Validate, tokenize and load ``adapter`` in a worker thread (never on the loop)."""
-        return await self.aengine.prepare(request_id, prompt, params, adapter, arrival)
+        """Validate, tokenize and load ``adapter`` in a worker thread (never on the loop);
+        ``cache_salt`` salts its prefix-cache keys (KV shared only within one salt)."""
+        return await self.aengine.prepare(
+            request_id, prompt, params, adapter, arrival, cache_salt=cache_salt
+        )
 
     def reserve(self, n: int = 1) -> None:
         """Count ``n`` admitted requests as waiting before they are prepared (admission sees

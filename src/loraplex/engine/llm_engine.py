@@ -286,9 +286,14 @@ class LLMEngine:
         lora_request: AdapterSpec | LoRARequest | None = None,
         *,
         arrival: float | None = None,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
         """Everything that can fail or take time, done before the engine loop sees the request:
         validation, tokenization, the adapter's host copy (one reference per completion).
+
+        ``cache_salt`` (vLLM's field) salts the request's prefix-cache keys: its KV blocks are
+        shared only with requests of the same adapter digest *and* the same salt (the server
+        salts tenant traffic with the tenant), so a cache hit reveals nothing across salts.
 
         ``lora_request``: the adapter as a spec (from a catalog, e.g. the server's registry
         view), or an offline ``LoRARequest(name, path)`` that the engine's local catalog turns
@@ -350,6 +355,7 @@ class LLMEngine:
                     generator=gen,
                     eos_token_ids=eos_ids,
                     detokenizer=detok,
+                    cache_salt=cache_salt,
                 )
                 seqs.append(seq)
         except BaseException:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplex.kv.block_pool import salted_namespace
 from loraplex.outputs import TokenLogprob
 from loraplex.requests import SamplingParams
 from loraplex.types import BASE_NAMESPACE
@@ -54,6 +55,12 @@ class Sequence:
     first_token_time: float | None = None
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids (stop ids: params)
     detokenizer: IncrementalDetokenizer | None = None  # None without a tokenizer
+    cache_salt: str | None = None  # prefix-cache salt: KV shared only with the same salt
+    _namespace: bytes = field(init=False, repr=False, default=b"")
+
+    def __post_init__(self) -> None:
+        base = self.adapter.ref.namespace if self.adapter is not None else BASE_NAMESPACE
+        self._namespace = salted_namespace(base, self.cache_salt)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -65,7 +72,9 @@ class Sequence:
 
     @property
     def namespace(self) -> bytes:
-        return self.adapter.ref.namespace if self.adapter is not None else BASE_NAMESPACE
+        """Prefix-cache namespace: the adapter's digest (or the base's), salted with
+        ``cache_salt`` when there is one."""
+        return self._namespace
 
     @property
     def is_finished(self) -> bool:

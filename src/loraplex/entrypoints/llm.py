@@ -43,7 +43,10 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order.
 
         ``lora_request`` is one request for all prompts or a list with one per prompt (None = base).
-        Any invalid prompt or adapter raises before anything runs.
+        Any invalid prompt or adapter raises before anything runs. Every adapter of the call is
+        held in host memory until the call ends, so for its duration the ``max_cpu_loras``
+        count grows to the number of distinct adapter paths in the call (the byte budget,
+        ``max_cpu_lora_bytes``, still holds); afterwards it is ``max_cpu_loras`` again.
         """
         if not isinstance(prompts, (str, dict, list, tuple)):
             prompts = list(prompts)  # e.g. a 1-D array of token ids
@@ -58,6 +61,21 @@ class LLM:
         params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         loras = self._per_prompt(lora_request, n, "lora_request")
         ids = [f"gen-{next(self._ids)}" for _ in range(n)]
+        cache = self.engine.adapters
+        if cache is None:
+            return self._generate(ids, prompts, params, loras, use_tqdm)
+        with cache.host_copies_at_least(len({lr.path for lr in loras if lr is not None})):
+            return self._generate(ids, prompts, params, loras, use_tqdm)
+
+    def _generate(
+        self,
+        ids: list[str],
+        prompts: list[str | list[int]],
+        params: list[SamplingParams],
+        loras: list[LoRARequest | None],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        n = len(ids)
         added: list[str] = []
         try:
             for rid, prompt, sp, lr in zip(ids, prompts, params, loras, strict=True):

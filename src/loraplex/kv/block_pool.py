@@ -3,6 +3,11 @@
 A block's hash chains its parent's hash, the adapter namespace (the adapter's sha256, or the
 base namespace) and its tokens, so the same prompt under two adapters — or two revisions of one
 adapter name — never shares KV, while repeats under the same adapter do.
+
+A request with a cache salt (vLLM's ``cache_salt``; the server salts every tenant's traffic
+with its tenant) hashes under :func:`salted_namespace` of its adapter namespace: it shares KV
+only with requests of the same salt, so a prefix-cache hit (``cached_tokens``) tells nobody
+about another salt's prompts. Unsalted requests share among themselves, as before.
 """
 
 from __future__ import annotations
@@ -13,6 +18,20 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from loraplex.types import BASE_NAMESPACE
+
+
+def salted_namespace(namespace: bytes, salt: str | None) -> bytes:
+    """The prefix-cache namespace of a request under ``namespace`` (adapter digest or base)
+    with cache salt ``salt``: ``namespace`` itself without one, else
+    ``blake2b("loraplex-salt" || len(namespace) || namespace || salt)`` (never equal to an
+    unsalted namespace: those are 32-byte digests or ``BASE_NAMESPACE``)."""
+    if salt is None:
+        return namespace
+    h = hashlib.blake2b(digest_size=32, person=b"loraplex-salt")
+    h.update(struct.pack("<I", len(namespace)))
+    h.update(namespace)
+    h.update(salt.encode("utf-8", "surrogatepass"))
+    return b"salt:" + h.digest()
 
 
 def hash_block(parent: bytes | None, namespace: bytes, tokens: Sequence[int]) -> bytes:

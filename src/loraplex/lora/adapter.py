@@ -12,21 +12,37 @@ tensor, never silently ignored; the rules themselves are :mod:`loraplex.lora.pef
 (shared with the registry). The identity of an adapter is :func:`compute_adapter_digest`: a
 sha256 over the config fields that change the math and the raw tensor bytes
 (:mod:`loraplex.lora.digest` computes the same value without torch).
+
+Bytes we serve are bytes we own: :func:`read_adapter` reads each file once into process memory,
+hashes those bytes and builds the tensors from them, so the digest describes exactly what is
+served and no later change to the files (an in-place write, a truncation) reaches a loaded
+adapter (safetensors' ``load_file`` would map the file and fault on a truncation).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from loraplex.lora.digest import DIGEST_VERSION, config_digest_line, tensor_header_line
+from loraplex.lora.digest import (
+    DIGEST_VERSION,
+    LEGACY_DIGEST_VERSION,
+    SAFETENSORS_DTYPES,
+    DigestError,
+    SafetensorsAdapter,
+    config_digest_line,
+    read_owned,
+    read_safetensors_adapter,
+    tensor_header_line,
+)
 from loraplex.lora.peft_format import (
     BIN_NAME,
     CONFIG_NAME,
@@ -46,6 +62,7 @@ __all__ = [
     "CONFIG_NAME",
     "PROJ_NAMES",
     "SAFETENSORS_NAME",
+    "AdapterRead",
     "BaseModelSpec",
     "LoRAAdapter",
     "LoRAModuleWeights",
@@ -53,6 +70,7 @@ __all__ = [
     "compute_adapter_digest",
     "load_peft_adapter",
     "projection_shapes",
+    "read_adapter",
     "read_adapter_files",
 ]
 
@@ -102,10 +120,57 @@ def _fail(path: str | Path, what: str) -> AdapterError:
     return AdapterError(f"adapter {path}: {what}")
 
 
-def read_adapter_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read ``adapter_config.json`` and the weights (safetensors preferred, else .bin) of ``path``.
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name.removeprefix("torch."))
+    for name, _ in SAFETENSORS_DTYPES.values()
+    if hasattr(torch, name.removeprefix("torch."))
+}
 
-    Only checks that the files exist and parse; :func:`load_peft_adapter` validates content.
+
+@dataclass(eq=False)
+class AdapterRead:
+    """One read of an adapter directory into memory this process owns.
+
+    ``tensors`` are built from exactly the bytes ``digest`` hashed (safetensors: views of one
+    owned buffer holding the file; ``.bin``: tensors unpickled from owned bytes), so nothing a
+    later write, rename or truncation of the files does can change them or fault on them.
+    ``weights_file`` is the file the weights came from (safetensors or ``.bin``).
+    """
+
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    digest: str
+    weights_file: str
+    _legacy: Callable[[], str]
+
+    def legacy_digest(self) -> str:
+        """What digest v1 gave these bytes (explains a mismatch with an old registration)."""
+        return self._legacy()
+
+
+def _tensors_of(st: SafetensorsAdapter) -> dict[str, torch.Tensor]:
+    """The tensors of an owned safetensors buffer: zero-copy views where the offset is aligned
+    for the dtype, else an aligned copy (both own memory; never a file mapping)."""
+    base = torch.frombuffer(st.data, dtype=torch.uint8)  # [file bytes], shares st.data
+    out: dict[str, torch.Tensor] = {}
+    for name, info in st.tensors.items():
+        dtype = _TORCH_DTYPES.get(info.dtype)
+        if dtype is None:
+            raise DigestError(f"tensor {name!r}: dtype {info.dtype} is not available in torch")
+        raw = base[info.start : info.end]  # [nbytes] uint8
+        if (base.data_ptr() + info.start) % dtype.itemsize or info.start == info.end:
+            raw = raw.clone()
+        out[name] = raw.view(dtype).reshape(info.shape)
+    return out
+
+
+def read_adapter(path: str | Path, *, allow_pickle: bool = True) -> AdapterRead:
+    """Read ``adapter_config.json`` and the weights (safetensors preferred, else ``.bin``) of
+    ``path`` once into owned memory, hash them and parse the tensors from those bytes.
+
+    ``allow_pickle=False`` refuses a directory whose weights would come from ``.bin`` (a
+    pickle): for adapters registered from safetensors. Only checks that the files exist and
+    parse (:class:`AdapterError` naming ``path``); :func:`build_adapter` validates content.
     """
     root = Path(path)
     if not root.is_dir():
@@ -113,45 +178,72 @@ def read_adapter_files(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
     cfg_path = root / CONFIG_NAME
     if not cfg_path.is_file():
         raise _fail(path, f"missing {CONFIG_NAME}")
+    st_path, bin_path = root / SAFETENSORS_NAME, root / BIN_NAME
+    if st_path.is_file():
+        try:
+            st = read_safetensors_adapter(root)
+            tensors = _tensors_of(st)
+        except DigestError as e:
+            raise _fail(path, f"cannot read the adapter (corrupt or truncated?): {e}") from e
+        return AdapterRead(st.config, tensors, st.digest, SAFETENSORS_NAME, st.legacy_digest)
+    if bin_path.is_file() and not allow_pickle:
+        raise _fail(
+            path,
+            f"has {BIN_NAME} (a pickle) but no {SAFETENSORS_NAME}; this adapter was registered "
+            f"from {SAFETENSORS_NAME}, and {BIN_NAME} is only read where it was allowed",
+        )
     try:
-        config = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        cfg_raw = cfg_path.read_bytes()
+    except OSError as e:
+        raise _fail(path, f"cannot read {CONFIG_NAME} ({e})") from e
+    try:
+        config = json.loads(cfg_raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _fail(path, f"{CONFIG_NAME} is not valid JSON ({e})") from e
     if not isinstance(config, dict):
         raise _fail(path, f"{CONFIG_NAME} must hold a JSON object, got {type(config).__name__}")
-
-    st_path, bin_path = root / SAFETENSORS_NAME, root / BIN_NAME
-    if st_path.is_file():
-        from safetensors.torch import load_file
-
-        try:
-            tensors = load_file(str(st_path), device="cpu")
-        except Exception as e:  # SafetensorError, OSError, ...: all mean "unusable file"
-            raise _fail(path, f"cannot read {SAFETENSORS_NAME} (corrupt or truncated?): {e}") from e
-    elif bin_path.is_file():
-        try:
-            tensors = torch.load(str(bin_path), map_location="cpu", weights_only=True)
-        except Exception as e:  # UnpicklingError, RuntimeError, EOFError, ...
-            raise _fail(path, f"cannot read {BIN_NAME} (corrupt or not a state dict?): {e}") from e
-        if not isinstance(tensors, dict):
-            raise _fail(path, f"{BIN_NAME} must hold a dict of tensors")
-    else:
+    if not bin_path.is_file():
         raise _fail(path, f"missing weights file ({SAFETENSORS_NAME} or {BIN_NAME})")
-    for name, t in tensors.items():
+    try:
+        raw = read_owned(bin_path)
+        loaded = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:  # OSError, UnpicklingError, RuntimeError, EOFError, ...
+        raise _fail(path, f"cannot read {BIN_NAME} (corrupt or not a state dict?): {e}") from e
+    if not isinstance(loaded, dict):
+        raise _fail(path, f"{BIN_NAME} must hold a dict of tensors")
+    for name, t in loaded.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise _fail(path, f"weights entry {name!r} is not a named tensor")
-    return config, dict(tensors)
+    tensors = dict(loaded)
+    return AdapterRead(
+        config,
+        tensors,
+        compute_adapter_digest(config, tensors),
+        BIN_NAME,
+        lambda: compute_adapter_digest(config, tensors, legacy=True),
+    )
 
 
-def compute_adapter_digest(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> str:
+def read_adapter_files(
+    path: str | Path, *, allow_pickle: bool = True
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config, tensors)`` of :func:`read_adapter` (owned memory, never a file mapping)."""
+    r = read_adapter(path, allow_pickle=allow_pickle)
+    return r.config, r.tensors
+
+
+def compute_adapter_digest(
+    config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, legacy: bool = False
+) -> str:
     """sha256 hex of an adapter's identity: math config + every tensor's name/dtype/shape/bytes.
 
-    Canonical form: ``DIGEST_VERSION``, canonical JSON of the math config fields (sorted keys),
-    then per tensor name in sorted order a JSON header line ``{name, dtype, shape, nbytes}`` and
-    the raw little-endian bytes. Independent of file format (.bin/.safetensors) and key order.
+    Canonical form: ``DIGEST_VERSION``, canonical JSON of the math config fields (sorted keys;
+    rank/alpha patterns in file order), then per tensor name in sorted order a JSON header line
+    ``{name, dtype, shape, nbytes}`` and the raw little-endian bytes. Independent of file format
+    (.bin/.safetensors) and tensor order. ``legacy``: digest v1 (pattern keys sorted).
     """
-    h = hashlib.sha256(DIGEST_VERSION)
-    h.update(config_digest_line(config))
+    h = hashlib.sha256(LEGACY_DIGEST_VERSION if legacy else DIGEST_VERSION)
+    h.update(config_digest_line(config, legacy=legacy))
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy()  # zero-copy byte view
@@ -174,16 +266,17 @@ def load_peft_adapter(
     ``name`` defaults to the directory name, ``revision`` to the first 12 hex digits of the
     digest. Every problem raises :class:`AdapterError` naming ``path`` and the field/tensor.
     """
-    config, tensors = read_adapter_files(path)
+    r = read_adapter(path)
     return build_adapter(
-        config,
-        tensors,
+        r.config,
+        r.tensors,
         spec,
         path=path,
         name=name,
         revision=revision,
         max_lora_rank=max_lora_rank,
         dtype=dtype,
+        digest=r.digest,
     )
 
 

@@ -3,7 +3,7 @@
 :func:`loraplex.lora.adapter.compute_adapter_digest` hashes ``(config, tensors)`` once they are
 loaded; :func:`digest_safetensors_dir` computes the same value straight from
 ``adapter_config.json`` + ``adapter_model.safetensors`` by parsing the safetensors header
-(8-byte little-endian length, then JSON) and streaming each tensor's bytes, so the registry and
+(8-byte little-endian length, then JSON) and hashing each tensor's bytes, so the registry and
 other torch-free tools name adapters exactly as the engine does::
 
     h = sha256(DIGEST_VERSION)
@@ -12,14 +12,30 @@ other torch-free tools name adapters exactly as the engine does::
         h.update(canonical_json({name, dtype: "torch.<dtype>", shape, nbytes}) + "\\n")
         h.update(raw little-endian bytes of the tensor)
 
-:func:`read_safetensors_header` is loraplex's one safetensors header parser: the model loader,
-the registry and the planning tools read every safetensors file through it.
+``_math_config`` keeps ``rank_pattern`` / ``alpha_pattern`` as ``[[pattern, value], ...]`` in
+file order, because the maths takes the first pattern (in file order) that matches a module
+(PEFT's ``get_pattern_key``): two configs whose patterns differ only in order may give a module
+different scales, so they must not share a digest. This is digest version 2; version 1 sorted
+the pattern keys. A v1 digest never equals a v2 digest of any files (the version line is hashed
+first), so a revision registered under v1 fails verification under v2 with a digest mismatch
+(never a silent pass) until it is registered again; ``legacy_digest`` computes the v1 value
+so that the error can say so.
+
+:func:`read_safetensors_adapter` is how adapter weights are read (by the engine, through
+:func:`loraplex.lora.adapter.read_adapter`, and by the registry): the file's bytes are read into
+memory the process owns, hashed there and parsed from there (never a memory map of a file that
+another process may rewrite or truncate).
+
+:func:`read_safetensors_header` / :func:`parse_safetensors_header` are loraplex's one
+safetensors header parser (a file, or bytes in memory): the model loader, the registry and the
+planning tools read every safetensors file through it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +44,9 @@ from typing import Any, BinaryIO
 
 from loraplex.lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
 
-DIGEST_VERSION = b"loraplex-adapter-digest-v1\n"
+DIGEST_VERSION = b"loraplex-adapter-digest-v2\n"
+LEGACY_DIGEST_VERSION = b"loraplex-adapter-digest-v1\n"
+"""The previous version (pattern keys sorted); only used to explain a mismatch."""
 
 # Config fields that change what the adapter computes, with PEFT's defaults (a missing field and
 # its default digest the same). Unsupported variants are listed too, so that if one is ever
@@ -85,7 +103,6 @@ FLOAT_DTYPES = frozenset(
 )
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
-_CHUNK = 1 << 20
 
 
 class DigestError(ValueError):
@@ -110,11 +127,14 @@ def _as_float(v: Any) -> Any:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
 
-def _math_config(config: Mapping[str, Any]) -> dict[str, Any]:
+def _math_config(config: Mapping[str, Any], *, ordered_patterns: bool = True) -> dict[str, Any]:
     """The digest-relevant subset of ``config``, normalised so equal math gives equal JSON.
 
     Missing/None/empty values take PEFT's default, alphas are floats, name lists are sorted
-    sets and an int ``layers_to_transform`` is the one-element list it means.
+    sets and an int ``layers_to_transform`` is the one-element list it means. With
+    ``ordered_patterns`` (digest v2) ``rank_pattern`` / ``alpha_pattern`` become lists of
+    ``[pattern, value]`` in file order (the first match wins); v1 left them as objects, whose
+    keys the canonical JSON sorts.
     """
     out: dict[str, Any] = {}
     for key, default in _DIGEST_FIELDS.items():
@@ -125,6 +145,10 @@ def _math_config(config: Mapping[str, Any]) -> dict[str, Any]:
     out["lora_alpha"] = _as_float(out["lora_alpha"])
     if isinstance(out["alpha_pattern"], dict):
         out["alpha_pattern"] = {k: _as_float(v) for k, v in out["alpha_pattern"].items()}
+    if ordered_patterns:
+        for key in ("rank_pattern", "alpha_pattern"):
+            if isinstance(out[key], dict):
+                out[key] = [[k, v] for k, v in out[key].items()]
     for key in ("target_modules", "exclude_modules", "modules_to_save"):
         if isinstance(out[key], list) and all(isinstance(x, str) for x in out[key]):
             out[key] = sorted(set(out[key]))
@@ -136,9 +160,11 @@ def _math_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_digest_line(config: Mapping[str, Any]) -> bytes:
-    """The config part of the digest: canonical JSON of the math config and a newline."""
-    return json.dumps(_math_config(config), sort_keys=True, separators=(",", ":")).encode() + b"\n"
+def config_digest_line(config: Mapping[str, Any], *, legacy: bool = False) -> bytes:
+    """The config part of the digest: canonical JSON of the math config and a newline
+    (``legacy``: as digest v1 spelled it, pattern keys sorted)."""
+    math = _math_config(config, ordered_patterns=not legacy)
+    return json.dumps(math, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
 
 def tensor_header_line(name: str, torch_dtype: str, shape: list[int], nbytes: int) -> bytes:
@@ -162,28 +188,24 @@ class TensorInfo:
         return self.end - self.start
 
 
-def read_safetensors_header(f: BinaryIO, path: str | Path = "") -> dict[str, TensorInfo]:
-    """Parse the header of an open safetensors file: tensor name -> :class:`TensorInfo`.
-
-    Checks what the data offsets promise (dtype known, size = prod(shape) * itemsize, inside
-    the file) so a truncated or forged file is an error, not a wrong digest.
-    """
-    f.seek(0, 2)
-    size = f.tell()
-    f.seek(0)
-    raw_len = f.read(8)
+def _header_length(raw_len: bytes, size: int, path: str | Path) -> int:
     if len(raw_len) != 8:
         raise DigestError(f"{path}: not a safetensors file (shorter than 8 bytes)")
     (n,) = struct.unpack("<Q", raw_len)
     if n > _MAX_HEADER_BYTES or 8 + n > size:
         raise DigestError(f"{path}: corrupt safetensors header length {n} (file has {size} bytes)")
+    return int(n)
+
+
+def _header_tensors(raw: bytes, base: int, size: int, path: str | Path) -> dict[str, TensorInfo]:
+    """The tensor table of a safetensors header whose JSON is ``raw``, its data starting at
+    ``base`` in a file of ``size`` bytes; every entry checked to fit (see the callers)."""
     try:
-        header = json.loads(f.read(n))
+        header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DigestError(f"{path}: safetensors header is not JSON ({e})") from e
     if not isinstance(header, dict):
         raise DigestError(f"{path}: safetensors header is not a JSON object")
-    base = 8 + n
     out: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -213,10 +235,107 @@ def read_safetensors_header(f: BinaryIO, path: str | Path = "") -> dict[str, Ten
     return out
 
 
+def read_safetensors_header(f: BinaryIO, path: str | Path = "") -> dict[str, TensorInfo]:
+    """Parse the header of an open safetensors file: tensor name -> :class:`TensorInfo`.
+
+    Checks what the data offsets promise (dtype known, size = prod(shape) * itemsize, inside
+    the file) so a truncated or forged file is an error, not a wrong digest.
+    """
+    f.seek(0, 2)
+    size = f.tell()
+    f.seek(0)
+    n = _header_length(f.read(8), size, path)
+    return _header_tensors(f.read(n), 8 + n, size, path)
+
+
+def parse_safetensors_header(
+    data: bytes | bytearray | memoryview, path: str | Path = ""
+) -> dict[str, TensorInfo]:
+    """:func:`read_safetensors_header` of a safetensors file held in memory (offsets index
+    ``data``), with the same checks."""
+    size = len(data)
+    n = _header_length(bytes(data[:8]), size, path)
+    return _header_tensors(bytes(data[8 : 8 + n]), 8 + n, size, path)
+
+
 def safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
     """:func:`read_safetensors_header` of the file at ``path`` (``OSError`` if unreadable)."""
     with open(path, "rb") as f:
         return read_safetensors_header(f, path)
+
+
+def read_owned(path: str | Path) -> bytearray:
+    """The bytes of the file at ``path`` as a buffer this process owns (one read; no memory
+    map). A file truncated while it is read yields the bytes that were there; whoever parses
+    them finds the tensors do not fit. ``OSError`` if it cannot be read."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        got = 0
+        with memoryview(buf) as view:
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+    if got < size:
+        del buf[got:]
+    return buf
+
+
+def _digest(
+    config: Mapping[str, Any],
+    data: bytes | bytearray | memoryview,
+    tensors: Mapping[str, TensorInfo],
+    *,
+    legacy: bool = False,
+) -> str:
+    h = hashlib.sha256(LEGACY_DIGEST_VERSION if legacy else DIGEST_VERSION)
+    h.update(config_digest_line(config, legacy=legacy))
+    with memoryview(data) as view:
+        for name in sorted(tensors):
+            t = tensors[name]
+            h.update(tensor_header_line(name, t.dtype, list(t.shape), t.nbytes))
+            h.update(view[t.start : t.end])
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class SafetensorsAdapter:
+    """An adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) read once
+    into memory this process owns: what is hashed is what gets parsed, and nothing another
+    process does to the files afterwards can change it."""
+
+    config: dict[str, Any]
+    config_bytes: bytes
+    data: bytearray  # the whole weights file
+    tensors: dict[str, TensorInfo]  # offsets index ``data``
+    digest: str  # the adapter digest of exactly these bytes
+
+    def legacy_digest(self) -> str:
+        """The digest v1 gave these bytes (to explain a mismatch with an old registration)."""
+        return _digest(self.config, self.data, self.tensors, legacy=True)
+
+
+def read_safetensors_adapter(path: str | Path) -> SafetensorsAdapter:
+    """Read an adapter directory's config and safetensors weights into owned memory, parse the
+    header from those bytes and hash them (one read, one pass). :class:`DigestError` naming
+    ``path`` when a file is missing, unreadable, or does not parse."""
+    root = Path(path)
+    cfg_path, st_path = root / CONFIG_NAME, root / SAFETENSORS_NAME
+    if not root.is_dir():
+        raise DigestError(f"{path}: directory not found")
+    if not cfg_path.is_file():
+        raise DigestError(f"{path}: missing {CONFIG_NAME}")
+    if not st_path.is_file():
+        raise DigestError(f"{path}: missing {SAFETENSORS_NAME}")
+    try:
+        cfg_bytes, config = read_json_object(cfg_path, f"{path}: {CONFIG_NAME}")
+        data = read_owned(st_path)
+    except OSError as e:
+        raise DigestError(f"{path}: cannot read the adapter files ({e.strerror or e})") from e
+    tensors = parse_safetensors_header(data, st_path)
+    return SafetensorsAdapter(config, cfg_bytes, data, tensors, _digest(config, data, tensors))
 
 
 @dataclass(frozen=True)
@@ -233,45 +352,20 @@ class AdapterFiles:
 
 
 def read_adapter_dir(path: str | Path) -> AdapterFiles:
-    """Hash an adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)
-    (the adapter digest and both file hashes; the weights file is read twice: tensors in
-    name order, then the whole file)."""
+    """Hash an adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``):
+    the adapter digest and both file hashes, all of the same bytes (each file is read once;
+    only safetensors is accepted)."""
     root = Path(path)
-    cfg_path, st_path = root / CONFIG_NAME, root / SAFETENSORS_NAME
-    if not root.is_dir():
-        raise DigestError(f"{path}: directory not found")
-    if not cfg_path.is_file():
-        raise DigestError(f"{path}: missing {CONFIG_NAME}")
-    if not st_path.is_file():
+    if root.is_dir() and not (root / SAFETENSORS_NAME).is_file():
         raise DigestError(f"{path}: missing {SAFETENSORS_NAME} (only safetensors is supported)")
-    cfg_bytes, config = read_json_object(cfg_path, f"{path}: {CONFIG_NAME}")
-
-    h = hashlib.sha256(DIGEST_VERSION)
-    h.update(config_digest_line(config))
-    with st_path.open("rb") as f:
-        tensors = read_safetensors_header(f, st_path)
-        for name in sorted(tensors):
-            t = tensors[name]
-            h.update(tensor_header_line(name, t.dtype, list(t.shape), t.nbytes))
-            f.seek(t.start)
-            left = t.nbytes
-            while left:
-                chunk = f.read(min(_CHUNK, left))
-                if not chunk:
-                    raise DigestError(f"{st_path}: truncated inside tensor {name!r}")
-                h.update(chunk)
-                left -= len(chunk)
-        f.seek(0)
-        file_hash = hashlib.sha256()
-        while chunk := f.read(_CHUNK):
-            file_hash.update(chunk)
+    a = read_safetensors_adapter(root)
     return AdapterFiles(
-        digest=h.hexdigest(),
-        weights_sha256=file_hash.hexdigest(),
-        config_sha256=hashlib.sha256(cfg_bytes).hexdigest(),
-        config=config,
-        tensors=tensors,
-        nbytes=sum(t.nbytes for t in tensors.values()),
+        digest=a.digest,
+        weights_sha256=hashlib.sha256(a.data).hexdigest(),
+        config_sha256=hashlib.sha256(a.config_bytes).hexdigest(),
+        config=a.config,
+        tensors=a.tensors,
+        nbytes=sum(t.nbytes for t in a.tensors.values()),
     )
 
 

@@ -5,7 +5,13 @@ Never imports torch (nor the engine, cache or server): the CLI and tools use it 
 """
 
 from loraplex.registry.db import ADAPTER_STATUSES, default_url, loraplex_home
-from loraplex.registry.errors import NotFoundError, RegistryError, TransitionError, ValidationError
+from loraplex.registry.errors import (
+    NotFoundError,
+    RegistryError,
+    RegistryUnavailableError,
+    TransitionError,
+    ValidationError,
+)
 from loraplex.registry.inspect import BaseModelInfo, base_model_info
 from loraplex.registry.lifecycle import TRANSITIONS
 from loraplex.registry.policy import RegistryPolicy
@@ -32,6 +38,7 @@ __all__ = [
     "Registry",
     "RegistryError",
     "RegistryPolicy",
+    "RegistryUnavailableError",
     "Release",
     "Tenant",
     "TransitionError",

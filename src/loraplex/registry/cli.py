@@ -27,7 +27,7 @@ from loraplex.cliargs import byte_size, fraction, positive_int
 from loraplex.config import WARM_POLICIES
 from loraplex.registry import signing
 from loraplex.registry.db import ADAPTER_STATUSES
-from loraplex.registry.errors import RegistryError
+from loraplex.registry.errors import RegistryError, RegistryUnavailableError
 from loraplex.registry.inspect import base_model_info
 from loraplex.registry.policy import RegistryPolicy
 from loraplex.registry.records import SCOPES, Manifest, Release
@@ -501,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except RegistryUnavailableError as e:
+        print(f"loraplex {command}: error: {e} ({e.detail})", file=sys.stderr)
+        return 2
     except (LoraplexError, ValueError, OSError) as e:
         print(f"loraplex {command}: error: {e}", file=sys.stderr)
         return 2

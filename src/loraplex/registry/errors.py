@@ -9,6 +9,17 @@ class RegistryError(LoraplexError, ValueError):
     """Base of every registry error (bad argument, name owned by another tenant, database)."""
 
 
+class RegistryUnavailableError(RegistryError):
+    """The registry database cannot be reached (down, refusing connections, unreadable file,
+    connection lost): transient, a server answers 503 + Retry-After. The message names neither
+    the driver's text nor a URL with a password; ``detail`` keeps the driver's first line for
+    the operator's logs and command-line errors."""
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
 class NotFoundError(RegistryError):
     """Unknown adapter, revision, tenant or key."""
 

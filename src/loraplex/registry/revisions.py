@@ -247,6 +247,13 @@ class Revisions:
                 )
             info = inspect_adapter(now_path, base, max_rank=self.policy.max_rank)
             got = (info.files.digest, info.files.weights_sha256, info.files.config_sha256)
+            if got[1:] == (m.weights_sha256, m.config_sha256) and got[0] != m.sha256:
+                # the same files under another digest: registered by an earlier digest version
+                raise ValidationError(
+                    "sha256_mismatch",
+                    f"{target}: the files are unchanged, but its digest {m.sha256[:12]} is of an "
+                    f"earlier digest version (now {info.files.digest[:12]}); register it again",
+                )
             if got != (m.sha256, m.weights_sha256, m.config_sha256):
                 raise ValidationError(
                     "sha256_mismatch",

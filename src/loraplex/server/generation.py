@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from fastapi import Request
 
 from loraplex.engine.client import EngineClient, PreparedRequest
 from loraplex.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from loraplex.registry import Principal
 from loraplex.requests import SamplingParams
 from loraplex.server.admission import Admission
 from loraplex.server.errors import APIError
@@ -45,6 +47,16 @@ class Delta:
     done: bool
 
 
+def prefix_cache_salt(principal: Principal, body_salt: str | None) -> str | None:
+    """The prefix-cache salt of a call: for a tenant's key its tenant plus the body's
+    ``cache_salt`` (so no tenant's cache hits reveal another's prompts), for operator traffic
+    (no tenant) the body's ``cache_salt`` alone (None: shared, as in vLLM). The two forms
+    never coincide."""
+    if principal.tenant is not None:
+        return "tenant:" + json.dumps([principal.tenant, body_salt])
+    return None if body_salt is None else "salt:" + body_salt
+
+
 async def prepare_all(
     client: EngineClient,
     admission: Admission,
@@ -53,13 +65,16 @@ async def prepare_all(
     lora: ServedAdapter | None,
     arrival: float,
     base_id: str,
+    *,
+    cache_salt: str | None = None,
 ) -> list[PreparedRequest]:
     """Prepare one engine request per prompt (ids ``{base_id}-{i}``) concurrently; if any
-    fails, the others are discarded and its error raised. They become ``admission.prepared``."""
+    fails, the others are discarded and its error raised. They become ``admission.prepared``.
+    ``cache_salt``: the engine's prefix-cache salt (:func:`prefix_cache_salt`)."""
     spec = lora.spec if lora is not None else None
     results = await asyncio.gather(
         *(
-            client.prepare(f"{base_id}-{i}", p, params, spec, arrival)
+            client.prepare(f"{base_id}-{i}", p, params, spec, arrival, cache_salt=cache_salt)
             for i, p in enumerate(prompts)
         ),
         return_exceptions=True,

@@ -23,7 +23,13 @@ from loraplex.requests import SamplingParams
 from loraplex.server.admission import Admission, UsageRecord, admit, owned
 from loraplex.server.auth import inference_principal
 from loraplex.server.catalog import registration_order
-from loraplex.server.generation import collect, deltas, prepare_all, unless_disconnected
+from loraplex.server.generation import (
+    collect,
+    deltas,
+    prefix_cache_salt,
+    prepare_all,
+    unless_disconnected,
+)
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 from loraplex.server.responses import (
     TokenText,
@@ -91,9 +97,10 @@ async def completions(
     prompts = body.prompts()
     admission = admit(state, len(prompts), principal)
     admission.usage = UsageRecord(body.model, principal, lora)
+    salt = prefix_cache_salt(principal, body.cache_salt)
     return await owned(
         admission,
-        _completions(state, body, request, admission, lora, params, prompts, arrival),
+        _completions(state, body, request, admission, lora, params, prompts, arrival, salt),
     )
 
 
@@ -106,9 +113,12 @@ async def _completions(
     params: SamplingParams,
     prompts: list[str | list[int]],
     arrival: float,
+    cache_salt: str | None,
 ) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
-    prepared = await prepare_all(state.client, admission, prompts, params, lora, arrival, rid)
+    prepared = await prepare_all(
+        state.client, admission, prompts, params, lora, arrival, rid, cache_salt=cache_salt
+    )
     text_of = TokenText(state.client)
     created = int(time.time())
     n = params.n
@@ -179,9 +189,10 @@ async def chat_completions(
     messages = body.template_messages()
     admission = admit(state, 1, principal)
     admission.usage = UsageRecord(body.model, principal, lora)
+    salt = prefix_cache_salt(principal, body.cache_salt)
     return await owned(
         admission,
-        _chat_completions(state, body, request, admission, lora, params, messages, arrival),
+        _chat_completions(state, body, request, admission, lora, params, messages, arrival, salt),
     )
 
 
@@ -194,10 +205,13 @@ async def _chat_completions(
     params: SamplingParams,
     messages: list[dict[str, Any]],
     arrival: float,
+    cache_salt: str | None,
 ) -> Response:
     ids = await state.client.chat_template(messages, body.add_generation_prompt)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    prepared = await prepare_all(state.client, admission, [ids], params, lora, arrival, rid)
+    prepared = await prepare_all(
+        state.client, admission, [ids], params, lora, arrival, rid, cache_salt=cache_salt
+    )
     text_of = TokenText(state.client)
     created = int(time.time())
     headers = adapter_header(prepared, lora)

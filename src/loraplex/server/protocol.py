@@ -17,6 +17,7 @@ from loraplex.requests import SamplingParams
 from loraplex.types import InvalidRequestError
 
 MAX_N = 64  # completions per request; more is almost surely a mistake and costs KV cache
+MAX_CACHE_SALT = 1024  # characters of cache_salt (vLLM suggests ~43: 256 random bits, base64)
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow.
 MIN_TEMPERATURE = 1e-5
 # top_p below this keeps the same nucleus (the most likely token, whose mass is >= 1/vocab) but
@@ -65,6 +66,8 @@ class _SamplingBody(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's prefix-cache salt: KV is shared only between requests with the same salt
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
 
     def _check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -60,8 +60,8 @@ def instrument(mgr: Any, events: LoadEvents) -> None:
     mgr.load_observers.append(events.observe)
     disk_load, fetch = mgr.disk.load_verified, mgr.store.fetch
 
-    def load_verified(digest: str, name: str) -> Any:
-        res = disk_load(digest, name)
+    def load_verified(digest: str, name: str, **kw: Any) -> Any:
+        res = disk_load(digest, name, **kw)
         events.load(name, "L2")
         return res
 
