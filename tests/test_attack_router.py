@@ -210,8 +210,9 @@ def test_authorization_is_forwarded_on_every_route_and_never_logged(
 class RawReplica:
     """A raw-socket HTTP/1.1 server that answers the router's polls like a loraplex replica
     (healthy, nothing resident, base model ``base``) and, for every POST, does ``mode``:
-    ``drop`` reads the whole request and closes without answering; ``reset`` reads only the
-    head and resets the connection (its body unread); ``answer`` answers 200."""
+    ``drop`` reads the whole request and closes without answering; ``reset`` reads the head
+    and the first MiB of the body (so the sender is mid-write) and resets the connection, the
+    rest unread; ``answer`` answers 200."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -219,7 +220,12 @@ class RawReplica:
         self.posts = 0  # POSTs received whole (a handler could have run them)
         self.authorization: list[str | None] = []
         self._lock = threading.Lock()
-        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock = socket.socket()
+        # a small fixed receive buffer (no autotuning, which may grow it to tcp_rmem's max of
+        # tens of MiB): a body this server does not read cannot all fit into buffers
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen()
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._conns: list[socket.socket] = []
         threading.Thread(target=self._accept, name="raw-replica", daemon=True).start()
@@ -260,6 +266,11 @@ class RawReplica:
                         self.heads += 1
                         self.authorization.append(headers.get("authorization"))
                     if self.mode == "reset":  # close with the body unread: a reset
+                        while len(buf) < 1 << 20:
+                            data = conn.recv(1 << 16)
+                            if not data:
+                                return
+                            buf += data
                         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                         struct.pack("ii", 1, 0))  # fmt: skip
                         conn.close()
@@ -337,9 +348,10 @@ def test_a_dropped_request_is_not_sent_again(
 def test_a_request_reset_before_its_body_was_sent_is_retried(
     raw_replicas: list[RawReplica],
 ) -> None:
-    """The first replica resets the connection after the request's head, its body unread
-    (32 MiB: more than the socket buffers hold, so the write fails): no handler can have run
-    it, so it goes to the other replica, once."""
+    """The first replica resets the connection while the router is still writing the body
+    (32 MiB: far more than the 1 MiB it reads, its 64 KiB receive buffer and the router's send
+    buffer hold, so the write fails): no handler can have run it, so it goes to the other
+    replica, once."""
     raw_replicas += [RawReplica("reset"), RawReplica("answer")]
     reset, answer = raw_replicas
     model = next(n for n in (f"m{i}" for i in range(100))

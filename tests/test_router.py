@@ -20,7 +20,7 @@ import pytest
 
 from loraplex.router.app import RouterConfig, create_router_app
 from loraplex.router.replicas import Replica, parse_base_models, parse_metrics, parse_residency
-from loraplex.router.scoring import Thresholds
+from loraplex.router.scoring import Thresholds, Weights
 from loraplex.testing.server import free_port, serve_in_thread
 from loraplex.testing.sync import wait_healthy, wait_until
 
@@ -94,6 +94,10 @@ def router(replicas: list[Proc]) -> Iterator[str]:
         readmit_after=2,
         read_timeout_s=30,
         thresholds=Thresholds(max_waiting=4),
+        # no load for device evictions per second: a poll landing right after an adapter's
+        # load would otherwise move the next request off its warm replica, by timing alone
+        # (that term is tested in test_router_scoring)
+        weights=Weights(evictions=0.0),
         status_api_key=STATUS,
     )
     with serve_in_thread(create_router_app(config)) as url:

@@ -316,7 +316,10 @@ class Router:
                 done = True
                 rep.note_done(pending)
 
-        sent = False  # every byte of the request written to the connection
+        # every byte of the request handed to the connection. Errs only towards True (asyncio
+        # silently drops a write to a connection it has just lost): then a failure counts as
+        # one the replica may have processed, a 502 and never a second generation
+        sent = False
 
         async def body() -> AsyncIterator[bytes]:
             nonlocal sent
