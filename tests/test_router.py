@@ -353,8 +353,8 @@ def test_loraplex_residency_and_eviction_rate() -> None:
     text = '# TYPE adapter_evictions_total counter\nadapter_evictions_total{tier="device"} 4.0\n'
     r.apply_poll(10.0, tiers, max_loras, parse_metrics(text), max_cpu)
     assert list(r.device_lru) == ["b", "a"]  # least recently used first
-    pending = r.note_dispatch("d")  # sent there: in flight, and counted as queued there
-    assert (r.in_flight, pending, r.view().tier_of("d"), r.tiers["d"]) == (1, "d", "host", "disk")
+    pending = r.note_dispatch("d")  # sent there: in flight, and counted as served there
+    assert (r.in_flight, pending, r.view().tier_of("d"), r.tiers["d"]) == (1, "d", "device", "disk")
     r.note_done(pending)  # refused, say: the hint ends with the request and moved nothing
     assert (r.in_flight, r.pending, r.view().tier_of("d")) == (0, {}, "disk")
     assert list(r.device_lru) == ["b", "a"]

@@ -10,9 +10,9 @@ only: a 2xx response carrying ``x-loraplex-adapter-state`` puts its adapter on t
 device (evicting the least recently used one beyond ``max_loras``), as the replica itself did.
 What a client asks for never enters the view: a name no replica has answered for (a bogus one,
 or one refused with 401/404) cannot push a real adapter out of it. The one hint taken from
-requests in flight is that an adapter the replica itself reported (any tier) with a request
-outstanding there counts as queued there (host tier) in routing decisions; it evicts nothing
-and ends with the request.
+requests in flight: an adapter the replica itself reported (any tier) with a request
+outstanding there counts as on its device in routing decisions (it is being served there), so
+a burst for a cold adapter stays together; the hint evicts nothing and ends with the request.
 
 A replica that refuses a connection is ejected at once (no requests); one whose health checks
 fail or time out ``eject_after`` times in a row too; either is re-admitted after
@@ -177,11 +177,10 @@ class Replica:
 
     def view(self) -> ReplicaView:
         """The snapshot a decision uses: the residency view, plus the adapters with requests
-        outstanding here counted as queued here (host) where the view has them lower."""
+        outstanding here counted as on the device (they are being served here)."""
         tiers = dict(self.tiers)
         for a in self.pending:
-            if _TIER_RANK[tiers.get(a, "absent")] > _TIER_RANK["host"]:
-                tiers[a] = "host"
+            tiers[a] = "device"
         return ReplicaView(
             url=self.url,
             healthy=self.healthy,
@@ -216,7 +215,8 @@ class Replica:
     def note_dispatch(self, adapter: str | None) -> str | None:
         """A request naming ``adapter`` is sent here: one more in flight. Returns the pending
         key to give back to :meth:`note_done`: the adapter if this replica has reported it
-        (so it counts as queued here meanwhile), else None (a name no replica vouched for)."""
+        (so it counts as on the device here meanwhile), else None (a name no replica vouched
+        for)."""
         self.in_flight += 1
         if adapter is None or adapter not in self.tiers:
             return None
