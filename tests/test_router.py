@@ -20,11 +20,20 @@ import pytest
 
 from loraplex.router.app import RouterConfig, create_router_app
 from loraplex.router.replicas import Replica, parse_base_models, parse_metrics, parse_residency
-from loraplex.router.scoring import Thresholds
+from loraplex.router.scoring import Thresholds, Weights
 from loraplex.testing.server import free_port, serve_in_thread
 from loraplex.testing.sync import wait_healthy, wait_until
 
 ADAPTERS = ("all_r8", "mlp_r16", "attn_r4_rslora", "qv_r32_regex")
+STATUS = "sk-router-status"  # the router's --status-api-key
+STATUS_AUTH = {"Authorization": f"Bearer {STATUS}"}
+
+
+def replica_view(router: str) -> list[dict[str, object]]:
+    """``GET /v1/replicas`` with the status key."""
+    r = httpx.get(f"{router}/v1/replicas", headers=STATUS_AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()["data"]  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -85,12 +94,15 @@ def router(replicas: list[Proc]) -> Iterator[str]:
         readmit_after=2,
         read_timeout_s=30,
         thresholds=Thresholds(max_waiting=4),
+        # no load for device evictions per second: a poll landing right after an adapter's
+        # load would otherwise move the next request off its warm replica, by timing alone
+        # (that term is tested in test_router_scoring)
+        weights=Weights(evictions=0.0),
+        status_api_key=STATUS,
     )
     with serve_in_thread(create_router_app(config)) as url:
         wait_until(
-            lambda: all(
-                r["kind"] == "loraplex" for r in httpx.get(f"{url}/v1/replicas").json()["data"]
-            ),
+            lambda: all(r["kind"] == "loraplex" for r in replica_view(url)),
             interval=0.05,
             what="the router's first poll of its replicas",
         )
@@ -141,7 +153,7 @@ def test_an_adapter_stays_where_it_is_warm(router: str) -> None:
             r = c.post(f"{router}/v1/completions", json=_completion("mlp_r16"))
             assert r.headers["x-loraplex-replica"] == home
             assert r.headers["x-loraplex-adapter-state"] == "warm"
-        view = {v["url"]: v for v in c.get(f"{router}/v1/replicas").json()["data"]}
+        view = {v["url"]: v for v in replica_view(router)}
         assert view[home]["tiers"]["mlp_r16"] == "device"
         assert all(v["base_models"] == ["tiny"] for v in view.values())
         metrics = c.get(f"{router}/metrics").text
@@ -184,7 +196,7 @@ def test_errors_pass_through_and_bad_json_is_400(router: str, replicas: list[Pro
 # --------------------------------------------------------------------------------- failures
 def _wait_health(router: str, url: str, healthy: bool) -> None:
     def seen() -> bool:
-        view = {v["url"]: v for v in httpx.get(f"{router}/v1/replicas").json()["data"]}
+        view = {v["url"]: v for v in replica_view(router)}
         return view[url]["healthy"] is healthy
 
     wait_until(seen, interval=0.05, what=f"the router to see {url} healthy={healthy}")
@@ -232,7 +244,7 @@ def test_failover_loses_and_duplicates_nothing(router: str, replicas: list[Proc]
         survivors = sum(after[u] - before[u] for u in after)
         assert served_by_victim == 2  # the routed request and our direct one
         assert survivors == n  # each request served exactly once
-        view = {v["url"]: v for v in c.get(f"{router}/v1/replicas").json()["data"]}
+        view = {v["url"]: v for v in replica_view(router)}
         assert view[victim.url]["healthy"] is False
         m = c.get(f"{router}/metrics").text
         assert f'loraplex_router_replica_healthy{{replica="{victim.url}"}} 0.0' in m
@@ -341,16 +353,24 @@ def test_loraplex_residency_and_eviction_rate() -> None:
     text = '# TYPE adapter_evictions_total counter\nadapter_evictions_total{tier="device"} 4.0\n'
     r.apply_poll(10.0, tiers, max_loras, parse_metrics(text), max_cpu)
     assert list(r.device_lru) == ["b", "a"]  # least recently used first
-    r.note_dispatch("c", 10.5)  # c goes to the device, b (LRU) drops to host
-    assert r.tiers["c"] == "device" and r.tiers["b"] == "host" and r.in_flight == 1
-    r.note_dispatch("d", 10.6)
-    r.note_dispatch("e", 10.7)  # 5 in memory > max_cpu_loras 4: b (LRU of host) leaves memory
+    pending = r.note_dispatch("d")  # sent there: in flight, and counted as served there
+    assert (r.in_flight, pending, r.view().tier_of("d"), r.tiers["d"]) == (1, "d", "device", "disk")
+    r.note_done(pending)  # refused, say: the hint ends with the request and moved nothing
+    assert (r.in_flight, r.pending, r.view().tier_of("d")) == (0, {}, "disk")
+    assert list(r.device_lru) == ["b", "a"]
+    r.note_served("c", 10.5)  # answered: c is on the device, b (LRU) drops to host
+    assert r.tiers["c"] == "device" and r.tiers["b"] == "host"
+    r.note_served("d", 10.6)
+    r.note_served("e", 10.7)  # 5 in memory > max_cpu_loras 4: b (LRU of host) leaves memory
     assert list(r.device_lru) == ["d", "e"] and list(r.host_lru) == ["a", "c"]
     assert r.tiers["b"] == "absent" and r.tiers["a"] == "host"
+    assert r.note_dispatch("no-such-name") is None  # a name no replica reported: no hint
+    assert "no-such-name" not in r.view().tiers and r.in_flight == 1
+    r.note_done(None)
     r.apply_poll(12.0, tiers, max_loras, parse_metrics(text.replace("4.0", "10.0")))
     assert r.evictions_per_s == pytest.approx(3.0)  # 6 evictions in 2 s
-    r.note_dispatch("d", 12.5)
-    r.apply_poll(12.2, tiers, max_loras, None)  # a poll begun before the dispatch keeps it
+    r.note_served("d", 12.5)
+    r.apply_poll(12.2, tiers, max_loras, None)  # a poll begun before the answer keeps it
     assert r.tiers["d"] == "device"
     with pytest.raises(ValueError):
         parse_residency({"data": "nope"})
@@ -402,6 +422,12 @@ def test_route_config_file_and_precedence(tmp_path: Path) -> None:
     assert c.replicas == ["http://a:8000", "http://b:8001"]
     assert c.policy == "residency" and c.poll_interval_s == 0.5  # flag wins, file fills in
     assert c.thresholds.max_waiting == 9 and c.replica_api_key == "sk-x"
+    # the status route is off and bodies are capped unless said otherwise
+    assert (c.status_api_key, c.max_request_bytes, c.keepalive_expiry_s) == (None, 16 << 20, 2.0)
+    s = parse_route_args(["--config", str(cfg), "--max-request-bytes", "1MiB"],
+                         environ={"LORAPLEX_ROUTER_STATUS_API_KEY": "sk-status"})  # fmt: skip
+    assert s.status_api_key == "sk-status" and s.replica_api_key is None
+    assert s.max_request_bytes == 1 << 20
     assert (c.weights.device, c.weights.waiting, c.weights.disk) == (2.0, 0.3, 0.1)
     toml = tmp_path / "router.toml"
     toml.write_text('replicas = ["http://a:1"]\nmax_retries = "many"\n')

@@ -163,6 +163,7 @@ ROUTE_SAMPLES = {
     "policy": "least-loaded",
     "weights": "device=2",
     "replica_api_key": "k",
+    "status_api_key": "s",
     "host": "0.0.0.0",
     "log_level": "debug",
 }

@@ -2,24 +2,33 @@
 
 ``create_router_app(config)`` builds it. Per request::
 
+    body = the request body (413 beyond max_request_bytes, counted while reading)
     adapter = body["model"]
     for attempt in 1 .. 1 + max_retries:
         replica = choose(views of the replicas, adapter, policy)   (loraplex.router.scoring)
-        send; on a refused connection, a dropped connection before the response or a 503:
-            eject/skip that replica, count a retry, try the next one
+        send (the client's headers, Authorization included, minus hop-by-hop ones)
+        retry on the next replica only if no handler there can have run the request:
+            connection refused (eject), connect or pool timeout, the request not fully
+            written, or a 503 answer
+        the whole request written and then no answer (dropped, reset): 502 replica_failed,
+            never sent again (the replica may have begun generating); silence: 504
         otherwise: pass the response through (status, body, headers; SSE streamed event by
             event); a replica that dies mid-stream ends the stream with an OpenAI error event
             and ``[DONE]``, never a hang
+        a 2xx answer with ``x-loraplex-adapter-state``: the adapter is on that replica's device
+            in the router's view (the only update between polls; never what a client asked)
 
-Also ``/v1/models`` (union over the replicas), ``/v1/replicas`` (the router's view),
-``/health`` (200 while one replica is healthy) and ``/metrics`` (decisions by reason,
-per-replica latency, retries). Never imports torch.
+Also ``/v1/models`` (union over the replicas, with the client's Authorization),
+``/v1/replicas`` (the router's view, every adapter name: only with ``--status-api-key``, off
+without one), ``/health`` (200 while one replica is healthy) and ``/metrics`` (decisions by
+reason, per-replica latency, retries; no adapter names). Never imports torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -140,7 +149,8 @@ class _ProxyStream(StreamingResponse):
 
 
 class _Retry(Exception):
-    """This attempt failed before any byte reached the client; try another replica."""
+    """This attempt failed before any replica's handler can have run the request (and before
+    any byte reached the client); try another replica."""
 
     def __init__(self, cause: str, message: str, body_503: bytes | None = None) -> None:
         super().__init__(message)
@@ -204,14 +214,65 @@ class Router:
         )
 
     def _observe_headers(self, rep: Replica, adapter: str | None, resp: httpx.Response) -> None:
+        """A replica's answer: a success with its adapter state is the replica vouching that it
+        served ``adapter`` (the name clients route by) from a device slot; nothing else
+        (errors, answers without the header) changes the view."""
         state = resp.headers.get("x-loraplex-adapter-state")
-        if state in ("warm", "cold"):
-            self.metrics.arrivals.labels(state=state).inc()
-        if state is not None and adapter is not None:  # keyed by the name clients route by
-            rep.note_on_device(adapter)  # served from a device slot there, whatever it was
+        if state not in ("warm", "cold"):
+            return
+        self.metrics.arrivals.labels(state=state).inc()
+        if adapter is not None and 200 <= resp.status_code < 300:
+            rep.note_served(adapter, time.monotonic())
+
+    def check_status_key(self, request: Request) -> Response | None:
+        """None if the caller holds the status key; else the error to answer (404 while no
+        status key is configured: the route is off; 401 for a missing or wrong key)."""
+        key = self.config.status_api_key
+        if key is None:
+            return _error(
+                404,
+                "the router's status route is disabled; start the router with "
+                "--status-api-key (or LORAPLEX_ROUTER_STATUS_API_KEY)",
+                "not_found_error",
+                code="status_api_disabled",
+            )
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
+            return None
+        return _error(
+            401,
+            "missing status API key" if not given.strip() else "invalid status API key",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    async def _read_body(self, request: Request) -> bytes | None:
+        """The request body, or None once it exceeds ``max_request_bytes`` (counted while
+        reading, so an oversized body is never held whole)."""
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def forward(self, request: Request, path: str) -> Response:
-        raw = await request.body()
+        raw = await self._read_body(request)
+        if raw is None:
+            self.metrics.requests.labels(status="413").inc()
+            return _error(
+                413,
+                f"the request body is larger than {self.config.max_request_bytes} bytes",
+                "invalid_request_error",
+                code="request_too_large",
+            )
         try:
             body = json.loads(raw) if raw else None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -246,36 +307,59 @@ class Router:
     ) -> Response:
         assert self.client is not None
         t0 = time.monotonic()
-        rep.note_dispatch(adapter, t0)
+        pending = rep.note_dispatch(adapter)
         done = False
 
         def finish() -> None:
             nonlocal done
             if not done:
                 done = True
-                rep.in_flight -= 1
+                rep.note_done(pending)
+
+        # every byte of the request handed to the connection. Errs only towards True (asyncio
+        # silently drops a write to a connection it has just lost): then a failure counts as
+        # one the replica may have processed, a 502 and never a second generation
+        sent = False
+
+        async def body() -> AsyncIterator[bytes]:
+            nonlocal sent
+            if raw:
+                yield raw
+            sent = True  # resumed only after the write of the last chunk returned
 
         try:
             req = self.client.build_request(
-                "POST", f"{rep.url}{path}", content=raw, headers=headers
-            )
+                "POST", f"{rep.url}{path}", content=body(),
+                headers={**headers, "content-length": str(len(raw))},
+            )  # fmt: skip
             try:
                 resp = await self.client.send(req, stream=True)
             except httpx.ConnectError as e:  # refused: the replica is down
                 self.replicas.mark_failed(rep, f"connect: {e}")
                 raise _Retry("connect", f"{rep.url}: cannot connect ({e})") from e
-            except (httpx.ConnectTimeout, httpx.PoolTimeout) as e:  # nothing was sent
+            except httpx.ConnectTimeout as e:  # nothing was sent
                 raise _Retry("connect_timeout", f"{rep.url}: connect timed out ({e})") from e
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
-                # closed before answering: the replica died (its next connection is refused and
-                # the health checks eject it) or closed an idle keep-alive connection just as
-                # the request went out; either way it produced nothing, so try elsewhere
-                raise _Retry("dropped", f"{rep.url}: connection dropped ({e!r})") from e
-            except httpx.TimeoutException as e:  # it has the request and said nothing
+            except httpx.PoolTimeout as e:  # no connection: nothing was sent
+                raise _Retry("pool_timeout", f"{rep.url}: no free connection ({e})") from e
+            except httpx.HTTPError as e:
+                if not sent:  # cut before the request was whole: no handler can have run it
+                    raise _Retry("write", f"{rep.url}: request not sent ({e!r})") from e
                 finish()
-                self.metrics.requests.labels(status="504").inc()
-                return _error(504, f"replica {rep.url} timed out: {e!r}", "server_error",
-                              code="replica_timeout")  # fmt: skip
+                if isinstance(e, httpx.TimeoutException):  # it has the request, said nothing
+                    self.metrics.requests.labels(status="504").inc()
+                    return _error(504, f"replica {rep.url} timed out: {e!r}", "server_error",
+                                  code="replica_timeout")  # fmt: skip
+                # it had the whole request and hung up without a word: it may have begun
+                # generating, so sending it elsewhere could generate twice
+                self.replicas.mark_failed(rep, f"dropped a request: {e!r}")
+                self.metrics.requests.labels(status="502").inc()
+                return _error(
+                    502,
+                    f"replica {rep.url} closed the connection without answering "
+                    f"({type(e).__name__}); not retried, as it may have processed the request",
+                    "server_error",
+                    code="replica_failed",
+                )
             self.metrics.latency.labels(replica=rep.url, stage="first_byte").observe(
                 time.monotonic() - t0
             )
@@ -381,9 +465,13 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
-        # idle connections expire before uvicorn's 5 s keep-alive closes them under us
+        # an idle connection is never reused once near the replicas' keep-alive (uvicorn: 5 s)
+        # so a replica cannot close it under a request: such a drop is not retried (it looks
+        # like a replica that took the request and died), so it must not happen by accident
         limits = httpx.Limits(
-            max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+            max_connections=None,
+            max_keepalive_connections=64,
+            keepalive_expiry=config.keepalive_expiry_s,
         )
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             router.client = client
@@ -422,8 +510,13 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         return await router.models(request)
 
     @app.get("/v1/replicas")
-    async def replicas() -> dict[str, Any]:
-        return {"object": "list", "policy": config.policy, "data": router.replicas.status()}
+    async def replicas(request: Request) -> Response:
+        denied = router.check_status_key(request)
+        if denied is not None:
+            return denied
+        return JSONResponse(
+            {"object": "list", "policy": config.policy, "data": router.replicas.status()}
+        )
 
     @app.get("/health")
     async def health() -> Response:

@@ -4,8 +4,8 @@ Every flag, config key, bound and default is declared once, on the ``RouterConfi
 ``Thresholds`` / ``Weights`` field it sets (see :mod:`loraplex.settings`; ``serve`` reads its
 config file with the same loader). Precedence per setting: command-line flag > ``--config``
 file (YAML or TOML, the flag names with dashes or underscores, ``replicas`` as a list and
-``weights`` as a mapping) > environment (the replica API key only) > built-in default. Every
-problem prints ``loraplex route: error: ...`` and exits 2.
+``weights`` as a mapping) > environment (the replica and status API keys only) > built-in
+default. Every problem prints ``loraplex route: error: ...`` and exits 2.
 """
 
 from __future__ import annotations

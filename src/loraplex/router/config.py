@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loraplex.config import LOG_LEVELS, parse_log_level
+from loraplex.config import LOG_LEVELS, parse_byte_size, parse_log_level
 from loraplex.router.replicas import normalize_url
 from loraplex.router.scoring import POLICIES, Thresholds, Weights
 from loraplex.settings import check_fields, setting
 
 _HEALTH = "health and retries"  # an argparse group of `loraplex route --help`
+ENV_STATUS_API_KEY = "LORAPLEX_ROUTER_STATUS_API_KEY"
 
 
 @dataclass
@@ -119,7 +120,19 @@ class RouterConfig:
             ge=0,
             metavar="N",
             group=_HEALTH,
-            help="other replicas tried when one fails before the first byte (default: {default})",
+            help="other replicas tried when one cannot have begun the request: refused or "
+            "timed-out connection, request not fully sent, 503 (default: {default})",
+        ),
+    )
+    keepalive_expiry_s: float = field(  # below the replicas' keep-alive: no close-under-us race
+        default=2.0,
+        metadata=setting(
+            "--keepalive-expiry",
+            gt=0,
+            metavar="SECONDS",
+            group=_HEALTH,
+            help="idle connections to replicas are not reused after this; keep it below the "
+            "replicas' keep-alive timeout (uvicorn's: 5 s) (default: {default})",
         ),
     )
     connect_timeout_s: float = field(
@@ -161,6 +174,29 @@ class RouterConfig:
             group="replicas",
             help="API key for the router's own polls of /v1/adapters (default: {env}); "
             "clients' Authorization headers are passed through",
+        ),
+    )
+    status_api_key: str | None = field(  # /v1/replicas shows every adapter name
+        default=None,
+        metadata=setting(
+            "--status-api-key",
+            env=(ENV_STATUS_API_KEY,),
+            metavar="KEY",
+            group="server",
+            help="key for GET /v1/replicas, the router's view with every adapter name "
+            "(default: {env}; none: that route is off)",
+        ),
+    )
+    max_request_bytes: int = field(
+        default=16 << 20,
+        metadata=setting(
+            "--max-request-bytes",
+            parse=parse_byte_size,
+            ge=1,
+            metavar="BYTES",
+            group="server",
+            help="largest request body, counted while reading (413 beyond it), e.g. 16MiB "
+            "(default: 16MiB)",
         ),
     )
     host: str = field(

@@ -5,9 +5,14 @@ Replicas come from a static URL list, a file of URLs (re-read when it changes) a
 ``/v1/adapters`` (loraplex's residency: every adapter and its tier) and ``/metrics`` (queue,
 running, KV usage, device evictions, and the Gateway API Inference Extension's
 ``vllm:lora_requests_info``), so vLLM replicas, which have no ``/v1/adapters``, are routed by
-their metrics alone. Between polls the view is updated from every dispatch and response: a
-request sent to a replica puts its adapter on that replica's device (evicting the least
-recently used one beyond ``max_loras``), as the replica itself will.
+their metrics alone. Between polls the view is updated from the replicas' successful answers
+only: a 2xx response carrying ``x-loraplex-adapter-state`` puts its adapter on that replica's
+device (evicting the least recently used one beyond ``max_loras``), as the replica itself did.
+What a client asks for never enters the view: a name no replica has answered for (a bogus one,
+or one refused with 401/404) cannot push a real adapter out of it. The one hint taken from
+requests in flight: an adapter the replica itself reported (any tier) with a request
+outstanding there counts as on its device in routing decisions (it is being served there), so
+a burst for a cold adapter stays together; the hint evicts nothing and ends with the request.
 
 A replica that refuses a connection is ejected at once (no requests); one whose health checks
 fail or time out ``eject_after`` times in a row too; either is re-admitted after
@@ -167,13 +172,19 @@ class Replica:
     last_poll: float = 0.0
     last_error: str | None = None
     _evictions: tuple[float, float] | None = None  # (monotonic time, counter) at last poll
-    _dispatched: dict[str, float] = field(default_factory=dict)  # adapter -> monotonic time
+    _served: dict[str, float] = field(default_factory=dict)  # adapter -> when it was answered
+    pending: dict[str, int] = field(default_factory=dict)  # reported adapter -> requests here
 
     def view(self) -> ReplicaView:
+        """The snapshot a decision uses: the residency view, plus the adapters with requests
+        outstanding here counted as on the device (they are being served here)."""
+        tiers = dict(self.tiers)
+        for a in self.pending:
+            tiers[a] = "device"
         return ReplicaView(
             url=self.url,
             healthy=self.healthy,
-            tiers=dict(self.tiers),
+            tiers=tiers,
             waiting=self.waiting,
             running=self.running,
             kv_usage=self.kv_usage,
@@ -183,7 +194,7 @@ class Replica:
 
     # -- updates between polls ------------------------------------------------------------------
     def note_on_device(self, adapter: str) -> None:
-        """``adapter`` is (or is about to be) in a device slot here: most recently used; the
+        """``adapter`` was served from a device slot here: most recently used; the
         least recently used device adapter beyond ``max_loras`` drops to host memory, and the
         least recently used host adapter beyond ``max_cpu_loras`` out of memory, as the
         replica's LRU-like cache would do (the next poll corrects any guess)."""
@@ -201,11 +212,32 @@ class Replica:
                 old, _ = self.host_lru.popitem(last=False)
                 self.tiers[old] = self.base_tiers.get(old, "absent")
 
-    def note_dispatch(self, adapter: str | None, now: float) -> None:
+    def note_dispatch(self, adapter: str | None) -> str | None:
+        """A request naming ``adapter`` is sent here: one more in flight. Returns the pending
+        key to give back to :meth:`note_done`: the adapter if this replica has reported it
+        (so it counts as on the device here meanwhile), else None (a name no replica vouched
+        for)."""
         self.in_flight += 1
-        if adapter is not None:
-            self._dispatched[adapter] = now
-            self.note_on_device(adapter)
+        if adapter is None or adapter not in self.tiers:
+            return None
+        self.pending[adapter] = self.pending.get(adapter, 0) + 1
+        return adapter
+
+    def note_done(self, pending: str | None) -> None:
+        """The request :meth:`note_dispatch` counted is over (answered, failed or retried)."""
+        self.in_flight -= 1
+        if pending is not None:
+            left = self.pending.get(pending, 0) - 1
+            if left > 0:
+                self.pending[pending] = left
+            else:
+                self.pending.pop(pending, None)
+
+    def note_served(self, adapter: str, now: float) -> None:
+        """The replica answered a request for ``adapter`` with success (2xx and its adapter
+        state): the adapter is on its device now. The only update between polls."""
+        self._served[adapter] = now
+        self.note_on_device(adapter)
 
     # -- polls ----------------------------------------------------------------------------------
     def apply_poll(
@@ -216,7 +248,7 @@ class Replica:
         m: MetricsSnapshot | None,
         max_cpu_loras: int | None = None,
     ) -> None:
-        """Replace the view with what a poll begun at ``started`` saw; adapters dispatched here
+        """Replace the view with what a poll begun at ``started`` saw; adapters served here
         since then stay on device (the poll could not see them yet)."""
         new: dict[str, str] = dict(tiers or {})
         device = [a for a, t in new.items() if t == "device"]
@@ -242,8 +274,8 @@ class Replica:
         self.base_tiers = {a: t for a, t in new.items() if t in ("disk", "absent")}
         self.device_lru = OrderedDict((a, None) for a in device)
         self.host_lru = OrderedDict((a, None) for a, t in new.items() if t == "host")
-        self._dispatched = {a: t for a, t in self._dispatched.items() if t >= started}
-        for a in sorted(self._dispatched, key=self._dispatched.__getitem__):
+        self._served = {a: t for a, t in self._served.items() if t >= started}
+        for a in sorted(self._served, key=self._served.__getitem__):
             self.note_on_device(a)
         self.last_poll = started
 
