@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +28,7 @@ from loraplex.server.protocol import (
     MAX_STOP_TOKEN_IDS,
 )
 from loraplex.testing.server import serve_in_thread
-from loraplex.testing.sync import StepGate, wait_idle, wait_until
+from loraplex.testing.sync import EVENT_TIMEOUT_S, StepGate, wait_idle, wait_until
 
 BASE = "tiny"
 
@@ -147,7 +148,9 @@ def test_many_concurrent_callers_never_exceed_the_limit(live: tuple[str, ServerS
         async with httpx.AsyncClient(base_url=url, timeout=120) as h:
             body = {"model": BASE, "prompt": "x", "n": 2, "max_tokens": 2}
             calls = [asyncio.ensure_future(h.post("/v1/completions", json=body)) for _ in range(8)]
+            deadline = time.monotonic() + EVENT_TIMEOUT_S  # a bound, not a race
             while sum(c.done() for c in calls) < 6:
+                assert time.monotonic() < deadline, "six calls were not refused"
                 await asyncio.sleep(0.01)
             gate.open()
             return list(await asyncio.gather(*calls))

@@ -148,31 +148,34 @@ def test_a_client_that_never_reads_is_aborted_and_its_kv_freed(
 
 
 def test_an_unread_request_keeps_only_its_latest_output(long_model: Path) -> None:
-    """The engine runs 5 steps of a request nobody reads: its reader then gets one snapshot,
-    the latest (5 tokens), not the first of five queued ones."""
+    """The reader takes the first output, then the engine runs 4 more steps nobody reads: the
+    next read is the latest snapshot (5 tokens), not the second of four queued ones."""
     engine = LLMEngine(_engine_config(long_model))
     aeng = AsyncEngine(engine)
     aeng.start()
     params = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0)
 
-    async def main() -> tuple[int, int]:
+    async def main() -> tuple[int, int, int]:
         prepared = await aeng.prepare("r", [1, 2, 3, 4], params)
         with StepGate(engine) as gate:
             gate.hold()
             stream = aeng.generate(prepared)
+            reading = asyncio.ensure_future(stream.__anext__())
             await asyncio.to_thread(wait_until, lambda: engine.requests, what="the request")
-            gate.allow(5)
+            gate.allow(1)
+            first = await reading
+            gate.allow(4)
             await asyncio.to_thread(gate.wait_held)
-            first = await stream.__anext__()
+            second = await stream.__anext__()
             gate.open()
-            last = first
+            last = second
             async for out in stream:
                 last = out
-        return len(first.outputs[0].token_ids), len(last.outputs[0].token_ids)
+        return tuple(len(o.outputs[0].token_ids) for o in (first, second, last))  # type: ignore[return-value]
 
     try:
-        first, last = asyncio.run(main())
+        counts = asyncio.run(main())
     finally:
         aeng.shutdown()
-    assert (first, last) == (5, 50)
+    assert counts == (1, 5, 50)
     assert engine.is_idle()

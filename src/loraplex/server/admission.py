@@ -160,11 +160,17 @@ class EngineStreamingResponse(StreamingResponse):
 
 
 def admit(
-    state: ServerState, n: int, principal: Principal, *, param: str | None = None
+    state: ServerState,
+    n: int,
+    principal: Principal,
+    *,
+    requests: int | None = None,
+    param: str | None = None,
 ) -> Admission:
-    """Admit a call with ``n`` sequences (prompts x n): 400 if ``n`` exceeds ``--max-waiting``
-    on its own (``param``: the field to name), 429 (+ Retry-After) when the caller's tenant is
-    over its rate or in-flight limit, 503 (+ Retry-After) when the shared queue is full.
+    """Admit a call of ``requests`` engine requests (prompts; default ``n``) holding ``n``
+    sequences (prompts x n): 400 if ``n`` exceeds ``--max-waiting`` on its own (``param``: the
+    field to name), 429 (+ Retry-After) when the caller's tenant is over its request rate or
+    its sequences in flight, 503 (+ Retry-After) when the shared queue is full.
 
     Its sequences count as waiting from now on; the caller must ``close()`` the admission."""
     if not state.client.is_running:
@@ -187,6 +193,7 @@ def admit(
                 n,
                 rate_rps=tenant.rate_limit_rps,
                 max_in_flight=tenant.max_waiting,
+                requests=requests,
             )
         except TenantLimitExceeded as e:
             raise APIError(

@@ -102,7 +102,7 @@ async def completions(
     params = body.sampling_params()
     lora = await state.run_io(state.resolve_model, body.model, principal)
     param = "n" if params.n > 1 else "prompt"
-    admission = admit(state, len(prompts) * params.n, principal, param=param)
+    admission = admit(state, len(prompts) * params.n, principal, requests=len(prompts), param=param)
     admission.usage = UsageRecord(body.model, principal, lora)
     return await owned(
         admission,
@@ -190,7 +190,7 @@ async def chat_completions(
     params = body.sampling_params()
     messages = body.template_messages()
     lora = await state.run_io(state.resolve_model, body.model, principal)
-    admission = admit(state, params.n, principal, param="n")
+    admission = admit(state, params.n, principal, requests=1, param="n")
     admission.usage = UsageRecord(body.model, principal, lora)
     return await owned(
         admission,
