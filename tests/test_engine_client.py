@@ -118,9 +118,14 @@ def test_object_store_source_is_staged(
         lora_modules=[LoRAModule("m", uri)],
         log_level="warning",
     )
-    with serve_in_thread(create_app(config)) as url, httpx.Client(base_url=url, timeout=60) as c:
+    app = create_app(config)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        # registered with the store URI, not the temp copy (responses show no source: root is
+        # the name and revision)
+        registered = app.state.loraplex.registry.get("m")
+        assert registered.source_uri == canonical
         models = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
-        assert models["m"]["root"] == canonical  # registered with the store URI, not the temp copy
+        assert models["m"]["root"] == f"m@{registered.revision}"
         r = c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
         assert r.headers["x-loraplex-adapter"].startswith("m;")

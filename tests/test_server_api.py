@@ -658,7 +658,7 @@ def _adapter_rows(server: Server) -> dict[str, dict[str, Any]]:
 
 
 def _metric_lines(server: Server) -> list[str]:
-    with server.http(None) as h:
+    with server.http() as h:  # the server has keys: /metrics needs one too
         r = h.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return r.text.splitlines()
@@ -739,8 +739,11 @@ def test_residency_view_and_metrics(server: Server) -> None:
 def test_health_and_version(server: Server) -> None:
     import loraplex
 
-    with server.http(None) as h:
+    with server.http(None) as h:  # the server has keys: only /health is open
         assert h.get("/health").status_code == 200
+        assert_openai_error(h.get("/version"), 401)
+        assert_openai_error(h.get("/no/such/route"), 401)
+    with server.http() as h:
         r = h.get("/version")
         assert r.status_code == 200 and r.json() == {"version": loraplex.__version__}
         assert_openai_error(h.get("/no/such/route"), 404)

@@ -144,6 +144,7 @@ SERVE_SAMPLES = {  # settings whose values have a syntax of their own: one valid
     "lora_modules": "a=ADAPTER",
     "api_keys": "k1",
     "admin_api_key": "adm",
+    "metrics_api_key": "scrape",
     "allowed_lora_roots": "DIR",
     "log_level": "debug",
     "registry_url": "sqlite://",

@@ -22,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 ENV_API_KEYS = ("LORAPLEX_API_KEY", "VLLM_API_KEY")  # first one set wins
 ENV_ADMIN_API_KEY = "LORAPLEX_ADMIN_API_KEY"
+ENV_METRICS_API_KEY = "LORAPLEX_METRICS_API_KEY"
 ENV_REGISTRY_URL = "LORAPLEX_REGISTRY_URL"
 
 # --------------------------------------------------------------------------- value parsers
@@ -426,6 +427,16 @@ class ServerConfig:
             help="key for the admin routes (default: {env}; none: admin routes off)",
         ),
     )
+    metrics_api_key: str | None = field(  # a scrape key that may read /metrics only
+        default=None,
+        metadata=setting(
+            "--metrics-api-key",
+            env=(ENV_METRICS_API_KEY,),
+            metavar="KEY",
+            help="key that may read /metrics (and nothing else); when set, /metrics needs it "
+            "or an operator key (default: {env})",
+        ),
+    )
     allowed_lora_roots: list[str] = field(
         default_factory=list,
         metadata=setting(
@@ -434,15 +445,86 @@ class ServerConfig:
             help="directories that runtime-loaded adapters must lie under",
         ),
     )
-    max_waiting: int = field(  # queue depth above which new requests get 503 + Retry-After
+    max_waiting: int = field(  # waiting sequences above which new calls get 503 + Retry-After
         default=256,
         metadata=setting(
             "--max-waiting",
             ge=0,
-            help="queued requests before 503 + Retry-After (default: {default})",
+            help="waiting sequences (prompts x n of every admitted call) before 503 + "
+            "Retry-After; 0: no limit (default: {default})",
         ),
     )
     retry_after_seconds: int = field(default=1, metadata=setting(ge=0))
+    # -- bounds on what one request may cost (checked before it costs memory) ----------------
+    max_request_bytes: int = field(
+        default=8 << 20,
+        metadata=setting(
+            "--max-request-bytes",
+            parse=parse_byte_size,
+            ge=1,
+            metavar="BYTES",
+            help="largest request body, checked while reading it and before authentication "
+            "work; larger bodies get 413 (default: {default})",
+        ),
+    )
+    max_prompts_per_request: int = field(
+        default=1024,
+        metadata=setting(
+            "--max-prompts-per-request",
+            ge=1,
+            help="prompts in one /v1/completions call; more is a 400 (default: {default})",
+        ),
+    )
+    stream_stall_timeout_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "--stream-stall-timeout",
+            parse=seconds,
+            ge=0,
+            metavar="SECONDS",
+            help="abort a request whose reader has taken nothing for this long while the "
+            "engine kept producing (frees its KV blocks; 0: no time bound; default: {default})",
+        ),
+    )
+    stream_max_unread_tokens: int = field(
+        default=4096,
+        metadata=setting(
+            "--stream-max-unread-tokens",
+            parse=human_int,
+            ge=0,
+            help="abort a request once this many of its tokens were produced and not read "
+            "(0: no count bound; default: {default})",
+        ),
+    )
+    prepare_workers: int = field(
+        default=4,
+        metadata=setting(
+            "--prepare-workers",
+            ge=1,
+            help="threads validating and tokenizing requests whose adapter is in memory "
+            "(default: {default})",
+        ),
+    )
+    load_workers: int = field(
+        default=4,
+        metadata=setting(
+            "--load-workers",
+            ge=1,
+            help="threads preparing requests whose adapter must be loaded first, so cold "
+            "loads never delay warm requests (default: {default})",
+        ),
+    )
+    prepare_timeout_s: float = field(
+        default=120.0,
+        metadata=setting(
+            "--prepare-timeout",
+            parse=seconds,
+            gt=0,
+            metavar="SECONDS",
+            help="seconds a request may wait for its preparation (adapter load included) "
+            "before a 503 + Retry-After (default: {default})",
+        ),
+    )
     log_level: str = field(
         default="info",
         metadata=setting(
@@ -542,6 +624,14 @@ class ServerConfig:
         if self.admin_api_key is not None and self.admin_api_key in self.api_keys:
             raise FieldError(
                 self, "admin_api_key", "the admin key must differ from every inference API key"
+            )
+        if self.metrics_api_key is not None and (
+            self.metrics_api_key in self.api_keys or self.metrics_api_key == self.admin_api_key
+        ):
+            raise FieldError(
+                self,
+                "metrics_api_key",
+                "the metrics key must differ from the inference and admin keys",
             )
         if self.require_signatures and not self.trusted_keys:
             raise FieldError(

@@ -4,8 +4,10 @@ It wraps the engine loop (:class:`~loraplex.engine.async_engine.AsyncEngine`, wh
 thread running one :class:`~loraplex.engine.llm_engine.LLMEngine`) and that engine's tiered
 adapter cache, and offers what a server needs:
 
-    requests   prepare (worker pool) -> reserve/unreserve a waiting place -> generate
-               (async iterator of RequestOutput) -> abort / discard; run_in_pool;
+    requests   prepare (a pool for warm requests, one for cold loads; bounded in time) ->
+               reserve/unreserve waiting places (sequences) -> generate (a RequestStream of
+               RequestOutput snapshots, the latest unread one kept) -> abort / discard;
+               run_in_pool;
                chat template, decode, max_model_len
     life cycle start, shutdown, is_running
     gauges     num_waiting, num_running, kv_cache_usage, waiting / device adapter digests,
@@ -29,17 +31,26 @@ and benchmarks; a server goes through the methods only.
 from __future__ import annotations
 
 import contextlib
+import logging
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from loraplex.cache.adapters import AdapterResidency, TieredAdapterCache
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.config import EngineConfig
-from loraplex.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from loraplex.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    PrepareTimeoutError,
+    RequestStream,
+    StreamBounds,
+    StreamStalledError,
+)
 from loraplex.engine.llm_engine import LLMEngine, PreparedRequest, StepStats
-from loraplex.outputs import RequestOutput
 from loraplex.requests import SamplingParams
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec
 
@@ -51,10 +62,16 @@ __all__ = [
     "EngineDeadError",
     "EngineStepError",
     "LLMEngine",
+    "PrepareTimeoutError",
     "PreparedRequest",
+    "RequestStream",
     "StepStats",
+    "StreamBounds",
+    "StreamStalledError",
     "TierCounters",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class EngineClient:
@@ -62,14 +79,34 @@ class EngineClient:
     members and ``generate`` run on the caller's event loop; the others may be called from any
     thread (the loop's and the cache's own locking)."""
 
-    def __init__(self, engine: LLMEngine, *, prepare_workers: int = 4) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        prepare_workers: int = 4,
+        load_workers: int = 4,
+        prepare_timeout_s: float | None = None,
+        stream_bounds: StreamBounds | None = None,
+    ) -> None:
+        """``prepare_workers`` threads prepare requests whose adapter is in memory (or none),
+        ``load_workers`` those that must load it first; ``prepare_timeout_s`` bounds one
+        preparation; ``stream_bounds`` say when a reader that fell behind loses its request
+        (see :class:`AsyncEngine`)."""
         self.engine = engine
-        self.aengine = AsyncEngine(engine, prepare_workers=prepare_workers)
+        self.aengine = AsyncEngine(
+            engine,
+            prepare_workers=prepare_workers,
+            load_workers=load_workers,
+            prepare_timeout_s=prepare_timeout_s,
+            stream_bounds=stream_bounds,
+        )
+        self.num_observer_errors = 0  # load observers that raised (logged, nothing else)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> EngineClient:
-        """Build the engine of ``config`` (loads the model) and its client."""
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, **options: Any) -> EngineClient:
+        """Build the engine of ``config`` (loads the model) and its client (``options``: the
+        constructor's keywords)."""
+        return cls(LLMEngine(config), **options)
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -111,11 +148,17 @@ class EngineClient:
         self.aengine.unreserve(n)
 
     def generate(
-        self, prepared: PreparedRequest, *, reserved: bool = False
-    ) -> AsyncIterator[RequestOutput]:
-        """Hand ``prepared`` to the loop; its outputs until it finishes. Closing the iterator
-        early aborts the request (KV blocks and slot freed)."""
-        return self.aengine.generate(prepared, reserved=reserved)
+        self,
+        prepared: PreparedRequest,
+        *,
+        reserved: bool = False,
+        on_stall: Callable[[], None] | None = None,
+    ) -> RequestStream:
+        """Hand ``prepared`` to the loop; its outputs until it finishes (only the latest
+        snapshot not yet read is kept). Closing the stream early aborts the request (KV blocks
+        and slot freed); so does a reader that falls behind the stream bounds, after which
+        ``on_stall`` runs on this event loop."""
+        return self.aengine.generate(prepared, reserved=reserved, on_stall=on_stall)
 
     def abort(self, request_id: str) -> None:
         self.aengine.abort(request_id)
@@ -162,6 +205,11 @@ class EngineClient:
     def num_running(self) -> int:
         return self.engine.num_running
 
+    @property
+    def num_stalled(self) -> int:
+        """Requests aborted because their reader fell behind the stream bounds."""
+        return self.aengine.num_stalled
+
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks in use (1 = full)."""
         return self.engine.kv_cache_usage()
@@ -170,12 +218,18 @@ class EngineClient:
         """Digests of the adapters of requests waiting in the scheduler."""
         return self.engine.waiting_adapter_digests()
 
+    def waiting_adapter_counts(self) -> dict[str, int]:
+        """Digest -> sequences waiting in the scheduler with that adapter."""
+        waiting = list(self.engine.scheduler.waiting)
+        return dict(Counter(s.adapter.ref.sha256 for s in waiting if s.adapter is not None))
+
     def device_adapter_digests(self) -> list[str]:
         """Digests of the adapters whose weights are in a device slot (idle or busy)."""
         return list(self._adapters.slot_of)
 
     def add_step_observer(self, fn: Callable[[StepStats], None]) -> None:
-        """Call ``fn`` on the loop thread after every step that ran sequences."""
+        """Call ``fn`` on the loop thread after every step that ran sequences (one that raises
+        is logged and counted; no request notices)."""
         self.aengine.step_observers.append(fn)
 
     # -- adapters --------------------------------------------------------------------------------
@@ -257,6 +311,22 @@ class EngineClient:
         """tier -> (count, bytes) for every tier (``disk`` only when configured)."""
         return self._adapters.resident_bytes()
 
+    def resident_bytes_of(self, digests: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """tier -> (count, bytes) over the adapters ``digests`` alone, for every tier: the
+        share of :meth:`resident_bytes` that a caller who may see only those adapters sees."""
+        tiers = self._adapters.tiers
+        indexes = [i for i in (tiers.device, tiers.host, tiers.disk) if i is not None]
+        wanted = set(digests)
+        out = {}
+        for idx in indexes:
+            n = b = 0
+            for d in wanted:
+                entry = idx.peek(d)
+                if entry is not None:
+                    n, b = n + 1, b + entry.info.size_bytes
+            out[idx.name] = (n, b)
+        return out
+
     def tier_counters(self) -> dict[str, TierCounters]:
         """tier -> a copy of its counters (device, host, and disk when configured)."""
         return self._adapters.tier_counters()
@@ -295,6 +365,17 @@ class EngineClient:
 
     def add_load_observer(self, fn: Callable[[str, float], None]) -> None:
         """Call ``fn(stage, seconds)`` for every adapter load stage (resolve, remote_download,
-        disk_load, h2d / activation); nothing when LoRA is disabled (nothing loads)."""
-        if self.engine.adapters is not None:
-            self.engine.adapters.load_observers.append(fn)
+        disk_load, h2d / activation); nothing when LoRA is disabled (nothing loads). An observer
+        that raises is logged and counted; the load it observed goes on."""
+        if self.engine.adapters is None:
+            return
+
+        def guarded(stage: str, seconds: float) -> None:
+            try:
+                fn(stage, seconds)
+            except Exception:
+                self.num_observer_errors += 1
+                if self.num_observer_errors <= 10 or self.num_observer_errors % 1000 == 0:
+                    log.exception("load observer %r raised", fn)
+
+        self.engine.adapters.load_observers.append(guarded)

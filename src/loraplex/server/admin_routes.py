@@ -21,7 +21,7 @@ from loraplex.registry import Principal, RegistryError
 from loraplex.server.adapters import check_allowed_path
 from loraplex.server.auth import admin_principal
 from loraplex.server.catalog import ADMIN_KEY, Servable
-from loraplex.server.errors import APIError, registry_api_error
+from loraplex.server.errors import APIError, registry_api_error, scrub
 from loraplex.server.protocol import (
     CanaryAdapterRequest,
     DisableAdapterRequest,
@@ -103,7 +103,7 @@ def load_lora_adapter(
     try:
         path = check_allowed_path(body.lora_path, state.config.allowed_lora_roots)
     except AdapterError as e:
-        raise APIError(400, str(e), param="lora_path") from e
+        raise APIError(400, scrub(str(e)), param="lora_path") from e
     try:
         manifest = state.registry.register(
             str(path), name, base=state.base, tenant=principal.tenant, actor=principal.key_id
@@ -113,7 +113,7 @@ def load_lora_adapter(
     try:
         ref = state.client.check_loadable(state.adapter_spec(manifest))
     except AdapterError as e:
-        raise APIError(400, str(e), param="lora_path") from e
+        raise APIError(400, scrub(str(e)), param="lora_path") from e
     if state.registry.release(name).active_revision != manifest.revision:
         state.registry.activate(name, manifest.revision, actor=principal.key_id)
     _changed(state)

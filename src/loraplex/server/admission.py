@@ -2,25 +2,32 @@
 and the :class:`Admission` that holds the call's engine requests until it is done — for a
 stream, until the stream ends however it ends (:class:`EngineStreamingResponse`) — and then
 writes its usage line.
+
+Admission counts sequences, not calls: a call with ``p`` prompts and ``n`` completions each
+needs ``p x n`` places in the waiting count (and in its tenant's in-flight limit); a call that
+needs more places than ``--max-waiting`` allows at all is a 400 (retrying cannot help).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
-from loraplex.engine.client import EngineClient, PreparedRequest
+from loraplex.engine.client import EngineClient, PreparedRequest, RequestStream
 from loraplex.outputs import RequestOutput
 from loraplex.registry import Principal
 from loraplex.server.errors import APIError
 from loraplex.server.limits import TenantLimitExceeded
 from loraplex.server.state import ServedAdapter, ServerState
 
+log = logging.getLogger("loraplex.server.app")
 usage_log = logging.getLogger("loraplex.usage")
 """One JSON line per finished call: tenant, key, adapter name, revision, sha256, tokens."""
 
@@ -56,11 +63,13 @@ class UsageRecord:
 class Admission:
     """The engine requests of one HTTP call, from admission until the engine has them.
 
-    Admission reserves a place in the waiting count for each prompt, so requests arriving
-    together see each other before any is prepared and ``--max-waiting`` holds; each prepared
-    request uses its reservation when handed to the engine. :meth:`close` gives back unused
-    reservations and discards prepared requests never handed over (a client gone before its
-    stream began), so no adapter reference can leak. Event-loop thread only; idempotent.
+    Admission reserves a place in the waiting count for each sequence (prompt x completion),
+    so requests arriving together see each other before any is prepared and ``--max-waiting``
+    holds; each prepared request uses its sequences' reservations when handed to the engine.
+    :meth:`close` gives back unused reservations and discards prepared requests never handed
+    over (a client gone before its stream began), so no adapter reference can leak.
+    ``stalled`` is set if the engine aborted one of its requests because the client stopped
+    reading. Event-loop thread only; idempotent.
     """
 
     def __init__(
@@ -74,13 +83,15 @@ class Admission:
         self._on_close = on_close
         self.usage: UsageRecord | None = None
         self.finals: dict[int, RequestOutput] = {}  # finished outputs by prompt index
+        self.stalled = asyncio.Event()
 
-    def generate(self, prep: PreparedRequest) -> AsyncIterator[RequestOutput]:
-        """Hand ``prep`` to the engine; iterate the result at once (its first step queues it)."""
+    def generate(self, prep: PreparedRequest) -> RequestStream:
+        """Hand ``prep`` to the engine now; its stream of outputs."""
         self._handed.add(prep.request_id)
-        reserved = self.left > 0
-        self.left -= int(reserved)
-        return self.client.generate(prep, reserved=reserved)
+        k = len(prep.request.seqs)
+        reserved = self.left >= k
+        self.left -= k if reserved else 0
+        return self.client.generate(prep, reserved=reserved, on_stall=self.stalled.set)
 
     def close(self) -> None:
         if self.left:
@@ -101,15 +112,44 @@ class Admission:
 class EngineStreamingResponse(StreamingResponse):
     """A streaming response that closes its body iterator and runs ``on_close`` however the
     stream ends — including when the iterator never started (client gone before the first byte).
-    """
 
-    def __init__(self, *args: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
+    When ``stalled`` is set (the engine aborted the request because the client stopped
+    reading), the response stops where it is, even in the middle of a send the client never
+    drains, and the connection is closed."""
+
+    def __init__(
+        self,
+        *args: Any,
+        on_close: Callable[[], None],
+        stalled: asyncio.Event | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.on_close = on_close
+        self.stalled = stalled
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if self.stalled is None:
+                await super().__call__(scope, receive, send)
+                return
+            body = asyncio.ensure_future(super().__call__(scope, receive, send))
+            stall = asyncio.ensure_future(self.stalled.wait())
+            try:
+                await asyncio.wait({body, stall}, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                body.cancel()
+                raise
+            finally:
+                stall.cancel()
+            if body.done():
+                body.result()
+                return
+            body.cancel()  # blocked in a send the client never drains
+            with contextlib.suppress(BaseException):
+                await body
+            log.warning("closed a stream whose client stopped reading")
+            # returning with the response unfinished makes the server close the connection
         finally:
             try:
                 aclose = getattr(self.body_iterator, "aclose", None)
@@ -119,13 +159,31 @@ class EngineStreamingResponse(StreamingResponse):
                 self.on_close()
 
 
-def admit(state: ServerState, n: int, principal: Principal) -> Admission:
-    """Admit a call with ``n`` prompts: 429 (+ Retry-After) when the caller's tenant is over
-    its rate or in-flight limit, 503 (+ Retry-After) when the shared queue is full.
+def admit(
+    state: ServerState,
+    n: int,
+    principal: Principal,
+    *,
+    requests: int | None = None,
+    param: str | None = None,
+) -> Admission:
+    """Admit a call of ``requests`` engine requests (prompts; default ``n``) holding ``n``
+    sequences (prompts x n): 400 if ``n`` exceeds ``--max-waiting`` on its own (``param``: the
+    field to name), 429 (+ Retry-After) when the caller's tenant is over its request rate or
+    its sequences in flight, 503 (+ Retry-After) when the shared queue is full.
 
-    Its prompts count as waiting from now on; the caller must ``close()`` the admission."""
+    Its sequences count as waiting from now on; the caller must ``close()`` the admission."""
     if not state.client.is_running:
         raise APIError(503, "the engine is not running", "service_unavailable")
+    limit = state.config.max_waiting
+    if limit and n > limit:
+        raise APIError(
+            400,
+            f"this request needs {n} sequences (prompts x n), more than this server queues "
+            f"({limit}); send fewer prompts or a smaller n",
+            param=param,
+            code="too_many_sequences",
+        )
     on_close = None
     tenant = state.catalog.tenant(principal.tenant)
     if tenant is not None and (tenant.rate_limit_rps is not None or tenant.max_waiting):
@@ -135,6 +193,7 @@ def admit(state: ServerState, n: int, principal: Principal) -> Admission:
                 n,
                 rate_rps=tenant.rate_limit_rps,
                 max_in_flight=tenant.max_waiting,
+                requests=requests,
             )
         except TenantLimitExceeded as e:
             raise APIError(
@@ -157,11 +216,12 @@ def admit(state: ServerState, n: int, principal: Principal) -> Admission:
 def _admit_shared(state: ServerState, n: int, on_close: Callable[[], None] | None) -> Admission:
     limit = state.config.max_waiting
     client = state.client
-    if limit and client.num_waiting >= limit:
+    waiting = client.num_waiting
+    if limit and waiting + n > limit:
         retry = str(state.config.retry_after_seconds)
         raise APIError(
             503,
-            f"the server is overloaded ({client.num_waiting} requests waiting, "
+            f"the server is overloaded ({waiting} sequences waiting, this request needs {n}, "
             f"limit {limit}); retry later",
             "service_unavailable",
             code="overloaded",

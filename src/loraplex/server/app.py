@@ -4,8 +4,11 @@ Routes, one module per resource: OpenAI's ``/v1/models``, ``/v1/completions`` an
 ``/v1/chat/completions`` (:mod:`~loraplex.server.openai_routes`); ``/v1/adapters``, the
 residency view (:mod:`~loraplex.server.residency`); ``/health``, ``/version``, ``/metrics``
 (:mod:`~loraplex.server.ops_routes`); the admin routes (:mod:`~loraplex.server.admin_routes`).
-Callers are authenticated to a :class:`Principal` (tenant + scopes) and see only their tenant's
-and shared adapters (:mod:`~loraplex.server.auth`); each request is served by the registry
+Every request passes the :class:`~loraplex.server.gate.RequestGate` first: its body is capped
+(``--max-request-bytes``) and, where keys exist, its key checked from the headers before the
+body is read. Callers are authenticated to a :class:`Principal` (tenant + scopes) and see only
+their tenant's and shared adapters (:mod:`~loraplex.server.auth`); each request is served by the
+registry
 revision chosen at arrival (active, or canary by weight) and keyed by its sha256
 (:mod:`~loraplex.server.state`). Requests are validated, tokenized and their adapter loaded in
 worker threads; the engine loop only ever sees prepared requests. The server reaches the engine
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,10 +30,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import loraplex
 from loraplex.config import ServerConfig
-from loraplex.engine.client import EngineClient, LLMEngine
+from loraplex.engine.client import EngineClient, LLMEngine, StreamBounds
 from loraplex.registry import Registry
 from loraplex.server import admin_routes, openai_routes, ops_routes, residency
 from loraplex.server.errors import APIError, as_api_error, validation_api_error
+from loraplex.server.gate import RequestGate
 from loraplex.server.state import ServerState, open_registry, retire_loop
 from loraplex.types import LoraplexError
 
@@ -49,7 +54,20 @@ def create_app(
     closed with the app). The engine loop starts with the app (lifespan) and stops with it;
     ``on_ready`` runs once the loop is up."""
     config.validate()
-    client = EngineClient(engine) if engine is not None else EngineClient.from_config(config.engine)
+    options: dict[str, Any] = {
+        "prepare_workers": config.prepare_workers,
+        "load_workers": config.load_workers,
+        "prepare_timeout_s": config.prepare_timeout_s,
+        "stream_bounds": StreamBounds(
+            max_unread_tokens=config.stream_max_unread_tokens,
+            stall_timeout_s=config.stream_stall_timeout_s,
+        ),
+    }
+    client = (
+        EngineClient(engine, **options)
+        if engine is not None
+        else EngineClient.from_config(config.engine, **options)
+    )
     state = ServerState(config, client, registry)
     state.preload_adapters()
 
@@ -75,6 +93,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.loraplex = state
+    app.add_middleware(RequestGate, state=state)
     _add_error_handlers(app, state)
     app.include_router(ops_routes.router)
     app.include_router(openai_routes.router)

@@ -1,30 +1,46 @@
 """Who is calling: bearer keys to :class:`Principal` s, and the FastAPI dependencies of the
-inference routes (:func:`inference_principal`) and the admin routes (:func:`admin_principal`).
+inference routes (:func:`inference_principal`), the admin routes (:func:`admin_principal`) and
+``/metrics`` (:func:`metrics_principal`).
 
-Keys are ``--api-key`` (operator inference keys), ``--admin-api-key`` (every admin scope) and
-the registry's keys (a tenant, scopes). Without any key the inference routes are open, as in
-vLLM; once any key exists every route but ``/health`` needs one. Keys are compared in constant
+Keys are ``--api-key`` (operator inference keys), ``--admin-api-key`` (every admin scope),
+``--metrics-api-key`` (``/metrics`` only) and the registry's keys (a tenant, scopes). Without
+any key the server is open, as vLLM is. It fails closed: once ``--api-key`` is set or the
+registry has ever held a key or a tenant (revoked keys count), every route but ``/health`` needs
+a valid key — revoking every key never turns the server anonymous. ``/metrics`` takes the
+metrics key or an operator key (``--api-key``, ``--admin-api-key``, a tenant-less registry key);
+a tenant key gets 403 there (metrics name every tenant's adapters). Keys are compared in constant
 time per key.
+
+The decision "is this a valid key" is taken from the headers before the body is read (the
+:mod:`~loraplex.server.gate` middleware); the dependencies then reuse the principal it found.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fastapi import Request
 
 from loraplex.registry import Principal
-from loraplex.server.catalog import ADMIN_KEY, ANONYMOUS, STATIC_KEY, has_scope
+from loraplex.server.catalog import ADMIN_KEY, ANONYMOUS, METRICS_KEY, STATIC_KEY, has_scope
 from loraplex.server.errors import APIError
 from loraplex.server.state import ServerState
 
+SCOPE_KEY = "loraplex.auth"
+"""The request scope entry where the gate leaves ``(bearer key, its principal or None)``."""
 
-def bearer(request: Request) -> str | None:
+
+def bearer_of(headers: Mapping[str, str]) -> str | None:
     """The key of an ``Authorization: Bearer <key>`` header, or None."""
-    auth = request.headers.get("authorization", "")
+    auth = headers.get("authorization", "")
     scheme, _, key = auth.partition(" ")
     return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
+def bearer(request: Request) -> str | None:
+    """The key of the request's ``Authorization: Bearer <key>`` header, or None."""
+    return bearer_of(request.headers)
 
 
 def matches(key: str | None, keys: list[str]) -> bool:
@@ -35,30 +51,70 @@ def matches(key: str | None, keys: list[str]) -> bool:
     return ok
 
 
-def _registry_key(state: ServerState, key: str | None) -> Principal | None:
-    return state.catalog.authenticate(key) if key is not None else None
-
-
-def check_inference_auth(state: ServerState, request: Request) -> Principal:
-    """The caller of an inference route; 401 when keys are configured and none matches."""
+def static_principal(state: ServerState, key: str | None) -> Principal | None:
+    """The principal of a key given on the command line (no registry lookup), or None."""
     config = state.config
-    key = bearer(request)
+    if key is None:
+        return None
     if matches(key, config.api_keys):
         return STATIC_KEY
     if config.admin_api_key and matches(key, [config.admin_api_key]):
         return ADMIN_KEY
-    p = _registry_key(state, key)
-    if p is not None and (p.allows("inference") or p.tenant is None):
+    if config.metrics_api_key and matches(key, [config.metrics_api_key]):
+        return METRICS_KEY
+    return None
+
+
+def key_principal(state: ServerState, key: str | None) -> Principal | None:
+    """The principal of any key this server knows, None for no key or an unknown or revoked
+    one. May query the registry (a key not cached): call it off the event loop."""
+    p = static_principal(state, key)
+    if p is not None or key is None:
         return p
-    if not (config.api_keys or state.catalog.has_keys()):  # vLLM: open without keys
-        return ANONYMOUS
-    raise APIError(
+    return state.catalog.authenticate(key)
+
+
+def auth_required(state: ServerState) -> bool:
+    """Fail closed: whether every route but ``/health`` needs a valid key (``--api-key`` set,
+    or the registry has ever held a key or a tenant)."""
+    return bool(state.config.api_keys) or state.catalog.requires_auth()
+
+
+def principal_of(state: ServerState, request: Request) -> Principal | None:
+    """The principal of the request's key: the one the gate found before the body was read,
+    else looked up now."""
+    key = bearer(request)
+    found = request.scope.get(SCOPE_KEY)
+    if found is not None and found[0] == key:
+        return found[1]  # type: ignore[no-any-return]
+    return key_principal(state, key)
+
+
+def _unauthorized(key: str | None, what: str = "API key") -> APIError:
+    return APIError(
         401,
-        "missing API key" if key is None else "invalid API key",
+        f"missing {what}" if key is None else f"invalid {what}",
         "authentication_error",
         code="invalid_api_key",
         headers={"WWW-Authenticate": "Bearer"},
     )
+
+
+def _forbidden(message: str) -> APIError:
+    return APIError(403, message, "permission_error", code="insufficient_permissions")
+
+
+def check_inference_auth(state: ServerState, request: Request) -> Principal:
+    """The caller of an inference route; 401 when auth is required and no valid inference key
+    was given, 403 for the metrics key."""
+    p = principal_of(state, request)
+    if p == METRICS_KEY:
+        raise _forbidden("this API key may only read /metrics")
+    if p is not None and (p.allows("inference") or p.tenant is None):
+        return p
+    if not auth_required(state):  # vLLM: open without keys
+        return ANONYMOUS
+    raise _unauthorized(bearer(request))
 
 
 def check_admin_auth(state: ServerState, request: Request, scope: str) -> Principal:
@@ -74,31 +130,36 @@ def check_admin_auth(state: ServerState, request: Request, scope: str) -> Princi
             "not_found_error",
             code="admin_api_disabled",
         )
-    key = bearer(request)
-    if config.admin_api_key and matches(key, [config.admin_api_key]):
-        return ADMIN_KEY
-    p = _registry_key(state, key)
-    if p is not None and has_scope(p, scope):
+    p = principal_of(state, request)
+    if p == ADMIN_KEY or (p is not None and has_scope(p, scope)):
         return p
-    if p is not None or matches(key, config.api_keys):
-        raise APIError(
-            403,
-            f"this API key may not call this route (it needs the {scope!r} scope)",
-            "permission_error",
-            code="insufficient_permissions",
-        )
-    raise APIError(
-        401,
-        "missing admin API key" if key is None else "invalid admin API key",
-        "authentication_error",
-        code="invalid_api_key",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
+    if p is not None:
+        raise _forbidden(f"this API key may not call this route (it needs the {scope!r} scope)")
+    raise _unauthorized(bearer(request), "admin API key")
+
+
+def check_metrics_auth(state: ServerState, request: Request) -> Principal:
+    """The caller of ``/metrics``: the metrics key or an operator key; 403 for a tenant key
+    (the metrics name every tenant's adapters); open only while the server is open and no
+    metrics key is set."""
+    p = principal_of(state, request)
+    if p is not None and p.tenant is None:
+        return p
+    if p is not None:
+        raise _forbidden("a tenant API key may not read /metrics")
+    if state.config.metrics_api_key or auth_required(state):
+        raise _unauthorized(bearer(request))
+    return ANONYMOUS
 
 
 def inference_principal(request: Request) -> Principal:
     """Dependency of the inference routes: the caller (401 as :func:`check_inference_auth`)."""
     return check_inference_auth(request.app.state.loraplex, request)
+
+
+def metrics_principal(request: Request) -> Principal:
+    """Dependency of ``/metrics``: the caller (as :func:`check_metrics_auth`)."""
+    return check_metrics_auth(request.app.state.loraplex, request)
 
 
 def admin_principal(scope: str) -> Callable[[Request], Principal]:

@@ -2,11 +2,17 @@
 which revision serves each request.
 
 The registry is the source of truth; :class:`Catalog` keeps an in-memory snapshot of the
-servable names (active revision, optional canary) so a request never waits on the database.
-The snapshot is rebuilt when the registry's generation counter moves (checked at most every
-``poll_s``, and at once after a change made through this server). Callers are
-:class:`Principal` s: a tenant key sees its own adapters and the shared ones; operator keys
-(``--api-key``, ``--admin-api-key``, tenant-less registry keys) see everything.
+servable names (active revision, optional canary) so a request never waits on the database:
+reads only look at the snapshot, which the server's background loop (and every change made
+through this server) rebuilds when the registry's generation counter moves (checked at most
+every ``poll_s``). Callers are :class:`Principal` s: a tenant key sees its own adapters and the
+shared ones; operator keys (``--api-key``, ``--admin-api-key``, tenant-less registry keys) see
+everything.
+
+Fail closed: once the registry has held any key or tenant (revoked keys count), the snapshot
+says auth is required, and it stays so for the catalog's lifetime. With ``signatures`` requiring
+them, a revision whose manifest signature does not verify against the trusted keys is left out
+of the snapshot (not served), whoever registered it.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from loraplex.registry import (
     Manifest,
     Principal,
     Registry,
-    RegistryError,
+    RegistryPolicy,
     Tenant,
+    ValidationError,
 )
+from loraplex.registry.policy import check_signature
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,8 @@ ADMIN_KEY = Principal(
     key_id="admin-api-key", tenant=None, scopes=frozenset({"inference", "admin:*"})
 )
 """The ``--admin-api-key`` key: every admin scope."""
+METRICS_KEY = Principal(key_id="metrics-api-key", tenant=None, scopes=frozenset({"metrics"}))
+"""The ``--metrics-api-key`` key: it may read ``/metrics`` and nothing else."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,7 @@ class _Snapshot:
     servables: dict[str, Servable] = field(default_factory=dict)
     tenants: dict[str, Tenant] = field(default_factory=dict)
     names_of: dict[str, set[str]] = field(default_factory=dict)  # digest -> names (ever seen)
-    has_keys: bool = False  # any live inference/tenant key: inference then needs a key
+    requires_auth: bool = False  # any key (revoked too) or tenant: every route needs a key
     has_admin_keys: bool = False  # any live registry key with an admin scope
 
 
@@ -80,6 +90,11 @@ class Catalog:
 
     ``on_change(old, new)`` runs after each rebuild with the previous and new servables (the
     server uses it to retire replaced revisions' cached copies and to apply tenant budgets).
+    ``signatures``: when it requires signatures, only revisions whose manifest signature
+    verifies against its trusted keys are served.
+
+    Reads never touch the database (they build the first snapshot if none was built yet);
+    :meth:`refresh` and :meth:`authenticate` do, so they run off the event loop.
     """
 
     def __init__(
@@ -91,23 +106,29 @@ class Catalog:
         on_change: Callable[[dict[str, Servable], dict[str, Servable], dict[str, Tenant]], None]
         | None = None,
         clock: Callable[[], float] = time.monotonic,
+        signatures: RegistryPolicy | None = None,
     ) -> None:
         self.registry = registry
         self.base = base
         self.poll_s = poll_s
         self.on_change = on_change
+        self.signatures = signatures
         self._clock = clock
-        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()  # one rebuild at a time (held across queries)
+        self._keys_lock = threading.Lock()  # the key cache only (never held across a query)
         self._snap = _Snapshot()
         self._checked = float("-inf")
-        self._keys: dict[str, Principal | None] = {}  # sha256(secret) -> principal, per generation
+        self._keys: dict[str, Principal | None] = {}  # sha256(secret) -> principal
+        self._key_epoch = 0  # bumped when the key cache is cleared: older lookups are stale
+        self._requires_auth = False  # sticky: once closed, closed for good
         self._incompatible_warned: set[str] = set()
+        self._unsigned_warned: set[str] = set()
 
     # -- snapshot ------------------------------------------------------------------------------
     def refresh(self, *, force: bool = False) -> None:
         """Rebuild the snapshot if the registry changed (checked at most every ``poll_s``)."""
         now = self._clock()
-        with self._lock:
+        with self._refresh_lock:
             if not force and now - self._checked < self.poll_s:
                 return
             self._checked = now
@@ -116,8 +137,11 @@ class Catalog:
                 return
             old = self._snap
             new = self._build(gen, old)
-            self._snap = new
-            self._keys.clear()
+            self._requires_auth = self._requires_auth or new.requires_auth
+            with self._keys_lock:
+                self._snap = new
+                self._keys.clear()
+                self._key_epoch += 1
         if self.on_change is not None:
             self.on_change(old.servables, new.servables, new.tenants)
 
@@ -128,49 +152,70 @@ class Catalog:
             if rel.active_revision is None:
                 continue
             active = self.registry.get(rel.name, rel.active_revision)
+            if not self._signed(active):
+                continue
             canary = None
             if rel.canary_revision is not None and rel.canary_weight > 0:
                 canary = self.registry.get(rel.name, rel.canary_revision)
+                canary = canary if self._signed(canary) else None
             s = Servable(rel.name, active, canary, rel.canary_weight if canary else 0.0)
             servables[rel.name] = s
             for d in s.digests:
                 names_of.setdefault(d, set()).add(rel.name)
         tenants = {t.name: t for t in self.registry.list_tenants()}
-        keys = [k for k in self.registry.list_keys() if not k.get("revoked")]
+        keys = self.registry.list_keys()
+        live = [k for k in keys if not k.get("revoked")]
         has_admin = any(
-            str(scope).startswith("admin:") for k in keys for scope in k.get("scopes", ())
+            str(scope).startswith("admin:") for k in live for scope in k.get("scopes", ())
         )
-        has_inference = any(k.get("tenant") or "inference" in k.get("scopes", ()) for k in keys)
-        return _Snapshot(gen, servables, tenants, names_of, has_inference, has_admin)
+        closed = bool(keys or tenants)
+        return _Snapshot(gen, servables, tenants, names_of, closed, has_admin)
+
+    def _signed(self, m: Manifest) -> bool:
+        """Whether ``m`` may be served under the signature policy (logged once if not)."""
+        policy = self.signatures
+        if policy is None or not policy.require_signatures:
+            return True
+        try:
+            check_signature(policy, m.signed_payload(), m.signature)
+            return True
+        except ValidationError as e:
+            if m.sha256 not in self._unsigned_warned:
+                self._unsigned_warned.add(m.sha256)
+                log.warning("adapter %s@%s is not served: %s", m.name, m.revision, e)
+            return False
+
+    def _current(self) -> _Snapshot:
+        """The snapshot (built now if none was: a catalog read before any refresh)."""
+        if self._snap.generation < 0:
+            self.refresh(force=True)
+        return self._snap
 
     @property
     def generation(self) -> int:
         return self._snap.generation
 
     def servables(self) -> dict[str, Servable]:
-        self.refresh()
-        return dict(self._snap.servables)
+        return dict(self._current().servables)
 
     def lookup(self, name: str, principal: Principal) -> Servable | None:
         """The servable ``name`` as ``principal`` may see it; None if unknown or not theirs
         (so a tenant cannot tell another tenant's names from names that do not exist)."""
-        self.refresh()
-        s = self._snap.servables.get(name)
+        s = self._current().servables.get(name)
         if s is None or not s.visible_to(principal):
             return None
         return s
 
     def visible(self, principal: Principal) -> list[Servable]:
-        self.refresh()
-        return [s for s in self._snap.servables.values() if s.visible_to(principal)]
+        return [s for s in self._current().servables.values() if s.visible_to(principal)]
 
-    def has_keys(self) -> bool:
-        self.refresh()
-        return self._snap.has_keys
+    def requires_auth(self) -> bool:
+        """Whether the registry has ever held a key or a tenant (then every route but
+        ``/health`` needs a valid key, whatever happened to the keys since)."""
+        return self._requires_auth or self._current().requires_auth
 
     def has_admin_keys(self) -> bool:
-        self.refresh()
-        return self._snap.has_admin_keys
+        return self._current().has_admin_keys
 
     def compatible(self, m: Manifest) -> bool:
         """Whether ``m`` was registered for the base model this server serves (by digest)."""
@@ -187,8 +232,7 @@ class Catalog:
     def tenant(self, name: str | None) -> Tenant | None:
         if name is None:
             return None
-        self.refresh()
-        return self._snap.tenants.get(name)
+        return self._current().tenants.get(name)
 
     def names_of(self, digest: str) -> list[str]:
         """Names served (now or earlier) with the adapter ``digest``; current ones first."""
@@ -197,22 +241,31 @@ class Catalog:
         return current or sorted(snap.names_of.get(digest, ()))
 
     # -- keys ----------------------------------------------------------------------------------
+    def cached_principal(self, secret: str) -> tuple[bool, Principal | None]:
+        """(True, principal) when ``secret``'s lookup is cached, else (False, None); never
+        queries the registry (safe on the event loop)."""
+        h = hashlib.sha256(secret.encode()).hexdigest()
+        with self._keys_lock:
+            if h in self._keys:
+                return True, self._keys[h]
+        return False, None
+
     def authenticate(self, secret: str) -> Principal | None:
         """The registry key ``secret`` belongs to, cached until the registry changes (so a
-        revoked key stops working within ``poll_s``)."""
-        self.refresh()
+        revoked key stops working within ``poll_s``). A lookup that began before the cache was
+        last cleared is returned but not cached (it may predate a revocation). A registry
+        error (the database is unreachable) is raised, never cached."""
         h = hashlib.sha256(secret.encode()).hexdigest()
-        with self._lock:
+        with self._keys_lock:
             if h in self._keys:
                 return self._keys[h]
-        try:
-            p = self.registry.authenticate(secret)
-        except RegistryError:
-            p = None
-        with self._lock:
-            if len(self._keys) > 10_000:  # bounded: a flood of wrong keys cannot grow it
-                self._keys.clear()
-            self._keys[h] = p
+            epoch = self._key_epoch
+        p = self.registry.authenticate(secret)
+        with self._keys_lock:
+            if self._key_epoch == epoch:
+                if len(self._keys) > 10_000:  # bounded: a flood of wrong keys cannot grow it
+                    self._keys.clear()
+                self._keys[h] = p
         return p
 
 

@@ -93,40 +93,44 @@ async def stream_outputs(
     metrics: ServerMetrics, admission: Admission
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run an admission's prepared requests concurrently; yield (index, output) as they
-    progress. Closing the iterator aborts every request still running."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    progress. Pull-based: a request's next output is taken from the engine only after the
+    previous one was consumed, so a consumer that stops (a client that stops reading) leaves
+    the outputs in the engine's per-request sinks, where they coalesce and the stream bounds
+    apply. Closing the iterator aborts every request still running."""
+    streams = [admission.generate(p) for p in admission.prepared]
+    tracks = [
+        _Tracked(p.request.arrival, "warm" if p.adapter_warm else "cold")
+        for p in admission.prepared
+    ]
+    pending: dict[asyncio.Future[RequestOutput], int] = {}
 
-    async def pump(i: int, prep: PreparedRequest) -> None:
-        track = _Tracked(prep.request.arrival, "warm" if prep.adapter_warm else "cold")
-        try:
-            async for out in admission.generate(prep):
-                _observe(metrics, track, out)
-                await queue.put((i, out))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, None))
+    def arm(i: int) -> None:
+        pending[asyncio.ensure_future(streams[i].__anext__())] = i
 
-    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(admission.prepared)]
     try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                if item.finished:
-                    admission.finals[i] = item
-                yield i, item
+        for i in range(len(streams)):
+            arm(i)
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: pending[f]):
+                i = pending.pop(fut)
+                try:
+                    out = fut.result()
+                except StopAsyncIteration:
+                    continue
+                _observe(metrics, tracks[i], out)
+                if out.finished:
+                    admission.finals[i] = out
+                yield i, out
+                if not out.finished:
+                    arm(i)
     finally:
-        for t in tasks:
-            t.cancel()
+        for fut in pending:
+            fut.cancel()
         with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 async def deltas(

@@ -1,4 +1,4 @@
-"""Per-tenant admission limits: a request rate (token bucket) and a cap on requests in flight.
+"""Per-tenant admission limits: a request rate (token bucket) and a cap on sequences in flight.
 
 A tenant over either limit gets 429 with ``Retry-After``, before anything is queued or loaded, so
 one bursting tenant cannot fill the shared queue that ``--max-waiting`` protects.
@@ -29,7 +29,7 @@ class TenantLimitExceeded(Exception):
 
 
 class TenantLimits:
-    """Token buckets (burst = max(1, rate) requests) and in-flight counts per tenant."""
+    """Token buckets (burst = max(1, rate) requests) and in-flight sequence counts per tenant."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -38,16 +38,25 @@ class TenantLimits:
         self._in_flight: dict[str, int] = {}
 
     def acquire(
-        self, tenant: str, n: int, *, rate_rps: float | None, max_in_flight: int | None
+        self,
+        tenant: str,
+        n: int,
+        *,
+        rate_rps: float | None,
+        max_in_flight: int | None,
+        requests: int | None = None,
     ) -> None:
-        """Admit ``n`` requests of ``tenant`` or raise :class:`TenantLimitExceeded`; on success
-        the caller must :meth:`release` the same ``n`` when they are done."""
+        """Admit ``n`` sequences of ``tenant`` in flight, made of ``requests`` requests (default
+        ``n``) for the rate, or raise :class:`TenantLimitExceeded`; on success the caller must
+        :meth:`release` the same ``n`` when they are done."""
+        cost = n if requests is None else requests
         with self._lock:
             now = self._clock()
             held = self._in_flight.get(tenant, 0)
             if max_in_flight is not None and held + n > max_in_flight:
                 raise TenantLimitExceeded(
-                    f"tenant {tenant!r} has {held} requests in flight (limit {max_in_flight}); "
+                    f"tenant {tenant!r} has {held} sequences in flight, this call needs {n} "
+                    f"(limit {max_in_flight}); "
                     "retry later",
                     code="tenant_queue_full",
                     retry_after=1,
@@ -59,15 +68,15 @@ class TenantLimits:
                     b = self._buckets[tenant] = _Bucket(burst, now)
                 b.tokens = min(burst, b.tokens + (now - b.stamp) * rate_rps)
                 b.stamp = now
-                if b.tokens < n:
-                    wait = (n - b.tokens) / rate_rps if rate_rps > 0 else 3600.0
+                if b.tokens < cost:
+                    wait = (cost - b.tokens) / rate_rps if rate_rps > 0 else 3600.0
                     raise TenantLimitExceeded(
                         f"tenant {tenant!r} is over its rate limit ({rate_rps:g} requests/s); "
                         f"retry in {wait:.1f}s",
                         code="rate_limit_exceeded",
                         retry_after=max(1, math.ceil(wait)),
                     )
-                b.tokens -= n
+                b.tokens -= cost
             self._in_flight[tenant] = held + n
 
     def release(self, tenant: str, n: int) -> None:

@@ -4,7 +4,9 @@ Inference Extension's model-server gauges (``vllm:*``), so standard gateways can
 Each app owns its own :class:`CollectorRegistry` (no process-global state). Counters that the
 engine already keeps (tier hits, loads, evictions) are read at scrape time by a collector rather
 than mirrored, so they can never drift. Adapter names appear as label values only inside
-``vllm:lora_requests_info`` (bounded by the number of slots and waiting adapters).
+``vllm:lora_requests_info``, each list bounded by :data:`MAX_ADAPTER_LABELS` names (the waiting
+ones: those with the most waiting sequences). Who may read them is the route's business
+(:mod:`~loraplex.server.auth`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 _LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+MAX_ADAPTER_LABELS = 64
+"""Most adapter names listed in one label value (device-resident or waiting): top-K."""
+
+
+def _bounded(names: Iterable[str]) -> str:
+    """Comma-joined distinct ``names`` in the given order, at most :data:`MAX_ADAPTER_LABELS`."""
+    return ",".join(list(dict.fromkeys(names))[:MAX_ADAPTER_LABELS])
 
 
 class _EngineCollector(Collector):
@@ -57,17 +66,20 @@ class _EngineCollector(Collector):
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
         if lora:
-            resident = [n for d in client.device_adapter_digests() for n in self._names(d)]
-            waiting_names = [n for d in client.waiting_adapter_digests() for n in self._names(d)]
+            resident = sorted(n for d in client.device_adapter_digests() for n in self._names(d))
+            counts = client.waiting_adapter_counts()
+            most = sorted(counts, key=lambda d: -counts[d])
+            waiting_names = [n for d in most for n in self._names(d)]
             info.add_metric(
-                [
-                    str(client.max_loras),
-                    ",".join(sorted(resident)),
-                    ",".join(sorted(waiting_names)),
-                ],
+                [str(client.max_loras), _bounded(resident), _bounded(waiting_names)],
                 time.time(),
             )
         yield info
+        yield CounterMetricFamily(
+            "loraplex_streams_stalled",
+            "Requests aborted because their client stopped reading the stream.",
+            value=client.num_stalled,
+        )
         if not lora:
             return
         st = client.cache_stats

@@ -1,10 +1,13 @@
 """OpenAI's routes: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (streamed or
 not).
 
-A call is authenticated, its model name resolved to the base model or an adapter revision
-(:meth:`ServerState.resolve_model`), admitted (:func:`~loraplex.server.admission.admit`), its
-prompts prepared in the worker pool and run by the engine; the admission closes when the
-response (or the stream) is done.
+A call is authenticated, its body bounded (prompts per call and the per-field caps of
+:mod:`~loraplex.server.protocol`: 400 naming the field), its model name resolved to the base
+model or an adapter revision (:meth:`ServerState.resolve_model`, in the I/O pool), admitted
+with its sequence count (:func:`~loraplex.server.admission.admit`), its prompts prepared in the
+worker pools and run by the engine; the admission closes when the response (or the stream) is
+done. Model entries never show server paths: ``root`` is the base model's served name or the
+adapter's ``name@revision``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from loraplex.requests import SamplingParams
 from loraplex.server.admission import Admission, UsageRecord, admit, owned
 from loraplex.server.auth import inference_principal
 from loraplex.server.catalog import registration_order
+from loraplex.server.errors import APIError
 from loraplex.server.generation import (
     collect,
     deltas,
@@ -59,7 +63,7 @@ def list_models(
             "object": "model",
             "created": state.started,
             "owned_by": "loraplex",
-            "root": state.config.engine.model,
+            "root": state.base_names[0],
             "parent": None,
             "max_model_len": max_len,
         }
@@ -73,7 +77,7 @@ def list_models(
                 "object": "model",
                 "created": int(m.activated_at or m.created_at),
                 "owned_by": m.tenant or "loraplex",
-                "root": m.source_uri,
+                "root": f"{sv.name}@{m.revision}",
                 "parent": state.base_names[0],
                 "max_model_len": max_len,
                 "revision": m.revision,
@@ -92,10 +96,19 @@ async def completions(
     state: ServerState = Depends(get_state),
 ) -> Response:
     arrival = time.monotonic()
-    lora = state.resolve_model(body.model, principal)
-    params = body.sampling_params()
     prompts = body.prompts()
-    admission = admit(state, len(prompts), principal)
+    limit = state.config.max_prompts_per_request
+    if len(prompts) > limit:
+        raise APIError(
+            400,
+            f"prompt: {len(prompts)} prompts in one request; this server takes at most {limit}",
+            param="prompt",
+            code="too_many_prompts",
+        )
+    params = body.sampling_params()
+    lora = await state.run_io(state.resolve_model, body.model, principal)
+    param = "n" if params.n > 1 else "prompt"
+    admission = admit(state, len(prompts) * params.n, principal, requests=len(prompts), param=param)
     admission.usage = UsageRecord(body.model, principal, lora)
     salt = prefix_cache_salt(principal, body.cache_salt)
     return await owned(
@@ -184,10 +197,10 @@ async def chat_completions(
     state: ServerState = Depends(get_state),
 ) -> Response:
     arrival = time.monotonic()
-    lora = state.resolve_model(body.model, principal)
     params = body.sampling_params()
     messages = body.template_messages()
-    admission = admit(state, 1, principal)
+    lora = await state.run_io(state.resolve_model, body.model, principal)
+    admission = admit(state, params.n, principal, requests=1, param="n")
     admission.usage = UsageRecord(body.model, principal, lora)
     salt = prefix_cache_salt(principal, body.cache_salt)
     return await owned(

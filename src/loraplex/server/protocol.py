@@ -5,6 +5,12 @@ Field names and defaults follow OpenAI's API; vLLM's extensions (``top_k``, ``mi
 clients send fields we have no use for (``user``, ``metadata``). Parameters we cannot honour
 (penalties, ``logit_bias``, tools, non-text content) are refused with a 400 naming them rather
 than silently ignored.
+
+Everything the engine would scan per token or keep per sequence is bounded per request, a 400
+naming the field before anything is queued: ``n`` and ``best_of`` (:data:`MAX_N`), ``stop``
+(:data:`MAX_STOP` strings of at most :data:`MAX_STOP_CHARS` characters), ``stop_token_ids``
+(:data:`MAX_STOP_TOKEN_IDS`), ``logprobs`` / ``top_logprobs`` (:data:`MAX_LOGPROBS`). The
+number of prompts per call is the server's ``--max-prompts-per-request``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,10 @@ from loraplex.types import InvalidRequestError
 
 MAX_N = 64  # completions per request; more is almost surely a mistake and costs KV cache
 MAX_CACHE_SALT = 1024  # characters of cache_salt (vLLM suggests ~43: 256 random bits, base64)
+MAX_STOP = 16  # stop strings per request (each is searched for after every token)
+MAX_STOP_CHARS = 256  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 256  # stop token ids per request (checked after every token)
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow.
 MIN_TEMPERATURE = 1e-5
 # top_p below this keeps the same nucleus (the most likely token, whose mass is >= 1/vocab) but
@@ -69,6 +79,28 @@ class _SamplingBody(_Body):
     # vLLM's prefix-cache salt: KV is shared only between requests with the same salt
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
 
+    def _check_bounds(self) -> None:
+        """The per-request caps of the fields the engine scans every token."""
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}] (got {self.n})", param="n")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP:
+            raise InvalidRequestError(
+                f"stop takes at most {MAX_STOP} strings (got {len(stops)})", param="stop"
+            )
+        long = next((x for x in stops if len(x) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise InvalidRequestError(
+                f"each stop string has at most {MAX_STOP_CHARS} characters (got {len(long)})",
+                param="stop",
+            )
+        ids = self.stop_token_ids or []
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids (got {len(ids)})",
+                param="stop_token_ids",
+            )
+
     def _check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -80,8 +112,6 @@ class _SamplingBody(_Body):
             )
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported")
-        if not 1 <= self.n <= MAX_N:
-            raise InvalidRequestError(f"n must be in [1, {MAX_N}] (got {self.n})")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true")
 
@@ -137,6 +167,15 @@ class CompletionRequest(_SamplingBody):
         return out
 
     def sampling_params(self) -> SamplingParams:
+        if self.best_of is not None and not 1 <= self.best_of <= MAX_N:
+            raise InvalidRequestError(
+                f"best_of must be in [1, {MAX_N}] (got {self.best_of})", param="best_of"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})", param="logprobs"
+            )
+        self._check_bounds()
         if self.suffix:
             raise InvalidRequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -187,6 +226,12 @@ class ChatCompletionRequest(_SamplingBody):
     add_generation_prompt: bool = True
 
     def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {self.top_logprobs})",
+                param="top_logprobs",
+            )
+        self._check_bounds()
         if self.tools:
             raise InvalidRequestError("tools are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):

@@ -2,7 +2,9 @@
 absent), with its counters, and, for operators, every other adapter still in memory.
 
 A caller sees only what ``/v1/models`` shows it; adapters resident in memory but no longer
-registered are listed for operator keys only (their names could belong to any tenant).
+registered are listed for operator keys only (their names could belong to any tenant). For a
+tenant key the ``tiers`` totals count only the adapters it sees, and ``path`` (a server path)
+is shown to operator keys only.
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ def residency_view(state: ServerState, principal: Principal) -> dict[str, Any]:
         row["revision"] = m.revision
         return row
 
+    operator = principal.tenant is None
     for sv in sorted(state.catalog.visible(principal), key=registration_order):
-        row = {"name": sv.name, "path": sv.active.source_uri, "registered": True,
+        path = sv.active.source_uri if operator else None
+        row = {"name": sv.name, "path": path, "registered": True,
                "tenant": sv.active.tenant, **row_of(sv.active)}  # fmt: skip
         if sv.canary is not None:
             row["canary"] = {**row_of(sv.canary), "weight": sv.canary_weight}
         rows.append(row)
-    if principal.tenant is None:
+    if operator:
         for d, r in snapshot.items():
             if d in seen or r.tier == "absent":
                 continue
@@ -77,7 +81,8 @@ def residency_view(state: ServerState, principal: Principal) -> dict[str, Any]:
                     **_row(r),
                 }
             )
-    counts = client.resident_bytes()
+    # a tenant's totals count only the adapters it sees
+    counts = client.resident_bytes() if operator else client.resident_bytes_of(seen)
     return {
         "object": "list",
         "data": rows,

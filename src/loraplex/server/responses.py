@@ -151,5 +151,9 @@ def ok_stream(
     """A streamed completion; the admission closes when the stream does."""
     metrics.requests.labels(status="200").inc()
     return EngineStreamingResponse(
-        events, on_close=admission.close, media_type="text/event-stream", headers=headers
+        events,
+        on_close=admission.close,
+        stalled=admission.stalled,
+        media_type="text/event-stream",
+        headers=headers,
     )

@@ -1,8 +1,11 @@
 """What one app instance owns (:class:`ServerState`): config, the engine client, the registry and
 its in-memory view, metrics and tenant limits; which adapter revision serves a request
-(:meth:`ServerState.resolve_model`); and the loop that retires replaced revisions' cached copies.
+(:meth:`ServerState.resolve_model`); and the loop that follows registry changes and retires
+replaced revisions' cached copies.
 
-Routes reach the state of their app through the :func:`get_state` dependency.
+Anything that touches the database or the file system runs in the state's own small I/O pool
+(:meth:`ServerState.run_io`), never on the event loop and never in the engine's preparation
+pools. Routes reach the state of their app through the :func:`get_state` dependency.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fastapi import Request
 
@@ -29,7 +35,7 @@ from loraplex.registry import (
 )
 from loraplex.server.adapters import check_allowed_path
 from loraplex.server.catalog import Catalog, Servable, digests_of, local_source, retired_digests
-from loraplex.server.errors import APIError
+from loraplex.server.errors import APIError, scrub
 from loraplex.server.limits import TenantLimits
 from loraplex.server.metrics import ServerMetrics
 from loraplex.types import AdapterError, AdapterInUseError, AdapterSpec
@@ -46,23 +52,27 @@ class ServedAdapter:
     route: str
 
 
-def open_registry(config: ServerConfig) -> Registry:
-    """The registry a server with ``config`` uses: ``--registry-url`` (or
-    ``$LORAPLEX_REGISTRY_URL``), else a private in-memory one; its policy from the flags."""
+def server_policy(config: ServerConfig) -> RegistryPolicy:
+    """The registry policy of ``config``'s flags (``--trusted-key`` files are read now)."""
     keys = []
     for f in config.trusted_keys:
         try:
             keys.append(Path(f).read_text())
         except OSError as e:
             raise AdapterError(f"--trusted-key {f!r}: {e.strerror or e}") from e
-    policy = RegistryPolicy(
+    return RegistryPolicy(
         require_signatures=config.require_signatures,
         trusted_keys=tuple(keys),
         max_rank=config.engine.max_lora_rank,
         allowed_roots=tuple(config.allowed_lora_roots),
         allowed_prefixes=tuple(config.allowed_store_prefixes),
     )
-    return Registry.open(config.registry_url or "sqlite://", policy=policy)
+
+
+def open_registry(config: ServerConfig) -> Registry:
+    """The registry a server with ``config`` uses: ``--registry-url`` (or
+    ``$LORAPLEX_REGISTRY_URL``), else a private in-memory one; its policy from the flags."""
+    return Registry.open(config.registry_url or "sqlite://", policy=server_policy(config))
 
 
 class ServerState:
@@ -78,12 +88,20 @@ class ServerState:
         self.owns_registry = registry is None
         self.registry = registry if registry is not None else open_registry(config)
         self.base = base_model_info(config.engine.model, name=self.base_names[0])
+        # the flags' signature policy, or the shared registry's own if only it requires them
+        signatures = server_policy(config)
+        if not signatures.require_signatures:
+            signatures = self.registry.policy
         self.catalog = Catalog(
             self.registry,
             self.base,
             poll_s=config.registry_poll_s,
             on_change=self._on_catalog_change,
+            signatures=signatures,
         )
+        # registry queries, catalog rebuilds, key lookups and file-system checks: off the event
+        # loop, and apart from the engine's preparation pools
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="loraplex-registry")
         self.metrics = ServerMetrics(client, self.catalog.names_of)
         self.limits = TenantLimits()
         self._retiring: dict[str, float] = {}  # digest -> when its cached copies go
@@ -137,8 +155,13 @@ class ServerState:
         self.client.prewarm(todo)
 
     def close(self) -> None:
+        self._io.shutdown(wait=False, cancel_futures=True)
         if self.owns_registry:
             self.registry.close()
+
+    async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the I/O pool (database, file system): never on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     # -- registry changes ------------------------------------------------------------------------
     def _on_catalog_change(
@@ -188,7 +211,8 @@ class ServerState:
     # -- which revision serves a request ---------------------------------------------------------
     def resolve_model(self, name: str, principal: Principal) -> ServedAdapter | None:
         """The base model (None) or the adapter revision that serves this request: the active
-        one, or the canary with its traffic weight. 404 for names the caller may not see."""
+        one, or the canary with its traffic weight. 404 for names the caller may not see.
+        Checks the adapter's files: call it in the I/O pool (:meth:`run_io`)."""
         if name in self.base_names:
             return None
         s = self.catalog.lookup(name, principal)
@@ -217,8 +241,12 @@ class ServerState:
             try:  # its files may have been replaced by links out of the roots since
                 check_allowed_path(str(local), roots)
             except AdapterError as e:
+                log.warning("adapter %r refused: %s", name, e)
                 raise APIError(
-                    403, f"adapter {name!r}: {e}", "permission_error", code="adapter_path_refused"
+                    403,
+                    f"adapter {name!r}: {scrub(str(e), {str(local): name})}",
+                    "permission_error",
+                    code="adapter_path_refused",
                 ) from e
         if not self.client.lora_enabled:
             raise APIError(400, "LoRA is disabled on this server; start it with --enable-lora")
@@ -245,6 +273,6 @@ async def retire_loop(state: ServerState) -> None:
     while True:
         await asyncio.sleep(tick)
         try:
-            await state.client.run_in_pool(state.retire_due)
+            await state.run_io(state.retire_due)
         except Exception:  # a registry hiccup must not end the loop
             log.exception("registry refresh / eviction of replaced revisions failed")
