@@ -165,14 +165,15 @@ class RouterConfig:
             help="Retry-After of the router's 503s (default: {default})",
         ),
     )
-    replica_api_key: str | None = field(  # for the router's own polls of /v1/adapters
+    replica_api_key: str | None = field(  # the router's own polls of the replicas
         default=None,
         metadata=setting(
             "--replica-api-key",
             env=("LORAPLEX_API_KEY",),
             metavar="KEY",
             group="replicas",
-            help="API key for the router's own polls of /v1/adapters (default: {env}); "
+            help="API key for the router's own polls of /v1/adapters, /v1/models and /metrics "
+            "(an operator key; default: {env}); "
             "clients' Authorization headers are passed through",
         ),
     )

@@ -453,7 +453,7 @@ class ReplicaSet:
             models = await client.get(f"{r.url}/v1/models", headers=self._headers())
             if models.status_code == 200:
                 r.base_models = parse_base_models(models.json())
-            met = await client.get(f"{r.url}/metrics")
+            met = await client.get(f"{r.url}/metrics", headers=self._headers())
             m = parse_metrics(met.text) if met.status_code == 200 else None
         except httpx.ConnectError as e:
             self.mark_failed(r, f"{type(e).__name__}: {e}")
