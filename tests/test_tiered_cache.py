@@ -564,6 +564,32 @@ def test_disk_budget_full_is_a_clear_error_and_others_are_served(
     cache.check_invariants()
 
 
+def test_a_download_waits_while_the_disk_copy_in_its_way_is_being_read(
+    tmp_path: Path, store_root: Path, tiny_adapters: list[tuple[Path, str]]
+) -> None:
+    """Room held only by a copy being read is a short wait, not a 503 (the read ends soon)."""
+    size = DiskTier.nbytes_of(tiny_adapters[0][0])
+    disk = DiskTier(tmp_path / "l2", size + size // 2)
+    cache = make_cache(store=CountingStore(store_root), disk=disk, load_wait_timeout_s=60.0)
+    cache.release(resolve(cache, spec("a0", store_root / "a0")))
+    d0, d2 = tiny_adapters[0][1], tiny_adapters[2][1]
+    with cache._cond:  # a reader of a0's disk copy, as the loader holds it while reading
+        assert cache.tiers.hold_disk_copy(d0, count=False)
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(resolve(cache, spec("a2", store_root / "a2"))))
+    t.start()
+    wait_until(lambda: cache.stats.capacity_waits == 1, what="the download to wait for room")
+    assert t.is_alive() and set(disk.entries()) == {d0}
+    with cache._cond:
+        cache.tiers.release("disk", d0)
+        cache._cond.notify_all()
+    t.join(EVENT_TIMEOUT_S)
+    assert not t.is_alive() and isinstance(got[0], LoRAAdapter)
+    assert set(disk.entries()) == {d2} and cache.tier_counters()["disk"].evictions == 1
+    cache.release(got[0])
+    cache.check_invariants()
+
+
 @pytest.fixture(scope="module")
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("moto-tiered")

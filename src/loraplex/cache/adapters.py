@@ -172,12 +172,13 @@ class TieredAdapterCache:
         self.loader = AdapterLoader(
             spec,
             tiers=self.tiers,
-            lock=self._lock,
+            lock=self._cond,
             max_lora_rank=max_lora_rank,
             dtype=dtype,
             observe=self._observe,
             disk=disk,
             store=store,
+            room_wait_s=self.load_wait_timeout_s,
         )
         self.host: dict[str, LoRAAdapter] = {}  # digest -> host copy (L1)
         self.warm_policy: dict[str, str] = {}  # digest -> warm policy given to prewarm/pin

@@ -106,9 +106,10 @@ class AdapterLoader:
     """Reads, verifies and converts adapters for the tiered cache; see the module docstring.
 
     ``tiers`` keeps the disk tier's accounting (the loader holds a copy while reading it and
-    admits downloads); ``lock`` is the owner's, held around every call into ``tiers`` and
-    around :meth:`join` / :meth:`finish` / :meth:`fail`. ``observe(stage, seconds)`` gets every
-    timed stage.
+    admits downloads); ``lock`` is the owner's condition, held around every call into ``tiers``
+    and around :meth:`join` / :meth:`finish` / :meth:`fail`, and notified whenever a disk copy is
+    released. ``room_wait_s`` bounds how long a download waits for room on disk while other
+    copies there are being read or written. ``observe(stage, seconds)`` gets every timed stage.
     """
 
     def __init__(
@@ -116,14 +117,16 @@ class AdapterLoader:
         model: BaseModelSpec,
         *,
         tiers: TierController,
-        lock: threading.RLock,
+        lock: threading.Condition,
         max_lora_rank: int,
         dtype: torch.dtype,
         observe: Callable[[str, float], None],
         disk: DiskTier | None = None,
         store: ObjectStore | None = None,
+        room_wait_s: float = 10.0,
     ) -> None:
         self.model = model
+        self.room_wait_s = float(room_wait_s)
         self.tiers = tiers
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
@@ -299,11 +302,13 @@ class AdapterLoader:
                 self.tiers.remove(tier, digest)  # another reader holds it: it removes it too
                 if isinstance(e, AdapterCopyError):
                     self.tiers.stats.bad_copies_replaced += 1
+                self._lock.notify_all()
             if isinstance(e, AdapterCopyError):  # deleted by load_verified: fetch it again
                 log.warning("%s; fetching it again from the object store", e)
             return None
         with self._lock:
             self.tiers.release(tier, digest)
+            self._lock.notify_all()
         self._observe(STAGE_DISK_LOAD, res.seconds)
         return res.config, res.tensors
 
@@ -332,16 +337,28 @@ class AdapterLoader:
         digest, tier = spec.sha256, self.tiers.disk_name
         info = AdapterInfo(digest, DiskTier.nbytes_of(staged), tenant=spec.tenant)
         with self._lock:
-            if self.tiers.disk is not None and digest in self.tiers.disk:
-                return
-            try:
-                evicted = self.tiers.admit_disk(info)  # held while we put it
-            except NoRoomError as e:
-                raise AdapterCapacityError(
-                    f"adapter {spec.ref.name!r}: no room in the disk tier {self.disk.root}: "
-                    f"{e.reason}",
-                    tier=tier,
-                ) from e
+            deadline = time.monotonic() + self.room_wait_s
+            waited = False
+            while True:
+                if self.tiers.disk is not None and digest in self.tiers.disk:
+                    return  # another download put it while we waited
+                try:
+                    evicted = self.tiers.admit_disk(info)  # held while we put it
+                    break
+                except NoRoomError as e:
+                    # copies being read or written are kept; they are released in moments
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise AdapterCapacityError(
+                            f"adapter {spec.ref.name!r}: no room in the disk tier "
+                            f"{self.disk.root} after waiting {self.room_wait_s:g}s: "
+                            f"{e.reason}; retry later",
+                            tier=tier,
+                        ) from e
+                    if not waited:
+                        self.tiers.stats.capacity_waits += 1
+                        waited = True
+                    self._lock.wait(min(remaining, 0.05))
         try:
             for v in evicted:
                 self.disk.remove(v)
@@ -350,10 +367,12 @@ class AdapterLoader:
             with self._lock:
                 self.tiers.release(tier, digest)
                 self.tiers.remove(tier, digest)
+                self._lock.notify_all()
             raise
         with self._lock:
             self.tiers.release(tier, digest)
             self.tiers.record_load(tier, digest, fetch_s)
+            self._lock.notify_all()
 
     def adopt_disk_entries(self) -> None:
         """Index the disk tier's entries from earlier runs (oldest first); drop what won't fit."""

@@ -50,7 +50,7 @@ class CacheStats:
     tiers: dict[str, TierCounters] = field(default_factory=dict)
     remote_loads: int = 0  # downloads from the object store (L3)
     load_failures: int = 0  # failed loads (each fails all the requests that shared it)
-    capacity_waits: int = 0  # loads that had to wait for room in host memory
+    capacity_waits: int = 0  # loads that had to wait for room in host memory or on disk
     slot_waits: int = 0  # slot reservations refused (every slot in use, pinned or too new)
     bad_copies_replaced: int = 0  # bad L2 copies deleted and fetched again from L3
     join_timeouts: int = 0  # requests that stopped waiting for a load another one started

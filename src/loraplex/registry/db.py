@@ -10,7 +10,9 @@ transaction with ``BEGIN IMMEDIATE`` (one writer at a time, readers unblocked un
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +193,7 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA foreign_keys = ON")
             cur.execute("PRAGMA busy_timeout = 30000")
             if not memory:
-                cur.execute("PRAGMA journal_mode = WAL")
+                _enable_wal(cur)
             cur.close()
 
         @event.listens_for(engine, "begin")
@@ -204,6 +206,30 @@ def make_engine(url: str) -> Engine:
         return engine
     kwargs["pool_pre_ping"] = True
     return create_engine(u, **kwargs)
+
+
+def _enable_wal(cur: Any, timeout_s: float = 30.0) -> None:
+    """Switch a file database to WAL (persistent: a no-op once any process did it).
+
+    Changing the journal mode needs an exclusive lock and SQLite answers "database is locked"
+    at once, without its busy handler, while another process holds the file (two processes
+    opening a fresh database together), so retry until ``timeout_s`` like the busy timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        try:
+            mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
+            if str(mode).lower() != "wal":
+                cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                raise
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
 
 _migrate_lock = threading.Lock()
