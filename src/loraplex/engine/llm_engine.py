@@ -15,6 +15,7 @@ import torch
 from loraplex.cache.adapters import TieredAdapterCache
 from loraplex.config import EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
+from loraplex.engine.chat import render_chat
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import Sampler
@@ -248,24 +249,31 @@ class LLMEngine:
             return list(self.tokenizer(prompt).input_ids)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of a conversation rendered with the model directory's chat template."""
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise InvalidRequestError(
-                "this model has no chat template (tokenizer_config / chat_template.jinja)"
-            )
-        try:
-            with self._tokenizer_lock:
-                ids = tok.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, tokenize=True
-                )
-        except Exception as e:  # jinja raises TemplateError and friends for bad messages
-            raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        """Token ids of a conversation rendered with a chat template (the request's, else the
+        model directory's): see :func:`loraplex.engine.chat.render_chat`. Thread-safe."""
+        return render_chat(
+            self.tokenizer,
+            self._tokenizer_lock,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            documents=documents,
+            add_special_tokens=add_special_tokens,
+        )
 
     def add_request(
         self,
