@@ -94,11 +94,13 @@ def create_app(
     )
     app.state.loraplex = state
     app.add_middleware(RequestGate, state=state)
+    app.add_middleware(ops_routes.HeadAsGet)  # HEAD on every GET route (outermost)
     _add_error_handlers(app, state)
-    routers = (ops_routes, openai_routes, residency, admin_routes, tokenize_routes)
-    ops_routes.allow_head(*(m.router for m in routers))
-    for module in routers:
-        app.include_router(module.router)
+    app.include_router(ops_routes.router)
+    app.include_router(openai_routes.router)
+    app.include_router(residency.router)
+    app.include_router(admin_routes.router)
+    app.include_router(tokenize_routes.router)
     return app
 
 

@@ -63,7 +63,7 @@ from loraplex.server.tools import ToolCall, ToolParser, parse_required, tool_cal
 router = APIRouter()
 
 
-@router.api_route("/v1/models", methods=["GET", "HEAD"])
+@router.get("/v1/models")
 def list_models(
     principal: Principal = Depends(inference_principal),
     state: ServerState = Depends(get_state),

@@ -1,6 +1,6 @@
 """Operational routes: ``/health`` and vLLM's ``/ping`` (200 while the engine loop runs, else
 503; always open, for probes), ``/version`` and ``/metrics`` (Prometheus text format). Every
-GET route of the app answers HEAD too (:func:`allow_head`), as vLLM's do.
+GET route of the app answers HEAD too (:class:`HeadAsGet`), as vLLM's do.
 
 Where auth is required (see :mod:`~loraplex.server.auth`), ``/version`` needs any valid key and
 ``/metrics`` the ``--metrics-api-key`` or an operator key; a tenant key gets 403 on ``/metrics``,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
-from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import loraplex
 from loraplex.registry import Principal
@@ -23,25 +23,25 @@ from loraplex.server.state import ServerState, get_state
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@router.get("/health")
 async def health(state: ServerState = Depends(get_state)) -> Response:
     if not state.client.is_running:
         return APIError(503, "the engine is not running", "service_unavailable").response()
     return Response(status_code=200)
 
 
-@router.api_route("/ping", methods=["GET", "HEAD", "POST"])
+@router.api_route("/ping", methods=["GET", "POST"])
 async def ping(state: ServerState = Depends(get_state)) -> Response:
     """vLLM's (SageMaker's) liveness route: ``/health``'s answer."""
     return await health(state)
 
 
-@router.api_route("/version", methods=["GET", "HEAD"])
+@router.get("/version")
 async def version() -> dict[str, str]:
     return {"version": loraplex.__version__}
 
 
-@router.api_route("/metrics", methods=["GET", "HEAD"])
+@router.get("/metrics")
 def metrics(
     principal: Principal = Depends(metrics_principal),
     state: ServerState = Depends(get_state),
@@ -49,11 +49,22 @@ def metrics(
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def allow_head(*routers: APIRouter) -> None:
-    """Let every GET route of ``routers`` answer HEAD as well (the same handler; the server
-    sends the headers without the body). Call before the routers are included in an app
-    (idempotent)."""
-    for r in routers:
-        for route in r.routes:
-            if isinstance(route, APIRoute) and "GET" in route.methods:
-                route.methods.add("HEAD")
+class HeadAsGet:
+    """ASGI middleware: a HEAD request is served by the GET route of its path, its response
+    sent without the body (headers, Content-Length included, as for GET). One place for every
+    route, and the OpenAPI schema keeps one operation per route."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
