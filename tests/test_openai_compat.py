@@ -361,7 +361,10 @@ def test_auto_tool_choice_parses_hermes_calls(server: Server) -> None:
 
 
 def test_tool_parsers() -> None:
-    from loraplex.server.tools import HermesToolParser, Llama3JsonToolParser
+    from loraplex.config import TOOL_CALL_PARSERS
+    from loraplex.server.tools import PARSERS, HermesToolParser, Llama3JsonToolParser
+
+    assert tuple(PARSERS) == TOOL_CALL_PARSERS  # the flag's choices are the parsers
 
     h = HermesToolParser()
     ex = h.extract('Hi <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n'
@@ -582,6 +585,43 @@ def test_chat_template_options(server: Server, tokenizer: Any) -> None:
         assert len(msg["content"]) > len("The capital of")
         assert r.json()["usage"]["completion_tokens"] == 4
     wait_idle(server)
+
+
+def test_server_chat_template_and_prompt_options(tiny_model: Path, tokenizer: Any) -> None:
+    """--chat-template replaces the tokenizer's (a request's own chat_template wins);
+    completions' add_special_tokens and truncate_prompt_tokens shape the prompt."""
+    from fastapi.testclient import TestClient
+
+    from loraplex.config import EngineConfig
+
+    config = ServerConfig(
+        EngineConfig(model=str(tiny_model), num_threads=1),
+        served_model_name=[BASE],
+        chat_template="{% for m in messages %}<{{ m['content'] }}>{% endfor %}",
+    )
+    with TestClient(create_app(config)) as h:
+        t = h.post("/tokenize", json={"messages": ASK}).json()
+        assert (
+            t["tokens"] == tokenizer(f"<{ASK[0]['content']}>", add_special_tokens=False).input_ids
+        )
+        own = h.post(
+            "/tokenize", json={"messages": ASK, "chat_template": "{{ messages[0]['role'] }}"}
+        )
+        assert own.json()["tokens"] == tokenizer("user", add_special_tokens=False).input_ids
+        r = h.post("/v1/chat/completions", json={"model": BASE, "messages": ASK, "max_tokens": 2,
+                                                 "ignore_eos": True})  # fmt: skip
+        assert r.json()["usage"]["prompt_tokens"] == len(t["tokens"])
+        ids = tokenizer(PROMPT).input_ids
+        for extra, want in [
+            ({"add_special_tokens": False}, tokenizer(PROMPT, add_special_tokens=False).input_ids),
+            ({"truncate_prompt_tokens": 3}, ids[-3:]),
+        ]:
+            r = h.post("/v1/completions", json={"model": BASE, "prompt": PROMPT, "max_tokens": 1,
+                                                "echo": True, "return_token_ids": True, **extra})  # fmt: skip
+            choice = r.json()["choices"][0]
+            assert choice["prompt_token_ids"] == want
+            assert r.json()["usage"]["prompt_tokens"] == len(want)
+        assert choice["text"].startswith(tokenizer.decode(ids[-3:]))
 
 
 # -- tokenize / detokenize / ping / HEAD --------------------------------------------------------

@@ -597,6 +597,15 @@ class ServerConfig:
         ),
     )
 
+    # -- chat and tools (vLLM's OpenAI frontend flags) ----------------------------------------
+    chat_template: str | None = field(  # the template text (the command line reads a file)
+        default=None,
+        metadata=setting(
+            "--chat-template",
+            metavar="FILE_OR_TEMPLATE",
+            help="Jinja chat template: a file, or the template itself (default: the tokenizer's)",
+        ),
+    )
     enable_auto_tool_choice: bool = field(
         default=False,
         metadata=setting(

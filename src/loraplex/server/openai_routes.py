@@ -188,11 +188,12 @@ async def _completions(
     text_of = TokenText(state.client, as_ids=bool(body.return_tokens_as_token_ids))
     created = int(time.time())
     n = params.n
+    whole = body.truncate_prompt_tokens is None  # a text prompt echoes as it was sent
     echo_text = [
-        (p if isinstance(p, str) and isinstance(e, str) else text_of.decode(q.prompt_token_ids))
+        (p if isinstance(p, str) and whole else text_of.decode(q.prompt_token_ids))
         if body.echo and text_of.has_tokenizer
         else ""
-        for p, e, q in zip(prompts, engine_prompts, prepared, strict=True)
+        for p, q in zip(prompts, prepared, strict=True)
     ]
     num_top = body.logprobs or 0
 
@@ -406,7 +407,7 @@ async def _chat_completions(
         messages,
         body.generation_prompt,
         continue_final_message=body.continue_final_message,
-        chat_template=body.chat_template,
+        chat_template=body.chat_template or state.config.chat_template,
         chat_template_kwargs=body.chat_template_kwargs,
         tools=body.template_tools(),
         documents=body.documents,

@@ -49,7 +49,7 @@ async def tokenize(
             [m.as_template_message() for m in body.messages],
             body.generation_prompt,
             continue_final_message=body.continue_final_message,
-            chat_template=body.chat_template,
+            chat_template=body.chat_template or state.config.chat_template,
             chat_template_kwargs=body.chat_template_kwargs,
             tools=[t.model_dump(by_alias=True, exclude_none=True) for t in body.tools]
             if body.tools
