@@ -556,6 +556,18 @@ def test_completion_logprob_tokens_name_each_token(
     assert as_ids["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
     assert as_ids["token_ids"] == ids
     assert as_ids["prompt_token_ids"] == tokenizer(PROMPT).input_ids
+    with server.http() as h:
+        chat = h.post("/v1/chat/completions", json={
+            "model": BASE, "messages": ASK, "max_tokens": 5, "ignore_eos": True,
+            "return_token_ids": True}).json()  # fmt: skip
+        prompt = h.post("/tokenize", json={"messages": ASK}).json()["tokens"]
+        _, events = sse(h, "/v1/chat/completions", {
+            "model": BASE, "messages": ASK, "max_tokens": 5, "ignore_eos": True, "temperature": 0,
+            "return_token_ids": True})  # fmt: skip
+    assert chat["prompt_token_ids"] == prompt
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"] == 5
+    assert events[0]["prompt_token_ids"] == prompt
+    assert [len(e["choices"][0]["token_ids"]) for e in events[1:]] == [1] * 5
     # bytes of byte-level tokens come from the GPT-2 byte map
     vocab = server.state.client.vocab
     for t in ids:
@@ -727,3 +739,30 @@ def test_unknown_fields_are_logged_once(server: Server, caplog: pytest.LogCaptur
     (chat,) = [x for x in lines if x.startswith("/v1/chat/completions")]
     assert "'frobnicate'" in chat and "'messages[].colour'" in chat
     wait_idle(server)
+
+
+def test_token_vocab_of_a_sentencepiece_style_tokenizer() -> None:
+    """Byte-fallback pieces (<0xE2>) are single bytes and keep their own names; the metaspace
+    stands for a space; added tokens are their text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from loraplex.engine.vocab import TokenVocab
+
+    vocab = {"<unk>": 0, "<s>": 1, "\u2581the": 2, "the": 3, "<0xE2>": 4, "<0x82>": 5,
+             "<0xAC>": 6, "\u2581": 7}  # fmt: skip
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split("\u2581", "merged_with_next")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>")
+    v = TokenVocab(fast)
+    assert not v.byte_level and v.metaspace
+    assert v.token_bytes(2) == b" the" and v.text(2) == " the"
+    assert v.token_bytes(3) == b"the"
+    assert [v.token_bytes(t) for t in (4, 5, 6)] == [b"\xe2", b"\x82", b"\xac"]
+    assert [v.text(t) for t in (4, 5, 6)] == ["<0xE2>", "<0x82>", "<0xAC>"]  # distinct names
+    assert b"".join(v.token_bytes(t) for t in (4, 5, 6)).decode() == "\u20ac"
+    assert v.token_bytes(1) == b"<s>" and v.piece(2) == "\u2581the"

@@ -105,9 +105,6 @@ class EngineClient:
         )
         self.num_observer_errors = 0  # load observers that raised (logged, nothing else)
         self._vocab: TokenVocab | None = None
-        # the model's generation_config defaults (SamplingParams field names) for the fields
-        # a request omits; empty until the model config provides them
-        self.generation_defaults: dict[str, Any] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig, **options: Any) -> EngineClient:
@@ -238,6 +235,13 @@ class EngineClient:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's default sampling parameters by SamplingParams field name, for the
+        fields a request leaves out. Helper C's branch reads them from generation_config.json
+        (``ModelConfig.generation_defaults``); on this branch there are none."""
+        return {}
 
     # -- gauges ----------------------------------------------------------------------------------
     @property

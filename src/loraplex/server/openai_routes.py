@@ -440,12 +440,15 @@ async def _chat_completions(
 
         async def chunks(finals: dict[int, RequestOutput]) -> AsyncIterator[dict[str, Any]]:
             opening = {"role": role, "content": ""}
-            yield {
+            first: dict[str, Any] = {
                 "choices": [
                     {"index": j, "delta": dict(opening), "logprobs": None, "finish_reason": None}
                     for j in range(params.n)
                 ]
             }  # fmt: skip
+            if body.return_token_ids:
+                first["prompt_token_ids"] = list(ids)
+            yield first
             if echo:
                 yield {
                     "choices": [
@@ -469,6 +472,8 @@ async def _chat_completions(
                 }
                 if d.done:
                     c["stop_reason"] = o.stop_reason
+                if body.return_token_ids:
+                    c["token_ids"] = d.token_ids
                 chunk: dict[str, Any] = {"choices": [c]}
                 if continuous:
                     chunk["usage"] = _usage_chunk(num_prompt, d.num_tokens)
@@ -495,9 +500,12 @@ async def _chat_completions(
                 "logprobs": chat_logprobs(o.logprobs, text_of) if o.logprobs is not None else None,
                 "finish_reason": m.finish_reason,
                 "stop_reason": o.stop_reason,
+                **({"token_ids": list(o.token_ids)} if body.return_token_ids else {}),
             }
         )
     final = {**base, "object": "chat.completion"}
+    if body.return_token_ids:
+        final["prompt_token_ids"] = list(out.prompt_token_ids)
     if params.prompt_logprobs is not None:
         final["prompt_logprobs"] = prompt_logprobs_json(
             out.prompt_token_ids, out.prompt_logprobs, params.prompt_logprobs, text_of

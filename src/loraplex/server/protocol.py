@@ -116,7 +116,7 @@ class UnknownFields:
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default once stream_options is sent
     continuous_usage_stats: bool = False
 
 
@@ -286,11 +286,11 @@ class _SamplingBody(_Body):
             refuse("kv_transfer_params", "there is no disaggregated serving here")
         if self.vllm_xargs:
             refuse("vllm_xargs", "this server has no custom extensions")
-        if self.guided_decoding_backend not in (None, "auto"):
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
             refuse(
                 "guided_decoding_backend",
-                f"the server's grammar engine is fixed (got {self.guided_decoding_backend!r}; "
-                "use 'auto' or omit it)",
+                f"the server's grammar engine is xgrammar (got {self.guided_decoding_backend!r}; "
+                "use 'auto', 'xgrammar' or omit it)",
             )
         if self.guided_whitespace_pattern is not None:
             refuse("guided_whitespace_pattern", "JSON whitespace follows the grammar engine")

@@ -113,7 +113,15 @@ def completion_logprobs(
             continue
         token_lps.append(_finite(st.logprob))
         best = sorted(st.top.items(), key=lambda kv: -kv[1])[:num_top]
-        tops.append({text_of(t): _finite(v) for t, v in [(st.token_id, st.logprob), *best]})
+        top: dict[str, float] = {}
+        owner: dict[str, int] = {}
+        for t, v in [(st.token_id, st.logprob), *best]:
+            name = text_of(t)
+            if owner.get(name, t) != t:  # two ids with the same bytes: keep both entries
+                name = f"token_id:{t}"
+            owner[name] = t
+            top[name] = _finite(v)
+        tops.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": token_lps,
