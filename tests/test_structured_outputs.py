@@ -152,3 +152,11 @@ def test_structured_output_spec_validation() -> None:
     assert choice_ebnf(('a"b',)) == 'root ::= "a\\"b"'
     with pytest.raises(InvalidRequestError, match="structured"):
         SamplingParams(structured={"regex": "a"})  # type: ignore[arg-type]
+
+
+def test_structured_outputs_need_a_tokenizer(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model), dtype="float32", enable_lora=False, skip_tokenizer_init=True)
+    with pytest.raises(InvalidRequestError, match="tokenizer") as e:
+        llm.generate([[5, 6, 7]], _sp(StructuredOutput(regex="a+")))
+    assert e.value.param == "structured_outputs"
+    assert llm.engine.is_idle()

@@ -87,8 +87,11 @@ class StreamDetokenizer:
         self._backend = backend  # the tokenizers.Tokenizer behind the HF tokenizer
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._stream: Any = DecodeStream(skip_special_tokens=skip_special_tokens)
-        for t in self._ids:  # prime with the context; its text is the prompt's, not ours
-            self._stream.step(backend, t)
+        try:
+            for t in self._ids:  # prime with the context; its text is the prompt's, not ours
+                self._stream.step(backend, t)
+        except Exception:  # an invalid byte run in the prompt: the window decode serves
+            self._stream = None
         self._done = len(self._ids)  # ids whose text has been emitted
         self.text = ""
 
@@ -142,8 +145,8 @@ def make_detokenizer(
     try:
         from tokenizers import Tokenizer
         from tokenizers.decoders import DecodeStream  # noqa: F401
-    except ImportError:
-        backend = None
+    except ImportError:  # tokenizers too old for DecodeStream
+        return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
     if isinstance(backend, Tokenizer):
         return StreamDetokenizer(tokenizer, backend, prompt_ids, skip_special_tokens)
     return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
