@@ -90,3 +90,30 @@ def test_prompt_logprobs_with_n_and_mixed_batch(llm: LLM, adapters: dict[str, Pa
     assert a.prompt_logprobs is not None and len(a.prompt_logprobs) == len(a.prompt_token_ids)
     assert len(a.outputs) == 2 and a.outputs[0].token_ids == a.outputs[1].token_ids
     assert b.prompt_logprobs is None and b.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_prompt_logprobs_survive_preemption(tiny_model: Path) -> None:
+    """Sequences preempted (KV freed, recomputed) mid-prompt or mid-output keep one complete,
+    correct list of prompt logprobs."""
+    llm = LLM(
+        str(tiny_model),
+        dtype="float32",
+        enable_lora=False,
+        block_size=16,
+        num_kv_blocks=8,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+    )
+    ref = load_merged_reference(tiny_model, None)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=2)
+    prompts = [p + " " + str(i) for i, p in enumerate(PROMPTS * 2)]
+    outs = llm.generate(prompts, sp)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        ids = out.prompt_token_ids
+        want = _reference(ref, ids)
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(ids)
+        for i, entry in enumerate(got[1:]):
+            assert entry[ids[i + 1]] == pytest.approx(float(want[i, ids[i + 1]]), abs=1e-4)
+    assert llm.engine.is_idle()
