@@ -73,7 +73,7 @@ def test_penalty_ops_match_the_loop_reference() -> None:
     bias = {3: 5.0, 7: -100.0}
     got = apply_logit_bias(logits, bias)
     want = _reference_row(logits.tolist(), [], [], 0.0, 0.0, 1.0, bias)
-    assert got.tolist() == pytest.approx(want, abs=1e-6)
+    assert got.tolist() == pytest.approx(want, abs=1e-4)  # float32 vs Python floats
 
 
 def test_min_p_filter() -> None:
