@@ -86,9 +86,12 @@ class StreamDetokenizer:
         self._skip = skip_special_tokens
         self._backend = backend  # the tokenizers.Tokenizer behind the HF tokenizer
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        for t in self._ids:  # prime with the context; its text is the prompt's, not ours
-            self._stream.step(backend, t)
+        self._stream: Any = DecodeStream(skip_special_tokens=skip_special_tokens)
+        try:
+            for t in self._ids:  # prime with the context; its text is the prompt's, not ours
+                self._stream.step(backend, t)
+        except Exception:  # an invalid byte run in the prompt: the window decode serves
+            self._stream = None
         self._done = len(self._ids)  # ids whose text has been emitted
         self.text = ""
 
@@ -98,23 +101,37 @@ class StreamDetokenizer:
         delta = ""
         for t in token_ids:
             self._ids.append(t)
-            chunk = self._stream.step(self._backend, t)
-            if chunk is not None:
-                delta += chunk
-                self._done = len(self._ids)
+            if self._stream is not None:
+                try:
+                    chunk = self._stream.step(self._backend, t)
+                except Exception:  # tokenizers gives up on some invalid byte runs
+                    self._stream = None  # the window decode takes over for good
+                else:
+                    if chunk is not None:
+                        delta += chunk
+                        self._done = len(self._ids)
+                    continue
+            delta += self._window(final=False)
         self.text += delta
         return delta
 
-    def flush(self) -> str:
-        """Emit what the stream still holds (the sequence ended), incomplete characters
-        included (as U+FFFD, like a full decode)."""
+    def _window(self, final: bool) -> str:
+        """Text of the ids after ``_done``, decoded with a few ids before them as context;
+        empty (and nothing consumed) while it ends in an incomplete character, unless final."""
         if self._done == len(self._ids):
             return ""
         ctx = max(0, self._done - _CONTEXT_TOKENS)
         prefix_text = self._tok.decode(self._ids[ctx : self._done], skip_special_tokens=self._skip)
         window = self._tok.decode(self._ids[ctx:], skip_special_tokens=self._skip)
-        delta = window[len(prefix_text) :]
+        if not final and (len(window) <= len(prefix_text) or window.endswith(_INCOMPLETE)):
+            return ""
         self._done = len(self._ids)
+        return window[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Emit what is still held (the sequence ended), incomplete characters included (as
+        U+FFFD, like a full decode)."""
+        delta = self._window(final=True)
         self.text += delta
         return delta
 
@@ -128,8 +145,8 @@ def make_detokenizer(
     try:
         from tokenizers import Tokenizer
         from tokenizers.decoders import DecodeStream  # noqa: F401
-    except ImportError:
-        backend = None
+    except ImportError:  # tokenizers too old for DecodeStream
+        return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
     if isinstance(backend, Tokenizer):
         return StreamDetokenizer(tokenizer, backend, prompt_ids, skip_special_tokens)
     return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)

@@ -213,9 +213,10 @@ class LLMEngine:
                         "structured outputs need a tokenizer (skip_tokenizer_init=True was set)",
                         param="structured_outputs",
                     )
-                self._structured = StructuredOutputBackend(
-                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
-                )
+                with self._tokenizer_lock:  # it reads the whole vocabulary
+                    self._structured = StructuredOutputBackend(
+                        self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+                    )
             return self._structured
 
     def _num_kv_blocks(self) -> int:
