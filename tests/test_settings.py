@@ -150,8 +150,11 @@ SERVE_SAMPLES = {  # settings whose values have a syntax of their own: one valid
     "registry_url": "sqlite://",
     "trusted_keys": "KEY",
     "allowed_store_prefixes": "s3://bucket/adapters/",
+    "chat_template": "{{ messages[0].content }}",
+    "tool_call_parser": "hermes",
 }
 SERVE_NEEDS = {  # cross-field rules: what else a setting needs to be valid
+    "enable_auto_tool_choice": ["--tool-call-parser", "hermes"],
     "disk_cache_dir": ["--disk-cache-bytes", "1G"],
     "disk_cache_bytes": ["--disk-cache-dir", "DIR"],
     "lora_modules": ["--enable-lora"],

@@ -20,6 +20,8 @@ ADAPTER_EVICTION_POLICIES = ("hybrid", "lru", "lfu", "fifo")
 WARM_POLICIES = ("device-preferred", "host", "on-demand")  # how an adapter is pre-warmed
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+"""Names of ``loraplex.server.tools.PARSERS`` (checked by a test; config imports nothing)."""
 ENV_API_KEYS = ("LORAPLEX_API_KEY", "VLLM_API_KEY")  # first one set wins
 ENV_ADMIN_API_KEY = "LORAPLEX_ADMIN_API_KEY"
 ENV_METRICS_API_KEY = "LORAPLEX_METRICS_API_KEY"
@@ -595,6 +597,33 @@ class ServerConfig:
         ),
     )
 
+    # -- chat and tools (vLLM's OpenAI frontend flags) ----------------------------------------
+    chat_template: str | None = field(  # the template text (the command line reads a file)
+        default=None,
+        metadata=setting(
+            "--chat-template",
+            metavar="FILE_OR_TEMPLATE",
+            help="Jinja chat template: a file, or the template itself (default: the tokenizer's)",
+        ),
+    )
+    enable_auto_tool_choice: bool = field(
+        default=False,
+        metadata=setting(
+            "--enable-auto-tool-choice",
+            help='let the model choose to call tools (tool_choice "auto"; needs '
+            "--tool-call-parser; default: {default})",
+        ),
+    )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata=setting(
+            "--tool-call-parser",
+            choices=TOOL_CALL_PARSERS,
+            metavar="NAME",
+            help="how tool calls are read out of generated text: {choices}",
+        ),
+    )
+
     @property
     def model_names(self) -> list[str]:
         """Names the base model answers to; the first is reported in responses."""
@@ -632,6 +661,12 @@ class ServerConfig:
                 self,
                 "metrics_api_key",
                 "the metrics key must differ from the inference and admin keys",
+            )
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise FieldError(
+                self,
+                "enable_auto_tool_choice",
+                lambda n: f"needs {n('tool_call_parser')} (one of {', '.join(TOOL_CALL_PARSERS)})",
             )
         if self.require_signatures and not self.trusted_keys:
             raise FieldError(

@@ -25,6 +25,10 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
+    # text offset after each generated token: text[ends[i-1]:ends[i]] is token i's text (empty
+    # while a character is incomplete or text is held back), so a server can send one chunk per
+    # token; len(token_text_ends) == len(token_ids), every end <= len(text)
+    token_text_ends: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -37,3 +41,6 @@ class RequestOutput:
     adapter: AdapterRef | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # per prompt token: {token id: logprob} with the prompt token and the top-k alternatives
+    # given its prefix; None for the first token (no prefix), as vLLM
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -1,12 +1,61 @@
-"""Request-side value types mirroring vLLM's offline API: SamplingParams and LoRARequest."""
+"""Request-side value types mirroring vLLM's offline API: SamplingParams, StructuredOutput and
+LoRARequest."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loraplex.types import InvalidRequestError
+
+_MAX_LOGPROBS = 20
+
+
+def _is_number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float))
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one of these constrains the generated text (vLLM's ``structured_outputs``).
+
+    ``json_schema``: a JSON Schema (OpenAI's ``json_object`` is ``{"type": "object"}``);
+    ``regex``: a regular expression the whole output matches; ``choice``: the output is one of
+    these strings; ``grammar``: an EBNF (GBNF) grammar whose ``root`` rule the output matches.
+    """
+
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured output needs exactly one of json_schema, regex, choice, grammar "
+                f"(got {', '.join(given) or 'none'})",
+                param=given[1] if len(given) > 1 else "structured_outputs",
+            )
+        kind = given[0]
+        if kind == "json_schema" and not isinstance(self.json_schema, dict):
+            raise InvalidRequestError("json_schema must be a JSON object", param=kind)
+        if kind in ("regex", "grammar") and not isinstance(getattr(self, kind), str):
+            raise InvalidRequestError(f"{kind} must be a string", param=kind)
+        if kind == "choice" and (
+            not isinstance(self.choice, tuple)
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise InvalidRequestError("choice must be a list of non-empty strings", param=kind)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json_schema, regex, choice or grammar."""
+        return next(k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k))
 
 
 @dataclass
@@ -26,6 +75,14 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0: chosen only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides (>0) / multiplies (<0) prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    best_of: int | None = None  # sample best_of, return the n with the highest cumulative logprob
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (0: the token's only)
+    structured: StructuredOutput | None = None  # constrains the output (JSON, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,8 +95,10 @@ class SamplingParams:
         """Raise InvalidRequestError naming the first bad field."""
 
         def bad(name: str, why: str) -> None:
+            shown = repr(getattr(self, name))
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise InvalidRequestError(
-                f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}"
+                f"invalid sampling parameter {name}={shown}: {why}", param=name
             )
 
         for name in ("temperature", "top_p"):
@@ -67,20 +126,64 @@ class SamplingParams:
         ):
             bad("min_tokens", "must be in [0, max_tokens]")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= _MAX_LOGPROBS
         ):
-            bad("logprobs", "must be an integer in [0, 20]")
+            bad("logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):  # type: ignore[union-attr]
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
             bad("stop_token_ids", "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                bad(name, "must be a number in [-2, 2]")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not (rp > 0 and math.isfinite(rp)):
+            bad("repetition_penalty", "must be a finite number > 0")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be a number in [0, 1]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must map token ids to numbers")
+            for t, v in self.logit_bias.items():  # type: ignore[union-attr]
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    bad("logit_bias", f"key {t!r} is not a token id (an integer >= 0)")
+                if not _is_number(v) or not -100.0 <= v <= 100.0:
+                    bad("logit_bias", f"bias {v!r} of token {t} is not a number in [-100, 100]")
+        if self.best_of is not None and (
+            isinstance(self.best_of, bool)
+            or not isinstance(self.best_of, int)
+            or self.best_of < self.n
+        ):
+            bad("best_of", f"must be an integer >= n ({self.n})")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}]")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured", "must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:
         """Temperatures below 1e-5 sample the argmax (as vLLM); dividing by them overflows."""
         return self.temperature < 1e-5
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the engine runs for this request: ``best_of`` (when set), else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 @dataclass(init=False)

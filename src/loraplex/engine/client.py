@@ -8,7 +8,8 @@ adapter cache, and offers what a server needs:
                reserve/unreserve waiting places (sequences) -> generate (a RequestStream of
                RequestOutput snapshots, the latest unread one kept) -> abort / discard;
                run_in_pool;
-               chat template, decode, max_model_len
+               chat template, tokenize, decode, vocab (token pieces and bytes),
+               vocab_size, max_model_len
     life cycle start, shutdown, is_running
     gauges     num_waiting, num_running, kv_cache_usage, waiting / device adapter digests,
                step observers
@@ -31,6 +32,7 @@ and benchmarks; a server goes through the methods only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import tempfile
 from collections import Counter
@@ -51,8 +53,9 @@ from loraplex.engine.async_engine import (
     StreamStalledError,
 )
 from loraplex.engine.llm_engine import LLMEngine, PreparedRequest, StepStats
+from loraplex.engine.vocab import TokenVocab
 from loraplex.requests import SamplingParams
-from loraplex.types import AdapterError, AdapterRef, AdapterSpec
+from loraplex.types import AdapterError, AdapterRef, AdapterSpec, InvalidRequestError
 
 __all__ = [
     "AdapterResidency",
@@ -101,6 +104,7 @@ class EngineClient:
             stream_bounds=stream_bounds,
         )
         self.num_observer_errors = 0  # load observers that raised (logged, nothing else)
+        self._vocab: TokenVocab | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, **options: Any) -> EngineClient:
@@ -172,28 +176,72 @@ class EngineClient:
         return await self.aengine.run_in_pool(fn, *args)
 
     async def chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **options: Any,
     ) -> list[int]:
-        """Token ids of a conversation under the model's chat template (in the worker pool)."""
+        """Token ids of a conversation under a chat template, in the worker pool; ``options``:
+        :meth:`LLMEngine.apply_chat_template`'s keywords (continue_final_message,
+        chat_template, chat_template_kwargs, tools, documents, add_special_tokens)."""
         return await self.run_in_pool(
-            self.engine.apply_chat_template, messages, add_generation_prompt
+            functools.partial(self.engine.apply_chat_template, **options),
+            messages,
+            add_generation_prompt,
         )
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the tokenizer's special tokens, e.g. BOS, unless
+        ``add_special_tokens`` is false), in the worker pool."""
+        if add_special_tokens:
+            return await self.run_in_pool(self.engine.tokenize, text)
+        return await self.run_in_pool(self._encode_plain, text)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError(
+                "text prompts need a tokenizer (skip_tokenizer_init=True was set)"
+            )
+        with self.engine._tokenizer_lock:  # the engine's lock: HF tokenizers are not shareable
+            return [int(t) for t in tok(text, add_special_tokens=False).input_ids]
 
     @property
     def has_tokenizer(self) -> bool:
         """False when the engine runs without one (``skip_tokenizer_init``: token ids only)."""
         return self.engine.tokenizer is not None
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """The text of ``token_ids`` (needs :attr:`has_tokenizer`)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise RuntimeError("this engine has no tokenizer")
-        return str(tok.decode(token_ids))
+        return str(tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    @property
+    def vocab(self) -> TokenVocab:
+        """Each token's own piece, bytes and logprob name (needs :attr:`has_tokenizer`)."""
+        if self._vocab is None:
+            tok = self.engine.tokenizer
+            if tok is None:
+                raise RuntimeError("this engine has no tokenizer")
+            self._vocab = TokenVocab(tok)
+        return self._vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's default sampling parameters by SamplingParams field name, for the
+        fields a request leaves out. Helper C's branch reads them from generation_config.json
+        (``ModelConfig.generation_defaults``); on this branch there are none."""
+        return {}
 
     # -- gauges ----------------------------------------------------------------------------------
     @property

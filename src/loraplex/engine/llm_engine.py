@@ -15,11 +15,13 @@ import torch
 from loraplex.cache.adapters import TieredAdapterCache
 from loraplex.config import EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
-from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.chat import render_chat
+from loraplex.engine.detokenizer import make_detokenizer
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.structured import GrammarState, StructuredOutputBackend
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.adapter import BaseModelSpec
@@ -71,6 +73,13 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> tor
     if saved in ("bfloat16", "float16") and cpu_has_fast_bf16():
         return torch.bfloat16
     return torch.float32
+
+
+def _snapshot(
+    prompt_logprobs: list[dict[int, float] | None] | None,
+) -> list[dict[int, float] | None] | None:
+    """A copy of the prompt logprobs for an output (the dicts are never changed once made)."""
+    return None if prompt_logprobs is None else list(prompt_logprobs)
 
 
 @dataclass
@@ -174,6 +183,8 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step = StepStats()
         self._tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share for encode
+        self._structured: StructuredOutputBackend | None = None  # made on first use
+        self._structured_lock = threading.Lock()
 
     # -- set-up helpers --------------------------------------------------------------------------
     @staticmethod
@@ -191,6 +202,22 @@ class LLMEngine:
             return AutoTokenizer.from_pretrained(str(model_dir))
         except Exception as e:  # transformers raises many types here
             raise ModelLoadError(f"{model_dir}: cannot load tokenizer ({e})") from e
+
+    @property
+    def structured_outputs(self) -> StructuredOutputBackend:
+        """The grammar compiler and cache (built on first use: it indexes the vocabulary)."""
+        with self._structured_lock:
+            if self._structured is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        "structured outputs need a tokenizer (skip_tokenizer_init=True was set)",
+                        param="structured_outputs",
+                    )
+                with self._tokenizer_lock:  # it reads the whole vocabulary
+                    self._structured = StructuredOutputBackend(
+                        self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+                    )
+            return self._structured
 
     def _num_kv_blocks(self) -> int:
         c, mc = self.config, self.model_config
@@ -248,24 +275,31 @@ class LLMEngine:
             return list(self.tokenizer(prompt).input_ids)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of a conversation rendered with the model directory's chat template."""
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise InvalidRequestError(
-                "this model has no chat template (tokenizer_config / chat_template.jinja)"
-            )
-        try:
-            with self._tokenizer_lock:
-                ids = tok.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, tokenize=True
-                )
-        except Exception as e:  # jinja raises TemplateError and friends for bad messages
-            raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        """Token ids of a conversation rendered with a chat template (the request's, else the
+        model directory's): see :func:`loraplex.engine.chat.render_chat`. Thread-safe."""
+        return render_chat(
+            self.tokenizer,
+            self._tokenizer_lock,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            documents=documents,
+            add_special_tokens=add_special_tokens,
+        )
 
     def add_request(
         self,
@@ -323,8 +357,17 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"stop_token_ids contains {bad}, which is outside the vocabulary [0, {vocab})"
             )
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"logit_bias names token {bad}, which is outside the vocabulary [0, {vocab})",
+                param="logit_bias",
+            )
         max_tokens = self.check_max_tokens(ids, params.max_tokens)
         eos_ids = tuple(self.eos_token_ids)
+        compiled = None  # compiled on the backend's pool; this (worker) thread waits
+        if params.structured is not None:
+            compiled = self.structured_outputs.compile(params.structured)
         spec = self._adapter_spec(lora_request)
         adapter = None
         if spec is not None and self.adapters is not None:
@@ -335,16 +378,16 @@ class LLMEngine:
         held = 1 if adapter is not None else 0
         seqs = []
         try:
-            for _ in range(params.n - 1 if adapter is not None else 0):
+            for _ in range(params.num_seqs - 1 if adapter is not None else 0):
                 self.adapters.retain(adapter)  # type: ignore[union-attr, arg-type]
                 held += 1  # one host reference per completion
-            for i in range(params.n):
+            for i in range(params.num_seqs):
                 gen = None
                 if params.seed is not None:  # torch seeds are 64-bit: wrap like torch does
                     gen = torch.Generator().manual_seed((params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF)
                 detok = None
                 if self.tokenizer is not None:
-                    detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                    detok = make_detokenizer(self.tokenizer, ids, params.skip_special_tokens)
                 seq = Sequence(
                     request_id=request_id,
                     prompt=text,
@@ -356,6 +399,11 @@ class LLMEngine:
                     eos_token_ids=eos_ids,
                     detokenizer=detok,
                     cache_salt=cache_salt,
+                    grammar=GrammarState(compiled) if compiled is not None else None,
+                    # the first sequence computes the request's prompt logprobs
+                    prompt_logprobs=[None]
+                    if i == 0 and params.prompt_logprobs is not None
+                    else None,
                 )
                 seqs.append(seq)
         except BaseException:
@@ -473,7 +521,16 @@ class LLMEngine:
             seq.output_token_ids.append(tok)
             self._check_stop(seq, tok)
             touched[seq.request_id] = None
-        return [self._output(rid) for rid in touched if rid in self.requests]
+        return [self._output(rid) for rid in touched if self._reports(rid)]
+
+    def _reports(self, request_id: str) -> bool:
+        """Whether the request has an output to report now: a best_of request (which picks
+        its n completions when all are done) only once finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        p = req.seqs[0].params
+        return p.num_seqs == p.n or all(s.is_finished for s in req.seqs)
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
@@ -483,6 +540,12 @@ class LLMEngine:
             reason, seq.stop_reason = FinishReason.STOP.value, tok
         elif not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
             reason = FinishReason.STOP.value
+        if seq.grammar is not None and reason is None:
+            if not seq.grammar.accept(tok):  # the mask allows only accepted tokens
+                log.warning("request %s: token %d rejected by its grammar", seq.request_id, tok)
+                reason = FinishReason.STOP.value
+            elif seq.grammar.terminated:  # complete, and its stop token came
+                reason = FinishReason.STOP.value
         if reason is None and n_out >= seq.max_tokens:
             reason = FinishReason.LENGTH.value
         if seq.detokenizer is not None:
@@ -500,6 +563,7 @@ class LLMEngine:
                         seq.text = seq.text[: at + (len(s) if p.include_stop_str_in_output else 0)]
                         reason, seq.stop_reason = FinishReason.STOP.value, s
                         break
+        seq.token_text_ends.append(len(seq.text))
         if reason is not None:
             self._finish(seq, reason)
 
@@ -511,8 +575,12 @@ class LLMEngine:
     def _output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
         finished = all(s.is_finished for s in req.seqs)
+        seqs = req.seqs
+        p = seqs[0].params
+        if p.num_seqs > p.n:  # best_of: the n with the highest cumulative logprob, as vLLM
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
         outs = []
-        for i, s in enumerate(req.seqs):
+        for i, s in enumerate(seqs):
             text = s.text
             if s.params.stop and not s.is_finished:  # hold back what may start a stop string
                 hold = max(len(x) for x in s.params.stop) - 1  # type: ignore[union-attr]
@@ -525,7 +593,8 @@ class LLMEngine:
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                     logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                    cumulative_logprob=s.cumulative_logprob if s.tracks_logprobs else None,
+                    token_text_ends=[min(e, len(text)) for e in s.token_text_ends],
                 )
             )
         if finished:
@@ -538,6 +607,7 @@ class LLMEngine:
             finished=finished,
             adapter=req.adapter_ref,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
+            prompt_logprobs=_snapshot(req.seqs[0].prompt_logprobs),
         )
 
     # -- introspection ---------------------------------------------------------------------------

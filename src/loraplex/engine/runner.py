@@ -3,9 +3,15 @@
 Adapter slots come with the batch: ``batch.slot_rows[slot]`` is the ``(row_start, row_end)``
 range the slot's adapter occupies in the slot bank's tables (recorded when the engine activated
 the batch's adapters); the runner never asks the adapter cache.
+
+Prompt logprobs: for a sequence that asked for them, the hidden state of every prompt position
+in the step's chunk is kept, and ``logprob(prompt[p + 1] | prompt[:p + 1])`` (with the top-k) is
+computed from it in row chunks that bound the [rows, vocab] logits' memory.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +21,18 @@ from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.plan import LoRAPlanCosts, plan_lora_batch
 from loraplex.model.attention import AttentionMetadata, PrefillSpan
 from loraplex.model.llama import ForwardBatch, LlamaForCausalLM
+
+_PROMPT_LOGITS_ELEMS = 1 << 24  # floats of [rows, vocab] prompt logits held at once (64 MiB)
+
+
+@dataclass
+class PromptLogprobRows:
+    """Prompt positions of one sequence computed this step: batch ``rows`` predict the prompt
+    tokens from index ``first`` on (``rows[i]`` -> ``prompt_token_ids[first + i]``)."""
+
+    seq: Sequence
+    rows: list[int]
+    first: int
 
 
 class ModelRunner:
@@ -48,8 +66,9 @@ class ModelRunner:
 
     def prepare(
         self, items: list[tuple[Sequence, int]], slot_rows: dict[int, tuple[int, int]]
-    ) -> tuple[ForwardBatch, list[Sequence]]:
-        """Flatten the step into a ForwardBatch; returns it and the sequences that sample.
+    ) -> tuple[ForwardBatch, list[Sequence], list[PromptLogprobRows]]:
+        """Flatten the step into a ForwardBatch; returns it, the sequences that sample and the
+        prompt positions whose logprobs are due.
 
         ``slot_rows``: slot -> (row_start, row_end) of the adapters in ``items``."""
         ids: list[int] = []
@@ -61,9 +80,17 @@ class ModelRunner:
         logits_idx: list[int] = []
         samplers: list[Sequence] = []
         segments: list[tuple[int, int, int, int]] = []
+        prompt_rows: list[PromptLogprobRows] = []
         t = 0
         for seq, n in items:
             start = seq.num_computed_tokens
+            if seq.needs_prompt_logits:
+                # position p predicts prompt[p + 1]; the first len(done) targets are known
+                done = len(seq.prompt_logprobs or ())
+                lo, hi = max(start, done - 1), min(start + n, len(seq.prompt_token_ids) - 1)
+                if lo < hi:
+                    rows = list(range(t + lo - start, t + hi - start))
+                    prompt_rows.append(PromptLogprobRows(seq, rows, lo + 1))
             ids += seq.all_token_ids[start : start + n]
             positions += range(start, start + n)
             slot_chunks.append(self._slots(seq, start, start + n))
@@ -118,10 +145,41 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             lora_plan=plan,
         )
-        return fb, samplers
+        return fb, samplers, prompt_rows
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Forward the step; returns logits [S, vocab] (float32) and the sampling sequences."""
-        fb, samplers = self.prepare(self.order(batch), batch.slot_rows)
-        logits = self.model.forward(fb, self.cache)  # [0, vocab] for partial prefill chunks only
-        return logits, samplers
+        """Forward the step; returns logits [S, vocab] (float32) and the sampling sequences.
+        Prompt logprobs due this step are appended to their sequences."""
+        fb, samplers, prompt_rows = self.prepare(self.order(batch), batch.slot_rows)
+        if not prompt_rows:
+            logits = self.model.forward(fb, self.cache)  # [0, vocab] for partial prefills only
+            return logits, samplers
+        h = self.model.hidden_states(fb, self.cache)  # [T, D]
+        for job in prompt_rows:
+            self._prompt_logprobs(h, job)
+        return self.model.compute_logits(h[fb.logits_indices]), samplers
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, h: torch.Tensor, job: PromptLogprobRows) -> None:
+        """Append {prompt token: logprob, top-k...} for ``job``'s rows to its sequence.
+        h: [T, D] last-layer hidden states of the step."""
+        seq = job.seq
+        assert seq.prompt_logprobs is not None
+        k = seq.params.prompt_logprobs or 0
+        vocab = self.model.cfg.vocab_size
+        step = max(1, _PROMPT_LOGITS_ELEMS // vocab)
+        prompt = seq.prompt_token_ids
+        for c in range(0, len(job.rows), step):
+            rows = job.rows[c : c + step]
+            first = job.first + c
+            targets = torch.tensor(prompt[first : first + len(rows)], device=self.device)
+            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+            lp = torch.log_softmax(self.model.compute_logits(h[idx]), dim=-1)  # [r, V]
+            chosen = lp.gather(1, targets[:, None])[:, 0].cpu().tolist()  # [r]
+            top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()  # [r, k]
+            for r in range(len(rows)):
+                entry = {prompt[first + r]: chosen[r]}  # the prompt token first, as vLLM
+                for tok, val in zip(top_i[r], top_v[r], strict=True):
+                    entry.setdefault(tok, val)
+                seq.prompt_logprobs.append(entry)

@@ -1,11 +1,23 @@
-"""Token sampling: greedy rows in one argmax, sampled rows with temperature / top-k / top-p."""
+"""Token sampling over float32 logits [S, V], one row per sequence, in vLLM's order:
+
+    grammar mask (structured rows) → min_tokens mask → logprobs recorded (model's, pre-penalty)
+    → logit_bias → penalties → greedy argmax | temperature → min_p → top-k / top-p → multinomial
+
+Penalties follow vLLM:
+
+    seen = prompt tokens ∪ output tokens
+    logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep     for t in seen
+    logits[t] -= frequency_penalty * count_out[t] + presence_penalty * (count_out[t] > 0)
+"""
 
 from __future__ import annotations
 
 import torch
 
 from loraplex.engine.sequence import Sequence
+from loraplex.engine.structured import GrammarState, apply_grammars
 from loraplex.outputs import TokenLogprob
+from loraplex.requests import SamplingParams
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -24,6 +36,59 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` x the top token's.  logits: [V]."""
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    presence: float,
+    frequency: float,
+    repetition: float,
+) -> torch.Tensor:
+    """vLLM's penalties on one row (see the module docstring); returns a new row.  logits: [V]."""
+    row = logits.clone()
+    vocab = row.shape[0]
+    if repetition != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(prompt_ids + output_ids, dtype=torch.long)] = True
+        scaled = torch.where(row > 0, row / repetition, row * repetition)
+        row = torch.where(seen, scaled, row)
+    if output_ids and (presence != 0.0 or frequency != 0.0):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)
+        counts = counts[:vocab].to(row.dtype)  # [V]
+        row = row - frequency * counts - presence * (counts > 0).to(row.dtype)
+    return row
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """Add ``bias[t]`` to token ``t``'s logit; returns a new row.  logits: [V]."""
+    row = logits.clone()
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype)
+    return row
+
+
+def _processed(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> torch.Tensor:
+    """The row after logit_bias and penalties (the row itself when neither applies)."""
+    if p.logit_bias:
+        row = apply_logit_bias(row, p.logit_bias)
+    if p.has_penalties:
+        row = apply_penalties(
+            row,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+        )
+    return row
+
+
 class Sampler:
     """Samples one token per sequence from float32 logits [S, V]."""
 
@@ -32,42 +97,59 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        logits = logits.float().cpu()
-        tokens = logits.argmax(dim=-1).tolist()
+        logits = logits.float().cpu()  # [S, V]
+        grammars: dict[int, GrammarState] = {
+            i: s.grammar for i, s in enumerate(seqs) if s.grammar is not None
+        }
+        apply_grammars(logits, grammars)
         for i, seq in enumerate(seqs):
             p = seq.params
             if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
                 row = logits[i].clone()  # no EOS and no stop id before min_tokens
                 for t in (*seq.eos_token_ids, *(p.stop_token_ids or ())):
                     row[t] = float("-inf")
-                logits[i] = row
-                if p.greedy:
-                    tokens[i] = int(row.argmax())
+                if bool(torch.isfinite(row).any()):  # the grammar may allow nothing else
+                    logits[i] = row
+        tokens = logits.argmax(dim=-1).tolist()
+        lp = None
+        if any(s.tracks_logprobs for s in seqs):
+            lp = torch.log_softmax(logits, dim=-1)  # the model's, before penalties/temperature
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            raw = logits[i]  # [V]
+            row = _processed(raw, seq, p)
+            if row is not raw:
+                tokens[i] = int(row.argmax())
             if not p.greedy:
-                row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+                row = row / p.temperature
+                if p.min_p > 0.0:
+                    row = _filter_min_p(row, p.min_p)
+                row = _filter_top_k_top_p(row, p.top_k, p.top_p)
                 probs = row.softmax(-1)
                 if not bool(torch.isfinite(probs).all()):  # overflow: the limit is greedy
                     continue
                 gen = seq.generator if seq.generator is not None else self.generator
                 tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
-        if any(s.params.logprobs is not None for s in seqs):
-            self._logprobs(logits, seqs, tokens)
+        if lp is not None:
+            self._logprobs(lp, seqs, tokens)
         return tokens
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
-        """Record the model's (pre-temperature) log-probabilities, like vLLM's default."""
-        lp = torch.log_softmax(logits, dim=-1)
+    def _logprobs(lp: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Record the model's (pre-temperature) log-probabilities, like vLLM's default.
+        lp: [S, V] log-softmax of the (masked) logits."""
         for i, seq in enumerate(seqs):
+            if not seq.tracks_logprobs:
+                continue
+            chosen = float(lp[i, tokens[i]])
+            seq.cumulative_logprob += chosen
             k = seq.params.logprobs
-            if k is None:
+            if k is None:  # only ranked (best_of)
                 continue
             top: dict[int, float] = {}
             if k > 0:
                 vals, idx = torch.topk(lp[i], k)
                 top = dict(zip(idx.tolist(), vals.tolist(), strict=True))
-            chosen = float(lp[i, tokens[i]])
-            seq.cumulative_logprob += chosen
             if seq.logprobs is None:
                 seq.logprobs = []
             seq.logprobs.append(TokenLogprob(tokens[i], chosen, top))

@@ -148,7 +148,12 @@ class Scheduler:
                     continue
                 seq.slot = slot
             hits: list[int] = []
-            if seq.num_computed_tokens == 0 and self.pool.enable_prefix_caching:
+            # prompt logprobs need every prompt position computed: no prefix-cache hits
+            if (
+                seq.num_computed_tokens == 0
+                and self.pool.enable_prefix_caching
+                and not seq.needs_prompt_logits
+            ):
                 tokens = seq.all_token_ids
                 bs = self.pool.block_size
                 seq.block_hashes = hash_prefix_blocks(seq.namespace, tokens, bs)

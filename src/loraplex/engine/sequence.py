@@ -15,7 +15,8 @@ from loraplex.requests import SamplingParams
 from loraplex.types import BASE_NAMESPACE
 
 if TYPE_CHECKING:
-    from loraplex.engine.detokenizer import IncrementalDetokenizer
+    from loraplex.engine.detokenizer import Detokenizer
+    from loraplex.engine.structured import GrammarState
     from loraplex.lora.adapter import LoRAAdapter
 
 
@@ -54,8 +55,13 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids (stop ids: params)
-    detokenizer: IncrementalDetokenizer | None = None  # None without a tokenizer
+    detokenizer: Detokenizer | None = None  # None without a tokenizer
+    token_text_ends: list[int] = field(default_factory=list)  # len(text) after each output token
     cache_salt: str | None = None  # prefix-cache salt: KV shared only with the same salt
+    grammar: GrammarState | None = None  # structured output: what may come next
+    # prompt token logprobs (the request's first sequence only): [None, {tok: lp, ...}, ...]
+    # filled as prefill chunks run; None when not asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     _namespace: bytes = field(init=False, repr=False, default=b"")
 
     def __post_init__(self) -> None:
@@ -75,6 +81,20 @@ class Sequence:
         """Prefix-cache namespace: the adapter's digest (or the base's), salted with
         ``cache_salt`` when there is one."""
         return self._namespace
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs are asked for and not all computed yet: every prompt position must
+        run through the model (no prefix-cache hits)."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < len(self.prompt_token_ids)
+
+    @property
+    def tracks_logprobs(self) -> bool:
+        """The sampler records this sequence's chosen-token logprobs: asked for, or needed to
+        rank ``best_of`` candidates."""
+        p = self.params
+        return p.logprobs is not None or p.num_seqs > p.n
 
     @property
     def is_finished(self) -> bool:

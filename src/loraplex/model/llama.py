@@ -285,6 +285,18 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Run all layers for the batch; returns float32 logits [S, vocab] at logits_indices."""
+        h = self.hidden_states(batch, cache)  # [T, D]
+        return self.compute_logits(h[batch.logits_indices])
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over last-layer hidden states.  h: [N, D] -> float32 [N, V]."""
+        return self.head(_rms_norm(h, self.norm, self.cfg.rms_norm_eps)).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Run all layers for the batch (writing its KV); returns the last layer's hidden
+        states [T, D] before the final norm, for every token (prompt logprobs need them all)."""
         c = self.cfg
         T = batch.input_ids.shape[0]
         hd, qs, kvs = c.head_dim, self.q_size, self.kv_size
@@ -318,8 +330,7 @@ class LlamaForCausalLM:
             if plan is not None:
                 lora.add(i, "down_proj", act, d, plan)
             h = h + d
-        h = _rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)  # [S, D]
-        return self.head(h).float()  # [S, vocab]
+        return h  # [T, D]
 
     @property
     def nbytes(self) -> int:

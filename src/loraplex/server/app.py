@@ -32,7 +32,7 @@ import loraplex
 from loraplex.config import ServerConfig
 from loraplex.engine.client import EngineClient, LLMEngine, StreamBounds
 from loraplex.registry import Registry
-from loraplex.server import admin_routes, openai_routes, ops_routes, residency
+from loraplex.server import admin_routes, openai_routes, ops_routes, residency, tokenize_routes
 from loraplex.server.errors import APIError, as_api_error, validation_api_error
 from loraplex.server.gate import RequestGate
 from loraplex.server.state import ServerState, open_registry, retire_loop
@@ -94,11 +94,13 @@ def create_app(
     )
     app.state.loraplex = state
     app.add_middleware(RequestGate, state=state)
+    app.add_middleware(ops_routes.HeadAsGet)  # HEAD on every GET route (outermost)
     _add_error_handlers(app, state)
     app.include_router(ops_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(residency.router)
     app.include_router(admin_routes.router)
+    app.include_router(tokenize_routes.router)
     return app
 
 

@@ -37,14 +37,17 @@ class _Tracked:
 
 @dataclass
 class Delta:
-    """What one completion gained since it was last streamed."""
+    """What one completion gained by one generated token (or, with no token, its finish)."""
 
     prompt_index: int
     output: CompletionOutput
-    text: str  # new text
+    text: str  # the token's text (may be empty: part of a character, or held back)
     text_offset: int  # where ``text`` starts in the completion's text
-    logprobs: list[TokenLogprob] | None  # for the new tokens, when asked for
+    logprobs: list[TokenLogprob] | None  # the token's, when asked for
     done: bool
+    token_ids: list[int]  # the token (empty for a finish without one)
+    source: RequestOutput  # the request output this came from (prompt logprobs, usage)
+    num_tokens: int  # tokens of the completion streamed up to and including this one
 
 
 def prefix_cache_salt(principal: Principal, body_salt: str | None) -> str | None:
@@ -136,8 +139,11 @@ async def stream_outputs(
 async def deltas(
     metrics: ServerMetrics, admission: Admission, finals: dict[int, RequestOutput]
 ) -> AsyncIterator[Delta]:
-    """Each completion's progress as deltas (text, logprobs, finish), one per change;
-    finished request outputs are collected into ``finals``."""
+    """Each completion's progress as one delta per generated token (vLLM's stream shape: a
+    reader that fell behind still gets every token as its own chunk), cut by the outputs'
+    ``token_text_ends``; a completion's last delta carries its finish. Text held back by the
+    engine (a possible stop string) comes with a later token. Finished request outputs are
+    collected into ``finals``."""
     sent: dict[tuple[int, int], tuple[int, int]] = {}  # -> (chars, tokens) streamed
     finished: set[tuple[int, int]] = set()
     async for i, out in stream_outputs(metrics, admission):
@@ -149,14 +155,23 @@ async def deltas(
                 continue
             t0, n0 = sent.get(k, (0, 0))
             done = o.finish_reason is not None
-            new_lps = o.logprobs is not None and len(o.token_ids) > n0
-            if not (len(o.text) > t0 or new_lps or done):
-                continue
-            sent[k] = (len(o.text), len(o.token_ids))
+            n1 = len(o.token_ids)
+            ends = o.token_text_ends
+            for j in range(n0, n1):
+                last = j == n1 - 1
+                end = len(o.text) if last and done else min(ends[j], len(o.text))
+                end = max(end, t0)
+                lps = o.logprobs[j : j + 1] if o.logprobs is not None else None
+                yield Delta(i, o, o.text[t0:end], t0, lps, done and last, o.token_ids[j : j + 1],
+                            out, j + 1)  # fmt: skip
+                t0 = end
+            if n1 == n0 and (done or len(o.text) > t0):
+                lps = [] if o.logprobs is not None else None
+                yield Delta(i, o, o.text[t0:], t0, lps, done, [], out, n1)
+                t0 = len(o.text)
+            sent[k] = (t0, n1)
             if done:
                 finished.add(k)
-            lps = o.logprobs[n0:] if o.logprobs is not None else None
-            yield Delta(i, o, o.text[t0:], t0, lps, done)
 
 
 async def collect(metrics: ServerMetrics, admission: Admission) -> dict[int, RequestOutput]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -32,10 +33,13 @@ def usage_of(prepared: list[PreparedRequest], finals: dict[int, RequestOutput]) 
 
 
 class TokenText:
-    """Token id → text piece, for logprobs (``token_id:<id>`` without a tokenizer)."""
+    """Token id -> its name in logprobs and its bytes (:class:`~loraplex.engine.vocab.TokenVocab`:
+    byte tokens that are not whole characters keep their own piece, so none merge);
+    ``token_id:<id>`` without a tokenizer or with vLLM's ``return_tokens_as_token_ids``."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, *, as_ids: bool = False) -> None:
         self.client = client
+        self.as_ids = as_ids or not client.has_tokenizer
 
     @property
     def has_tokenizer(self) -> bool:
@@ -45,21 +49,79 @@ class TokenText:
         return self.client.decode(token_ids)
 
     def __call__(self, tid: int) -> str:
-        if not self.client.has_tokenizer:
+        if self.as_ids:
             return f"token_id:{tid}"
-        return self.client.decode([tid])
+        return self.client.vocab.text(tid)
+
+    def bytes_of(self, tid: int) -> list[int]:
+        if not self.client.has_tokenizer:
+            return list(f"token_id:{tid}".encode())
+        return list(self.client.vocab.token_bytes(tid))
 
 
-def completion_logprobs(lps: list[TokenLogprob], text_of: TokenText, offset: int) -> dict[str, Any]:
-    """``/v1/completions`` logprobs: tokens, their logprobs, top alternatives, text offsets."""
+@dataclass(frozen=True)
+class LogprobStep:
+    """One position of a logprobs list: its token, that token's logprob and the top
+    alternatives (None for both at the first prompt token, which nothing predicts)."""
+
+    token_id: int
+    logprob: float | None
+    top: dict[int, float] | None
+
+    @classmethod
+    def of(cls, lp: TokenLogprob) -> LogprobStep:
+        return cls(lp.token_id, lp.logprob, lp.top)
+
+
+def prompt_steps(
+    prompt_ids: list[int], prompt_logprobs: list[dict[int, float] | None] | None
+) -> list[LogprobStep]:
+    """The prompt tokens as logprob steps (``prompt_logprobs``: the engine's, one entry per
+    prompt token, each holding the token's own logprob and the top alternatives)."""
+    if prompt_logprobs is None:
+        raise RuntimeError("the engine returned no prompt logprobs")
+    out = []
+    for tid, d in zip(prompt_ids, prompt_logprobs, strict=True):
+        if d is None:
+            out.append(LogprobStep(tid, None, None))
+        else:
+            out.append(LogprobStep(tid, d[tid], {t: v for t, v in d.items() if t != tid}))
+    return out
+
+
+def _finite(v: float) -> float:
+    """OpenAI's stand-in for -inf (JSON has no infinities)."""
+    return max(v, -9999.0)
+
+
+def completion_logprobs(
+    steps: list[LogprobStep], text_of: TokenText, offset: int, num_top: int
+) -> dict[str, Any]:
+    """``/v1/completions`` logprobs: tokens, their logprobs, top alternatives, text offsets.
+    Each ``top_logprobs`` entry holds the token itself and the ``num_top`` most likely
+    (OpenAI: up to logprobs + 1 entries); keys are token names, so distinct tokens never
+    share an entry."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        piece = text_of(lp.token_id)
+    for st in steps:
+        piece = text_of(st.token_id)
         tokens.append(piece)
-        token_lps.append(lp.logprob)
-        tops.append({text_of(t): v for t, v in lp.top.items()})
         offsets.append(offset)
         offset += len(piece)
+        if st.logprob is None or st.top is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_finite(st.logprob))
+        best = sorted(st.top.items(), key=lambda kv: -kv[1])[:num_top]
+        top: dict[str, float] = {}
+        owner: dict[str, int] = {}
+        for t, v in [(st.token_id, st.logprob), *best]:
+            name = text_of(t)
+            if owner.get(name, t) != t:  # two ids with the same bytes: keep both entries
+                name = f"token_id:{t}"
+            owner[name] = t
+            top[name] = _finite(v)
+        tops.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": token_lps,
@@ -69,21 +131,57 @@ def completion_logprobs(lps: list[TokenLogprob], text_of: TokenText, offset: int
 
 
 def chat_logprobs(lps: list[TokenLogprob], text_of: TokenText) -> dict[str, Any]:
-    """``/v1/chat/completions`` logprobs: one entry per token with its bytes and alternatives."""
+    """``/v1/chat/completions`` logprobs: one entry per token with its bytes and the top
+    alternatives, most likely first."""
 
     def entry(tid: int, v: float) -> dict[str, Any]:
-        piece = text_of(tid)
-        return {"token": piece, "logprob": v, "bytes": list(piece.encode("utf-8"))}
+        return {"token": text_of(tid), "logprob": _finite(v), "bytes": text_of.bytes_of(tid)}
 
     return {
         "content": [
             {
                 **entry(lp.token_id, lp.logprob),
-                "top_logprobs": [entry(t, v) for t, v in lp.top.items()],
+                "top_logprobs": [
+                    entry(t, v) for t, v in sorted(lp.top.items(), key=lambda kv: -kv[1])
+                ],
             }
             for lp in lps
         ]
     }
+
+
+def prompt_logprobs_json(
+    prompt_ids: list[int],
+    prompt_logprobs: list[dict[int, float] | None] | None,
+    num_top: int,
+    text_of: TokenText,
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or token id -> {logprob,
+    rank, decoded_token}. Ranks of the ``num_top`` most likely are exact (1: the most
+    likely); the prompt token's own entry, when it is not among them, has rank None (its
+    place in the whole vocabulary is not computed)."""
+    if prompt_logprobs is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tid, d in zip(prompt_ids, prompt_logprobs, strict=True):
+        if d is None:
+            out.append(None)
+            continue
+        ranked = sorted(d.items(), key=lambda kv: -kv[1])
+        extra = len(d) > num_top  # the prompt token came on top of the num_top best
+        entries: dict[str, dict[str, Any]] = {}
+        rank = 0
+        for t, v in ranked:
+            own_extra = extra and t == tid
+            if not own_extra:
+                rank += 1
+            entries[str(t)] = {
+                "logprob": _finite(v),
+                "rank": None if own_extra else rank,
+                "decoded_token": text_of(t),
+            }
+        out.append(entries)
+    return out
 
 
 def adapter_header(outs: list[PreparedRequest], lora: ServedAdapter | None) -> dict[str, str]:
@@ -106,14 +204,15 @@ async def sse_events(
     prepared: list[PreparedRequest],
     stream_options: Any,
 ) -> AsyncIterator[bytes]:
-    """SSE framing shared by both routes: ``base`` fields on every chunk, ``usage: null`` then a
-    final usage chunk when asked for, an error event instead of a hang, then ``[DONE]``."""
+    """SSE framing shared by both routes: ``base`` fields on every chunk, ``usage: null`` (or
+    the chunk's own running usage, ``continuous_usage_stats``) then a final usage chunk when
+    asked for, an error event instead of a hang, then ``[DONE]``."""
     include_usage = bool(stream_options and stream_options.include_usage)
     finals: dict[int, RequestOutput] = {}
     try:
         async for c in chunks(finals):
             if include_usage:
-                c["usage"] = None
+                c.setdefault("usage", None)
             yield _sse({**base, **c})
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage_of(prepared, finals)})
@@ -123,7 +222,8 @@ async def sse_events(
 
 
 def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+    """One SSE event. ASCII-only JSON: line-based clients split raw U+0085 / U+2028."""
+    return f"data: {json.dumps(obj, ensure_ascii=True)}\n\n".encode()
 
 
 _DONE = b"data: [DONE]\n\n"

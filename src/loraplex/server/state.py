@@ -38,6 +38,7 @@ from loraplex.server.catalog import Catalog, Servable, digests_of, local_source,
 from loraplex.server.errors import APIError, scrub
 from loraplex.server.limits import TenantLimits
 from loraplex.server.metrics import ServerMetrics
+from loraplex.server.protocol import UnknownFields
 from loraplex.types import AdapterError, AdapterInUseError, AdapterSpec
 
 log = logging.getLogger("loraplex.server.app")  # the server's log lines keep one logger name
@@ -104,6 +105,7 @@ class ServerState:
         self._io = ThreadPoolExecutor(2, thread_name_prefix="loraplex-registry")
         self.metrics = ServerMetrics(client, self.catalog.names_of)
         self.limits = TenantLimits()
+        self.unknown_fields = UnknownFields()  # request fields no API defines, logged once
         self._retiring: dict[str, float] = {}  # digest -> when its cached copies go
         self._rng = random.Random()
         self._static_names = self._register_static_adapters()
