@@ -116,7 +116,7 @@ def lm_eval(exe: str, model: str, model_args: str, tasks: Path, out: Path) -> di
            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
     run([exe, "--model", model, "--model_args", model_args, "--tasks", "loraplex_mc",
          "--include_path", str(tasks), "--log_samples", "--output_path", str(out),
-         "--batch_size", "1"], out / "lm_eval.log", env)  # fmt: skip
+         "--batch_size", "1", "--device", "cpu"], out / "lm_eval.log", env)  # fmt: skip
     files = sorted(out.rglob("samples_loraplex_mc_*.jsonl"))
     if not files:
         raise SystemExit(f"lm-eval wrote no samples under {out}")
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                          work / "lm_adapter")  # fmt: skip
         print("\n== the reference: lm-eval --model hf on the base and on the merged weights")
         merged = merged_reference(model_dir, adapters[args.adapter], work / "merged")
-        hf = "dtype=float32,device=cpu"
+        hf = "dtype=float32"
         ref_base = lm_eval(args.lm_eval, "hf", f"pretrained={model_dir},{hf}", tasks,
                            work / "hf_base")  # fmt: skip
         ref_ad = lm_eval(args.lm_eval, "hf", f"pretrained={merged},{hf}", tasks,

@@ -713,6 +713,10 @@ def test_unsupported_values_are_400_naming_the_field(server: Server) -> None:
             (c, {"prompt": "x", "guided_json": "{not json"}, "guided_json"),
             (c, {"prompt": "x", "guided_choice": []}, "guided_choice"),
             (c, {"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
+            (c, {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+            (c, {"prompt": "x", "guided_regex": "(unclosed"}, "guided_regex"),
+            (ch, {"messages": ASK, "structured_outputs": {"grammar": "root ::= ("}},
+             "structured_outputs"),
         ]  # fmt: skip
         for path, extra, param in cases:
             r = h.post(path, json={"model": BASE, **extra})

@@ -19,9 +19,10 @@ tool are enforced by a JSON schema (:mod:`~loraplex.server.tools`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,23 @@ from loraplex.server.responses import (
 )
 from loraplex.server.state import ServedAdapter, ServerState, get_state
 from loraplex.server.tools import ToolCall, ToolParser, parse_required, tool_call_id, tool_parser
+from loraplex.types import InvalidRequestError
+
+# the engine names a grammar that does not compile by its kind; the client sent another field
+_STRUCTURED_KINDS = frozenset({"json_schema", "regex", "choice", "grammar"})
+
+
+@contextlib.contextmanager
+def _structured_errors_named(body: CompletionRequest | ChatCompletionRequest) -> Iterator[None]:
+    """Name the request's own field (``guided_regex``, ``response_format``, ...) in the error
+    of a structured-output constraint the engine could not compile."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        if e.param in _STRUCTURED_KINDS:
+            e.param = body.structured_field()
+        raise
+
 
 router = APIRouter()
 
@@ -181,10 +199,11 @@ async def _completions(
     engine_prompts = await _engine_prompts(
         state, prompts, body.special_tokens, body.truncate_prompt_tokens
     )
-    prepared = await prepare_all(
-        state.client, admission, engine_prompts, params, lora, arrival,
-        f"cmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
-    )  # fmt: skip
+    with _structured_errors_named(body):
+        prepared = await prepare_all(
+            state.client, admission, engine_prompts, params, lora, arrival,
+            f"cmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
+        )  # fmt: skip
     text_of = TokenText(state.client, as_ids=bool(body.return_tokens_as_token_ids))
     created = int(time.time())
     n = params.n
@@ -416,10 +435,11 @@ async def _chat_completions(
     if body.truncate_prompt_tokens is not None:
         ids = ids[-body.truncate_prompt_tokens :]
     rid = _response_id("chatcmpl", body)
-    prepared = await prepare_all(
-        state.client, admission, [ids], params, lora, arrival, f"chatcmpl-{uuid.uuid4().hex}",
-        cache_salt=cache_salt,
-    )  # fmt: skip
+    with _structured_errors_named(body):
+        prepared = await prepare_all(
+            state.client, admission, [ids], params, lora, arrival,
+            f"chatcmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
+        )  # fmt: skip
     text_of = TokenText(state.client, as_ids=bool(body.return_tokens_as_token_ids))
     created = int(time.time())
     headers = adapter_header(prepared, lora)

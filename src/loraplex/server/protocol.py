@@ -233,6 +233,12 @@ class _SamplingBody(_Body):
             raise InvalidRequestError(
                 f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of"
             )
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            # the n best are known only once all best_of sequences finished (as vLLM refuses)
+            raise InvalidRequestError(
+                "best_of > n cannot be streamed: the best sequences are known only at the end",
+                param="best_of",
+            )
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP:
             raise InvalidRequestError(
@@ -309,6 +315,13 @@ class _SamplingBody(_Body):
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+
+    def structured_field(self) -> str:
+        """The request field its structured-output constraint came from (``tool_choice`` when
+        a required or named tool choice made it), to name in a compile error."""
+        for name, _ in self._structured_sources():
+            return name
+        return "tool_choice"
 
     def _structured_sources(self) -> Iterator[tuple[str, StructuredOutput]]:
         """Every structured-output constraint the body asks for, with the field naming it."""
