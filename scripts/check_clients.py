@@ -109,14 +109,16 @@ def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         raise SystemExit(f"failed ({rc}): {' '.join(cmd[:3])} ...; log: {log}")
 
 
-def lm_eval(exe: str, model: str, model_args: str, tasks: Path, out: Path) -> dict[tuple, float]:
+def lm_eval(
+    exe: str, model: str, model_args: str, tasks: Path, out: Path, *extra: str
+) -> dict[tuple, float]:
     """Run lm-eval on the task; {(doc_id, choice index): loglikelihood} from its samples."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
     run([exe, "--model", model, "--model_args", model_args, "--tasks", "loraplex_mc",
          "--include_path", str(tasks), "--log_samples", "--output_path", str(out),
-         "--batch_size", "1", "--device", "cpu"], out / "lm_eval.log", env)  # fmt: skip
+         "--batch_size", "1", *extra], out / "lm_eval.log", env)  # fmt: skip
     files = sorted(out.rglob("samples_loraplex_mc_*.jsonl"))
     if not files:
         raise SystemExit(f"lm-eval wrote no samples under {out}")
@@ -221,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         merged = merged_reference(model_dir, adapters[args.adapter], work / "merged")
         hf = "dtype=float32"
         ref_base = lm_eval(args.lm_eval, "hf", f"pretrained={model_dir},{hf}", tasks,
-                           work / "hf_base")  # fmt: skip
+                           work / "hf_base", "--device", "cpu")  # fmt: skip
         ref_ad = lm_eval(args.lm_eval, "hf", f"pretrained={merged},{hf}", tasks,
-                         work / "hf_merged")  # fmt: skip
+                         work / "hf_merged", "--device", "cpu")  # fmt: skip
         print("\n== loglikelihoods, server vs reference")
         worst = max(compare("base", got_base, ref_base, args.atol),
                     compare(args.adapter, got_ad, ref_ad, args.atol))  # fmt: skip
