@@ -233,7 +233,10 @@ def cmd_demo_random(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from loraplex import __version__
+
     p = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA LLM inference.")
+    p.add_argument("-v", "--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="run one prompt on the base model and each --lora adapter")
     g.add_argument("model", help="HF-format model directory")
@@ -296,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
         rest = argv if module.__name__ == "loraplex.registry.cli" else argv[1:]
         return int(module.main(rest))
+    if argv and argv[0] == "serve":  # vLLM's spellings: --max_model_len as --max-model-len
+        from loraplex.server.vllm_compat import normalize_argv
+
+        argv = [argv[0], *normalize_argv(argv[1:])]
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -195,6 +195,13 @@ class EngineClient:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's default sampling parameters (generation_config.json under
+        ``--generation-config``, with ``--override-generation-config`` over it), by
+        SamplingParams field name: for the fields a request leaves out (a copy)."""
+        return dict(self.engine.model_config.generation_defaults)
+
     # -- gauges ----------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
