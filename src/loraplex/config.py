@@ -122,7 +122,7 @@ def parse_json_list(text: str) -> str:
     except json.JSONDecodeError as e:
         raise ValueError(f"invalid JSON {text!r}: {e.msg}") from None
     if not isinstance(obj, list) or not all(isinstance(x, str) for x in obj):
-        raise ValueError(f'expected a JSON list of strings such as \'["*"]\', got {text!r}')
+        raise ValueError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
     return text
 
 
@@ -275,7 +275,7 @@ class EngineConfig:
             parse=parse_json_object,
             metavar="JSON",
             help="JSON object of default sampling parameters over --generation-config, e.g. "
-            '\'{"temperature": 0.5}\'',
+            "'{\"temperature\": 0.5}'",
         ),
     )
     dtype: str = field(
@@ -755,8 +755,7 @@ class ServerConfig:
         metadata=setting(
             "--chat-template",
             metavar="FILE_OR_TEMPLATE",
-            help="Jinja chat template: a file, or the template itself (default: the "
-            "tokenizer's)",
+            help="Jinja chat template: a file, or the template itself (default: the tokenizer's)",
         ),
     )
     enable_auto_tool_choice: bool = field(
@@ -859,7 +858,7 @@ class ServerConfig:
             "--allowed-origins",
             parse=parse_json_list,
             metavar="JSON",
-            help='CORS origins as a JSON list, e.g. \'["*"]\' (default: no CORS headers)',
+            help="CORS origins as a JSON list, e.g. '[\"*\"]' (default: no CORS headers)",
         ),
     )
     allowed_methods: str = field(

@@ -44,12 +44,17 @@ def hub_cache_dir(environ: Mapping[str, str], download_dir: str | None = None) -
         return Path(download_dir).expanduser()
     if environ.get("HF_HUB_CACHE"):
         return Path(environ["HF_HUB_CACHE"]).expanduser()
-    home = environ.get("HF_HOME") or str(Path(environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface")
+    home = environ.get("HF_HOME") or str(
+        Path(environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    )
     return Path(home).expanduser() / "hub"
 
 
 def _offline(environ: Mapping[str, str]) -> bool:
-    return any(environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        environ.get(v, "").strip().lower() in _TRUE
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def resolve_hub_dir(

@@ -102,7 +102,9 @@ def read_generation_config(directory: str | Path) -> tuple[dict[str, Any], tuple
     return generation_defaults_of(raw, source=str(path)), _eos_ids(raw.get("eos_token_id"))
 
 
-def generation_defaults_of(raw: dict[str, Any], source: str = "generation config") -> dict[str, Any]:
+def generation_defaults_of(
+    raw: dict[str, Any], source: str = "generation config"
+) -> dict[str, Any]:
     """The sampling defaults of a generation config mapping (vLLM's keys; others ignored)."""
     out: dict[str, Any] = {}
     for key, name in _GENERATION_KEYS.items():
@@ -162,9 +164,7 @@ def load_model_config(
             )
         defaults = {**defaults, **named}
     extra = tuple(e for e in eos if e not in config.eos_token_ids)
-    return replace(
-        config, generation_defaults=defaults, eos_token_ids=config.eos_token_ids + extra
-    )
+    return replace(config, generation_defaults=defaults, eos_token_ids=config.eos_token_ids + extra)
 
 
 def parse_model_config(raw: dict[str, Any], source: str = "config") -> ModelConfig:

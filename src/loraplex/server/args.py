@@ -76,7 +76,9 @@ class _Hub:
         self.values = values
         self.environ = environ
 
-    def local(self, path: str, name: str, *, revision: str | None = None, adapter: bool = False) -> str:
+    def local(
+        self, path: str, name: str, *, revision: str | None = None, adapter: bool = False
+    ) -> str:
         """``path`` itself if it exists locally or is no hub id, else its snapshot directory;
         ServeConfigError naming setting ``name`` (or MODEL_DIR) if it cannot be resolved."""
         if _resolve(path).exists() or not is_hub_id(path):
@@ -110,9 +112,7 @@ def _chat_template(values: Values) -> str | None:
         except (OSError, UnicodeDecodeError) as e:
             raise values.error("chat_template", f"cannot read {given!r}: {e}") from None
     if not any(c in given for c in "{}\n"):
-        raise values.error(
-            "chat_template", f"{given!r} is neither a file nor a Jinja template"
-        )
+        raise values.error("chat_template", f"{given!r} is neither a file nor a Jinja template")
     return str(given)
 
 

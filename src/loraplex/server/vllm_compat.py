@@ -128,13 +128,33 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--kv-transfer-config --kv-events-config --ec-transfer-config", "one", (), _NO_OFFLOAD),
     ("--enable-sleep-mode --enable-cumem-allocator", "bool", ("false",), _NO_OFFLOAD),
     # model variants loraplex does not run
-    ("--hf-config-path --hf-overrides --model-class-overrides --pooler-config", "one", (), _NOT_LLAMA),
+    (
+        "--hf-config-path --hf-overrides --model-class-overrides --pooler-config",
+        "one",
+        (),
+        _NOT_LLAMA,
+    ),
     ("--rope-scaling --rope-theta --override-neuron-config", "one", (), "set them in config.json"),
-    ("--mamba-cache-dtype --mamba-ssm-cache-dtype --mamba-block-size --mamba-backend", "one", (), _NOT_LLAMA),
+    (
+        "--mamba-cache-dtype --mamba-ssm-cache-dtype --mamba-block-size --mamba-backend",
+        "one",
+        (),
+        _NOT_LLAMA,
+    ),
     ("--limit-mm-per-prompt --mm-processor-kwargs --media-io-kwargs", "one", (), _TEXT_ONLY),
-    ("--mm-processor-cache-gb --mm-encoder-tp-mode --allowed-local-media-path", "one", (), _TEXT_ONLY),
+    (
+        "--mm-processor-cache-gb --mm-encoder-tp-mode --allowed-local-media-path",
+        "one",
+        (),
+        _TEXT_ONLY,
+    ),
     ("--allowed-media-domains", "many", (), _TEXT_ONLY),
-    ("--enable-prompt-embeds --enable-mm-embeds --language-model-only", "bool", ("false",), _TEXT_ONLY),
+    (
+        "--enable-prompt-embeds --enable-mm-embeds --language-model-only",
+        "bool",
+        ("false",),
+        _TEXT_ONLY,
+    ),
     ("--logits-processors", "many", (), "no custom logits processors"),
     ("--logits-processor-pattern --io-processor-plugin", "one", (), "no plugins"),
     ("--tool-parser-plugin --tool-server", "one", (), "tool parsers: --tool-call-parser"),
@@ -169,25 +189,86 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ),  # loraplex logs requests by default; --no-enable-log-requests = --disable-log-requests
 ]
 
+# the rest of vLLM 0.32's flags: refused (no loraplex equivalent)
+_REST: dict[str, str] = {
+    "bool": (
+        "--trust-request-mm-kwargs --enable-per-request-metrics --cohere-is-reasoning-model "
+        "--tokens-only --enable-scale-out --enable-flash-late-interaction "
+        "--enable-return-routed-experts --return-sampling-mask --use-fp64-gumbel "
+        "--enable-trace-replay --disable-cascade-attn --sleep-mode-offload-cudagraph "
+        "--enable-nccl-comm-suspend --enable-mamba-cache-stochastic-rounding --numa-bind "
+        "--dcp-q-replicate --data-parallel-hybrid-lb -dph --data-parallel-external-lb -dpe "
+        "--enable-hc-sp --enable-batch-sharded-sampling --enable-ep-weight-filter "
+        "--enable-shm-tensor-arena --enable-elastic-ep --disable-nccl-for-dp-synchronization "
+        "--ray-workers-use-nsight --enable-fault-tolerance --kv-sharing-fast-prefill "
+        "--swa-bounded-replay --enable-mamba-shared-prefix-checkpoint --use-replayssm "
+        "--mm-encoder-only --interleave-mm-strings --skip-mm-profiling --mm-device-do-normalize "
+        "--enable-tower-connector-lora --specialize-active-lora --enable-mixed-moe-lora-format "
+        "--enable-moe-shared-loras --cudagraph-metrics --enable-layerwise-nvtx-tracing "
+        "--enable-mfu-metrics --enable-logging-iteration-details --jit-monitor-verbose "
+        "--long-prefill-token-threshold-adaptive --disable-chunked-mm-input "
+        "--scheduler-reserve-full-isl --disable-hybrid-kv-cache-manager "
+    ),
+    "true": ("--data-parallel-multi-port-external-lb -dpm "),
+    "one": (
+        "--tool-strict-level --cohere-format --anthropic-disabled-thinking-effort "
+        "--fingerprint-mode --fingerprint-value --data-parallel-supervisor-port "
+        "--dp-supervisor-probe-interval-s --dp-supervisor-probe-timeout-s "
+        "--dp-supervisor-probe-failure-threshold --logprobs-mode --renderer-num-workers "
+        "--safetensors-load-strategy --safetensors-prefetch-num-threads "
+        "--safetensors-prefetch-block-size --model-loader-extra-config --pt-load-map-location "
+        "--mamba-ssu-algorithm --mamba-cache-philox-rounds --reasoning-parser-plugin "
+        "--master-addr --master-port --nnodes -n --node-rank -r --distributed-timeout-seconds "
+        "--cpu-distributed-timeout-seconds --device-ids --dcp-comm-backend "
+        "--dcp-kv-cache-interleave-size --cp-kv-cache-interleave-size --data-parallel-rank -dpn "
+        "--data-parallel-start-rank -dpr --data-parallel-size-local -dpl --data-parallel-address "
+        "-dpa --data-parallel-rpc-port -dpp --data-parallel-backend -dpb --ubatch-size "
+        "--elastic-ep-max-dp-size --dbo-decode-token-threshold --dp-sync-interval "
+        "--dbo-prefill-token-threshold --eplb-config --worker-extension-cls "
+        "--fault-tolerance-config --prefix-match-unit --mamba-cache-mode --replayssm-buffer-len "
+        "--offload-num-in-group --offload-prefetch-step --mm-processor-cache-type "
+        "--mm-hasher-algorithm --mm-shm-cache-max-object-size-mb --mm-encoder-attn-backend "
+        "--mm-encoder-attn-dtype --mm-encoder-fp8-scale-path --mm-encoder-fp8-scale-save-path "
+        "--mm-encoder-fp8-scale-save-margin --video-pruning-rate --video-pruning-method "
+        "--mm-tensor-ipc --mm-processor-device --mm-ipc-gpu-memory-gb "
+        "--per-request-spec-decode-metrics --kv-cache-metrics-sample --custom-histogram-buckets "
+        "--jit-monitor-mode --watermark --prefill-schedule-interval --sparse-indexer-topk-backend "
+        "--watermark-config --diffusion-config -dc --ec-manager-config --engram-config "
+        "--reasoning-config --additional-config --aux-output-config --profiler-config "
+        "--weight-transfer-config --gdn-prefill-backend --kda-prefill-backend "
+        "--kda-decode-backend "
+    ),
+    "many": (
+        "--sleep-preserve-parameter-names --ignore-patterns --numa-bind-nodes --numa-bind-cpus "
+        "--kv-cache-dtype-skip-layers --cpu-offload-params --offload-params "
+    ),
+}
+
 _SETS: dict[str, tuple[tuple[str, str, Any], ...]] = {
     "--enable-log-requests": (("false", "disable_log_requests", True),),
 }
+
+
+def _groups(names: list[str]) -> list[list[str]]:
+    """Separate flags of one line: each long name, with the short aliases that follow it."""
+    groups: list[list[str]] = []
+    for n in names:
+        if n.startswith("--") or not groups:
+            groups.append([n])
+        else:
+            groups[-1].append(n)
+    return groups
 
 
 def vllm_flags() -> list[VllmFlag]:
     """Every listed vLLM flag, one entry per group of spellings that share a meaning."""
     out = []
     for spellings, takes, accepts, why in _TABLE:
-        names = spellings.split()
-        # a line of several long names lists separate flags; a short alias follows its flag
-        groups: list[list[str]] = []
-        for n in names:
-            if n.startswith("--") or not groups:
-                groups.append([n])
-            else:
-                groups[-1].append(n)
-        for g in groups:
+        for g in _groups(spellings.split()):
             out.append(VllmFlag(tuple(g), takes, accepts, why, _SETS.get(g[0], ())))
+    for takes, names_text in _REST.items():
+        for spellings in _groups(names_text.split()):
+            out.append(VllmFlag(tuple(spellings), takes, (), "no loraplex equivalent"))
     return out
 
 
@@ -223,7 +304,8 @@ class _CompatAction(argparse.Action):
             return
         why = f" ({f.why})" if f.why else ""
         if f.accepts and f.takes in ("one", "many"):
-            why = f" (loraplex accepts only {' or '.join(repr(a) for a in f.accepts)}{', ' if f.why else ''}{f.why})"
+            only = " or ".join(repr(a) for a in f.accepts)
+            why = f" (only {only}: {f.why})" if f.why else f" (only {only})"
         parser.error(f"not supported: {shown}{why}")
 
 
