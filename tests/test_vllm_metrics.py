@@ -117,7 +117,7 @@ def test_preemptions_are_counted(tiny_model: Path) -> None:
             num_kv_blocks=6,
             block_size=16,
             max_model_len=64,
-        ),  # fmt: skip
+        ),
     )
     app = create_app(config)
     state = app.state.loraplex
