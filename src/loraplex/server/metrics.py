@@ -111,6 +111,12 @@ class _EngineCollector(Collector):
             client.kv_cache_usage(),
         )
         yield self._vllm(
+            g,
+            "vllm:gpu_cache_usage_perc",
+            "The same as vllm:kv_cache_usage_perc (the name older dashboards read).",
+            client.kv_cache_usage(),
+        )
+        yield self._vllm(
             c, "vllm:num_preemptions", "Sequences preempted (KV freed).", client.num_preemptions
         )
         queries, hits = client.prefix_cache_tokens()
@@ -441,6 +447,13 @@ class ServerMetrics:
         self.step_errors = Counter(
             "loraplex_engine_step_errors", "Engine steps that raised.", registry=r
         )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens computed per engine step.",
+            vl,
+            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+            registry=r,
+        ).labels(**fixed)
         self.sequences = SequenceTimes(r, fixed)
         r.register(_EngineCollector(client, adapter_names, model_name, cache_info or {}))
         client.add_step_observer(self._on_step)
@@ -448,6 +461,7 @@ class ServerMetrics:
 
     def _on_step(self, stats: StepStats) -> None:
         self.distinct_adapters.observe(stats.distinct_adapters)
+        self.iteration_tokens.observe(stats.num_tokens)
         self.sequences.on_step(stats)
 
     def _on_load(self, stage: str, seconds: float) -> None:
