@@ -203,3 +203,44 @@ def test_python_m_loraplex_serve_reports_errors(tmp_path: Path) -> None:
         text=True,
     )
     assert out.returncode == 2 and "not supported: --quantization awq" in out.stderr
+
+
+def test_chat_template_flag_renders_chat_requests(tiny_model: Path, tmp_path: Path) -> None:
+    """``--chat-template`` replaces the tokenizer's template for every chat request."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from loraplex.server.app import create_app
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.content }}>>{% endfor %}")
+    cfg = parse([tiny_model, "--chat-template", template, "--device", "cpu"])
+    want = len(
+        AutoTokenizer.from_pretrained(str(tiny_model))(
+            "<<hello>>", add_special_tokens=False
+        ).input_ids
+    )
+    with TestClient(create_app(cfg)) as client:
+        body = {"model": str(tiny_model), "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 1}  # fmt: skip
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == want
+
+
+def test_vllm_keys_in_a_config_file(model_dir: Path, tmp_path: Path) -> None:
+    """A vLLM YAML config's keys: accepted like the flags, or refused naming the key."""
+    f = tmp_path / "vllm.yaml"
+    f.write_text("tensor-parallel-size: 1\nenforce_eager: true\nenable-log-requests: false\n"
+                 "max_model_len: 64\n")  # fmt: skip
+    cfg = parse([model_dir, "--config", f])
+    assert cfg.disable_log_requests and cfg.engine.max_model_len == 64
+    f.write_text("tensor-parallel-size: 2\n")
+    with pytest.raises(ServeConfigError, match=r"key 'tensor-parallel-size' .*not supported: "):
+        parse([model_dir, "--config", f])
+    f.write_text("quantization: awq\n")
+    with pytest.raises(ServeConfigError, match=r"not supported: quantization: awq"):
+        parse([model_dir, "--config", f])
+    f.write_text("tensor-paralel-size: 1\n")  # a typo stays an unknown key
+    with pytest.raises(ServeConfigError, match=r"unknown key"):
+        parse([model_dir, "--config", f])

@@ -83,6 +83,9 @@ def create_app(
         log.info("model and KV cache ready in %.1f s", time.perf_counter() - t0)
     else:
         client = EngineClient(engine, **options)
+    if config.chat_template is not None and client.has_tokenizer:
+        # --chat-template: the default of every chat request (a request's own template wins)
+        client.engine.tokenizer.chat_template = config.chat_template
     state = ServerState(config, client, registry)
     if config.lora_modules:
         log.info("loading and verifying %d start-up adapter(s) ...", len(config.lora_modules))

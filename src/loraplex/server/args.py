@@ -24,7 +24,7 @@ from pathlib import Path
 from loraplex.config import LoRAModule, ServerConfig, parse_byte_size
 from loraplex.hub import HubError, is_hub_id, resolve_hub_dir
 from loraplex.lora.peft_format import CONFIG_NAME
-from loraplex.server.vllm_compat import add_vllm_compat_arguments, normalize_argv
+from loraplex.server.vllm_compat import add_vllm_compat_arguments, file_key, normalize_argv
 from loraplex.settings import FieldError, Settings, Values
 
 __all__ = [
@@ -44,7 +44,7 @@ class ServeConfigError(ValueError):
 
 def serve_settings() -> Settings:
     """``serve``'s settings: every declared field of ServerConfig and its EngineConfig."""
-    return Settings(ServerConfig, error=ServeConfigError)
+    return Settings(ServerConfig, error=ServeConfigError, other_key=file_key)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +62,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve_settings().add_arguments(parser)
     add_vllm_compat_arguments(parser)
+    if parser.epilog is None:
+        parser.epilog = (
+            "Every other flag of `vllm serve` is accepted where its value is what loraplex "
+            "does anyway (--tensor-parallel-size 1, --enforce-eager, --kv-cache-dtype auto, "
+            "...) and otherwise refused with 'not supported: FLAG'. Underscore spellings "
+            "(--max_model_len) work as in vLLM."
+        )
 
 
 def _resolve(path: str) -> Path:

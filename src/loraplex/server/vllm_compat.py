@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["VllmFlag", "add_vllm_compat_arguments", "normalize_argv", "vllm_flags"]
+__all__ = ["VllmFlag", "add_vllm_compat_arguments", "file_key", "normalize_argv", "vllm_flags"]
 
 ANY = ("*",)  # every value is loraplex's behaviour
 
@@ -272,6 +272,36 @@ def vllm_flags() -> list[VllmFlag]:
     return out
 
 
+def _judge(f: VllmFlag, value: str, shown: str) -> dict[str, Any]:
+    """The settings an accepted ``value`` of ``f`` stands for; ValueError if it is refused."""
+    if f.accepts == ANY or value in f.accepts:
+        return {attr: what for when, attr, what in f.sets if value == when}
+    why = f" ({f.why})" if f.why else ""
+    if f.accepts and f.takes in ("one", "many"):
+        only = " or ".join(repr(a) for a in f.accepts)
+        why = f" (only {only}: {f.why})" if f.why else f" (only {only})"
+    raise ValueError(f"not supported: {shown}{why}")
+
+
+def file_key(key: str, value: object) -> dict[str, Any] | None:
+    """A config-file key that names a listed vLLM flag (``tensor-parallel-size: 1``): the
+    settings it stands for, ValueError when its value is refused, None for other keys."""
+    flags = {n.lstrip("-"): f for f in vllm_flags() for n in f.flags if n.startswith("--")}
+    f = flags.get(key)
+    if f is None:
+        return None
+    if f.takes in ("bool", "true"):
+        text = (
+            "true" if value is True or str(value).lower() in ("true", "yes", "on", "1") else "false"
+        )
+        shown = f"{key}: {text}"
+    else:
+        items = value if isinstance(value, list) else [value]
+        text = " ".join(str(v) for v in items).strip().lower()
+        shown = f"{key}: {value}"
+    return _judge(f, text, shown)
+
+
 class _CompatAction(argparse.Action):
     """Accept a vLLM flag whose value is loraplex's behaviour; refuse any other clearly."""
 
@@ -297,16 +327,12 @@ class _CompatAction(argparse.Action):
             items = values if isinstance(values, list) else [values]
             value = " ".join(str(v) for v in items).strip().lower()
             shown = f"{used} {' '.join(map(str, items))}"
-        if f.accepts == ANY or value in f.accepts:
-            for when, attr, what in f.sets:
-                if value == when:
-                    setattr(namespace, attr, what)
-            return
-        why = f" ({f.why})" if f.why else ""
-        if f.accepts and f.takes in ("one", "many"):
-            only = " or ".join(repr(a) for a in f.accepts)
-            why = f" (only {only}: {f.why})" if f.why else f" (only {only})"
-        parser.error(f"not supported: {shown}{why}")
+        try:
+            sets = _judge(f, value, shown)
+        except ValueError as e:
+            parser.error(str(e))
+        for attr, what in sets.items():
+            setattr(namespace, attr, what)
 
 
 def add_vllm_compat_arguments(parser: argparse.ArgumentParser) -> None:
