@@ -6,8 +6,8 @@ JSON lines, and ``--log-format json`` (one JSON object per line) for log shipper
 
 :func:`configure_logging` is called once by the serve command (never by ``create_app``: an app
 in a test leaves the process's logging alone); it returns a :class:`LogSetup` that puts the
-loggers back. A record may carry ``extra={"fields": {...}}``: the JSON format merges those
-fields into its object, the text format shows the message only. Torch-free.
+loggers back. A record may carry fields (``log.info(msg, extra=fields_of(d))``): the JSON
+format merges them into its object, the text format shows the message only. Torch-free.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "StatsLogger",
     "StatsSource",
     "configure_logging",
+    "fields_of",
     "startup_summary",
 ]
 
@@ -61,6 +62,11 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str, ensure_ascii=True)
+
+
+def fields_of(fields: dict[str, Any]) -> dict[str, Any]:
+    """The ``extra`` argument of a logging call that attaches ``fields`` to its record."""
+    return {"fields": fields}
 
 
 def _level(name: str) -> int:
@@ -235,5 +241,5 @@ class StatsLogger:
             line += ", Adapter hit rate: " + ", ".join(parts)
         if d.get("preemptions"):
             line += f", Preemptions: {d['preemptions']:.0f}"
-        self.log.info(line, extra={"fields": fields})
+        self.log.info(line, extra=fields_of(fields))
         return line

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 
 from loraplex.engine.client import EngineClient, PreparedRequest, RequestStream
+from loraplex.logs import fields_of
 from loraplex.outputs import RequestOutput
 from loraplex.registry import Principal
 from loraplex.server.errors import APIError
@@ -58,7 +59,7 @@ class UsageRecord:
             "prompt_tokens": sum(len(p.prompt_token_ids) for p in prepared),
             "completion_tokens": sum(len(o.token_ids) for r in finals.values() for o in r.outputs),
         }
-        usage_log.info(json.dumps(record, sort_keys=True), extra={"fields": record})
+        usage_log.info(json.dumps(record, sort_keys=True), extra=fields_of(record))
 
 
 request_log = logging.getLogger("loraplex.requests")
@@ -115,7 +116,7 @@ class RequestLog:
             fields["cached_tokens"],
             ",".join(reasons),
             seconds,
-            extra={"fields": fields},
+            extra=fields_of(fields),
         )
         if request_log.isEnabledFor(logging.DEBUG):
             for p in prepared:

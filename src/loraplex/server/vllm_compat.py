@@ -5,9 +5,9 @@ because its value is what loraplex does anyway (``--tensor-parallel-size 1``,
 argparse's generic "unrecognized arguments".
 
 The table lists vLLM's flags by name only (from ``vllm serve --help`` of vLLM 0.32 plus the
-older spellings still found in scripts); loraplex's own settings
-(:mod:`loraplex.config`) take precedence, so a flag both know is never listed here. vLLM's
-underscore spellings (``--max_model_len``) become dashes before parsing
+older spellings still found in scripts); where loraplex has a setting of the same name
+(:mod:`loraplex.config`), that setting is the flag. The same rules apply to a ``--config``
+file's keys (:func:`file_key`). vLLM's underscore spellings (``--max_model_len``) become dashes before parsing
 (:func:`normalize_argv`), as vLLM's own parser does. Torch-free.
 """
 
