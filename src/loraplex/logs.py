@@ -197,7 +197,7 @@ class StatsLogger:
         self.clock = clock
         self._last = source.totals()
         self._at = clock()
-        self._idle = False
+        self._idle = True  # nothing to report before the first request
 
     def log_once(self) -> str | None:
         """Log (and return) one stats line, or None when idle twice in a row."""
