@@ -142,7 +142,8 @@ def test_stats_line_rates_and_idle() -> None:
     now = [100.0]
     stats = StatsLogger(
         StatsSource(lambda: dict(totals), lambda: dict(gauges)), clock=lambda: now[0]
-    )    now[0] += 10
+    )
+    now[0] += 10
     assert stats.log_once() is None  # a server that has done nothing stays silent
 
     totals.update(prompt_tokens=500, generation_tokens=100, prefix_queries=400, prefix_hits=100,
