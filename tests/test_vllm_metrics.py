@@ -98,9 +98,13 @@ def test_vllm_series_with_model_name(tiny_model: Path, adapters: dict[str, Path]
     assert value(got, "vllm:prefix_cache_queries_total") == prompt
     assert 0 <= value(got, "vllm:prefix_cache_hits_total") <= prompt
     assert value(got, "vllm:num_preemptions_total") == 0
-    assert value(got, "vllm:iteration_tokens_total_sum") == value(
-        got, "loraplex_prompt_tokens_total"
-    ) - value(got, "vllm:prefix_cache_hits_total") + 15 - 3  # each token computed once
+    assert (
+        value(got, "vllm:iteration_tokens_total_sum")
+        == value(got, "loraplex_prompt_tokens_total")
+        - value(got, "vllm:prefix_cache_hits_total")
+        + 15
+        - 3
+    )  # each token computed once
     assert value(got, "vllm:num_requests_running") == 0 == value(got, "vllm:num_requests_waiting")
     info = got["vllm:cache_config_info"][0][0]
     assert (
