@@ -28,9 +28,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from loraplex.engine.sequence import Sequence, SequenceStatus
+
 if TYPE_CHECKING:
     from loraplex.engine.client import EngineClient, PreparedRequest, StepStats
-    from loraplex.engine.sequence import Sequence
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -216,18 +217,23 @@ class _EngineCollector(Collector):
 class Twin:
     """One of our metrics and its vLLM twins, observed together: ``labels(**kw)`` picks our
     child by ``kw`` and each twin's by ``fixed`` (``model_name``, ``engine``) plus the labels
-    of ``kw`` it has (``finished_reason``); ``inc``/``observe`` feed all of them."""
+    of ``kw`` named in ``shared`` (``finished_reason``); ``inc``/``observe`` feed all."""
 
-    def __init__(self, ours: Any, theirs: list[Any], fixed: dict[str, str] | None) -> None:
+    def __init__(
+        self,
+        ours: Any,
+        theirs: list[Any],
+        fixed: dict[str, str] | None,
+        shared: tuple[str, ...] = (),
+    ) -> None:
         self.ours = ours
         self.theirs = theirs
         self._fixed = fixed  # None: ``theirs`` are children already
+        self._shared = shared
 
     def labels(self, **kw: str) -> Twin:
-        children = [
-            t.labels(**(self._fixed or {}), **{k: v for k, v in kw.items() if k in t._labelnames})
-            for t in self.theirs
-        ]
+        mine = {k: v for k, v in kw.items() if k in self._shared}
+        children = [t.labels(**(self._fixed or {}), **mine) for t in self.theirs]
         return Twin(self.ours.labels(**kw), children, None)
 
     def _children(self) -> list[Any]:
@@ -311,8 +317,6 @@ class SequenceTimes:
 
     def on_step(self, stats: object = None, now: float | None = None) -> None:
         """Observe what the last step did to every tracked sequence."""
-        from loraplex.engine.sequence import SequenceStatus
-
         now = time.monotonic() if now is None else now
         with self._lock:
             new, self._new = self._new, []
@@ -368,7 +372,8 @@ class ServerMetrics:
         def twin(ours: Any, name: str, doc: str, extra: tuple[str, ...] = (), **kw: Any) -> Twin:
             kind = Histogram if isinstance(ours, Histogram) else Counter
             names = name.split("|")  # several: the same observations under each name
-            return Twin(ours, [kind(n, doc, [*vl, *extra], registry=r, **kw) for n in names], fixed)
+            twins = [kind(n, doc, [*vl, *extra], registry=r, **kw) for n in names]
+            return Twin(ours, twins, fixed, extra)
 
         self.ttft = twin(
             Histogram(
