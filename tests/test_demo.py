@@ -234,3 +234,44 @@ def test_random_demo_builds_under_the_cache_dir(
     assert (root / "model" / "config.json").is_file()
     assert len(list((root / "adapters").glob("*/adapter_config.json"))) == 4
     assert not any(home.iterdir())  # nothing written to ~/.cache
+
+
+def test_printed_examples_run_and_use_the_chat_formatted_prompt(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """Every curl the demo prints is a valid request for each model, chat and completion alike,
+    and the completions use the chat template's text (where the demo adapters act)."""
+    import shlex
+
+    from fastapi.testclient import TestClient
+
+    from loraplex.cli import _DEMO_QUESTION, _demo_examples, _demo_prompt
+    from loraplex.config import EngineConfig, LoRAModule, ServerConfig
+    from loraplex.server.app import create_app
+
+    names = ["a", "b"]
+    prompt = _demo_prompt(tiny_model)
+    assert _DEMO_QUESTION in prompt and prompt != _DEMO_QUESTION
+    text = _demo_examples("http://127.0.0.1:8000", "base", names, prompt)
+    curls = [shlex.split(ln) for ln in text.splitlines() if ln.strip().startswith("curl -s ")]
+    calls = [
+        (c[2].rsplit("/v1", 1)[1], json.loads(c[c.index("-d") + 1])) for c in curls if "-d" in c
+    ]
+    by_kind = {
+        k: sorted(b["model"] for p, b in calls if p == k)
+        for k in ("/chat/completions", "/completions")
+    }
+    assert by_kind == {"/chat/completions": ["a", "b", "base"], "/completions": ["a", "b", "base"]}
+    assert all(b["prompt"] == prompt for p, b in calls if p == "/completions")
+    assert f"prompt = {prompt!r}" in text  # the openai example too
+    config = ServerConfig(
+        engine=EngineConfig(model=str(tiny_model), device="cpu", num_threads=1, max_loras=2),
+        served_model_name=["base"],
+        lora_modules=[
+            LoRAModule(n, str(p)) for n, p in zip(names, adapters.values(), strict=False)
+        ],
+    )
+    with TestClient(create_app(config)) as client:
+        for path, body in calls:
+            r = client.post("/v1" + path, json={**body, "max_tokens": 2})
+            assert r.status_code == 200, (path, body["model"], r.text)

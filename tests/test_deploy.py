@@ -232,3 +232,47 @@ def test_dockerfile_has_both_targets() -> None:
     assert re.search(r"^FROM .* AS replica$", text, re.M)
     assert re.search(r"^FROM .* AS router$", text, re.M)
     assert "'torch' not in sys.modules" in text
+
+
+def test_service_monitor_scrapes_the_replicas_with_the_metrics_key() -> None:
+    objs = _objects()
+    sm = objs[("ServiceMonitor", "loraplex-replicas")]
+    svc = objs[("Service", "loraplex-replicas")]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["metadata"]["namespace"] in sm["spec"]["namespaceSelector"]["matchNames"]
+    (ep,) = sm["spec"]["endpoints"]
+    assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]} and ep["path"] == "/metrics"
+    cred = ep["authorization"]["credentials"]
+    assert cred["key"] in objs[("Secret", cred["name"])]["stringData"]
+    dep = objs[("Deployment", "loraplex-replica")]
+    env = {e["name"]: e for e in _container(dep, "loraplex")["env"]}
+    ref = env["LORAPLEX_METRICS_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == (cred["name"], cred["key"])  # the key replicas accept
+
+
+def test_grafana_dashboard_reads_only_metrics_the_server_exports(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """Every series the adapter dashboard queries is in a real scrape of a server."""
+    import json
+
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loraplex.config import EngineConfig, LoRAModule, ServerConfig
+    from loraplex.server.app import create_app
+
+    dash = json.loads((DEPLOY / "monitoring" / "grafana-loraplex-adapters.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"([a-zA-Z_:][\w:]*)\{", e)}
+    assert len(used) >= 15 and all(re.search(r'pod=~"\$pod"', e) for e in exprs)
+    config = ServerConfig(
+        engine=EngineConfig(model=str(tiny_model), device="cpu", num_threads=1, max_loras=2),
+        lora_modules=[LoRAModule("sql", str(adapters["all_r8"]))],
+    )
+    with TestClient(create_app(config)) as client:
+        body = {"model": "sql", "prompt": "hi", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        text = client.get("/metrics").text
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert sorted(used - exported) == []

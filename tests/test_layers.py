@@ -27,6 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "outputs": {"types"},
     "requests": {"types"},
     "cliargs": {"config", "settings"},
+    "hub": set(),  # hub ids -> local snapshot directories (huggingface_hub only)
+    "logs": BASE,  # logging set-up, start-up summary, stats line (no server types)
     # layer 2
     "lora": BASE,
     "kv": BASE,
@@ -38,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": BASE | {"kv", "lora", "model", "cache", "registry"},
     "entrypoints": BASE | {"engine", "lora", "model"},
     # layer 5: talks to the engine through its client interface, never to the cache
-    "server": BASE | {"engine", "registry", "lora"},
+    "server": BASE | {"engine", "registry", "lora", "hub", "logs"},
     # layer 6: HTTP only, never torch
     "router": BASE,
     # layer 7: on top; nothing imports them

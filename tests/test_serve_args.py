@@ -214,7 +214,9 @@ def test_max_cpu_loras_follows_max_loras_unless_given(model_dir: Path) -> None:
 def test_missing_model_dir(tmp_path: Path) -> None:
     msg = error_of([tmp_path / "nope"])
     assert "MODEL_DIR" in msg and "does not exist" in msg
-    assert "huggingface-cli download" in error_of(["meta-llama/Llama-3.2-1B"])
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}  # a hub id
+    msg = error_of(["meta-llama/Llama-3.2-1B"], offline)
+    assert "MODEL_DIR" in msg and "HF_HUB_OFFLINE" in msg and "huggingface-cli download" in msg
 
 
 def test_model_dir_without_config_json(tmp_path: Path) -> None:
@@ -272,8 +274,9 @@ def test_bad_allowed_root(model_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--tensor-parallel-size", "2"],  # a vLLM flag loraplex does not support
-        ["--gpu-memory-utilization", "0.9"],
+        ["--tensor-parallel-size", "2"],  # a vLLM flag loraplex supports with value 1 only
+        ["--quantization", "awq"],  # a vLLM flag loraplex does not support
+        ["--gpu-memory-utilization", "most"],
         ["--max-lora", "4"],  # no abbreviations: vLLM command lines parse exactly
         ["--port", "eighty"],
         ["--dtype", "int8"],

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -63,25 +64,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
 _DEMO_QUESTION = "What is the capital of France?"
 
 
-def _demo_examples(url: str, base: str, adapters: list[str]) -> str:
-    """Copy-paste curl and openai examples for the running demo."""
+def _demo_prompt(model_dir: Path) -> str:
+    """The demo question as the model's chat template renders it: the completion prompt in
+    which the demo adapters (trained on chat-formatted answers) show their effect."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": _DEMO_QUESTION}], tokenize=False, add_generation_prompt=True
+    )
+    return str(text)
+
+
+def _shell_json(body: dict[str, object]) -> str:
+    """``body`` as JSON inside single quotes for a POSIX shell."""
+    return "'" + json.dumps(body).replace("'", "'\\''") + "'"
+
+
+def _demo_examples(url: str, base: str, adapters: list[str], prompt: str) -> str:
+    """Copy-paste curl and openai examples for the running demo: for each model a chat request
+    and a completion whose prompt is the chat-formatted question (``prompt``), so each
+    adapter's effect shows in both."""
     names = ", ".join([base, *adapters])
-    first = adapters[0] if adapters else base
+    models = [base, *adapters]
+    chat = {"messages": [{"role": "user", "content": _DEMO_QUESTION}], "max_tokens": 40,
+            "temperature": 0}  # fmt: skip
+    completion = {"prompt": prompt, "max_tokens": 40, "temperature": 0}
     lines = [
         "",
         f"loraplex demo is serving on {url}  (models: {names})",
         "",
-        'Try it with curl (change "model" to any name above):',
-        "",
-        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
-        f'    -d \'{{"model": "{first}", "messages": [{{"role": "user", '
-        f'"content": "{_DEMO_QUESTION}"}}], "max_tokens": 40, "temperature": 0}}\'',
+        'Chat with any model (change "model" to any name above):',
         "",
     ]
-    for name in adapters[1:]:
+    for m in models:
+        lines.append(
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d {_shell_json({'model': m, **chat})}"
+        )
+    lines += [
+        "",
+        "Completions: the demo adapters learned their style on chat-formatted answers, so a",
+        "completion shows it when the prompt is the chat template's text (a bare prompt such as",
+        '"The sky is" is continued the way the base model would):',
+        "",
+    ]
+    for m in models:
         lines.append(
             f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{name}", "prompt": "The sky is", "max_tokens": 20}}\''
+            f"-d {_shell_json({'model': m, **completion})}"
         )
     lines += [
         "",
@@ -89,10 +120,13 @@ def _demo_examples(url: str, base: str, adapters: list[str]) -> str:
         "",
         "  from openai import OpenAI",
         f'  client = OpenAI(base_url="{url}/v1", api_key="unused")',
-        f"  for model in {[base, *adapters]!r}:",
-        "      r = client.chat.completions.create(model=model, temperature=0, max_tokens=40,",
+        f"  prompt = {prompt!r}",
+        f"  for model in {models!r}:",
+        "      chat = client.chat.completions.create(model=model, temperature=0, max_tokens=40,",
         f'          messages=[{{"role": "user", "content": "{_DEMO_QUESTION}"}}])',
-        "      print(model, '->', r.choices[0].message.content)",
+        "      text = client.completions.create(model=model, temperature=0, max_tokens=40,",
+        "          prompt=prompt)",
+        "      print(model, '->', chat.choices[0].message.content, '|', text.choices[0].text)",
         "",
         f"Residency of each adapter: curl -s {url}/v1/adapters   Metrics: curl -s {url}/metrics",
         "Stop with Ctrl-C.",
@@ -101,8 +135,9 @@ def _demo_examples(url: str, base: str, adapters: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _demo_ask(url: str, models: list[str]) -> list[tuple[str, str]]:
-    """One greedy chat request per model through the HTTP API."""
+def _demo_ask(url: str, models: list[str], prompt: str) -> list[tuple[str, str, str]]:
+    """One greedy chat request and one greedy completion of the chat-formatted ``prompt`` per
+    model through the HTTP API: (model, chat answer, completion text)."""
     import httpx
 
     out = []
@@ -118,7 +153,13 @@ def _demo_ask(url: str, models: list[str]) -> list[tuple[str, str]]:
                 },
             )
             r.raise_for_status()
-            out.append((m, r.json()["choices"][0]["message"]["content"]))
+            chat = r.json()["choices"][0]["message"]["content"]
+            r = c.post(
+                "/v1/completions",
+                json={"model": m, "prompt": prompt, "max_tokens": 40, "temperature": 0},
+            )
+            r.raise_for_status()
+            out.append((m, chat, r.json()["choices"][0]["text"]))
     return out
 
 
@@ -150,17 +191,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
         lora_modules=[LoRAModule(n, str(p), base) for n, p in adapters.items()],
     )
     names = list(adapters)
+    prompt = _demo_prompt(model_dir)
     if args.check:  # answer one question per model through HTTP, then exit
         from loraplex.testing.server import serve_in_thread
 
         print(f"loading {model_dir} ...")
         with serve_in_thread(create_app(config), timeout=300) as url:
-            for model, text in _demo_ask(url, [base, *names]):
-                print(f"[{model}] {text!r}")
+            for model, chat, text in _demo_ask(url, [base, *names], prompt):
+                print(f"[{model}] chat: {chat!r}")
+                print(f"[{model}] completion: {text!r}")
         return 0
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     print(f"loading {model_dir} ...")
-    run_server(config, on_ready=lambda: print(_demo_examples(url, base, names), flush=True))
+    examples = _demo_examples(url, base, names, prompt)
+    run_server(config, on_ready=lambda: print(examples, flush=True))
     return 0
 
 
@@ -233,7 +277,10 @@ def cmd_demo_random(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from loraplex import __version__
+
     p = argparse.ArgumentParser(prog="loraplex", description="Multi-LoRA LLM inference.")
+    p.add_argument("-v", "--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="run one prompt on the base model and each --lora adapter")
     g.add_argument("model", help="HF-format model directory")
@@ -296,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
         rest = argv if module.__name__ == "loraplex.registry.cli" else argv[1:]
         return int(module.main(rest))
+    if argv and argv[0] == "serve":  # vLLM's spellings: --max_model_len as --max-model-len
+        from loraplex.server.vllm_compat import normalize_argv
+
+        argv = [argv[0], *normalize_argv(argv[1:])]
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

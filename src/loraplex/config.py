@@ -20,6 +20,7 @@ ADAPTER_EVICTION_POLICIES = ("hybrid", "lru", "lfu", "fifo")
 WARM_POLICIES = ("device-preferred", "host", "on-demand")  # how an adapter is pre-warmed
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+LOG_FORMATS = ("text", "json")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 """Names of ``loraplex.server.tools.PARSERS`` (checked by a test; config imports nothing)."""
 ENV_API_KEYS = ("LORAPLEX_API_KEY", "VLLM_API_KEY")  # first one set wins
@@ -91,6 +92,44 @@ def parse_log_level(text: str) -> str:
     value = text.strip().lower()
     if value not in LOG_LEVELS:
         raise ValueError(f"invalid log level {text!r} (choose from {', '.join(LOG_LEVELS)})")
+    return value
+
+
+def parse_generation_config(text: str) -> str:
+    """vLLM's ``--generation-config``: ``auto`` (the model directory's generation_config.json),
+    ``vllm`` (none: loraplex's own defaults) or a directory holding a generation_config.json."""
+    value = text.strip()
+    if not value:
+        raise ValueError("expected auto, vllm or a directory")
+    return value.lower() if value.lower() in ("auto", "vllm") else value
+
+
+def parse_json_object(text: str) -> str:
+    """A JSON object given as text (kept as text: config objects hold plain values)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON {text!r}: {e.msg}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return text
+
+
+def parse_json_list(text: str) -> str:
+    """A JSON list of strings given as text (vLLM's CORS flags: '["*"]')."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON {text!r}: {e.msg}") from None
+    if not isinstance(obj, list) or not all(isinstance(x, str) for x in obj):
+        raise ValueError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+    return text
+
+
+def parse_log_format(text: str) -> str:
+    value = text.strip().lower()
+    if value not in LOG_FORMATS:
+        raise ValueError(f"invalid log format {text!r} (choose from {', '.join(LOG_FORMATS)})")
     return value
 
 
@@ -177,6 +216,67 @@ class EngineConfig:
         metadata=setting(
             "--model", metavar="MODEL_DIR", help="same as MODEL_DIR (vLLM's older form)"
         )
+    )
+    tokenizer: str | None = field(  # None: the model's own
+        default=None,
+        metadata=setting(
+            "--tokenizer",
+            parse=stripped,
+            metavar="DIR",
+            help="tokenizer directory or hub id (default: the model's)",
+        ),
+    )
+    revision: str | None = field(  # of a hub model (a branch, tag or commit)
+        default=None,
+        metadata=setting(
+            "--revision", parse=stripped, help="hub revision of the model (default: main)"
+        ),
+    )
+    tokenizer_revision: str | None = field(
+        default=None,
+        metadata=setting(
+            "--tokenizer-revision",
+            parse=stripped,
+            help="hub revision of --tokenizer (default: main)",
+        ),
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=setting(
+            "--trust-remote-code",
+            help="let the tokenizer run code from its directory (loraplex runs no model code "
+            "but its own; default: {default})",
+        ),
+    )
+    download_dir: str | None = field(  # the hub cache for hub ids (default: huggingface_hub's)
+        default=None,
+        metadata=setting(
+            "--download-dir",
+            parse=stripped,
+            metavar="DIR",
+            help="hub cache directory for hub ids (default: $HF_HUB_CACHE, $HF_HOME/hub or "
+            "~/.cache/huggingface/hub)",
+        ),
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=setting(
+            "--generation-config",
+            parse=parse_generation_config,
+            metavar="{auto,vllm,DIR}",
+            help="default sampling parameters: auto (the model's generation_config.json), "
+            "vllm (none) or a directory (default: {default})",
+        ),
+    )
+    override_generation_config: str | None = field(  # a JSON object, applied over the above
+        default=None,
+        metadata=setting(
+            "--override-generation-config",
+            parse=parse_json_object,
+            metavar="JSON",
+            help="JSON object of default sampling parameters over --generation-config, e.g. "
+            "'{\"temperature\": 0.5}'",
+        ),
     )
     dtype: str = field(
         default="auto",
@@ -297,7 +397,23 @@ class EngineConfig:
         ),
     )
     # KV cache and scheduling
-    block_size: int = field(default=16, metadata=setting(ge=1))
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=setting(
+            "--gpu-memory-utilization",
+            "--device-memory-utilization",
+            gt=0,
+            le=1,
+            metavar="FRACTION",
+            help="on CUDA, the fraction of the device's memory this server may use in all "
+            "(weights, activations, KV cache): the KV cache gets what is left (default: "
+            "{default}; --kv-cache-memory overrides it)",
+        ),
+    )
+    block_size: int = field(
+        default=16,
+        metadata=setting("--block-size", ge=1, help="tokens per KV block (default: {default})"),
+    )
     kv_cache_memory_bytes: int | None = field(
         default=None,
         metadata=setting(
@@ -310,8 +426,13 @@ class EngineConfig:
             "1000) or a number (default: sized from device memory)",
         ),
     )
-    num_kv_blocks: int | None = field(  # explicit override of the block count (tests)
-        default=None, metadata=setting(ge=1)
+    num_kv_blocks: int | None = field(  # explicit override of the block count
+        default=None,
+        metadata=setting(
+            "--num-gpu-blocks-override",
+            ge=1,
+            help="number of KV blocks, whatever the memory (default: sized from memory)",
+        ),
     )
     max_model_len: int | None = field(
         default=None,
@@ -342,11 +463,41 @@ class EngineConfig:
             help="reuse KV blocks of shared prefixes (default: {default})",
         ),
     )
-    skip_tokenizer_init: bool = False
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=setting(
+            "--skip-tokenizer-init",
+            help="no tokenizer: prompts and outputs are token ids only (default: {default})",
+        ),
+    )
     num_threads: int | None = field(
         default=None,
         metadata=setting("--num-threads", ge=1, help="CPU intra-op threads (default: torch's)"),
     )
+
+    @property
+    def generation_overrides(self) -> dict[str, object]:
+        """``override_generation_config`` as a mapping (empty when not set)."""
+        if self.override_generation_config is None:
+            return {}
+        value = json.loads(self.override_generation_config)
+        return dict(value) if isinstance(value, dict) else {}
+
+    def device_kv_budget(self, free_bytes: int, total_bytes: int) -> int:
+        """KV-cache bytes on a CUDA device, by vLLM's ``--gpu-memory-utilization``: this server
+        may use ``total x utilization`` in all, and what the device already holds (the weights
+        just loaded, other processes) comes out of it; activations use the rest of the device.
+        Raises ValueError naming the flag when nothing is left."""
+        used = total_bytes - free_bytes
+        budget = int(total_bytes * self.gpu_memory_utilization) - used
+        if budget <= 0:
+            gib = 1 << 30
+            raise ValueError(
+                f"--gpu-memory-utilization {self.gpu_memory_utilization:g} leaves no memory for "
+                f"the KV cache: {used / gib:.1f} GiB of the device's {total_bytes / gib:.1f} GiB "
+                "are in use already (raise it, or set --kv-cache-memory)"
+            )
+        return budget
 
     def validate(self) -> None:
         """Raise FieldError (a ValueError) naming the first invalid field."""
@@ -448,12 +599,13 @@ class ServerConfig:
         ),
     )
     max_waiting: int = field(  # waiting sequences above which new calls get 503 + Retry-After
-        default=256,
+        default=0,  # vLLM queues every request: no cap unless asked for
         metadata=setting(
             "--max-waiting",
+            "--max-num-queued-reqs",
             ge=0,
             help="waiting sequences (prompts x n of every admitted call) before 503 + "
-            "Retry-After; 0: no limit (default: {default})",
+            "Retry-After; 0: no limit, queue like vLLM (default: {default})",
         ),
     )
     retry_after_seconds: int = field(default=1, metadata=setting(ge=0))
@@ -623,6 +775,115 @@ class ServerConfig:
             help="how tool calls are read out of generated text: {choices}",
         ),
     )
+    hf_token: str | None = field(  # for hub ids; default: $HF_TOKEN or the stored login
+        default=None,
+        repr=False,
+        metadata=setting(
+            "--hf-token",
+            metavar="TOKEN",
+            help="hub token for hub ids (default: $HF_TOKEN, else huggingface-cli login's)",
+        ),
+    )
+    # -- logging -------------------------------------------------------------------------------
+    disable_log_requests: bool = field(
+        default=False,
+        metadata=setting(
+            "--disable-log-requests",
+            help="no log line per finished request (default: {default})",
+        ),
+    )
+    max_log_len: int | None = field(
+        default=None,
+        metadata=setting(
+            "--max-log-len",
+            ge=0,
+            help="characters of the prompt shown in a request's log line at debug level "
+            "(default: all)",
+        ),
+    )
+    disable_log_stats: bool = field(
+        default=False,
+        metadata=setting(
+            "--disable-log-stats",
+            help="no periodic stats line (throughput, queue, KV, adapter hits; default: {default})",
+        ),
+    )
+    log_stats_interval_s: float = field(
+        default=10.0,
+        metadata=setting(
+            "--log-stats-interval",
+            parse=seconds,
+            gt=0,
+            metavar="SECONDS",
+            help="seconds between stats lines (default: {default})",
+        ),
+    )
+    log_format: str = field(
+        default="text",
+        metadata=setting(
+            "--log-format",
+            parse=parse_log_format,
+            choices=LOG_FORMATS,
+            metavar="{text,json}",
+            help="log lines as text, or one JSON object per line for log shippers "
+            "(default: {default})",
+        ),
+    )
+    disable_uvicorn_access_log: bool = field(
+        default=False,
+        metadata=setting(
+            "--disable-uvicorn-access-log", help="no HTTP access log (default: {default})"
+        ),
+    )
+    # -- HTTP (uvicorn / FastAPI) ----------------------------------------------------------------
+    root_path: str | None = field(
+        default=None,
+        metadata=setting(
+            "--root-path", help="path prefix of the app behind a path-based proxy (ASGI root_path)"
+        ),
+    )
+    ssl_keyfile: str | None = field(
+        default=None, metadata=setting("--ssl-keyfile", metavar="FILE", help="TLS key file")
+    )
+    ssl_certfile: str | None = field(
+        default=None, metadata=setting("--ssl-certfile", metavar="FILE", help="TLS certificate")
+    )
+    ssl_ca_certs: str | None = field(
+        default=None,
+        metadata=setting("--ssl-ca-certs", metavar="FILE", help="CA certificates (client certs)"),
+    )
+    allowed_origins: str | None = field(  # JSON list; None: no CORS headers
+        default=None,
+        metadata=setting(
+            "--allowed-origins",
+            parse=parse_json_list,
+            metavar="JSON",
+            help="CORS origins as a JSON list, e.g. '[\"*\"]' (default: no CORS headers)",
+        ),
+    )
+    allowed_methods: str = field(
+        default='["*"]',
+        metadata=setting(
+            "--allowed-methods", parse=parse_json_list, metavar="JSON", help="CORS methods"
+        ),
+    )
+    allowed_headers: str = field(
+        default='["*"]',
+        metadata=setting(
+            "--allowed-headers", parse=parse_json_list, metavar="JSON", help="CORS headers"
+        ),
+    )
+    allow_credentials: bool = field(
+        default=False,
+        metadata=setting("--allow-credentials", help="CORS credentials (default: {default})"),
+    )
+    disable_fastapi_docs: bool = field(
+        default=False,
+        metadata=setting(
+            "--disable-fastapi-docs",
+            help="no /docs, /redoc and /openapi.json (default: {default})",
+        ),
+    )
 
     @property
     def model_names(self) -> list[str]:
@@ -667,6 +928,12 @@ class ServerConfig:
                 self,
                 "enable_auto_tool_choice",
                 lambda n: f"needs {n('tool_call_parser')} (one of {', '.join(TOOL_CALL_PARSERS)})",
+            )
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise FieldError(
+                self,
+                "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile",
+                lambda n: f"{n('ssl_keyfile')} and {n('ssl_certfile')} go together",
             )
         if self.require_signatures and not self.trusted_keys:
             raise FieldError(

@@ -434,11 +434,19 @@ class Settings:
     """
 
     def __init__(
-        self, root: type, *, error: type[Exception], wording: FileWording | None = None
+        self,
+        root: type,
+        *,
+        error: type[Exception],
+        wording: FileWording | None = None,
+        other_key: Callable[[str, object], dict[str, Any] | None] | None = None,
     ) -> None:
         self.root = root
         self.error = error
         self.wording = wording or FileWording()
+        # a file key no setting declares: None = unknown; else the settings it stands for
+        # (possibly none: accepted as is); a ValueError refuses it with its message
+        self.other_key = other_key
         self.specs, self.nested = _specs(root)
         self.keys: dict[str, _Spec] = {}
         for spec in self.specs.values():
@@ -495,6 +503,16 @@ class Settings:
         for key, value in data.items():
             norm = key.strip().lower().replace("_", "-") if isinstance(key, str) else None
             spec = self.keys.get(norm) if norm else None
+            if spec is None and norm and self.other_key is not None:
+                where = self.wording.where.format(key=key, path=path_text)
+                try:
+                    stands_for = self.other_key(norm, value)
+                except ValueError as e:
+                    raise self.error(f"{where}: {e}") from None
+                if stands_for is not None:
+                    for name, v in stands_for.items():
+                        out[name] = (v, where)
+                    continue
             if spec is None:
                 near = difflib.get_close_matches(norm or "", list(self.keys), n=1)
                 hint = f" (did you mean {near[0]!r}?)" if near else ""

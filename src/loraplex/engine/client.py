@@ -238,10 +238,10 @@ class EngineClient:
 
     @property
     def generation_defaults(self) -> dict[str, Any]:
-        """The model's default sampling parameters by SamplingParams field name, for the
-        fields a request leaves out. Helper C's branch reads them from generation_config.json
-        (``ModelConfig.generation_defaults``); on this branch there are none."""
-        return {}
+        """The model's default sampling parameters (generation_config.json under
+        ``--generation-config``, with ``--override-generation-config`` over it), by
+        SamplingParams field name: for the fields a request leaves out (a copy)."""
+        return dict(self.engine.model_config.generation_defaults)
 
     # -- gauges ----------------------------------------------------------------------------------
     @property
@@ -274,6 +274,21 @@ class EngineClient:
     def device_adapter_digests(self) -> list[str]:
         """Digests of the adapters whose weights are in a device slot (idle or busy)."""
         return list(self._adapters.slot_of)
+
+    # -- engine counters behind vLLM's metric names (read at scrape time) ---------------------
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted (their KV freed, recomputed later) since start-up."""
+        return self.engine.scheduler.num_preemptions
+
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found) since start-up."""
+        pool = self.engine.pool
+        return pool.query_tokens, pool.hit_tokens
+
+    def kv_cache_shape(self) -> tuple[int, int]:
+        """(KV blocks, tokens per block)."""
+        return self.engine.pool.num_blocks, self.engine.pool.block_size
 
     def add_step_observer(self, fn: Callable[[StepStats], None]) -> None:
         """Call ``fn`` on the loop thread after every step that ran sequences (one that raises

@@ -131,10 +131,17 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_dir = Path(config.model)
-        self.model_config = load_model_config(model_dir)
+        self.model_config = load_model_config(
+            model_dir, config.generation_config, config.generation_overrides
+        )
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(model_dir)
+        tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
+        self.tokenizer = (
+            None
+            if config.skip_tokenizer_init
+            else self._load_tokenizer(tok_dir, config.trust_remote_code)
+        )
         mc = self.model_config
         self.model = LlamaForCausalLM.from_pretrained(model_dir, mc, self.dtype, self.device)
         self.eos_token_ids = set(mc.eos_token_ids)
@@ -188,7 +195,7 @@ class LLMEngine:
 
     # -- set-up helpers --------------------------------------------------------------------------
     @staticmethod
-    def _load_tokenizer(model_dir: Path) -> Any:
+    def _load_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> Any:
         if not any(
             (model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
         ):
@@ -199,7 +206,9 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(str(model_dir))
+            return AutoTokenizer.from_pretrained(
+                str(model_dir), trust_remote_code=trust_remote_code
+            )
         except Exception as e:  # transformers raises many types here
             raise ModelLoadError(f"{model_dir}: cannot load tokenizer ({e})") from e
 
@@ -229,8 +238,8 @@ class LLMEngine:
         budget = c.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.5)
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = c.device_kv_budget(free, total)  # --gpu-memory-utilization
             else:
                 budget = min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
             # never more than max_num_seqs full-length sequences can use

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,10 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    generation_defaults: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Default sampling parameters from generation_config.json (SamplingParams field names:
+    temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), for the fields a request
+    leaves out; empty with ``--generation-config vllm``."""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -66,12 +70,71 @@ class ModelConfig:
         )
 
 
+GENERATION_CONFIG = "generation_config.json"
+_GENERATION_KEYS = {  # generation_config.json key -> SamplingParams field (vLLM's set)
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value] if value is not None else []
+    return tuple(int(e) for e in values if isinstance(e, int) and not isinstance(e, bool))
+
+
+def read_generation_config(directory: str | Path) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """``directory/generation_config.json`` as (sampling defaults by SamplingParams field name,
+    its EOS ids); ({}, ()) when the file is absent. Values of the wrong type raise
+    ModelLoadError, so a bad file is found at start-up rather than by a request."""
+    path = Path(directory) / GENERATION_CONFIG
+    if not path.is_file():
+        return {}, ()
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return generation_defaults_of(raw, source=str(path)), _eos_ids(raw.get("eos_token_id"))
+
+
+def generation_defaults_of(
+    raw: dict[str, Any], source: str = "generation config"
+) -> dict[str, Any]:
+    """The sampling defaults of a generation config mapping (vLLM's keys; others ignored)."""
+    out: dict[str, Any] = {}
+    for key, name in _GENERATION_KEYS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        integral = name in ("top_k", "max_tokens")
+        ok = isinstance(value, int) if integral else isinstance(value, int | float)
+        if isinstance(value, bool) or not ok:
+            kind = "an integer" if integral else "a number"
+            raise ModelLoadError(f"{source}: {key} must be {kind}, got {value!r}")
+        out[name] = int(value) if integral else float(value)
+    return out
+
+
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return raw.get("text_config", raw) if "text_config" in raw and "hidden_size" not in raw else raw
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``model_dir/config.json``; unsupported architectures or fields raise ModelLoadError."""
+def load_model_config(
+    model_dir: str | Path,
+    generation_config: str = "auto",
+    override_generation_config: dict[str, Any] | None = None,
+) -> ModelConfig:
+    """Read ``model_dir/config.json``; unsupported architectures or fields raise ModelLoadError.
+
+    ``generation_config`` as vLLM's flag: ``auto`` reads ``model_dir/generation_config.json``
+    (its sampling defaults, and its EOS ids join the model's), ``vllm`` reads none, anything
+    else is a directory holding one. ``override_generation_config`` (SamplingParams field
+    names, or generation_config.json keys) goes over the defaults."""
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
@@ -81,7 +144,27 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
-    return parse_model_config(raw, source=str(path))
+    config = parse_model_config(raw, source=str(path))
+    defaults: dict[str, Any] = {}
+    eos: tuple[int, ...] = ()
+    if generation_config != "vllm":
+        where = model_dir if generation_config == "auto" else generation_config
+        defaults, eos = read_generation_config(where)
+    if override_generation_config:
+        from dataclasses import fields as dc_fields
+
+        from loraplex.requests import SamplingParams
+
+        known = {f.name for f in dc_fields(SamplingParams)}
+        named = {_GENERATION_KEYS.get(k, k): v for k, v in override_generation_config.items()}
+        unknown = sorted(set(named) - known)
+        if unknown:
+            raise ModelLoadError(
+                f"override_generation_config: unknown sampling parameter(s) {unknown}"
+            )
+        defaults = {**defaults, **named}
+    extra = tuple(e for e in eos if e not in config.eos_token_ids)
+    return replace(config, generation_defaults=defaults, eos_token_ids=config.eos_token_ids + extra)
 
 
 def parse_model_config(raw: dict[str, Any], source: str = "config") -> ModelConfig:
@@ -124,10 +207,7 @@ def parse_model_config(raw: dict[str, Any], source: str = "config") -> ModelConf
         if rtype == "default":
             rope_scaling = None
     model_type = SUPPORTED_ARCHITECTURES[arch]
-    eos = c.get("eos_token_id", raw.get("eos_token_id"))
-    eos_ids = tuple(
-        int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    )
+    eos_ids = _eos_ids(c.get("eos_token_id", raw.get("eos_token_id")))
     sliding = c.get("sliding_window")
     if model_type == "qwen2" and not c.get("use_sliding_window", False):
         sliding = None

@@ -9,6 +9,7 @@ temporary of its own size only.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,16 @@ import torch
 
 from loraplex.lora.digest import DigestError, TensorInfo, safetensors_header
 from loraplex.types import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+def _size_gb(path: Path) -> float:
+    try:
+        return path.stat().st_size / 1e9
+    except OSError:
+        return 0.0
+
 
 # The dtypes a base checkpoint may hold (str(torch dtype) as the header parser names them).
 _DTYPES: dict[str, torch.dtype] = {
@@ -94,7 +105,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, SafetensorsFile]]:
     """Yield (tensor name, file holding it) over every tensor of the checkpoint."""
-    for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    for i, path in enumerate(files, 1):  # progress while loading: one line per shard
+        log.info("loading weights %d/%d: %s (%.2f GB)", i, len(files), path.name, _size_gb(path))
         st = SafetensorsFile(path)
         for name in st.entries:
             yield name, st

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 
 from loraplex.engine.client import EngineClient, PreparedRequest, RequestStream
+from loraplex.logs import fields_of
 from loraplex.outputs import RequestOutput
 from loraplex.registry import Principal
 from loraplex.server.errors import APIError
@@ -57,7 +59,78 @@ class UsageRecord:
             "prompt_tokens": sum(len(p.prompt_token_ids) for p in prepared),
             "completion_tokens": sum(len(o.token_ids) for r in finals.values() for o in r.outputs),
         }
-        usage_log.info(json.dumps(record, sort_keys=True))
+        usage_log.info(json.dumps(record, sort_keys=True), extra=fields_of(record))
+
+
+request_log = logging.getLogger("loraplex.requests")
+"""One line per finished call (unless ``--disable-log-requests``); at debug level also its
+prompts (``--max-log-len`` characters) and sampling parameters."""
+
+
+@dataclass(frozen=True)
+class RequestLog:
+    """How calls are logged: ``max_log_len`` characters of each prompt at debug level."""
+
+    max_log_len: int | None = None
+
+    def log(
+        self,
+        usage: UsageRecord | None,
+        prepared: list[PreparedRequest],
+        finals: dict[int, RequestOutput],
+        seconds: float,
+    ) -> None:
+        if not prepared or not request_log.isEnabledFor(logging.INFO):
+            return
+        call_id = prepared[0].request_id.rpartition("-")[0] or prepared[0].request_id
+        ref = usage.lora.spec.ref if usage is not None and usage.lora else None
+        reasons = sorted(
+            {o.finish_reason or "none" for r in finals.values() for o in r.outputs}
+        ) or ["unfinished"]
+        fields = {
+            "request_id": call_id,
+            "model": usage.model if usage is not None else None,
+            "adapter": ref.name if ref else None,
+            "revision": ref.revision if ref else None,
+            "tenant": usage.principal.tenant if usage is not None else None,
+            "prompts": len(prepared),
+            "finished": len(finals),
+            "prompt_tokens": sum(len(p.prompt_token_ids) for p in prepared),
+            "completion_tokens": sum(len(o.token_ids) for r in finals.values() for o in r.outputs),
+            "cached_tokens": sum(r.num_cached_tokens for r in finals.values()),
+            "finish_reasons": reasons,
+            "seconds": round(seconds, 4),
+        }
+        adapter = f" adapter={ref.name}@{ref.revision} ({ref.sha256[:12]})" if ref else ""
+        tenant = f" tenant={fields['tenant']}" if fields["tenant"] else ""
+        request_log.info(
+            "request %s model=%s%s%s prompts=%d prompt_tokens=%d completion_tokens=%d "
+            "cached_tokens=%d finish=%s %.3fs",
+            call_id,
+            fields["model"],
+            adapter,
+            tenant,
+            len(prepared),
+            fields["prompt_tokens"],
+            fields["completion_tokens"],
+            fields["cached_tokens"],
+            ",".join(reasons),
+            seconds,
+            extra=fields_of(fields),
+        )
+        if request_log.isEnabledFor(logging.DEBUG):
+            for p in prepared:
+                prompt = p.request.prompt
+                if prompt is not None and self.max_log_len is not None:
+                    prompt = prompt[: self.max_log_len]
+                params = p.request.seqs[0].params if p.request.seqs else None
+                request_log.debug(
+                    "request %s: prompt %r (%d tokens), params %s",
+                    p.request_id,
+                    prompt,
+                    len(p.prompt_token_ids),
+                    params,
+                )
 
 
 class Admission:
@@ -73,10 +146,19 @@ class Admission:
     """
 
     def __init__(
-        self, client: EngineClient, n: int, on_close: Callable[[], None] | None = None
+        self,
+        client: EngineClient,
+        n: int,
+        on_close: Callable[[], None] | None = None,
+        *,
+        on_generate: Callable[[PreparedRequest, float], None] | None = None,
+        request_log: RequestLog | None = None,
     ) -> None:
         client.reserve(n)
         self.client = client
+        self.started = time.monotonic()
+        self._request_log = request_log  # None: --disable-log-requests
+        self._on_generate = on_generate  # metrics: follow the sequences handed over
         self.left = n
         self.prepared: list[PreparedRequest] = []
         self._handed: set[str] = set()
@@ -91,7 +173,11 @@ class Admission:
         k = len(prep.request.seqs)
         reserved = self.left >= k
         self.left -= k if reserved else 0
-        return self.client.generate(prep, reserved=reserved, on_stall=self.stalled.set)
+        handed = time.monotonic()
+        stream = self.client.generate(prep, reserved=reserved, on_stall=self.stalled.set)
+        if self._on_generate is not None:  # after: a failed hand-over leaves nothing tracked
+            self._on_generate(prep, handed)
+        return stream
 
     def close(self) -> None:
         if self.left:
@@ -104,9 +190,12 @@ class Admission:
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
             on_close()
-        if self.usage is not None:
-            usage, self.usage = self.usage, None
+        usage, self.usage = self.usage, None
+        if usage is not None:
             usage.log(self.prepared, self.finals)
+        if self._request_log is not None:
+            rlog, self._request_log = self._request_log, None
+            rlog.log(usage, self.prepared, self.finals, time.monotonic() - self.started)
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -227,7 +316,14 @@ def _admit_shared(state: ServerState, n: int, on_close: Callable[[], None] | Non
             code="overloaded",
             headers={"Retry-After": retry},
         )
-    return Admission(client, n, on_close)
+    config = state.config
+    return Admission(
+        client,
+        n,
+        on_close,
+        on_generate=state.metrics.sequences.track,
+        request_log=None if config.disable_log_requests else RequestLog(config.max_log_len),
+    )
 
 
 async def owned(admission: Admission, work: Awaitable[Response]) -> Response:

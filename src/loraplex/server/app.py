@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -31,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import loraplex
 from loraplex.config import ServerConfig
 from loraplex.engine.client import EngineClient, LLMEngine, StreamBounds
+from loraplex.logs import StatsLogger, StatsSource, configure_logging, startup_summary
 from loraplex.registry import Registry
 from loraplex.server import admin_routes, openai_routes, ops_routes, residency, tokenize_routes
 from loraplex.server.errors import APIError, as_api_error, validation_api_error
@@ -38,7 +42,9 @@ from loraplex.server.gate import RequestGate
 from loraplex.server.state import ServerState, open_registry, retire_loop
 from loraplex.types import LoraplexError
 
-__all__ = ["ServerState", "create_app", "open_registry", "run_server"]
+__all__ = ["ServerState", "create_app", "open_registry", "run_server", "stats_logger"]
+
+log = logging.getLogger("loraplex.server.app")
 
 
 def create_app(
@@ -63,38 +69,84 @@ def create_app(
             stall_timeout_s=config.stream_stall_timeout_s,
         ),
     }
-    client = (
-        EngineClient(engine, **options)
-        if engine is not None
-        else EngineClient.from_config(config.engine, **options)
-    )
+    if engine is None:
+        e = config.engine
+        log.info(
+            "loading model %s (dtype %s, device %s, max_model_len %s) ...",
+            e.model,
+            e.dtype,
+            e.device,
+            e.max_model_len or "from config.json",
+        )
+        t0 = time.perf_counter()
+        client = EngineClient.from_config(config.engine, **options)
+        log.info("model and KV cache ready in %.1f s", time.perf_counter() - t0)
+    else:
+        client = EngineClient(engine, **options)
+    if config.chat_template is not None and client.has_tokenizer:
+        # --chat-template: the default of every chat request (a request's own template wins)
+        client.engine.tokenizer.chat_template = config.chat_template
     state = ServerState(config, client, registry)
+    if config.lora_modules:
+        log.info("loading and verifying %d start-up adapter(s) ...", len(config.lora_modules))
     state.preload_adapters()
+    for line in startup_summary(config, engine_info(state)):
+        log.info("%s", line)
+    stats = stats_logger(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.start()
         retire = asyncio.create_task(retire_loop(state))
+        tasks = [retire]
+        if not config.disable_log_stats:
+            tasks.append(asyncio.create_task(_stats_loop(stats, config.log_stats_interval_s)))
+        log.info(
+            "ready: serving %s on http://%s:%d",
+            ", ".join(config.model_names),
+            config.host,
+            config.port,
+        )
         if on_ready is not None:
             on_ready()
         try:
             yield
         finally:
-            retire.cancel()
-            with contextlib.suppress(BaseException):
-                await retire
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
             client.shutdown()
             state.close()
 
+    docs: dict[str, Any] = (
+        {"docs_url": None, "redoc_url": None, "openapi_url": None}
+        if config.disable_fastapi_docs
+        else {}
+    )
     app = FastAPI(
         title="loraplex",
         version=loraplex.__version__,
         description="OpenAI-compatible multi-LoRA inference server",
         lifespan=lifespan,
+        root_path=config.root_path or "",
+        **docs,
     )
     app.state.loraplex = state
+    app.state.stats = stats
     app.add_middleware(RequestGate, state=state)
-    app.add_middleware(ops_routes.HeadAsGet)  # HEAD on every GET route (outermost)
+    app.add_middleware(ops_routes.HeadAsGet)  # HEAD on every GET route (inside CORS)
+
+    if config.allowed_origins is not None:  # vLLM's CORS flags; outermost, so 4xx carry them
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=json.loads(config.allowed_origins),
+            allow_methods=json.loads(config.allowed_methods),
+            allow_headers=json.loads(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
+        )
     _add_error_handlers(app, state)
     app.include_router(ops_routes.router)
     app.include_router(openai_routes.router)
@@ -147,9 +199,86 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
         return err.response()
 
 
+def engine_info(state: ServerState) -> dict[str, Any]:
+    """What the start-up summary needs from the built engine (white-box, start-up only)."""
+    engine, client = state.engine, state.client
+    mc = engine.model_config
+    blocks, block_size = client.kv_cache_shape()
+    return {
+        "architecture": mc.architecture,
+        "parameters": mc.num_parameters(),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "kv_blocks": blocks,
+        "block_size": block_size,
+        "kv_bytes": engine.cache.nbytes,
+        "max_model_len": client.max_model_len,
+        "lora": client.lora_enabled,
+        "policy": client.policy_name if client.lora_enabled else None,
+        "generation_defaults": client.generation_defaults,
+        "adapters": [m.name for m in state.config.lora_modules],
+    }
+
+
+def stats_logger(state: ServerState) -> StatsLogger:
+    """The periodic stats line of ``state``'s server: token counters from its metrics, the
+    engine's gauges, prefix-cache and adapter-tier counters through its client."""
+    client, metrics = state.client, state.metrics
+
+    def totals() -> dict[str, float]:
+        queries, hits = client.prefix_cache_tokens()
+        out = {
+            "prompt_tokens": metrics.total("loraplex_prompt_tokens"),
+            "generation_tokens": metrics.total("loraplex_generation_tokens"),
+            "prefix_queries": float(queries),
+            "prefix_hits": float(hits),
+            "preemptions": float(client.num_preemptions),
+        }
+        if client.lora_enabled:
+            for tier, c in client.tier_counters().items():
+                out[f"{tier}_hits"], out[f"{tier}_misses"] = float(c.hits), float(c.misses)
+        return out
+
+    def gauges() -> dict[str, float]:
+        return {
+            "running": float(client.num_running),
+            "waiting": float(client.num_waiting),
+            "kv_usage": client.kv_cache_usage(),
+        }
+
+    return StatsLogger(StatsSource(totals, gauges))
+
+
+async def _stats_loop(stats: StatsLogger, interval_s: float) -> None:
+    """Log the stats line every ``interval_s`` seconds for the app's lifetime."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            stats.log_once()
+        except Exception:  # a metrics hiccup must not end the loop
+            log.exception("stats line failed")
+
+
 def run_server(config: ServerConfig, *, on_ready: Callable[[], None] | None = None) -> None:
-    """Build the app and serve it with uvicorn until interrupted."""
+    """Configure logging (``--log-level``, ``--log-format``), build the app and serve it with
+    uvicorn until interrupted."""
     import uvicorn
 
-    app = create_app(config, on_ready=on_ready)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    setup = configure_logging(
+        config.log_level, config.log_format, access_log=not config.disable_uvicorn_access_log
+    )
+    try:
+        app = create_app(config, on_ready=on_ready)
+        uvicorn.run(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            log_config=None,  # ours, set above
+            access_log=not config.disable_uvicorn_access_log,
+            ssl_keyfile=config.ssl_keyfile,
+            ssl_certfile=config.ssl_certfile,
+            ssl_ca_certs=config.ssl_ca_certs,
+        )
+    finally:
+        setup.close()

@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from loraplex.config import LoRAModule, ServerConfig, parse_byte_size
+from loraplex.hub import HubError, is_hub_id, resolve_hub_dir
 from loraplex.lora.peft_format import CONFIG_NAME
+from loraplex.server.vllm_compat import add_vllm_compat_arguments, file_key, normalize_argv
 from loraplex.settings import FieldError, Settings, Values
 
 __all__ = [
     "ServeConfigError",
     "add_serve_arguments",
     "config_from_args",
+    "normalize_argv",
     "parse_byte_size",
     "parse_serve_args",
     "serve_settings",
@@ -42,7 +44,7 @@ class ServeConfigError(ValueError):
 
 def serve_settings() -> Settings:
     """``serve``'s settings: every declared field of ServerConfig and its EngineConfig."""
-    return Settings(ServerConfig, error=ServeConfigError)
+    return Settings(ServerConfig, error=ServeConfigError, other_key=file_key)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,23 +58,69 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         default=argparse.SUPPRESS,
         metavar="MODEL_DIR",
-        help="Hugging Face-format model directory (holds config.json)",
+        help="Hugging Face-format model directory (holds config.json) or hub id (org/name)",
     )
     serve_settings().add_arguments(parser)
+    add_vllm_compat_arguments(parser)
+    if parser.epilog is None:
+        parser.epilog = (
+            "Every other flag of `vllm serve` is accepted where its value is what loraplex "
+            "does anyway (--tensor-parallel-size 1, --enforce-eager, --kv-cache-dtype auto, "
+            "...) and otherwise refused with 'not supported: FLAG'. Underscore spellings "
+            "(--max_model_len) work as in vLLM."
+        )
 
 
 def _resolve(path: str) -> Path:
     return Path(path).expanduser().resolve()
 
 
-def _hub_hint(path: str) -> str:
-    """A hint for vLLM users who pass a Hugging Face hub id instead of a directory."""
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith((".", "/")):
-        return (
-            " (loraplex serves local directories only; download a hub model first, "
-            f"e.g. `huggingface-cli download {path} --local-dir DIR`)"
-        )
-    return ""
+class _Hub:
+    """Hub ids of one command line resolved to local snapshot directories (``--download-dir``,
+    ``--hf-token`` and the environment's ``HF_*`` variables)."""
+
+    def __init__(self, values: Values, environ: Mapping[str, str]) -> None:
+        self.values = values
+        self.environ = environ
+
+    def local(
+        self, path: str, name: str, *, revision: str | None = None, adapter: bool = False
+    ) -> str:
+        """``path`` itself if it exists locally or is no hub id, else its snapshot directory;
+        ServeConfigError naming setting ``name`` (or MODEL_DIR) if it cannot be resolved."""
+        if _resolve(path).exists() or not is_hub_id(path):
+            return path
+        try:
+            return str(
+                resolve_hub_dir(
+                    path,
+                    environ=self.environ,
+                    revision=revision,
+                    download_dir=self.values["download_dir"],
+                    token=self.values["hf_token"],
+                    adapter=adapter,
+                )
+            )
+        except HubError as e:
+            where = name if name == "MODEL_DIR" else self.values.where(name)
+            raise ServeConfigError(f"{where}: {e}") from None
+
+
+def _chat_template(values: Values) -> str | None:
+    """``--chat-template``'s text: a file's contents, or the template given inline (vLLM's
+    rule: a value that names no file and holds no Jinja is a missing file)."""
+    given = values["chat_template"]
+    if given is None:
+        return None
+    path = Path(given).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise values.error("chat_template", f"cannot read {given!r}: {e}") from None
+    if not any(c in given for c in "{}\n"):
+        raise values.error("chat_template", f"{given!r} is neither a file nor a Jinja template")
+    return str(given)
 
 
 def _what(path: Path) -> str:
@@ -91,7 +139,8 @@ def config_from_args(
     as given, so clients use the same name as with vLLM. Raises ServeConfigError naming the
     flag or key at fault.
     """
-    values = serve_settings().resolve(args, os.environ if environ is None else environ)
+    env = os.environ if environ is None else environ
+    values = serve_settings().resolve(args, env)
 
     # MODEL_DIR: positional or --model (both only if equal), else the file's 'model'
     positional = getattr(args, "model_dir", None)
@@ -108,7 +157,16 @@ def config_from_args(
             "--lora-modules, --served-model-name, --api-key and --allowed-lora-roots take "
             "every word after them)"
         )
-    values["model"] = model
+    hub = _Hub(values, env)
+    local_model = hub.local(
+        model, "MODEL_DIR" if positional is not None else "model", revision=values["revision"]
+    )
+    values["model"] = local_model
+    if values["tokenizer"] is not None:
+        values["tokenizer"] = hub.local(
+            values["tokenizer"], "tokenizer", revision=values["tokenizer_revision"]
+        )
+    values["chat_template"] = _chat_template(values)
     if not values.given("max_cpu_loras"):  # vLLM: defaults to at least max_loras
         values["max_cpu_loras"] = max(values["max_cpu_loras"], values["max_loras"])
     values["served_model_name"] = list(values["served_model_name"]) or [model]
@@ -118,7 +176,14 @@ def config_from_args(
         config.validate()
     except FieldError as e:
         raise _explain(values, config, e) from None
-    return _check_paths(values, config, model, model_where)
+    modules = [
+        replace(m, path=hub.local(m.path, "lora_modules", adapter=True))
+        if "://" not in m.path
+        else m
+        for m in config.lora_modules
+    ]
+    config = replace(config, lora_modules=modules)
+    return _check_paths(values, config, model, local_model, model_where)
 
 
 def _explain(values: Values, config: ServerConfig, e: FieldError) -> ServeConfigError:
@@ -133,17 +198,35 @@ def _explain(values: Values, config: ServerConfig, e: FieldError) -> ServeConfig
 
 
 def _check_paths(
-    values: Values, config: ServerConfig, model: str, model_where: str
+    values: Values, config: ServerConfig, model: str, local_model: str, model_where: str
 ) -> ServerConfig:
-    """The config with every local path checked and resolved (ServeConfigError naming it)."""
-    model_dir = _resolve(model)
+    """The config with every local path checked and resolved (ServeConfigError naming it);
+    ``model`` as given, ``local_model`` its directory (a hub snapshot for a hub id)."""
+    model_dir = _resolve(local_model)
     if not model_dir.is_dir():
-        raise ServeConfigError(f"{model_where}: {model!r} {_what(model_dir)}{_hub_hint(model)}")
+        raise ServeConfigError(f"{model_where}: {model!r} {_what(model_dir)}")
     if not (model_dir / "config.json").is_file():
         raise ServeConfigError(
             f"{model_where}: {model!r} has no config.json (expected a Hugging Face-format "
             "model directory)"
         )
+    engine = config.engine
+    tokenizer = engine.tokenizer
+    if tokenizer is not None:
+        tok_dir = _resolve(tokenizer)
+        if not tok_dir.is_dir():
+            raise values.error("tokenizer", f"{tokenizer!r} {_what(tok_dir)}")
+        tokenizer = str(tok_dir)
+    generation = engine.generation_config
+    if generation not in ("auto", "vllm"):
+        gen_dir = _resolve(generation)
+        if not (gen_dir / "generation_config.json").is_file():
+            raise values.error(
+                "generation_config",
+                f"{generation!r} is not a directory holding generation_config.json (or use "
+                "auto or vllm)",
+            )
+        generation = str(gen_dir)
     modules = []
     for m in config.lora_modules:
         if "://" in m.path and not m.path.startswith("file://"):  # object store: checked at load
@@ -151,7 +234,7 @@ def _check_paths(
             continue
         adapter_dir = _resolve(m.path.removeprefix("file://"))
         if not adapter_dir.is_dir():
-            problem = f"adapter {m.name!r}: {m.path!r} {_what(adapter_dir)}{_hub_hint(m.path)}"
+            problem = f"adapter {m.name!r}: {m.path!r} {_what(adapter_dir)}"
             raise values.error("lora_modules", problem)
         if not (adapter_dir / CONFIG_NAME).is_file():
             raise values.error(
@@ -160,7 +243,6 @@ def _check_paths(
                 "adapter directory)",
             )
         modules.append(LoRAModule(m.name, str(adapter_dir), m.base_model_name, m.warm))
-    engine = config.engine
     disk_dir = engine.disk_cache_dir
     if disk_dir is not None:
         disk_path = _resolve(disk_dir)
@@ -186,7 +268,12 @@ def _check_paths(
             raise values.error("trusted_keys", f"{key_file!r} is not a file")
         trusted.append(str(key_path))
     engine = replace(
-        engine, model=str(model_dir), disk_cache_dir=disk_dir, adapter_store_url=store_url
+        engine,
+        model=str(model_dir),
+        tokenizer=tokenizer,
+        generation_config=generation,
+        disk_cache_dir=disk_dir,
+        adapter_store_url=store_url,
     )
     return replace(
         config, engine=engine, lora_modules=modules, allowed_lora_roots=roots, trusted_keys=trusted
@@ -205,4 +292,4 @@ def parse_serve_args(argv: list[str], *, environ: Mapping[str, str] | None = Non
         allow_abbrev=False,  # a vLLM command line must parse exactly as vLLM would
     )
     add_serve_arguments(parser)
-    return config_from_args(parser.parse_args(argv), environ=environ)
+    return config_from_args(parser.parse_args(normalize_argv(argv)), environ=environ)

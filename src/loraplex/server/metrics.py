@@ -1,34 +1,74 @@
-"""Prometheus metrics: request latency by adapter warmth, adapter tiers, and the Gateway API
-Inference Extension's model-server gauges (``vllm:*``), so standard gateways can route to us.
+"""Prometheus metrics: request latency by adapter warmth, adapter tiers, the Gateway API
+Inference Extension's model-server gauges, and vLLM's own metric names and labels
+(``vllm:time_to_first_token_seconds{model_name=..., engine="0"}``, token counters, preemptions,
+prefix cache, queue/prefill/decode times, ...) alongside ours, so vLLM's Grafana dashboard
+works unchanged.
 
 Each app owns its own :class:`CollectorRegistry` (no process-global state). Counters that the
-engine already keeps (tier hits, loads, evictions) are read at scrape time by a collector rather
-than mirrored, so they can never drift. Adapter names appear as label values only inside
-``vllm:lora_requests_info``, each list bounded by :data:`MAX_ADAPTER_LABELS` names (the waiting
-ones: those with the most waiting sequences). Who may read them is the route's business
-(:mod:`~loraplex.server.auth`).
+engine already keeps (tier hits, loads, evictions, preemptions, prefix-cache lookups) are read
+at scrape time by a collector rather than mirrored, so they can never drift. A request-level
+observation (TTFT, end-to-end latency, tokens, finish reason) goes to our metric and its vLLM
+twin at once (:class:`Twin`); per-token and per-phase times (inter-token latency, queue,
+prefill, decode) come from the engine loop's step observer (:class:`SequenceTimes`).
+Adapter names appear as label values only inside ``vllm:lora_requests_info``, each list bounded
+by :data:`MAX_ADAPTER_LABELS` names (the waiting ones: those with the most waiting sequences).
+``model_name`` is the served base model's name (vLLM labels LoRA requests with it too). Who may
+read them is the route's business (:mod:`~loraplex.server.auth`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from loraplex.engine.sequence import Sequence, SequenceStatus
+
 if TYPE_CHECKING:
-    from loraplex.engine.client import EngineClient, StepStats
+    from loraplex.engine.client import EngineClient, PreparedRequest, StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 _LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 MAX_ADAPTER_LABELS = 64
 """Most adapter names listed in one label value (device-resident or waiting): top-K."""
+
+
+VLLM_LABELS = ("model_name", "engine")
+ENGINE = "0"  # vLLM's engine index: one engine per server
 
 
 def _bounded(names: Iterable[str]) -> str:
@@ -40,25 +80,56 @@ class _EngineCollector(Collector):
     """Gauges and tier counters computed from the engine's state at scrape time (through its
     client)."""
 
-    def __init__(self, client: EngineClient, adapter_names: Callable[[str], list[str]]) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        adapter_names: Callable[[str], list[str]],
+        model_name: str,
+        cache_info: dict[str, str],
+    ) -> None:
         self._client = client
         self._names = adapter_names  # digest -> served names
+        self._model = model_name
+        self._cache_info = cache_info
+
+    def _vllm(self, kind: type[Any], name: str, doc: str, value: float) -> Metric:
+        """One of vLLM's engine-level metrics, labelled as vLLM does."""
+        m = kind(name, doc, labels=list(VLLM_LABELS))
+        m.add_metric([self._model, ENGINE], value)
+        return m
 
     def collect(self) -> Iterable[Metric]:
         client = self._client
-        waiting = client.num_waiting
-        running = client.num_running
-        yield GaugeMetricFamily(
-            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", value=waiting
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._vllm(g, "vllm:num_requests_waiting", "Requests waiting.", client.num_waiting)
+        yield self._vllm(
+            g, "vllm:num_requests_running", "Requests in the running batch.", client.num_running
         )
-        yield GaugeMetricFamily(
-            "vllm:num_requests_running", "Requests in the running batch.", value=running
-        )
-        yield GaugeMetricFamily(
+        yield self._vllm(
+            g,
             "vllm:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (1 = full).",
-            value=client.kv_cache_usage(),
+            client.kv_cache_usage(),
         )
+        yield self._vllm(
+            g,
+            "vllm:gpu_cache_usage_perc",
+            "The same as vllm:kv_cache_usage_perc (the name older dashboards read).",
+            client.kv_cache_usage(),
+        )
+        yield self._vllm(
+            c, "vllm:num_preemptions", "Sequences preempted (KV freed).", client.num_preemptions
+        )
+        queries, hits = client.prefix_cache_tokens()
+        yield self._vllm(
+            c, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries
+        )
+        yield self._vllm(c, "vllm:prefix_cache_hits", "Prompt tokens found there.", hits)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "KV cache configuration.", labels=list(self._cache_info)
+        )
+        info.add_metric(list(self._cache_info.values()), 1)
+        yield info
         lora = client.lora_enabled
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
@@ -143,47 +214,227 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("loraplex_max_loras", "Device LoRA slots.", value=client.max_loras)
 
 
-class ServerMetrics:
-    """All metrics of one server instance."""
+class Twin:
+    """One of our metrics and its vLLM twins, observed together: ``labels(**kw)`` picks our
+    child by ``kw`` and each twin's by ``fixed`` (``model_name``, ``engine``) plus the labels
+    of ``kw`` named in ``shared`` (``finished_reason``); ``inc``/``observe`` feed all."""
 
-    def __init__(self, client: EngineClient, adapter_names: Callable[[str], list[str]]) -> None:
+    def __init__(
+        self,
+        ours: Any,
+        theirs: list[Any],
+        fixed: dict[str, str] | None,
+        shared: tuple[str, ...] = (),
+    ) -> None:
+        self.ours = ours
+        self.theirs = theirs
+        self._fixed = fixed  # None: ``theirs`` are children already
+        self._shared = shared
+
+    def labels(self, **kw: str) -> Twin:
+        mine = {k: v for k, v in kw.items() if k in self._shared}
+        children = [t.labels(**(self._fixed or {}), **mine) for t in self.theirs]
+        return Twin(self.ours.labels(**kw), children, None)
+
+    def _children(self) -> list[Any]:
+        if self._fixed is None:
+            return self.theirs
+        return [t.labels(**self._fixed) for t in self.theirs]
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.ours.inc(amount)
+        for t in self._children():
+            t.inc(amount)
+
+    def observe(self, value: float) -> None:
+        self.ours.observe(value)
+        for t in self._children():
+            t.observe(value)
+
+
+@dataclass
+class _Timing:
+    """What the step observer has seen of one sequence (monotonic seconds)."""
+
+    queued: float  # handed to the engine
+    tokens: int = 0  # output tokens seen
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class SequenceTimes:
+    """vLLM's per-token and per-phase histograms from the engine loop: each sequence handed
+    to the engine is tracked (:meth:`track`, event-loop thread); after every step
+    (:meth:`on_step`, the loop's thread) the new tokens of each give inter-token latencies, its
+    first scheduling its queue time (scheduled = the end of the step before, or its hand-over
+    if later), and its end its prefill, decode and inference times and token counts."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            h = Histogram(name, doc, list(labels), buckets=buckets, registry=registry)
+            return h.labels(**labels)
+
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds", "Seconds between output tokens.", _ITL_BUCKETS
+        )
+        self.queue = hist(
+            "vllm:request_queue_time_seconds",
+            "Seconds from hand-over to the engine to first scheduling.",
+            _REQUEST_BUCKETS,
+        )
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds",
+            "Seconds from first scheduling to the first token.",
+            _REQUEST_BUCKETS,
+        )
+        self.decode = hist(
+            "vllm:request_decode_time_seconds",
+            "Seconds from the first token to the last.",
+            _REQUEST_BUCKETS,
+        )
+        self.inference = hist(
+            "vllm:request_inference_time_seconds",
+            "Seconds from first scheduling to the last token.",
+            _REQUEST_BUCKETS,
+        )
+        self.prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Prompt tokens per sequence.", _TOKEN_BUCKETS
+        )
+        self.generation_tokens = hist(
+            "vllm:request_generation_tokens", "Generated tokens per sequence.", _TOKEN_BUCKETS
+        )
+        self._new: list[tuple[Sequence, float]] = []  # handed over, not yet seen by a step
+        self._lock = threading.Lock()
+        self._live: dict[Sequence, _Timing] = {}  # loop thread only
+        self._last_step = 0.0
+
+    def track(self, prepared: PreparedRequest, now: float | None = None) -> None:
+        """Follow the sequences of a request handed to the engine now."""
+        t = time.monotonic() if now is None else now
+        with self._lock:
+            self._new.extend((seq, t) for seq in prepared.request.seqs)
+
+    def on_step(self, stats: object = None, now: float | None = None) -> None:
+        """Observe what the last step did to every tracked sequence."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            new, self._new = self._new, []
+        for seq, queued in new:
+            self._live.setdefault(seq, _Timing(queued))
+        for seq, t in list(self._live.items()):
+            n = len(seq.output_token_ids)
+            started = seq.status is not SequenceStatus.WAITING or n > t.tokens
+            if t.scheduled is None and started and seq.num_computed_tokens + n > 0:
+                t.scheduled = max(t.queued, self._last_step)
+                self.queue.observe(t.scheduled - t.queued)
+            if n > t.tokens and t.scheduled is not None:
+                if t.last_token is None:  # the first token ends the prefill
+                    t.first_token = now
+                    self.prefill.observe(now - t.scheduled)
+                else:  # k tokens since the last step: k equal gaps
+                    k = n - t.tokens
+                    for _ in range(k):
+                        self.itl.observe((now - t.last_token) / k)
+                t.last_token, t.tokens = now, n
+            if seq.status is SequenceStatus.FINISHED:
+                del self._live[seq]
+                if t.first_token is not None and t.last_token is not None and t.scheduled:
+                    self.decode.observe(t.last_token - t.first_token)
+                    self.inference.observe(t.last_token - t.scheduled)
+                    self.prompt_tokens.observe(len(seq.prompt_token_ids))
+                    self.generation_tokens.observe(t.tokens)
+        self._last_step = now
+
+    @property
+    def num_tracked(self) -> int:
+        """Sequences handed over and not finished (a bounded number: admission's)."""
+        with self._lock:
+            return len(self._live) + len(self._new)
+
+
+class ServerMetrics:
+    """All metrics of one server instance; ``model_name`` labels vLLM's."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        adapter_names: Callable[[str], list[str]],
+        model_name: str = "",
+        cache_info: dict[str, str] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ttft = Histogram(
-            "time_to_first_token_seconds",
-            "Time from request arrival to its first output token.",
-            ["adapter_state"],
+        self.model_name = model_name
+        fixed = {"model_name": model_name, "engine": ENGINE}
+        vl = list(VLLM_LABELS)
+
+        def twin(ours: Any, name: str, doc: str, extra: tuple[str, ...] = (), **kw: Any) -> Twin:
+            kind = Histogram if isinstance(ours, Histogram) else Counter
+            names = name.split("|")  # several: the same observations under each name
+            twins = [kind(n, doc, [*vl, *extra], registry=r, **kw) for n in names]
+            return Twin(ours, twins, fixed, extra)
+
+        self.ttft = twin(
+            Histogram(
+                "time_to_first_token_seconds",
+                "Time from request arrival to its first output token.",
+                ["adapter_state"],
+                buckets=_TTFT_BUCKETS,
+                registry=r,
+            ),
+            "vllm:time_to_first_token_seconds",
+            "Seconds from arrival to the first token.",
             buckets=_TTFT_BUCKETS,
-            registry=r,
         )
-        self.tpot = Histogram(
-            "time_per_output_token_seconds",
-            "Mean time between output tokens after the first, per request.",
-            ["adapter_state"],
-            buckets=_TPOT_BUCKETS,
-            registry=r,
+        self.tpot = twin(
+            Histogram(
+                "time_per_output_token_seconds",
+                "Mean time between output tokens after the first, per request.",
+                ["adapter_state"],
+                buckets=_TPOT_BUCKETS,
+                registry=r,
+            ),
+            "vllm:request_time_per_output_token_seconds|vllm:time_per_output_token_seconds",
+            "Mean seconds per output token after the first, per request (the second name is "
+            "the one vLLM's older dashboards read).",
+            buckets=_ITL_BUCKETS,
         )
-        self.e2e = Histogram(
-            "e2e_request_latency_seconds",
-            "Time from request arrival to its last token.",
-            ["adapter_state"],
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+        self.e2e = twin(
+            Histogram(
+                "e2e_request_latency_seconds",
+                "Time from request arrival to its last token.",
+                ["adapter_state"],
+                buckets=_TTFT_BUCKETS,
+                registry=r,
+            ),
+            "vllm:e2e_request_latency_seconds",
+            "Seconds from arrival to the last token.",
+            buckets=_REQUEST_BUCKETS,
         )
         self.requests = Counter(
             "loraplex_requests", "Finished HTTP requests by status.", ["status"], registry=r
         )
-        self.finished = Counter(
-            "loraplex_request_success",
-            "Completions finished by the engine, by finish reason.",
-            ["finished_reason"],
-            registry=r,
+        self.finished = twin(
+            Counter(
+                "loraplex_request_success",
+                "Completions finished by the engine, by finish reason.",
+                ["finished_reason"],
+                registry=r,
+            ),
+            "vllm:request_success",
+            "Completions finished, by finish reason.",
+            ("finished_reason",),
         )
-        self.prompt_tokens = Counter(
-            "loraplex_prompt_tokens", "Prompt tokens processed.", registry=r
+        self.prompt_tokens = twin(
+            Counter("loraplex_prompt_tokens", "Prompt tokens processed.", registry=r),
+            "vllm:prompt_tokens",
+            "Prompt tokens processed.",
         )
-        self.generation_tokens = Counter(
-            "loraplex_generation_tokens", "Tokens generated.", registry=r
+        self.generation_tokens = twin(
+            Counter("loraplex_generation_tokens", "Tokens generated.", registry=r),
+            "vllm:generation_tokens",
+            "Tokens generated.",
         )
         self.load_seconds = Histogram(
             "adapter_load_seconds",
@@ -201,15 +452,37 @@ class ServerMetrics:
         self.step_errors = Counter(
             "loraplex_engine_step_errors", "Engine steps that raised.", registry=r
         )
-        r.register(_EngineCollector(client, adapter_names))
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens computed per engine step.",
+            vl,
+            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+            registry=r,
+        ).labels(**fixed)
+        self.sequences = SequenceTimes(r, fixed)
+        r.register(_EngineCollector(client, adapter_names, model_name, cache_info or {}))
         client.add_step_observer(self._on_step)
         client.add_load_observer(self._on_load)
 
     def _on_step(self, stats: StepStats) -> None:
         self.distinct_adapters.observe(stats.distinct_adapters)
+        self.iteration_tokens.observe(stats.num_tokens)
+        self.sequences.on_step(stats)
 
     def _on_load(self, stage: str, seconds: float) -> None:
         self.load_seconds.labels(stage=stage).observe(seconds)
+
+    def total(self, name: str, **labels: str) -> float:
+        """The current value of one of our counters (``loraplex_prompt_tokens``), summed over
+        label sets that include ``labels`` (0 when never observed): for the stats log line."""
+        out = 0.0
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                if sample.name == name + "_total" and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    out += sample.value
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

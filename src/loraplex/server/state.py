@@ -103,7 +103,20 @@ class ServerState:
         # registry queries, catalog rebuilds, key lookups and file-system checks: off the event
         # loop, and apart from the engine's preparation pools
         self._io = ThreadPoolExecutor(2, thread_name_prefix="loraplex-registry")
-        self.metrics = ServerMetrics(client, self.catalog.names_of)
+        blocks, block_size = client.kv_cache_shape()
+        engine = config.engine
+        self.metrics = ServerMetrics(
+            client,
+            self.catalog.names_of,
+            model_name=self.base_names[0],
+            cache_info={
+                "block_size": str(block_size),
+                "num_gpu_blocks": str(blocks),
+                "cache_dtype": "auto",
+                "enable_prefix_caching": str(engine.enable_prefix_caching),
+                "gpu_memory_utilization": str(engine.gpu_memory_utilization),
+            },
+        )
         self.limits = TenantLimits()
         self.unknown_fields = UnknownFields()  # request fields no API defines, logged once
         self._retiring: dict[str, float] = {}  # digest -> when its cached copies go
