@@ -30,9 +30,15 @@ async def health(state: ServerState = Depends(get_state)) -> Response:
     return Response(status_code=200)
 
 
-@router.api_route("/ping", methods=["GET", "POST"])
+@router.get("/ping")
 async def ping(state: ServerState = Depends(get_state)) -> Response:
     """vLLM's (SageMaker's) liveness route: ``/health``'s answer."""
+    return await health(state)
+
+
+@router.post("/ping")
+async def ping_post(state: ServerState = Depends(get_state)) -> Response:
+    """``POST /ping``, as SageMaker's health checks send it (one OpenAPI operation each)."""
     return await health(state)
 
 
