@@ -15,7 +15,7 @@ adapter cache, and offers what a server needs:
                step observers
     adapters   lora_enabled, max_loras, max_cpu_loras, policy_name, check_loadable,
                pin / unpin / evict / has_copy / prewarm, tier_of, residency, resident_bytes,
-               tier_counters, cache_stats, set_tenant_budget, is_local_source,
+               tier_counters, tier_budgets, cache_stats, set_tenant_budget, is_local_source,
                staged_source, load observers
 
 The loop's semantics are :class:`AsyncEngine`'s (read its docstring): nothing slow reaches the
@@ -389,6 +389,12 @@ class EngineClient:
                     n, b = n + 1, b + entry.info.size_bytes
             out[idx.name] = (n, b)
         return out
+
+    def tier_budgets(self) -> dict[str, tuple[int | None, int | None]]:
+        """tier -> (count limit, byte limit), None where unlimited (device: its slots)."""
+        tiers = self._adapters.tiers
+        indexes = [i for i in (tiers.device, tiers.host, tiers.disk) if i is not None]
+        return {i.name: (i.capacity_count, i.capacity_bytes) for i in indexes}
 
     def tier_counters(self) -> dict[str, TierCounters]:
         """tier -> a copy of its counters (device, host, and disk when configured)."""

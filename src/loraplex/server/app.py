@@ -36,7 +36,14 @@ from loraplex.config import ServerConfig
 from loraplex.engine.client import EngineClient, LLMEngine, StreamBounds
 from loraplex.logs import StatsLogger, StatsSource, configure_logging, startup_summary
 from loraplex.registry import Registry
-from loraplex.server import admin_routes, openai_routes, ops_routes, residency, tokenize_routes
+from loraplex.server import (
+    admin_routes,
+    dashboard,
+    openai_routes,
+    ops_routes,
+    residency,
+    tokenize_routes,
+)
 from loraplex.server.errors import APIError, as_api_error, validation_api_error
 from loraplex.server.gate import RequestGate
 from loraplex.server.state import ServerState, open_registry, retire_loop
@@ -93,12 +100,13 @@ def create_app(
     for line in startup_summary(config, engine_info(state)):
         log.info("%s", line)
     stats = stats_logger(state)
+    sampler = dashboard.DashboardSampler(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.start()
         retire = asyncio.create_task(retire_loop(state))
-        tasks = [retire]
+        tasks = [retire, asyncio.create_task(dashboard.sampler_loop(sampler))]
         if not config.disable_log_stats:
             tasks.append(asyncio.create_task(_stats_loop(stats, config.log_stats_interval_s)))
         log.info(
@@ -134,6 +142,7 @@ def create_app(
     )
     app.state.loraplex = state
     app.state.stats = stats
+    app.state.dashboard = sampler
     app.add_middleware(RequestGate, state=state)
     app.add_middleware(ops_routes.HeadAsGet)  # HEAD on every GET route (inside CORS)
 
@@ -153,6 +162,7 @@ def create_app(
     app.include_router(residency.router)
     app.include_router(admin_routes.router)
     app.include_router(tokenize_routes.router)
+    app.include_router(dashboard.router)
     return app
 
 

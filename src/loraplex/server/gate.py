@@ -35,8 +35,9 @@ from loraplex.server.state import ServerState
 
 log = logging.getLogger("loraplex.server.app")
 
-OPEN_PATHS = frozenset({"/health"})
-"""Routes that never need a key (liveness probes)."""
+OPEN_PATHS = frozenset({"/health", "/dashboard"})
+"""Routes that never need a key: liveness probes, and the dashboard's page (it holds no data;
+the routes it polls need a key)."""
 
 
 class RequestGate:
