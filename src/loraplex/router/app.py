@@ -19,8 +19,9 @@
             in the router's view (the only update between polls; never what a client asked)
 
 Also ``/v1/models`` (union over the replicas, with the client's Authorization),
-``/v1/replicas`` (the router's view, every adapter name: only with ``--status-api-key``, off
-without one), ``/health`` (200 while one replica is healthy) and ``/metrics`` (decisions by
+``/v1/replicas`` (the router's view, every adapter name, and its decisions by reason: only
+with ``--status-api-key``, off without one), ``/dashboard`` (the fleet page: adapters x
+replicas; it holds no data and polls ``/v1/replicas`` with the key it asks for), ``/health`` (200 while one replica is healthy) and ``/metrics`` (decisions by
 reason, per-replica latency, retries; no adapter names). Never imports torch.
 """
 
@@ -33,11 +34,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -177,6 +179,7 @@ class Router:
         )
         self.turn = 0
         self.client: httpx.AsyncClient | None = None
+        self.decisions: dict[str, int] = {}  # reason -> decisions (a handful of reasons)
 
     def pick(self, adapter: str | None, tried: set[str]) -> Replica | None:
         reps = self.replicas.ordered()
@@ -195,6 +198,7 @@ class Router:
         if d is None:
             return None
         self.metrics.decisions.labels(reason=d.reason).inc()
+        self.decisions[d.reason] = self.decisions.get(d.reason, 0) + 1
         return reps[d.index]
 
     def _no_replica(self, tried: set[str], last: str | None) -> JSONResponse:
@@ -515,8 +519,19 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         if denied is not None:
             return denied
         return JSONResponse(
-            {"object": "list", "policy": config.policy, "data": router.replicas.status()}
+            {
+                "object": "list",
+                "policy": config.policy,
+                "decisions": dict(sorted(router.decisions.items())),
+                "data": router.replicas.status(),
+            }
         )
+
+    @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        """The fleet page: it holds no data (open); it polls ``/v1/replicas`` (status key)."""
+        page = resources.files("loraplex.router").joinpath("static/dashboard.html")
+        return HTMLResponse(page.read_text(encoding="utf-8"), headers={"Cache-Control": "no-store"})
 
     @app.get("/health")
     async def health() -> Response:
