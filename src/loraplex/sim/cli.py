@@ -18,8 +18,9 @@ import json
 import sys
 from collections import Counter
 
-from loraplex.cache.policy import POLICIES, belady_hit_ratio
+from loraplex.cache.policy import POLICIES, belady_hit_ratio, belady_hits
 from loraplex.cliargs import byte_size, nonneg_float, positive_int
+from loraplex.sim.plot import MISSING, plot_hit_ratio
 from loraplex.sim.simulate import SimConfig, SimResult, a0_hit_ratio, policy_factory, simulate
 from loraplex.sim.workloads import (
     Workload,
@@ -92,6 +93,11 @@ def build_parser(prog: str = "loraplex sim") -> argparse.ArgumentParser:
     )
     p.add_argument("--write-trace", metavar="FILE", help="also write the trace as JSON lines")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also plot the L0 hit ratio over time per policy, with Belady's line (matplotlib)",
+    )
     return p
 
 
@@ -235,9 +241,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, WorkloadSpecError) as e:
         return fail(str(e))
 
-    results = [simulate(wl.requests, f, cfg, hot_adapters=hot) for f in factories]
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked before the run, not after)
+        except ImportError:
+            return fail(MISSING)
+    timelines: dict[str, list[tuple[float, bool]]] = {}
+    results = []
+    for f in factories:
+        timeline: list[tuple[float, bool]] = []
+        results.append(simulate(wl.requests, f, cfg, hot_adapters=hot, timeline=timeline))
+        timelines[results[-1].policy] = timeline
     keys = [r.adapter for r in wl.requests]
     belady = belady_hit_ratio(keys, cfg.slots)  # exact for a count capacity
+    if args.plot:
+        hits = belady_hits(keys, cfg.slots)
+        line = [(r.time, bool(h)) for r, h in zip(wl.requests, hits, strict=True)]
+        try:
+            plot_hit_ratio(args.plot, timelines, line, title=f"L0 hit ratio, {wl.spec}")
+        except OSError as e:
+            return fail(f"cannot write plot {args.plot}: {e.strerror or e}")
     a0 = a0_hit_ratio(keys, cfg.slots)
     if args.json:
         out = {

@@ -194,10 +194,15 @@ def simulate(
     config: SimConfig,
     *,
     hot_adapters: frozenset[str] | None = None,
+    timeline: list[tuple[float, bool]] | None = None,
 ) -> SimResult:
-    """Replay ``requests`` (sorted by time) through a fresh tier controller driven by ``policy``."""
+    """Replay ``requests`` (sorted by time) through a fresh tier controller driven by ``policy``.
+
+    ``timeline``: if given, gets one ``(arrival time, L0 hit)`` per served request, in serving
+    order (for ``--plot``)."""
     pol = policy if isinstance(policy, EvictionPolicy) else policy()
     run = _Run(pol, config, hot_adapters or frozenset())
+    run.timeline = timeline
     for req in requests:
         run.advance(req.time)
         run.arrive(req)
@@ -284,6 +289,7 @@ class _Run:
         self.waits = 0
         self.wait_total = 0.0
         self.hot_total = self.hot_hits = 0
+        self.timeline: list[tuple[float, bool]] | None = None
         self.n_refused = 0
 
     @property
@@ -415,6 +421,8 @@ class _Run:
         if p.waited:
             self.wait_total += self.now - p.arrival
         self.hot_hits += p.hot and hit
+        if self.timeline is not None:
+            self.timeline.append((p.arrival, hit))
         if self.cfg.service_time_s <= 0:
             self.ctl.release_slot(slot)
             if self.ctl.host is not None:
