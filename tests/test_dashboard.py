@@ -123,10 +123,10 @@ def test_page_shows_true_tiers_follows_eviction_and_pins(
 
         target = "bravo"
         assert not pinned(target)
-        page.click(f"#adapters tbody tr[data-name={target}] button.pin")
+        page.click(f"#adapters tbody tr[data-name={target}] [data-act=pin]")
         wait_until(lambda: pinned(target), what="the pin from the page")
-        page.wait_for_selector(f"#adapters tbody tr[data-name={target}] button.unpin")
-        page.click(f"#adapters tbody tr[data-name={target}] button.unpin")
+        page.wait_for_selector(f"#adapters tbody tr[data-name={target}] [data-act=unpin]")
+        page.click(f"#adapters tbody tr[data-name={target}] [data-act=unpin]")
         wait_until(lambda: not pinned(target), what="the unpin from the page")
 
         # filters: by name, then by tier
@@ -165,7 +165,7 @@ def test_inference_key_sees_no_admin_buttons(server: Server) -> None:
         page.fill("#key", USER)
         page.click("#keysave")
         wait_for_tiers(page, truth(c))
-        assert page.locator("#adapters button").count() == 0
+        assert page.locator("#adapters .act").count() == 0
         assert (
             c.get("/v1/dashboard/stats", headers={"Authorization": f"Bearer {USER}"}).json()[
                 "admin"
@@ -248,7 +248,7 @@ def test_tenant_sees_only_its_adapters_on_the_page_and_in_its_data(
             assert set(view) == {"a_only", "shared"}
             wait_for_tiers(page, view)
             page.wait_for_selector("#who:has-text('tenant: acme')")
-            assert page.locator("#adapters button").count() == 0  # read-only
+            assert page.locator("#adapters .act").count() == 0  # read-only
         assert fetched
         for text in fetched:
             assert "b_only" not in text, text
