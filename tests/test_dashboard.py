@@ -114,7 +114,10 @@ def test_page_shows_true_tiers_follows_eviction_and_pins(
         after = truth(c)
         assert after[victim] != want[victim]
         wait_for_tiers(page, after)
-        page.wait_for_selector(f"#events li[data-kind=evict][data-name={victim}]")
+        # out of memory with a local source: "disk", in the strip as in the table
+        page.wait_for_selector(
+            f"#events li[data-kind=evict][data-name={victim}]:has-text('-> disk')"
+        )
 
         # an admin pin from the page reaches the cache
         def pinned(name: str) -> bool:

@@ -118,6 +118,7 @@ class DashboardSampler:
         self._prev: dict[str, Any] | None = None
         self._tiers: dict[str, tuple[str, bool]] = {}  # digest -> (tier, pinned)
         self._serving: dict[str, tuple[str, str | None, float]] = {}  # name -> active, canary
+        self._local: dict[str, bool] = {}  # digest -> its source is a local directory
 
     def _totals(self) -> dict[str, Any]:
         """The cumulative counters a sample is the difference of."""
@@ -208,6 +209,20 @@ class DashboardSampler:
         self._serving = serving
         if state.client.lora_enabled:
             now = {r.ref.sha256: (r.tier, r.pinned) for r in state.client.residency()}
+            self._local = {d: v for d, v in self._local.items() if d in now}
+            manifests = {
+                m.sha256: m
+                for sv in state.catalog.servables().values()
+                for m in (sv.active, sv.canary)
+                if m is not None
+            }
+            for d, (tier, pinned) in now.items():
+                if tier == "absent" and d in manifests:  # out of memory: disk, as /v1/adapters
+                    if d not in self._local:
+                        spec = state.adapter_spec(manifests[d])
+                        self._local[d] = state.client.is_local_source(spec)
+                    if self._local[d]:
+                        now[d] = ("disk", pinned)
             for d, (tier, pinned) in now.items():
                 was_tier, was_pinned = self._tiers.get(d, ("absent", False))
                 if first:
