@@ -259,3 +259,37 @@ def test_tenant_sees_only_its_adapters_on_the_page_and_in_its_data(
         assert stats["samples"] is None and stats["tenant"] == "acme"
         assert stats["occupancy"]["host"]["count"] == 1  # its own adapter only
         assert all(e["name"] != "b_only" for e in stats["events"])
+
+
+def test_canary_and_promotion_events_scoped_to_their_tenant(
+    tmp_path: Path, tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """A canary set and then promoted in the registry shows in the event strip, to the
+    operator and to the adapter's tenant, never to another tenant."""
+    served = tenant_adapters(adapters, tmp_path / "root")
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    with live_server(url, tiny_model, served, admin_api_key=ADMIN) as live:
+        state, registry = live.state, live.registry
+        sampler = DashboardSampler(state)  # its own: ticked by hand, deterministic
+        sampler.sample()
+        base = state.catalog.servables()["a_only"].active
+        # acme's new revision has the weights of bravo's b_only: one digest, two tenants' names
+        m = registry.register(
+            served["b_only"], "a_only", base=state.base, tenant="acme", actor="test"
+        )
+        registry.canary("a_only", m.revision, 0.25, actor="test")
+        live.caught_up()
+        sampler.sample()
+        registry.promote("a_only", actor="test")
+        live.caught_up()
+        sampler.sample()
+        kinds = [(e.kind, e.name) for e in sampler.events]
+        assert ("canary", "a_only") in kinds and ("promote", "a_only") in kinds, kinds
+        assert kinds.index(("canary", "a_only")) < kinds.index(("promote", "a_only"))
+        acme = state.catalog.authenticate(live.keys["acme"])
+        bravo = state.catalog.authenticate(live.keys["bravo"])
+        assert acme is not None and bravo is not None
+        seen = {e["kind"] for e in sampler.stats(acme)["events"] if e["name"] == "a_only"}
+        assert {"canary", "promote"} <= seen
+        assert all(e["name"] != "a_only" for e in sampler.stats(bravo)["events"])
+        assert base.sha256 != state.catalog.servables()["a_only"].active.sha256

@@ -243,8 +243,10 @@ class DashboardSampler:
         state, client = self.state, self.state.client
         operator = principal.tenant is None
         visible: set[str] = set()
+        names: set[str] = set()
         for sv in state.catalog.visible(principal):
             visible |= set(sv.digests)
+            names.add(sv.name)
         out: dict[str, Any] = {
             "now": time.time(),
             "interval_s": self.interval_s,
@@ -267,7 +269,10 @@ class DashboardSampler:
                 for tier, (n, b) in used.items()
             }
         with self._lock:
-            events = [e for e in self.events if operator or e.digest in visible]
+            # a tenant's: its names only (two tenants' names may share one digest)
+            events = [
+                e for e in self.events if operator or (e.name in names and e.digest in visible)
+            ]
             samples = list(self.samples) if operator else None
         out["events"] = [e.as_json() for e in reversed(events)]  # newest first
         out["samples"] = samples
