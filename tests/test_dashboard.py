@@ -218,6 +218,23 @@ def test_sampler_memory_is_bounded(server: Server) -> None:
     assert [e.kind for e in sampler.events] == ["pin", "unpin"]
 
 
+def test_a_sample_is_the_interval_difference(server: Server) -> None:
+    """Two hand-made ticks around three completions: the sample counts exactly them."""
+    _, c, state = server
+    sampler = DashboardSampler(state)
+    sampler.sample()
+    for _ in range(3):
+        body = {"model": "alpha", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        assert c.post("/v1/completions", json=body, headers=ADMIN_H).status_code == 200
+    sampler.sample()
+    s = sampler.samples[-1]
+    assert s["requests"] == 3 and s["rps"] > 0
+    assert s["steps"] >= 3 and s["distinct_adapters"] == 1.0  # one adapter in every step
+    ttft = [q["p50"] for q in s["ttft"].values() if q["p50"] is not None]
+    assert ttft and all(v > 0 for v in ttft)
+    assert s["hit_ratio"]["device"] is not None
+
+
 def test_quantile_matches_bucket_interpolation() -> None:
     bounds = [0.1, 0.5, 1.0, float("inf")]
     assert quantile(bounds, [0, 0, 0, 0], 0.5) is None

@@ -5,8 +5,8 @@ inference routes (:func:`inference_principal`), the admin routes (:func:`admin_p
 Keys are ``--api-key`` (operator inference keys), ``--admin-api-key`` (every admin scope),
 ``--metrics-api-key`` (``/metrics`` only) and the registry's keys (a tenant, scopes). Without
 any key the server is open, as vLLM is. It fails closed: once ``--api-key`` is set or the
-registry has ever held a key or a tenant (revoked keys count), every route but ``/health`` needs
-a valid key — revoking every key never turns the server anonymous. ``/metrics`` takes the
+registry has ever held a key or a tenant (revoked keys count), every route but ``/health`` (and
+the dashboard's page, which holds no data: :mod:`~loraplex.server.dashboard`) needs a valid key — revoking every key never turns the server anonymous. ``/metrics`` takes the
 metrics key or an operator key (``--api-key``, ``--admin-api-key``, a tenant-less registry key);
 a tenant key gets 403 there (metrics name every tenant's adapters). Keys are compared in constant
 time per key.

@@ -126,7 +126,12 @@ class DashboardSampler:
         client, m = state.client, state.metrics
         out: dict[str, Any] = {
             "t": time.monotonic(),
-            "requests": m.total("loraplex_request_success"),
+            "requests": sum(
+                s.value
+                for family in m.finished.ours.collect()
+                for s in family.samples
+                if s.name.endswith("_total")
+            ),
             "ttft": _histograms(m.ttft.ours, "adapter_state"),
             "distinct": _histograms(m.distinct_adapters, ""),
             "load": {k: v[2] for k, v in _histograms(m.load_seconds, "stage").items()},
@@ -175,6 +180,7 @@ class DashboardSampler:
             thrash[tier] = th
         return {
             "t": wall,
+            "requests": b["requests"] - a["requests"],  # completions finished in the interval
             "rps": (b["requests"] - a["requests"]) / dt,
             "ttft": ttft,
             "distinct_adapters": (db[2] - da[2]) / steps if steps else None,
@@ -299,7 +305,7 @@ def dashboard_html() -> str:
 
 
 @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
-async def dashboard() -> HTMLResponse:
+def dashboard() -> HTMLResponse:
     """The page; it holds no data (open, like ``/health``), the data routes need a key."""
     return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-store"})
 
