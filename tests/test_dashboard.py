@@ -6,6 +6,7 @@ fetched. Plus the data route's own checks (scoping, bounds, the quantile estimat
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,39 @@ def test_page_shows_true_tiers_follows_eviction_and_pins(
             ".map(r => r.dataset.name)) === JSON.stringify(want)",
             arg=sorted(NAMES, reverse=True),
         )
+
+
+def test_an_adapter_only_in_its_object_store_reads_object_store(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """Out of every local tier with a store source: /v1/adapters says ``absent``, the page
+    names where it will come from."""
+    store_root = tmp_path / "store"
+    shutil.copytree(adapters["all_r8"], store_root / "s")
+    app = create_app(
+        ServerConfig(
+            EngineConfig(model=str(tiny_model), num_threads=1, max_loras=1,
+                         adapter_store_url=str(store_root)),
+            served_model_name=["tiny"],
+            lora_modules=[LoRAModule("s", str(store_root / "s"))],
+            admin_api_key=ADMIN,
+            allowed_lora_roots=[str(tmp_path)],
+            log_level="warning",
+        )
+    )  # fmt: skip
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as c:
+        body = {"model": "s", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        assert c.post("/v1/completions", json=body, headers=ADMIN_H).status_code == 200
+        r = c.post("/v1/evict_lora_adapter", json={"lora_name": "s"}, headers=ADMIN_H)
+        assert r.status_code == 200, r.text
+        assert truth(c) == {"s": "absent"}
+        with chromium_page() as page:
+            page.goto(f"{url}/dashboard")
+            page.evaluate(f"sessionStorage.setItem('loraplex.dashboard.key', {ADMIN!r})")
+            page.reload()
+            wait_for_tiers(page, {"s": "object store"})
+            page.select_option("#filter-tier", "absent")
+            wait_for_tiers(page, {"s": "object store"})
 
 
 def test_inference_key_sees_no_admin_buttons(server: Server) -> None:
