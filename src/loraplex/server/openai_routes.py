@@ -426,7 +426,7 @@ async def _chat_completions(
         messages,
         body.generation_prompt,
         continue_final_message=body.continue_final_message,
-        chat_template=body.chat_template or state.config.chat_template,
+        chat_template=body.chat_template,  # None: the tokenizer's (or --chat-template)
         chat_template_kwargs=body.chat_template_kwargs,
         tools=body.template_tools(),
         documents=body.documents,

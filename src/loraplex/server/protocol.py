@@ -731,10 +731,14 @@ class ChatCompletionRequest(_SamplingBody):
         return [m.as_template_message() for m in self.messages]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as chat templates take them (OpenAI's shape)."""
-        if not self.tools:
-            return None
-        return [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
+        return template_tools(self.tools)
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """Tools as chat templates take them (OpenAI's shape); None without any."""
+    if not tools:
+        return None
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in tools]
 
 
 class TokenizeRequest(_Body):

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends
 from loraplex.registry import Principal
 from loraplex.server.auth import inference_principal
 from loraplex.server.errors import APIError
-from loraplex.server.protocol import DetokenizeRequest, TokenizeRequest
+from loraplex.server.protocol import DetokenizeRequest, TokenizeRequest, template_tools
 from loraplex.server.state import ServerState, get_state
 from loraplex.types import InvalidRequestError
 
@@ -49,11 +49,9 @@ async def tokenize(
             [m.as_template_message() for m in body.messages],
             body.generation_prompt,
             continue_final_message=body.continue_final_message,
-            chat_template=body.chat_template or state.config.chat_template,
+            chat_template=body.chat_template,  # None: the tokenizer's (or --chat-template)
             chat_template_kwargs=body.chat_template_kwargs,
-            tools=[t.model_dump(by_alias=True, exclude_none=True) for t in body.tools]
-            if body.tools
-            else None,
+            tools=template_tools(body.tools),
             add_special_tokens=bool(body.add_special_tokens),
         )
     else:
