@@ -26,6 +26,7 @@ from loraplex.lora.digest import digest_safetensors_dir
 from loraplex.registry import (
     ADAPTER_STATUSES,
     TRANSITIONS,
+    CanaryPolicy,
     Manifest,
     NotFoundError,
     Principal,
@@ -40,6 +41,7 @@ from loraplex.registry import (
 )
 from loraplex.registry.db import Base, current_revision, head_revision
 from loraplex.registry.lifecycle import check_transition
+from loraplex.registry.records import MAX_CONCURRENT_REQUESTS
 from loraplex.server.catalog import Catalog
 from loraplex.testing import make_random_model
 
@@ -983,3 +985,132 @@ def test_processes_opening_a_fresh_database_at_once(db_url: str, tmp_path: Path)
     assert current_revision(eng) == head_revision()
     eng.dispose()
     reg.close()
+
+
+# ------------------------------------------------------------------------------ limits and canary
+# issue 19 items 3-4: the manifest's max_concurrent_requests (validated, bounded), a canary's health
+# policy on its release, and the idempotent rollback_canary that replicas call when they judge a
+# canary unhealthy
+
+
+def _two_revisions(reg: Registry, root: Path, base: object) -> None:
+    reg.register(root / "all_r8", "x", base=base, actor="a", max_concurrent_requests=4)
+    reg.register(variant(root / "all_r8", root / "v2", 1), "x", base=base, actor="a")
+    reg.promote("x", "r1", actor="a")
+
+
+def test_max_concurrent_requests_is_recorded_and_bounded(
+    db_url: str, root: Path, base: object
+) -> None:
+    reg = open_reg(db_url, root)
+    for bad in (0, -1, MAX_CONCURRENT_REQUESTS + 1, 2.5, True, "3"):
+        with pytest.raises(RegistryError, match="max_concurrent_requests"):
+            reg.register(root / "all_r8", "x", base=base, actor="a", max_concurrent_requests=bad)
+    m = reg.register(root / "all_r8", "x", base=base, actor="a", max_concurrent_requests=3)
+    assert m.max_concurrent_requests == 3 and reg.get("x", "r1").max_concurrent_requests == 3
+    entry = reg.audit_log(limit=1)[0]
+    assert entry.action == "register" and entry.after["max_concurrent_requests"] == 3  # type: ignore[index]
+    other = reg.register(variant(root / "all_r8", root / "v2", 1), "x", base=base, actor="a")
+    assert other.max_concurrent_requests is None  # the default: no limit
+
+
+def test_canary_policy_is_validated() -> None:
+    for bad in (
+        {"window_s": 0},
+        {"window_s": float("inf")},
+        {"min_requests": 0},
+        {"max_error_rate": 1.5},
+        {"max_ttft_p95_s": -1.0},
+        {"min_quality": 2},
+        {"scorer": "regex"},
+        {"max_concurrent_requests": 0},
+        {"windw_s": 10},  # a typo is refused, not dropped
+    ):
+        with pytest.raises(RegistryError):
+            CanaryPolicy.from_dict(bad)
+    p = CanaryPolicy.from_dict({"window_s": 30, "min_requests": 5, "scorer": "json"})
+    assert CanaryPolicy.from_dict(p.to_dict()) == p
+
+
+def test_canary_policy_is_stored_with_the_release_and_cleared_with_the_canary(
+    db_url: str, root: Path, base: object
+) -> None:
+    reg = open_reg(db_url, root)
+    _two_revisions(reg, root, base)
+    policy = CanaryPolicy(
+        window_s=60, min_requests=5, max_error_rate=0.2, max_concurrent_requests=1
+    )
+    rel = reg.canary("x", "r2", 0.5, actor="a", policy=policy)
+    assert rel.canary_policy == policy and reg.release("x").canary_policy == policy
+    assert reg.audit_log(limit=1)[0].after["canary_policy"]["min_requests"] == 5  # type: ignore[index]
+    rel = reg.promote("x", actor="a")
+    assert rel.canary_policy is None and rel.canary_revision is None
+
+
+def test_rollback_canary_is_idempotent_and_audited(db_url: str, root: Path, base: object) -> None:
+    reg = open_reg(db_url, root)
+    _two_revisions(reg, root, base)
+    reg.canary("x", "r2", 0.5, actor="a", policy=CanaryPolicy(min_requests=1))
+    rel = reg.rollback_canary("x", "r2", actor="system:canary-health", reason="error rate 1.0")
+    assert rel is not None
+    assert (rel.active_revision, rel.canary_revision, rel.canary_policy) == ("r1", None, None)
+    assert reg.get("x", "r2").status == "disabled"
+    assert rel.last_rollback is not None
+    assert (rel.last_rollback.revision, rel.last_rollback.actor, rel.last_rollback.reason) == (
+        "r2",
+        "system:canary-health",
+        "error rate 1.0",
+    )
+    assert reg.release("x").last_rollback == rel.last_rollback
+    entry = reg.audit_log(limit=1)[0]
+    assert (entry.actor, entry.action, entry.target) == ("system:canary-health", "rollback", "x")
+    assert entry.before["canary_revision"] == "r2"  # type: ignore[index]
+    assert entry.after["reason"] == "error rate 1.0"  # type: ignore[index]
+    # a second replica's rollback of the same canary writes nothing and keeps r1 active
+    n = len(reg.audit_log())
+    assert reg.rollback_canary("x", "r2", actor="system:canary-health", reason="again") is None
+    assert len(reg.audit_log()) == n and reg.release("x").active_revision == "r1"
+    with pytest.raises(RegistryError, match="reason"):
+        reg.rollback_canary("x", "r2", actor="a", reason="")
+
+
+def test_replicas_rolling_back_one_canary_at_once_stop_it_once(
+    db_url: str, root: Path, base: object
+) -> None:
+    """Four registries on one database (four replicas) roll back the same canary together:
+    exactly one writes, the active revision is untouched, one audit entry."""
+    first = open_reg(db_url, root)
+    _two_revisions(first, root, base)
+    first.canary("x", "r2", 0.5, actor="a", policy=CanaryPolicy(min_requests=1))
+    regs = [open_reg(db_url, root) for _ in range(4)]
+    barrier = threading.Barrier(len(regs))
+    results: list[object] = []
+    errors: list[BaseException] = []
+
+    def run(reg: Registry) -> None:
+        barrier.wait()
+        try:
+            results.append(reg.rollback_canary("x", "r2", actor="system:canary-health", reason="e"))
+        except BaseException as e:  # collected: the assertion below names it
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in regs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sum(r is not None for r in results) == 1
+    rel = first.release("x")
+    assert (rel.active_revision, rel.canary_revision) == ("r1", None)
+    rollbacks = [e for e in first.audit_log(target="x") if e.action == "rollback"]
+    assert len(rollbacks) == 1
+
+
+def test_manual_rollback_records_its_reason(db_url: str, root: Path, base: object) -> None:
+    reg = open_reg(db_url, root)
+    _two_revisions(reg, root, base)
+    reg.promote("x", "r2", actor="a")
+    rel = reg.rollback("x", actor="op", reason="bad answers")
+    assert rel.active_revision == "r1" and rel.last_rollback is not None
+    assert (rel.last_rollback.revision, rel.last_rollback.reason) == ("r2", "bad answers")

@@ -18,9 +18,11 @@ from loraplex.registry.policy import RegistryPolicy
 from loraplex.registry.records import (
     SCOPES,
     AuditEntry,
+    CanaryPolicy,
     Manifest,
     Principal,
     Release,
+    RollbackEvent,
     Tenant,
     signed_payload,
 )
@@ -32,6 +34,7 @@ __all__ = [
     "TRANSITIONS",
     "AuditEntry",
     "BaseModelInfo",
+    "CanaryPolicy",
     "Manifest",
     "NotFoundError",
     "Principal",
@@ -40,6 +43,7 @@ __all__ = [
     "RegistryPolicy",
     "RegistryUnavailableError",
     "Release",
+    "RollbackEvent",
     "Tenant",
     "TransitionError",
     "ValidationError",

@@ -90,6 +90,8 @@ class ReleaseRow(Base):
     previous_revision: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
     updated_at: Mapped[float] = mapped_column(Float, nullable=False)
+    canary_policy: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON object
+    last_rollback: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON object
     __table_args__ = (
         CheckConstraint("canary_weight >= 0 AND canary_weight <= 1", name="ck_canary_weight"),
     )
@@ -124,6 +126,7 @@ class RevisionRow(Base):
     rollback_revision: Mapped[str | None] = mapped_column(String(64), nullable=True)
     signature: Mapped[str | None] = mapped_column(Text, nullable=True)
     signed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)
     __table_args__ = (
         UniqueConstraint("name", "revision", name="uq_revision"),
         CheckConstraint(_STATUS_CHECK, name="ck_status"),

@@ -9,10 +9,12 @@ scopes (:data:`SCOPES`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from loraplex.registry.errors import RegistryError
 from loraplex.types import AdapterRef
 
 SCOPES = ("inference", "admin:register", "admin:promote", "admin:pin", "admin:load", "admin:*")
@@ -51,6 +53,7 @@ class Manifest:
     signature: str | None = None
     signed_by: str | None = None
     path: str = ""  # the local directory that was validated (what the server loads)
+    max_concurrent_requests: int | None = None  # calls in flight at once; None: no limit
 
     @property
     def ref(self) -> AdapterRef:
@@ -102,9 +105,113 @@ def signed_payload(m: Manifest) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
+MAX_CONCURRENT_REQUESTS = 100_000
+"""The largest ``max_concurrent_requests`` a manifest or canary policy may set."""
+
+
+def check_concurrency(key: str, value: Any) -> int | None:
+    """A concurrency limit: None (no limit) or an integer in [1, MAX_CONCURRENT_REQUESTS]."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 1 <= value <= MAX_CONCURRENT_REQUESTS
+    ):
+        raise RegistryError(
+            f"{key} must be an integer in [1, {MAX_CONCURRENT_REQUESTS}] or null, got {value!r}"
+        )
+    return value
+
+
+def _number(key: str, value: Any, lo: float, hi: float, *, open_lo: bool = False) -> float | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not (lo < value if open_lo else lo <= value)
+        or value > hi
+    ):
+        side = "(" if open_lo else "["
+        raise RegistryError(f"{key} must be a number in {side}{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+CANARY_SCORERS = ("json",)
+"""Built-in quality scorers a canary policy may name (``json``: 1 when the completion parses as
+JSON, else 0)."""
+
+
+@dataclass(frozen=True)
+class CanaryPolicy:
+    """When a canary revision keeps serving: bounds judged by each replica over the calls of
+    the last ``window_s`` seconds once at least ``min_requests`` of them finished there.
+
+    A breach of any bound set (None: not checked) rolls the canary back. ``max_error_rate``:
+    share of calls that failed on the server's side; ``max_ttft_p95_s`` / ``max_tpot_p95_s``:
+    95th percentile of time to first token / per output token; ``min_quality``: mean score in
+    [0, 1] of the calls that were scored (by ``scorer`` or by user feedback), checked once
+    ``min_requests`` scores are in the window. ``max_concurrent_requests``: the canary's own
+    cap on calls in flight (None: its traffic share of the active revision's limit)."""
+
+    window_s: float = 300.0
+    min_requests: int = 20
+    max_error_rate: float | None = 0.05
+    max_ttft_p95_s: float | None = None
+    max_tpot_p95_s: float | None = None
+    min_quality: float | None = None
+    scorer: str | None = None
+    max_concurrent_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        _number("window_s", self.window_s, 0.0, 7 * 86400.0, open_lo=True)
+        if (
+            not isinstance(self.min_requests, int)
+            or isinstance(self.min_requests, bool)
+            or not 1 <= self.min_requests <= 1_000_000
+        ):
+            raise RegistryError(
+                f"min_requests must be an integer in [1, 1000000], got {self.min_requests!r}"
+            )
+        _number("max_error_rate", self.max_error_rate, 0.0, 1.0)
+        _number("max_ttft_p95_s", self.max_ttft_p95_s, 0.0, 3600.0, open_lo=True)
+        _number("max_tpot_p95_s", self.max_tpot_p95_s, 0.0, 3600.0, open_lo=True)
+        _number("min_quality", self.min_quality, 0.0, 1.0)
+        if self.scorer is not None and self.scorer not in CANARY_SCORERS:
+            raise RegistryError(
+                f"scorer must be one of {', '.join(CANARY_SCORERS)} or null, got {self.scorer!r}"
+            )
+        check_concurrency("max_concurrent_requests", self.max_concurrent_requests)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CanaryPolicy:
+        """The policy of ``d`` (unknown keys refused: a typo must not drop a bound)."""
+        known = {f.name for f in fields(cls)}
+        extra = sorted(set(d) - known)
+        if extra:
+            raise RegistryError(f"unknown canary policy field(s): {', '.join(extra)}")
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class RollbackEvent:
+    """The latest rollback of a release: which revision was stopped, by whom, why, when."""
+
+    revision: str
+    actor: str
+    reason: str
+    at: float
+
+
 @dataclass(frozen=True)
 class Release:
-    """A logical adapter name: the active revision, an optional canary, the previous one."""
+    """A logical adapter name: the active revision, an optional canary, the previous one;
+    the canary's health policy and the release's latest rollback."""
 
     name: str
     active_revision: str | None
@@ -112,6 +219,8 @@ class Release:
     canary_weight: float
     previous_revision: str | None
     tenant: str | None = None  # owner; None = shared
+    canary_policy: CanaryPolicy | None = None
+    last_rollback: RollbackEvent | None = None
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,19 @@ every status change against :mod:`loraplex.registry.lifecycle` and writes its au
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from dataclasses import asdict
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from loraplex.registry.audit import add_entry
 from loraplex.registry.db import ReleaseRow, RevisionRow
 from loraplex.registry.errors import RegistryError, TransitionError
 from loraplex.registry.lifecycle import check_transition
-from loraplex.registry.records import Manifest, Release
+from loraplex.registry.records import CanaryPolicy, Manifest, Release, RollbackEvent
 from loraplex.registry.rows import (
     manifest_of,
     release_of,
@@ -102,13 +105,25 @@ class Releases:
             rel.previous_revision = old_rev
             rel.canary_revision = None
             rel.canary_weight = 0.0
+            rel.canary_policy = None
             rel.updated_at = now
             s.flush()
             add_entry(s, actor, "promote", name, before, release_state(rel))
             return release_of(rel)
 
-    def canary(self, name: str, revision: str, weight: float, *, actor: str) -> Release:
-        """Send a ``weight`` share of ``name``'s traffic to the staged ``revision``."""
+    def canary(
+        self,
+        name: str,
+        revision: str,
+        weight: float,
+        *,
+        actor: str,
+        policy: CanaryPolicy | None = None,
+    ) -> Release:
+        """Send a ``weight`` share of ``name``'s traffic to the staged ``revision``; ``policy``:
+        its health bounds and concurrency cap (None: no automatic rollback)."""
+        if policy is not None and not isinstance(policy, CanaryPolicy):
+            raise RegistryError(f"policy must be a CanaryPolicy, got {type(policy).__name__}")
         if (
             not isinstance(weight, (int, float))
             or isinstance(weight, bool)
@@ -136,27 +151,23 @@ class Releases:
                 )
             rel.canary_revision = revision
             rel.canary_weight = float(weight)
+            rel.canary_policy = None if policy is None else json.dumps(policy.to_dict())
             rel.updated_at = time.time()
             s.flush()
             add_entry(s, actor, "canary", name, before, release_state(rel))
             return release_of(rel)
 
-    def rollback(self, name: str, *, actor: str) -> Release:
+    def rollback(self, name: str, *, actor: str, reason: str = "manual") -> Release:
         """While a canary runs: stop it (the canary revision is disabled, the active one keeps
         all traffic). Otherwise disable the active revision and re-activate the previous one at
-        once. The new previous is the restored revision's own rollback target."""
+        once. The new previous is the restored revision's own rollback target. ``reason`` is
+        recorded in the audit entry and as the release's latest rollback."""
+        reason = _check_reason(reason)
         with self._db.write() as s:
             rel = release_row(s, name, lock=True)
             before = release_state(rel)
             if rel.canary_revision is not None:
-                canary = revision_row(s, name, rel.canary_revision)
-                check_transition(canary.status, "disabled", f"{name}@{canary.revision}")
-                canary.status = "disabled"
-                rel.canary_revision, rel.canary_weight = None, 0.0
-                rel.updated_at = time.time()
-                s.flush()
-                add_entry(s, actor, "rollback", name, before, release_state(rel))
-                return release_of(rel)
+                return self._stop_canary(s, rel, before, actor=actor, reason=reason)
             if rel.active_revision is None:
                 raise TransitionError(f"adapter {name!r} has no active revision to roll back")
             if rel.previous_revision is None:
@@ -183,10 +194,44 @@ class Releases:
             rel.previous_revision = back
             rel.canary_revision = None
             rel.canary_weight = 0.0
+            rel.canary_policy = None
             rel.updated_at = now
+            rel.last_rollback = _event(cur.revision, actor, reason, now)
             s.flush()
-            add_entry(s, actor, "rollback", name, before, release_state(rel))
+            add_entry(s, actor, "rollback", name, before, {**release_state(rel), "reason": reason})
             return release_of(rel)
+
+    def rollback_canary(
+        self, name: str, revision: str, *, actor: str, reason: str
+    ) -> Release | None:
+        """Stop the canary ``revision`` of ``name`` if it still is the canary (disabled, the
+        active revision keeps all traffic); None when it no longer is (already rolled back,
+        promoted or replaced: nothing is written). Idempotent, so replicas that judge the same
+        canary unhealthy at once stop it exactly once, and never roll back the active one."""
+        reason = _check_reason(reason)
+        with self._db.write() as s:
+            rel = release_row(s, name, lock=True)
+            if rel.canary_revision != revision:
+                return None
+            before = release_state(rel)
+            return self._stop_canary(s, rel, before, actor=actor, reason=reason)
+
+    @staticmethod
+    def _stop_canary(
+        s: Session, rel: ReleaseRow, before: dict, *, actor: str, reason: str
+    ) -> Release:
+        name = rel.name
+        assert rel.canary_revision is not None
+        canary = revision_row(s, name, rel.canary_revision)
+        check_transition(canary.status, "disabled", f"{name}@{canary.revision}")
+        canary.status = "disabled"
+        now = time.time()
+        rel.canary_revision, rel.canary_weight, rel.canary_policy = None, 0.0, None
+        rel.updated_at = now
+        rel.last_rollback = _event(canary.revision, actor, reason, now)
+        s.flush()
+        add_entry(s, actor, "rollback", name, before, {**release_state(rel), "reason": reason})
+        return release_of(rel)
 
     def disable(self, name: str, revision: str | None = None, *, actor: str) -> Manifest:
         """Stop a revision (default: the active one) from serving; ``stage`` re-enables it."""
@@ -200,7 +245,7 @@ class Releases:
             if rel.active_revision == row.revision:
                 rel.active_revision = None
             if rel.canary_revision == row.revision:
-                rel.canary_revision, rel.canary_weight = None, 0.0
+                rel.canary_revision, rel.canary_weight, rel.canary_policy = None, 0.0, None
             if rel.previous_revision == row.revision:
                 rel.previous_revision = None
             rel.updated_at = time.time()
@@ -209,3 +254,13 @@ class Releases:
                 s, actor, "disable", target, before, {"status": "disabled", **release_state(rel)}
             )
             return manifest_of(row)
+
+
+def _check_reason(reason: str) -> str:
+    if not isinstance(reason, str) or not 0 < len(reason) <= 500:
+        raise RegistryError("a rollback reason must be a non-empty string of at most 500 chars")
+    return reason
+
+
+def _event(revision: str, actor: str, reason: str, at: float) -> str:
+    return json.dumps(asdict(RollbackEvent(revision, actor, reason, at)), sort_keys=True)

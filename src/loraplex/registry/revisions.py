@@ -22,7 +22,7 @@ from loraplex.registry.errors import NotFoundError, RegistryError, ValidationErr
 from loraplex.registry.inspect import AdapterInfo, BaseModelInfo, inspect_adapter
 from loraplex.registry.lifecycle import check_transition
 from loraplex.registry.policy import RegistryPolicy, check_signature, check_source
-from loraplex.registry.records import Manifest
+from loraplex.registry.records import Manifest, check_concurrency
 from loraplex.registry.rows import (
     manifest_of,
     release_row,
@@ -118,9 +118,11 @@ class Revisions:
         actor: str,
         allow_any_source: bool = False,
         sha256: str | None = None,
+        max_concurrent_requests: int | None = None,
     ) -> Manifest:
         """Validate the adapter in ``path`` and record it as a ``validated`` revision of
-        ``name``. ``sha256`` (optional) is the digest the caller expects. Re-registering the
+        ``name``. ``sha256`` (optional) is the digest the caller expects;
+        ``max_concurrent_requests`` caps the revision's calls in flight per replica. Re-registering the
         same content under ``name`` returns the existing revision. A failed validation
         raises ValidationError and records only an audit entry."""
         if revision is not None:
@@ -135,6 +137,7 @@ class Revisions:
             not isinstance(slo_class, str) or not 0 < len(slo_class) <= 64
         ):
             raise RegistryError(f"slo_class must be a short string, got {slo_class!r}")
+        check_concurrency("max_concurrent_requests", max_concurrent_requests)
         try:
             draft, _ = self.prepare(
                 path,
@@ -213,6 +216,7 @@ class Revisions:
                     priority=priority,
                     slo_class=slo_class,
                     warm_policy=warm_policy,
+                    max_concurrent_requests=max_concurrent_requests,
                     status="validated",
                     created_at=now,
                     signature=signature,

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.registry.db import ReleaseRow, RevisionRow, TenantRow
 from loraplex.registry.errors import NotFoundError
-from loraplex.registry.records import Manifest, Release, Tenant
+from loraplex.registry.records import CanaryPolicy, Manifest, Release, RollbackEvent, Tenant
 
 _MANIFEST_FIELDS = tuple(f.name for f in fields(Manifest))
 
@@ -30,7 +30,11 @@ def revision_row_of(m: Manifest) -> RevisionRow:
 
 
 def release_of(row: ReleaseRow) -> Release:
-    return Release(**{f.name: getattr(row, f.name) for f in fields(Release)})
+    values = {f.name: getattr(row, f.name) for f in fields(Release)}
+    policy, event = row.canary_policy, row.last_rollback
+    values["canary_policy"] = None if policy is None else CanaryPolicy(**json.loads(policy))
+    values["last_rollback"] = None if event is None else RollbackEvent(**json.loads(event))
+    return Release(**values)
 
 
 def tenant_of(row: TenantRow) -> Tenant:
@@ -38,8 +42,9 @@ def tenant_of(row: TenantRow) -> Tenant:
 
 
 def release_state(row: ReleaseRow) -> dict[str, Any]:
-    """A release's revisions and canary weight (what its audit entries record)."""
-    return {k: v for k, v in asdict(release_of(row)).items() if k not in ("name", "tenant")}
+    """A release's revisions, canary weight and policy (what its audit entries record)."""
+    skip = ("name", "tenant", "last_rollback")
+    return {k: v for k, v in asdict(release_of(row)).items() if k not in skip}
 
 
 def release_row(s: Session, name: str, *, lock: bool = False) -> ReleaseRow:

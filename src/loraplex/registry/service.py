@@ -23,7 +23,14 @@ from loraplex.registry.db import default_url
 from loraplex.registry.inspect import BaseModelInfo
 from loraplex.registry.keys import ApiKeys
 from loraplex.registry.policy import RegistryPolicy
-from loraplex.registry.records import AuditEntry, Manifest, Principal, Release, Tenant
+from loraplex.registry.records import (
+    AuditEntry,
+    CanaryPolicy,
+    Manifest,
+    Principal,
+    Release,
+    Tenant,
+)
 from loraplex.registry.releases import Releases
 from loraplex.registry.revisions import Revisions
 from loraplex.registry.sessions import Database, safe_url
@@ -111,6 +118,7 @@ class Registry:
         actor: str,
         allow_any_source: bool = False,
         sha256: str | None = None,
+        max_concurrent_requests: int | None = None,
     ) -> Manifest:
         return self._revisions.register(
             path,
@@ -126,6 +134,7 @@ class Registry:
             actor=actor,
             allow_any_source=allow_any_source,
             sha256=sha256,
+            max_concurrent_requests=max_concurrent_requests,
         )
 
     def validate(self, name: str, revision: str, *, base: BaseModelInfo, actor: str) -> Manifest:
@@ -148,11 +157,24 @@ class Registry:
     def activate(self, name: str, revision: str, *, actor: str) -> Release:
         return self._releases.activate(name, revision, actor=actor)
 
-    def canary(self, name: str, revision: str, weight: float, *, actor: str) -> Release:
-        return self._releases.canary(name, revision, weight, actor=actor)
+    def canary(
+        self,
+        name: str,
+        revision: str,
+        weight: float,
+        *,
+        actor: str,
+        policy: CanaryPolicy | None = None,
+    ) -> Release:
+        return self._releases.canary(name, revision, weight, actor=actor, policy=policy)
 
-    def rollback(self, name: str, *, actor: str) -> Release:
-        return self._releases.rollback(name, actor=actor)
+    def rollback(self, name: str, *, actor: str, reason: str = "manual") -> Release:
+        return self._releases.rollback(name, actor=actor, reason=reason)
+
+    def rollback_canary(
+        self, name: str, revision: str, *, actor: str, reason: str
+    ) -> Release | None:
+        return self._releases.rollback_canary(name, revision, actor=actor, reason=reason)
 
     def disable(self, name: str, revision: str | None = None, *, actor: str) -> Manifest:
         return self._releases.disable(name, revision, actor=actor)
