@@ -1022,7 +1022,7 @@ def test_canary_policy_is_validated() -> None:
         {"max_error_rate": 1.5},
         {"max_ttft_p95_s": -1.0},
         {"min_quality": 2},
-        {"scorer": "regex"},
+        {"scorer": "Not a name!"},
         {"max_concurrent_requests": 0},
         {"windw_s": 10},  # a typo is refused, not dropped
     ):

@@ -609,6 +609,8 @@ class ServerConfig:
         ),
     )
     retry_after_seconds: int = field(default=1, metadata=setting(ge=0))
+    # how long a call over its adapter's max_concurrent_requests waits for a slot before 429
+    adapter_queue_timeout_s: float = field(default=10.0, metadata=setting(ge=0))
     # -- bounds on what one request may cost (checked before it costs memory) ----------------
     max_request_bytes: int = field(
         default=8 << 20,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -139,9 +140,9 @@ def _number(key: str, value: Any, lo: float, hi: float, *, open_lo: bool = False
     return float(value)
 
 
-CANARY_SCORERS = ("json",)
-"""Built-in quality scorers a canary policy may name (``json``: 1 when the completion parses as
-JSON, else 0)."""
+SCORER_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+"""A canary scorer's name: the server's built-in ``json`` (1 when the completion parses as JSON,
+else 0) or one a deployment installs (a server without it does not score)."""
 
 
 @dataclass(frozen=True)
@@ -179,10 +180,10 @@ class CanaryPolicy:
         _number("max_ttft_p95_s", self.max_ttft_p95_s, 0.0, 3600.0, open_lo=True)
         _number("max_tpot_p95_s", self.max_tpot_p95_s, 0.0, 3600.0, open_lo=True)
         _number("min_quality", self.min_quality, 0.0, 1.0)
-        if self.scorer is not None and self.scorer not in CANARY_SCORERS:
-            raise RegistryError(
-                f"scorer must be one of {', '.join(CANARY_SCORERS)} or null, got {self.scorer!r}"
-            )
+        if self.scorer is not None and (
+            not isinstance(self.scorer, str) or not SCORER_RE.fullmatch(self.scorer)
+        ):
+            raise RegistryError(f"scorer must be a scorer's name (e.g. json), got {self.scorer!r}")
         check_concurrency("max_concurrent_requests", self.max_concurrent_requests)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Admin routes: vLLM's runtime loading (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``),
-pins and evictions, and the registry (``/v1/admin/adapters``: register, promote, canary,
-rollback, disable; ``/v1/admin/audit``).
+pins and evictions, and the registry (``/v1/admin/adapters``: register, promote, canary with its
+health policy, rollback, disable; ``/v1/admin/audit``); and the one release route open to
+inference keys, ``POST /v1/adapters/{name}/feedback`` (a user's score of a canary's response).
 
 Each route needs an admin scope: ``admin:load``, ``admin:pin``, ``admin:register`` or
 ``admin:promote`` (reading needs any admin scope). ``--admin-api-key`` holds them all; registry
@@ -17,12 +18,13 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse, Response
 
-from loraplex.registry import Principal, RegistryError
+from loraplex.registry import CanaryPolicy, Principal, RegistryError
 from loraplex.server.adapters import check_allowed_path
-from loraplex.server.auth import admin_principal
+from loraplex.server.auth import admin_principal, inference_principal
 from loraplex.server.catalog import ADMIN_KEY, Servable
 from loraplex.server.errors import APIError, registry_api_error, scrub
 from loraplex.server.protocol import (
+    AdapterFeedbackRequest,
     CanaryAdapterRequest,
     DisableAdapterRequest,
     EvictLoRAAdapterRequest,
@@ -30,6 +32,7 @@ from loraplex.server.protocol import (
     PinLoRAAdapterRequest,
     PromoteAdapterRequest,
     RegisterAdapterRequest,
+    RollbackAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
 from loraplex.server.state import ServerState, get_state
@@ -242,6 +245,7 @@ def admin_register_adapter(
         warm_policy=body.warm_policy,
         signature=body.signature,
         actor=principal.key_id,
+        max_concurrent_requests=body.max_concurrent_requests,
     )
     if body.activate:
         state.registry.activate(body.name, m.revision, actor=principal.key_id)
@@ -272,7 +276,10 @@ def admin_canary(
     state: ServerState = Depends(get_state),
 ) -> dict[str, Any]:
     _owned_name(state, name, principal)
-    rel = state.registry.canary(name, body.revision, body.weight, actor=principal.key_id)
+    policy = None if body.policy is None else CanaryPolicy(**body.policy.model_dump())
+    rel = state.registry.canary(
+        name, body.revision, body.weight, actor=principal.key_id, policy=policy
+    )
     _changed(state)
     return dataclasses.asdict(rel)
 
@@ -280,13 +287,37 @@ def admin_canary(
 @router.post("/v1/admin/adapters/{name}/rollback")
 def admin_rollback(
     name: str,
+    body: RollbackAdapterRequest | None = None,
     principal: Principal = Depends(promote_auth),
     state: ServerState = Depends(get_state),
 ) -> dict[str, Any]:
     _owned_name(state, name, principal)
-    rel = state.registry.rollback(name, actor=principal.key_id)
+    reason = body.reason if body is not None else "manual"
+    rel = state.registry.rollback(name, actor=principal.key_id, reason=reason)
     _changed(state)
     return dataclasses.asdict(rel)
+
+
+@router.post("/v1/adapters/{name}/feedback")
+async def adapter_feedback(
+    name: str,
+    body: AdapterFeedbackRequest,
+    principal: Principal = Depends(inference_principal),
+    state: ServerState = Depends(get_state),
+) -> dict[str, Any]:
+    """A user's score of a response served by ``body.revision`` of ``name``: counted in the
+    canary's quality window on this replica when that revision is the canary (``recorded``);
+    404 for a name the caller may not see, as for a name that does not exist."""
+    sv = state.catalog.lookup(name, principal)
+    if sv is None:
+        raise _not_found(name, "name")
+    canary, policy = sv.canary, sv.canary_policy
+    recorded = canary is not None and canary.revision == body.revision and policy is not None
+    if recorded:
+        assert policy is not None
+        state.canary.feedback(name, body.revision, policy, body.score)
+    return {"object": "adapter.feedback", "name": name, "revision": body.revision,
+            "recorded": recorded}  # fmt: skip
 
 
 @router.post("/v1/admin/adapters/{name}/disable")

@@ -1,7 +1,9 @@
 """Admission of one HTTP call: per-tenant limits (429), the shared ``--max-waiting`` queue (503),
-and the :class:`Admission` that holds the call's engine requests until it is done — for a
-stream, until the stream ends however it ends (:class:`EngineStreamingResponse`) — and then
-writes its usage line.
+the adapter's ``max_concurrent_requests`` and its canary's cap (wait, then 429; see
+:mod:`~loraplex.server.adapter_limits`), and the :class:`Admission` that holds the call's engine
+requests until it is done — for a stream, until the stream ends however it ends
+(:class:`EngineStreamingResponse`) — and then writes its usage line and, for a call served by a
+canary revision, reports its outcome to the canary's health (:mod:`~loraplex.server.canary`).
 
 Admission counts sequences, not calls: a call with ``p`` prompts and ``n`` completions each
 needs ``p x n`` places in the waiting count (and in its tenant's in-flight limit); a call that
@@ -15,19 +17,23 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
-from loraplex.engine.client import EngineClient, PreparedRequest, RequestStream
+from loraplex.engine.client import EngineClient, EngineStepError, PreparedRequest, RequestStream
 from loraplex.logs import fields_of
 from loraplex.outputs import RequestOutput
-from loraplex.registry import Principal
-from loraplex.server.errors import APIError
+from loraplex.registry import CanaryPolicy, Principal
+from loraplex.server.adapter_limits import AdapterBusy, Claim, ConcurrencyLimiter, claims_of
+from loraplex.server.canary import CallOutcome, CanaryMonitor
+from loraplex.server.errors import APIError, adapter_api_error
 from loraplex.server.limits import TenantLimitExceeded
+from loraplex.server.metrics import ServerMetrics
 from loraplex.server.state import ServedAdapter, ServerState
+from loraplex.types import AdapterError, InvalidRequestError, LoraplexError
 
 log = logging.getLogger("loraplex.server.app")
 usage_log = logging.getLogger("loraplex.usage")
@@ -166,8 +172,10 @@ class Admission:
         self.usage: UsageRecord | None = None
         self.finals: dict[int, RequestOutput] = {}  # finished outputs by prompt index
         self.stalled = asyncio.Event()
+        self.slots: AdapterSlots | None = None  # the adapter's concurrency slots, if limited
+        self.health: CanaryCall | None = None  # a call served by a canary revision
 
-    def generate(self, prep: PreparedRequest) -> RequestStream:
+    def generate(self, prep: PreparedRequest) -> RequestStream | ObservedStream:
         """Hand ``prep`` to the engine now; its stream of outputs."""
         self._handed.add(prep.request_id)
         k = len(prep.request.seqs)
@@ -177,9 +185,17 @@ class Admission:
         stream = self.client.generate(prep, reserved=reserved, on_stall=self.stalled.set)
         if self._on_generate is not None:  # after: a failed hand-over leaves nothing tracked
             self._on_generate(prep, handed)
+        if self.health is not None:
+            return ObservedStream(stream, self.health, prep.request.arrival)
         return stream
 
     def close(self) -> None:
+        if self.slots is not None:
+            slots, self.slots = self.slots, None
+            slots.release()
+        if self.health is not None:
+            health, self.health = self.health, None
+            health.report(self.finals)
         if self.left:
             self.client.unreserve(self.left)
             self.left = 0
@@ -196,6 +212,157 @@ class Admission:
         if self._request_log is not None:
             rlog, self._request_log = self._request_log, None
             rlog.log(usage, self.prepared, self.finals, time.monotonic() - self.started)
+
+
+class AdapterSlots:
+    """A call's slots under its adapter's concurrency limits (:mod:`adapter_limits`): held at
+    once, or waited for in the limiter's queue (:meth:`wait`); released when the call closes."""
+
+    def __init__(
+        self,
+        limiter: ConcurrencyLimiter,
+        name: str,
+        claims: tuple[Claim, ...],
+        *,
+        timeout_s: float,
+        retry_after: int,
+        metrics: ServerMetrics,
+    ) -> None:
+        """Take the slots now, or a place in their queue; else raise the 429 :class:`APIError`
+        (the queue is full, or ``timeout_s`` is 0)."""
+        self.limiter, self.name, self.claims = limiter, name, claims
+        self.timeout_s = timeout_s
+        self._retry_after = retry_after
+        self._metrics = metrics
+        self._pending: asyncio.Future[None] | None = None
+        self.held = limiter.try_acquire(claims)
+        if not self.held:
+            try:
+                if timeout_s <= 0:
+                    raise AdapterBusy(name, claims[0][1])
+                self._pending = limiter.enqueue(name, claims)
+            except AdapterBusy as e:
+                raise self.refused(e) from e
+            metrics.adapter_waits.inc()
+
+    def refused(self, e: AdapterBusy) -> APIError:
+        """The 429 of a call over its adapter's concurrency limit (OpenAI's rate-limit shape),
+        counted."""
+        self._metrics.adapter_rejections.inc()
+        return APIError(
+            429,
+            str(e),
+            "rate_limit_error",
+            code="adapter_concurrency_limit",
+            headers={"Retry-After": str(max(1, self._retry_after))},
+        )
+
+    async def wait(self) -> None:
+        """Until the call holds its slots; the 429 :class:`APIError` after ``timeout_s``."""
+        if self.held or self._pending is None:
+            return
+        fut, self._pending = self._pending, None
+        try:
+            await self.limiter.wait(self.name, self.claims, fut, self.timeout_s)
+        except AdapterBusy as e:
+            raise self.refused(e) from e
+        self.held = True
+
+    def release(self) -> None:
+        if self._pending is not None:  # closed while queued (the client left): leave the queue
+            fut, self._pending = self._pending, None
+            if fut.done() and not fut.cancelled():
+                self.limiter.release(self.claims)
+            else:
+                fut.cancel()
+                self.limiter.forget(fut)
+        if self.held:
+            self.held = False
+            self.limiter.release(self.claims)
+
+
+class CanaryCall:
+    """What one call served by a canary revision reports to its health: failed or not, the
+    latency of its requests, its completions' texts for the policy's scorer."""
+
+    def __init__(
+        self,
+        monitor: CanaryMonitor,
+        name: str,
+        revision: str,
+        policy: CanaryPolicy,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.monitor, self.name, self.revision, self.policy = monitor, name, revision, policy
+        self._metrics = metrics
+        self.failed = False
+        self.ttfts: list[float] = []
+        self.tpots: list[float] = []
+
+    def fail(self, e: BaseException) -> None:
+        """Count ``e`` against the canary when it is the server's fault (see :func:`is_fault`)."""
+        if is_fault(e):
+            self.failed = True
+
+    def report(self, finals: dict[int, RequestOutput]) -> None:
+        texts = [o.text for r in finals.values() for o in r.outputs]
+        outcome = CallOutcome(
+            failed=self.failed,
+            ttft_s=max(self.ttfts) if self.ttfts else None,
+            tpot_s=sum(self.tpots) / len(self.tpots) if self.tpots else None,
+            score=None if self.failed else self.monitor.score(self.policy, texts),
+        )
+        self._metrics.canary_calls.labels(outcome="error" if self.failed else "ok").inc()
+        self.monitor.observe(self.name, self.revision, self.policy, outcome)
+
+
+def is_fault(e: BaseException) -> bool:
+    """Whether ``e`` ending a call is the serving revision's fault: server errors (500, 502:
+    an engine step that raised, adapter files that fail their digest, ...), not the client's
+    (4xx, a disconnect) nor load (503: overload, capacity)."""
+    if isinstance(e, APIError):
+        return e.status >= 500 and e.status not in (503, 504)
+    if isinstance(e, (asyncio.CancelledError, InvalidRequestError)):
+        return False
+    if isinstance(e, AdapterError):
+        return adapter_api_error(e).status in (500, 502)
+    return isinstance(e, (EngineStepError, LoraplexError, Exception))
+
+
+class ObservedStream:
+    """A request's stream of outputs as handed on, noting for its canary call when the first
+    token came, the mean time per later token, and whether the engine raised."""
+
+    def __init__(self, stream: RequestStream, call: CanaryCall, arrival: float) -> None:
+        self._stream = stream
+        self._call = call
+        self._arrival = arrival
+        self._first: float | None = None
+        self.request_id = stream.request_id
+
+    def __aiter__(self) -> ObservedStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            out = await self._stream.__anext__()
+        except StopAsyncIteration:
+            raise
+        except BaseException as e:
+            self._call.fail(e)
+            raise
+        now = time.monotonic()
+        first = out.outputs[0] if out.outputs else None
+        if self._first is None and first is not None and first.token_ids:
+            self._first = now
+            self._call.ttfts.append(now - self._arrival)
+        if out.finished and first is not None and self._first is not None:
+            if len(first.token_ids) > 1:
+                self._call.tpots.append((now - self._first) / (len(first.token_ids) - 1))
+        return out
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -255,11 +422,14 @@ def admit(
     *,
     requests: int | None = None,
     param: str | None = None,
+    lora: ServedAdapter | None = None,
 ) -> Admission:
     """Admit a call of ``requests`` engine requests (prompts; default ``n``) holding ``n``
-    sequences (prompts x n): 400 if ``n`` exceeds ``--max-waiting`` on its own (``param``: the
-    field to name), 429 (+ Retry-After) when the caller's tenant is over its request rate or
-    its sequences in flight, 503 (+ Retry-After) when the shared queue is full.
+    sequences (prompts x n) served by ``lora``: 400 if ``n`` exceeds ``--max-waiting`` on its
+    own (``param``: the field to name), 429 (+ Retry-After) when the caller's tenant is over its
+    request rate or its sequences in flight, 503 (+ Retry-After) when the shared queue is full,
+    429 (+ Retry-After) when the adapter is at its ``max_concurrent_requests`` and as many calls
+    already wait for it (a call that may wait does so in :func:`owned`).
 
     Its sequences count as waiting from now on; the caller must ``close()`` the admission."""
     if not state.client.is_running:
@@ -295,11 +465,44 @@ def admit(
         name = tenant.name
         on_close = lambda: state.limits.release(name, n)  # noqa: E731
     try:
-        return _admit_shared(state, n, on_close)
+        admission = _admit_shared(state, n, on_close)
     except BaseException:
         if on_close is not None:
             on_close()
         raise
+    if lora is not None:
+        try:
+            _admit_adapter(state, admission, lora, principal)
+        except BaseException:
+            admission.close()
+            raise
+    return admission
+
+
+def _admit_adapter(
+    state: ServerState, admission: Admission, lora: ServedAdapter, principal: Principal
+) -> None:
+    """The adapter's concurrency slots (or a place in their queue) and, for a canary, its
+    health report."""
+    ref = lora.spec.ref
+    sv = state.catalog.lookup(ref.name, principal)
+    if sv is None:  # removed since the revision was chosen: nothing left to limit or judge
+        return
+    claims = claims_of(sv, ref.revision)
+    if claims:
+        admission.slots = AdapterSlots(
+            state.adapter_limits,
+            ref.name,
+            claims,
+            timeout_s=state.config.adapter_queue_timeout_s,
+            retry_after=state.config.retry_after_seconds,
+            metrics=state.metrics,
+        )
+    canary = sv.canary
+    if canary is not None and canary.revision == ref.revision and sv.canary_policy is not None:
+        admission.health = CanaryCall(
+            state.canary, ref.name, ref.revision, sv.canary_policy, state.metrics
+        )
 
 
 def _admit_shared(state: ServerState, n: int, on_close: Callable[[], None] | None) -> Admission:
@@ -326,12 +529,23 @@ def _admit_shared(state: ServerState, n: int, on_close: Callable[[], None] | Non
     )
 
 
-async def owned(admission: Admission, work: Awaitable[Response]) -> Response:
-    """Await the response of an admitted call; the admission closes when the call is done,
-    or, for a stream, when the stream is."""
+async def owned(admission: Admission, work: Coroutine[Any, Any, Response]) -> Response:
+    """Await the response of an admitted call, once it holds its adapter's concurrency slots
+    (waiting for them: 429 + Retry-After if the wait times out); the admission closes when the
+    call is done, or, for a stream, when the stream is."""
+    slots = admission.slots
+    if slots is not None and not slots.held:
+        try:
+            await slots.wait()
+        except BaseException:
+            work.close()  # never started
+            admission.close()
+            raise
     try:
         response = await work
-    except BaseException:
+    except BaseException as e:
+        if admission.health is not None:
+            admission.health.fail(e)
         admission.close()
         raise
     if isinstance(response, EngineStreamingResponse):

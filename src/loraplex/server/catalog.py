@@ -27,14 +27,17 @@ from pathlib import Path
 
 from loraplex.registry import (
     BaseModelInfo,
+    CanaryPolicy,
     Manifest,
     Principal,
     Registry,
     RegistryPolicy,
+    RollbackEvent,
     Tenant,
     ValidationError,
 )
 from loraplex.registry.policy import check_signature
+from loraplex.server.canary import CanaryMonitor
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +55,15 @@ METRICS_KEY = Principal(key_id="metrics-api-key", tenant=None, scopes=frozenset(
 
 @dataclass(frozen=True)
 class Servable:
-    """One model name that can take traffic: its active revision and optional canary."""
+    """One model name that can take traffic: its active revision and optional canary (with its
+    health policy), and the release's latest rollback."""
 
     name: str
     active: Manifest
     canary: Manifest | None = None
     canary_weight: float = 0.0
+    canary_policy: CanaryPolicy | None = None
+    last_rollback: RollbackEvent | None = None
 
     def visible_to(self, principal: Principal) -> bool:
         """Operators see everything; a tenant its own adapters and the shared ones."""
@@ -158,7 +164,14 @@ class Catalog:
             if rel.canary_revision is not None and rel.canary_weight > 0:
                 canary = self.registry.get(rel.name, rel.canary_revision)
                 canary = canary if self._signed(canary) else None
-            s = Servable(rel.name, active, canary, rel.canary_weight if canary else 0.0)
+            s = Servable(
+                rel.name,
+                active,
+                canary,
+                rel.canary_weight if canary else 0.0,
+                rel.canary_policy if canary else None,
+                rel.last_rollback,
+            )
             servables[rel.name] = s
             for d in s.digests:
                 names_of.setdefault(d, set()).add(rel.name)
@@ -308,3 +321,35 @@ def registration_order(sv: Servable) -> tuple[float, str]:
     """Sort key: adapters are listed in the order they were first registered (vLLM: the flag
     order)."""
     return (sv.active.created_at, sv.name)
+
+
+def release_view(sv: Servable, principal: Principal, health: CanaryMonitor) -> dict[str, object]:
+    """What ``/v1/adapters`` shows of a name's release beyond its tiers: the canary's health
+    policy and this replica's window of it (from ``health``), and the latest rollback (which
+    revision, why, and who: ``system:canary-health`` for an automatic one).
+
+    Nothing about other tenants: the window and rollback reason of a shared adapter (whose
+    traffic tenants share) are shown only to operators, and an operator's key id reads
+    ``operator`` to tenants."""
+    out: dict[str, object] = {}
+    operator = principal.tenant is None
+    mine = operator or sv.active.tenant == principal.tenant
+    if sv.canary is not None:
+        policy = sv.canary_policy
+        out["canary_policy"] = policy.to_dict() if policy is not None else None
+        out["canary_health"] = (
+            health.stats(sv.name, sv.canary.revision, policy).to_dict()
+            if policy is not None and mine
+            else None
+        )
+    ev = sv.last_rollback
+    if ev is None:
+        out["last_rollback"] = None
+    else:
+        system = ev.actor.startswith("system:")
+        actor = ev.actor if operator or system else "operator"
+        reason = ev.reason if mine else ("canary health" if system else "operator")
+        out["last_rollback"] = {
+            "revision": ev.revision, "actor": actor, "reason": reason, "at": ev.at,
+        }  # fmt: skip
+    return out

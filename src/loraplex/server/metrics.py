@@ -452,6 +452,30 @@ class ServerMetrics:
         self.step_errors = Counter(
             "loraplex_engine_step_errors", "Engine steps that raised.", registry=r
         )
+        self.canary_calls = Counter(
+            "loraplex_canary_requests",
+            "Calls served by a canary revision on this replica, by outcome (ok, error).",
+            ["outcome"],
+            registry=r,
+        )
+        self.canary_rollbacks = Counter(
+            "loraplex_canary_rollbacks",
+            "Canaries this replica rolled back for breaching their health policy, by the bound "
+            "breached (error_rate, ttft, tpot, quality).",
+            ["reason"],
+            registry=r,
+        )
+        self.adapter_waits = Counter(
+            "loraplex_adapter_concurrency_waits",
+            "Calls that waited for a slot under an adapter's max_concurrent_requests.",
+            registry=r,
+        )
+        self.adapter_rejections = Counter(
+            "loraplex_adapter_concurrency_rejections",
+            "Calls refused (429) at an adapter's max_concurrent_requests: queue full or wait "
+            "timed out.",
+            registry=r,
+        )
         self.iteration_tokens = Histogram(
             "vllm:iteration_tokens_total",
             "Tokens computed per engine step.",

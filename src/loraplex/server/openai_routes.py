@@ -174,7 +174,7 @@ async def completions(
     per_prompt = max(params.n, params.best_of or 1)
     param = ("best_of" if per_prompt > params.n else "n") if per_prompt > 1 else "prompt"
     admission = admit(
-        state, len(prompts) * per_prompt, principal, requests=len(prompts), param=param
+        state, len(prompts) * per_prompt, principal, requests=len(prompts), param=param, lora=lora
     )
     admission.usage = UsageRecord(body.model, principal, lora)
     salt = prefix_cache_salt(principal, body.cache_salt)
@@ -399,7 +399,7 @@ async def chat_completions(
     lora = await state.run_io(state.resolve_model, body.model, principal)
     per_prompt = max(params.n, params.best_of or 1)
     param = "best_of" if per_prompt > params.n else "n"
-    admission = admit(state, per_prompt, principal, requests=1, param=param)
+    admission = admit(state, per_prompt, principal, requests=1, param=param, lora=lora)
     admission.usage = UsageRecord(body.model, principal, lora)
     salt = prefix_cache_salt(principal, body.cache_salt)
     return await owned(

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from loraplex.registry.records import MAX_CONCURRENT_REQUESTS
 from loraplex.requests import SamplingParams, StructuredOutput
 from loraplex.server.tools import named_tool_schema, required_tools_schema
 from loraplex.types import InvalidRequestError
@@ -835,6 +836,7 @@ class RegisterAdapterRequest(_AdminBody):
     signature: Text | None = None
     stage: bool = False
     activate: bool = False
+    max_concurrent_requests: int | None = Field(default=None, ge=1, le=MAX_CONCURRENT_REQUESTS)
 
 
 class PromoteAdapterRequest(_AdminBody):
@@ -843,11 +845,40 @@ class PromoteAdapterRequest(_AdminBody):
     revision: Text | None = None
 
 
+class CanaryPolicyBody(_AdminBody):
+    """A canary's health bounds and concurrency cap (see :class:`loraplex.registry.CanaryPolicy`;
+    the registry checks the values)."""
+
+    window_s: float = 300.0
+    min_requests: int = 20
+    max_error_rate: float | None = 0.05
+    max_ttft_p95_s: float | None = None
+    max_tpot_p95_s: float | None = None
+    min_quality: float | None = None
+    scorer: Text | None = None
+    max_concurrent_requests: int | None = None
+
+
 class CanaryAdapterRequest(_AdminBody):
     """``POST /v1/admin/adapters/{name}/canary``: send ``weight`` of the traffic to ``revision``."""
 
     revision: Text = Field(min_length=1)
     weight: float = Field(gt=0, le=1)
+    policy: CanaryPolicyBody | None = None  # health bounds: rolled back automatically on a breach
+
+
+class RollbackAdapterRequest(_AdminBody):
+    """``POST /v1/admin/adapters/{name}/rollback``: why (recorded in the audit log)."""
+
+    reason: Text = Field(default="manual", min_length=1, max_length=500)
+
+
+class AdapterFeedbackRequest(_AdminBody):
+    """``POST /v1/adapters/{name}/feedback``: a user's score in [0, 1] of a response served by
+    ``revision`` (the ``x-loraplex-adapter`` header names it): the canary's quality signal."""
+
+    revision: str = Field(min_length=1, max_length=100)
+    score: float = Field(ge=0, le=1)
 
 
 class DisableAdapterRequest(_AdminBody):

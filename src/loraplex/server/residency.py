@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends
 from loraplex.engine.client import AdapterResidency
 from loraplex.registry import Manifest, Principal
 from loraplex.server.auth import inference_principal
-from loraplex.server.catalog import registration_order
+from loraplex.server.catalog import registration_order, release_view
 from loraplex.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -67,6 +67,7 @@ def residency_view(state: ServerState, principal: Principal) -> dict[str, Any]:
                "tenant": sv.active.tenant, **row_of(sv.active)}  # fmt: skip
         if sv.canary is not None:
             row["canary"] = {**row_of(sv.canary), "weight": sv.canary_weight}
+        row.update(release_view(sv, principal, state.canary))  # canary health, last rollback
         rows.append(row)
     if operator:
         for d, r in snapshot.items():

@@ -30,10 +30,13 @@ from loraplex.registry import (
     Principal,
     Registry,
     RegistryPolicy,
+    Release,
     Tenant,
     base_model_info,
 )
+from loraplex.server.adapter_limits import ConcurrencyLimiter, canary_full
 from loraplex.server.adapters import check_allowed_path
+from loraplex.server.canary import CanaryMonitor
 from loraplex.server.catalog import Catalog, Servable, digests_of, local_source, retired_digests
 from loraplex.server.errors import APIError, scrub
 from loraplex.server.limits import TenantLimits
@@ -118,6 +121,8 @@ class ServerState:
             },
         )
         self.limits = TenantLimits()
+        self.adapter_limits = ConcurrencyLimiter()  # max_concurrent_requests, canary caps
+        self.canary = CanaryMonitor(self.registry, self.run_io, on_rollback=self._rolled_back)
         self.unknown_fields = UnknownFields()  # request fields no API defines, logged once
         self._retiring: dict[str, float] = {}  # digest -> when its cached copies go
         self._rng = random.Random()
@@ -197,6 +202,13 @@ class ServerState:
             for t in tenants.values():
                 self.client.set_tenant_budget(t.name, t.host_bytes_budget)
 
+    def _rolled_back(self, name: str, revision: str, kind: str, rel: Release | None) -> None:
+        """After an automatic canary rollback (I/O pool): count it if this replica wrote it, and
+        stop serving the canary here at once."""
+        if rel is not None:
+            self.metrics.canary_rollbacks.labels(reason=kind).inc()
+        self.catalog.refresh(force=True)
+
     def retire_due(self) -> list[str]:
         """Evict the cached copies of retired revisions whose delay is over; ones still in use
         are retried later. Returns the digests evicted (worker thread)."""
@@ -240,6 +252,8 @@ class ServerState:
                 code="model_not_found",
             )
         manifest, via = s.choose(self._rng.random())
+        if via == "canary" and canary_full(self.adapter_limits, s):
+            manifest, via = s.active, "active"  # the canary has its share in flight
         if not self.catalog.compatible(manifest):
             raise APIError(
                 409,
