@@ -183,3 +183,31 @@ def test_cli_runs_as_a_real_command(tmp_path: Path, root: Path, tiny_model: Path
     assert (
         p.returncode == 2 and p.stderr.strip() == "loraplex adapters: error: unknown adapter 'nope'"
     )
+
+
+def test_limits_canary_policy_and_rollback_reason_from_the_command_line(
+    capsys: pytest.CaptureFixture[str], db_url: str, root: Path, tiny_model: Path
+) -> None:
+    u = ["--registry-url", db_url, "--actor", "alice"]
+    reg = ["adapters", "register", "--base-model", str(tiny_model), *u, "--allowed-root", str(root)]
+    m = ok_json(capsys, *reg, "x", str(root / "all_r8"), "--activate",
+                "--max-concurrent-requests", "8")  # fmt: skip
+    assert m["max_concurrent_requests"] == 8
+    ok_json(capsys, *reg, "x", str(root / "mlp_r16"), "--stage")
+    line = fails(capsys, *reg, "y", str(root / "mlp_r16"), "--max-concurrent-requests", "0")
+    assert "max_concurrent_requests" in line
+    rel = ok_json(capsys, "adapters", "canary", "x", "r2", "--weight", "0.2", *u,
+                  "--window", "60", "--min-requests", "10", "--max-error-rate", "0.1",
+                  "--scorer", "json", "--canary-max-concurrent", "2")  # fmt: skip
+    assert rel["canary_policy"] == {
+        "window_s": 60.0, "min_requests": 10, "max_error_rate": 0.1, "max_ttft_p95_s": None,
+        "max_tpot_p95_s": None, "min_quality": None, "scorer": "json",
+        "max_concurrent_requests": 2,
+    }  # fmt: skip
+    assert "window_s" in fails(capsys, "adapters", "canary", "x", "r2", "--weight", "0.2", *u,
+                               "--window", "0")  # fmt: skip
+    rel = ok_json(capsys, "adapters", "rollback", "x", *u, "--reason", "too slow")
+    assert rel["canary_revision"] is None and rel["last_rollback"]["reason"] == "too slow"
+    (entry,) = [e for e in ok_json(capsys, "adapters", "audit", "--target", "x", *u)
+                if e["action"] == "rollback"]  # fmt: skip
+    assert entry["after"]["reason"] == "too slow" and entry["actor"] == "alice"

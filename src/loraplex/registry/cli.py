@@ -2,7 +2,8 @@
 
     loraplex adapters register NAME PATH --base-model DIR [--stage | --activate] ...
     loraplex adapters list | show NAME | validate NAME | promote NAME | canary NAME REV --weight W
-    loraplex adapters rollback NAME | disable NAME | audit | keygen --out DIR
+    [--window S --min-requests N --max-error-rate R ...]
+    loraplex adapters rollback NAME [--reason TEXT] | disable NAME | audit | keygen --out DIR
     loraplex tenants create NAME [--max-waiting N] [--rate-limit RPS] [--host-bytes 2GiB]
     loraplex tenants list | keys create (--tenant T | --admin) | keys list | keys revoke KEY_ID
 
@@ -30,7 +31,7 @@ from loraplex.registry.db import ADAPTER_STATUSES
 from loraplex.registry.errors import RegistryError, RegistryUnavailableError
 from loraplex.registry.inspect import base_model_info
 from loraplex.registry.policy import RegistryPolicy
-from loraplex.registry.records import SCOPES, Manifest, Release
+from loraplex.registry.records import SCOPES, CanaryPolicy, Manifest, Release
 from loraplex.registry.service import Registry
 from loraplex.types import LoraplexError
 
@@ -157,6 +158,7 @@ def cmd_register(args: argparse.Namespace, reg: Registry) -> int:
         actor=args.actor,
         allow_any_source=args.allow_any_source,
         sha256=args.sha256,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
     if args.activate:
         reg.activate(m.name, m.revision, actor=args.actor)
@@ -205,14 +207,28 @@ def cmd_promote(args: argparse.Namespace, reg: Registry) -> int:
     return 0
 
 
+_POLICY_ARGS = {
+    "window": "window_s",
+    "min_requests": "min_requests",
+    "max_error_rate": "max_error_rate",
+    "max_ttft_p95": "max_ttft_p95_s",
+    "max_tpot_p95": "max_tpot_p95_s",
+    "min_quality": "min_quality",
+    "scorer": "scorer",
+    "canary_max_concurrent": "max_concurrent_requests",
+}
+
+
 def cmd_canary(args: argparse.Namespace, reg: Registry) -> int:
-    rel = reg.canary(args.name, args.revision, args.weight, actor=args.actor)
+    given = {f: getattr(args, a) for a, f in _POLICY_ARGS.items() if getattr(args, a) is not None}
+    policy = CanaryPolicy(**given) if given else None
+    rel = reg.canary(args.name, args.revision, args.weight, actor=args.actor, policy=policy)
     _emit(args, asdict(rel), lambda: "canary set: " + _release_text(rel))
     return 0
 
 
 def cmd_rollback(args: argparse.Namespace, reg: Registry) -> int:
-    rel = reg.rollback(args.name, actor=args.actor)
+    rel = reg.rollback(args.name, actor=args.actor, reason=args.reason)
     _emit(args, asdict(rel), lambda: "rolled back: " + _release_text(rel))
     return 0
 
@@ -418,6 +434,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         sig.add_argument("--signature", metavar="B64", help="signature made elsewhere")
         p.add_argument("--stage", action="store_true", help="stage it after validation")
         p.add_argument("--activate", action="store_true", help="stage and promote it")
+        p.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                       help="calls of this revision in flight per replica (excess wait, then 429)")  # fmt: skip
         p.add_argument(
             "--allow-any-source",
             action="store_true",
@@ -441,8 +459,21 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("name")
         p.add_argument("revision")
         p.add_argument("--weight", type=fraction, required=True, help="share in [0, 1], e.g. 0.1")
+        h = p.add_argument_group(
+            "health policy (any of these: each replica rolls the canary back on a breach)"
+        )
+        h.add_argument("--window", type=float, metavar="SECONDS", help="default 300")
+        h.add_argument("--min-requests", type=int, metavar="N", help="default 20")
+        h.add_argument("--max-error-rate", type=float, metavar="R", help="default 0.05")
+        h.add_argument("--max-ttft-p95", type=float, metavar="SECONDS")
+        h.add_argument("--max-tpot-p95", type=float, metavar="SECONDS")
+        h.add_argument("--min-quality", type=float, metavar="Q", help="mean score in [0, 1]")
+        h.add_argument("--scorer", metavar="NAME", help="quality scorer, e.g. json")
+        h.add_argument("--canary-max-concurrent", type=int, metavar="N",
+                       help="cap on the canary's calls in flight (default: its share)")  # fmt: skip
         p = add("rollback", cmd_rollback, "disable the active revision, restore the previous")
         p.add_argument("name")
+        p.add_argument("--reason", default="manual", help="recorded in the audit log")
         p = add("disable", cmd_disable, "disable a revision (default: the active one)")
         p.add_argument("name")
         p.add_argument("--revision", default=None)
