@@ -7,6 +7,7 @@ serves is a 500) or bad quality (user feedback) is rolled back within its window
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 from collections.abc import Iterator
@@ -285,3 +286,70 @@ def test_canary_cap_sends_calls_past_it_to_the_active_revision(env: Env) -> None
     assert route_of(results["first"]) == "canary" and route_of(results["second"]) == "active"
     assert route_of(env.complete("capped")) == "canary"
     wait_idle(eng, state.aengine)
+
+
+def test_two_replicas_judging_one_canary_roll_it_back_once(env: Env, tmp_path: Path) -> None:
+    """A second replica on the same registry: both judge the canary on their own feedback; the
+    breach on each replica (the last scores sent to both at once) stops the canary exactly once
+    (one audit entry, one rollback counted over both replicas), the active revision untouched,
+    and neither replica serves the canary afterwards."""
+    rev1, rev2 = release(env, "twin")
+    start_canary(env, "twin", rev2, 0.5, window_s=600, min_requests=3, max_error_rate=None,
+                 min_quality=0.5)  # fmt: skip
+    config = dataclasses.replace(env.state.config, log_level="warning")
+    other = create_app(config, registry=env.registry)
+    with serve_in_thread(other) as url2:
+        replicas = [env.url, url2]
+        sample = 'loraplex_canary_rollbacks_total{reason="quality"}'
+        before = [metric_at(u, sample) for u in replicas]
+
+        def score(url: str) -> httpx.Response:
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"},
+                              timeout=120) as h:  # fmt: skip
+                return h.post("/v1/adapters/twin/feedback", json={"revision": rev2, "score": 0.0})
+
+        for url in replicas:
+            wait_until(lambda url=url: score_ok(score(url)), what=f"{url} sees the canary")
+            assert score(url).json()["recorded"] is True  # two scores each: below min_requests
+        last: dict[str, httpx.Response] = {}
+        threads = [threading.Thread(target=lambda u=u: last.update({u: score(u)}))
+                   for u in replicas]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(r.status_code == 200 for r in last.values())
+        wait_until(lambda: env.registry.release("twin").canary_revision is None,
+                   what="the rollback")  # fmt: skip
+        for state in (env.state, other.state.loraplex):
+            wait_until(lambda state=state: "twin" in state.catalog.servables()
+                       and state.catalog.servables()["twin"].canary is None,
+                       what="each replica's catalog without the canary")  # fmt: skip
+        rollbacks = [e for e in env.registry.audit_log(target="twin") if e.action == "rollback"]
+        assert len(rollbacks) == 1 and rollbacks[0].actor == HEALTH_ACTOR
+        rel = env.registry.release("twin")
+        assert rel.active_revision == rev1 and env.registry.get("twin", rev1).status == "active"
+        after = [metric_at(u, sample) for u in replicas]
+        assert sum(after) - sum(before) == 1
+        for url in replicas:
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"},
+                              timeout=120) as h:  # fmt: skip
+                for _ in range(6):
+                    r = h.post("/v1/completions", json={"model": "twin", "prompt": "Hi",
+                                                        "max_tokens": 1})  # fmt: skip
+                    assert r.status_code == 200 and route_of(r) == "active"
+
+
+def score_ok(r: httpx.Response) -> bool:
+    """A feedback answer that was counted (the replica's catalog has the canary)."""
+    assert r.status_code == 200, r.text
+    return bool(r.json()["recorded"])
+
+
+def metric_at(url: str, sample: str) -> float:
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}) as h:
+        text = h.get("/metrics").text
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
