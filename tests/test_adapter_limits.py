@@ -134,6 +134,8 @@ def test_breach_rules() -> None:
     assert (breach(policy, HealthStats(4, 0, 2.0, 0.01, 0, None)) or ("",))[0] == "ttft"
     assert (breach(policy, HealthStats(0, 0, None, None, 4, 0.25)) or ("",))[0] == "quality"
     assert breach(policy, HealthStats(0, 0, None, None, 3, 0.0)) is None  # too few scores
+    assert breach(policy, HealthStats(0, 0, None, None, 4, 0.5)) is None  # at the bound
+    assert breach(policy, HealthStats(0, 0, None, None, 40, 1.0)) is None
     assert p95([float(i) for i in range(1, 101)]) == 95.0 and p95([]) is None
     assert json_validity(' {"a": 1} ') == 1.0 and json_validity("{nope") == 0.0
 

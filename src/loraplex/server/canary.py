@@ -151,7 +151,12 @@ def breach(policy: CanaryPolicy, stats: HealthStats) -> tuple[str, str] | None:
         if policy.max_tpot_p95_s is not None and t is not None and t > policy.max_tpot_p95_s:
             return "tpot", f"TPOT p95 {t:.4f}s > {policy.max_tpot_p95_s:g}s {window}"
     q = stats.quality
-    if policy.min_quality is not None and q is not None and stats.scored >= policy.min_requests:
+    if (
+        policy.min_quality is not None
+        and q is not None
+        and stats.scored >= policy.min_requests
+        and q < policy.min_quality
+    ):
         return "quality", (
             f"quality {q:.3f} < {policy.min_quality:g} over {stats.scored} scores in the last "
             f"{policy.window_s:g}s"
