@@ -23,7 +23,15 @@ from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
-from loraplex.engine.client import EngineClient, EngineStepError, PreparedRequest, RequestStream
+from loraplex.engine.client import (
+    EngineClient,
+    EngineDeadError,
+    EngineStepError,
+    PreparedRequest,
+    PrepareTimeoutError,
+    RequestStream,
+    StreamStalledError,
+)
 from loraplex.logs import fields_of
 from loraplex.outputs import RequestOutput
 from loraplex.registry import CanaryPolicy, Principal
@@ -305,6 +313,10 @@ class CanaryCall:
             self.failed = True
 
     def report(self, finals: dict[int, RequestOutput]) -> None:
+        """Hand the outcome to the canary's health: a call that failed by the server's fault or
+        was served; one that ended otherwise (refused, the client gone) is not judged."""
+        if not self.failed and not finals:
+            return
         texts = [o.text for r in finals.values() for o in r.outputs]
         outcome = CallOutcome(
             failed=self.failed,
@@ -319,11 +331,13 @@ class CanaryCall:
 def is_fault(e: BaseException) -> bool:
     """Whether ``e`` ending a call is the serving revision's fault: server errors (500, 502:
     an engine step that raised, adapter files that fail their digest, ...), not the client's
-    (4xx, a disconnect) nor load (503: overload, capacity)."""
+    (4xx, a disconnect, a stream it stopped reading) nor load (503: overload, capacity, a
+    preparation time-out, the engine gone)."""
     if isinstance(e, APIError):
         return e.status >= 500 and e.status not in (503, 504)
-    if isinstance(e, (asyncio.CancelledError, InvalidRequestError)):
-        return False
+    if isinstance(e, (asyncio.CancelledError, InvalidRequestError, StreamStalledError,
+                      PrepareTimeoutError, EngineDeadError)):  # fmt: skip
+        return False  # the client's doing, or load: not the revision's
     if isinstance(e, AdapterError):
         return adapter_api_error(e).status in (500, 502)
     return isinstance(e, (EngineStepError, LoraplexError, Exception))
