@@ -15,7 +15,7 @@ from decimal import Decimal
 
 from loraplex.settings import FieldError, check_fields, human_int, seconds, setting, stripped
 
-ADAPTER_EVICTION_POLICIES = ("hybrid", "lru", "lfu", "fifo")
+ADAPTER_EVICTION_POLICIES = ("hybrid", "hybrid-forecast", "lru", "lfu", "fifo")
 """Names of ``loraplex.cache.policy.POLICIES`` (checked by a test; config imports nothing)."""
 WARM_POLICIES = ("device-preferred", "host", "on-demand")  # how an adapter is pre-warmed
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -351,6 +351,37 @@ class TierController:
         self.release_slot(slot)
         self._evict(self.device, key, self.clock(), removal=True, force=True)
 
+    def prefetch_slot(self, info: AdapterInfo) -> int | None:
+        """Load ahead of demand: an idle slot for ``info`` with no request behind it, when a
+        slot is free or every victim it needs scores below ``info`` (the policy's keep-score,
+        which for ``hybrid-forecast`` includes predicted demand). None when it has a slot
+        already or is not worth one. Uncounted (no hit, no miss, no access); its host copy must
+        be resident. The owner writes the slot's weights; then it is an ordinary idle slot."""
+        key, now, device = info.key, self.clock(), self.device
+        if key in self.slot_of:
+            return None
+        if self.host is not None and key not in self.host:
+            raise RuntimeError(f"adapter {key[:12]} is not held in host memory")
+        try:
+            victims = device.plan_admission(info, now)
+        except NoRoomError:
+            return None
+        if victims:
+            score = self.policy.keep_score
+            mine = score(key, device.name, now, by_bytes=False)
+            if any(score(v, device.name, now, by_bytes=False) >= mine for v in victims):
+                return None
+        for victim in victims:
+            self._evict(device, victim, now)
+        device.insert(info, now)
+        slot = self.slot_digest.index(None)
+        self.slot_digest[slot] = key
+        self.slot_of[key] = slot
+        self.slot_users[slot] = 0
+        if self.host is not None:
+            self.host.acquire(key)  # inclusive: the slot keeps its host copy
+        return slot
+
     # -- holds, loads ---------------------------------------------------------------------------
     def release(self, tier: str, key: str) -> None:
         """End a hold taken by :meth:`hold_disk_copy` or :meth:`admit_disk`."""
