@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from loraplex.cache.policy import AdapterInfo, EvictionPolicy
+from loraplex.cache.policy import AdapterInfo, EvictionPolicy, HybridPolicy
 from loraplex.cache.residency import NoRoomError, ResidencyError, TierIndex
 from loraplex.cache.stats import AdapterUsage, CacheStats, TierCounters
 from loraplex.types import AdapterInUseError
@@ -350,6 +350,26 @@ class TierController:
         assert key is not None and self.slot_users[slot] == 1
         self.release_slot(slot)
         self._evict(self.device, key, self.clock(), removal=True, force=True)
+
+    def forecast(self, limit: int, *, min_requests: float = 1.0) -> list[AdapterInfo]:
+        """Adapters to load ahead of demand, most wanted first: the policy's forecast expects
+        at least ``min_requests`` of each within its horizon (``hybrid-forecast``; [] for
+        policies without a forecast). Those already in a slot are left out."""
+        policy = self.policy
+        if not isinstance(policy, HybridPolicy) or policy.forecast is None:
+            return []
+        horizon = policy.forecast_horizon_s
+        out = []
+        for key, rate in policy.forecast_demand(self.clock(), limit):
+            info = policy.info_of(key)
+            if info is not None and rate * horizon >= min_requests and key not in self.slot_of:
+                out.append(info)
+        return out
+
+    def set_waiting(self, counts: Mapping[str, int]) -> None:
+        """The requests queued now per adapter (the forecast's queue term; others ignore it)."""
+        if isinstance(self.policy, HybridPolicy):
+            self.policy.set_waiting(counts)
 
     def prefetch_slot(self, info: AdapterInfo) -> int | None:
         """Load ahead of demand: an idle slot for ``info`` with no request behind it, when a

@@ -526,10 +526,13 @@ class HybridPolicy(_TrackingPolicy):
         forecast: DemandForecast | None = None,
         forecast_horizon_s: float = 1800.0,
         forecast_weight: float = 1.0,
+        forecast_refresh_s: float = 60.0,
     ) -> None:
         super().__init__(max_tracked=max_tracked)
-        if forecast_horizon_s <= 0 or forecast_weight < 0:
-            raise ValueError("forecast_horizon_s must be > 0 and forecast_weight >= 0")
+        if forecast_horizon_s <= 0 or forecast_weight < 0 or forecast_refresh_s < 0:
+            raise ValueError(
+                "forecast_horizon_s must be > 0, forecast_weight and forecast_refresh_s >= 0"
+            )
         if not half_lives_s or any(h <= 0 for h in half_lives_s):
             raise ValueError(f"half_lives_s must be positive, got {tuple(half_lives_s)}")
         if priority_base < 1:
@@ -556,7 +559,11 @@ class HybridPolicy(_TrackingPolicy):
         self.forecast = forecast
         self.forecast_horizon_s = float(forecast_horizon_s)
         self.forecast_weight = float(forecast_weight)
+        self.forecast_refresh_s = float(forecast_refresh_s)
         self._waiting: dict[str, int] = {}  # key -> requests queued for it (set_waiting)
+        # key -> (when, forecast req/s over the horizon then): a forecast moves slowly, so it
+        # is recomputed at most every forecast_refresh_s (evictions score many candidates)
+        self._predicted: dict[str, tuple[float, float]] = {}
 
     # statistics ------------------------------------------------------------------------------
     def _observe(self, key: str, now: float) -> None:
@@ -574,6 +581,7 @@ class HybridPolicy(_TrackingPolicy):
         super()._forget(key)
         self._freq.pop(key, None)
         self._waiting.pop(key, None)
+        self._predicted.pop(key, None)
         if self.forecast is not None:
             self.forecast.forget(key)
         for tc in self._cost.values():
@@ -602,7 +610,12 @@ class HybridPolicy(_TrackingPolicy):
         if fc is None:
             return 0.0
         queued = self._waiting.get(key, 0) * self._k[0]
-        return fc.rate(key, now, now + self.forecast_horizon_s) + queued
+        cached = self._predicted.get(key)
+        if cached is not None and cached[0] <= now < cached[0] + self.forecast_refresh_s:
+            return cached[1] + queued
+        rate = fc.rate(key, now, now + self.forecast_horizon_s)
+        self._predicted[key] = (now, rate)
+        return rate + queued
 
     def demand(self, key: str, now: float) -> float:
         """The rate term of the keep-score: F(k), plus w * D(k) with a forecast."""

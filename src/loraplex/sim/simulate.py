@@ -314,8 +314,7 @@ class _Run:
         self.outcomes: list[tuple[Request, bool]] | None = None
         self.n_refused = 0
         self.prefetches = 0
-        fc = isinstance(policy, HybridPolicy) and policy.forecast is not None
-        self.forecaster: HybridPolicy | None = policy if fc else None  # type: ignore[assignment]
+        self.forecasting = isinstance(policy, HybridPolicy) and policy.forecast is not None
         self.next_prefetch = cfg.prefetch_interval_s
 
     @property
@@ -326,9 +325,9 @@ class _Run:
     # -------------------------------------------------------------------------- events
     def advance(self, t: float) -> None:
         """Process every event due by ``t`` (and the prefetch rounds due by then)."""
-        while self.forecaster is not None and self.next_prefetch <= t:
+        while self.forecasting and self.next_prefetch <= t:
             self._advance(self.next_prefetch)
-            self._prefetch(self.forecaster)
+            self._prefetch()
             self.next_prefetch += self.cfg.prefetch_interval_s
         self._advance(t)
 
@@ -473,17 +472,15 @@ class _Run:
             p.waited = True
             self.waits += 1
 
-    def _prefetch(self, policy: HybridPolicy) -> None:
+    def _prefetch(self) -> None:
         """Load the adapters the forecast expects within its horizon ahead of demand."""
         waiting: Counter[str] = Counter(p.info.key for p in self.slot_waiting)
         for load in self.host_waiting.values():
             waiting[load.info.key] += len(load.requests)
-        policy.set_waiting(waiting)
-        ctl, model, horizon = self.ctl, self.cfg.load_model, policy.forecast_horizon_s
-        for key, rate in policy.forecast_demand(self.now, self.cfg.slots):
-            info = policy.info_of(key)
-            if rate * horizon < 1.0 or info is None or key in ctl.slot_of:
-                continue
+        ctl, model = self.ctl, self.cfg.load_model
+        ctl.set_waiting(waiting)
+        for info in ctl.forecast(self.cfg.slots):
+            key = info.key
             size = info.size_bytes
             if ctl.host is not None and key not in ctl.host:
                 if key in self.host_waiting:
