@@ -23,10 +23,13 @@ from loraplex.config import (
 )
 from loraplex.engine.client import EngineClient, LLMEngine
 from loraplex.lora.digest import digest_safetensors_dir
+from loraplex.registry import Principal
 from loraplex.server.app import create_app
+from loraplex.server.residency import residency_view
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec
 
 BERLIN = ZoneInfo("Europe/Berlin")
+OPERATOR = Principal("admin", None, frozenset({"admin:*"}))
 OFFICE = {"device": "Mon-Fri 08:00-18:00", "tz": "Europe/Berlin"}
 
 
@@ -248,6 +251,11 @@ def test_server_wires_warm_windows_to_the_scheduler(
         state.prewarm_due()
         assert state.prewarm.held() == {"windowed": "host"} and state.client.tier_of(d)
         assert state.engine.adapters.is_pinned(d)
+        rows = {r["name"]: r for r in residency_view(state, OPERATOR)["data"]}
+        assert rows["windowed"]["warm_window"] == {"tz": "UTC", "host": "daily 08:00-09:00",
+                                                   "lead_s": 60.0}  # fmt: skip
+        assert rows["windowed"]["prewarmed"] == "host" and rows["windowed"]["pinned"]
+        assert "warm_window" not in rows["plain"]
         clock.t += 3540.0  # 08:58:30
         state._prewarm_due_at = 0.0
         state.prewarm_due()
@@ -256,6 +264,8 @@ def test_server_wires_warm_windows_to_the_scheduler(
         state._prewarm_due_at = 0.0
         state.prewarm_due()
         assert state.prewarm.held() == {} and not state.engine.adapters.is_pinned(d)
+        rows = {r["name"]: r for r in residency_view(state, OPERATOR)["data"]}
+        assert rows["windowed"]["prewarmed"] is None and not rows["windowed"]["pinned"]
         plain = state.catalog.servables()["plain"].active.sha256
         assert state.engine.adapters.is_pinned(plain)  # the old warm strings still work
     finally:
