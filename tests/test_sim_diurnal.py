@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import json
 import random
 from zoneinfo import ZoneInfo
 
@@ -270,6 +271,12 @@ def test_sim_prints_the_window_opening_comparison(capsys: pytest.CaptureFixture[
     assert set(rows) == {"lru", "hybrid", "hybrid-forecast", "belady"}
     assert all(0.0 <= float(v[0]) <= 1.0 and 0.0 <= float(v[1]) <= 1.0 for v in rows.values())
     assert int(rows["hybrid-forecast"][2]) > 0 and rows["belady"][2] == "-"
+    assert (
+        main(["--workload", SPEC.replace("days=4", "days=1"), "--policy", "hybrid", "--json"]) == 0
+    )
+    report = json.loads(capsys.readouterr().out)["openings"]
+    assert report["minutes"] == 10.0 and report["requests"] > 0
+    assert set(report["cold_start_rate"]) == {"hybrid", "belady"}
     # workloads without office windows print no such section
     assert main(["--workload", "zipf:requests=300", "--policy", "hybrid-forecast"]) == 0
     assert "window openings" not in capsys.readouterr().out
