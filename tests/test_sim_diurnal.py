@@ -164,16 +164,19 @@ def test_prefetch_slot_loads_ahead_only_over_lesser_victims() -> None:
     now[0] = 2 * DAY + 7.95 * H  # 07:57: the office opens within the forecast's horizon
     misses = ctl.device.counters.misses
     hits = ctl.device.counters.hits
+    assert ctl.worth_prefetching(info("office"))  # asked before its host copy is loaded
     slot = ctl.prefetch_slot(info("office"))  # evicts the one-off, not the hot one
     assert slot is not None and ctl.slot_digest[slot] == "office"
     assert set(ctl.slot_of) == {"hot", "office"}
     assert (ctl.device.counters.misses, ctl.device.counters.hits) == (misses, hits)
     assert ctl.prefetch_slot(info("office")) is None  # already there
+    assert not ctl.worth_prefetching(info("office"))
     ctl.check_invariants()
     got = ctl.reserve_slot(info("office"))  # its first request finds it warm
     assert got == (slot, False)
     ctl.release_slot(slot)
     # a newcomer with no forecast is not worth evicting anyone for
+    assert not ctl.worth_prefetching(info("nobody"))
     ctl.admit_host(info("nobody"), holds=0, counted=0)
     assert ctl.prefetch_slot(info("nobody")) is None
     with pytest.raises(RuntimeError, match="not held in host memory"):

@@ -366,6 +366,28 @@ class TierController:
                 out.append(info)
         return out
 
+    def worth_prefetching(self, info: AdapterInfo) -> bool:
+        """Would :meth:`prefetch_slot` give ``info`` a slot now? (Asked before loading its host
+        copy, so a copy is not fetched for a slot it would not get.) Changes nothing."""
+        return self._prefetch_victims(info, self.clock()) is not None
+
+    def _prefetch_victims(self, info: AdapterInfo, now: float) -> list[str] | None:
+        """The slots to free for a load-ahead of ``info``, or None when it has a slot, none
+        may be freed, or a victim is worth at least as much as ``info``."""
+        key, device = info.key, self.device
+        if key in self.slot_of:
+            return None
+        try:
+            victims = device.plan_admission(info, now)
+        except NoRoomError:
+            return None
+        if victims:
+            score = self.policy.keep_score
+            mine = score(key, device.name, now, by_bytes=False)
+            if any(score(v, device.name, now, by_bytes=False) >= mine for v in victims):
+                return None
+        return victims
+
     def set_waiting(self, counts: Mapping[str, int]) -> None:
         """The requests queued now per adapter (the forecast's queue term; others ignore it)."""
         if isinstance(self.policy, HybridPolicy):
@@ -378,19 +400,11 @@ class TierController:
         already or is not worth one. Uncounted (no hit, no miss, no access); its host copy must
         be resident. The owner writes the slot's weights; then it is an ordinary idle slot."""
         key, now, device = info.key, self.clock(), self.device
-        if key in self.slot_of:
-            return None
         if self.host is not None and key not in self.host:
             raise RuntimeError(f"adapter {key[:12]} is not held in host memory")
-        try:
-            victims = device.plan_admission(info, now)
-        except NoRoomError:
+        victims = self._prefetch_victims(info, now)
+        if victims is None:
             return None
-        if victims:
-            score = self.policy.keep_score
-            mine = score(key, device.name, now, by_bytes=False)
-            if any(score(v, device.name, now, by_bytes=False) >= mine for v in victims):
-                return None
         for victim in victims:
             self._evict(device, victim, now)
         device.insert(info, now)

@@ -527,6 +527,7 @@ class HybridPolicy(_TrackingPolicy):
         forecast_horizon_s: float = 1800.0,
         forecast_weight: float = 1.0,
         forecast_refresh_s: float = 60.0,
+        forecast_min_requests: float = 1.0,
     ) -> None:
         super().__init__(max_tracked=max_tracked)
         if forecast_horizon_s <= 0 or forecast_weight < 0 or forecast_refresh_s < 0:
@@ -560,6 +561,7 @@ class HybridPolicy(_TrackingPolicy):
         self.forecast_horizon_s = float(forecast_horizon_s)
         self.forecast_weight = float(forecast_weight)
         self.forecast_refresh_s = float(forecast_refresh_s)
+        self.forecast_min_requests = float(forecast_min_requests)
         self._waiting: dict[str, int] = {}  # key -> requests queued for it (set_waiting)
         # key -> (when, forecast req/s over the horizon then): a forecast moves slowly, so it
         # is recomputed at most every forecast_refresh_s (evictions score many candidates)
@@ -614,6 +616,8 @@ class HybridPolicy(_TrackingPolicy):
         if cached is not None and cached[0] <= now < cached[0] + self.forecast_refresh_s:
             return cached[1] + queued
         rate = fc.rate(key, now, now + self.forecast_horizon_s)
+        if rate * self.forecast_horizon_s < self.forecast_min_requests:
+            rate = 0.0  # less than one expected request in the horizon: noise, not demand
         self._predicted[key] = (now, rate)
         return rate + queued
 

@@ -482,6 +482,8 @@ class _Run:
         for info in ctl.forecast(self.cfg.slots):
             key = info.key
             size = info.size_bytes
+            if not ctl.worth_prefetching(info):
+                continue
             if ctl.host is not None and key not in ctl.host:
                 if key in self.host_waiting:
                     continue
