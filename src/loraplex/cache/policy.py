@@ -72,6 +72,9 @@ The demand-forecast term (``hybrid-forecast``)
 tenant's office opens at 08:00. ``hybrid-forecast`` replaces ``F(k)`` by ``F(k) + w * D(k)``::
 
     D(k)  = E[req/s of k over [now, now + horizon)]  from :class:`DemandForecast`
+              (0 when that is less than ``forecast_min_requests`` = 1 request in the horizon:
+              a sparse history is noise, not demand; recomputed at most every
+              ``forecast_refresh_s`` = 60 s)
             + waiting(k) * ln2 / h_0                 # requests queued for k right now
             (w = ``forecast_weight`` = 1, horizon = ``forecast_horizon_s`` = 30 min)
 
