@@ -110,6 +110,13 @@ def test_forecast_term_raises_the_keep_score_ahead_of_the_window() -> None:
     assert p.order_victims(["office", "oneoff"], "L0", now, by_bytes=False)[0] == "oneoff"
     assert p.forecast_demand(now, 5)[0][0] == "office"
     assert plain.forecast_demand(now, 5) == []
+    # below forecast_min_requests expected in the horizon the forecast says nothing
+    assert isinstance(p, HybridPolicy) and 1.0 < p.predicted("office", now) * 1800 < 100.0
+    strict = ForecastHybridPolicy(epoch_s=MONDAY, forecast_min_requests=100.0)
+    for d in range(3):
+        for i in range(20):
+            strict.on_access("office", info("office"), d * DAY + 8 * H + i * 300.0)
+    assert strict.predicted("office", now) == 0.0 and strict.forecast_demand(now, 5) == []
     # the waiting queue counts: queued requests lift an adapter with no history at all
     p.on_access("queued", info("queued"), now - 3 * H)
     base = p.keep_score("queued", "L0", now, by_bytes=False)
