@@ -51,8 +51,10 @@ def test_make_policy_registry() -> None:
         assert p.name == name
         assert isinstance(p, EvictionPolicy)
     assert make_policy(" LRU ").name == "lru"
-    assert set(POLICIES) == {"lru", "hybrid", "lfu", "fifo"}
-    with pytest.raises(ValueError, match=r"unknown eviction policy 'arc'.*fifo, hybrid, lfu, lru"):
+    assert set(POLICIES) == {"lru", "hybrid", "hybrid-forecast", "lfu", "fifo"}
+    with pytest.raises(
+        ValueError, match=r"unknown eviction policy 'arc'.*fifo, hybrid, hybrid-forecast, lfu, lru"
+    ):
         make_policy("arc")
     h = make_policy("hybrid", half_lives_s=(5.0,), priority_base=3.0)
     assert isinstance(h, HybridPolicy)

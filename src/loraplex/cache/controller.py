@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from loraplex.cache.policy import AdapterInfo, EvictionPolicy
+from loraplex.cache.policy import AdapterInfo, EvictionPolicy, HybridPolicy
 from loraplex.cache.residency import NoRoomError, ResidencyError, TierIndex
 from loraplex.cache.stats import AdapterUsage, CacheStats, TierCounters
 from loraplex.types import AdapterInUseError
@@ -350,6 +350,71 @@ class TierController:
         assert key is not None and self.slot_users[slot] == 1
         self.release_slot(slot)
         self._evict(self.device, key, self.clock(), removal=True, force=True)
+
+    def forecast(self, limit: int, *, min_requests: float = 1.0) -> list[AdapterInfo]:
+        """Adapters to load ahead of demand, most wanted first: the policy's forecast expects
+        at least ``min_requests`` of each within its horizon (``hybrid-forecast``; [] for
+        policies without a forecast). Those already in a slot are left out."""
+        policy = self.policy
+        if not isinstance(policy, HybridPolicy) or policy.forecast is None:
+            return []
+        horizon = policy.forecast_horizon_s
+        out = []
+        for key, rate in policy.forecast_demand(self.clock(), limit):
+            info = policy.info_of(key)
+            if info is not None and rate * horizon >= min_requests and key not in self.slot_of:
+                out.append(info)
+        return out
+
+    def worth_prefetching(self, info: AdapterInfo) -> bool:
+        """Would :meth:`prefetch_slot` give ``info`` a slot now? (Asked before loading its host
+        copy, so a copy is not fetched for a slot it would not get.) Changes nothing."""
+        return self._prefetch_victims(info, self.clock()) is not None
+
+    def _prefetch_victims(self, info: AdapterInfo, now: float) -> list[str] | None:
+        """The slots to free for a load-ahead of ``info``, or None when it has a slot, none
+        may be freed, or a victim is worth at least as much as ``info``."""
+        key, device = info.key, self.device
+        if key in self.slot_of:
+            return None
+        try:
+            victims = device.plan_admission(info, now)
+        except NoRoomError:
+            return None
+        if victims:
+            score = self.policy.keep_score
+            mine = score(key, device.name, now, by_bytes=False)
+            if any(score(v, device.name, now, by_bytes=False) >= mine for v in victims):
+                return None
+        return victims
+
+    def set_waiting(self, counts: Mapping[str, int]) -> None:
+        """The requests queued now per adapter (the forecast's queue term; others ignore it)."""
+        if isinstance(self.policy, HybridPolicy):
+            self.policy.set_waiting(counts)
+
+    def prefetch_slot(self, info: AdapterInfo) -> int | None:
+        """Load ahead of demand: an idle slot for ``info`` with no request behind it, when a
+        slot is free or every victim it needs scores below ``info`` (the policy's keep-score,
+        which for ``hybrid-forecast`` includes predicted demand). None when it has a slot
+        already or is not worth one. Uncounted (no hit, no miss, no access); its host copy must
+        be resident. The owner writes the slot's weights; then it is an ordinary idle slot."""
+        key, now, device = info.key, self.clock(), self.device
+        if self.host is not None and key not in self.host:
+            raise RuntimeError(f"adapter {key[:12]} is not held in host memory")
+        victims = self._prefetch_victims(info, now)
+        if victims is None:
+            return None
+        for victim in victims:
+            self._evict(device, victim, now)
+        device.insert(info, now)
+        slot = self.slot_digest.index(None)
+        self.slot_digest[slot] = key
+        self.slot_of[key] = slot
+        self.slot_users[slot] = 0
+        if self.host is not None:
+            self.host.acquire(key)  # inclusive: the slot keeps its host copy
+        return slot
 
     # -- holds, loads ---------------------------------------------------------------------------
     def release(self, tier: str, key: str) -> None:

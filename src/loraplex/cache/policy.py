@@ -16,6 +16,8 @@ Policies
 ``fifo``    evict the adapter that entered the tier first.
 ``lfu``     evict the adapter with the fewest requests ever (ties: least recent).
 ``hybrid``  the default, below.
+``hybrid-forecast``  hybrid plus a demand-forecast term (below): for tenants with daily
+            patterns (office hours); the sim's diurnal workload shows what it buys.
 
 The hybrid keep-score
 ---------------------
@@ -64,6 +66,27 @@ merely busy (in flight or too new), the newcomer waits for that entry rather tha
 burst of concurrent one-off requests queues for the cold slots instead of pushing hot adapters
 out. The owner bounds the wait (its patience) and then admits anyway.
 
+The demand-forecast term (``hybrid-forecast``)
+----------------------------------------------
+``F(k)`` only knows the past minutes: an adapter idle all night scores ~0 at 07:59 although its
+tenant's office opens at 08:00. ``hybrid-forecast`` replaces ``F(k)`` by ``F(k) + w * D(k)``::
+
+    D(k)  = E[req/s of k over [now, now + horizon)]  from :class:`DemandForecast`
+              (0 when that is less than ``forecast_min_requests`` = 1 request in the horizon:
+              a sparse history is noise, not demand; recomputed at most every
+              ``forecast_refresh_s`` = 60 s)
+            + waiting(k) * ln2 / h_0                 # requests queued for k right now
+            (w = ``forecast_weight`` = 1, horizon = ``forecast_horizon_s`` = 30 min)
+
+:class:`DemandForecast` keeps, per adapter, exponentially decayed request counts in 24
+hour-of-day and 168 hour-of-week buckets (UTC; half-lives 3 and 14 days), normalised by the
+decayed number of times each bucket has elapsed since the adapter was first seen, so a bucket
+predicts "requests in this hour on a typical day". The week bucket speaks once that hour of the
+week has passed at least once (weekends differ from weekdays), the day bucket before that.
+Memory is bounded: 192 floats per adapter, at most ``max_keys`` adapters. The owner feeds the
+queue with :meth:`HybridPolicy.set_waiting`, and may ask :meth:`HybridPolicy.forecast_demand`
+which adapters to load ahead of demand (``TierController.prefetch_slot``).
+
 ``belady_hit_ratio`` computes the offline optimum (Belady's MIN) on a trace for comparison.
 """
 
@@ -71,6 +94,8 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
+from array import array
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -78,8 +103,10 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "POLICIES",
     "AdapterInfo",
+    "DemandForecast",
     "EvictionPolicy",
     "FIFOPolicy",
+    "ForecastHybridPolicy",
     "HybridPolicy",
     "LFUPolicy",
     "LRUPolicy",
@@ -236,6 +263,10 @@ class _TrackingPolicy:
         for k in ghosts[: max(1, len(self._info) // 10)]:
             self._forget(k)
 
+    def info_of(self, key: str) -> AdapterInfo | None:
+        """What the last request or insertion of ``key`` said about it (None: not tracked)."""
+        return self._info.get(key)
+
     def resident_tiers(self, key: str) -> frozenset[str]:
         """The tiers this policy has been told hold ``key``."""
         return frozenset(self._tiers.get(key, ()))
@@ -285,6 +316,171 @@ class LFUPolicy(_TrackingPolicy):
         return float(self._count.get(key, 0))
 
 
+# ------------------------------------------------------------------------- demand forecast
+
+_HOUR = 3600.0
+_DAY_H, _WEEK_H = 24, 168
+_MONDAY_OFFSET_H = 72  # 1970-01-01 00:00 UTC was a Thursday: hour 0 is hour 72 of its week
+
+
+@dataclass
+class _History:
+    """One adapter's decayed counts by hour of day and hour of week, scaled to ``ref``."""
+
+    day: array  # [24]  sum of 2 ** ((t - ref) / day_half_life) per request in that hour
+    week: array  # [168] same with the week half-life
+    ref: float  # the time the scale is relative to (renormalised when it drifts far)
+    first: float  # when the adapter was first seen (buckets count from its hour)
+
+
+class DemandForecast:
+    """Per-adapter time-of-day / day-of-week request history with decay; bounded memory.
+
+    ``epoch_s`` turns the owner's clock into Unix time (``wall = now + epoch_s``): buckets are
+    UTC hours. ``rate(key, start, end)`` is the expected request rate over ``[start, end)``::
+
+        for each hour H overlapping [start, end):
+            c(H) = week estimate of H's hour-of-week bucket if that bucket has elapsed since
+                   the adapter was first seen, else its hour-of-day estimate
+            estimate of bucket b = (decayed sum of requests in b) / (decayed number of b's
+                                   elapsed occurrences since first seen)
+        rate = sum over H of c(H) * overlap(H) / 3600 / (end - start)
+    """
+
+    def __init__(
+        self,
+        *,
+        epoch_s: float = 0.0,
+        day_half_life_s: float = 3 * 86400.0,
+        week_half_life_s: float = 14 * 86400.0,
+        max_keys: int = 10_000,
+    ) -> None:
+        if day_half_life_s <= 0 or week_half_life_s <= 0:
+            raise ValueError("forecast half-lives must be > 0")
+        if max_keys < 1:
+            raise ValueError(f"forecast max_keys must be >= 1, got {max_keys}")
+        if not math.isfinite(epoch_s):
+            raise ValueError(f"forecast epoch_s must be finite, got {epoch_s}")
+        self.epoch_s = float(epoch_s)
+        self.day_half_life_s = float(day_half_life_s)
+        self.week_half_life_s = float(week_half_life_s)
+        self.max_keys = max_keys
+        self._hist: dict[str, _History] = {}
+
+    def __len__(self) -> int:
+        return len(self._hist)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._hist
+
+    def keys(self) -> list[str]:
+        return list(self._hist)
+
+    def observe(self, key: str, now: float) -> None:
+        """One request for ``key`` at ``now``."""
+        h = self._hist.get(key)
+        if h is None:
+            if len(self._hist) >= self.max_keys:
+                self._prune(now)
+            h = _History(array("d", bytes(8 * _DAY_H)), array("d", bytes(8 * _WEEK_H)), now, now)
+            self._hist[key] = h
+        if now - h.ref > 32 * self.day_half_life_s:  # keep the scale factors in range
+            self._rescale(h, now)
+        hour = math.floor((now + self.epoch_s) / _HOUR)
+        h.day[hour % _DAY_H] += 2.0 ** ((now - h.ref) / self.day_half_life_s)
+        h.week[(hour + _MONDAY_OFFSET_H) % _WEEK_H] += 2.0 ** (
+            (now - h.ref) / self.week_half_life_s
+        )
+
+    def forget(self, key: str) -> None:
+        self._hist.pop(key, None)
+
+    def hourly(self, key: str, hour: int, now: float) -> float:
+        """Expected requests of ``key`` in the absolute UTC hour ``hour`` (0 if unknown)."""
+        h = self._hist.get(key)
+        if h is None:
+            return 0.0
+        first_hour = math.floor((h.first + self.epoch_s) / _HOUR)
+        now_hour = math.floor((now + self.epoch_s) / _HOUR)
+        wb = (hour + _MONDAY_OFFSET_H) % _WEEK_H
+        w = self._estimate(
+            h.week, wb, hour, _WEEK_H, first_hour, now_hour, now, h.ref, self.week_half_life_s
+        )
+        if w is not None:
+            return w
+        d = self._estimate(
+            h.day,
+            hour % _DAY_H,
+            hour,
+            _DAY_H,
+            first_hour,
+            now_hour,
+            now,
+            h.ref,
+            self.day_half_life_s,
+        )
+        return d if d is not None else 0.0
+
+    def rate(self, key: str, start: float, end: float) -> float:
+        """Expected requests per second of ``key`` over ``[start, end)`` (``start`` is now)."""
+        if key not in self._hist or end <= start:
+            return 0.0
+        total = 0.0
+        t = start
+        while t < end:
+            hour = math.floor((t + self.epoch_s) / _HOUR)
+            nxt = min(end, (hour + 1) * _HOUR - self.epoch_s)
+            total += self.hourly(key, hour, start) * (nxt - t) / _HOUR
+            t = nxt
+        return total / (end - start)
+
+    # internals -------------------------------------------------------------------------------
+    def _estimate(
+        self,
+        buckets: array,
+        b: int,
+        hour: int,
+        period: int,
+        first_hour: int,
+        now_hour: int,
+        now: float,
+        ref: float,
+        half_life: float,
+    ) -> float | None:
+        """Bucket ``b``'s requests per occurrence, or None if no occurrence has elapsed."""
+        # the latest completed occurrence of this bucket: the last hour congruent to ``hour``
+        # before the current one (the current hour is still running)
+        last = now_hour - 1 - ((now_hour - 1 - hour) % period)
+        if last < first_hour:
+            return None
+        n = (last - first_hour) // period + 1
+        r = 2.0 ** (-period * _HOUR / half_life)
+        age = now + self.epoch_s - (last + 0.5) * _HOUR  # seconds since its middle
+        occurrences = 2.0 ** (-age / half_life) * (1.0 - r**n) / (1.0 - r)
+        if occurrences < 0.5:
+            return None
+        return buckets[b] * 2.0 ** (-(now - ref) / half_life) / occurrences
+
+    def _rescale(self, h: _History, now: float) -> None:
+        fd = 2.0 ** (-(now - h.ref) / self.day_half_life_s)
+        fw = 2.0 ** (-(now - h.ref) / self.week_half_life_s)
+        for i in range(_DAY_H):
+            h.day[i] *= fd
+        for i in range(_WEEK_H):
+            h.week[i] *= fw
+        h.ref = now
+
+    def _prune(self, now: float) -> None:
+        """Drop the tenth of the adapters with the least decayed history."""
+
+        def weight(k: str) -> float:
+            h = self._hist[k]
+            return sum(h.week) * 2.0 ** (-(now - h.ref) / self.week_half_life_s)
+
+        for k in sorted(self._hist, key=weight)[: max(1, len(self._hist) // 10)]:
+            del self._hist[k]
+
+
 # --------------------------------------------------------------------------------- hybrid
 
 
@@ -330,8 +526,17 @@ class HybridPolicy(_TrackingPolicy):
         cost_alpha: float = 0.3,
         wait_ratio: float = 4.0,
         max_tracked: int = 100_000,
+        forecast: DemandForecast | None = None,
+        forecast_horizon_s: float = 1800.0,
+        forecast_weight: float = 1.0,
+        forecast_refresh_s: float = 60.0,
+        forecast_min_requests: float = 1.0,
     ) -> None:
         super().__init__(max_tracked=max_tracked)
+        if forecast_horizon_s <= 0 or forecast_weight < 0 or forecast_refresh_s < 0:
+            raise ValueError(
+                "forecast_horizon_s must be > 0, forecast_weight and forecast_refresh_s >= 0"
+            )
         if not half_lives_s or any(h <= 0 for h in half_lives_s):
             raise ValueError(f"half_lives_s must be positive, got {tuple(half_lives_s)}")
         if priority_base < 1:
@@ -355,20 +560,35 @@ class HybridPolicy(_TrackingPolicy):
         self.wait_ratio = float(wait_ratio)
         self._freq: dict[str, _Decayed] = {}
         self._cost: dict[str, _TierCost] = {}
+        self.forecast = forecast
+        self.forecast_horizon_s = float(forecast_horizon_s)
+        self.forecast_weight = float(forecast_weight)
+        self.forecast_refresh_s = float(forecast_refresh_s)
+        self.forecast_min_requests = float(forecast_min_requests)
+        self._waiting: dict[str, int] = {}  # key -> requests queued for it (set_waiting)
+        # key -> (when, forecast req/s over the horizon then): a forecast moves slowly, so it
+        # is recomputed at most every forecast_refresh_s (evictions score many candidates)
+        self._predicted: dict[str, tuple[float, float]] = {}
 
     # statistics ------------------------------------------------------------------------------
     def _observe(self, key: str, now: float) -> None:
         d = self._freq.get(key)
         if d is None:
             self._freq[key] = _Decayed([1.0] * len(self.half_lives_s), now)
-            return
-        dt = max(0.0, now - d.stamp)
-        d.counts = [c * math.exp(-dt * k) + 1.0 for c, k in zip(d.counts, self._k, strict=True)]
-        d.stamp = max(d.stamp, now)
+        else:
+            dt = max(0.0, now - d.stamp)
+            d.counts = [c * math.exp(-dt * k) + 1.0 for c, k in zip(d.counts, self._k, strict=True)]
+            d.stamp = max(d.stamp, now)
+        if self.forecast is not None:
+            self.forecast.observe(key, now)
 
     def _forget(self, key: str) -> None:
         super()._forget(key)
         self._freq.pop(key, None)
+        self._waiting.pop(key, None)
+        self._predicted.pop(key, None)
+        if self.forecast is not None:
+            self.forecast.forget(key)
         for tc in self._cost.values():
             tc.per_key.pop(key, None)
 
@@ -384,6 +604,40 @@ class HybridPolicy(_TrackingPolicy):
             if r > best:
                 best = r
         return best
+
+    def set_waiting(self, counts: Mapping[str, int]) -> None:
+        """The requests queued now, per key (the owner's waiting queue); replaces the last."""
+        self._waiting = {k: n for k, n in counts.items() if n > 0}
+
+    def predicted(self, key: str, now: float) -> float:
+        """D(k): forecast req/s over the horizon plus the queued requests (0 without forecast)."""
+        fc = self.forecast
+        if fc is None:
+            return 0.0
+        queued = self._waiting.get(key, 0) * self._k[0]
+        cached = self._predicted.get(key)
+        if cached is not None and cached[0] <= now < cached[0] + self.forecast_refresh_s:
+            return cached[1] + queued
+        rate = fc.rate(key, now, now + self.forecast_horizon_s)
+        if rate * self.forecast_horizon_s < self.forecast_min_requests:
+            rate = 0.0  # less than one expected request in the horizon: noise, not demand
+        self._predicted[key] = (now, rate)
+        return rate + queued
+
+    def demand(self, key: str, now: float) -> float:
+        """The rate term of the keep-score: F(k), plus w * D(k) with a forecast."""
+        if self.forecast is None:
+            return self.rate(key, now)
+        return self.rate(key, now) + self.forecast_weight * self.predicted(key, now)
+
+    def forecast_demand(self, now: float, limit: int) -> list[tuple[str, float]]:
+        """The ``limit`` adapters with the highest D(k) > 0, highest first: what to load ahead
+        of demand. [] without a forecast."""
+        if self.forecast is None or limit < 1:
+            return []
+        scored = [(self.predicted(k, now), k) for k in self.forecast.keys() if k in self._info]
+        best = heapq.nlargest(limit, (x for x in scored if x[0] > 0))
+        return [(k, d) for d, k in best]
 
     def record_load_cost(self, tier: str, key: str, seconds: float) -> None:
         if seconds < 0 or not math.isfinite(seconds):
@@ -423,7 +677,7 @@ class HybridPolicy(_TrackingPolicy):
         info = self._info.get(key)
         if info is None:
             return 0.0
-        score = self.rate(key, now) * self.priority_base**info.priority
+        score = self.demand(key, now) * self.priority_base**info.priority
         gamma = self.cost_exponent if by_bytes else self.slot_cost_exponent
         if gamma:
             score *= max(self.reload_cost(key, tier), 1e-12) ** gamma
@@ -457,6 +711,7 @@ class HybridPolicy(_TrackingPolicy):
         tc = self._cost.get(tier)
         measured = tc.per_key if tc is not None else {}
         simple_cost = not self._below.get(tier)
+        forecast = self.forecast is not None and self.forecast_weight > 0
         scored = []
         for key in candidates:
             info = infos.get(key)
@@ -471,6 +726,8 @@ class HybridPolicy(_TrackingPolicy):
                         r = c * exp(-dt * k) * k
                         if r > score:
                             score = r
+                if forecast:
+                    score += self.forecast_weight * self.predicted(key, now)
                 if info.priority:
                     score *= pb**info.priority
                 if gamma:
@@ -494,11 +751,35 @@ class HybridPolicy(_TrackingPolicy):
             self._forget(k)
 
 
+class ForecastHybridPolicy(HybridPolicy):
+    """``hybrid`` with the demand-forecast term on (see the module docstring).
+
+    ``epoch_s`` maps the owner's clock to Unix time for the hour buckets; None: the clock is
+    ``time.monotonic`` (the server's), so ``time.time() - time.monotonic()`` now.
+    """
+
+    name = "hybrid-forecast"
+
+    def __init__(
+        self,
+        *,
+        epoch_s: float | None = None,
+        forecast: DemandForecast | None = None,
+        max_forecast_keys: int = 10_000,
+        **kwargs: object,
+    ) -> None:
+        if forecast is None:
+            epoch = time.time() - time.monotonic() if epoch_s is None else float(epoch_s)
+            forecast = DemandForecast(epoch_s=epoch, max_keys=max_forecast_keys)
+        super().__init__(forecast=forecast, **kwargs)  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------------------ registry
 
 POLICIES: Mapping[str, Callable[..., EvictionPolicy]] = {
     "lru": LRUPolicy,
     "hybrid": HybridPolicy,
+    "hybrid-forecast": ForecastHybridPolicy,
     "lfu": LFUPolicy,
     "fifo": FIFOPolicy,
 }

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.cache.adapters import AdapterResidency, TieredAdapterCache
+from loraplex.cache.prewarm import PrewarmScheduler
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.config import EngineConfig
 from loraplex.engine.async_engine import (
@@ -361,6 +362,11 @@ class EngineClient:
     def prewarm(self, specs: Iterable[AdapterSpec]) -> list[AdapterRef]:
         """Start-up warming by each spec's warm policy (before the loop runs: it fills slots)."""
         return self._adapters.prewarm(specs)
+
+    def window_prewarmer(self, **options: Any) -> PrewarmScheduler:
+        """A scheduler that pins adapters through this client ahead of their warm windows and
+        unpins them after (``options``: its clock, lead, ...; its owner ticks it)."""
+        return PrewarmScheduler(self, **options)
 
     def tier_of(self, digest: str) -> str | None:
         """``device``, ``host``, ``disk`` or None (in no tier)."""

@@ -1,6 +1,9 @@
 """``GET /v1/adapters``: where each adapter the caller may use lives now (device, host, disk or
 absent), with its counters, and, for operators, every other adapter still in memory.
 
+Adapters with a warm window schedule (``--lora-modules`` ``warm`` objects) also show it as
+``warm_window``, with ``prewarmed``: the tier the prewarm scheduler holds them pinned in now.
+
 A caller sees only what ``/v1/models`` shows it; adapters resident in memory but no longer
 registered are listed for operator keys only (their names could belong to any tenant). For a
 tenant key the ``tiers`` totals count only the adapters it sees, and ``path`` (a server path)
@@ -61,6 +64,7 @@ def residency_view(state: ServerState, principal: Principal) -> dict[str, Any]:
         return row
 
     operator = principal.tenant is None
+    held = state.prewarm.held() if state.prewarm is not None else {}
     for sv in sorted(state.catalog.visible(principal), key=registration_order):
         path = sv.active.source_uri if operator else None
         row = {"name": sv.name, "path": path, "registered": True,
@@ -68,6 +72,10 @@ def residency_view(state: ServerState, principal: Principal) -> dict[str, Any]:
         if sv.canary is not None:
             row["canary"] = {**row_of(sv.canary), "weight": sv.canary_weight}
         row.update(release_view(sv, principal, state.canary))  # canary health, last rollback
+        schedule = state.warm_windows.get(sv.name)
+        if schedule is not None:
+            row["warm_window"] = schedule.to_dict()
+            row["prewarmed"] = held.get(sv.name)
         rows.append(row)
     if operator:
         for d, r in snapshot.items():

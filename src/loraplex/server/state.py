@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import Request
 
-from loraplex.config import ServerConfig
+from loraplex.config import ServerConfig, WarmSchedule
 from loraplex.engine.client import AsyncEngine, EngineClient, LLMEngine
 from loraplex.paths import contained
 from loraplex.registry import (
@@ -128,6 +128,15 @@ class ServerState:
         self._rng = random.Random()
         self._static_names = self._register_static_adapters()
         self.catalog.refresh(force=True)
+        # --lora-modules adapters whose ``warm`` is a window schedule: pinned ahead of each
+        # window by the prewarm scheduler, ticked from the retire loop (prewarm_due)
+        self.warm_windows = {
+            m.name: m.warm for m in config.lora_modules if isinstance(m.warm, WarmSchedule)
+        }
+        self.prewarm = (
+            client.window_prewarmer() if self.warm_windows and client.lora_enabled else None
+        )
+        self._prewarm_due_at = 0.0  # time.monotonic() of the next scheduler tick
 
     # -- white-box access (tests, benchmarks); the server itself goes through ``client`` -------
     @property
@@ -150,7 +159,7 @@ class ServerState:
                     m.name,
                     base=self.base,
                     source_uri=uri,
-                    warm_policy=m.warm,
+                    warm_policy=m.warm if isinstance(m.warm, str) else "on-demand",
                     actor=actor,
                     allow_any_source=True,
                 )
@@ -173,6 +182,7 @@ class ServerState:
                 if self.catalog.compatible(m):
                     todo.append(self.adapter_spec(m))
         self.client.prewarm(todo)
+        self.prewarm_due()  # adapters inside their window (or its lead) now: warm at once
 
     def close(self) -> None:
         self._io.shutdown(wait=False, cancel_futures=True)
@@ -234,6 +244,20 @@ class ServerState:
             done.append(d)
             log.info("evicted the cached copies of replaced adapter revision %s", d[:12])
         return done
+
+    def prewarm_due(self) -> None:
+        """Hand the warm-window adapters' active revisions to the prewarm scheduler and tick
+        it when due (worker thread: it loads adapters)."""
+        if self.prewarm is None or time.monotonic() < self._prewarm_due_at:
+            return
+        servables = self.catalog.servables()
+        for name, schedule in self.warm_windows.items():
+            s = servables.get(name)
+            if s is None:
+                self.prewarm.unschedule(name)
+            else:
+                self.prewarm.schedule(self.adapter_spec(s.active), schedule)
+        self._prewarm_due_at = time.monotonic() + self.prewarm.tick()
 
     # -- which revision serves a request ---------------------------------------------------------
     def resolve_model(self, name: str, principal: Principal) -> ServedAdapter | None:
@@ -305,3 +329,7 @@ async def retire_loop(state: ServerState) -> None:
             await state.run_io(state.retire_due)
         except Exception:  # a registry hiccup must not end the loop
             log.exception("registry refresh / eviction of replaced revisions failed")
+        try:
+            await state.run_io(state.prewarm_due)
+        except Exception:  # nor a failing prewarm round
+            log.exception("prewarming adapters ahead of their warm windows failed")

@@ -5,15 +5,19 @@ Examples::
     loraplex sim --workload zipf:s=1,n=256,requests=20000,rate=50 --slots 8 --policy lru,hybrid
     loraplex sim --workload hotburst --slots 8 --host-bytes 1GiB --policy lru,hybrid --json
     loraplex sim --trace requests.jsonl --slots 16 --host-bytes 8GiB --disk-bytes 64GiB
+    loraplex sim --workload diurnal --slots 12 --policy lru,hybrid,hybrid-forecast
 
 Prints per policy: L0/L1/L2 hit ratios, the hot set's L0 hit ratio, L0 thrash ratio, loads per
 tier, object-store fetches and modeled load seconds, plus Belady's offline optimum and the A0
-online reference on the same trace. No torch needed.
+online reference on the same trace. For a workload with office windows (``diurnal``) it also
+prints the cold-start rate (L0 misses / requests) overall and in the first ``--opening-minutes``
+after each tenant's window opens, per policy and for Belady. No torch needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 from collections import Counter
@@ -23,6 +27,7 @@ from loraplex.cliargs import byte_size, nonneg_float, positive_int
 from loraplex.sim.plot import MISSING, plot_hit_ratio
 from loraplex.sim.simulate import SimConfig, SimResult, a0_hit_ratio, policy_factory, simulate
 from loraplex.sim.workloads import (
+    Request,
     Workload,
     WorkloadSpecError,
     generate_workload,
@@ -90,6 +95,20 @@ def build_parser(prog: str = "loraplex sim") -> argparse.ArgumentParser:
         "--hot-tenants",
         help="comma-separated tenants whose adapters form the hot set (default: the workload's "
         "own hot set, else the slots-1 most requested adapters)",
+    )
+    p.add_argument(
+        "--opening-minutes",
+        type=nonneg_float,
+        default=10.0,
+        help="with office windows (diurnal): the minutes after each window opens whose "
+        "cold-start rate is reported apart (default 10)",
+    )
+    p.add_argument(
+        "--prefetch-interval",
+        type=nonneg_float,
+        default=300.0,
+        help="seconds between the load-ahead rounds of a forecasting policy (hybrid-forecast; "
+        "default 300)",
     )
     p.add_argument("--write-trace", metavar="FILE", help="also write the trace as JSON lines")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -198,6 +217,45 @@ def _table(
     return "\n".join(lines)
 
 
+def opening_cold_rates(
+    outcomes: list[tuple[Request, bool]],
+    windows: dict[str, list[tuple[float, float]]],
+    minutes: float,
+) -> tuple[float, float, int]:
+    """(cold-start rate overall, cold-start rate in the first ``minutes`` after each window
+    opening of the request's tenant, requests in those minutes); openings before trace time 0
+    (windows already open when the trace starts) do not count."""
+    span = minutes * 60.0
+    opens = {t: sorted(lo for lo, _ in w if lo >= 0) for t, w in windows.items()}
+    cold = n_open = cold_open = 0
+    for req, hit in outcomes:
+        cold += not hit
+        starts = opens.get(req.tenant)
+        if not starts:
+            continue
+        i = bisect.bisect_right(starts, req.time) - 1
+        if i >= 0 and req.time < starts[i] + span:
+            n_open += 1
+            cold_open += not hit
+    total = len(outcomes)
+    return (cold / total if total else 0.0, cold_open / n_open if n_open else 0.0, n_open)
+
+
+def _opening_table(rows: list[tuple[str, float, float, str]], minutes: float, n: int) -> str:
+    head = ("policy", "cold-start rate", f"cold at opening (first {minutes:g} min)", "prefetches")
+    cells = [head] + [(a, f"{b:.3f}", f"{c:.3f}", d) for a, b, c, d in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(4)]
+    out = [f"window openings: {n} requests in the first {minutes:g} min after an opening"]
+    for r in cells:
+        out.append(
+            "  ".join(
+                [r[0].ljust(widths[0])]
+                + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+            )
+        )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the simulator; 0 on success, 2 on bad input (the message goes to stderr)."""
     parser = build_parser()
@@ -223,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             min_residency_s=args.min_residency,
             thrash_window_s=args.thrash_window,
             patience_s=args.patience,
+            prefetch_interval_s=args.prefetch_interval or 300.0,
         )
-        factories = [policy_factory(n, cfg.tier_names) for n in names]
+        for n in names:
+            policy_factory(n, cfg.tier_names)  # unknown names fail before any work
         if args.trace:
             reqs = read_trace(args.trace)
             wl = Workload(spec=args.trace, requests=reqs)
@@ -232,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             wl = generate_workload(args.workload)
         if not wl.requests:
             return fail("the trace has no requests")
+        factories = [policy_factory(n, cfg.tier_names, epoch_s=wl.epoch_s) for n in names]
         hot, hot_desc = _hot_set(args, wl)
         if args.write_trace:
             try:
@@ -248,12 +309,23 @@ def main(argv: list[str] | None = None) -> int:
             return fail(MISSING)
     timelines: dict[str, list[tuple[float, bool]]] = {}
     results = []
+    openings: list[tuple[str, float, float, str]] = []
+    n_open = 0
     for f in factories:
         timeline: list[tuple[float, bool]] = []
-        results.append(simulate(wl.requests, f, cfg, hot_adapters=hot, timeline=timeline))
-        timelines[results[-1].policy] = timeline
+        outcomes: list[tuple[Request, bool]] | None = [] if wl.windows else None
+        res = simulate(wl.requests, f, cfg, hot_adapters=hot, timeline=timeline, outcomes=outcomes)
+        results.append(res)
+        timelines[res.policy] = timeline
+        if outcomes is not None and wl.windows:
+            cold, at_open, n_open = opening_cold_rates(outcomes, wl.windows, args.opening_minutes)
+            openings.append((res.policy, cold, at_open, str(res.prefetches)))
     keys = [r.adapter for r in wl.requests]
     belady = belady_hit_ratio(keys, cfg.slots)  # exact for a count capacity
+    if wl.windows:
+        opt = list(zip(wl.requests, belady_hits(keys, cfg.slots), strict=True))
+        cold, at_open, n_open = opening_cold_rates(opt, wl.windows, args.opening_minutes)
+        openings.append(("belady", cold, at_open, "-"))
     if args.plot:
         hits = belady_hits(keys, cfg.slots)
         line = [(r.time, bool(h)) for r, h in zip(wl.requests, hits, strict=True)]
@@ -285,7 +357,16 @@ def main(argv: list[str] | None = None) -> int:
             "a0_l0_hit_ratio": a0,
             "results": [r.to_dict() for r in results],
         }
+        if openings:
+            out["openings"] = {
+                "minutes": args.opening_minutes,
+                "requests": n_open,
+                "cold_start_rate": {name: (c, o) for name, c, o, _ in openings},
+            }
         print(json.dumps(out, indent=2))
     else:
         print(_table(wl, cfg, hot_desc, results, belady, a0))
+        if openings:
+            print()
+            print(_opening_table(openings, args.opening_minutes, n_open))
     return 0

@@ -27,6 +27,12 @@ is planned patiently — if the policy finds it better to wait for a busy low-va
 adapter still in flight) than to evict a valuable idle one, the load waits. Hybrid does; the
 baselines never wait. The server runs with no patience.
 
+Prefetch (``hybrid-forecast``, every ``prefetch_interval_s``): the policy's forecast names the
+adapters expected to get at least one request within its horizon; each that is not in a slot is
+loaded ahead (host copy, then an idle slot via ``TierController.prefetch_slot``, only over
+victims the policy values less). Prefetch loads count as loads and load seconds, never as
+requests, hits or misses.
+
 Loads are instantaneous in simulated time but each gets a modeled duration (``LoadModel``) that
 is reported as load seconds and fed to the policy as the measured reload cost.
 
@@ -47,7 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from loraplex.cache.controller import TierController
-from loraplex.cache.policy import AdapterInfo, EvictionPolicy, make_policy
+from loraplex.cache.policy import AdapterInfo, EvictionPolicy, HybridPolicy, make_policy
 from loraplex.cache.residency import NoRoomError
 from loraplex.sim.workloads import Request
 
@@ -98,9 +104,13 @@ class SimConfig:
     load_wait_timeout_s: float = 10.0
     """How long a load waits for room in host memory before its requests are refused (the
     server's ``--adapter-load-timeout``)."""
+    prefetch_interval_s: float = 300.0
+    """How often a forecasting policy (``hybrid-forecast``) gets to load ahead of demand."""
     load_model: LoadModel = field(default_factory=LoadModel)
 
     def __post_init__(self) -> None:
+        if not self.prefetch_interval_s > 0:
+            raise ValueError("prefetch_interval_s must be > 0")
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         for name in ("host_bytes", "host_count", "disk_bytes"):
@@ -154,6 +164,7 @@ class SimResult:
     waits: int
     mean_wait_s: float
     unserved: int  # requests refused, or still waiting when the trace ended
+    prefetches: int = 0  # slot loads ahead of demand (forecasting policies)
 
     def tier(self, name: str) -> TierResult | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -162,11 +173,17 @@ class SimResult:
         return asdict(self)
 
 
-def policy_factory(name: str, tier_names: Sequence[str]) -> Callable[[], EvictionPolicy]:
-    """A maker of fresh policies by name (hybrid learns the tier order for its reload cost)."""
+def policy_factory(
+    name: str, tier_names: Sequence[str], *, epoch_s: float = 0.0
+) -> Callable[[], EvictionPolicy]:
+    """A maker of fresh policies by name (hybrid learns the tier order for its reload cost;
+    ``hybrid-forecast`` its hour buckets from ``epoch_s``, the Unix time of trace time 0)."""
     make_policy(name)  # validate now: unknown names raise ValueError listing the valid ones
-    if name.strip().lower() == "hybrid":
+    key = name.strip().lower()
+    if key == "hybrid":
         return lambda: make_policy(name, tier_order=tuple(tier_names))
+    if key == "hybrid-forecast":
+        return lambda: make_policy(name, tier_order=tuple(tier_names), epoch_s=epoch_s)
     return lambda: make_policy(name)
 
 
@@ -195,14 +212,16 @@ def simulate(
     *,
     hot_adapters: frozenset[str] | None = None,
     timeline: list[tuple[float, bool]] | None = None,
+    outcomes: list[tuple[Request, bool]] | None = None,
 ) -> SimResult:
     """Replay ``requests`` (sorted by time) through a fresh tier controller driven by ``policy``.
 
     ``timeline``: if given, gets one ``(arrival time, L0 hit)`` per served request, in serving
-    order (for ``--plot``)."""
+    order (for ``--plot``); ``outcomes`` the same with the request itself."""
     pol = policy if isinstance(policy, EvictionPolicy) else policy()
     run = _Run(pol, config, hot_adapters or frozenset())
     run.timeline = timeline
+    run.outcomes = outcomes
     for req in requests:
         run.advance(req.time)
         run.arrive(req)
@@ -235,6 +254,7 @@ def simulate(
         waits=run.waits,
         mean_wait_s=run.wait_total / run.waits if run.waits else 0.0,
         unserved=run.unserved,
+        prefetches=run.prefetches,
     )
 
 
@@ -245,6 +265,7 @@ class _Pending:
     info: AdapterInfo
     arrival: float
     hot: bool
+    request: Request
     waited: bool = False  # counted in ``waits`` once
 
 
@@ -290,7 +311,11 @@ class _Run:
         self.wait_total = 0.0
         self.hot_total = self.hot_hits = 0
         self.timeline: list[tuple[float, bool]] | None = None
+        self.outcomes: list[tuple[Request, bool]] | None = None
         self.n_refused = 0
+        self.prefetches = 0
+        self.forecasting = isinstance(policy, HybridPolicy) and policy.forecast is not None
+        self.next_prefetch = cfg.prefetch_interval_s
 
     @property
     def unserved(self) -> int:
@@ -299,6 +324,14 @@ class _Run:
 
     # -------------------------------------------------------------------------- events
     def advance(self, t: float) -> None:
+        """Process every event due by ``t`` (and the prefetch rounds due by then)."""
+        while self.forecasting and self.next_prefetch <= t:
+            self._advance(self.next_prefetch)
+            self._prefetch()
+            self.next_prefetch += self.cfg.prefetch_interval_s
+        self._advance(t)
+
+    def _advance(self, t: float) -> None:
         """Process every event due by ``t``; waiting requests get what was freed."""
         while self.events and self.events[0][0] <= t:
             when, _, slot, key = heapq.heappop(self.events)
@@ -331,7 +364,7 @@ class _Run:
     def arrive(self, req: Request) -> None:
         """One arrival, handled as the server does (see the module docstring)."""
         info = AdapterInfo(req.adapter, req.size, req.tenant, req.priority, req.rank)
-        p = _Pending(info, self.now, req.adapter in self.hot)
+        p = _Pending(info, self.now, req.adapter in self.hot, req)
         self.hot_total += p.hot
         ctl = self.ctl
         if ctl.host is None:
@@ -423,6 +456,8 @@ class _Run:
         self.hot_hits += p.hot and hit
         if self.timeline is not None:
             self.timeline.append((p.arrival, hit))
+        if self.outcomes is not None:
+            self.outcomes.append((p.request, hit))
         if self.cfg.service_time_s <= 0:
             self.ctl.release_slot(slot)
             if self.ctl.host is not None:
@@ -436,6 +471,44 @@ class _Run:
         if not p.waited:
             p.waited = True
             self.waits += 1
+
+    def _prefetch(self) -> None:
+        """Load the adapters the forecast expects within its horizon ahead of demand."""
+        waiting: Counter[str] = Counter(p.info.key for p in self.slot_waiting)
+        for load in self.host_waiting.values():
+            waiting[load.info.key] += len(load.requests)
+        ctl, model = self.ctl, self.cfg.load_model
+        ctl.set_waiting(waiting)
+        for info in ctl.forecast(self.cfg.slots):
+            key = info.key
+            size = info.size_bytes
+            if not ctl.worth_prefetching(info):
+                continue
+            if ctl.host is not None and key not in ctl.host:
+                if key in self.host_waiting:
+                    continue
+                source = self._fill(info)
+                if source is None:
+                    continue
+                seconds = model.seconds(source, size)
+                try:
+                    ctl.admit_host(info, holds=0, counted=0, load_seconds=seconds)
+                except NoRoomError:
+                    continue
+                self.load_seconds += seconds
+            slot = ctl.prefetch_slot(info)
+            if slot is None:
+                continue
+            seconds = model.seconds("L1", size)
+            if ctl.host is None:
+                source = self._fill(info)  # the transient host copy the slot is written from
+                if source is None:
+                    ctl.remove(ctl.device_name, key)
+                    continue
+                seconds += model.seconds(source, size)
+            self.load_seconds += seconds
+            ctl.record_load("L0", key, seconds)
+            self.prefetches += 1
 
     def _refuse(self, requests: list[_Pending], tier: str) -> None:
         """The server answers these requests 503 (no room in ``tier``)."""

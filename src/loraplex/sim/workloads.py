@@ -15,6 +15,7 @@ Workload specs (``--workload``): ``KIND:key=value,key=value,...``, every key opt
                                  (5 adapters at 12% each, ...); the rest, if the shares sum to
                                  less than 100%, uniform over the remaining n - 15 adapters
 ``hotburst``                    a hot set + long-tail burst, below
+``diurnal``                     tenants with office hours in different time zones, below
 
 Common keys: ``requests`` (20000), ``rate`` (req/s, 50), ``arrivals`` (``poisson`` or ``gamma``;
 gamma uses ``cv``, the coefficient of variation of the gaps, 2 = bursty), ``seed`` (0),
@@ -41,11 +42,27 @@ long tail of cold adapters in periodic bursts. Keys and defaults:
 During a burst ~66 requests separate two requests for the same hot adapter, so an 8-slot LRU
 loses the hot set in every burst (hot-set hit ratio ~0.55), while a frequency-aware policy keeps
 it and cycles the cold adapters through the remaining slots.
+
+``diurnal`` models office-hours tenants around the world over several days of simulated time
+(``t = 0`` is ``start`` 00:00 UTC; local times, weekdays and DST come from ``zoneinfo``):
+
+- ``tz=Europe/Berlin+America/New_York+Asia/Tokyo``: one tenant ``office{i}`` per zone;
+- ``adapters=6``: each tenant's own adapters ``office{i}-{j}``, Zipf(``s=1``) among them;
+- ``hours=08:00-18:00`` on ``weekdays=mon-fri``, local time: the tenant's office window;
+- ``rate=0.1``: Poisson req/s of each tenant while its window is open, none outside it;
+- ``background=400``, ``background_rate=0.05``: a batch tenant's long tail of adapters
+  ``bg{i}`` requested uniformly all day (what evicts idle office adapters overnight);
+- ``days=7``, ``start=2026-03-23`` (a Monday; Europe's DST starts that Sunday), ``seed=0``,
+  ``rank``, ``bytes_per_rank``.
+
+The workload records each tenant's window openings (``Workload.windows``) so the simulator can
+report the cold-start rate in the first minutes after each opening.
 """
 
 from __future__ import annotations
 
 import bisect
+import datetime as dt
 import itertools
 import json
 import math
@@ -54,6 +71,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from loraplex.config import parse_byte_size
 
@@ -62,6 +80,7 @@ __all__ = [
     "Request",
     "Workload",
     "WorkloadSpecError",
+    "diurnal_workload",
     "generate_workload",
     "hotburst_workload",
     "parse_size",
@@ -97,6 +116,10 @@ class Workload:
     spec: str
     requests: list[Request]
     hot_adapters: frozenset[str] | None = None
+    windows: dict[str, list[tuple[float, float]]] | None = None
+    """Per tenant: its office windows as ``(open, close)`` trace times (diurnal only)."""
+    epoch_s: float = 0.0
+    """The Unix time of trace time 0 (diurnal: ``start`` 00:00 UTC)."""
 
     @property
     def duration(self) -> float:
@@ -384,6 +407,114 @@ def hotburst_workload(
     )
 
 
+_WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+_HHMM = re.compile(r"([01]\d|2[0-3]):([0-5]\d)")
+
+
+def _hours(text: str) -> tuple[dt.time, dt.time]:
+    start, sep, end = text.partition("-")
+    a, b = _HHMM.fullmatch(start.strip()), _HHMM.fullmatch(end.strip())
+    if not sep or a is None or b is None:
+        raise WorkloadSpecError(f"diurnal hours look like 08:00-18:00, got {text!r}")
+    t0, t1 = dt.time(int(a[1]), int(a[2])), dt.time(int(b[1]), int(b[2]))
+    if t1 <= t0:
+        raise WorkloadSpecError(f"diurnal hours must end after they start, got {text!r}")
+    return t0, t1
+
+
+def _weekdays(text: str) -> frozenset[int]:
+    first, sep, last = text.lower().partition("-")
+    try:
+        if not sep:
+            return frozenset({_WEEKDAYS.index(first.strip())})
+        i, j = _WEEKDAYS.index(first.strip()), _WEEKDAYS.index(last.strip())
+    except ValueError:
+        raise WorkloadSpecError(f"diurnal weekdays look like mon-fri, got {text!r}") from None
+    return frozenset((i + k) % 7 for k in range((j - i) % 7 + 1))
+
+
+def diurnal_workload(
+    *,
+    tz: str = "Europe/Berlin+America/New_York+Asia/Tokyo",
+    adapters: int = 6,
+    s: float = 1.0,
+    hours: str = "08:00-18:00",
+    weekdays: str = "mon-fri",
+    rate: float = 0.1,
+    background: int = 400,
+    background_rate: float = 0.05,
+    days: int = 7,
+    start: str = "2026-03-23",
+    seed: int = 0,
+    rank: int = 16,
+    bytes_per_rank: int = 1 << 20,
+    spec: str = "",
+) -> Workload:
+    """Office-hours tenants in several time zones plus an all-day long tail; see the module
+    docstring."""
+    zones = [z.strip() for z in tz.split("+") if z.strip()]
+    if not zones or len(zones) > 64:
+        raise WorkloadSpecError("diurnal tz names 1 to 64 zones joined by '+'")
+    try:
+        infos = [ZoneInfo(z) for z in zones]
+    except (ZoneInfoNotFoundError, ValueError) as e:
+        raise WorkloadSpecError(f"diurnal tz: unknown time zone in {tz!r} ({e})") from None
+    if adapters < 1 or background < 0 or not 1 <= days <= 366 or s < 0:
+        raise WorkloadSpecError("diurnal needs adapters >= 1, background >= 0, 1 <= days <= 366")
+    if rate <= 0 or background_rate < 0 or (background and background_rate <= 0):
+        raise WorkloadSpecError("diurnal needs rate > 0 and background_rate > 0 with background")
+    try:
+        day0 = dt.date.fromisoformat(start)
+    except ValueError:
+        raise WorkloadSpecError(f"diurnal start is a date like 2026-03-23, got {start!r}") from None
+    t_open, t_close = _hours(hours)
+    days_on = _weekdays(weekdays)
+    epoch = dt.datetime.combine(day0, dt.time(), dt.UTC)
+    end = days * 86400.0
+    rng = random.Random(seed)
+    size = rank * bytes_per_rank
+    cum = list(itertools.accumulate(1.0 / (j + 1) ** s for j in range(adapters)))
+    reqs: list[Request] = []
+    windows: dict[str, list[tuple[float, float]]] = {}
+    for i, zone in enumerate(infos):
+        tenant = f"office{i}"
+        wins = windows.setdefault(tenant, [])
+        for d in range(-1, days + 1):  # local dates around the trace (zones ahead of UTC)
+            day = day0 + dt.timedelta(days=d)
+            if day.weekday() not in days_on:
+                continue
+            lo = (dt.datetime.combine(day, t_open, zone) - epoch).total_seconds()
+            hi = (dt.datetime.combine(day, t_close, zone) - epoch).total_seconds()
+            if min(hi, end) <= max(lo, 0.0):
+                continue
+            wins.append((lo, hi))  # as scheduled (it may start before the trace)
+            t, hi = max(lo, 0.0), min(hi, end)
+            while True:
+                t += rng.expovariate(rate)
+                if t >= hi:
+                    break
+                j = bisect.bisect_right(cum, rng.random() * cum[-1])
+                reqs.append(Request(t, f"office{i}-{j}", tenant, size, rank, 0))
+    t = 0.0
+    width = len(str(max(background - 1, 0)))
+    while background:
+        t += rng.expovariate(background_rate)
+        if t >= end:
+            break
+        reqs.append(Request(t, f"bg{rng.randrange(background):0{width}d}", "batch", size, rank))
+    reqs.sort(key=lambda r: r.time)
+    if not reqs:
+        raise WorkloadSpecError("diurnal generated no requests (no window in the simulated days)")
+    hot = frozenset(r.adapter for r in reqs if r.tenant != "batch")  # the office adapters
+    return Workload(
+        spec=spec or "diurnal",
+        requests=reqs,
+        hot_adapters=hot,
+        windows=windows,
+        epoch_s=epoch.timestamp(),
+    )
+
+
 # --------------------------------------------------------------------------------- specs
 
 WORKLOAD_KINDS: dict[str, Callable[..., Workload]] = {
@@ -391,15 +522,19 @@ WORKLOAD_KINDS: dict[str, Callable[..., Workload]] = {
     "uniform": uniform_workload,
     "tiered": tiered_workload,
     "hotburst": hotburst_workload,
+    "diurnal": diurnal_workload,
 }
 
 _INT_KEYS = {
     "n", "requests", "seed", "tenants", "rank", "priority", "hot_tenants", "hot_per_tenant",
-    "cold", "sweep_repeat", "hot_priority", "cold_priority",
+    "cold", "sweep_repeat", "hot_priority", "cold_priority", "adapters", "background", "days",
 }  # fmt: skip
-_FLOAT_KEYS = {"s", "rate", "cv", "hot_rate", "burst_rate", "period", "duty", "shift"}
+_FLOAT_KEYS = {
+    "s", "rate", "cv", "hot_rate", "burst_rate", "period", "duty", "shift", "background_rate",
+}  # fmt: skip
 _SIZE_KEYS = {"bytes_per_rank"}
-_STR_KEYS = {"arrivals"}
+_STR_KEYS = {"arrivals", "hours", "weekdays", "start"}
+_CASE_KEYS = {"tz"}  # strings kept as written (zone names are case-sensitive)
 _INT_LIST_KEYS = {"ranks"}
 _GROUP = re.compile(r"(\d+)x([0-9]*\.?[0-9]+)%")
 _ALLOWED: dict[str, set[str]] = {
@@ -410,6 +545,10 @@ _ALLOWED: dict[str, set[str]] = {
         "hot_tenants", "hot_per_tenant", "hot_rate", "cold", "burst_rate", "period", "duty",
         "sweep_repeat", "hot_priority", "cold_priority", "requests", "seed", "rank",
         "bytes_per_rank",
+    },
+    "diurnal": {
+        "tz", "adapters", "s", "hours", "weekdays", "rate", "background", "background_rate",
+        "days", "start", "seed", "rank", "bytes_per_rank",
     },
 }  # fmt: skip
 
@@ -449,6 +588,8 @@ def parse_workload_spec(spec: str) -> tuple[str, dict[str, object]]:
                 params[key] = parse_size(value)
             elif key in _STR_KEYS:
                 params[key] = value.lower()
+            elif key in _CASE_KEYS:
+                params[key] = value
             elif key in _INT_LIST_KEYS:
                 params[key] = tuple(int(v) for v in value.split("/"))
             else:  # pragma: no cover - every allowed key has a type above
