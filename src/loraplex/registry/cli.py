@@ -78,7 +78,7 @@ def _manifest_table(ms: list[Manifest]) -> str:
             m.rank,
             m.dtype,
             ",".join(m.target_modules),
-            m.warm_policy,
+            m.warm_policy if m.warm_schedule is None else f"windows ({m.warm_schedule.tz})",
             _when(m.created_at),
         ]
         for m in ms
@@ -127,6 +127,16 @@ def _open(args: argparse.Namespace) -> Registry:
     return Registry.open(args.registry_url, policy=_policy(args))
 
 
+def _warm_arg(text: str | None) -> object:
+    """``--warm``: a JSON window schedule (``{"device": ...}``) or a warm policy name."""
+    if text is None or not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RegistryError(f"--warm: not a JSON object ({e.msg})") from None
+
+
 def cmd_register(args: argparse.Namespace, reg: Registry) -> int:
     base = base_model_info(args.base_model, args.base_name)
     signature = args.signature
@@ -159,6 +169,7 @@ def cmd_register(args: argparse.Namespace, reg: Registry) -> int:
         allow_any_source=args.allow_any_source,
         sha256=args.sha256,
         max_concurrent_requests=args.max_concurrent_requests,
+        warm=_warm_arg(args.warm),
     )
     if args.activate:
         reg.activate(m.name, m.revision, actor=args.actor)
@@ -428,6 +439,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--priority", type=int, default=0)
         p.add_argument("--slo-class", default=None)
         p.add_argument("--warm-policy", choices=WARM_POLICIES, default="on-demand")
+        p.add_argument("--warm", default=None, metavar="JSON",
+                       help='warm windows, e.g. \'{"device": "Mon-Fri 08:00-18:00", '
+                       '"tz": "Europe/Berlin"}\' (instead of --warm-policy)')  # fmt: skip
         p.add_argument("--sha256", default=None, help="expected adapter digest")
         sig = p.add_mutually_exclusive_group()
         sig.add_argument("--sign-key", metavar="PRIVATE.pem", help="sign with this ed25519 key")

@@ -127,6 +127,7 @@ class RevisionRow(Base):
     signature: Mapped[str | None] = mapped_column(Text, nullable=True)
     signed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    warm_schedule: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON object
     __table_args__ = (
         UniqueConstraint("name", "revision", name="uq_revision"),
         CheckConstraint(_STATUS_CHECK, name="ck_status"),

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from loraplex.config import WarmSchedule
 from loraplex.registry.errors import RegistryError
 from loraplex.types import AdapterRef
 
@@ -55,15 +56,23 @@ class Manifest:
     signed_by: str | None = None
     path: str = ""  # the local directory that was validated (what the server loads)
     max_concurrent_requests: int | None = None  # calls in flight at once; None: no limit
+    # warm windows (``{"device": "Mon-Fri 08:00-18:00", "tz": ...}``); None: ``warm_policy`` only
+    warm_schedule: WarmSchedule | None = None
 
     @property
     def ref(self) -> AdapterRef:
         """The adapter's identity for every cache key."""
         return AdapterRef(self.name, self.revision, self.sha256)
 
+    @property
+    def warm(self) -> str | WarmSchedule:
+        """The manifest's ``warm``: its window schedule if it has one, else its warm policy."""
+        return self.warm_schedule if self.warm_schedule is not None else self.warm_policy
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["target_modules"] = list(self.target_modules)
+        d["warm_schedule"] = None if self.warm_schedule is None else self.warm_schedule.to_dict()
         return d
 
     def signed_payload(self) -> bytes:

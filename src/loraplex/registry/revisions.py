@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from loraplex.config import WARM_POLICIES
+from loraplex.config import WARM_POLICIES, WarmSchedule, parse_warm
 from loraplex.registry.audit import add_entry
 from loraplex.registry.checks import NAME_RE, REVISION_RE, TENANT_RE, check_name
 from loraplex.registry.db import ADAPTER_STATUSES, ReleaseRow, RevisionRow, TenantRow
@@ -119,18 +119,23 @@ class Revisions:
         allow_any_source: bool = False,
         sha256: str | None = None,
         max_concurrent_requests: int | None = None,
+        warm: object = None,
     ) -> Manifest:
         """Validate the adapter in ``path`` and record it as a ``validated`` revision of
         ``name``. ``sha256`` (optional) is the digest the caller expects;
-        ``max_concurrent_requests`` caps the revision's calls in flight per replica. Re-registering the
-        same content under ``name`` returns the existing revision. A failed validation
-        raises ValidationError and records only an audit entry."""
+        ``max_concurrent_requests`` caps the revision's calls in flight per replica. ``warm``
+        (optional, instead of ``warm_policy``) is a warm policy string or a window schedule
+        (``{"device": "Mon-Fri 08:00-18:00", "tz": "Europe/Berlin"}``, see
+        :func:`loraplex.config.parse_warm`). Re-registering the same content under ``name``
+        returns the existing revision. A failed validation raises ValidationError and records
+        only an audit entry."""
         if revision is not None:
             check_name("revision", revision, REVISION_RE)
         if warm_policy not in WARM_POLICIES:
             raise RegistryError(
                 f"warm_policy must be one of {', '.join(WARM_POLICIES)}, got {warm_policy!r}"
             )
+        warm_policy, warm_schedule = _warm_of(warm_policy, warm)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise RegistryError(f"priority must be an integer, got {priority!r}")
         if slo_class is not None and (
@@ -216,6 +221,7 @@ class Revisions:
                     priority=priority,
                     slo_class=slo_class,
                     warm_policy=warm_policy,
+                    warm_schedule=warm_schedule,
                     max_concurrent_requests=max_concurrent_requests,
                     status="validated",
                     created_at=now,
@@ -289,3 +295,20 @@ class Revisions:
                 {"status": after.status, "verified": checked},
             )  # fmt: skip
             return after
+
+
+def _warm_of(warm_policy: str, warm: object) -> tuple[str, WarmSchedule | None]:
+    """(warm policy, window schedule) of register's ``warm_policy`` and ``warm`` arguments: a
+    schedule keeps the policy ``on-demand`` (the windows say when it is warm); giving both a
+    non-default ``warm_policy`` and ``warm`` is refused."""
+    if warm is None:
+        return warm_policy, None
+    if warm_policy != "on-demand":
+        raise RegistryError("give either warm_policy or warm, not both")
+    try:
+        parsed = parse_warm(warm, "warm")
+    except ValueError as e:
+        raise RegistryError(str(e)) from None
+    if isinstance(parsed, WarmSchedule):
+        return "on-demand", parsed
+    return parsed, None

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from loraplex.config import WarmSchedule, parse_warm
 from loraplex.registry.db import ReleaseRow, RevisionRow, TenantRow
 from loraplex.registry.errors import NotFoundError
 from loraplex.registry.records import CanaryPolicy, Manifest, Release, RollbackEvent, Tenant
@@ -20,13 +21,24 @@ _MANIFEST_FIELDS = tuple(f.name for f in fields(Manifest))
 def manifest_of(row: RevisionRow) -> Manifest:
     values = {f: getattr(row, f) for f in _MANIFEST_FIELDS}
     values["target_modules"] = tuple(json.loads(row.target_modules))
+    values["warm_schedule"] = _schedule_of(row.warm_schedule)
     return Manifest(**values)
 
 
 def revision_row_of(m: Manifest) -> RevisionRow:
     values = {f: getattr(m, f) for f in _MANIFEST_FIELDS}
     values["target_modules"] = json.dumps(list(m.target_modules))
+    ws = m.warm_schedule
+    values["warm_schedule"] = None if ws is None else json.dumps(ws.to_dict(), sort_keys=True)
     return RevisionRow(**values)
+
+
+def _schedule_of(text: str | None) -> WarmSchedule | None:
+    """A stored ``warm_schedule`` column (JSON, written by :func:`revision_row_of`)."""
+    if text is None:
+        return None
+    warm = parse_warm(json.loads(text), "warm_schedule")
+    return warm if isinstance(warm, WarmSchedule) else None
 
 
 def release_of(row: ReleaseRow) -> Release:

@@ -119,6 +119,7 @@ class Registry:
         allow_any_source: bool = False,
         sha256: str | None = None,
         max_concurrent_requests: int | None = None,
+        warm: object = None,
     ) -> Manifest:
         return self._revisions.register(
             path,
@@ -135,6 +136,7 @@ class Registry:
             allow_any_source=allow_any_source,
             sha256=sha256,
             max_concurrent_requests=max_concurrent_requests,
+            warm=warm,
         )
 
     def validate(self, name: str, revision: str, *, base: BaseModelInfo, actor: str) -> Manifest:

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse, Response
 
+from loraplex.config import parse_warm
 from loraplex.registry import CanaryPolicy, Principal, RegistryError
 from loraplex.server.adapters import check_allowed_path
 from loraplex.server.auth import admin_principal, inference_principal
@@ -233,6 +234,11 @@ def admin_register_adapter(
                            "permission_error", param="tenant")  # fmt: skip
         tenant = principal.tenant
     _owned_name(state, body.name, principal)
+    if body.warm is not None:
+        try:
+            parse_warm(body.warm, "warm")
+        except ValueError as e:
+            raise APIError(400, str(e), param="warm", code="invalid_warm") from None
     m = state.registry.register(
         body.path,
         body.name,
@@ -246,6 +252,7 @@ def admin_register_adapter(
         signature=body.signature,
         actor=principal.key_id,
         max_concurrent_requests=body.max_concurrent_requests,
+        warm=body.warm,
     )
     if body.activate:
         state.registry.activate(body.name, m.revision, actor=principal.key_id)

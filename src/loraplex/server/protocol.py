@@ -833,6 +833,8 @@ class RegisterAdapterRequest(_AdminBody):
     priority: int = 0
     slo_class: Text | None = None
     warm_policy: Literal["device-preferred", "host", "on-demand"] = "on-demand"
+    # a warm policy string or a window schedule ({"device": "Mon-Fri 08:00-18:00", "tz": ...})
+    warm: Text | dict[str, Any] | None = None
     signature: Text | None = None
     stage: bool = False
     activate: bool = False
