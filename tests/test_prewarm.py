@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shutil
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -23,7 +24,7 @@ from loraplex.config import (
 )
 from loraplex.engine.client import EngineClient, LLMEngine
 from loraplex.lora.digest import digest_safetensors_dir
-from loraplex.registry import Principal
+from loraplex.registry import Principal, Registry, RegistryPolicy
 from loraplex.server.app import create_app
 from loraplex.server.residency import residency_view
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec
@@ -183,12 +184,12 @@ def test_scheduler_lead_from_the_measured_load_cost_and_retries(
     clock, timer = Clock(berlin(2026, 3, 24, 7, 54)), Clock(0.0)
 
     class Timed:  # the real client; each pin takes 30 s of (fake) measured time
-        def pin(self, s: AdapterSpec, *, device: bool = False) -> str:
+        def pin_window(self, s: AdapterSpec, *, device: bool = False) -> str:
             timer.t += 30.0
-            return client.pin(s, device=device)
+            return client.pin_window(s, device=device)
 
-        def unpin(self, digest: str) -> str:
-            return client.unpin(digest)
+        def unpin_window(self, digest: str) -> str:
+            return client.unpin_window(digest)
 
     sched = PrewarmScheduler(Timed(), clock=clock, timer=timer, lead_s=300, lead_factor=20)
     host = parse_warm({"host": "Tue 08:00-09:00", "tz": "Europe/Berlin"})
@@ -270,3 +271,103 @@ def test_server_wires_warm_windows_to_the_scheduler(
         assert state.engine.adapters.is_pinned(plain)  # the old warm strings still work
     finally:
         state.close()
+
+
+def test_window_release_keeps_an_operator_pin(
+    client: EngineClient, adapters: dict[str, Path]
+) -> None:
+    """An operator pins the adapter by hand during its window: the window's close releases
+    only the scheduler's pin; the operator's unpin lifts every pin."""
+    spec = spec_of(client, "handpinned", adapters["alllinear_r12"])
+    d = spec.sha256
+    tiers = client.engine.adapters.tiers
+    clock = Clock(berlin(2026, 3, 24, 8, 0))
+    sched = PrewarmScheduler(client, clock=clock, timer=Clock(0.0), lead_s=0, max_sleep_s=86400)
+    office = parse_warm(OFFICE)
+    assert isinstance(office, WarmSchedule)
+    sched.schedule(spec, office)
+    sched.tick()
+    assert sched.held() == {"handpinned": "device"}
+    assert tiers.host is not None and tiers.host.pin_owners(d) == {"window"}
+    client.pin(spec)  # by hand, host only
+    assert tiers.host.pin_owners(d) == {"window", "operator"}
+    assert tiers.device.pin_owners(d) == {"window"}
+    clock.t = berlin(2026, 3, 24, 18, 0)
+    sched.tick()
+    assert sched.held() == {} and client.engine.adapters.is_pinned(d)
+    assert tiers.host.pin_owners(d) == {"operator"} and tiers.device.pin_owners(d) == frozenset()
+    # the next window pins again; the operator's unpin removes both, the window's close is a no-op
+    clock.t = berlin(2026, 3, 25, 8, 0)
+    sched.tick()
+    client.unpin(d)
+    assert not client.engine.adapters.is_pinned(d)
+    clock.t = berlin(2026, 3, 25, 18, 0)
+    sched.tick()
+    assert not client.engine.adapters.is_pinned(d) and sched.held() == {}
+    sched.close()
+
+
+def test_registry_adapters_follow_their_warm_schedule(
+    db_url: str, tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """Registry revisions registered through the admin API with ``warm`` windows: the server
+    schedules them, a new active revision replaces the old one's pin, a revision without a
+    schedule unschedules the name; a bad ``warm`` is a 400 naming the field."""
+    from fastapi.testclient import TestClient
+
+    root = tmp_path / "root"
+    for name in ("all_r8", "mlp_r16", "attn_r4_rslora"):
+        shutil.copytree(adapters[name], root / name)
+    registry = Registry.open(db_url, policy=RegistryPolicy(allowed_roots=(str(root),)))
+    app = create_app(
+        ServerConfig(
+            EngineConfig(model=str(tiny_model), num_threads=1, enable_lora=True, max_loras=2),
+            served_model_name=["tiny"],
+            admin_api_key="sk-admin",
+            allowed_lora_roots=[str(root)],
+            log_level="warning",
+        ),
+        registry=registry,
+    )
+    state = app.state.loraplex
+    http = TestClient(app, headers={"Authorization": "Bearer sk-admin"})  # no lifespan: no loop
+    try:
+        hours = {"host": "daily 08:00-09:00", "tz": "UTC", "lead_s": 60}
+
+        def register(path: str, **kw: object) -> dict:
+            r = http.post("/v1/admin/adapters", json={"name": "sched", "path": str(root / path),
+                                                      "activate": True, **kw})  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        r = http.post("/v1/admin/adapters", json={"name": "bad", "path": str(root / "all_r8"),
+                                                  "warm": {"host": "daily 08:00-09:00"}})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "warm"
+        assert "'warm.tz'" in r.json()["error"]["message"]
+        one = register("all_r8", warm=hours)
+        assert one["warm_schedule"] == {"host": "daily 08:00-09:00", "tz": "UTC", "lead_s": 60.0}
+        assert state.prewarm is not None
+        clock = Clock(dt.datetime(2026, 3, 24, 8, 30, tzinfo=dt.UTC).timestamp())
+        state.prewarm.clock = clock
+        state.prewarm_due()
+        assert state.prewarm.held() == {"sched": "host"} and set(state.warm_windows) == {"sched"}
+        assert state.engine.adapters.is_pinned(one["sha256"])
+        rows = {r["name"]: r for r in residency_view(state, OPERATOR)["data"]}
+        assert rows["sched"]["prewarmed"] == "host"
+        # a new active revision (same schedule): the old revision's window pin goes
+        two = register("mlp_r16", warm=hours)
+        state.prewarm_due()  # the catalog change made it due at once
+        assert state.prewarm.adapters["sched"].spec.sha256 == two["sha256"]
+        assert not state.engine.adapters.is_pinned(one["sha256"])
+        assert state.engine.adapters.is_pinned(two["sha256"])
+        # a revision without a schedule: the name is unscheduled, its pin released
+        three = register("attn_r4_rslora")
+        assert three["warm_schedule"] is None
+        state.prewarm_due()
+        assert state.prewarm.adapters == {} and state.warm_windows == {}
+        assert not state.engine.adapters.is_pinned(two["sha256"])
+        assert not state.engine.adapters.is_pinned(three["sha256"])
+    finally:
+        http.close()
+        state.close()
+        registry.close()

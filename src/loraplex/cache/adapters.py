@@ -53,7 +53,7 @@ from loraplex.cache.loader import (
     Flight,
 )
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy, make_policy
-from loraplex.cache.residency import NoRoomError
+from loraplex.cache.residency import PIN_WINDOW, NoRoomError
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.cache.store import ObjectStore
 from loraplex.config import WARM_POLICIES
@@ -448,6 +448,24 @@ class TieredAdapterCache:
         with self._cond:
             self.tiers.unpin(d)
             self.warm_policy[d] = WARM_ON_DEMAND
+            self._cond.notify_all()
+        return d
+
+    def pin_window(self, digest: str, *, device: bool = False) -> str:
+        """A warm window's pin of ``digest`` (as :meth:`pin`), released by
+        :meth:`unpin_window` without touching an operator's pin."""
+        d = self._digest(digest)
+        with self._cond:
+            self.tiers.pin(d, device=device, owner=PIN_WINDOW)
+        return d
+
+    def unpin_window(self, digest: str) -> str:
+        """Release the warm window's pin of ``digest``; pins set by hand stay."""
+        d = self._digest(digest)
+        with self._cond:
+            self.tiers.unpin(d, PIN_WINDOW)
+            if not self.tiers.is_pinned(d):
+                self.warm_policy[d] = WARM_ON_DEMAND
             self._cond.notify_all()
         return d
 

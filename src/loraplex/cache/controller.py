@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy, HybridPolicy
-from loraplex.cache.residency import NoRoomError, ResidencyError, TierIndex
+from loraplex.cache.residency import PIN_OPERATOR, NoRoomError, ResidencyError, TierIndex
 from loraplex.cache.stats import AdapterUsage, CacheStats, TierCounters
 from loraplex.types import AdapterInUseError
 
@@ -465,19 +465,19 @@ class TierController:
             self._take(t)
         return [t for t, _ in present]
 
-    def pin(self, key: str, *, device: bool = False) -> None:
+    def pin(self, key: str, *, device: bool = False, owner: str = PIN_OPERATOR) -> None:
         """Never evict ``key`` from host memory and disk (and its slot with ``device``); the
-        pin applies once it is resident."""
+        pin applies once it is resident. ``owner``: who pins (see :meth:`TierIndex.pin`)."""
         for idx in (self.host, self.disk):
             if idx is not None:
-                idx.pin(key)
+                idx.pin(key, owner)
         if device:
-            self.device.pin(key)
+            self.device.pin(key, owner)
 
-    def unpin(self, key: str) -> None:
-        """Remove every pin of ``key``."""
+    def unpin(self, key: str, owner: str | None = None) -> None:
+        """Remove ``owner``'s pins of ``key`` (None: every pin); other owners' pins stay."""
         for idx in self._index.values():
-            idx.unpin(key)
+            idx.unpin(key, owner)
 
     def is_pinned(self, key: str) -> bool:
         return any(idx.is_pinned(key) for idx in self._index.values())

@@ -9,8 +9,10 @@ A manifest's ``warm`` may be a :class:`~loraplex.config.WarmSchedule` (e.g. ``{"
         lead = schedule.lead_s if given, else max(lead_s, lead_factor * measured warm seconds)
         want != held  ->  release what is held (unpin), then warm for ``want`` (load + pin)
 
-Warming is the target's ``pin(spec, device=...)`` (the engine client's: load into host memory,
-pin there and on disk, and pin its device slot once it has one); releasing is ``unpin``. The
+Warming is the target's ``pin_window(spec, device=...)`` (the engine client's: load into host
+memory, pin there and on disk, and pin its device slot once it has one); releasing is
+``unpin_window``, which lifts only the window's pin (one an operator set during the window
+stays). The
 seconds a warm call takes (``timer``) are the adapter's measured load cost, which sets its lead
 the next time. A failed warm is logged and retried after ``retry_s``. The scheduler starts no
 thread: its owner calls :meth:`PrewarmScheduler.tick` and sleeps until the time it returns.
@@ -38,11 +40,12 @@ _HORIZON_S = 8 * 86400.0  # windows are looked up this far ahead (covers a weekl
 class PrewarmTarget(Protocol):
     """What the scheduler warms through (the engine client has these)."""
 
-    def pin(self, spec: AdapterSpec, *, device: bool = False) -> str:
-        """Load ``spec`` if needed and pin it (and its slot with ``device``); its digest."""
+    def pin_window(self, spec: AdapterSpec, *, device: bool = False) -> str:
+        """Load ``spec`` if needed and pin it for a window (and its slot with ``device``); its
+        digest."""
 
-    def unpin(self, digest: str) -> str:
-        """Remove every pin of ``digest``."""
+    def unpin_window(self, digest: str) -> str:
+        """Release the window pin of ``digest`` (a pin an operator set stays)."""
 
 
 @dataclass
@@ -167,7 +170,7 @@ class PrewarmScheduler:
     def _warm(self, entry: ScheduledAdapter, tier: str, now: float) -> None:
         start = self.timer()
         try:
-            self.target.pin(entry.spec, device=tier == "device")
+            self.target.pin_window(entry.spec, device=tier == "device")
         except Exception as e:  # a load failure must not stop the other schedules
             entry.retry_at = now + self.retry_s
             log.warning(
@@ -186,7 +189,7 @@ class PrewarmScheduler:
         if entry.held is None:
             return
         try:
-            self.target.unpin(entry.spec.sha256)
+            self.target.unpin_window(entry.spec.sha256)
         except Exception as e:  # an unknown digest: nothing was pinned
             log.warning("prewarm: releasing adapter %r failed: %s", entry.spec.name, e)
         entry.held = None

@@ -44,6 +44,8 @@ from loraplex.cache.policy import AdapterInfo, EvictionPolicy
 from loraplex.cache.stats import TierCounters
 
 __all__ = [
+    "PIN_OPERATOR",
+    "PIN_WINDOW",
     "AdmissionDeferred",
     "Entry",
     "NoRoomError",
@@ -51,6 +53,9 @@ __all__ = [
     "TierCounters",
     "TierIndex",
 ]
+
+PIN_OPERATOR = "operator"  # a pin set by hand (admin API, warm policy): only an unpin lifts it
+PIN_WINDOW = "window"  # the prewarm scheduler's pin for a warm window: released after it
 
 
 class ResidencyError(Exception):
@@ -138,7 +143,7 @@ class TierIndex:
         self.ghost_capacity = ghost_capacity
         self.counters = TierCounters()
         self._entries: dict[str, Entry] = {}
-        self._pins: set[str] = set()
+        self._pins: dict[str, set[str]] = {}  # key -> who pinned it (see :meth:`pin`)
         self._used_bytes = 0
         self._tenant_bytes: dict[str, int] = {}
         self._ghosts: OrderedDict[str, float] = OrderedDict()  # evicted key -> eviction time
@@ -214,16 +219,27 @@ class TierIndex:
             raise ResidencyError(f"tier {self.name}: release of {key[:16]} without acquire")
         e.inflight -= 1
 
-    def pin(self, key: str) -> None:
-        """Never evict ``key`` (it need not be resident yet: the pin applies once it is)."""
-        self._pins.add(key)
+    def pin(self, key: str, owner: str = PIN_OPERATOR) -> None:
+        """Never evict ``key`` (it need not be resident yet: the pin applies once it is).
+        ``owner`` names who pinned it (an operator, a warm window): each owner's pin is
+        released on its own, and ``key`` stays pinned while any owner holds it."""
+        self._pins.setdefault(key, set()).add(owner)
         if key in self._entries:
             self._entries[key].pinned = True
 
-    def unpin(self, key: str) -> None:
-        self._pins.discard(key)
+    def unpin(self, key: str, owner: str | None = None) -> None:
+        """Release ``owner``'s pin of ``key`` (None: every owner's)."""
+        owners = self._pins.get(key)
+        if owners is not None and owner is not None:
+            owners.discard(owner)
+        if owners is not None and (owner is None or not owners):
+            del self._pins[key]
         if key in self._entries:
-            self._entries[key].pinned = False
+            self._entries[key].pinned = key in self._pins
+
+    def pin_owners(self, key: str) -> frozenset[str]:
+        """Who holds a pin of ``key`` (empty: not pinned)."""
+        return frozenset(self._pins.get(key, ()))
 
     def remove(self, key: str, now: float = 0.0, *, force: bool = False) -> Entry:
         """Drop ``key`` on request (admin evict, corrupt copy), not as a policy eviction.

@@ -345,6 +345,20 @@ class EngineClient:
         """Remove every pin of the adapter ``digest``; returns the digest."""
         return self._adapters.unpin(digest)
 
+    def pin_window(self, spec: AdapterSpec, *, device: bool = False) -> str:
+        """As :meth:`pin`, as a warm window's pin: :meth:`unpin_window` releases it and leaves
+        pins set by hand alone."""
+        mgr = self._adapters
+        adapter, _ = mgr.acquire(spec, count=False)
+        try:
+            return mgr.pin_window(adapter.ref.sha256, device=device)
+        finally:
+            mgr.release(adapter)
+
+    def unpin_window(self, digest: str) -> str:
+        """Release the warm window's pin of ``digest`` (other pins stay); returns the digest."""
+        return self._adapters.unpin_window(digest)
+
     def evict(self, digest: str, *, tiers: Iterable[str] | None = None) -> list[str]:
         """Drop the adapter's copies from ``tiers`` (default: every tier); the tiers it left.
         :class:`~loraplex.types.AdapterInUseError` (nothing changes) while it is used or

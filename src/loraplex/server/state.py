@@ -128,14 +128,14 @@ class ServerState:
         self._rng = random.Random()
         self._static_names = self._register_static_adapters()
         self.catalog.refresh(force=True)
-        # --lora-modules adapters whose ``warm`` is a window schedule: pinned ahead of each
-        # window by the prewarm scheduler, ticked from the retire loop (prewarm_due)
-        self.warm_windows = {
+        # adapters whose ``warm`` is a window schedule (--lora-modules, whose flag wins, and
+        # registry revisions' warm_schedule): pinned ahead of each window by the prewarm
+        # scheduler, ticked from the retire loop (prewarm_due); warm_windows is what it follows
+        self._static_windows = {
             m.name: m.warm for m in config.lora_modules if isinstance(m.warm, WarmSchedule)
         }
-        self.prewarm = (
-            client.window_prewarmer() if self.warm_windows and client.lora_enabled else None
-        )
+        self.warm_windows: dict[str, WarmSchedule] = dict(self._static_windows)
+        self.prewarm = client.window_prewarmer() if client.lora_enabled else None
         self._prewarm_due_at = 0.0  # time.monotonic() of the next scheduler tick
 
     # -- white-box access (tests, benchmarks); the server itself goes through ``client`` -------
@@ -208,6 +208,7 @@ class ServerState:
             self._retiring.setdefault(d, now + self.config.swap_eviction_delay_s)
         for d in serving:
             self._retiring.pop(d, None)
+        self._prewarm_due_at = 0.0  # revisions or schedules may have changed: follow them now
         if self.client.lora_enabled:
             for t in tenants.values():
                 self.client.set_tenant_budget(t.name, t.host_bytes_budget)
@@ -247,16 +248,22 @@ class ServerState:
 
     def prewarm_due(self) -> None:
         """Hand the warm-window adapters' active revisions to the prewarm scheduler and tick
-        it when due (worker thread: it loads adapters)."""
+        it when due (worker thread: it loads adapters). A name whose active revision changed
+        is rescheduled (the old revision's window pin goes); one that is gone, incompatible
+        or no longer has a schedule is unscheduled."""
         if self.prewarm is None or time.monotonic() < self._prewarm_due_at:
             return
         servables = self.catalog.servables()
-        for name, schedule in self.warm_windows.items():
-            s = servables.get(name)
-            if s is None:
-                self.prewarm.unschedule(name)
-            else:
-                self.prewarm.schedule(self.adapter_spec(s.active), schedule)
+        windows: dict[str, WarmSchedule] = {}
+        for name, s in servables.items():
+            schedule = self._static_windows.get(name) or s.active.warm_schedule
+            if schedule is not None and self.catalog.compatible(s.active):
+                windows[name] = schedule
+        for name in [n for n in self.prewarm.adapters if n not in windows]:
+            self.prewarm.unschedule(name)
+        for name, schedule in windows.items():
+            self.prewarm.schedule(self.adapter_spec(servables[name].active), schedule)
+        self.warm_windows = windows
         self._prewarm_due_at = time.monotonic() + self.prewarm.tick()
 
     # -- which revision serves a request ---------------------------------------------------------
