@@ -34,6 +34,7 @@ Pins (``pin``/``unpin``, and the warm policies ``device-preferred``/``host``/``o
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -82,6 +83,8 @@ __all__ = [
     "TieredAdapterCache",
 ]
 
+log = logging.getLogger("loraplex.cache.adapters")
+
 
 @dataclass
 class AdapterResidency:
@@ -113,7 +116,7 @@ class SlotBatch(Protocol):
 
 def make_cache_policy(name: str) -> EvictionPolicy:
     """The policy instance shared by every tier (hybrid knows the tier order for reload costs)."""
-    if name.strip().lower() == "hybrid":
+    if name.strip().lower() in ("hybrid", "hybrid-forecast"):
         return make_policy(name, tier_order=TIERS)
     return make_policy(name)
 
@@ -450,6 +453,34 @@ class TieredAdapterCache:
             self.warm_policy[d] = WARM_ON_DEMAND
             self._cond.notify_all()
         return d
+
+    def load_ahead(
+        self, specs: Mapping[str, AdapterSpec], waiting: Mapping[str, int], limit: int
+    ) -> list[str]:
+        """Forecast load-ahead into host memory: hand the policy the queue (``waiting``: digest
+        -> requests waiting), then load the adapters its forecast expects within its horizon
+        (``hybrid-forecast``; nothing for other policies) that fit without evicting a copy worth
+        as much, at most ``limit``. ``specs`` (digest -> spec) are the adapters that may be
+        loaded. Uncounted, like start-up loads. Returns the digests loaded; a failed load is
+        logged and skipped. Runs off the engine thread (it loads)."""
+        with self._lock:
+            self.tiers.set_waiting(waiting)
+            todo = [
+                info
+                for info in self.tiers.forecast(limit)
+                if info.key in specs and self.tiers.worth_loading_ahead(info)
+            ]
+        loaded = []
+        for info in todo:
+            try:
+                adapter, warm = self.acquire(specs[info.key], count=False)
+            except AdapterError as e:
+                log.warning("forecast load-ahead of adapter %s failed: %s", info.key[:12], e)
+                continue
+            self.release(adapter)
+            if not warm:
+                loaded.append(info.key)
+        return loaded
 
     def pin_window(self, digest: str, *, device: bool = False) -> str:
         """A warm window's pin of ``digest`` (as :meth:`pin`), released by

@@ -388,6 +388,21 @@ class TierController:
                 return None
         return victims
 
+    def worth_loading_ahead(self, info: AdapterInfo) -> bool:
+        """Would a host-memory load-ahead of ``info`` fit without evicting a copy the policy
+        values at least as much (keep-score, which for ``hybrid-forecast`` includes predicted
+        demand)? False when it is held there already or cannot fit. Changes nothing."""
+        host, key, now = self.host, info.key, self.clock()
+        if host is None or key in host:
+            return False
+        try:
+            victims = host.plan_admission(info, now)
+        except NoRoomError:
+            return False
+        score = self.policy.keep_score
+        mine = score(key, host.name, now)
+        return all(score(v, host.name, now) < mine for v in victims)
+
     def set_waiting(self, counts: Mapping[str, int]) -> None:
         """The requests queued now per adapter (the forecast's queue term; others ignore it)."""
         if isinstance(self.policy, HybridPolicy):

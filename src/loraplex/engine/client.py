@@ -36,7 +36,7 @@ import functools
 import logging
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +354,12 @@ class EngineClient:
             return mgr.pin_window(adapter.ref.sha256, device=device)
         finally:
             mgr.release(adapter)
+
+    def load_ahead(self, specs: Mapping[str, AdapterSpec], *, limit: int) -> list[str]:
+        """Forecast load-ahead into host memory (``hybrid-forecast``): the policy sees the
+        scheduler's waiting queue, then the adapters among ``specs`` (digest -> spec) it expects
+        soon are loaded; the digests loaded (worker thread: it loads)."""
+        return self._adapters.load_ahead(specs, self.waiting_adapter_counts(), limit)
 
     def unpin_window(self, digest: str) -> str:
         """Release the warm window's pin of ``digest`` (other pins stay); returns the digest."""

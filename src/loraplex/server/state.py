@@ -46,6 +46,8 @@ from loraplex.types import AdapterError, AdapterInUseError, AdapterSpec
 
 log = logging.getLogger("loraplex.server.app")  # the server's log lines keep one logger name
 
+LOAD_AHEAD_S = 15.0  # how often the server loads ahead of its cache policy's demand forecast
+
 
 @dataclass(frozen=True)
 class ServedAdapter:
@@ -137,6 +139,7 @@ class ServerState:
         self.warm_windows: dict[str, WarmSchedule] = dict(self._static_windows)
         self.prewarm = client.window_prewarmer() if client.lora_enabled else None
         self._prewarm_due_at = 0.0  # time.monotonic() of the next scheduler tick
+        self._load_ahead_due_at = 0.0  # time.monotonic() of the next forecast load-ahead
 
     # -- white-box access (tests, benchmarks); the server itself goes through ``client`` -------
     @property
@@ -266,6 +269,25 @@ class ServerState:
         self.warm_windows = windows
         self._prewarm_due_at = time.monotonic() + self.prewarm.tick()
 
+    def load_ahead_due(self) -> list[str]:
+        """Every ``LOAD_AHEAD_S``: give the cache policy the scheduler's waiting queue and load
+        the servable revisions its demand forecast expects soon into host memory
+        (``hybrid-forecast``; other policies load nothing). The digests loaded (worker
+        thread: it loads)."""
+        now = time.monotonic()
+        if not self.client.lora_enabled or now < self._load_ahead_due_at:
+            return []
+        self._load_ahead_due_at = now + LOAD_AHEAD_S
+        specs = {}
+        for s in self.catalog.servables().values():
+            for m in (s.active, s.canary):
+                if m is not None and self.catalog.compatible(m):
+                    specs[m.sha256] = self.adapter_spec(m)
+        loaded = self.client.load_ahead(specs, limit=self.config.engine.max_cpu_loras)
+        for d in loaded:
+            log.info("loaded adapter %s ahead of its forecast demand", d[:12])
+        return loaded
+
     # -- which revision serves a request ---------------------------------------------------------
     def resolve_model(self, name: str, principal: Principal) -> ServedAdapter | None:
         """The base model (None) or the adapter revision that serves this request: the active
@@ -340,3 +362,7 @@ async def retire_loop(state: ServerState) -> None:
             await state.run_io(state.prewarm_due)
         except Exception:  # nor a failing prewarm round
             log.exception("prewarming adapters ahead of their warm windows failed")
+        try:
+            await state.run_io(state.load_ahead_due)
+        except Exception:  # nor a failing forecast load-ahead
+            log.exception("loading adapters ahead of their forecast demand failed")
