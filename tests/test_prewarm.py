@@ -245,6 +245,7 @@ def test_server_wires_warm_windows_to_the_scheduler(
         assert state.prewarm is not None and set(state.warm_windows) == {"windowed"}
         manifest = state.catalog.servables()["windowed"].active
         assert manifest.warm_policy == "on-demand"  # the registry keeps a policy string
+        assert manifest.warm_schedule == schedule  # and the schedule beside it
         d = manifest.sha256
         clock = Clock(dt.datetime(2026, 3, 24, 7, 59, 30, tzinfo=dt.UTC).timestamp())  # lead 60 s
         state.prewarm.clock = clock

@@ -163,6 +163,7 @@ class ServerState:
                     base=self.base,
                     source_uri=uri,
                     warm_policy=m.warm if isinstance(m.warm, str) else "on-demand",
+                    warm=m.warm if isinstance(m.warm, WarmSchedule) else None,
                     actor=actor,
                     allow_any_source=True,
                 )
