@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2, help="timed rounds per side (best kept)")
+    ap.add_argument(
+        "--server-src",
+        help="serve from this src dir (e.g. a snapshot of older code; default: ours)",
+    )
     ap.add_argument("--profile-server", metavar="FILE", help="py-spy raw profile of the server")
     ap.add_argument("--gil", action="store_true", help="py-spy: only samples holding the GIL")
     args = ap.parse_args(argv)
@@ -254,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (work / "server.log").open("w")
-    env = {**os.environ, "PYTHONPATH": str(SRC), "TOKENIZERS_PARALLELISM": "false"}
+    src = Path(args.server_src).resolve() if args.server_src else SRC
+    env = {**os.environ, "PYTHONPATH": str(src), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(server_cmd(model, adapters, port, args, has_tok), env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     spy: subprocess.Popen | None = None
