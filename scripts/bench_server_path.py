@@ -211,6 +211,10 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def load() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
@@ -236,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-server", metavar="FILE", help="py-spy raw profile of the server")
     ap.add_argument("--gil", action="store_true", help="py-spy: only samples holding the GIL")
     args = ap.parse_args(argv)
+    # a SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server subprocess is stopped
+    signal.signal(signal.SIGTERM, _interrupt)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
 
