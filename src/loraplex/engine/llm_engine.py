@@ -19,7 +19,7 @@ from loraplex.engine.chat import render_chat
 from loraplex.engine.detokenizer import make_detokenizer
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import Sampler
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import ScheduledBatch, Scheduler
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.structured import GrammarState, StructuredOutputBackend
 from loraplex.kv.block_pool import BlockPool
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_DEFAULT_KV_BYTES = 2 << 30
+_STAGING_WAIT_S = 0.05  # longest an engine with only loading sequences sleeps before rescheduling
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -507,11 +508,11 @@ class LLMEngine:
         """One iteration: schedule → activate the batch's adapters → run the model → sample and
         update. Returns the requests that progressed."""
         batch = self.scheduler.schedule()
+        if self.adapters is not None and not batch.empty:
+            self._stage_adapters(batch)
         if batch.empty:
             self.last_step = StepStats()  # nothing ran: observers must not see the last step again
             return []
-        if self.adapters is not None:
-            self.adapters.activate(batch)  # newly reserved slots get their weights
         logits, samplers = self.runner.run(batch)
         # sample before advancing: if sampling raises, the step is simply redone next time
         tokens = self.sampler(logits, samplers) if samplers else []
@@ -531,6 +532,19 @@ class LLMEngine:
             self._check_stop(seq, tok)
             touched[seq.request_id] = None
         return [self._output(rid) for rid in touched if self._reports(rid)]
+
+    def _stage_adapters(self, batch: ScheduledBatch) -> None:
+        """Newly reserved slots get their weights on a background thread: the sequences whose
+        adapter is still loading sit this step out (they keep their slot and KV blocks and run
+        once its rows are complete); the rest run now. With nothing left to run, wait for a load
+        rather than spin."""
+        assert self.adapters is not None
+        loading = self.adapters.stage(batch)
+        if not loading:
+            return
+        batch.items = [(s, n) for s, n in batch.items if s.slot not in loading]
+        if not batch.items:
+            self.adapters.wait_staging(_STAGING_WAIT_S)
 
     def _reports(self, request_id: str) -> bool:
         """Whether the request has an output to report now: a best_of request (which picks
