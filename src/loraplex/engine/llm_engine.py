@@ -17,6 +17,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.chat import render_chat
 from loraplex.engine.detokenizer import make_detokenizer
+from loraplex.engine.merge import AdapterMerger
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler
@@ -28,6 +29,7 @@ from loraplex.lora.adapter import BaseModelSpec
 from loraplex.lora.ops import select_lora_ops
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
+from loraplex.model.linear import select_linear_factory
 from loraplex.model.llama import LlamaForCausalLM, LoRABinding
 from loraplex.outputs import CompletionOutput, RequestOutput
 from loraplex.requests import LoRARequest, SamplingParams
@@ -166,6 +168,10 @@ class LLMEngine:
             spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
             self.adapters = TieredAdapterCache.from_config(bank, spec, config, dtype=table_dtype)
             self.adapter_catalog = LocalAdapterCatalog(self.adapters.store)
+        self.merger: AdapterMerger | None = None  # one adapter merged into the base weights
+        if config.enable_lora and config.lora_merge_after_steps:
+            _, make = select_linear_factory(self.device, self.dtype)
+            self.merger = AdapterMerger(self.model, make, config.lora_merge_after_steps)
 
         num_blocks = self._num_kv_blocks()
         self.cache = PagedKVCache(
@@ -513,6 +519,8 @@ class LLMEngine:
         if batch.empty:
             self.last_step = StepStats()  # nothing ran: observers must not see the last step again
             return []
+        if self.merger is not None:
+            self.runner.merged_slot = self._merge_for(batch)
         logits, samplers = self.runner.run(batch)
         # sample before advancing: if sampling raises, the step is simply redone next time
         tokens = self.sampler(logits, samplers) if samplers else []
@@ -545,6 +553,20 @@ class LLMEngine:
         batch.items = [(s, n) for s, n in batch.items if s.slot not in loading]
         if not batch.items:
             self.adapters.wait_staging(_STAGING_WAIT_S)
+
+    def _merge_for(self, batch: ScheduledBatch) -> int | None:
+        """The slot whose adapter runs merged into the base weights this step (every sequence
+        uses it), else None: the merger unmerges first when a second adapter or a base
+        sequence is in the step (a reference swap, never a wait)."""
+        assert self.merger is not None
+        digests = {s.adapter.ref.sha256 if s.adapter else None for s, _ in batch.items}
+        seq = batch.items[0][0]
+        if len(digests) == 1 and seq.adapter is not None:
+            if self.merger.before_step(seq.adapter.ref.sha256, seq.adapter.weights):
+                return seq.slot
+            return None
+        self.merger.before_step(None, None)
+        return None
 
     def _reports(self, request_id: str) -> bool:
         """Whether the request has an output to report now: a best_of request (which picks
