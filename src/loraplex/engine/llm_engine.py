@@ -511,8 +511,10 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule → activate the batch's adapters → run the model → sample and
-        update. Returns the requests that progressed."""
+        """One iteration: schedule → stage the batch's adapters (sequences whose adapter is still
+        being copied into its slot wait; the copy runs on a background thread) → merge or
+        unmerge a lone adapter (``lora_merge_after_steps``) → run the model → sample and update.
+        Returns the requests that progressed."""
         batch = self.scheduler.schedule()
         if self.adapters is not None and not batch.empty:
             self._stage_adapters(batch)
