@@ -121,3 +121,61 @@ def test_set_lora_without_compaction_leaves_the_bank_unchanged() -> None:
     assert not a[8:].any() and not bt[8:].any()  # rows nobody owns are zero
     bank.set_lora(0, {(0, "q_proj"): W(4, 3)}, compact=False)
     assert bank.slot_rows(0) == (8, 12)
+
+
+class Batch:
+    """A step's slots as the engine hands them to ``stage``/``activate``."""
+
+    def __init__(self, slots: dict) -> None:  # type: ignore[type-arg]
+        self.slots = slots
+        self.slot_rows: dict[int, tuple[int, int]] = {}
+
+    def slot_adapters(self) -> dict:  # type: ignore[type-arg]
+        return self.slots
+
+
+def test_fragmented_rows_are_compacted_between_steps(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    from loraplex.testing import ALL_PROJ, make_random_adapter
+
+    llm = LLM(str(tiny_model), enable_lora=True, max_loras=3, max_lora_rank=16, dtype="float32")
+    eng = llm.engine
+    cache, catalog = eng.adapters, eng.adapter_catalog
+    assert cache is not None and catalog is not None
+    r16 = make_random_adapter(tiny_model, tmp_path / "r16", r=16, target_modules=ALL_PROJ, seed=9)
+    held = []
+
+    def get(name: str, path: Path):  # type: ignore[no-untyped-def]
+        a, _ = cache.acquire(catalog.spec(LoRARequest(name, path)))
+        held.append(a)
+        return a
+
+    first = [get(n, adapters[n]) for n in ("all_r8", "mlp_r16", "alllinear_r12")]
+    slots = [cache.reserve_slot(a) for a in first]
+    assert None not in slots
+    cache.activate(Batch(dict(zip(slots, first, strict=True))))
+    assert [cache.bank.slot_rows(s) for s in slots] == [(0, 8), (8, 24), (24, 36)]
+    cache.release_slot(slots[0])  # idle: its slot may be given to another adapter
+    new = get("r16", r16)
+    s = cache.reserve_slot(new)
+    assert s == slots[0]
+    batch = Batch({s: new})
+    rounds = 0
+    while cache.stage(batch):  # 16 rows free only as 8 + 12: the copy comes back, compaction
+        rounds += 1
+        cache.wait_staging(EVENT_TIMEOUT_S)
+    assert rounds == 2  # the first copy found fragments; the second, after compaction, fitted
+    assert cache.bank.slot_rows(slots[1]) == (0, 16) and cache.bank.slot_rows(slots[2]) == (16, 28)
+    assert batch.slot_rows == {s: (28, 44)} == {s: cache.bank.slot_rows(s)}
+    a_tab, _ = cache.bank.tables(0, "q_proj")
+    w = new.weights[(0, "q_proj")]
+    assert torch.equal(a_tab[28:44], w.a.to(a_tab.dtype))
+    assert not a_tab[44:].any()  # rows nobody owns are zero
+    moved = first[1].weights[(0, "down_proj")]  # mlp_r16's rows moved down intact
+    assert torch.equal(cache.bank.tables(0, "down_proj")[0][0:16], moved.a)
+    for slot in (s, slots[1], slots[2]):
+        cache.release_slot(slot)
+    for a in held:
+        cache.release(a)
+    cache.check_invariants()
