@@ -170,9 +170,9 @@ class LoRASlotBank:
                 a_tab[start : start + r].copy_(w.a)  # [r, d_in]
                 # (scale * B).T in float32 first, so a low-precision table gets one rounding.
                 bt_tab[start : start + r].copy_((w.b.to(torch.float32) * float(w.scale)).t())
-                # Rows past this module's rank are zero already (invariant); keep it explicit.
-                a_tab[start + r : start + rows].zero_()
-                bt_tab[start + r : start + rows].zero_()
+                if r < rows:  # rows past this module's rank are zero already; keep it explicit
+                    a_tab[start + r : start + rows].zero_()
+                    bt_tab[start + r : start + rows].zero_()
 
     def reset_lora(self, slot: int) -> None:
         """Zero the slot's rows in every table and free them; ``KeyError`` if the slot is empty."""
