@@ -159,7 +159,6 @@ class KnownFiles:
 
     config_sha256: str
     weights_sha256: str
-    config: dict
     table: dict[str, TensorInfo]
 
     @classmethod
@@ -167,7 +166,6 @@ class KnownFiles:
         return cls(
             hashlib.sha256(st.config_bytes).hexdigest(),
             hashlib.sha256(st.data).hexdigest(),
-            json.loads(st.config_bytes),
             dict(st.tensors),
         )
 
