@@ -2,10 +2,11 @@
 
 Offline ``LLM.generate`` on the benchmark model (``loraplex.bench.throughput``'s 8-layer
 512-wide model and its prompts), every prompt on the same adapter. Three configurations run
-interleaved (A B C A B C), best of ``--repeats``: the base model (no adapter), the adapter
-through the gathered LoRA ops (merging off), and the adapter merged after
-``--merge-after`` single-adapter steps (``lora_merge_after_steps``; the merge is built off the
-engine thread, and the first steps run unmerged until it is ready).
+interleaved (A B C D A B C D), best of ``--repeats``: the base model (no adapter), the adapter
+through the gathered LoRA ops (merging off), the adapter merged after ``--merge-after``
+single-adapter steps (``lora_merge_after_steps``; the merge is built off the engine thread, and
+the first steps run unmerged until it is ready) and the base model on the merging engine
+(``base_m``: each of its runs unmerges, the next merged run re-installs the kept build).
 
     python -m loraplex.bench.lora_merge --out /tmp/lp-bench [--dtype float32] [--new-tokens 64]
 """
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         "base": lambda: _rate(plain, prompts, sp, None),
         "unmerged": lambda: _rate(plain, prompts, sp, lora),
         "merged": lambda: _rate(merging, prompts, sp, lora),
+        "base_m": lambda: _rate(merging, prompts, sp, None),  # base on the merging engine
     }
     for fn in runs.values():
         fn()  # warm-up: loads the adapter, builds the merge once
