@@ -519,6 +519,16 @@ class EngineConfig:
             "--max-lora-rank", ge=1, help="largest adapter rank accepted (default: {default})"
         ),
     )
+    lora_merge_after_steps: int = field(
+        default=0,
+        metadata=setting(
+            "--lora-merge-after-steps",
+            ge=0,
+            help="merge the only running adapter into the base weights after this many "
+            "consecutive steps with no other adapter and no base request; 0: never "
+            "(default: {default})",
+        ),
+    )
     # adapter cache tiers (see loraplex.cache.adapters)
     max_cpu_lora_bytes: int | None = field(  # L1 byte budget (with the max_cpu_loras count)
         default=None,

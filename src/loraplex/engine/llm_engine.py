@@ -17,9 +17,10 @@ from loraplex.config import EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.chat import render_chat
 from loraplex.engine.detokenizer import make_detokenizer
+from loraplex.engine.merge import AdapterMerger
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import Sampler
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import ScheduledBatch, Scheduler
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.structured import GrammarState, StructuredOutputBackend
 from loraplex.kv.block_pool import BlockPool
@@ -28,6 +29,7 @@ from loraplex.lora.adapter import BaseModelSpec
 from loraplex.lora.ops import select_lora_ops
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
+from loraplex.model.linear import select_linear_factory
 from loraplex.model.llama import LlamaForCausalLM, LoRABinding
 from loraplex.outputs import CompletionOutput, RequestOutput
 from loraplex.requests import LoRARequest, SamplingParams
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_DEFAULT_KV_BYTES = 2 << 30
+_STAGING_WAIT_S = 0.05  # longest an engine with only loading sequences sleeps before rescheduling
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -165,6 +168,10 @@ class LLMEngine:
             spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
             self.adapters = TieredAdapterCache.from_config(bank, spec, config, dtype=table_dtype)
             self.adapter_catalog = LocalAdapterCatalog(self.adapters.store)
+        self.merger: AdapterMerger | None = None  # one adapter merged into the base weights
+        if config.enable_lora and config.lora_merge_after_steps:
+            _, make = select_linear_factory(self.device, self.dtype)
+            self.merger = AdapterMerger(self.model, make, config.lora_merge_after_steps)
 
         num_blocks = self._num_kv_blocks()
         self.cache = PagedKVCache(
@@ -504,14 +511,18 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule → activate the batch's adapters → run the model → sample and
-        update. Returns the requests that progressed."""
+        """One iteration: schedule → stage the batch's adapters (sequences whose adapter is still
+        being copied into its slot wait; the copy runs on a background thread) → merge or
+        unmerge a lone adapter (``lora_merge_after_steps``) → run the model → sample and update.
+        Returns the requests that progressed."""
         batch = self.scheduler.schedule()
+        if self.adapters is not None and not batch.empty:
+            self._stage_adapters(batch)
         if batch.empty:
             self.last_step = StepStats()  # nothing ran: observers must not see the last step again
             return []
-        if self.adapters is not None:
-            self.adapters.activate(batch)  # newly reserved slots get their weights
+        if self.merger is not None:
+            self.runner.merged_slot = self._merge_for(batch)
         logits, samplers = self.runner.run(batch)
         # sample before advancing: if sampling raises, the step is simply redone next time
         tokens = self.sampler(logits, samplers) if samplers else []
@@ -531,6 +542,33 @@ class LLMEngine:
             self._check_stop(seq, tok)
             touched[seq.request_id] = None
         return [self._output(rid) for rid in touched if self._reports(rid)]
+
+    def _stage_adapters(self, batch: ScheduledBatch) -> None:
+        """Newly reserved slots get their weights on a background thread: the sequences whose
+        adapter is still loading sit this step out (they keep their slot and KV blocks and run
+        once its rows are complete); the rest run now. With nothing left to run, wait for a load
+        rather than spin."""
+        assert self.adapters is not None
+        loading = self.adapters.stage(batch)
+        if not loading:
+            return
+        batch.items = [(s, n) for s, n in batch.items if s.slot not in loading]
+        if not batch.items:
+            self.adapters.wait_staging(_STAGING_WAIT_S)
+
+    def _merge_for(self, batch: ScheduledBatch) -> int | None:
+        """The slot whose adapter runs merged into the base weights this step (every sequence
+        uses it), else None: the merger unmerges first when a second adapter or a base
+        sequence is in the step (a reference swap, never a wait)."""
+        assert self.merger is not None
+        digests = {s.adapter.ref.sha256 if s.adapter else None for s, _ in batch.items}
+        seq = batch.items[0][0]
+        if len(digests) == 1 and seq.adapter is not None:
+            if self.merger.before_step(seq.adapter.ref.sha256, seq.adapter.weights):
+                return seq.slot
+            return None
+        self.merger.before_step(None, None)
+        return None
 
     def _reports(self, request_id: str) -> bool:
         """Whether the request has an output to report now: a best_of request (which picks
