@@ -246,11 +246,12 @@ def _finish_all(e: LLMEngine) -> set[str]:
 def test_loading_queue_never_blocks_ready_requests(
     tiny_model: Path, adapters: dict[str, Path]
 ) -> None:
-    """One device slot, held by a running request: a gold request for another adapter waits in
-    the loading queue, and a base request behind it runs at once (its class is lower)."""
+    """One device slot, held by a running gold request: a gold request for another adapter
+    waits in the loading queue (it may not preempt its own class), and a base request behind
+    it runs at once although its class is lower."""
     e = _engine(tiny_model, max_loras=1, scheduling_policy="fair")
-    e.add_request("holder", "Hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                  LoRARequest("a", adapters["all_r8"]))  # fmt: skip
+    held = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, priority=GOLD)
+    e.add_request("holder", "Hello", held, LoRARequest("a", adapters["all_r8"]))
     e.step()
     gold = dataclasses.replace(GREEDY, priority=GOLD)
     e.add_request("gold-cold", "Hi there", gold, LoRARequest("m", adapters["mlp_r16"]))
@@ -263,6 +264,30 @@ def test_loading_queue_never_blocks_ready_requests(
     }
     assert _finish_all(e) == {"holder", "gold-cold", "base"}
     assert e.is_idle()
+
+
+def test_a_higher_class_takes_a_device_slot_from_a_lower_one(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """fair: a batch request alone holds the only slot; a gold request for another adapter
+    preempts it (its slot freed and given to gold), fcfs waits in the loading queue."""
+    for policy in ("fair", "fcfs"):
+        e = _engine(tiny_model, max_loras=1, scheduling_policy=policy)
+        long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                              priority=BATCH if policy == "fair" else 0)  # fmt: skip
+        e.add_request("batch", "Hello", long, LoRARequest("a", adapters["all_r8"]))
+        e.step()
+        gold = dataclasses.replace(GREEDY, priority=GOLD if policy == "fair" else 0)
+        e.add_request("gold", "Hi there", gold, LoRARequest("m", adapters["mlp_r16"]))
+        e.step()
+        running = [s.request_id for s in e.scheduler.running]
+        if policy == "fair":
+            assert running == ["gold"] and [s.request_id for s in e.scheduler.waiting] == ["batch"]
+            assert e.scheduler.num_preemptions == 1
+        else:
+            assert running == ["batch"] and [s.request_id for s in e.scheduler.loading] == ["gold"]
+        assert _finish_all(e) == {"batch", "gold"}
+        assert e.is_idle()
 
 
 def test_rank_bucket_slot_budgets(tiny_model: Path, adapters: dict[str, Path]) -> None:

@@ -368,10 +368,13 @@ class Scheduler:
         self.loading = still
         self.waiting.extendleft(reversed(ready))
 
-    def _make_room(self, seq: Sequence, batch: ScheduledBatch) -> int | None:
-        """Preempt one running sequence that ``seq`` outranks (taking its chunk out of
-        ``batch``); the token budget it gave back, or None when there is none to preempt."""
-        victims = [r for r in self.running if self._outranks(seq, r)]
+    def _make_room(
+        self, seq: Sequence, batch: ScheduledBatch, among: list[Sequence] | None = None
+    ) -> int | None:
+        """Preempt one running sequence that ``seq`` outranks (of ``among`` if given), taking
+        its chunk out of ``batch``; the token budget it gave back, or None when there is none."""
+        pool = self.running if among is None else among
+        victims = [r for r in pool if self._outranks(seq, r)]
         if not victims:
             return None
         victim = self._victim(victims)
@@ -385,6 +388,17 @@ class Scheduler:
         self._preempt(victim)
         batch.num_preempted += 1
         return freed
+
+    def _free_a_slot(self, seq: Sequence, batch: ScheduledBatch) -> int | None:
+        """Preempt the running sequence ``seq`` outranks that alone holds a device slot (so
+        preempting it frees the slot); the budget given back, or None when there is none."""
+        users = Counter(r.slot for r in self.running if r.slot is not None)
+        victims = [
+            r
+            for r in self.running
+            if r.slot is not None and users[r.slot] == 1 and self._outranks(seq, r)
+        ]
+        return self._make_room(seq, batch, victims) if victims else None
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         full = budget <= 0 or len(self.running) >= self.max_num_seqs
@@ -401,7 +415,12 @@ class Scheduler:
                 budget += freed
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if not self._reserve(seq, in_use):  # no slot for its adapter now: let others pass
+            got = self._reserve(seq, in_use)
+            while not got and (freed := self._free_a_slot(seq, batch)) is not None:
+                budget += freed
+                in_use = self._slots_in_use()
+                got = self._reserve(seq, in_use)
+            if not got:  # no slot for its adapter now: let others pass
                 taken.add(id(seq))
                 self.loading.append(seq)
                 continue
