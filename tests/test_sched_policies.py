@@ -198,7 +198,7 @@ def test_preemption_under_kv_pressure_takes_the_lowest_class_first(
     after a token each, three sequences need a block: the first gets the free one, the second
     preempts: fcfs the newest, priority the largest priority value, fair the lowest class and
     there the tenant most over its share (not the newest)."""
-    s = _sched(policy, blocks=5, seqs=4, tokens=64)
+    s = _sched(policy, blocks=5, seqs=4, tokens=1000)
     prio = {"b0": 2, "hog": 0, "b1": 1} if policy == "priority" else dict.fromkeys("x", 0)
     s.add(_seq("gold", prompt=3, out=8, priority=GOLD))
     for rid in ("b0", "hog", "b1"):
@@ -383,3 +383,25 @@ def test_class_tables_parse() -> None:
     for bad in ("8", "8:0", "x:1", "8:1,8:2", "0:3"):
         with pytest.raises(ValueError):
             rank_budget_map(bad)
+
+
+def test_fair_caps_a_lower_class_prefill_per_step_while_a_higher_one_is_active() -> None:
+    """Budget 90, weights 8:1 (gold:batch active): batch prompt chunks get int(90/9) = 10
+    tokens a step; alone, batch gets the whole budget; decodes are never capped."""
+    s = _sched("fair", seqs=8, tokens=90, weights=(8.0, 1.0))
+    s.default_class = 0
+    s.add(_seq("g", prompt=4, out=40, priority=0, tenant="gold"))
+    for i in range(3):
+        s.add(_seq(f"b{i}", prompt=40, out=2, priority=1, tenant="batch"))
+    batch = s.schedule()
+    chunks = {q.request_id: n for q, n in batch.items}
+    assert chunks["g"] == 4 and sum(n for r, n in chunks.items() if r != "g") == 10
+    alone = _sched("fair", seqs=8, tokens=90, weights=(8.0, 1.0))
+    for i in range(3):
+        alone.add(_seq(f"b{i}", prompt=40, out=2, priority=1, tenant="batch"))
+    assert sum(n for _, n in alone.schedule().items) == 90
+    fcfs = _sched("fcfs", seqs=8, tokens=90)
+    fcfs.add(_seq("g", prompt=4, out=40, priority=-1))
+    for i in range(3):
+        fcfs.add(_seq(f"b{i}", prompt=40, out=2, priority=1))
+    assert sum(n for _, n in fcfs.schedule().items) == 90  # fcfs: no caps

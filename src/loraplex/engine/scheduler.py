@@ -24,7 +24,9 @@ Three policies order the waiting sequences and pick preemption victims (``policy
       a key that becomes active starts at max(its own, min over active keys)  # no banked credit
 
   so a class with weight w gets about w / sum(w) of the tokens while all are backlogged and a
-  lower class never starves. A waiting sequence may preempt a running one of a less important
+  lower class never starves. While several classes are active, each class's prompt chunks in a
+  step are capped at its weighted share of ``max_num_batched_tokens`` (decodes never are), so
+  a lower class's long prefills do not slow every step of a more important one. A waiting sequence may preempt a running one of a less important
   class whose C is at least its own; under KV pressure the victim is the least important class,
   within it the tenant most over its share (largest V), then the newest.
 
@@ -158,6 +160,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.class_service: VirtualTokenCounter[int] = VirtualTokenCounter()
         self.tenant_service: VirtualTokenCounter[tuple[int, str | None]] = VirtualTokenCounter()
+        self._caps: dict[int, int] | None = None  # this step's prefill caps per class
+        self._cap_used: Counter[int] = Counter()
 
     # -- classes ---------------------------------------------------------------------------------
     def class_of(self, seq: Sequence) -> int:
@@ -262,14 +266,39 @@ class Scheduler:
         return max(0, -(-num_tokens // bs) - len(seq.block_ids))
 
     # -- one step --------------------------------------------------------------------------------
+    def _prefill_caps(self) -> dict[int, int] | None:
+        """fair, with several classes active: each class's prompt (multi-token) chunks in one
+        step are capped at its weighted share of the step's token budget, so a lower class's
+        long prefills cannot make every step slow for a more important one (decodes are never
+        capped). None: no caps (other policies, or one class active)."""
+        if self.policy != "fair":
+            return None
+        active = self.class_service.active()
+        if len(active) < 2:
+            return None
+        total = sum(self.class_weights[c] for c in active)
+        budget = self.max_num_batched_tokens
+        return {c: max(1, int(budget * self.class_weights[c] / total)) for c in active}
+
+    def _capped(self, seq: Sequence, n: int) -> int:
+        """``n`` tokens for ``seq`` this step within its class's prefill cap (see above)."""
+        if self._caps is None or seq.num_tokens - seq.num_computed_tokens <= 1:
+            return n
+        c = self.class_of(seq)
+        return max(0, min(n, self._caps.get(c, n) - self._cap_used[c]))
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self._caps, self._cap_used = self._prefill_caps(), Counter()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._capped(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if n == 0:  # its class used its prefill share of this step
+                i += 1
+                continue
             need = self._blocks_for(seq, seq.num_computed_tokens + n)
             while need > self.pool.num_free:
                 victim = self._victim(self.running[i:])  # never already batched
@@ -285,6 +314,8 @@ class Scheduler:
             self._charge(seq, n)
             budget -= n
             i += 1
+            if n > 1:
+                self._cap_used[self.class_of(seq)] += n
         if not preempted:
             self._admit(batch, budget)
         return batch
@@ -408,6 +439,8 @@ class Scheduler:
         self._retry_loading(in_use)
         taken: set[int] = set()  # ids of sequences leaving the waiting queue
         for seq in self._candidates(list(self.waiting)):
+            if budget > 0 and self._capped(seq, budget) == 0:
+                continue  # its class used its prefill share of this step: others may go
             while budget <= 0 or len(self.running) >= self.max_num_seqs:
                 freed = self._make_room(seq, batch)
                 if freed is None:
@@ -438,6 +471,9 @@ class Scheduler:
                 hits = self.pool.lookup(seq.block_hashes[: (len(tokens) - 1) // bs])
             computed = len(hits) * self.pool.block_size
             n = min(seq.num_tokens - computed, budget)
+            if self._caps is not None and n > 1:
+                c = self.class_of(seq)
+                n = max(1, min(n, self._caps.get(c, n) - self._cap_used[c]))
             need = -(-(computed + n) // self.pool.block_size) - len(hits)
             while need > self.pool.num_free_after_touch(hits):
                 freed = self._make_room(seq, batch)
@@ -457,6 +493,8 @@ class Scheduler:
                 seq.num_cached_tokens = computed
                 self.pool.record_query(len(seq.prompt_token_ids), computed)
             seq.status = SequenceStatus.RUNNING
+            if n > 1:
+                self._cap_used[self.class_of(seq)] += n
             taken.add(id(seq))
             self._insert_running(seq)
             batch.items.append((seq, n))
