@@ -405,3 +405,23 @@ def test_fair_caps_a_lower_class_prefill_per_step_while_a_higher_one_is_active()
     for i in range(3):
         fcfs.add(_seq(f"b{i}", prompt=40, out=2, priority=1))
     assert sum(n for _, n in fcfs.schedule().items) == 90  # fcfs: no caps
+
+
+def test_a_sequence_admitted_then_preempted_in_the_same_step_waits_again() -> None:
+    """fair, one seat: batch (least served) is admitted first, its charge puts its class above
+    gold's, so gold preempts it in the same step; batch must be back in the waiting queue once
+    (it was lost before this was fixed, and its request never finished)."""
+    s = _sched("fair", seqs=1, tokens=100, weights=(8.0, 4.0, 1.0))
+    s.add(_seq("b0", prompt=8, out=2, priority=BATCH))
+    s.add(_seq("gold", prompt=8, out=2, priority=GOLD))
+    s.class_service.served.update({0: 5.0, 2: 4.0})
+    batch = s.schedule()
+    assert [q.request_id for q, _ in batch.items] == ["gold"] and batch.num_preempted == 1
+    assert [q.request_id for q in s.waiting] == ["b0"]
+    assert s.class_service[2] == 4.0  # the preempted chunk's charge was taken back
+    s.after_step(batch)
+    batch.items[0][0].output_token_ids.append(7)  # gold's first token (what _step does)
+    done: set[str] = set()
+    while s.has_unfinished():
+        done |= {q.request_id for q in _step(s)}
+    assert done == {"b0", "gold"}

@@ -437,7 +437,7 @@ class Scheduler:
             return  # nothing can get in (no preemption for admission under fcfs)
         in_use = self._slots_in_use()
         self._retry_loading(in_use)
-        taken: set[int] = set()  # ids of sequences leaving the waiting queue
+        to_loading: set[int] = set()  # ids of sequences moved to the loading queue
         for seq in self._candidates(list(self.waiting)):
             if budget > 0 and self._capped(seq, budget) == 0:
                 continue  # its class used its prefill share of this step: others may go
@@ -454,7 +454,7 @@ class Scheduler:
                 in_use = self._slots_in_use()
                 got = self._reserve(seq, in_use)
             if not got:  # no slot for its adapter now: let others pass
-                taken.add(id(seq))
+                to_loading.add(id(seq))
                 self.loading.append(seq)
                 continue
             hits: list[int] = []
@@ -495,17 +495,30 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if n > 1:
                 self._cap_used[self.class_of(seq)] += n
-            taken.add(id(seq))
             self._insert_running(seq)
             batch.items.append((seq, n))
             self._charge(seq, n)
             budget -= n
-        if taken:
-            self.waiting = deque(s for s in self.waiting if id(s) not in taken)
+        self._rebuild_waiting(to_loading)  # admitted ones are RUNNING now
         for seq in self.waiting:  # reserved by the loading retry but not admitted: give back
             if seq.slot is not None and self.adapters is not None:
                 self.adapters.release_slot(seq.slot)
                 seq.slot = None
+
+    def _rebuild_waiting(self, to_loading: set[int]) -> None:
+        """The waiting queue without what left it this step (admitted, or moved to the loading
+        queue), keeping each sequence once: one admitted and then preempted again in the same
+        step (by a more important one) is waiting again, at the front where preemption put it."""
+        seen: set[int] = set()
+        kept: deque[Sequence] = deque()
+        for s in self.waiting:
+            if s.status is not SequenceStatus.WAITING or id(s) in seen:
+                continue
+            if id(s) in to_loading:
+                continue
+            seen.add(id(s))
+            kept.append(s)
+        self.waiting = kept
 
     def _insert_running(self, seq: Sequence) -> None:
         if self.policy == "fcfs":
