@@ -220,7 +220,7 @@ def cmd_mixed(args: argparse.Namespace) -> int:
         seed=args.seed,
         token_range=args.token_range,
     )
-    result.meta = {
+    result.meta |= {
         "tenants": args.tenant,
         "duration": args.duration,
         "seed": args.seed,

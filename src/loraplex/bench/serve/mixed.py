@@ -202,7 +202,7 @@ async def arun_mixed(
         + (f", priority {s.priority}" if s.priority is not None else "")
         for s in streams
     )
-    return BenchResult(records, span, mode, url, endpoint)
+    return BenchResult(records, span, mode, url, endpoint, meta={"window_s": duration})
 
 
 def run_mixed(url: str, streams: Sequence[TenantStream], **kw: Any) -> BenchResult:

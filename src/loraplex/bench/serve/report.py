@@ -59,7 +59,17 @@ def summarize(result: BenchResult) -> dict[str, Any]:
         if r.tenant:
             by_tenant.setdefault(r.tenant, []).append(r)
             by_class.setdefault(r.slo_class or r.tenant, []).append(r)
-    tokens = {t: sum(r.output_tokens for r in v if r.ok) for t, v in sorted(by_tenant.items())}
+    # token shares over the send window (every tenant still sending): requests that completed
+    # within it; the drain after it favours whoever had the most in flight
+    window = result.meta.get("window_s")
+    tokens = {
+        t: sum(
+            r.output_tokens
+            for r in v
+            if r.ok and (window is None or r.sent + (r.e2e or 0.0) <= window)
+        )
+        for t, v in sorted(by_tenant.items())
+    }
     total = sum(tokens.values())
     errors = Counter(r.error_kind for r in recs if not r.ok)
     samples: dict[str, str] = {}
@@ -138,8 +148,11 @@ def render_summary(s: dict[str, Any]) -> str:
     if s.get("token_shares"):
         shares = ", ".join(f"{t} {x:.3f}" for t, x in s["token_shares"].items())
         jain = s.get("jain_index")
-        lines.append(f"output token shares: {shares}" + (f"; Jain's index {jain:.3f}" if jain
-                                                         else ""))  # fmt: skip
+        within = "" if s["meta"].get("window_s") is None else (
+            f" (requests done within the {s['meta']['window_s']:g} s send window)"
+        )  # fmt: skip
+        lines.append(f"output token shares{within}: {shares}"
+                     + (f"; Jain's index {jain:.3f}" if jain else ""))  # fmt: skip
     if s["error_kinds"]:
         lines.append("")
         lines.append(
