@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -161,12 +161,14 @@ class LLMEngine:
             }
             ops = select_lora_ops(self.device)  # backend chosen once, here
             table_dtype = ops.table_dtype(self.dtype)
-            bank = LoRASlotBank(
-                shapes, config.max_loras, config.max_lora_rank, table_dtype, self.device
-            )
+            slots = self._lora_slot_count(shapes, table_dtype)  # --max-lora-device-fraction
+            bank = LoRASlotBank(shapes, slots, config.max_lora_rank, table_dtype, self.device)
             self.model.lora = LoRABinding(bank, ops)
             spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
-            self.adapters = TieredAdapterCache.from_config(bank, spec, config, dtype=table_dtype)
+            cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
+            self.adapters = TieredAdapterCache.from_config(
+                bank, spec, cache_config, dtype=table_dtype
+            )
             self.adapter_catalog = LocalAdapterCatalog(self.adapters.store)
         self.merger: AdapterMerger | None = None  # one adapter merged into the base weights
         if config.enable_lora and config.lora_merge_after_steps:
@@ -185,11 +187,18 @@ class LLMEngine:
         )
         self.max_model_len = self._max_model_len(num_blocks)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        classes = config.slo_class_weights()
+        self._class_index = {name: i for i, (name, _) in enumerate(classes)}
+        self._tenant_classes = config.tenant_classes()
         self.scheduler = Scheduler(
             self.pool,
             self.adapters,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+            class_weights=tuple(w for _, w in classes),
+            default_class=self._class_index[config.default_slo_class],
+            rank_slot_budgets=config.rank_slot_budgets(),
         )
         self.runner = ModelRunner(self.model, self.cache)
         self.sampler = Sampler(config.seed)
@@ -235,6 +244,30 @@ class LLMEngine:
                     )
             return self._structured
 
+    def _memory_after_weights(self) -> int:
+        """Bytes this engine may give the KV cache and adapter slots together: by
+        ``--kv-cache-memory`` if set, on CUDA what ``--gpu-memory-utilization`` leaves after
+        what the device holds now, on CPU a quarter of the available memory (at most 2 GiB)."""
+        c = self.config
+        if c.kv_cache_memory_bytes is not None:
+            return c.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return c.device_kv_budget(free, total)  # --gpu-memory-utilization
+        return min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+
+    def _lora_slot_count(
+        self, shapes: dict[tuple[int, str], tuple[int, int]], dtype: torch.dtype
+    ) -> int:
+        """The slot bank's slots: ``--max-loras``, capped so the bank's bytes stay within
+        ``--max-lora-device-fraction`` of the memory left after the weights. One slot holds
+        ``max_lora_rank`` rows of A ``[r, d_in]`` and of B^T ``[r, d_out]`` for every module."""
+        c = self.config
+        if c.max_lora_device_fraction is None:
+            return c.max_loras
+        row_bytes = sum(d_in + d_out for d_in, d_out in shapes.values()) * dtype.itemsize
+        return c.lora_slot_count(c.max_lora_rank * row_bytes, self._memory_after_weights())
+
     def _num_kv_blocks(self) -> int:
         c, mc = self.config, self.model_config
         if c.num_kv_blocks is not None:
@@ -244,11 +277,10 @@ class LLMEngine:
         )
         budget = c.kv_cache_memory_bytes
         if budget is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = c.device_kv_budget(free, total)  # --gpu-memory-utilization
-            else:
-                budget = min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+            budget = self._memory_after_weights()  # on CUDA the slot bank is out of it already
+            if c.max_lora_device_fraction is not None and self.device.type != "cuda":
+                # the slot bank's capped share comes out of the same memory
+                budget = max(budget - (self.adapters.bank.nbytes if self.adapters else 0), 0)
             # never more than max_num_seqs full-length sequences can use
             longest = c.max_model_len or mc.max_position_embeddings
             budget = min(budget, c.max_num_seqs * -(-longest // c.block_size) * per_block)
@@ -385,6 +417,8 @@ class LLMEngine:
         if params.structured is not None:
             compiled = self.structured_outputs.compile(params.structured)
         spec = self._adapter_spec(lora_request)
+        priority = self._priority(params, spec)
+        tenant = (spec.tenant or spec.ref.name) if spec is not None else None
         adapter = None
         if spec is not None and self.adapters is not None:
             adapter, warm = self.adapters.acquire(spec)
@@ -415,6 +449,8 @@ class LLMEngine:
                     eos_token_ids=eos_ids,
                     detokenizer=detok,
                     cache_salt=cache_salt,
+                    priority=priority,
+                    tenant=tenant,
                     grammar=GrammarState(compiled) if compiled is not None else None,
                     # the first sequence computes the request's prompt logprobs
                     prompt_logprobs=[None]
@@ -433,6 +469,29 @@ class LLMEngine:
             _Request(request_id, text, ids, seqs, ref, arrival if arrival is not None else now),
             adapter_warm=warm,
         )
+
+    def _priority(self, params: SamplingParams, spec: AdapterSpec | None) -> int:
+        """The request's scheduling priority (lower first), the class offset from
+        ``--default-slo-class``: the request's own ``priority`` (vLLM's field; refused under
+        fcfs, as vLLM does), else its adapter manifest's ``slo_class``, else its tenant's
+        class (``--tenant-slo-classes``), else the manifest's ``priority`` (higher is more
+        important there, as in the residency policy), else 0. A manifest class this server
+        does not define counts as unset."""
+        if params.priority != 0:
+            if self.config.scheduling_policy == "fcfs":
+                raise InvalidRequestError(
+                    f"priority {params.priority} needs --scheduling-policy priority or fair "
+                    "(this server schedules first come, first served); use 0",
+                    param="priority",
+                )
+            return params.priority
+        if spec is None:
+            return 0
+        default = self._class_index[self.config.default_slo_class]
+        for name in (spec.slo_class, self._tenant_classes.get(spec.tenant or "")):
+            if name is not None and name in self._class_index:
+                return self._class_index[name] - default
+        return -spec.priority
 
     def _adapter_spec(self, lora_request: AdapterSpec | LoRARequest | None) -> AdapterSpec | None:
         """The spec of an offline LoRARequest (the local catalog hashes its files), or the spec."""
@@ -672,7 +731,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return self.scheduler.num_waiting
 
     @property
     def num_running(self) -> int:
@@ -683,7 +742,7 @@ class LLMEngine:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def waiting_adapter_digests(self) -> set[str]:
-        return {s.adapter.ref.sha256 for s in list(self.scheduler.waiting) if s.adapter}
+        return {s.adapter.ref.sha256 for s in self.scheduler.waiting_sequences() if s.adapter}
 
     def running_sequences(self) -> list[Sequence]:
         return [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING]
