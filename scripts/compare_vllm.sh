@@ -8,6 +8,10 @@
 # 2. runs scripts/compare_peers.py with loraplex's interpreter ($PYTHON, default .venv/bin/python):
 #    demo model + 64 random rank-8 q/v adapters, each server started in turn, the same
 #    `loraplex bench serve` workloads against each, a table with ratios.
+#    Issue 16's workload (SmolLM2 in bfloat16, 16 distinct rank-8 q/v adapters, --max-loras 16,
+#    the servers up one at a time, `vllm bench serve` and `loraplex bench serve` as clients;
+#    128 random prompts 128 in / 64 out and 16 short prompts x 256 new tokens, 16 concurrent):
+#      scripts/compare_vllm.sh --workloads random128,decode256 --dtype bfloat16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${VLLM_VENV:-/tmp/vllm-venv}

@@ -189,3 +189,66 @@ def test_errors_are_counted_not_fatal() -> None:
     # nothing listening: every request is a connect error, the run still returns
     down = run_load(f"http://127.0.0.1:{free_port()}", reqs[:3], concurrency=2, fetch_ranks=False)
     assert summarize(down)["error_kinds"] == {"connect": 3}
+
+
+# -- multi-tenant mixes ----------------------------------------------------------------------------
+def test_tenant_specs_parse_and_resolve() -> None:
+    from loraplex.bench.serve import TenantStream
+
+    s = TenantStream.parse("gold:models=a+b-*,rate=2.5,prompt=16:32,output=8,priority=-1,class=g")
+    assert (s.tenant, s.models, s.rate, s.concurrency, s.priority, s.label) == (
+        "gold", ("a", "b-*"), 2.5, None, -1, "g")  # fmt: skip
+    assert s.prompt_len == LengthDist(16, 32) and s.output_len == LengthDist(8, 8)
+    assert s.resolve(["b-2", "a", "b-1", "c"]).models == ("a", "b-2", "b-1")
+    with pytest.raises(BenchError, match="serves nothing named 'x-\\*'"):
+        TenantStream.parse("t:models=x-*,concurrency=1").resolve(["a"])
+    for bad, why in [
+        ("t", "expected TENANT:"),
+        ("t:rate=1", "needs models"),
+        ("t:models=a", "exactly one of rate"),
+        ("t:models=a,rate=1,concurrency=2", "exactly one of rate"),
+        ("t:models=a,rate=0", "must be > 0"),
+        ("t:models=a,concurrency=x", "not a number"),
+        ("t:models=a,rate=1,colour=red", "bad item"),
+    ]:
+        with pytest.raises(BenchError, match=why):
+            TenantStream.parse(bad)
+
+
+def test_jain_index() -> None:
+    from loraplex.bench.serve import jain_index
+
+    assert jain_index([5, 5]) == 1.0
+    assert jain_index([1, 0, 0, 0]) == 0.25
+    assert jain_index([3, 1]) == pytest.approx(16 / 20)
+    assert jain_index([]) is None and jain_index([0, 0]) is None
+
+
+def test_cli_tenant_mix_reports_tenants_classes_and_shares(
+    server: str, capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["serve", "--url", server, "--duration", "0.5", "--no-progress", "--json",
+            "--tenant", "a:models=all_r8,concurrency=2,prompt=8,output=4,class=gold",
+            "--tenant", "b:models=mlp_*+qv_r32_regex,concurrency=1,prompt=8,output=4"]  # fmt: skip
+    assert cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    s = doc["summary"]
+    assert set(s["by_tenant"]) == {"a", "b"} and set(s["by_class"]) == {"gold", "b"}
+    assert s["errors"] == 0 and all(g["completed"] >= 1 for g in s["by_tenant"].values())
+    # shares count the requests done within the 0.5 s send window (the drain after it is
+    # excluded); recomputed here from the records, whatever the machine's speed
+    window = s["meta"]["window_s"]
+    assert window == 0.5
+    done = {t: sum(r["output_tokens"] for r in doc["records"]
+                   if r["tenant"] == t and r["sent"] + r["e2e"] <= window) for t in "ab"}  # fmt: skip
+    total = sum(done.values())
+    if total:
+        assert s["token_shares"] == {t: pytest.approx(n / total) for t, n in done.items()}
+        assert s["jain_index"] == pytest.approx(total**2 / (2 * sum(n * n for n in done.values())))
+    else:
+        assert s["token_shares"] == {} and s["jain_index"] is None
+    models_b = {r["model"] for r in doc["records"] if r["tenant"] == "b"}
+    assert models_b <= {"mlp_r16", "qv_r32_regex"}
+    assert {r["slo_class"] for r in doc["records"]} == {"gold", "b"}
+    assert cli.main(["serve", "--url", server, "--tenant", "a:models=all_r8,rate=1"]) == 2
+    assert "needs --duration" in capsys.readouterr().err

@@ -324,3 +324,36 @@ def test_source_changing_during_put_stores_nothing(
             tier.put(digest, src)
         assert tier.entries() == {} and tier.free_bytes == tier.capacity_bytes
         assert sorted(p.name for p in tier.root.iterdir()) == [".lock"]
+
+
+@pytest.mark.parametrize("what", ["tensors", "one_byte", "config"])
+def test_a_changed_copy_is_caught_after_a_verified_load(
+    tmp_path: Path, adapters: list, what: str
+) -> None:
+    """Loads after the first full verification compare plain file hashes of the bytes read:
+    the same tensors come back, and any change since is still an integrity error."""
+    (src, digest), (other, _) = adapters[0], adapters[1]
+    with DiskTier(tmp_path / "l2", 1 << 20) as tier:
+        tier.put(digest, src)
+        first = tier.load_verified(digest, "team-a")  # full verification
+        again = tier.load_verified(digest, "team-a")  # the same bytes: file hashes only
+        assert again.config == first.config and again.tensors.keys() == first.tensors.keys()
+        for name, t in first.tensors.items():
+            assert torch.equal(again.tensors[name], t) and again.tensors[name].dtype == t.dtype
+            assert again.tensors[name].data_ptr() != t.data_ptr()  # its own buffer
+        want = load_file(str(src / ST))
+        assert all(torch.equal(again.tensors[k], v) for k, v in want.items())
+        entry = tier.root / digest
+        if what == "tensors":
+            shutil.copyfile(other / ST, entry / ST)
+        elif what == "one_byte":  # the last byte of the data: inside the last tensor
+            raw = bytearray((entry / ST).read_bytes())
+            raw[-1] ^= 0x01
+            (entry / ST).write_bytes(bytes(raw))
+        else:
+            cfg = json.loads((entry / CFG).read_text())
+            cfg["lora_alpha"] = 3 * cfg["lora_alpha"]
+            (entry / CFG).write_text(json.dumps(cfg))
+        with pytest.raises(AdapterIntegrityError) as info:
+            tier.load_verified(digest, "team-a")
+        assert info.value.deleted and digest not in tier and not entry.exists()

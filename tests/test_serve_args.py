@@ -595,3 +595,58 @@ def test_bad_registry_flags(model_dir: Path, tmp_path: Path) -> None:
     assert "not a file" in error_of([model_dir, "--trusted-key", tmp_path / "missing.pem"])
     assert "s3://" in error_of([model_dir, "--allowed-store-prefixes", "bucket/x"])
     assert "--registry-poll-interval" in error_of([model_dir, "--registry-poll-interval", "0"])
+
+
+# --------------------------------------------------------------------------- scheduling
+
+
+def test_scheduling_flags(model_dir: Path) -> None:
+    e = parse([model_dir, "--scheduling-policy", "FAIR", "--slo-classes", "gold=8,batch=1",
+               "--default-slo-class", "batch", "--tenant-slo-classes", "acme=gold",
+               "--lora-rank-slot-budgets", "8:6,64:2", "--max-lora-device-fraction", "0.25",
+               "--max-loras", "8"]).engine  # fmt: skip
+    assert e.scheduling_policy == "fair"
+    assert e.slo_class_weights() == (("gold", 8.0), ("batch", 1.0))
+    assert e.default_slo_class == "batch" and e.tenant_classes() == {"acme": "gold"}
+    assert e.rank_slot_budgets() == {8: 6, 64: 2} and e.max_lora_device_fraction == 0.25
+    assert parse([model_dir, "--scheduling-policy", "priority"]).engine.scheduling_policy == (
+        "priority"
+    )
+    d = parse([model_dir]).engine
+    assert (d.scheduling_policy, d.lora_rank_slot_budgets, d.max_lora_device_fraction) == (
+        "fcfs", None, None)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--scheduling-policy", "lifo"], ["--scheduling-policy", "fcfs, priority, fair"]),
+        (["--slo-classes", "gold"], ["--slo-classes", "NAME=WEIGHT"]),
+        (["--slo-classes", "gold=0,standard=1"], ["--slo-classes", "positive"]),
+        (["--slo-classes", "gold=1,gold=2"], ["--slo-classes", "twice"]),
+        (["--default-slo-class", "silver"], ["--default-slo-class", "--slo-classes", "silver"]),
+        (["--tenant-slo-classes", "acme=silver"], ["--tenant-slo-classes", "silver"]),
+        (["--tenant-slo-classes", "acme"], ["--tenant-slo-classes", "TENANT=CLASS"]),
+        (["--lora-rank-slot-budgets", "8:0,64:1"], ["--lora-rank-slot-budgets", "positive"]),
+        (["--lora-rank-slot-budgets", "8:2"], ["--lora-rank-slot-budgets", "--max-lora-rank"]),
+        (["--lora-rank-slot-budgets", "64:20"], ["--lora-rank-slot-budgets", "--max-loras"]),
+        (["--max-lora-device-fraction", "1.5"], ["--max-lora-device-fraction"]),
+        (["--max-lora-device-fraction", "0"], ["--max-lora-device-fraction"]),
+    ],
+)
+def test_scheduling_flag_errors(
+    model_dir: Path, argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Syntax errors exit 2 from argparse; rules across flags raise ServeConfigError; both
+    name the flag and the problem."""
+    try:
+        parse([model_dir, *argv])
+    except SystemExit as e:
+        assert e.code == 2
+        msg = capsys.readouterr().err
+    except ServeConfigError as e:
+        msg = str(e)
+    else:
+        pytest.fail(f"{argv} accepted")
+    for w in words:
+        assert w in msg, (w, msg)

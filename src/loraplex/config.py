@@ -30,6 +30,10 @@ ENV_ADMIN_API_KEY = "LORAPLEX_ADMIN_API_KEY"
 ENV_METRICS_API_KEY = "LORAPLEX_METRICS_API_KEY"
 ENV_REGISTRY_URL = "LORAPLEX_REGISTRY_URL"
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+"""Names of ``loraplex.engine.scheduler.SCHEDULING_POLICIES`` (checked by a test)."""
+_CLASS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
 # --------------------------------------------------------------------------- value parsers
 # text -> value, or ValueError with a message that does not repeat the flag name
 
@@ -88,6 +92,77 @@ def parse_store_url(text: str) -> str:
     if not value:
         raise ValueError("must not be empty")
     return value
+
+
+def parse_scheduling_policy(text: str) -> str:
+    value = text.strip().lower()
+    if value not in SCHEDULING_POLICIES:
+        choices = ", ".join(SCHEDULING_POLICIES)
+        raise ValueError(f"invalid scheduling policy {text!r} (choose from {choices})")
+    return value
+
+
+def _pairs(text: str, sep: str, what: str) -> list[tuple[str, str]]:
+    """'a=1,b=2' -> [('a', '1'), ('b', '2')]; ValueError naming ``what`` for a bad item."""
+    out = []
+    for item in text.split(","):
+        key, got, value = item.strip().partition(sep)
+        if not got or not key.strip() or not value.strip():
+            raise ValueError(f"expected {what}, got {item.strip()!r} in {text!r}")
+        out.append((key.strip(), value.strip()))
+    if len({k for k, _ in out}) != len(out):
+        raise ValueError(f"a name appears twice in {text!r}")
+    return out
+
+
+def slo_class_table(text: str) -> tuple[tuple[str, float], ...]:
+    """'gold=8,standard=4,batch=1' -> ((name, weight), ...), most important first; weights
+    are the classes' shares of served tokens under the fair policy."""
+    table = []
+    for name, weight in _pairs(text, "=", "NAME=WEIGHT such as gold=8"):
+        if not _CLASS_NAME.fullmatch(name):
+            raise ValueError(f"invalid class name {name!r} (letters, digits, '_', '.', '-')")
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ValueError(f"class {name!r}: weight {weight!r} is not a number") from None
+        if not w > 0 or w == float("inf"):
+            raise ValueError(f"class {name!r}: weight must be a positive number, got {weight!r}")
+        table.append((name, w))
+    return tuple(table)
+
+
+def parse_slo_classes(text: str) -> str:
+    slo_class_table(text)
+    return text.strip()
+
+
+def tenant_class_map(text: str) -> dict[str, str]:
+    """'acme=gold,sweep=batch' -> {tenant: class name}."""
+    return dict(_pairs(text, "=", "TENANT=CLASS such as acme=gold"))
+
+
+def parse_tenant_classes(text: str) -> str:
+    tenant_class_map(text)
+    return text.strip()
+
+
+def rank_budget_map(text: str) -> dict[int, int]:
+    """'8:12,64:4' -> {8: 12, 64: 4}: adapters of rank <= 8 hold at most 12 device slots,
+    those of rank 9..64 at most 4."""
+    out: dict[int, int] = {}
+    for rank, slots in _pairs(text, ":", "RANK:SLOTS such as 8:12"):
+        if not rank.isdigit() or int(rank) < 1:
+            raise ValueError(f"rank {rank!r} is not a positive integer")
+        if not slots.isdigit() or int(slots) < 1:
+            raise ValueError(f"rank {rank}: slots {slots!r} is not a positive integer")
+        out[int(rank)] = int(slots)
+    return dict(sorted(out.items()))
+
+
+def parse_rank_budgets(text: str) -> str:
+    rank_budget_map(text)
+    return text.strip()
 
 
 def parse_log_level(text: str) -> str:
@@ -519,6 +594,39 @@ class EngineConfig:
             "--max-lora-rank", ge=1, help="largest adapter rank accepted (default: {default})"
         ),
     )
+    lora_merge_after_steps: int = field(
+        default=0,
+        metadata=setting(
+            "--lora-merge-after-steps",
+            ge=0,
+            help="merge the only running adapter into the base weights after this many "
+            "consecutive steps with no other adapter and no base request; 0: never "
+            "(default: {default})",
+        ),
+    )
+    max_lora_device_fraction: float | None = field(
+        default=None,
+        metadata=setting(
+            "--max-lora-device-fraction",
+            gt=0,
+            le=1,
+            metavar="FRACTION",
+            help="cap the device slot bank's bytes at this fraction of the memory left after "
+            "the weights (fewer slots than --max-loras when high ranks would not fit), so "
+            "adapters cannot crowd out the KV cache (default: no byte cap)",
+        ),
+    )
+    lora_rank_slot_budgets: str | None = field(
+        default=None,
+        metadata=setting(
+            "--lora-rank-slot-budgets",
+            parse=parse_rank_budgets,
+            metavar="RANK:SLOTS,...",
+            help="device slots running requests may hold per rank bucket, e.g. 8:12,64:4 "
+            "(rank <= 8: 12 slots, rank 9-64: 4); the largest bucket must reach "
+            "--max-lora-rank (default: no budgets)",
+        ),
+    )
     # adapter cache tiers (see loraplex.cache.adapters)
     max_cpu_lora_bytes: int | None = field(  # L1 byte budget (with the max_cpu_loras count)
         default=None,
@@ -656,6 +764,47 @@ class EngineConfig:
             help="reuse KV blocks of shared prefixes (default: {default})",
         ),
     )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=setting(
+            "--scheduling-policy",
+            parse=parse_scheduling_policy,
+            help="fcfs (arrival order), priority (vLLM's: lower 'priority' first, preempting "
+            "higher values) or fair (SLO classes with weighted token shares, tenants balanced "
+            "by a virtual token counter within a class) (default: {default})",
+        ),
+    )
+    slo_classes: str = field(
+        default="gold=8,standard=4,batch=1",
+        metadata=setting(
+            "--slo-classes",
+            parse=parse_slo_classes,
+            metavar="NAME=WEIGHT,...",
+            help="SLO classes, most important first, with their token-share weights under "
+            "--scheduling-policy fair; a request's priority p moves it p classes from "
+            "--default-slo-class (default: {default})",
+        ),
+    )
+    default_slo_class: str = field(
+        default="standard",
+        metadata=setting(
+            "--default-slo-class",
+            parse=stripped,
+            metavar="NAME",
+            help="class of requests whose adapter manifest and tenant name none (default: "
+            "{default})",
+        ),
+    )
+    tenant_slo_classes: str | None = field(
+        default=None,
+        metadata=setting(
+            "--tenant-slo-classes",
+            parse=parse_tenant_classes,
+            metavar="TENANT=CLASS,...",
+            help="the class of each named tenant's requests when their adapter's manifest "
+            "sets no slo_class (default: none)",
+        ),
+    )
     skip_tokenizer_init: bool = field(
         default=False,
         metadata=setting(
@@ -675,6 +824,36 @@ class EngineConfig:
             return {}
         value = json.loads(self.override_generation_config)
         return dict(value) if isinstance(value, dict) else {}
+
+    def slo_class_weights(self) -> tuple[tuple[str, float], ...]:
+        """``slo_classes`` as ((name, weight), ...), most important first."""
+        return slo_class_table(self.slo_classes)
+
+    def tenant_classes(self) -> dict[str, str]:
+        """``tenant_slo_classes`` as {tenant: class name} (empty when not set)."""
+        return tenant_class_map(self.tenant_slo_classes) if self.tenant_slo_classes else {}
+
+    def rank_slot_budgets(self) -> dict[int, int]:
+        """``lora_rank_slot_budgets`` as {bucket's largest rank: slots} (empty when not set)."""
+        return rank_budget_map(self.lora_rank_slot_budgets) if self.lora_rank_slot_budgets else {}
+
+    def lora_slot_count(self, bytes_per_slot: int, available_bytes: int) -> int:
+        """Device slots the bank gets: ``max_loras``, fewer when ``max_lora_device_fraction``
+        of ``available_bytes`` (the memory left after the weights) cannot hold that many slots
+        of ``bytes_per_slot`` (a slot is sized for ``max_lora_rank``). Raises ValueError naming
+        the flag when not even one fits."""
+        if self.max_lora_device_fraction is None:
+            return self.max_loras
+        cap = int(available_bytes * self.max_lora_device_fraction)
+        fits = cap // bytes_per_slot
+        if fits < 1:
+            raise ValueError(
+                f"--max-lora-device-fraction {self.max_lora_device_fraction:g} of "
+                f"{available_bytes} bytes ({cap}) cannot hold one adapter slot of rank "
+                f"{self.max_lora_rank} ({bytes_per_slot} bytes): raise it or lower "
+                "--max-lora-rank"
+            )
+        return min(self.max_loras, fits)
 
     def device_kv_budget(self, free_bytes: int, total_bytes: int) -> int:
         """KV-cache bytes on a CUDA device, by vLLM's ``--gpu-memory-utilization``: this server
@@ -701,6 +880,44 @@ class EngineConfig:
                 "max_cpu_loras",
                 lambda n: (
                     f"must be >= {n('max_loras')} ({self.max_loras}), got {self.max_cpu_loras}"
+                ),
+            )
+        names = [n for n, _ in self.slo_class_weights()]
+        if self.default_slo_class not in names:
+            raise FieldError(
+                self,
+                "default_slo_class",
+                lambda n: (
+                    f"{self.default_slo_class!r} is not one of {n('slo_classes')} "
+                    f"({', '.join(names)})"
+                ),
+            )
+        unknown = sorted(set(self.tenant_classes().values()) - set(names))
+        if unknown:
+            raise FieldError(
+                self,
+                "tenant_slo_classes",
+                lambda n: (
+                    f"class {unknown[0]!r} is not one of {n('slo_classes')} ({', '.join(names)})"
+                ),
+            )
+        budgets = self.rank_slot_budgets()
+        if budgets and max(budgets) < self.max_lora_rank:
+            raise FieldError(
+                self,
+                "lora_rank_slot_budgets",
+                lambda n: (
+                    f"the largest bucket (rank {max(budgets)}) must be >= "
+                    f"{n('max_lora_rank')} ({self.max_lora_rank}) so every adapter has a bucket"
+                ),
+            )
+        over = next((r for r, k in budgets.items() if k > self.max_loras), None)
+        if over is not None:
+            raise FieldError(
+                self,
+                "lora_rank_slot_budgets",
+                lambda n: (
+                    f"rank {over}: {budgets[over]} slots exceed {n('max_loras')} ({self.max_loras})"
                 ),
             )
         if self.disk_cache_dir is not None and self.disk_cache_bytes is None:

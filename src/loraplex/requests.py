@@ -83,6 +83,9 @@ class SamplingParams:
     best_of: int | None = None  # sample best_of, return the n with the highest cumulative logprob
     prompt_logprobs: int | None = None  # top logprobs per prompt token (0: the token's only)
     structured: StructuredOutput | None = None  # constrains the output (JSON, regex, ...)
+    # vLLM's request priority (lower is scheduled earlier; not 0 needs --scheduling-policy
+    # priority or fair). vLLM passes it beside the params; here it travels with them
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,7 +109,7 @@ class SamplingParams:
                 getattr(self, name), (int, float)
             ):
                 bad(name, "must be a number")
-        for name in ("top_k", "min_tokens"):
+        for name in ("top_k", "min_tokens", "priority"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 bad(name, "must be an integer")
         if not isinstance(self.n, int) or self.n < 1:

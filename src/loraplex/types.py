@@ -65,6 +65,7 @@ class AdapterSpec:
     priority: int = 0
     warm_policy: str = "on-demand"
     allow_pickle: bool = False
+    slo_class: str | None = None  # the manifest's SLO class (scheduling; see EngineConfig)
 
     @property
     def sha256(self) -> str:

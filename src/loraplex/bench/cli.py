@@ -20,12 +20,14 @@ from typing import Any
 from loraplex.bench.serve import (
     BenchError,
     LengthDist,
+    TenantStream,
     build_requests,
     fetch_models,
     plot_ttft_cdf,
     render_summary,
     result_json,
     run_load,
+    run_mixed,
 )
 from loraplex.sim.workloads import (
     WORKLOAD_KINDS,
@@ -91,6 +93,14 @@ def _add_serve(sub: Any) -> None:
         "--adapters-from-server",
         action="store_true",
         help="every adapter the server lists in /v1/models (entries with a parent)",
+    )
+    who.add_argument(
+        "--tenant",
+        action="append",
+        metavar="SPEC",
+        help="a multi-tenant mix, one flag per tenant: TENANT:models=NAME[+NAME|PATTERN],"
+        "rate=R|concurrency=N[,prompt=N,output=N,priority=P,class=LABEL,start=S] (needs "
+        "--duration; reports TTFT per tenant and class, token shares and Jain's index)",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -188,7 +198,47 @@ def _trace(args: argparse.Namespace) -> list:
     return WORKLOAD_KINDS[kind](spec=args.workload, **params).requests
 
 
+def cmd_mixed(args: argparse.Namespace) -> int:
+    """``bench serve --tenant ...``: every tenant's stream at once for ``--duration`` s."""
+    if args.duration is None:
+        raise BenchError("--tenant needs --duration (how long every tenant sends)")
+    if args.rate is not None or args.concurrency is not None:
+        raise BenchError("with --tenant, give rate= or concurrency= in each tenant's spec")
+    if args.endpoint != "completions":
+        raise BenchError("--tenant sends token prompts: use --endpoint completions")
+    streams = [TenantStream.parse(t) for t in args.tenant]
+    if len({s.tenant for s in streams}) != len(streams):
+        raise BenchError("a tenant is named twice")
+    served = [str(m.get("id")) for m in fetch_models(args.url, args.api_key)]
+    streams = [s.resolve(served) for s in streams]
+    result = run_mixed(
+        args.url,
+        streams,
+        duration=args.duration,
+        api_key=args.api_key,
+        timeout=args.timeout,
+        seed=args.seed,
+        token_range=args.token_range,
+    )
+    result.meta |= {
+        "tenants": args.tenant,
+        "duration": args.duration,
+        "seed": args.seed,
+        "num_requests": len(result.records),
+    }
+    doc = result_json(result)
+    if args.save:
+        with open(args.save, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        plot_ttft_cdf(result, args.plot, title="TTFT, tenant mix")
+    print(json.dumps(doc, indent=1) if args.json else render_summary(doc["summary"]))
+    return 0 if doc["summary"]["completed"] else 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.tenant:
+        return cmd_mixed(args)
     if args.prompt_kind == "tokens" and args.endpoint == "chat":
         raise BenchError("--prompt-kind tokens needs --endpoint completions (chat takes text)")
     if args.concurrency is not None and args.arrivals != "poisson":

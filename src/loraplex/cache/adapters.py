@@ -22,9 +22,12 @@ Loads (file reads, downloads, conversion) run outside it in the caller's thread;
 finds no room in host memory waits on the condition (bounded by ``load_wait_timeout_s``, woken
 by releases) and then raises :class:`AdapterCapacityError`; a request that joined another's
 load waits for it at most as long (:class:`~loraplex.types.AdapterLoadTimeoutError`). The engine thread reserves slots
-(:meth:`reserve_slot`, bookkeeping only, never blocks) and then :meth:`activate` copies the
-newly reserved adapters' weights into their slot rows — outside the lock, timed as ``h2d`` on
-CUDA or ``activation`` elsewhere. Every load stage is reported to ``load_observers``
+(:meth:`reserve_slot`, bookkeeping only, never blocks); then :meth:`stage` hands the newly
+reserved adapters' weight copies to a background writer (:mod:`loraplex.cache.staging`) and
+returns the slots still loading: the engine runs the rest of the batch and those requests wait
+(a slot becomes usable between two steps, once its rows are complete). :meth:`activate` is the
+blocking form (start-up, tests). Copies run outside the cache lock, timed as ``h2d`` on CUDA or
+``activation`` elsewhere. Every load stage is reported to ``load_observers``
 (``resolve``, ``remote_download``, ``disk_load``, ``h2d`` / ``activation``).
 
 Pins (``pin``/``unpin``, and the warm policies ``device-preferred``/``host``/``on-demand`` of
@@ -55,6 +58,7 @@ from loraplex.cache.loader import (
 )
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy, make_policy
 from loraplex.cache.residency import PIN_WINDOW, NoRoomError
+from loraplex.cache.staging import SlotStager, StagingJob
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.cache.store import ObjectStore
 from loraplex.config import WARM_POLICIES
@@ -187,6 +191,8 @@ class TieredAdapterCache:
         self.warm_policy: dict[str, str] = {}  # digest -> warm policy given to prewarm/pin
         self._refs: dict[str, AdapterRef] = {}  # digest -> ref of its first host copy
         self._active: list[str | None] = [None] * max_loras  # digest whose rows each slot has
+        self._stager = SlotStager(bank)
+        self._staging: dict[int, StagingJob] = {}  # slot -> its latest fill (engine thread)
         self._activation_stage = STAGE_H2D if bank.device.type == "cuda" else STAGE_ACTIVATION
         if disk is not None:
             self.loader.adopt_disk_entries()
@@ -395,33 +401,69 @@ class TieredAdapterCache:
             if self.tiers.release_slot(slot):
                 self._cond.notify_all()  # an idle slot may give its host copy's room
 
-    def activate(self, batch: SlotBatch) -> None:
-        """Copy the weights of the adapters newly reserved for ``batch`` into their slots and
-        record the rows every slot of the batch occupies on ``batch.slot_rows``.
+    def stage(self, batch: SlotBatch) -> set[int]:
+        """Start the weight copies of the adapters newly reserved for ``batch`` (background
+        thread) and return the slots whose rows are not complete yet: their requests wait while
+        the rest of the batch runs. ``batch.slot_rows`` gets the rows of every ready slot.
 
-        Engine thread only (it owns the bank), and never under the cache lock: a slot with
+        Engine thread only, between steps. A finished copy becomes usable here; a failed one
+        raises its error here (the bank is left without that adapter: all or nothing); a copy
+        that found the free rows fragmented compacts the bank (moves slots in use, so only
+        here) and starts again.
+        """
+        loading = {slot for slot, a in batch.slot_adapters().items() if not self._ready(slot, a)}
+        used = batch.slot_adapters()
+        batch.slot_rows = {s: self.bank.slot_rows(s) for s in used if s not in loading}
+        return loading
+
+    def wait_staging(self, timeout: float) -> None:
+        """Block until a slot copy in progress finishes (or ``timeout``): for an engine whose
+        whole batch waits on loads, instead of spinning."""
+        self._stager.wait_any(list(self._staging.values()), timeout)
+
+    def activate(self, batch: SlotBatch) -> None:
+        """Blocking :meth:`stage`: copy the weights of the adapters newly reserved for ``batch``
+        into their slots and wait, then record every slot's rows on ``batch.slot_rows``.
+
+        Engine thread only (it owns the slot fills), never under the cache lock: a slot with
         running requests cannot be retired, so nothing else touches these slots meanwhile.
         """
         used = batch.slot_adapters()
         for slot, adapter in used.items():
-            self._write_slot(slot, adapter)
+            self._activate_now(slot, adapter)
         batch.slot_rows = {slot: self.bank.slot_rows(slot) for slot in used}
 
-    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Make ``slot``'s rows hold ``adapter`` (stale rows of a retired adapter reset first)."""
+    def _activate_now(self, slot: int, adapter: LoRAAdapter) -> None:
+        while not self._ready(slot, adapter):
+            self._staging[slot].done.wait()
+
+    def _ready(self, slot: int, adapter: LoRAAdapter) -> bool:
+        """Whether ``slot``'s rows hold ``adapter``; starts (or collects) its copy if not."""
         d = adapter.ref.sha256
-        if self._active[slot] == d:
-            return
-        if self._active[slot] is not None:
-            self.bank.reset_lora(slot)
+        job = self._staging.get(slot)
+        if job is not None and job.done.is_set():
+            self._collect(job)  # may raise, or compact and start again
+            job = self._staging.get(slot)
+        if job is None and self._active[slot] == d:
+            return True
+        if job is None or job.digest != d:  # a superseded fill is reset by this one
             self._active[slot] = None
-        t0 = time.perf_counter()
-        self.bank.set_lora(slot, adapter.weights)  # validates before writing: all or nothing
-        dt = time.perf_counter() - t0
-        self._active[slot] = d
+            self._staging[slot] = self._stager.submit(slot, d, adapter.weights)
+        return False
+
+    def _collect(self, job: StagingJob) -> None:
+        """Apply a finished fill (engine thread, between steps)."""
+        del self._staging[job.slot]
+        if job.error is not None:
+            raise job.error
+        if job.needs_compaction:
+            self.bank.compact()
+            self._staging[job.slot] = self._stager.submit(job.slot, job.digest, job.weights)
+            return
+        self._active[job.slot] = job.digest
         with self._lock:
-            self.tiers.record_load(TIER_DEVICE, d, dt)
-        self._observe(self._activation_stage, dt)
+            self.tiers.record_load(TIER_DEVICE, job.digest, job.seconds)
+        self._observe(self._activation_stage, job.seconds)
 
     # -- pins, admin eviction, warm policies -----------------------------------------------------
     @staticmethod
@@ -552,7 +594,7 @@ class TieredAdapterCache:
                 tier=TIER_DEVICE,
             )
         try:
-            self._write_slot(slot, adapter)
+            self._activate_now(slot, adapter)
         except BaseException:
             with self._lock:
                 self.tiers.cancel_slot(slot)

@@ -12,7 +12,10 @@ A write fills ``.tmp-<uuid>/``, fsyncs the files, the manifest and the directory
 is rebuilt by scanning: ``.tmp-*`` leftovers of a crash are removed, and entries whose files do
 not match their manifest's sizes (the cheap check) are dropped. Full verification happens on use
 (:meth:`DiskTier.load_verified`: the entry is read into owned memory and hashed before it is
-parsed), which deletes a bad copy.
+parsed), which deletes a bad copy. After one full verification the tier remembers, in memory
+only, each file's plain sha256 and the tensor table of those bytes: a later load of the entry
+reads each file once into one buffer, hashes it in one pass and compares (no digest
+re-derivation, no header re-parse); any difference falls back to the full verification.
 
 The budget counts the adapter files' bytes (the manifest and directory metadata are not counted,
 nor transient ``.tmp`` staging). ``put`` never exceeds it: it raises :class:`DiskBudgetError` and
@@ -37,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cache.verify import STAGE_DISK_LOAD, TIER_DISK, check_digest, verify_adapter_dir
+from loraplex.cache.verify import STAGE_DISK_LOAD, TIER_DISK, check_digest, verified_read
+from loraplex.lora.adapter import KnownFiles, read_known_adapter
 from loraplex.lora.peft_format import (
     ADAPTER_FILES,
     BIN_NAME,
@@ -131,6 +135,8 @@ class DiskTier:
         self._lock = threading.Lock()
         self._entries: dict[str, int] = {}  # digest -> bytes
         self._access: dict[str, float] = {}  # digest -> last access (time.time())
+        # digest -> file hashes and tensor table of the bytes this process last verified
+        self._known: dict[str, KnownFiles] = {}
         self._reserved = 0  # bytes of puts in progress
         self._lock_fd: int | None = None
         try:
@@ -399,6 +405,7 @@ class DiskTier:
         with self._lock:
             nbytes = self._entries.pop(digest, 0)
             self._access.pop(digest, None)
+            self._known.pop(digest, None)
         self._discard(self.root / digest)
         return nbytes
 
@@ -417,14 +424,26 @@ class DiskTier:
             raise DiskTierError(
                 f"adapter {name!r} ({digest[:12]}) is not in the disk tier {self.root}"
             )
-        try:
-            config, tensors, _ = verify_adapter_dir(
-                p, digest, name=name, tier=TIER_DISK, allow_pickle=allow_pickle
-            )
-        except AdapterCopyError as e:
-            self.remove(digest)
-            e.mark_deleted()
-            raise
+        with self._lock:
+            known = self._known.get(digest)
+        fast = read_known_adapter(p, known) if known is not None else None
+        if fast is not None:  # the very bytes this process verified against the digest
+            config, tensors = fast
+        else:
+            try:
+                read = verified_read(
+                    p, digest, name=name, tier=TIER_DISK, allow_pickle=allow_pickle
+                )
+            except AdapterCopyError as e:
+                self.remove(digest)
+                e.mark_deleted()
+                raise
+            config, tensors = read.config, read.tensors
+            if read.files is not None:
+                record = KnownFiles.of(read.files)
+                with self._lock:
+                    if digest in self._entries:
+                        self._known[digest] = record
         with self._lock:
             nbytes = self._entries.get(digest, 0)
         return DiskLoadResult(digest, config, tensors, nbytes, time.perf_counter() - t0, p)

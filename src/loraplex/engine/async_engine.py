@@ -95,14 +95,16 @@ class _Sink:
         self._untaken_since = 0.0  # when the oldest untaken snapshot was put
 
     # -- loop thread -------------------------------------------------------------------------
-    def put(self, out: RequestOutput, now: float) -> None:
+    def put(self, out: RequestOutput, now: float) -> bool:
+        """Keep ``out`` for the reader; True when the reader must be woken (no wake-up is on
+        its way yet): the caller wakes it, batched with the step's other readers
+        (:func:`_wake_all`), so a step costs one hop to each event loop, not one per request."""
         with self._lock:
             if self._latest is None:
                 self._untaken_since = now
             self._latest = out
             notify, self._notified = not self._notified, True
-        if notify:
-            self._call(self._wake.set)
+        return notify
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
@@ -139,6 +141,12 @@ class _Sink:
                 self._notified = False
                 self._wake.clear()
             await self._wake.wait()
+
+
+def _wake_all(sinks: list[_Sink]) -> None:
+    """Wake the readers of ``sinks`` (on their event loop: one callback for a whole step)."""
+    for sink in sinks:
+        sink._wake.set()
 
 
 class RequestStream:
@@ -210,6 +218,8 @@ class AsyncEngine:
         self.engine = engine
         self._cmds: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # loop thread only
+        # readers to wake once the step's outputs are delivered, by event loop (loop thread only)
+        self._to_wake: dict[asyncio.AbstractEventLoop, list[_Sink]] = {}
         self._pool = ThreadPoolExecutor(prepare_workers, thread_name_prefix="loraplex-prepare")
         self._load_pool = ThreadPoolExecutor(load_workers, thread_name_prefix="loraplex-load")
         self.prepare_timeout_s = prepare_timeout_s
@@ -379,8 +389,20 @@ class AsyncEngine:
             for fn in self.step_observers:
                 self._observe(fn, stats)
         now = time.monotonic()
-        for out in outputs:
-            self._deliver(out, now)
+        try:
+            for out in outputs:
+                self._deliver(out, now)
+        finally:  # even when a delivery failed: the outputs already put must reach their readers
+            self._wake_pending()
+
+    def _wake_pending(self) -> None:
+        """One ``call_soon_threadsafe`` per event loop for every reader that got output."""
+        wakes, self._to_wake = self._to_wake, {}
+        for loop, sinks in wakes.items():
+            try:
+                loop.call_soon_threadsafe(_wake_all, sinks)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                pass
 
     def _observe(self, fn: Callable[[StepStats], None], stats: StepStats) -> None:
         """Run one step observer; one that raises is logged and counted, nothing else."""
@@ -423,7 +445,7 @@ class AsyncEngine:
             return
         if out.finished:
             del self._sinks[rid]
-            sink.put(out, now)
+            self._put(sink, out, now)
             return
         bounds = self.stream_bounds
         tokens, seconds = sink.behind(out, now)
@@ -432,7 +454,11 @@ class AsyncEngine:
         ):
             self._stall(rid, sink, tokens, seconds)
             return
-        sink.put(out, now)
+        self._put(sink, out, now)
+
+    def _put(self, sink: _Sink, out: RequestOutput, now: float) -> None:
+        if sink.put(out, now):
+            self._to_wake.setdefault(sink.loop, []).append(sink)
 
     def _stall(self, rid: str, sink: _Sink, tokens: int, seconds: float) -> None:
         """Abort a request whose reader fell behind (its KV blocks and slot are freed now)."""

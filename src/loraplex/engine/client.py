@@ -269,7 +269,7 @@ class EngineClient:
 
     def waiting_adapter_counts(self) -> dict[str, int]:
         """Digest -> sequences waiting in the scheduler with that adapter."""
-        waiting = list(self.engine.scheduler.waiting)
+        waiting = self.engine.scheduler.waiting_sequences()  # the loading queue too
         return dict(Counter(s.adapter.ref.sha256 for s in waiting if s.adapter is not None))
 
     def device_adapter_digests(self) -> list[str]:

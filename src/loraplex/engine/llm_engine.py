@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +17,10 @@ from loraplex.config import EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.chat import render_chat
 from loraplex.engine.detokenizer import make_detokenizer
+from loraplex.engine.merge import AdapterMerger
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import Sampler
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import ScheduledBatch, Scheduler
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.structured import GrammarState, StructuredOutputBackend
 from loraplex.kv.block_pool import BlockPool
@@ -28,6 +29,7 @@ from loraplex.lora.adapter import BaseModelSpec
 from loraplex.lora.ops import select_lora_ops
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
+from loraplex.model.linear import select_linear_factory
 from loraplex.model.llama import LlamaForCausalLM, LoRABinding
 from loraplex.outputs import CompletionOutput, RequestOutput
 from loraplex.requests import LoRARequest, SamplingParams
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_DEFAULT_KV_BYTES = 2 << 30
+_STAGING_WAIT_S = 0.05  # longest an engine with only loading sequences sleeps before rescheduling
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -158,13 +161,19 @@ class LLMEngine:
             }
             ops = select_lora_ops(self.device)  # backend chosen once, here
             table_dtype = ops.table_dtype(self.dtype)
-            bank = LoRASlotBank(
-                shapes, config.max_loras, config.max_lora_rank, table_dtype, self.device
-            )
+            slots = self._lora_slot_count(shapes, table_dtype)  # --max-lora-device-fraction
+            bank = LoRASlotBank(shapes, slots, config.max_lora_rank, table_dtype, self.device)
             self.model.lora = LoRABinding(bank, ops)
             spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
-            self.adapters = TieredAdapterCache.from_config(bank, spec, config, dtype=table_dtype)
+            cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
+            self.adapters = TieredAdapterCache.from_config(
+                bank, spec, cache_config, dtype=table_dtype
+            )
             self.adapter_catalog = LocalAdapterCatalog(self.adapters.store)
+        self.merger: AdapterMerger | None = None  # one adapter merged into the base weights
+        if config.enable_lora and config.lora_merge_after_steps:
+            _, make = select_linear_factory(self.device, self.dtype)
+            self.merger = AdapterMerger(self.model, make, config.lora_merge_after_steps)
 
         num_blocks = self._num_kv_blocks()
         self.cache = PagedKVCache(
@@ -178,11 +187,18 @@ class LLMEngine:
         )
         self.max_model_len = self._max_model_len(num_blocks)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        classes = config.slo_class_weights()
+        self._class_index = {name: i for i, (name, _) in enumerate(classes)}
+        self._tenant_classes = config.tenant_classes()
         self.scheduler = Scheduler(
             self.pool,
             self.adapters,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+            class_weights=tuple(w for _, w in classes),
+            default_class=self._class_index[config.default_slo_class],
+            rank_slot_budgets=config.rank_slot_budgets(),
         )
         self.runner = ModelRunner(self.model, self.cache)
         self.sampler = Sampler(config.seed)
@@ -228,6 +244,30 @@ class LLMEngine:
                     )
             return self._structured
 
+    def _memory_after_weights(self) -> int:
+        """Bytes this engine may give the KV cache and adapter slots together: by
+        ``--kv-cache-memory`` if set, on CUDA what ``--gpu-memory-utilization`` leaves after
+        what the device holds now, on CPU a quarter of the available memory (at most 2 GiB)."""
+        c = self.config
+        if c.kv_cache_memory_bytes is not None:
+            return c.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return c.device_kv_budget(free, total)  # --gpu-memory-utilization
+        return min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+
+    def _lora_slot_count(
+        self, shapes: dict[tuple[int, str], tuple[int, int]], dtype: torch.dtype
+    ) -> int:
+        """The slot bank's slots: ``--max-loras``, capped so the bank's bytes stay within
+        ``--max-lora-device-fraction`` of the memory left after the weights. One slot holds
+        ``max_lora_rank`` rows of A ``[r, d_in]`` and of B^T ``[r, d_out]`` for every module."""
+        c = self.config
+        if c.max_lora_device_fraction is None:
+            return c.max_loras
+        row_bytes = sum(d_in + d_out for d_in, d_out in shapes.values()) * dtype.itemsize
+        return c.lora_slot_count(c.max_lora_rank * row_bytes, self._memory_after_weights())
+
     def _num_kv_blocks(self) -> int:
         c, mc = self.config, self.model_config
         if c.num_kv_blocks is not None:
@@ -237,11 +277,10 @@ class LLMEngine:
         )
         budget = c.kv_cache_memory_bytes
         if budget is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = c.device_kv_budget(free, total)  # --gpu-memory-utilization
-            else:
-                budget = min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+            budget = self._memory_after_weights()  # on CUDA the slot bank is out of it already
+            if c.max_lora_device_fraction is not None and self.device.type != "cuda":
+                # the slot bank's capped share comes out of the same memory
+                budget = max(budget - (self.adapters.bank.nbytes if self.adapters else 0), 0)
             # never more than max_num_seqs full-length sequences can use
             longest = c.max_model_len or mc.max_position_embeddings
             budget = min(budget, c.max_num_seqs * -(-longest // c.block_size) * per_block)
@@ -378,6 +417,8 @@ class LLMEngine:
         if params.structured is not None:
             compiled = self.structured_outputs.compile(params.structured)
         spec = self._adapter_spec(lora_request)
+        priority = self._priority(params, spec)
+        tenant = (spec.tenant or spec.ref.name) if spec is not None else None
         adapter = None
         if spec is not None and self.adapters is not None:
             adapter, warm = self.adapters.acquire(spec)
@@ -408,6 +449,8 @@ class LLMEngine:
                     eos_token_ids=eos_ids,
                     detokenizer=detok,
                     cache_salt=cache_salt,
+                    priority=priority,
+                    tenant=tenant,
                     grammar=GrammarState(compiled) if compiled is not None else None,
                     # the first sequence computes the request's prompt logprobs
                     prompt_logprobs=[None]
@@ -426,6 +469,29 @@ class LLMEngine:
             _Request(request_id, text, ids, seqs, ref, arrival if arrival is not None else now),
             adapter_warm=warm,
         )
+
+    def _priority(self, params: SamplingParams, spec: AdapterSpec | None) -> int:
+        """The request's scheduling priority (lower first), the class offset from
+        ``--default-slo-class``: the request's own ``priority`` (vLLM's field; refused under
+        fcfs, as vLLM does), else its adapter manifest's ``slo_class``, else its tenant's
+        class (``--tenant-slo-classes``), else the manifest's ``priority`` (higher is more
+        important there, as in the residency policy), else 0. A manifest class this server
+        does not define counts as unset."""
+        if params.priority != 0:
+            if self.config.scheduling_policy == "fcfs":
+                raise InvalidRequestError(
+                    f"priority {params.priority} needs --scheduling-policy priority or fair "
+                    "(this server schedules first come, first served); use 0",
+                    param="priority",
+                )
+            return params.priority
+        if spec is None:
+            return 0
+        default = self._class_index[self.config.default_slo_class]
+        for name in (spec.slo_class, self._tenant_classes.get(spec.tenant or "")):
+            if name is not None and name in self._class_index:
+                return self._class_index[name] - default
+        return -spec.priority
 
     def _adapter_spec(self, lora_request: AdapterSpec | LoRARequest | None) -> AdapterSpec | None:
         """The spec of an offline LoRARequest (the local catalog hashes its files), or the spec."""
@@ -504,14 +570,18 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule → activate the batch's adapters → run the model → sample and
-        update. Returns the requests that progressed."""
+        """One iteration: schedule → stage the batch's adapters (sequences whose adapter is still
+        being copied into its slot wait; the copy runs on a background thread) → merge or
+        unmerge a lone adapter (``lora_merge_after_steps``) → run the model → sample and update.
+        Returns the requests that progressed."""
         batch = self.scheduler.schedule()
+        if self.adapters is not None and not batch.empty:
+            self._stage_adapters(batch)
         if batch.empty:
             self.last_step = StepStats()  # nothing ran: observers must not see the last step again
             return []
-        if self.adapters is not None:
-            self.adapters.activate(batch)  # newly reserved slots get their weights
+        if self.merger is not None:
+            self.runner.merged_slot = self._merge_for(batch)
         logits, samplers = self.runner.run(batch)
         # sample before advancing: if sampling raises, the step is simply redone next time
         tokens = self.sampler(logits, samplers) if samplers else []
@@ -531,6 +601,33 @@ class LLMEngine:
             self._check_stop(seq, tok)
             touched[seq.request_id] = None
         return [self._output(rid) for rid in touched if self._reports(rid)]
+
+    def _stage_adapters(self, batch: ScheduledBatch) -> None:
+        """Newly reserved slots get their weights on a background thread: the sequences whose
+        adapter is still loading sit this step out (they keep their slot and KV blocks and run
+        once its rows are complete); the rest run now. With nothing left to run, wait for a load
+        rather than spin."""
+        assert self.adapters is not None
+        loading = self.adapters.stage(batch)
+        if not loading:
+            return
+        batch.items = [(s, n) for s, n in batch.items if s.slot not in loading]
+        if not batch.items:
+            self.adapters.wait_staging(_STAGING_WAIT_S)
+
+    def _merge_for(self, batch: ScheduledBatch) -> int | None:
+        """The slot whose adapter runs merged into the base weights this step (every sequence
+        uses it), else None: the merger unmerges first when a second adapter or a base
+        sequence is in the step (a reference swap, never a wait)."""
+        assert self.merger is not None
+        digests = {s.adapter.ref.sha256 if s.adapter else None for s, _ in batch.items}
+        seq = batch.items[0][0]
+        if len(digests) == 1 and seq.adapter is not None:
+            if self.merger.before_step(seq.adapter.ref.sha256, seq.adapter.weights):
+                return seq.slot
+            return None
+        self.merger.before_step(None, None)
+        return None
 
     def _reports(self, request_id: str) -> bool:
         """Whether the request has an output to report now: a best_of request (which picks
@@ -634,7 +731,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return self.scheduler.num_waiting
 
     @property
     def num_running(self) -> int:
@@ -645,7 +742,7 @@ class LLMEngine:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def waiting_adapter_digests(self) -> set[str]:
-        return {s.adapter.ref.sha256 for s in list(self.scheduler.waiting) if s.adapter}
+        return {s.adapter.ref.sha256 for s in self.scheduler.waiting_sequences() if s.adapter}
 
     def running_sequences(self) -> list[Sequence]:
         return [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING]

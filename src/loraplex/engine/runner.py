@@ -45,6 +45,9 @@ class ModelRunner:
         self.block_size = cache.block_size
         dims = model.cfg.module_shapes.values()
         self.lora_costs = LoRAPlanCosts(feature_dim=sum(i + o for i, o in dims) // len(dims))
+        # the slot whose adapter is merged into the base weights now (loraplex.engine.merge):
+        # its tokens take the base path, with no LoRA segment
+        self.merged_slot: int | None = None
 
     @staticmethod
     def order(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
@@ -110,7 +113,7 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 logits_idx.append(t + n - 1)
                 samplers.append(seq)
-            if seq.slot is not None:
+            if seq.slot is not None and seq.slot != self.merged_slot:
                 rs, re = slot_rows[seq.slot]
                 if segments and segments[-1][2] == rs and segments[-1][1] == t:
                     segments[-1] = (segments[-1][0], t + n, rs, re)

@@ -62,6 +62,10 @@ class Sequence:
     # prompt token logprobs (the request's first sequence only): [None, {tok: lp, ...}, ...]
     # filled as prefill chunks run; None when not asked for
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # scheduling: lower runs first (vLLM's request priority; the engine folds the adapter's or
+    # tenant's SLO class into it), and the key whose served tokens the fair policy balances
+    priority: int = 0
+    tenant: str | None = None
     _namespace: bytes = field(init=False, repr=False, default=b"")
 
     def __post_init__(self) -> None:

@@ -38,6 +38,7 @@ from loraplex.lora.digest import (
     SAFETENSORS_DTYPES,
     DigestError,
     SafetensorsAdapter,
+    TensorInfo,
     config_digest_line,
     read_owned,
     read_safetensors_adapter,
@@ -142,18 +143,65 @@ class AdapterRead:
     digest: str
     weights_file: str
     _legacy: Callable[[], str]
+    files: SafetensorsAdapter | None = None  # the owned bytes read (safetensors only)
 
     def legacy_digest(self) -> str:
         """What digest v1 gave these bytes (explains a mismatch with an old registration)."""
         return self._legacy()
 
 
+@dataclass(frozen=True)
+class KnownFiles:
+    """What a full verification of a safetensors adapter directory found: the plain sha256 of
+    each file's bytes and the tensor table parsed from them. A later read whose files hash the
+    same holds the same bytes, so it may skip re-deriving the digest and re-parsing the header
+    (:func:`read_known_adapter`). Only trust a record made in this process."""
+
+    config_sha256: str
+    weights_sha256: str
+    table: dict[str, TensorInfo]
+
+    @classmethod
+    def of(cls, st: SafetensorsAdapter) -> KnownFiles:
+        return cls(
+            hashlib.sha256(st.config_bytes).hexdigest(),
+            hashlib.sha256(st.data).hexdigest(),
+            dict(st.tensors),
+        )
+
+
+def read_known_adapter(
+    path: str | Path, known: KnownFiles
+) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """``(config, tensors)`` of the adapter directory at ``path`` if its files are byte for byte
+    the ones ``known`` describes: each file read once into owned memory and hashed in one pass,
+    the tensors built from exactly those bytes with the known table. None when a file is
+    missing, unreadable or different (the caller then verifies fully, which names the cause)."""
+    root = Path(path)
+    try:
+        with open(root / CONFIG_NAME, "rb") as f:
+            cfg = f.read()
+        data = read_owned(root / SAFETENSORS_NAME)
+    except OSError:
+        return None
+    if hashlib.sha256(cfg).hexdigest() != known.config_sha256:
+        return None
+    if hashlib.sha256(data).hexdigest() != known.weights_sha256:
+        return None
+    return json.loads(cfg), _tensors_from(data, known.table)
+
+
 def _tensors_of(st: SafetensorsAdapter) -> dict[str, torch.Tensor]:
+    """The tensors of an owned safetensors buffer (see :func:`_tensors_from`)."""
+    return _tensors_from(st.data, st.tensors)
+
+
+def _tensors_from(data: bytearray, table: Mapping[str, TensorInfo]) -> dict[str, torch.Tensor]:
     """The tensors of an owned safetensors buffer: zero-copy views where the offset is aligned
     for the dtype, else an aligned copy (both own memory; never a file mapping)."""
-    base = torch.frombuffer(st.data, dtype=torch.uint8)  # [file bytes], shares st.data
+    base = torch.frombuffer(data, dtype=torch.uint8)  # [file bytes], shares data
     out: dict[str, torch.Tensor] = {}
-    for name, info in st.tensors.items():
+    for name, info in table.items():
         dtype = _TORCH_DTYPES.get(info.dtype)
         if dtype is None:
             raise DigestError(f"tensor {name!r}: dtype {info.dtype} is not available in torch")
@@ -185,7 +233,9 @@ def read_adapter(path: str | Path, *, allow_pickle: bool = True) -> AdapterRead:
             tensors = _tensors_of(st)
         except DigestError as e:
             raise _fail(path, f"cannot read the adapter (corrupt or truncated?): {e}") from e
-        return AdapterRead(st.config, tensors, st.digest, SAFETENSORS_NAME, st.legacy_digest)
+        return AdapterRead(
+            st.config, tensors, st.digest, SAFETENSORS_NAME, st.legacy_digest, files=st
+        )
     if bin_path.is_file() and not allow_pickle:
         raise _fail(
             path,

@@ -14,10 +14,17 @@ them. The scale is folded into ``bt``, so ops never see it.
 
 Row ranges move when ``set_lora`` compacts the layout: callers must read ``slot_rows`` again
 after any ``set_lora``/``reset_lora`` (``layout_version`` changes on every layout change).
+
+Staging off the engine thread: mutations take the bank's lock, and ``set_lora(...,
+compact=False)`` never moves another slot's rows (it raises :class:`NeedsCompaction` instead), so
+a background thread may fill a slot that no running batch reads while the engine keeps running
+batches over the other slots' rows; only :meth:`compact` (engine thread, between steps) moves
+rows of slots in use.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -40,11 +47,17 @@ class LoRAModuleWeightsLike(Protocol):
     def scale(self) -> float: ...
 
 
+class NeedsCompaction(Exception):
+    """``set_lora(..., compact=False)`` found enough free rows, but only fragmented."""
+
+
 class LoRASlotBank:
     """Stacked per-module A/B tables for ``max_loras`` device slots with one shared row layout.
 
-    Not thread-safe: one owner (the model runner, driven by the cache manager) mutates it between
-    engine steps.
+    Mutations are serialised by one lock (held across a whole ``set_lora``/``reset_lora``/
+    ``compact``). Reads of ``slot_rows`` take no lock: a slot's range changes only by its own
+    ``set_lora``/``reset_lora`` or by ``compact``, which the owner (the adapter cache) runs
+    between engine steps.
     """
 
     def __init__(
@@ -74,6 +87,7 @@ class LoRASlotBank:
             self._bt[key] = torch.zeros(self.capacity, d_out, dtype=dtype, device=self.device)
         self._rows: dict[int, tuple[int, int]] = {}  # slot -> (row_start, row_end)
         self.layout_version = 0
+        self._lock = threading.RLock()
 
     # ----------------------------------------------------------------------------- queries
 
@@ -114,20 +128,39 @@ class LoRASlotBank:
 
     # ----------------------------------------------------------------------------- mutation
 
-    def set_lora(self, slot: int, weights: Mapping[ModuleKey, LoRAModuleWeightsLike]) -> None:
+    def set_lora(
+        self,
+        slot: int,
+        weights: Mapping[ModuleKey, LoRAModuleWeightsLike],
+        *,
+        compact: bool = True,
+    ) -> None:
         """Load one adapter into an empty slot.
 
         Validates everything before touching a table, so a bad adapter leaves the bank as it was.
         Allocates ``rows = max rank`` rows first fit; if enough rows are free but fragmented,
-        compacts (moves other slots' rows down in every table and updates their ranges).
+        compacts (moves other slots' rows down in every table and updates their ranges), or with
+        ``compact=False`` raises :class:`NeedsCompaction` (nothing changed): other slots' rows
+        never move, so a background thread may call it while batches read them.
         """
-        self._check_slot(slot)
-        if slot in self._rows:
-            raise ValueError(f"slot {slot} is already occupied; reset_lora({slot}) first")
-        rows = 0
-        for key, w in weights.items():
-            rows = max(rows, self._check_module(key, w))
-        start = self._allocate(rows)
+        with self._lock:
+            self._check_slot(slot)
+            if slot in self._rows:
+                raise ValueError(f"slot {slot} is already occupied; reset_lora({slot}) first")
+            rows = 0
+            for key, w in weights.items():
+                rows = max(rows, self._check_module(key, w))
+            start = self._first_fit(rows)
+            if start is None:
+                if not compact:
+                    raise NeedsCompaction(f"{rows} rank rows free only in fragments")
+                start = self._allocate(rows)
+            self._write(slot, start, rows, weights)
+
+    def _write(
+        self, slot: int, start: int, rows: int, weights: Mapping[ModuleKey, LoRAModuleWeightsLike]
+    ) -> None:
+        """Record ``slot`` at ``[start, start + rows)`` and copy its (validated) weights in."""
         self._rows[slot] = (start, start + rows)
         self.layout_version += 1
         with torch.no_grad():
@@ -137,18 +170,26 @@ class LoRASlotBank:
                 a_tab[start : start + r].copy_(w.a)  # [r, d_in]
                 # (scale * B).T in float32 first, so a low-precision table gets one rounding.
                 bt_tab[start : start + r].copy_((w.b.to(torch.float32) * float(w.scale)).t())
-                # Rows past this module's rank are zero already (invariant); keep it explicit.
-                a_tab[start + r : start + rows].zero_()
-                bt_tab[start + r : start + rows].zero_()
+                if r < rows:  # rows past this module's rank are zero already; keep it explicit
+                    a_tab[start + r : start + rows].zero_()
+                    bt_tab[start + r : start + rows].zero_()
 
     def reset_lora(self, slot: int) -> None:
         """Zero the slot's rows in every table and free them; ``KeyError`` if the slot is empty."""
-        start, end = self.slot_rows(slot)
-        with torch.no_grad():
-            for tab in (*self._a.values(), *self._bt.values()):
-                tab[start:end].zero_()
-        del self._rows[slot]
-        self.layout_version += 1
+        with self._lock:
+            start, end = self.slot_rows(slot)
+            with torch.no_grad():
+                for tab in (*self._a.values(), *self._bt.values()):
+                    tab[start:end].zero_()
+            del self._rows[slot]
+            self.layout_version += 1
+
+    def compact(self) -> None:
+        """Slide the occupied ranges down so the free rows form one tail (moves slots in use:
+        only between engine steps). Waits for a ``set_lora``/``reset_lora`` in progress."""
+        with self._lock:
+            if self._rows:
+                self._compact()
 
     # ----------------------------------------------------------------------------- internals
 
@@ -178,15 +219,20 @@ class LoRASlotBank:
             )
         return r
 
-    def _allocate(self, rows: int) -> int:
-        """First-fit row allocation; compacts when the free rows are fragmented."""
+    def _first_fit(self, rows: int) -> int | None:
+        """The first free range of ``rows`` rows, or None when none is contiguous."""
         pos = 0
         for start, end in sorted(self._rows.values()):
             if start - pos >= rows:
                 return pos
             pos = end
-        if self.capacity - pos >= rows:
-            return pos
+        return pos if self.capacity - pos >= rows else None
+
+    def _allocate(self, rows: int) -> int:
+        """First-fit row allocation; compacts when the free rows are fragmented."""
+        start = self._first_fit(rows)
+        if start is not None:
+            return start
         if self.capacity - self.used_rows < rows:  # cannot happen: every slot uses <= max rank
             raise ValueError(
                 f"no room for {rows} rank rows ({self.capacity - self.used_rows} free)"

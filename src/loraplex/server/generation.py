@@ -105,6 +105,16 @@ async def stream_outputs(
         _Tracked(p.request.arrival, "warm" if p.adapter_warm else "cold")
         for p in admission.prepared
     ]
+    if len(streams) == 1:  # the common call: one prompt, n = 1; no future per output
+        try:
+            async for out in streams[0]:
+                _observe(metrics, tracks[0], out)
+                if out.finished:
+                    admission.finals[0] = out
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
     pending: dict[asyncio.Future[RequestOutput], int] = {}
 
     def arm(i: int) -> None:

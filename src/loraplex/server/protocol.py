@@ -212,7 +212,7 @@ class _SamplingBody(_Body):
     guided_decoding_backend: Text | None = None
     guided_whitespace_pattern: Text | None = None
     structured_outputs: StructuredOutputsBody | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # lower is scheduled earlier
     request_id: Text | None = Field(default=None, min_length=1, max_length=256)
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
@@ -287,8 +287,6 @@ class _SamplingBody(_Body):
             refuse("bad_words", "omit it (logit_bias can suppress single tokens)")
         if self.logits_processors:
             refuse("logits_processors", "this server loads no custom logits processors")
-        if self.priority != 0:
-            refuse("priority", "requests are served first come, first served; use 0")
         if self.kv_transfer_params:
             refuse("kv_transfer_params", "there is no disaggregated serving here")
         if self.vllm_xargs:
@@ -448,6 +446,7 @@ class _SamplingBody(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured=structured,
+            priority=self.priority,  # the engine refuses it unless its policy honours it
         )
 
 

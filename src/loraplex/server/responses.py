@@ -209,11 +209,16 @@ async def sse_events(
     asked for, an error event instead of a hang, then ``[DONE]``."""
     include_usage = bool(stream_options and stream_options.include_usage)
     finals: dict[int, RequestOutput] = {}
+    head = _json(base)[:-1].encode()  # '{"id": ..., "model": ...' (encoded once per stream)
     try:
         async for c in chunks(finals):
             if include_usage:
                 c.setdefault("usage", None)
-            yield _sse({**base, **c})
+            if not c or not head[1:] or not base.keys().isdisjoint(c):
+                yield _sse({**base, **c})
+                continue
+            # byte for byte _sse({**base, **c}): the base fields, then the chunk's own
+            yield b"".join((b"data: ", head, b", ", _json(c)[1:].encode(), b"\n\n"))
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage_of(prepared, finals)})
     except Exception as e:
@@ -221,9 +226,14 @@ async def sse_events(
     yield _DONE
 
 
+def _json(obj: Any) -> str:
+    """ASCII-only JSON: line-based clients split raw U+0085 / U+2028."""
+    return json.dumps(obj, ensure_ascii=True)
+
+
 def _sse(obj: Any) -> bytes:
-    """One SSE event. ASCII-only JSON: line-based clients split raw U+0085 / U+2028."""
-    return f"data: {json.dumps(obj, ensure_ascii=True)}\n\n".encode()
+    """One SSE event (ASCII-only JSON)."""
+    return f"data: {_json(obj)}\n\n".encode()
 
 
 _DONE = b"data: [DONE]\n\n"

@@ -339,7 +339,9 @@ class ServerState:
     def adapter_spec(m: Manifest) -> AdapterSpec:
         """What the engine serves for one registry revision: its digest is the cache key and is
         verified against the files read."""
-        return AdapterSpec(m.ref, m.source_uri, m.tenant, m.priority, m.warm_policy)
+        return AdapterSpec(
+            m.ref, m.source_uri, m.tenant, m.priority, m.warm_policy, slo_class=m.slo_class
+        )
 
 
 async def get_state(request: Request) -> ServerState:

@@ -70,7 +70,6 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--runner", "one", ("auto", "generate"), "loraplex serves text generation only"),
     ("--convert", "one", ("auto", "none"), "loraplex serves text generation only"),
     ("--task", "one", ("auto", "generate"), "loraplex serves text generation only"),
-    ("--scheduling-policy", "one", ("fcfs",), "loraplex schedules first come, first served"),
     ("--enable-chunked-prefill", "bool", ("true",), "loraplex always chunks long prompts"),
     ("--lora-dtype", "one", ("auto",), "adapters take the model's dtype"),
     ("--fully-sharded-loras", "bool", ("false",), _ONE_DEVICE),

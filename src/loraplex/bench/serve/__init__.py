@@ -29,6 +29,7 @@ from loraplex.bench.serve.client import (
     fetch_models,
     run_load,
 )
+from loraplex.bench.serve.mixed import TenantStream, arun_mixed, jain_index, run_mixed
 from loraplex.bench.serve.report import plot_ttft_cdf, render_summary, result_json, summarize
 from loraplex.bench.serve.schedule import (
     BenchError,
@@ -45,15 +46,19 @@ __all__ = [
     "BenchResult",
     "LengthDist",
     "RequestRecord",
+    "TenantStream",
     "arun_load",
+    "arun_mixed",
     "build_requests",
     "fetch_adapter_ranks",
     "fetch_models",
+    "jain_index",
     "map_adapters",
     "percentile",
     "plot_ttft_cdf",
     "render_summary",
     "result_json",
     "run_load",
+    "run_mixed",
     "summarize",
 ]

@@ -41,6 +41,8 @@ class RequestRecord:
     rank: int | None = None  # the adapter's rank, from /v1/adapters
     error_kind: str = ""  # "" = success; http_404, http_503, connect, timeout, stream, ...
     error: str = ""
+    tenant: str = ""  # multi-tenant mixes (loraplex.bench.serve.mixed): who sent it
+    slo_class: str = ""  # and its class label
 
     @property
     def ok(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 
 from loraplex.bench.common import percentile
 from loraplex.bench.serve.client import BenchResult, RequestRecord
+from loraplex.bench.serve.mixed import jain_index
 
 
 # -- summary ---------------------------------------------------------------------------------------
@@ -52,6 +53,24 @@ def summarize(result: BenchResult) -> dict[str, Any]:
         by_rank.setdefault(str(r.rank) if r.rank is not None else "unknown", []).append(r)
         if r.served_by:
             by_replica.setdefault(r.served_by, []).append(r)
+    by_tenant: dict[str, list[RequestRecord]] = {}
+    by_class: dict[str, list[RequestRecord]] = {}
+    for r in recs:
+        if r.tenant:
+            by_tenant.setdefault(r.tenant, []).append(r)
+            by_class.setdefault(r.slo_class or r.tenant, []).append(r)
+    # token shares over the send window (every tenant still sending): requests that completed
+    # within it; the drain after it favours whoever had the most in flight
+    window = result.meta.get("window_s")
+    tokens = {
+        t: sum(
+            r.output_tokens
+            for r in v
+            if r.ok and (window is None or r.sent + (r.e2e or 0.0) <= window)
+        )
+        for t, v in sorted(by_tenant.items())
+    }
+    total = sum(tokens.values())
     errors = Counter(r.error_kind for r in recs if not r.ok)
     samples: dict[str, str] = {}
     for r in recs:
@@ -71,6 +90,10 @@ def summarize(result: BenchResult) -> dict[str, Any]:
             )
         },
         "by_replica": {k: _group(v, dur) for k, v in sorted(by_replica.items())},
+        "by_tenant": {k: _group(v, dur) for k, v in sorted(by_tenant.items())},
+        "by_class": {k: _group(v, dur) for k, v in sorted(by_class.items())},
+        "token_shares": {t: n / total for t, n in tokens.items()} if total else {},
+        "jain_index": jain_index(list(tokens.values())) if len(tokens) > 1 else None,
         "error_kinds": dict(errors),
         "error_samples": samples,
         "short_outputs": sum(1 for r in recs if r.ok and r.output_tokens != r.max_tokens),
@@ -117,6 +140,19 @@ def render_summary(s: dict[str, Any]) -> str:
             lines.append(row(f"rank {k}", g))
     for k, g in s["by_replica"].items():
         lines.append(row(f"@{k}"[:14], g))
+    for k, g in s.get("by_tenant", {}).items():
+        lines.append(row(f"tenant {k}"[:14], g))
+    if set(s.get("by_class", {})) != set(s.get("by_tenant", {})):
+        for k, g in s["by_class"].items():
+            lines.append(row(f"class {k}"[:14], g))
+    if s.get("token_shares"):
+        shares = ", ".join(f"{t} {x:.3f}" for t, x in s["token_shares"].items())
+        jain = s.get("jain_index")
+        within = "" if s["meta"].get("window_s") is None else (
+            f" (requests done within the {s['meta']['window_s']:g} s send window)"
+        )  # fmt: skip
+        lines.append(f"output token shares{within}: {shares}"
+                     + (f"; Jain's index {jain:.3f}" if jain else ""))  # fmt: skip
     if s["error_kinds"]:
         lines.append("")
         lines.append(

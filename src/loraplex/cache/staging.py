@@ -1,0 +1,110 @@
+"""Slot activation off the engine thread: a background writer fills device slots' rows.
+
+A newly reserved slot's weights (reset of a retired adapter's stale rows, then the copy into the
+slot bank's rows) are written by one short-lived background thread while the engine keeps
+running batches over the other slots' rows. The write never moves another slot's rows
+(``LoRASlotBank.set_lora(..., compact=False)``); when the free rows are fragmented the job comes
+back with ``needs_compaction`` and the owner compacts between steps and submits it again.
+
+Jobs run one at a time in submission order, so a later job for the same slot always sees the
+earlier one's rows (and resets them). The owner (``TieredAdapterCache``, engine thread) decides
+when a finished job's slot becomes usable; this module only writes and reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex.lora.slots import LoRAModuleWeightsLike, LoRASlotBank, ModuleKey, NeedsCompaction
+
+
+@dataclass(eq=False)
+class StagingJob:
+    """One slot fill: ``digest``'s ``weights`` into ``slot``; the result once ``done`` is set."""
+
+    slot: int
+    digest: str
+    weights: Mapping[ModuleKey, LoRAModuleWeightsLike]
+    done: threading.Event = field(default_factory=threading.Event)
+    seconds: float = 0.0  # the write's duration (reset + copy, synchronised on CUDA)
+    error: BaseException | None = None  # validation or copy failure (the slot is then empty)
+    needs_compaction: bool = False  # nothing written: the free rows were fragmented
+
+
+class SlotStager:
+    """Writes slot rows on a background thread (started per burst of jobs, exits when idle)."""
+
+    def __init__(self, bank: LoRASlotBank) -> None:
+        self.bank = bank
+        self._cond = threading.Condition()
+        self._queue: deque[StagingJob] = deque()
+        self._worker: threading.Thread | None = None
+        self._stream = torch.cuda.Stream(bank.device) if bank.device.type == "cuda" else None
+
+    def submit(
+        self, slot: int, digest: str, weights: Mapping[ModuleKey, LoRAModuleWeightsLike]
+    ) -> StagingJob:
+        """Queue a fill of ``slot``; returns at once."""
+        job = StagingJob(slot, digest, weights)
+        with self._cond:
+            self._queue.append(job)
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._run, name="loraplex-slot-staging", daemon=True
+                )
+                self._worker.start()
+        return job
+
+    def wait_any(self, jobs: list[StagingJob], timeout: float) -> None:
+        """Block until one of ``jobs`` is done (or ``timeout`` seconds pass)."""
+        with self._cond:
+            if jobs and not any(j.done.is_set() for j in jobs):
+                self._cond.wait(timeout)
+
+    @property
+    def busy(self) -> bool:
+        """A job is queued or being written."""
+        with self._cond:
+            return self._worker is not None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._worker = None
+                    return
+                job = self._queue.popleft()
+            self._write(job)
+            with self._cond:
+                job.done.set()
+                self._cond.notify_all()
+
+    def _write(self, job: StagingJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            with self._on_stream():
+                if job.slot in self.bank.occupied_slots:
+                    self.bank.reset_lora(job.slot)  # a retired adapter's stale rows
+                self.bank.set_lora(job.slot, job.weights, compact=False)  # validates first
+                if self._stream is not None:
+                    self._stream.synchronize()  # the rows are complete before anyone reads them
+        except NeedsCompaction:
+            job.needs_compaction = True
+        except BaseException as e:  # handed to the engine thread, which raises it
+            job.error = e
+        job.seconds = time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+        else:
+            with torch.cuda.stream(self._stream):
+                yield
