@@ -5,7 +5,8 @@
     body = the request body (413 beyond max_request_bytes, counted while reading)
     adapter = body["model"]
     for attempt in 1 .. 1 + max_retries:
-        replica = choose(views of the replicas, adapter, policy)   (loraplex.router.scoring)
+        replica = Picker.pick(views of the replicas, adapter)   (loraplex.router.homes; the
+                  home set, then scoring.choose)
         send (the client's headers, Authorization included, minus hop-by-hop ones)
         retry on the next replica only if no handler there can have run the request:
             connection refused (eject), connect or pool timeout, the request not fully
@@ -44,8 +45,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.router.config import RouterConfig
+from loraplex.router.homes import Picker
 from loraplex.router.replicas import Replica, ReplicaSet
-from loraplex.router.scoring import choose
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.decisions = Counter(
             "loraplex_router_decisions",
-            "Routing decisions by reason (affinity, load, fallback, round_robin).",
+            "Routing decisions by reason (affinity, home, spill, load, fallback, round_robin).",
             ["reason"],
             registry=r,
         )
@@ -177,7 +178,7 @@ class Router:
             api_key=config.replica_api_key,
             on_eject=lambda url: self.metrics.ejections.labels(replica=url).inc(),
         )
-        self.turn = 0
+        self.picker = Picker(config.policy, config.weights, config.thresholds, config.homes)
         self.client: httpx.AsyncClient | None = None
         self.decisions: dict[str, int] = {}  # reason -> decisions (a handful of reasons)
 
@@ -185,16 +186,7 @@ class Router:
         reps = self.replicas.ordered()
         views = [r.view() for r in reps]
         exclude = frozenset(i for i, r in enumerate(reps) if r.url in tried)
-        d = choose(
-            views,
-            adapter,
-            policy=self.config.policy,
-            weights=self.config.weights,
-            thresholds=self.config.thresholds,
-            turn=self.turn,
-            exclude=exclude,
-        )
-        self.turn += 1
+        d = self.picker.pick(views, adapter, exclude=exclude, first_attempt=not tried)
         if d is None:
             return None
         self.metrics.decisions.labels(reason=d.reason).inc()
