@@ -10,9 +10,10 @@ home set, a warm one first; outside it only when every member is saturated or do
     share(a)  = count(a) / max(total count, window / 4)      (little evidence: small shares)
     k(a)      = clamp(ceil(share(a) * live replicas * spread), 1, live)
                 (grows at once, shrinks only below 0.75 * (k - 1): hysteresis)
-    bucket(a) = round(log2(count(a) / total)), moved only past 0.75 of a bucket (hysteresis);
+    bucket(a) = round(log2(count(a) / total)), moved only once 2x away from it (hysteresis);
                 mass(a) = 2 ** bucket(a), the quantised traffic share
-    order     = by k desc, bucket desc, then first seen (newcomers never displace others)
+    order     = by k desc, then first seen (newcomers never displace others; which adapters a
+                replica keeps in memory is its own cache's choice, the order only balances)
     for a in order: walk the live replicas by rendezvous h(a, r) desc and take k(a) of them,
         1. each with a free memory slot (adapters assigned < its memory) and room under the
            mass bound (assigned mass + mass(a) / k(a) <= (1 + balance) * total mass / live),
@@ -43,7 +44,7 @@ from loraplex.router.scoring import (
 from loraplex.settings import check_fields, setting
 
 _SHRINK = 0.75  # k shrinks once the raw size is below _SHRINK * (k - 1)
-_BUCKET_HYSTERESIS = 0.75  # a bucket moves once log2(share) is this far from it
+_BUCKET_HYSTERESIS = 1.0  # a bucket moves once log2(share) is this far from it (2x)
 _PRUNE_BELOW = 0.05  # decayed counts below this are forgotten (about 3 windows unseen)
 
 
@@ -277,7 +278,7 @@ class HomeMap:
         n = len(fleet)
         info = {a: (self._size(a, n), self._mass(a)) for a in names}
         seniority = {a: i for i, a in enumerate(names)}
-        order = sorted(names, key=lambda a: (-info[a][0], -self.bucket[a], seniority[a]))
+        order = sorted(names, key=lambda a: (-info[a][0], seniority[a]))
         placer = Placer(fleet, sum(m for _, m in info.values()), self.settings.balance)
         self.homes = {a: placer.place(a, *info[a], self._rank(a, placer)) for a in order}
         self._placer = placer
