@@ -151,7 +151,7 @@ def test_hot_adapter_widens_and_narrows_again() -> None:
     load = [0] * 4
     for _ in range(30):
         vs_now = [ReplicaView(url=v.url, in_flight=load[i]) for i, v in enumerate(vs)]
-        d = picker.pick(vs_now, "hot", first_attempt=False)
+        d = picker.pick(vs_now, "hot")
         assert d is not None and d.index in wide
         load[d.index] += 1
     assert sum(1 for i in wide if load[i] > 0) == 3
@@ -164,13 +164,21 @@ def test_hot_adapter_widens_and_narrows_again() -> None:
     assert len(hm.home("hot", vs)) == 1
 
 
-def test_retries_are_not_counted_as_traffic() -> None:
+def test_only_answered_requests_count_and_unknown_names_take_no_room() -> None:
     p = Picker("home")
-    vs = views()
-    p.pick(vs, "x")
-    p.pick(vs, "x", exclude=frozenset({0}), first_attempt=False)
-    assert list(p.homes.shares.counts) == ["x"]
-    assert p.homes.shares.counts["x"] == pytest.approx(1.0, abs=0.01)  # one request, decayed
+    vs = views(URLS[:2], memory=1)
+    for _ in range(3):  # asked for, never answered (a bogus name, a 401 or 404)
+        assert p.pick(vs, "bogus") is not None
+    assert p.homes.shares.counts == {} and p.home_sets() == {}
+    p.note_answered("x")
+    d = p.pick(vs, "x")
+    assert d is not None and p.home_sets() == {"x": [vs[d.index].url]}
+    for i in range(20):  # a flood of unknown names leaves x's home and the fill alone
+        p.pick(vs, f"bogus-{i}")
+    p.note_answered("y")
+    p.pick(vs, "y")
+    homes = p.home_sets()
+    assert set(homes) == {"x", "y"} and homes["x"] != homes["y"]  # one memory slot each
 
 
 def test_traffic_shares_decay() -> None:

@@ -20,7 +20,8 @@
             in the router's view (the only update between polls; never what a client asked)
 
 Also ``/v1/models`` (union over the replicas, with the client's Authorization),
-``/v1/replicas`` (the router's view, every adapter name, and its decisions by reason: only
+``/v1/replicas`` (the router's view, every adapter name, its decisions by reason and, with the
+``home`` policy, every answered adapter's home set: only
 with ``--status-api-key``, off without one), ``/dashboard`` (the fleet page: adapters x
 replicas; it holds no data and polls ``/v1/replicas`` with the key it asks for), ``/health`` (200 while one replica is healthy) and ``/metrics`` (decisions by
 reason, per-replica latency, retries; no adapter names). Never imports torch.
@@ -186,7 +187,7 @@ class Router:
         reps = self.replicas.ordered()
         views = [r.view() for r in reps]
         exclude = frozenset(i for i, r in enumerate(reps) if r.url in tried)
-        d = self.picker.pick(views, adapter, exclude=exclude, first_attempt=not tried)
+        d = self.picker.pick(views, adapter, exclude=exclude)
         if d is None:
             return None
         self.metrics.decisions.labels(reason=d.reason).inc()
@@ -219,6 +220,7 @@ class Router:
         self.metrics.arrivals.labels(state=state).inc()
         if adapter is not None and 200 <= resp.status_code < 300:
             rep.note_served(adapter, time.monotonic())
+            self.picker.note_answered(adapter)  # traffic for the home sets
 
     def check_status_key(self, request: Request) -> Response | None:
         """None if the caller holds the status key; else the error to answer (404 while no
@@ -516,6 +518,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                 "policy": config.policy,
                 "decisions": dict(sorted(router.decisions.items())),
                 "data": router.replicas.status(),
+                "homes": router.picker.home_sets(),
             }
         )
 

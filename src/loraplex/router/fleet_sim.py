@@ -172,6 +172,7 @@ def simulate_routing(
         pending = rep.note_dispatch(adapter)
         was_cold, done = sim.serve(adapter, now)
         rep.note_served(adapter, now)  # the answer's headers: the adapter is on its device
+        picker.note_answered(adapter)
         heapq.heappush(answers, (done, n, d.index, pending))
         clients[c] = done
         t_end = max(t_end, done)

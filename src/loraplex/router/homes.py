@@ -160,8 +160,11 @@ class Placer:
         urls = [m.url for m in self.members]
         return sorted(urls, key=lambda u: rendezvous(adapter, u), reverse=True)
 
-    def place(self, adapter: str, k: int, mass: float, order: Sequence[str]) -> tuple[str, ...]:
-        """Take ``k`` replicas for ``adapter`` from ``order`` (its rendezvous ranking)."""
+    def place(
+        self, adapter: str, k: int, mass: float, order: Sequence[str], *, commit: bool = True
+    ) -> tuple[str, ...]:
+        """Take ``k`` replicas for ``adapter`` from ``order`` (its rendezvous ranking);
+        ``commit=False``: only say where, taking no room."""
         k = max(1, min(k, len(order)))
         share = mass / k
         chosen: list[str] = []
@@ -183,7 +186,7 @@ class Placer:
                     chosen.append(u)
             if len(chosen) == k:
                 break
-        for u in chosen:
+        for u in chosen if commit else ():
             self.count[u] += 1
             self.mass[u] += share
         # preference order within the set: the adapter's rendezvous order
@@ -203,8 +206,11 @@ def assign_homes(
 class HomeMap:
     """The router's home sets: traffic shares, sizes and placement, kept between requests.
 
-    ``observe(adapter)`` once per request; ``home(adapter, views)`` -> indices into ``views``
-    of the adapter's home set, best first (the live ones only)."""
+    ``observe(adapter)`` once per answered request (a replica's 2xx with its adapter state:
+    what clients merely ask for never counts, so a flood of bogus names cannot move anyone's
+    home); ``home(adapter, views)`` -> indices into ``views`` of the adapter's home set, best
+    first (the live ones only). A name never answered gets where it would be placed, taking no
+    room."""
 
     def __init__(self, settings: HomeSettings | None = None) -> None:
         self.settings = settings or HomeSettings()
@@ -230,10 +236,11 @@ class HomeMap:
             return []
         if fleet != self._fleet or self._since >= self.settings.rebalance_every:
             self.rebalance(fleet)
-        if adapter not in self.homes:
-            self._place_new(adapter)
+        homes = self.homes.get(adapter)
+        if homes is None:
+            homes = self._place_new(adapter, commit=adapter in self.shares.counts)
         where = {v.url: i for i, v in enumerate(views)}
-        return [where[u] for u in self.homes[adapter] if u in where]
+        return [where[u] for u in homes if u in where]
 
     # -- internals -------------------------------------------------------------------------------
     def _size(self, adapter: str, n: int) -> int:
@@ -283,13 +290,18 @@ class HomeMap:
         self.homes = {a: placer.place(a, *info[a], self._rank(a, placer)) for a in order}
         self._placer = placer
 
-    def _place_new(self, adapter: str) -> None:
-        """Place an adapter first seen since the last rebalance against the current fill."""
-        assert self._placer is not None and self._fleet is not None
+    def _place_new(self, adapter: str, *, commit: bool) -> tuple[str, ...]:
+        """Place an adapter first answered since the last rebalance against the current fill
+        (``commit=False``: one never answered; nothing about it is kept)."""
+        placer = self._placer
+        assert placer is not None
+        if not commit:
+            return placer.place(adapter, 1, 0.0, placer.rank(adapter), commit=False)
+        assert self._fleet is not None
         k, mass = self._size(adapter, len(self._fleet)), self._mass(adapter)
-        self.homes[adapter] = self._placer.place(
-            adapter, k, mass, self._rank(adapter, self._placer)
-        )
+        homes = placer.place(adapter, k, mass, self._rank(adapter, placer))
+        self.homes[adapter] = homes
+        return homes
 
 
 class Picker:
@@ -309,20 +321,26 @@ class Picker:
         self.homes = HomeMap(homes)
         self.turn = 0
 
+    def home_sets(self) -> dict[str, list[str]]:
+        """Every tracked adapter's home URLs, best first (``GET /v1/replicas``)."""
+        return {a: list(h) for a, h in sorted(self.homes.homes.items())}
+
+    def note_answered(self, adapter: str) -> None:
+        """A replica answered a request for ``adapter`` (2xx with its adapter state): one
+        request of traffic for the home sets."""
+        if self.policy == "home":
+            self.homes.observe(adapter)
+
     def pick(
         self,
         views: Sequence[ReplicaView],
         adapter: str | None,
         *,
         exclude: frozenset[int] = frozenset(),
-        first_attempt: bool = True,
     ) -> Decision | None:
-        """Choose a replica for one attempt of a request (``first_attempt``: the request is
-        counted in the traffic shares; retries are not)."""
+        """Choose a replica for one attempt of a request."""
         home: list[int] | None = None
         if self.policy == "home" and adapter is not None:
-            if first_attempt:
-                self.homes.observe(adapter)
             home = self.homes.home(adapter, views)
         d = choose(
             views,
