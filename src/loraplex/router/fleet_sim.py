@@ -6,11 +6,13 @@ host), least recently used out first; an adapter outside memory is on local disk
 side is the real one: a :class:`~loraplex.router.homes.Picker` decides on the views of real
 :class:`~loraplex.router.replicas.Replica` objects, which are updated exactly as the router
 updates them (``note_dispatch`` / ``note_served`` / ``note_done`` per request, ``apply_poll``
-with the replica's true residency every ``poll_every`` requests). Requests go one at a time
-(the response before the next request), or with ``concurrency`` > 1 as a closed loop whose
-requests take ``service`` request-slots each (``cold_service`` when cold), so in-flight counts
-and saturation play their part. Per request: cold = the adapter was in neither a device slot
-nor host memory on arrival (the replica's ``x-loraplex-adapter-state: cold``).
+with the replica's true residency and metrics every ``poll_interval_s`` simulated seconds,
+``note_answered`` for the home sets). ``concurrency`` clients send in a closed loop (1: one
+request at a time, the response before the next request); a replica serves ``lanes`` requests at
+once and queues the rest, each taking ``service_s`` warm or ``cold_s`` cold, so queues, device
+evictions per second and saturation play their part as on real replicas. Per request: cold =
+the adapter was in neither a device slot nor host memory on arrival (the replica's
+``x-loraplex-adapter-state: cold``).
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ def simulate_routing(
     where: dict[str, set[str]] = {}
     decisions: Counter[str] = Counter()
     clients = [0.0] * concurrency  # when each client sends its next request
-    answers: list[tuple[float, int, int, str | None]] = []  # (done, seq, replica, pending)
+    # (done, seq, replica, adapter, pending key): answers the router has yet to see
+    answers: list[tuple[float, int, int, str, str | None]] = []
     next_poll = 0.0
     t_measured = 0.0
     t_end = 0.0
@@ -161,7 +164,9 @@ def simulate_routing(
             if min(done, next_poll) > now:
                 break
             if done <= next_poll:
-                _, _, i, pending = heapq.heappop(answers)
+                _, _, i, name, pending = heapq.heappop(answers)
+                reps[i].note_served(name, done)  # a 2xx with its adapter state
+                picker.note_answered(name)
                 reps[i].note_done(pending)
             else:
                 poll(next_poll)
@@ -171,9 +176,7 @@ def simulate_routing(
         rep, sim = reps[d.index], sims[d.index]
         pending = rep.note_dispatch(adapter)
         was_cold, done = sim.serve(adapter, now)
-        rep.note_served(adapter, now)  # the answer's headers: the adapter is on its device
-        picker.note_answered(adapter)
-        heapq.heappush(answers, (done, n, d.index, pending))
+        heapq.heappush(answers, (done, n, d.index, adapter, pending))
         clients[c] = done
         t_end = max(t_end, done)
         if n == warmup:

@@ -1,6 +1,11 @@
 """Routing decisions as pure functions: a snapshot of each replica -> a score -> one choice.
 
-"Affinity until saturated" (policy ``residency``)::
+Policy ``home`` (the default) adds one input, the adapter's home set (``loraplex.router.homes``:
+a stable, traffic-sized set of replicas per adapter) and routes within it: the best-scoring
+open member (a warm copy first, until it is saturated or much busier), outside it only when
+every member is saturated or down ("spill", by the residency rules below over the rest).
+
+"Affinity until saturated" (policy ``residency``: wherever the adapter is warm right now)::
 
     saturated(r) = r.waiting >= max_waiting or r.kv_usage >= max_kv_usage
                    or r.in_flight >= max_in_flight
