@@ -20,7 +20,8 @@ home set, a warm one first; outside it only when every member is saturated or do
         2. then those with a free memory slot, 3. then any (the working set exceeds the fleet's
            memory: the overflow goes by rendezvous alone)
 
-The assignment is recomputed every ``rebalance_every`` requests and whenever the live fleet
+The assignment is recomputed every ``rebalance_every`` requests (at least a quarter of the
+tracked adapters' count apart, so the cost per request stays bounded) and whenever the live fleet
 (URLs, memory sizes) changes; a new adapter in between is placed at once against the current
 fill. Everything is a deterministic function of the requests seen and the replica views, so
 removing one of N replicas moves only the adapters it was home to (and those the capacity bounds
@@ -93,7 +94,8 @@ class HomeSettings:
             ge=1,
             metavar="REQUESTS",
             group="routing",
-            help="requests between recomputations of the home sets (default: {default})",
+            help="requests between recomputations of the home sets, at least; with many "
+            "adapters tracked, a quarter of their number (default: {default})",
         ),
     )
 
@@ -154,6 +156,7 @@ class Placer:
         self.mass = {m.url: 0.0 for m in members}
         self.bound = (1.0 + balance) * total_mass / max(len(members), 1)
         self._memory = {m.url: m.memory for m in members}
+        self._with_room = {m.url for m in members if m.memory is None or m.memory > 0}
 
     def rank(self, adapter: str) -> list[str]:
         """The live replicas in the adapter's rendezvous order, best first."""
@@ -167,28 +170,30 @@ class Placer:
         ``commit=False``: only say where, taking no room."""
         k = max(1, min(k, len(order)))
         share = mass / k
-        chosen: list[str] = []
-
-        def free(u: str) -> bool:
-            cap = self._memory[u]
-            return cap is None or self.count[u] < cap
-
-        passes = (
-            lambda u: free(u) and self.mass[u] + share <= self.bound + 1e-12,
-            free,
-            lambda u: True,
-        )
-        for ok in passes:
-            for u in order:
-                if len(chosen) == k:
-                    break
-                if u not in chosen and ok(u):
+        if not self._with_room:  # every replica's memory is taken: rendezvous alone
+            chosen = list(order[:k])
+        else:
+            chosen = []
+            count, memory, load = self.count, self._memory, self.mass
+            free = [u for u in order if memory[u] is None or count[u] < memory[u]]  # type: ignore[operator]
+            for u in free:  # 1. a free memory slot and room under the mass bound
+                if load[u] + share <= self.bound + 1e-12:
                     chosen.append(u)
-            if len(chosen) == k:
-                break
-        for u in chosen if commit else ():
-            self.count[u] += 1
-            self.mass[u] += share
+                    if len(chosen) == k:
+                        break
+            for group in (free, order):  # 2. a free memory slot, 3. any
+                for u in group:
+                    if len(chosen) == k:
+                        break
+                    if u not in chosen:
+                        chosen.append(u)
+        if commit:
+            for u in chosen:
+                self.count[u] += 1
+                self.mass[u] += share
+                cap = self._memory[u]
+                if cap is not None and self.count[u] == cap:
+                    self._with_room.discard(u)
         # preference order within the set: the adapter's rendezvous order
         return tuple(u for u in order if u in chosen)
 
@@ -234,7 +239,10 @@ class HomeMap:
         )
         if not fleet:
             return []
-        if fleet != self._fleet or self._since >= self.settings.rebalance_every:
+        # at least rebalance_every requests apart, and one per len(tracked) / 4 requests, so
+        # the cost per request stays bounded however many adapters are tracked
+        every = max(self.settings.rebalance_every, len(self.shares.counts) // 4)
+        if fleet != self._fleet or self._since >= every:
             self.rebalance(fleet)
         homes = self.homes.get(adapter)
         if homes is None:
