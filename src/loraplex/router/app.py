@@ -21,8 +21,8 @@
 
 Also ``/v1/models`` (union over the replicas, with the client's Authorization),
 ``/v1/replicas`` (the router's view, every adapter name, its decisions by reason and, with the
-``home`` policy, every answered adapter's home set: only
-with ``--status-api-key``, off without one), ``/dashboard`` (the fleet page: adapters x
+``home`` policy, every answered adapter's home set: only with ``--status-api-key``, off
+without one), ``/dashboard`` (the fleet page: adapters x
 replicas; it holds no data and polls ``/v1/replicas`` with the key it asks for), ``/health`` (200 while one replica is healthy) and ``/metrics`` (decisions by
 reason, per-replica latency, retries; no adapter names). Never imports torch.
 """

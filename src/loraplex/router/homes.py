@@ -175,7 +175,7 @@ class Placer:
         else:
             chosen = []
             count, memory, load = self.count, self._memory, self.mass
-            free = [u for u in order if memory[u] is None or count[u] < memory[u]]  # type: ignore[operator]
+            free = [u for u in order if (m := memory[u]) is None or count[u] < m]
             for u in free:  # 1. a free memory slot and room under the mass bound
                 if load[u] + share <= self.bound + 1e-12:
                     chosen.append(u)
