@@ -1,13 +1,26 @@
-"""Routing policies side by side: residency vs round-robin vs least-loaded, in one run.
+"""Routing policies side by side: home vs residency vs round-robin vs least-loaded, in one run.
 
-Starts N ``loraplex serve`` replicas (subprocesses) of one small model, each with few adapter
-slots (``--max-loras``) and a small host tier (``--max-cpu-loras``), all serving the same M
-adapters; one ``loraplex route`` per policy (subprocesses); then, for each policy in turn (the
+Two modes. ``--simulate``: a sweep over fleet shapes (2-8 replicas, uniform and Zipf
+popularity, working set below and above the fleet's memory) replayed through the router's own
+decision code (``loraplex.router.fleet_sim``: the same ``Picker`` and ``Replica`` objects as
+``loraplex route``, simulated LRU replicas), printing the cold-start rate per policy per shape
+next to the partition bound (the cold starts of a static partition of the adapters over the
+fleet's memory: compulsory misses when the working set fits, else every request outside the
+fleet-memory most popular adapters). Seconds, no servers:
+
+    .venv/bin/python scripts/bench_router.py --simulate
+    .venv/bin/python scripts/bench_router.py --simulate --shape '2x1/4@1=uniform:n=8'
+
+Without ``--simulate``, real replicas: starts N ``loraplex serve`` replicas (subprocesses) of
+one small model, each with few adapter slots (``--max-loras``) and a small host tier
+(``--max-cpu-loras``), all serving the same M adapters; one ``loraplex route`` per policy (subprocesses); then, for each policy in turn (the
 order rotating over ``--rounds``), evicts every adapter from every replica (admin API) so each
-policy starts from the same empty caches, and sends the same seeded Zipf workload through that
+policy starts from the same empty caches, and sends the same seeded workload (``--workload``, Zipf by default) through that
 policy's router with ``loraplex.bench.serve``. Prints cold-start rate (responses whose adapter
 was in neither a device slot nor host memory on arrival, from ``x-loraplex-adapter-state``) and
-TTFT percentiles per policy, and the ratios against the targets.
+TTFT percentiles per policy, the partition bound of the same requests, and the ratios against
+the targets. ``--concurrency 1`` sends the requests one at a time (issue 16's small fleet:
+``--replicas 2 --adapters 8 --max-loras 1 --max-cpu-loras 4 --workload uniform --concurrency 1``).
 
     .venv/bin/python scripts/bench_router.py                         # tiny random model
     .venv/bin/python scripts/bench_router.py --model-dir /tmp/lpcache/smollm2-135m-instruct
@@ -18,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,11 +43,75 @@ from typing import Any
 import httpx
 
 from loraplex.bench.serve import LengthDist, build_requests, run_load, summarize
+from loraplex.router.fleet_sim import FleetShape, partition_bound, simulate_routing
 from loraplex.sim.workloads import generate_workload
 from loraplex.testing.server import free_port
 
-POLICIES = ("residency", "round-robin", "least-loaded")
+POLICIES = ("home", "residency", "round-robin", "least-loaded")
 ADMIN = "sk-bench-admin"
+
+# REPLICAS x DEVICE_SLOTS / MEMORY @ CONCURRENCY = WORKLOAD (a loraplex sim workload spec)
+DEFAULT_SHAPES = (
+    "2x1/4@1=uniform:n=8",  # issue 16's small fleet: 8 adapters in 8 slots of memory
+    "2x1/4@1=zipf:s=1,n=8",
+    "2x1/4@1=uniform:n=12",  # above the fleet's memory
+    "4x2/8@4=uniform:n=24",
+    "4x2/8@4=zipf:s=1,n=48",  # above
+    "8x2/8@8=uniform:n=48",
+    "8x2/8@8=zipf:s=1,n=128",  # above
+    "8x2/8@16=zipf:s=1.2,n=32",  # hot adapters under load: they must spread
+)
+_SHAPE = re.compile(r"^(\d+)x(\d+)/(\d+)@(\d+)=(.+)$")
+
+
+def parse_shape(text: str) -> tuple[FleetShape, int, str]:
+    """``2x1/4@1=uniform:n=8`` -> (fleet shape, concurrency, workload spec)."""
+    m = _SHAPE.match(text.strip())
+    if m is None:
+        raise SystemExit(f"bad --shape {text!r}: expected REPLICASxSLOTS/MEMORY@CONCURRENCY=SPEC")
+    r, d, mem, c, spec = m.groups()
+    return FleetShape(int(r), int(d), int(mem)), int(c), spec
+
+
+def with_keys(workload: str, **keys: object) -> str:
+    """A sim workload spec with more keys: ``uniform`` -> ``uniform:n=8,...``."""
+    extra = ",".join(f"{k}={v}" for k, v in keys.items())
+    return f"{workload}{',' if ':' in workload else ':'}{extra}"
+
+
+def simulate_sweep(shapes: list[str], requests: int, warmup: int, seeds: int) -> list[dict]:
+    """Every shape through every policy (same traces), cold-start rates averaged over seeds."""
+    rows = []
+    print(f"{'fleet (replicas x slots/memory)':<32}{'conc':>5}  {'workload':<22}{'set/mem':>8}"
+          + "".join(f"{p:>14}" for p in POLICIES)
+          + f"{'partition':>11}{'home/rr':>9}{'homes/adapter':>15}{'time home/rr':>14}")  # fmt: skip
+    for text in shapes:
+        shape, conc, spec = parse_shape(text)
+        cold = {p: 0.0 for p in POLICIES}
+        spread = bound = 0.0
+        working = 0
+        span = {p: 0.0 for p in POLICIES}
+        for seed in range(seeds):
+            work = generate_workload(with_keys(spec, requests=warmup + requests, seed=seed))
+            trace = [r.adapter for r in work.requests]
+            working = max(working, len(set(trace)))
+            for p in POLICIES:
+                res = simulate_routing(trace, shape, policy=p, warmup=warmup, concurrency=conc)
+                cold[p] += res.cold_rate / seeds
+                span[p] += res.makespan_s / seeds
+                if p == "home":
+                    spread += res.replicas_per_adapter / seeds
+            bound += partition_bound(trace, shape.fleet_memory, warmup) / requests / seeds
+        fleet = f"{shape.replicas} x {shape.device_slots}/{shape.memory}"
+        ratio = cold["home"] / cold["round-robin"] if cold["round-robin"] else float("nan")
+        print(f"{fleet:<32}{conc:>5}  {spec:<22}{f'{working}/{shape.fleet_memory}':>8}"
+              + "".join(f"{cold[p]:>14.3f}" for p in POLICIES)
+              + f"{bound:>11.3f}{ratio:>9.2f}{spread:>15.2f}"
+              + f"{span['home'] / span['round-robin']:>14.2f}", flush=True)  # fmt: skip
+        rows.append({"shape": text, "cold_rate": cold, "partition_bound": bound,
+                     "working_set": working, "fleet_memory": shape.fleet_memory,
+                     "home_replicas_per_adapter": spread, "makespan_s": span})  # fmt: skip
+    return rows
 
 
 def build_model(root: Path, n_adapters: int, rank: int) -> tuple[Path, list[tuple[str, Path]]]:
@@ -147,9 +225,39 @@ def main() -> int:
     )
     ap.add_argument("--rounds", type=int, default=1, help="repeat all policies, order rotated")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="closed loop with this many clients (1: one request at a time) instead of "
+        "Poisson arrivals at --rate",
+    )
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all)")
+    ap.add_argument("--simulate", action="store_true", help="the simulated sweep, no servers")
+    ap.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        help="simulated shape REPLICASxSLOTS/MEMORY@CONCURRENCY=WORKLOAD (repeat; default: "
+        "the built-in sweep)",
+    )
+    ap.add_argument("--seeds", type=int, default=3, help="simulated traces per shape")
     ap.add_argument("--work-dir", default=None, help="keep the model and adapters here")
     ap.add_argument("--json", help="write the summaries here")
     args = ap.parse_args()
+    if args.simulate:
+        t0 = time.monotonic()
+        rows = simulate_sweep(args.shape or list(DEFAULT_SHAPES), args.requests, args.warmup,
+                              args.seeds)  # fmt: skip
+        print(f"simulated: {args.warmup} warm-up + {args.requests} measured requests per "
+              f"shape, policy and seed, {args.seeds} seed(s), mean cold-start rate; "
+              f"{time.monotonic() - t0:.0f} s")  # fmt: skip
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    if not set(policies) <= set(POLICIES) or not policies:
+        raise SystemExit(f"--policies: choose from {', '.join(POLICIES)}")
 
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-router-"))
     t0 = time.monotonic()
@@ -181,7 +289,7 @@ def main() -> int:
         for url, p in zip(replicas, procs, strict=True):
             wait_up(url, p)
         routers = {}
-        for policy in POLICIES:
+        for policy in policies:
             port = free_port()
             cmd = [sys.executable, "-m", "loraplex.cli", "route", "--policy", policy,
                    "--port", str(port), "--poll-interval", "0.5", "--log-level", "warning",
@@ -194,29 +302,34 @@ def main() -> int:
         print(f"{args.replicas} replicas and {len(routers)} routers up after "
               f"{time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
 
-        spec = f"{args.workload},n={args.adapters},requests={args.requests},seed={args.seed}"
+        spec = with_keys(args.workload, n=args.adapters, requests=args.requests, seed=args.seed)
         trace = generate_workload(spec).requests
         reqs = build_requests(
             trace, names, prompt_len=LengthDist.parse(args.prompt_len),
             output_len=LengthDist.parse(args.output_len), rate=args.rate, seed=args.seed,
         )  # fmt: skip
         warm_trace = generate_workload(
-            f"{args.workload},n={args.adapters},requests={max(args.warmup, 1)},seed={args.seed + 1}"
+            with_keys(
+                args.workload, n=args.adapters, requests=max(args.warmup, 1), seed=args.seed + 1
+            )
         ).requests
         warm_reqs = build_requests(
             warm_trace, names, prompt_len=LengthDist.parse(args.prompt_len),
             output_len=LengthDist.parse(args.output_len), rate=args.rate, seed=args.seed + 1,
         )[: args.warmup]  # fmt: skip
-        results: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+        results: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
         for rnd in range(args.rounds):
-            order = POLICIES[rnd % 3 :] + POLICIES[: rnd % 3]
+            k = rnd % len(policies)
+            order = policies[k:] + policies[:k]
             for policy in order:
                 evict_all(replicas, names)
                 time.sleep(1.0)  # let the routers see the empty caches
                 if warm_reqs:
-                    run_load(routers[policy], warm_reqs, fetch_ranks=False)
+                    run_load(routers[policy], warm_reqs, fetch_ranks=False,
+                             concurrency=args.concurrency)  # fmt: skip
                 before = router_counts(routers[policy])
-                res = run_load(routers[policy], reqs, fetch_ranks=False)
+                res = run_load(routers[policy], reqs, fetch_ranks=False,
+                               concurrency=args.concurrency)  # fmt: skip
                 s = summarize(res)
                 after = router_counts(routers[policy])
                 ok = [r for r in res.records if r.ok]
@@ -253,16 +366,24 @@ def main() -> int:
         vals = [r[key] for r in results[policy] if r[key] is not None]
         return min(vals) if vals else float("nan")
 
+    fleet_memory = args.replicas * max(args.max_cpu_loras, args.max_loras)
+    models = [r.model for r in warm_reqs] + [r.model for r in reqs]
+    bound = partition_bound(models, fleet_memory, warmup=len(warm_reqs)) / len(reqs)
+    arrivals = (
+        f"closed loop, {args.concurrency} at a time"
+        if args.concurrency
+        else f"Poisson {args.rate:g} req/s"
+    )
     print()
     print(f"{args.replicas} replicas x (--max-loras {args.max_loras}, --max-cpu-loras "
           f"{args.max_cpu_loras}), {args.adapters} adapters rank {args.rank}, {spec}, "
-          f"Poisson {args.rate:g} req/s, prompt {args.prompt_len} / output {args.output_len} "
+          f"{arrivals}, prompt {args.prompt_len} / output {args.output_len} "
           f"tokens, {args.warmup} warm-up + {args.requests} measured requests per policy, "
           f"{args.rounds} round(s), best round per policy"
           + (f", router flags {' '.join(args.router_arg)}" if args.router_arg else ""))  # fmt: skip
     print(f"{'policy':<14}{'cold-start rate':>16}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}"
-          f"{'cold p50 ms':>13}{'warm p50 ms':>13}")  # fmt: skip
-    for p in POLICIES:
+          f"{'cold p50 ms':>13}{'warm p50 ms':>13}{'replicas/adapter':>18}")  # fmt: skip
+    for p in policies:
         r = min(results[p], key=lambda x: x["cold_rate"] if x["cold_rate"] is not None else 1)
 
         def ms(x: float | None) -> str:
@@ -270,13 +391,18 @@ def main() -> int:
 
         print(f"{p:<14}{r['cold_rate']:>16.3f}{ms(best(p, 'ttft_p50')):>13}"
               f"{ms(best(p, 'ttft_p99')):>13}{ms(r['cold_ttft_p50']):>13}"
-              f"{ms(r['warm_ttft_p50']):>13}")  # fmt: skip
-    cold_ratio = best("residency", "cold_rate") / best("round-robin", "cold_rate")
-    p99_ratio = best("residency", "ttft_p99") / best("least-loaded", "ttft_p99")
-    print(f"cold-start rate residency / round-robin: {cold_ratio:.2f} (target <= 0.33: "
-          f"{'met' if cold_ratio <= 1 / 3 else 'NOT met'})")  # fmt: skip
-    print(f"p99 TTFT residency / least-loaded: {p99_ratio:.2f} (target <= 1: "
-          f"{'met' if p99_ratio <= 1 else 'NOT met'})")  # fmt: skip
+              f"{ms(r['warm_ttft_p50']):>13}"
+              f"{r['spread'].get('replicas_per_adapter', float('nan')):>18.2f}")  # fmt: skip
+    print(f"{'partition':<14}{bound:>16.3f}   (static partition of the adapters over the "
+          f"fleet's {fleet_memory} adapters of memory, same requests)")  # fmt: skip
+    if "home" in policies and "round-robin" in policies:
+        cold_ratio = best("home", "cold_rate") / max(best("round-robin", "cold_rate"), 1e-9)
+        print(f"cold-start rate home / round-robin: {cold_ratio:.2f} (target <= 0.33: "
+              f"{'met' if cold_ratio <= 1 / 3 else 'NOT met'})")  # fmt: skip
+    if "home" in policies and "least-loaded" in policies:
+        p99_ratio = best("home", "ttft_p99") / best("least-loaded", "ttft_p99")
+        print(f"p99 TTFT home / least-loaded: {p99_ratio:.2f} (target <= 1: "
+              f"{'met' if p99_ratio <= 1 else 'NOT met'})")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

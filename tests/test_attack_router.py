@@ -106,7 +106,8 @@ def test_bogus_model_names_do_not_poison_residency(fleet: list[str]) -> None:
     with httpx.Client(timeout=60) as c:
         r = c.post(f"{warm}/v1/completions", json=_completion(adapter), headers=_auth(KEY))
         assert r.status_code == 200, r.text  # now in `warm`'s only device slot, nowhere else
-    config = _router_config(fleet, poll_interval_s=3600.0)
+    # the residency policy follows the warm copy (the home policy: the next test)
+    config = _router_config(fleet, poll_interval_s=3600.0, policy="residency")
     with _polled_once(config) as router, httpx.Client(base_url=router, timeout=60) as c:
         assert _view(router)[warm]["device"] == [adapter]
         r = c.post("/v1/completions", json=_completion(adapter), headers=_auth(KEY))
@@ -144,6 +145,44 @@ def test_bogus_model_names_do_not_poison_residency(fleet: list[str]) -> None:
         assert metrics.status_code == 200
         for name in (*bogus, *SERVED):
             assert name not in metrics.text, name  # no adapter names in the router's metrics
+
+
+def test_bogus_model_names_do_not_move_home_sets(fleet: list[str]) -> None:
+    """The home policy counts only answered requests: a flood of bogus names (and of real
+    names without a key) neither takes room in the home sets nor moves a real adapter's."""
+    adapter = "all_r8"
+    home = max(fleet, key=lambda u: rendezvous(adapter, u))  # its home in an empty map
+    config = _router_config(fleet, poll_interval_s=3600.0)
+    assert config.policy == "home"
+    with _polled_once(config) as router, httpx.Client(base_url=router, timeout=60) as c:
+        for _ in range(2):
+            r = c.post("/v1/completions", json=_completion(adapter), headers=_auth(KEY))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-loraplex-replica"] == home
+        assert r.headers["x-loraplex-adapter-state"] == "warm"
+        before = _homes(router)
+        assert before == {adapter: [home]}
+        bogus = [n for n in (f"bogus-{i}" for i in range(200)) if
+                 max(fleet, key=lambda u, n=n: rendezvous(n, u)) == home][:16]  # fmt: skip
+        for i, name in enumerate(bogus):
+            key = KEY if i % 2 else None
+            r = c.post("/v1/completions", json=_completion(name), headers=_auth(key))
+            assert r.status_code == (404 if key else 401), r.text
+        for name in ("mlp_r16", "attn_r4_rslora"):
+            r = c.post("/v1/completions", json=_completion(name))
+            assert r.status_code == 401, r.text
+        assert _homes(router) == before  # nothing the flood asked for
+        r = c.post("/v1/completions", json=_completion(adapter), headers=_auth(KEY))
+        assert r.status_code == 200, r.text
+        assert (r.headers["x-loraplex-replica"], r.headers["x-loraplex-adapter-state"]) == (
+            home, "warm",
+        )  # fmt: skip
+
+
+def _homes(router: str) -> dict[str, list[str]]:
+    r = httpx.get(f"{router}/v1/replicas", headers=_auth(STATUS))
+    assert r.status_code == 200, r.text
+    return r.json()["homes"]  # type: ignore[no-any-return]
 
 
 def test_a_served_answer_is_what_updates_the_view(fleet: list[str]) -> None:

@@ -16,6 +16,7 @@ import pytest
 from loraplex.config import EngineConfig, ServerConfig
 from loraplex.router.cli import RouteConfigError, parse_route_args, route_settings
 from loraplex.router.config import RouterConfig
+from loraplex.router.homes import HomeSettings
 from loraplex.router.scoring import Thresholds, Weights
 from loraplex.server.args import ServeConfigError, parse_serve_args, serve_settings
 from loraplex.settings import FieldError, Setting, Settings, check_fields, setting, setting_of
@@ -232,7 +233,8 @@ def _keys(spec: Any) -> set[str]:
 
 def _field(config: Any, name: str) -> Any:
     """Field ``name`` of a ServerConfig/RouterConfig or of the config it nests."""
-    for part in (config, getattr(config, "engine", None), getattr(config, "thresholds", None)):
+    nested = ("engine", "thresholds", "homes")
+    for part in (config, *(getattr(config, n, None) for n in nested)):
         if part is not None and name in {f.name for f in fields(part)}:
             return getattr(part, name)
     raise AssertionError(f"no field {name}")
@@ -276,7 +278,7 @@ def test_every_route_setting_is_reachable_by_flag_and_by_key(
     paths: dict[str, str], tmp_path: Path
 ) -> None:
     specs = route_settings().specs
-    declared = {f.name for cls in (RouterConfig, Thresholds) for f in fields(cls)
+    declared = {f.name for cls in (RouterConfig, Thresholds, HomeSettings) for f in fields(cls)
                 if (s := setting_of(f)) is not None and s.flags}  # fmt: skip
     assert set(specs) == declared and {"replicas", "weights", "max_kv_usage"} <= declared
     cfg = tmp_path / "r.yaml"
@@ -322,7 +324,9 @@ def test_serve_bounds_errors_name_the_flag_or_the_key(
             assert str(info.value).startswith(f"{spec.flag}: must be "), name
 
 
-@pytest.mark.parametrize("cls", [EngineConfig, ServerConfig, RouterConfig, Thresholds, Weights])
+@pytest.mark.parametrize(
+    "cls", [EngineConfig, ServerConfig, RouterConfig, Thresholds, Weights, HomeSettings]
+)
 def test_validate_checks_every_declared_bound(cls: type) -> None:
     base: dict[str, Any] = {
         EngineConfig: {"model": "m"},

@@ -5,7 +5,8 @@
     body = the request body (413 beyond max_request_bytes, counted while reading)
     adapter = body["model"]
     for attempt in 1 .. 1 + max_retries:
-        replica = choose(views of the replicas, adapter, policy)   (loraplex.router.scoring)
+        replica = Picker.pick(views of the replicas, adapter)   (loraplex.router.homes; the
+                  home set, then scoring.choose)
         send (the client's headers, Authorization included, minus hop-by-hop ones)
         retry on the next replica only if no handler there can have run the request:
             connection refused (eject), connect or pool timeout, the request not fully
@@ -19,8 +20,9 @@
             in the router's view (the only update between polls; never what a client asked)
 
 Also ``/v1/models`` (union over the replicas, with the client's Authorization),
-``/v1/replicas`` (the router's view, every adapter name, and its decisions by reason: only
-with ``--status-api-key``, off without one), ``/dashboard`` (the fleet page: adapters x
+``/v1/replicas`` (the router's view, every adapter name, its decisions by reason and, with the
+``home`` policy, every answered adapter's home set: only with ``--status-api-key``, off
+without one), ``/dashboard`` (the fleet page: adapters x
 replicas; it holds no data and polls ``/v1/replicas`` with the key it asks for), ``/health`` (200 while one replica is healthy) and ``/metrics`` (decisions by
 reason, per-replica latency, retries; no adapter names). Never imports torch.
 """
@@ -44,8 +46,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.router.config import RouterConfig
+from loraplex.router.homes import Picker
 from loraplex.router.replicas import Replica, ReplicaSet
-from loraplex.router.scoring import choose
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.decisions = Counter(
             "loraplex_router_decisions",
-            "Routing decisions by reason (affinity, load, fallback, round_robin).",
+            "Routing decisions by reason (affinity, home, spill, load, fallback, round_robin).",
             ["reason"],
             registry=r,
         )
@@ -177,7 +179,7 @@ class Router:
             api_key=config.replica_api_key,
             on_eject=lambda url: self.metrics.ejections.labels(replica=url).inc(),
         )
-        self.turn = 0
+        self.picker = Picker(config.policy, config.weights, config.thresholds, config.homes)
         self.client: httpx.AsyncClient | None = None
         self.decisions: dict[str, int] = {}  # reason -> decisions (a handful of reasons)
 
@@ -185,16 +187,7 @@ class Router:
         reps = self.replicas.ordered()
         views = [r.view() for r in reps]
         exclude = frozenset(i for i, r in enumerate(reps) if r.url in tried)
-        d = choose(
-            views,
-            adapter,
-            policy=self.config.policy,
-            weights=self.config.weights,
-            thresholds=self.config.thresholds,
-            turn=self.turn,
-            exclude=exclude,
-        )
-        self.turn += 1
+        d = self.picker.pick(views, adapter, exclude=exclude)
         if d is None:
             return None
         self.metrics.decisions.labels(reason=d.reason).inc()
@@ -227,6 +220,7 @@ class Router:
         self.metrics.arrivals.labels(state=state).inc()
         if adapter is not None and 200 <= resp.status_code < 300:
             rep.note_served(adapter, time.monotonic())
+            self.picker.note_answered(adapter)  # traffic for the home sets
 
     def check_status_key(self, request: Request) -> Response | None:
         """None if the caller holds the status key; else the error to answer (404 while no
@@ -524,6 +518,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                 "policy": config.policy,
                 "decisions": dict(sorted(router.decisions.items())),
                 "data": router.replicas.status(),
+                "homes": router.picker.home_sets(),
             }
         )
 

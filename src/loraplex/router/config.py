@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraplex.config import LOG_LEVELS, parse_byte_size, parse_log_level
+from loraplex.router.homes import HomeSettings
 from loraplex.router.replicas import normalize_url
 from loraplex.router.scoring import POLICIES, Thresholds, Weights
 from loraplex.settings import check_fields, setting
@@ -52,12 +53,14 @@ class RouterConfig:
         ),
     )
     policy: str = field(
-        default="residency",
+        default="home",
         metadata=setting(
             "--policy",
             choices=POLICIES,
             group="routing",
-            help="routing policy (default: {default})",
+            help="routing policy: home (every adapter a stable home set sized by its traffic, "
+            "a warm member first, spilling only when the set is saturated), residency "
+            "(wherever it is warm), round-robin, least-loaded (default: {default})",
         ),
     )
     weights: Weights = field(
@@ -72,6 +75,7 @@ class RouterConfig:
         ),
     )
     thresholds: Thresholds = field(default_factory=Thresholds)  # its settings are route's too
+    homes: HomeSettings = field(default_factory=HomeSettings)  # the home policy's (--home-*)
     poll_interval_s: float = field(
         default=1.0,
         metadata=setting(
@@ -228,6 +232,7 @@ class RouterConfig:
         check_fields(self)  # the declared choices and bounds
         self.weights.validate()
         self.thresholds.validate()
+        self.homes.validate()
         if self.replicas_dns is not None:
             host, sep, port = self.replicas_dns.rpartition(":")
             if not sep or not host or not port.isdigit():

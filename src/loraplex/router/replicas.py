@@ -190,6 +190,7 @@ class Replica:
             kv_usage=self.kv_usage,
             evictions_per_s=self.evictions_per_s,
             in_flight=self.in_flight,
+            memory=self.max_cpu_loras or self.max_loras,
         )
 
     # -- updates between polls ------------------------------------------------------------------

@@ -1,6 +1,11 @@
 """Routing decisions as pure functions: a snapshot of each replica -> a score -> one choice.
 
-"Affinity until saturated" (policy ``residency``)::
+Policy ``home`` (the default) adds one input, the adapter's home set (``loraplex.router.homes``:
+a stable, traffic-sized set of replicas per adapter) and routes within it: the best-scoring
+open member (a warm copy first, until it is saturated or much busier), outside it only when
+every member is saturated or down ("spill", by the residency rules below over the rest).
+
+"Affinity until saturated" (policy ``residency``: wherever the adapter is warm right now)::
 
     saturated(r) = r.waiting >= max_waiting or r.kv_usage >= max_kv_usage
                    or r.in_flight >= max_in_flight
@@ -34,8 +39,8 @@ from loraplex.settings import check_fields, setting
 TIERS = ("device", "host", "disk", "absent")
 """Where an adapter can sit on a replica, best first (the ``tier`` of ``/v1/adapters``)."""
 
-POLICIES = ("residency", "round-robin", "least-loaded")
-REASONS = ("affinity", "load", "fallback", "round_robin")
+POLICIES = ("home", "residency", "round-robin", "least-loaded")
+REASONS = ("affinity", "home", "spill", "load", "fallback", "round_robin")
 """Decision reasons, the label values of ``loraplex_router_decisions_total``."""
 
 
@@ -125,6 +130,7 @@ class ReplicaView:
     kv_usage: float = 0.0
     evictions_per_s: float = 0.0  # device-tier evictions per second, recent
     in_flight: int = 0  # requests this router has outstanding there
+    memory: int | None = None  # adapters it holds in memory (device + host) at most; None: unknown
 
     def tier_of(self, adapter: str) -> str:
         return self.tiers.get(adapter, "absent")
@@ -183,11 +189,20 @@ def choose(
     thresholds: Thresholds | None = None,
     turn: int = 0,
     exclude: frozenset[int] = frozenset(),
+    home: Sequence[int] | None = None,
 ) -> Decision | None:
     """Pick a replica for a request naming ``adapter`` (``None``: the base model).
 
     ``turn`` is a counter the caller advances per request (round-robin, and the starting point
     that breaks exact ties fairly); ``exclude`` holds indices already tried for this request.
+    ``home`` (policy ``home``): the adapter's home set, indices into ``views`` best first
+    (``loraplex.router.homes.HomeMap``; None: its first live replica in rendezvous order)::
+
+        members = open (healthy, unsaturated, not excluded) replicas of the home set
+        members: argmax over members of score (a warm copy first, until much busier)
+                 -> "affinity" if it holds the adapter in memory, else "home"
+        none:    the residency policy over the open replicas outside it -> "spill"
+
     Returns None when no healthy replica is left.
     """
     w = weights or Weights()
@@ -212,14 +227,38 @@ def choose(
         return Decision(min(live, key=lambda i: loads[i]), "fallback", scores)
     if adapter is None:  # the base model: anywhere, by load
         return Decision(min(open_, key=lambda i: load(views[i], w)), "load", scores)
+    if policy == "home":
+        if home is None:
+            home = sorted(live, key=lambda i: rendezvous(adapter, views[i].url), reverse=True)[:1]
+        members = [i for i in home if i in open_]
+        if members:
+            best = max(members, key=lambda i: scores[i])  # first of equals: home order
+            warm = views[best].tier_of(adapter) in ("device", "host")
+            return Decision(best, "affinity" if warm else "home", scores)
+        outside = [i for i in open_ if i not in home]
+        if outside:
+            return Decision(_residency(views, adapter, outside, scores, w)[0], "spill", scores)
+        # every open replica is in the home set, yet none is open: cannot happen
+    best, reason = _residency(views, adapter, open_, scores, w)
+    return Decision(best, reason, scores)
+
+
+def _residency(
+    views: Sequence[ReplicaView],
+    adapter: str,
+    open_: list[int],
+    scores: tuple[float, ...],
+    w: Weights,
+) -> tuple[int, str]:
+    """The residency policy among ``open_``: a copy in memory by score, else the bounded-load
+    rendezvous home among the best tier (module docstring)."""
     rank = {i: TIERS.index(views[i].tier_of(adapter)) for i in open_}
     best_rank = min(rank.values())
     if TIERS[best_rank] in ("device", "host"):
         best = max(open_, key=lambda i: scores[i])
         reason = "affinity" if TIERS[rank[best]] in ("device", "host") else "load"
-        return Decision(best, reason, scores)
-    return Decision(home(views, adapter, [i for i in open_ if rank[i] == best_rank], w), "load",
-                    scores)  # fmt: skip
+        return best, reason
+    return home(views, adapter, [i for i in open_ if rank[i] == best_rank], w), "load"
 
 
 def home(views: Sequence[ReplicaView], adapter: str, candidates: list[int], w: Weights) -> int:
