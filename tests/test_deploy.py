@@ -174,7 +174,7 @@ def test_router_runs_loraplex_route_with_valid_flags(tmp_path: Path) -> None:
     config = route_config(route_parser().parse_args(args), environ=env)  # real parser + checks
     http = _port(c, "http")
     assert config.port == http and config.host == "0.0.0.0"
-    assert config.policy == "residency" and config.replica_api_key == env["LORAPLEX_API_KEY"]
+    assert config.policy == "home" and config.replica_api_key == env["LORAPLEX_API_KEY"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert _port(c, c["readinessProbe"]["httpGet"]["port"]) == http
     # --replicas-dns names the headless replica Service and its port
