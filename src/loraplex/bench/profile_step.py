@@ -349,7 +349,7 @@ def _print_table(results: dict[str, dict[str, Any]], bw_gbs: float) -> None:
     print(f"{'plain step (min)':<18}" + "".join(f"{r['ms_min']:>14.2f}" for r in results.values()))
     mib = 2**20
     for what in ("weights", "lora", "kv"):
-        print(f"{what + ' MiB':<18}" + "".join(f"{r[what] / mib:>14.2f}" for r in results.values()))
+        print(f"{what + ' MiB':<18}" + "".join(f"{r[what] / mib:>14.3f}" for r in results.values()))
     floors = {
         k: (r["weights"] + r["lora"] + r["kv"]) / (bw_gbs * 1e9) * 1e3 for k, r in results.items()
     }
