@@ -68,3 +68,23 @@ def test_double_release_is_an_error() -> None:
         assert "released more often" in str(e)
     else:
         raise AssertionError("expected RuntimeError")
+
+
+def test_block_gather_equals_slot_gather() -> None:
+    """Gathering whole blocks gives each sequence's context in position order, as the
+    per-slot gather does (padded past the context with whatever block 0 holds)."""
+    import torch
+
+    from loraplex.kv.cache import PagedKVCache
+
+    cache = PagedKVCache(2, 6, 4, 3, 5, torch.float32, torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape))
+    cache.v.copy_(torch.randn(cache.v.shape))
+    table = torch.tensor([[3, 1, 5], [2, 0, 0]])  # [B, nblk]
+    pos = torch.arange(12)
+    slots = table[:, pos // 4] * 4 + pos % 4  # [B, L]
+    for layer in range(2):
+        kb, vb = cache.gather_blocks(layer, table)
+        ks, vs = cache.gather(layer, slots)
+        assert kb.shape == (2, 12, 3, 5)
+        assert torch.equal(kb, ks) and torch.equal(vb, vs)

@@ -242,3 +242,48 @@ def _groups(n: int, cuts: int) -> list[tuple[int, int]]:
     if n:
         groups.append((start, n))
     return groups
+
+
+class _W:
+    """One module's adapter weights in the shape ``LoRASlotBank.set_lora`` reads."""
+
+    def __init__(self, r: int, d_in: int, d_out: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.a = torch.randn(r, d_in, generator=g)  # [r, d_in]
+        self.b = torch.randn(d_out, r, generator=g)  # [d_out, r]
+        self.scale = 2.0
+
+
+def test_step_modules_follow_set_and_reset_lora():
+    """The plan's module set is what the step's adapters target, across loads, resets and the
+    compaction that moves rows; modules outside it are skipped and the rest still add."""
+    from loraplex.lora.slots import LoRASlotBank
+    from loraplex.model.llama import LoRABinding
+
+    shapes = {(layer, p): (16, 24) for layer in range(2) for p in ("q_proj", "k_proj", "v_proj")}
+    bank = LoRASlotBank(shapes, max_loras=3, max_lora_rank=4, dtype=torch.float32, device="cpu")
+    lora = LoRABinding(bank, TorchLoRAOps())
+    qv = {(0, "q_proj"): _W(2, 16, 24, 1), (1, "v_proj"): _W(2, 16, 24, 2)}
+    k = {(0, "k_proj"): _W(4, 16, 24, 3)}
+    bank.set_lora(0, qv)
+    assert lora.modules_for([0]) == {(0, "q_proj"), (1, "v_proj")}
+    bank.set_lora(1, k)
+    assert lora.modules_for([1]) == {(0, "k_proj")}
+    assert lora.modules_for([0, 1]) == {(0, "q_proj"), (1, "v_proj"), (0, "k_proj")}
+    bank.reset_lora(0)
+    bank.set_lora(2, {(1, "k_proj"): _W(4, 16, 24, 4)})  # rows 0..1 free: fragmented -> compacts
+    bank.set_lora(0, k)  # the slot now holds another adapter
+    assert lora.modules_for([0]) == {(0, "k_proj")}
+    assert lora.modules_for([2]) == {(1, "k_proj")}
+    assert lora.modules_for([]) == frozenset()
+
+    rs, re = bank.slot_rows(2)
+    x = torch.randn(3, 16)  # [T, d_in]
+    plan = plan_lora_batch(3, [(0, 3, rs, re)], torch.float32, "cpu", modules=lora.modules_for([2]))
+    untouched, added = torch.zeros(3, 24), torch.zeros(3, 24)
+    lora.add(0, "k_proj", x, untouched, plan)  # not a module of slot 2: skipped
+    lora.add(1, "k_proj", x, added, plan)
+    assert torch.equal(untouched, torch.zeros(3, 24))
+    a, bt = bank.tables(1, "k_proj")
+    expected = x @ a[rs:re].T @ bt[rs:re]  # [T, d_out]
+    torch.testing.assert_close(added, expected)

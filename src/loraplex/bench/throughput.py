@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -76,8 +77,31 @@ def _best_of(repeats: int, runs: dict[int, Callable[[], float]]) -> dict[int, fl
     return out
 
 
+def step_bytes(llm: object, adapters: list[Path], table_itemsize: int) -> dict[int, int]:
+    """Bytes a decode step reads per configuration of ``DISTINCT``: the base weights (every
+    projection, norm and the LM head; the embedding only by row) plus the rank rows of the
+    step's distinct adapters (tensor sizes of their files, in the slot tables' dtype)."""
+    from safetensors import safe_open
+
+    from loraplex.bench.profile_step import weight_bytes_per_step
+
+    base = weight_bytes_per_step(llm.engine)  # type: ignore[attr-defined]
+    per_adapter = []
+    for d in adapters:
+        with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+            n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        per_adapter.append(n * table_itemsize)
+    return {k: base + sum(per_adapter[:k]) for k in DISTINCT}
+
+
 def bench_loraplex(
-    model: Path, adapters: list[Path], dtype: str, prompts, new_tokens: int, repeats: int
+    model: Path,
+    adapters: list[Path],
+    dtype: str,
+    prompts,
+    new_tokens: int,
+    repeats: int,
+    bytes_out: dict[int, int] | None = None,
 ) -> dict[int, float]:
     from loraplex import LLM, LoRARequest, SamplingParams
 
@@ -100,6 +124,9 @@ def bench_loraplex(
         return sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t0)
 
     run(N_ADAPTERS)  # warm-up: loads every adapter into its slot
+    if bytes_out is not None:
+        itemsize = llm.engine.adapters.bank.dtype.itemsize
+        bytes_out.update(step_bytes(llm, adapters, itemsize))
     return _best_of(repeats, {k: functools.partial(run, k) for k in DISTINCT})
 
 
@@ -201,21 +228,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--repeats", type=int, default=2, help="rounds per configuration (best kept)")
+    ap.add_argument(
+        "--model",
+        help="another model directory (e.g. the demo model); its 16 adapters are random, "
+        "rank --rank on --targets, made once next to it",
+    )
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--targets", default="q_proj,v_proj")
+    ap.add_argument("--skip-memory", action="store_true", help="skip the RSS measurements")
     args = ap.parse_args(argv)
-    model, adapters = build_assets(Path(args.cache_dir))
+    if args.model:
+        from loraplex.bench.profile_step import make_adapters
+
+        model, targets = Path(args.model), args.targets.split(",")
+        root = Path(f"{model}-lora-r{args.rank}-{'-'.join(targets)}")
+        adapters = make_adapters(model, root, N_ADAPTERS, args.rank, targets)
+    else:
+        model, adapters = build_assets(Path(args.cache_dir))
     prompts = make_prompts()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; 16 prompts, "
         f"{args.new_tokens} new tokens, greedy; tok/s (higher is better)"
     )
     for dtype in args.dtypes:
-        ours = bench_loraplex(model, adapters, dtype, prompts, args.new_tokens, args.repeats)
+        load = _loadavg()
+        nbytes: dict[int, int] = {}
+        ours = bench_loraplex(
+            model, adapters, dtype, prompts, args.new_tokens, args.repeats, nbytes
+        )
         peft = (
             {}
             if args.skip_peft
             else bench_peft(model, adapters, dtype, prompts, args.new_tokens, args.repeats)
         )
-        print(f"\n{dtype}")
+        print(f"\n{dtype}  (load average {load} before, {_loadavg()} after)")
         print(
             f"{'system':<10}"
             + "".join(f"{('base' if k == 0 else f'{k} adapter(s)'):>14}" for k in DISTINCT)
@@ -223,14 +269,31 @@ def main(argv: list[str] | None = None) -> int:
         for name, res in (("loraplex", ours), ("HF PEFT", peft)):
             if res:
                 print(f"{name:<10}" + "".join(f"{res[k]:>14.1f}" for k in DISTINCT))
-        print(f"loraplex 16-distinct / 1-adapter = {ours[16] / ours[1]:.2f}  (target >= 0.85)")
+        bound_1 = nbytes[1] / nbytes[16]
+        print(
+            f"loraplex 16-distinct / 1-adapter = {ours[16] / ours[1]:.3f}  (byte bound "
+            f"{bound_1:.3f}; = {ours[16] / ours[1] / bound_1:.3f} of it, target >= 0.95)"
+        )
+        bound_0 = nbytes[0] / nbytes[16]
+        print(
+            f"loraplex 16-distinct / base      = {ours[16] / ours[0]:.3f}  (byte bound "
+            f"{bound_0:.3f}; = {ours[16] / ours[0] / bound_0:.3f} of it)"
+        )
         if peft:
             print(f"PEFT     16-distinct / 1-adapter = {peft[16] / peft[1]:.2f}")
             print(
                 f"loraplex / PEFT at 16 distinct   = {ours[16] / peft[16]:.2f}x  (target >= 2.5x)"
             )
-        report_memory(model, dtype, adapters)
+        if not args.skip_memory:
+            report_memory(model, dtype, adapters)
     return 0
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
 
 
 if __name__ == "__main__":

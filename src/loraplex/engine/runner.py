@@ -129,18 +129,18 @@ class ModelRunner:
             table = torch.zeros(len(dec_seqs), nblk, dtype=torch.long)
             for r, s in enumerate(dec_seqs):
                 table[r, : len(s.block_ids[:nblk])] = torch.tensor(s.block_ids[:nblk])
-            pos = torch.arange(lmax)
-            ctx_slots = (
-                table[:, pos // self.block_size] * self.block_size + pos % self.block_size
-            )  # [Bd, L]
+            pos = torch.arange(nblk * self.block_size)  # whole blocks: gathered block-wise
             mask = pos[None, :] < torch.tensor(lens)[:, None]  # [Bd, L]
-            attn.decode_ctx_slots = ctx_slots.to(dev)
+            attn.decode_block_table = table.to(dev)
             attn.decode_mask = mask[:, None, None, :].to(dev)
             attn.decode_all = len(dec_tokens) == t
             attn.decode_tokens = torch.tensor(dec_tokens, dtype=torch.long, device=dev)
         plan = None
         if segments:
-            plan = plan_lora_batch(t, segments, self.model.dtype, dev, self.lora_costs)
+            lora = self.model.lora  # the step's adapters decide which modules the plan covers
+            slots = {seq.slot for seq, _ in items if seq.slot is not None}
+            modules = lora.modules_for(slots) if lora is not None else None
+            plan = plan_lora_batch(t, segments, self.model.dtype, dev, self.lora_costs, modules)
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),

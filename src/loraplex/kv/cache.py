@@ -45,6 +45,19 @@ class PagedKVCache:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
+    def gather_blocks(
+        self, layer: int, block_table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of whole blocks: block_table [B, nblk] -> [B, nblk * block_size, kv_heads,
+        head_dim] each; one contiguous row copy per block (cheaper than per-slot gathers)."""
+        b, nblk = block_table.shape
+        idx = block_table.reshape(-1)
+        k, v = self.k[layer], self.v[layer]  # [slots, KVH, hd]
+        shape = (b, nblk * self.block_size, *k.shape[1:])
+        kb = k.view(self.num_blocks, -1).index_select(0, idx).view(shape)
+        vb = v.view(self.num_blocks, -1).index_select(0, idx).view(shape)
+        return kb, vb
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) at ``slots`` (any shape S) -> [*S, kv_heads, head_dim] each."""
         return self.k[layer][slots], self.v[layer][slots]

@@ -51,6 +51,9 @@ class LoRABatchPlan:
     num_rows: int  # max row_end over the segments: the width of shrink's y
     runs: list[LoRARun]
     segments: tuple[Segment, ...]  # the non-empty input segments: the semantics, for references
+    modules: frozenset[tuple[int, str]] | None = None
+    """``(layer, proj)`` modules any of the step's adapters targets; the model skips the rest
+    (their rows are zero for every segment). ``None``: apply every module."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +103,14 @@ def plan_lora_batch(
     dtype: torch.dtype,
     device: torch.device | str,
     costs: LoRAPlanCosts | None = None,
+    modules: frozenset[tuple[int, str]] | None = None,
 ) -> LoRABatchPlan:
     """Plan one step: group the sorted segments into runs minimising ``costs``' model.
 
     ``segments`` must be sorted: token ranges and row ranges both increasing and disjoint.
     Segments with no tokens or no rows are dropped. ``dtype``/``device``: the masks' (the
-    ops' compute dtype is fine too; masks are exactly 0/1 in any float dtype).
+    ops' compute dtype is fine too; masks are exactly 0/1 in any float dtype). ``modules``:
+    see ``LoRABatchPlan.modules``.
     """
     costs = costs or LoRAPlanCosts()
     segs = _check_segments(num_tokens, segments)
@@ -141,7 +146,7 @@ def plan_lora_batch(
         j = cut[j]
     device = torch.device(device)
     runs = [_make_run(segs[i:j], dtype, device) for i, j in reversed(bounds)]
-    return LoRABatchPlan(num_tokens=num_tokens, num_rows=num_rows, runs=runs, segments=tuple(segs))
+    return LoRABatchPlan(num_tokens, num_rows, runs, tuple(segs), modules)
 
 
 def _check_segments(num_tokens: int, segments: Sequence[Segment]) -> list[Segment]:

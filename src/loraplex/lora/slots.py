@@ -126,6 +126,12 @@ class LoRASlotBank:
             raise KeyError(f"module {key} has no LoRA tables")
         return self._a[key], self._bt[key]
 
+    def slot_modules(self, slot: int) -> frozenset[ModuleKey]:
+        """Modules where the slot's A rows are not all zero: the only ones whose LoRA delta for
+        this slot can be non-zero (scans the slot's rows; callers cache it per layout_version)."""
+        start, end = self.slot_rows(slot)
+        return frozenset(key for key, a in self._a.items() if bool(a[start:end].any()))
+
     # ----------------------------------------------------------------------------- mutation
 
     def set_lora(

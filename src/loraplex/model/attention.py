@@ -36,8 +36,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     decode_tokens: torch.Tensor | None = None  # [Bd] token indices of decode rows (None: none)
     decode_all: bool = False  # every token is a decode token, in order (skip the index gather)
-    decode_ctx_slots: torch.Tensor | None = None  # [Bd, Lmax] context slots, padded
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] True = attend
+    decode_block_table: torch.Tensor | None = None  # [Bd, nblk] block ids, padded with 0
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] True = attend
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -57,17 +57,19 @@ def paged_attention(
     cache.write(layer, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
-    if meta.decode_ctx_slots is not None:
+    if meta.decode_block_table is not None:
         qd = q if meta.decode_all else q[meta.decode_tokens]  # [Bd, H, hd]
-        kc, vc = cache.gather(layer, meta.decode_ctx_slots)  # [Bd, L, KVH, hd]
+        kc, vc = cache.gather_blocks(layer, meta.decode_block_table)  # [Bd, L, KVH, hd]
+        bd, kvh = qd.shape[0], kc.shape[2]
+        # The G = H / KVH query heads sharing a KV head (HF's repeat_kv order) attend as G
+        # queries of one head: no K/V repeat, and the fused CPU kernel takes it as is.
         od = F.scaled_dot_product_attention(
-            qd.unsqueeze(2),  # [Bd, H, 1, hd]
+            qd.reshape(bd, kvh, -1, qd.shape[-1]),  # [Bd, KVH, G, hd]
             kc.transpose(1, 2),  # [Bd, KVH, L, hd]
             vc.transpose(1, 2),
             attn_mask=meta.decode_mask,
             scale=scale,
-            enable_gqa=gqa,
-        ).squeeze(2)  # [Bd, H, hd]
+        ).reshape(bd, -1, qd.shape[-1])  # [Bd, H, hd]
         if meta.decode_all:
             out = od
         else:

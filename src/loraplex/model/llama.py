@@ -7,6 +7,7 @@ then adds its gathered LoRA delta for the tokens of every adapter in the batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.ops import LoRAOps
 from loraplex.lora.plan import LoRABatchPlan
-from loraplex.lora.slots import LoRASlotBank
+from loraplex.lora.slots import LoRASlotBank, ModuleKey
 from loraplex.model.attention import AttentionMetadata, paged_attention
 from loraplex.model.config import ModelConfig
 from loraplex.model.linear import Linear, LinearFactory, select_linear_factory
@@ -57,10 +58,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF-exact RMSNorm: statistics in float32, then scale in the model dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    """HF-exact RMSNorm: statistics in float32, then scale in the model dtype (one fused
+    kernel in float32; low-precision inputs normalise in float32 first, as HF does)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, eps)
+    return w * F.rms_norm(x.float(), w.shape, None, eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -76,11 +78,30 @@ class LoRABinding:
     def __init__(self, bank: LoRASlotBank, ops: LoRAOps) -> None:
         self.bank = bank
         self.ops = ops
+        self._modules_version = -1  # bank.layout_version the cache below belongs to
+        self._slot_modules: dict[int, frozenset[ModuleKey]] = {}
+
+    def modules_for(self, slots: Iterable[int]) -> frozenset[ModuleKey]:
+        """Modules any of ``slots``' adapters targets (non-zero rows), cached per layout version
+        of the bank, so a step's plan can skip every other module."""
+        if self._modules_version != self.bank.layout_version:
+            self._slot_modules.clear()
+            self._modules_version = self.bank.layout_version
+        found: set[ModuleKey] = set()
+        for slot in slots:
+            mods = self._slot_modules.get(slot)
+            if mods is None:
+                mods = self._slot_modules[slot] = self.bank.slot_modules(slot)
+            found |= mods
+        return frozenset(found)
 
     def add(
         self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor, plan: LoRABatchPlan
     ) -> None:
-        """out += LoRA delta of ``proj`` in ``layer`` for every adapted token. x: [T, d_in]."""
+        """out += LoRA delta of ``proj`` in ``layer`` for every adapted token. x: [T, d_in].
+        Modules outside ``plan.modules`` (no adapter of the step targets them) are skipped."""
+        if plan.modules is not None and (layer, proj) not in plan.modules:
+            return
         a, bt = self.bank.tables(layer, proj)
         self.ops.apply(x, a, bt, out, plan)
 
@@ -311,8 +332,8 @@ class LlamaForCausalLM:
                 lora.add(i, "q_proj", x, qkv[:, :qs], plan)
                 lora.add(i, "k_proj", x, qkv[:, qs : qs + kvs], plan)
                 lora.add(i, "v_proj", x, qkv[:, qs + kvs :], plan)
-            q = _rotate(qkv[:, :qs].view(T, -1, hd), cos, sin)  # [T, H, hd]
-            k = _rotate(qkv[:, qs : qs + kvs].view(T, -1, hd), cos, sin)  # [T, KVH, hd]
+            qk = _rotate(qkv[:, : qs + kvs].view(T, -1, hd), cos, sin)  # [T, H + KVH, hd]
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [T, H, hd], [T, KVH, hd]
             v = qkv[:, qs + kvs :].view(T, -1, hd)
             a = paged_attention(q, k, v, i, cache, batch.attn, self.scale).reshape(T, qs)
             o = L.o(a)  # [T, D]
