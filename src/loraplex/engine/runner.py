@@ -138,7 +138,7 @@ class ModelRunner:
         plan = None
         if segments:
             lora = self.model.lora  # the step's adapters decide which modules the plan covers
-            slots = {seq.slot for seq, _ in items if seq.slot is not None}
+            slots = {seq.slot for seq, _ in items if seq.slot not in (None, self.merged_slot)}
             modules = lora.modules_for(slots) if lora is not None else None
             plan = plan_lora_batch(t, segments, self.model.dtype, dev, self.lora_costs, modules)
         fb = ForwardBatch(
