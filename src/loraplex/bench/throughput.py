@@ -83,7 +83,7 @@ def step_bytes(llm: object, adapters: list[Path], table_itemsize: int) -> dict[i
     step's distinct adapters (tensor sizes of their files, in the slot tables' dtype)."""
     from safetensors import safe_open
 
-    from loraplex.bench.profile_step import weight_bytes_per_step
+    from loraplex.bench.step_bytes import weight_bytes_per_step
 
     base = weight_bytes_per_step(llm.engine)  # type: ignore[attr-defined]
     per_adapter = []
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-memory", action="store_true", help="skip the RSS measurements")
     args = ap.parse_args(argv)
     if args.model:
-        from loraplex.bench.profile_step import make_adapters
+        from loraplex.bench.step_bytes import make_adapters
 
         model, targets = Path(args.model), args.targets.split(",")
         root = Path(f"{model}-lora-r{args.rank}-{'-'.join(targets)}")

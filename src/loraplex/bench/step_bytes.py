@@ -1,0 +1,75 @@
+"""What a decode step reads, and the random adapters the step benchmarks use.
+
+Shared by ``loraplex.bench.profile_step`` and ``loraplex.bench.throughput`` (which print every
+measured ratio next to the byte bound these give).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from loraplex.engine.llm_engine import LLMEngine
+
+
+def make_adapters(model_dir: Path, root: Path, n: int, rank: int, targets: list[str]) -> list[Path]:
+    """``n`` random PEFT adapters for ``model_dir`` under ``root`` (made once, then reused)."""
+    from loraplex.lora.peft_format import CONFIG_NAME
+    from loraplex.testing import make_random_adapter
+
+    out = []
+    for i in range(n):
+        d = root / f"adapter{i:02d}"
+        if not (d / CONFIG_NAME).is_file():
+            make_random_adapter(
+                model_dir, d, r=rank, lora_alpha=2 * rank, target_modules=targets,
+                seed=500 + i, std=0.02,
+            )  # fmt: skip
+        out.append(d)
+    return out
+
+
+def read_bandwidth_gbs(mib: int = 256) -> float:
+    """Read bandwidth of a large float32 reduction (bytes read per second), in GB/s."""
+    x = torch.randn(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_step(engine: LLMEngine) -> int:
+    """Base weights a decode step reads: every layer's projections and norms, norm, LM head."""
+    m = engine.model
+    total = m.norm.nbytes + m.head.nbytes
+    for L in m.layers:
+        total += (
+            L.ln1.nbytes + L.ln2.nbytes + sum(x.nbytes for x in (L.qkv, L.o, L.gate_up, L.down))
+        )
+    return total
+
+
+def adapter_bytes_per_step(engine: LLMEngine, slots: set[int]) -> int:
+    """Bytes of the rank rows the step's adapters own in the modules they target (non-zero)."""
+    if engine.adapters is None or not slots:
+        return 0
+    bank = engine.adapters.bank
+    total = 0
+    for slot in slots:
+        rs, re = bank.slot_rows(slot)
+        for key in bank.module_shapes:
+            a, bt = bank.tables(*key)
+            if bool(a[rs:re].any()):
+                total += (re - rs) * (a.shape[1] + bt.shape[1]) * a.element_size()
+    return total
+
+
+def kv_bytes_per_step(engine: LLMEngine) -> int:
+    """K and V bytes the running sequences' contexts occupy (read once per decode step)."""
+    c = engine.model_config
+    per_tok = 2 * c.num_layers * c.num_kv_heads * c.head_dim * engine.cache.k.element_size()
+    return per_tok * sum(s.num_tokens for s in engine.running_sequences())
