@@ -558,3 +558,23 @@ def test_kv_pressure_preemption_prefers_sequences_not_cooling_down() -> None:
     batch = s.schedule()
     assert batch.num_preempted == 1 and [q.request_id for q in s.waiting] == ["b1"]
     assert s._victim([hog]) is hog
+
+
+def test_a_middle_class_may_not_take_seats_kept_for_a_higher_one() -> None:
+    """Gold's recent peak keeps two of four seats: standard (between gold and batch) may not
+    take them while they are free, though it outranks the running batch (it would take a
+    seat gold needs, and gold would then preempt); without the headroom it gets in at once."""
+    s = _sched("fair", seqs=4, tokens=1000)
+    for i in range(2):
+        s.add(_seq(f"g{i}", out=1, priority=GOLD, tenant="gold"))
+    s.add(_seq("b0", out=80, priority=BATCH, tenant="batch"))
+    s.add(_seq("b1", out=80, priority=BATCH, tenant="batch"))
+    while any(q.priority == GOLD for q in [*s.running, *s.waiting]):
+        _step(s)
+    assert sorted(_admitted(s)) == ["b0", "b1"] and s.headroom(1) == 2
+    s.add(_seq("std", out=4, priority=STANDARD, tenant="std"))
+    _step(s)
+    assert sorted(_admitted(s)) == ["b0", "b1"] and s.num_preemptions == 0
+    s.headroom_window = 0  # gold's peak forgotten: standard takes a free seat at once
+    _step(s)
+    assert sorted(_admitted(s)) == ["b0", "b1", "std"] and s.num_preemptions == 0

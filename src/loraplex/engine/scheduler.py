@@ -526,8 +526,11 @@ class Scheduler:
             if budget > 0 and self._capped(seq, budget) == 0:
                 continue  # its class used its prefill share of this step: others may go
             if len(self.running) + self.headroom(self.class_of(seq)) >= self.max_num_seqs:
-                if not any(self._outranks(seq, r) for r in self.running):
-                    continue  # the seats left are kept for a more important class
+                # the free seats are kept for a more important class; it may still get in by
+                # preempting a less important one when every seat is taken
+                full = len(self.running) >= self.max_num_seqs
+                if not full or not any(self._outranks(seq, r) for r in self.running):
+                    continue
             while budget <= 0 or len(self.running) >= self.max_num_seqs:
                 freed = self._make_room(seq, batch)
                 if freed is None:
