@@ -2,6 +2,7 @@
 # SLO-class proof on a live server (issue 19): per policy one server, three workloads: gold
 # alone, gold + batch (batch over 120 cold adapters, max-loras 8), two tenants flooding.
 # usage: scripts/bench_slo.sh [ROUNDS=2] [OUTDIR=/tmp/bench_slo] [POLICIES="fcfs fair"]
+# (env: PY the python with loraplex's deps, FIRST_ROUND to add rounds, PORT the first port - 1)
 # Assets (a small random Llama, 123 rank-8 adapters) are built once in $OUTDIR/assets.
 set -u
 ROUNDS=${1:-2}; OUT=${2:-/tmp/bench_slo}; POLICIES=${3:-"fcfs fair"}
@@ -29,9 +30,10 @@ one() {  # POLICY PORT DIR
   run gold-batch --duration 30 --tenant "$GOLD" --tenant "$BATCH"
   run flood --duration 30 --tenant "a:models=flood-a,concurrency=32,prompt=64,output=32" \
     --tenant "b:models=flood-b,concurrency=12,prompt=64,output=32"
+  echo "== $P server: $(curl -s localhost:$PORT/metrics | grep -E '^vllm:num_preemptions' | tr '\n' ' ')"
   kill $SPID; wait $SPID 2>/dev/null
 }
-port=18800
-for r in $(seq 1 $ROUNDS); do for P in $POLICIES; do
+port=${PORT:-18800}
+for r in $(seq ${FIRST_ROUND:-1} $ROUNDS); do for P in $POLICIES; do
   port=$((port + 1)); one $P $port $OUT/round$r | tee $OUT/round$r-$P.txt
 done; done
