@@ -36,7 +36,7 @@ Three policies order the waiting sequences and pick preemption victims (``policy
     victim is the least important class, within it the one with the least computed work
     (fewest computed tokens: the cheapest recompute), then the tenant most over its share,
     then the newest; and never one preempted within the last ``preempt_cooldown`` steps
-    (hysteresis; under KV pressure such ones go last, never never, so memory always frees).
+    (hysteresis; under KV pressure such ones go last but still go, so memory always frees).
   - *prefill caps*: while a more important class has prompt work this step (a waiting
     sequence, or a running one mid-prompt), a lower class's prompt chunks in the step are
     capped at its weighted share of ``max_num_batched_tokens`` (decodes never are); when the
@@ -184,6 +184,10 @@ class Scheduler:
         self.step_index = 0  # schedule() calls so far
         # class -> k -> the last step at which the class had at least k sequences
         self._seen_at: dict[int, dict[int, int]] = {}
+        # headroom per (class, len(running), num_preemptions), cleared by schedule(), add()
+        # and finish(): in between, what it depends on changes only with admissions and
+        # preemptions
+        self._headroom_memo: dict[tuple[int, int, int], int] = {}
 
     # -- classes ---------------------------------------------------------------------------------
     def class_of(self, seq: Sequence) -> int:
@@ -198,6 +202,7 @@ class Scheduler:
 
     # -- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self._headroom_memo = {}
         self.waiting.append(seq)
         c = self.class_of(seq)
         self.class_service.join(c)
@@ -216,6 +221,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its blocks and slot (from any queue)."""
+        self._headroom_memo = {}
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -350,6 +356,9 @@ class Scheduler:
         ``max_num_seqs - 1``."""
         if self.policy != "fair" or c == 0:
             return 0
+        memo = (c, len(self.running), self.num_preemptions)
+        if memo in self._headroom_memo:
+            return self._headroom_memo[memo]
         running = Counter(self.class_of(s) for s in self.running)
         keep = sum(
             max(0, self.recent_peak(h) - running[h])
@@ -359,7 +368,8 @@ class Scheduler:
                 not self.class_service.members[h] or self.class_service[h] <= self.class_service[c]
             )
         )
-        return min(keep, self.max_num_seqs - 1)
+        self._headroom_memo[memo] = min(keep, self.max_num_seqs - 1)
+        return self._headroom_memo[memo]
 
     def _capped(self, seq: Sequence, n: int) -> int:
         """``n`` tokens for ``seq`` this step within its class's prefill cap (see above)."""
@@ -372,6 +382,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         self.step_index += 1
+        self._headroom_memo = {}
         if self.policy == "fair":
             self._observe_demand()
         self._caps, self._cap_used = self._prefill_caps(), Counter()
