@@ -37,3 +37,4 @@ port=${PORT:-18800}
 for r in $(seq ${FIRST_ROUND:-1} $ROUNDS); do for P in $POLICIES; do
   port=$((port + 1)); one $P $port $OUT/round$r | tee $OUT/round$r-$P.txt
 done; done
+$PY $ROOT/scripts/slo_summary.py $OUT | tee $OUT/summary.txt
