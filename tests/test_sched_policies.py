@@ -386,8 +386,9 @@ def test_class_tables_parse() -> None:
 
 
 def test_fair_caps_a_lower_class_prefill_per_step_while_a_higher_one_is_active() -> None:
-    """Budget 90, weights 8:1 (gold:batch active): batch prompt chunks get int(90/9) = 10
-    tokens a step; alone, batch gets the whole budget; decodes are never capped."""
+    """Budget 90, weights 8:1 (gold:batch active): while gold has prompt work, batch prompt
+    chunks get int(90/9) = 10 tokens a step; while gold only decodes, and alone, batch gets
+    the whole budget (no starvation by the cap); decodes are never capped."""
     s = _sched("fair", seqs=8, tokens=90, weights=(8.0, 1.0))
     s.default_class = 0
     s.add(_seq("g", prompt=4, out=40, priority=0, tenant="gold"))
@@ -396,6 +397,17 @@ def test_fair_caps_a_lower_class_prefill_per_step_while_a_higher_one_is_active()
     batch = s.schedule()
     chunks = {q.request_id: n for q, n in batch.items}
     assert chunks["g"] == 4 and sum(n for r, n in chunks.items() if r != "g") == 10
+    s.after_step(batch)
+    batch.items[0][0].output_token_ids.append(7)  # gold's first token: it only decodes now
+    batch = s.schedule()  # no more important prompt work: batch gets the rest of the budget
+    chunks = {q.request_id: n for q, n in batch.items}
+    assert chunks["g"] == 1 and sum(n for r, n in chunks.items() if r != "g") == 89
+    s.add(_seq("g2", prompt=20, out=4, priority=0, tenant="gold"))  # gold prompt work again
+    s.after_step(batch)
+    batch.items[0][0].output_token_ids.append(7)
+    chunks = {q.request_id: n for q, n in s.schedule().items}
+    assert chunks["g"] == 1 and chunks["g2"] == 20
+    assert sum(n for r, n in chunks.items() if not r.startswith("g")) == 10  # capped again
     alone = _sched("fair", seqs=8, tokens=90, weights=(8.0, 1.0))
     for i in range(3):
         alone.add(_seq(f"b{i}", prompt=40, out=2, priority=1, tenant="batch"))
@@ -425,3 +437,144 @@ def test_a_sequence_admitted_then_preempted_in_the_same_step_waits_again() -> No
     while s.has_unfinished():
         done |= {q.request_id for q in _step(s)}
     assert done == {"b0", "gold"}
+
+
+# ------------------------------------------------------------------------ headroom, hysteresis
+
+
+def test_fair_keeps_headroom_seats_for_a_recently_active_higher_class() -> None:
+    """Gold ran two at once: for ``headroom_window`` steps after, batch may take only the seats
+    gold does not need (4 - 2), so the next gold request gets a seat at once, without a
+    preemption; once the window has passed without gold, batch takes every seat."""
+    s = _sched("fair", seqs=4, tokens=1000)
+    s.headroom_window = 40
+    s.add(_seq("g0", out=2, priority=GOLD, tenant="gold"))
+    s.add(_seq("g1", out=2, priority=GOLD, tenant="gold"))
+    for i in range(12):
+        s.add(_seq(f"b{i}", out=30, priority=BATCH, tenant="batch"))
+    _step(s)
+    assert sorted(_admitted(s)) == ["b0", "b1", "g0", "g1"]  # headroom is spare seats only
+    while any(q.priority == GOLD for q in s.running):
+        _step(s)
+    assert s.recent_peak(0) == 2 and s.headroom(2) == 2
+    for _ in range(30):
+        _step(s)
+        assert len(s.running) <= 2 and all(q.priority == BATCH for q in s.running)
+    s.add(_seq("g2", out=4, priority=GOLD, tenant="gold"))
+    _step(s)
+    assert "g2" in _admitted(s) and s.num_preemptions == 0
+    while "g2" in _admitted(s):
+        _step(s)
+    last_seen = s.step_index  # the last schedule() that counted g2
+    while s.step_index < last_seen + s.headroom_window:
+        assert len(s.running) <= 3  # gold's recent peak is 1 now
+        _step(s)
+    assert s.recent_peak(0) == 0 and s.headroom(2) == 0
+    _step(s)
+    assert len(s.running) == 4 and s.num_preemptions == 0
+
+
+def test_headroom_leaves_a_lower_class_one_seat_and_yields_to_a_class_owed_service() -> None:
+    s = _sched("fair", seqs=3, tokens=1000)
+    for i in range(6):
+        s.add(_seq(f"g{i}", out=2, priority=GOLD, tenant="gold"))
+    s.add(_seq("b", out=3, priority=BATCH, tenant="batch"))
+    s.schedule()
+    assert s.recent_peak(0) == 3  # capped at max_num_seqs
+    assert s.headroom(2) == 0  # gold holds all three seats: nothing left to keep
+    s.class_service.served[0] = s.class_service[2] + 1.0  # gold over its share now
+    assert s.headroom(2) == 0  # a backlogged class over its share holds no seats back
+    idle = _sched("fair", seqs=3, tokens=1000)
+    for i in range(6):
+        idle.add(_seq(f"g{i}", out=1, priority=GOLD, tenant="gold"))
+    while idle.has_unfinished():
+        _step(idle)
+    assert idle.recent_peak(0) == 3 and idle.headroom(2) == 2  # never the last seat
+    idle.add(_seq("b", out=2, priority=BATCH, tenant="batch"))
+    _step(idle)
+    assert _admitted(idle) == ["b"]
+
+
+def test_fair_preempts_the_least_computed_work_and_not_the_same_one_twice() -> None:
+    """Two seats held by batch: a gold arrival preempts the one with the fewest computed tokens
+    (not the newest); when the next gold arrives shortly after, that one (back and again the
+    cheapest) is cooling down, so the other batch request is preempted instead."""
+    s = _sched("fair", seqs=2, tokens=1000)
+    s.headroom_window = 1  # no headroom: this test is about preemption
+    s.add(_seq("b-long", prompt=12, out=60, priority=BATCH, tenant="batch"))
+    s.add(_seq("b-short", prompt=4, out=60, priority=BATCH, tenant="batch"))
+    s.add(_seq("b-mid", prompt=8, out=60, priority=BATCH, tenant="batch"))
+    _step(s)
+    assert _admitted(s) == ["b-long", "b-short"]
+    s.add(_seq("g0", prompt=4, out=1, priority=GOLD, tenant="gold"))
+    _step(s)
+    assert [q.request_id for q in s.waiting] == ["b-short", "b-mid"] and s.num_preemptions == 1
+    _step(s)  # g0 finished in its step: b-short is back (recomputing: the least work again)
+    assert sorted(_admitted(s)) == ["b-long", "b-short"]
+    short = next(q for q in s.running if q.request_id == "b-short")
+    long = next(q for q in s.running if q.request_id == "b-long")
+    assert short.num_computed_tokens < long.num_computed_tokens
+    s.add(_seq("g1", prompt=4, out=1, priority=GOLD, tenant="gold"))
+    _step(s)
+    assert [q.request_id for q in s.waiting] == ["b-long", "b-mid"] and s.num_preemptions == 2
+    assert short.status is SequenceStatus.RUNNING  # cooling down: not preempted twice in a row
+
+
+def test_preemption_cooldown_holds_a_higher_class_back_rather_than_thrash() -> None:
+    """The only lower-class seat holder was just preempted and re-admitted: a gold arrival
+    within the cooldown waits for a seat instead of preempting it again."""
+    s = _sched("fair", seqs=1, tokens=1000)
+    s.headroom_window = 1
+    b = _seq("b", prompt=4, out=200, priority=BATCH, tenant="batch")
+    s.add(b)
+    _step(s)
+    s.add(_seq("g0", prompt=4, out=1, priority=GOLD, tenant="gold"))
+    _step(s)  # g0 preempts b, runs its prompt and finishes
+    _step(s)  # b is back
+    assert _admitted(s) == ["b"] and s.num_preemptions == 1
+    s.add(_seq("g1", prompt=4, out=1, priority=GOLD, tenant="gold"))
+    _step(s)
+    assert _admitted(s) == ["b"] and [q.request_id for q in s.waiting] == ["g1"]
+    assert s.num_preemptions == 1
+    assert b.preempted_at_step is not None
+    while s.step_index + 1 - b.preempted_at_step < s.preempt_cooldown:
+        _step(s)
+        assert s.num_preemptions == 1
+    _step(s)  # the cooldown is over: gold gets its seat
+    assert [q.request_id for q in s.waiting] == ["b"] and s.num_preemptions == 2
+
+
+def test_kv_pressure_preemption_prefers_sequences_not_cooling_down() -> None:
+    """Under KV pressure a recently preempted sequence goes last, but it still goes when it is
+    the only candidate (memory must always free)."""
+    s = _sched("fair", blocks=5, seqs=4, tokens=1000)
+    s.add(_seq("gold", prompt=3, out=8, priority=GOLD))
+    for rid in ("b0", "hog", "b1"):
+        s.add(_seq(rid, prompt=4, out=8, priority=BATCH, tenant=rid))
+    s.tenant_service.charge((2, "hog"), 1000.0)
+    _step(s)
+    hog = next(q for q in s.running if q.request_id == "hog")
+    hog.preempted_at_step = s.step_index  # as if preempted and back just now
+    batch = s.schedule()
+    assert batch.num_preempted == 1 and [q.request_id for q in s.waiting] == ["b1"]
+    assert s._victim([hog]) is hog
+
+
+def test_a_middle_class_may_not_take_seats_kept_for_a_higher_one() -> None:
+    """Gold's recent peak keeps two of four seats: standard (between gold and batch) may not
+    take them while they are free, though it outranks the running batch (it would take a
+    seat gold needs, and gold would then preempt); without the headroom it gets in at once."""
+    s = _sched("fair", seqs=4, tokens=1000)
+    for i in range(2):
+        s.add(_seq(f"g{i}", out=1, priority=GOLD, tenant="gold"))
+    s.add(_seq("b0", out=80, priority=BATCH, tenant="batch"))
+    s.add(_seq("b1", out=80, priority=BATCH, tenant="batch"))
+    while any(q.priority == GOLD for q in [*s.running, *s.waiting]):
+        _step(s)
+    assert sorted(_admitted(s)) == ["b0", "b1"] and s.headroom(1) == 2
+    s.add(_seq("std", out=4, priority=STANDARD, tenant="std"))
+    _step(s)
+    assert sorted(_admitted(s)) == ["b0", "b1"] and s.num_preemptions == 0
+    s.headroom_window = 0  # gold's peak forgotten: standard takes a free seat at once
+    _step(s)
+    assert sorted(_admitted(s)) == ["b0", "b1", "std"] and s.num_preemptions == 0

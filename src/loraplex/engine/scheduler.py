@@ -24,11 +24,23 @@ Three policies order the waiting sequences and pick preemption victims (``policy
       a key that becomes active starts at max(its own, min over active keys)  # no banked credit
 
   so a class with weight w gets about w / sum(w) of the tokens while all are backlogged and a
-  lower class never starves. While several classes are active, each class's prompt chunks in a
-  step are capped at its weighted share of ``max_num_batched_tokens`` (decodes never are), so
-  a lower class's long prefills do not slow every step of a more important one. A waiting sequence may preempt a running one of a less important
-  class whose C is at least its own; under KV pressure the victim is the least important class,
-  within it the tenant most over its share (largest V), then the newest.
+  lower class never starves. Production rules that keep a more important class's latency
+  without thrashing the lower ones:
+
+  - *headroom*: a lower class may not take the last K seats, K = sum over the more important
+    classes of (their peak concurrency, running + waiting, over the last ``headroom_window``
+    steps) minus (their running now); K leaves the lower class one seat at least. So a gold
+    arrival usually finds a free seat instead of preempting.
+  - *preempt only when needed*: a waiting sequence may preempt a running one of a less
+    important class (whose C is at least its own) only when no seat or block is free; the
+    victim is the least important class, within it the one with the least computed work
+    (fewest computed tokens: the cheapest recompute), then the tenant most over its share,
+    then the newest; and never one preempted within the last ``preempt_cooldown`` steps
+    (hysteresis; under KV pressure such ones go last but still go, so memory always frees).
+  - *prefill caps*: while a more important class has prompt work this step (a waiting
+    sequence, or a running one mid-prompt), a lower class's prompt chunks in the step are
+    capped at its weighted share of ``max_num_batched_tokens`` (decodes never are); when the
+    more important classes only decode or are idle, the lower class gets the whole budget.
 
 Slots are only *reserved* here ("slot k now belongs to digest d", bookkeeping in the adapter
 cache); the engine copies the weights of newly reserved adapters before the step runs.
@@ -134,10 +146,15 @@ class Scheduler:
         class_weights: tuple[float, ...] = (1.0,),
         default_class: int = 0,
         rank_slot_budgets: Mapping[int, int] | None = None,
+        headroom_window: int = 256,
+        preempt_cooldown: int = 64,
     ) -> None:
         """``class_weights[i]``: the share weight of SLO class ``i`` (0 the most important);
         ``rank_slot_budgets``: bucket's largest rank -> device slots its adapters may hold in
-        running requests at once (e.g. ``{8: 12, 64: 4}``)."""
+        running requests at once (e.g. ``{8: 12, 64: 4}``); ``headroom_window``: steps over
+        which a class's peak concurrency sizes the seats kept for it (fair);
+        ``preempt_cooldown``: steps after a preemption in which that sequence is not chosen
+        again (fair and priority)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"unknown scheduling policy {policy!r} ({', '.join(SCHEDULING_POLICIES)})"
@@ -162,6 +179,15 @@ class Scheduler:
         self.tenant_service: VirtualTokenCounter[tuple[int, str | None]] = VirtualTokenCounter()
         self._caps: dict[int, int] | None = None  # this step's prefill caps per class
         self._cap_used: Counter[int] = Counter()
+        self.headroom_window = headroom_window
+        self.preempt_cooldown = preempt_cooldown
+        self.step_index = 0  # schedule() calls so far
+        # class -> k -> the last step at which the class had at least k sequences
+        self._seen_at: dict[int, dict[int, int]] = {}
+        # headroom per (class, len(running), num_preemptions), cleared by schedule(), add()
+        # and finish(): in between, what it depends on changes only with admissions and
+        # preemptions
+        self._headroom_memo: dict[tuple[int, int, int], int] = {}
 
     # -- classes ---------------------------------------------------------------------------------
     def class_of(self, seq: Sequence) -> int:
@@ -176,6 +202,7 @@ class Scheduler:
 
     # -- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self._headroom_memo = {}
         self.waiting.append(seq)
         c = self.class_of(seq)
         self.class_service.join(c)
@@ -194,6 +221,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its blocks and slot (from any queue)."""
+        self._headroom_memo = {}
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -225,18 +253,29 @@ class Scheduler:
         seq.block_hashes = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        seq.preempted_at_step = self.step_index
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _cooling(self, seq: Sequence) -> bool:
+        """Whether ``seq`` was preempted within the last ``preempt_cooldown`` steps."""
+        at = seq.preempted_at_step
+        return at is not None and self.step_index - at < self.preempt_cooldown
 
     def _victim(self, candidates: list[Sequence]) -> Sequence:
         """Which of ``candidates`` (running, in running order) to preempt first."""
         if self.policy == "priority":
-            i = max(range(len(candidates)), key=lambda j: (candidates[j].priority, j))
+            i = max(
+                range(len(candidates)),
+                key=lambda j: (not self._cooling(candidates[j]), candidates[j].priority, j),
+            )
         elif self.policy == "fair":
 
-            def key(j: int) -> tuple[int, float, int]:
-                c = self.class_of(candidates[j])
-                return c, self.tenant_service[(c, candidates[j].tenant)], j
+            def key(j: int) -> tuple[bool, int, int, float, int]:
+                s = candidates[j]
+                c = self.class_of(s)
+                v = self.tenant_service[(c, s.tenant)]
+                return not self._cooling(s), c, -s.num_computed_tokens, v, j
 
             i = max(range(len(candidates)), key=key)
         else:
@@ -244,7 +283,10 @@ class Scheduler:
         return candidates[i]
 
     def _outranks(self, seq: Sequence, other: Sequence) -> bool:
-        """Whether waiting ``seq`` may preempt running ``other`` to get in."""
+        """Whether waiting ``seq`` may preempt running ``other`` to get in (never one that
+        was preempted within the cooldown: no thrash)."""
+        if self._cooling(other):
+            return False
         if self.policy == "priority":
             return seq.priority < other.priority
         if self.policy == "fair":
@@ -267,18 +309,67 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
     def _prefill_caps(self) -> dict[int, int] | None:
-        """fair, with several classes active: each class's prompt (multi-token) chunks in one
-        step are capped at its weighted share of the step's token budget, so a lower class's
-        long prefills cannot make every step slow for a more important one (decodes are never
-        capped). None: no caps (other policies, or one class active)."""
+        """fair: the prompt-chunk cap of each class that has a more important class with
+        prompt work this step (a waiting sequence, or a running one mid-prompt): its weighted
+        share, among the active classes, of the step's token budget. A class whose more
+        important classes only decode (or are idle) is not capped, so the cap never starves
+        it. None: no caps (other policies, or nothing to cap)."""
         if self.policy != "fair":
             return None
         active = self.class_service.active()
         if len(active) < 2:
             return None
+        pending = {self.class_of(s) for s in self.waiting}
+        pending |= {
+            self.class_of(s) for s in self.running if s.num_tokens - s.num_computed_tokens > 1
+        }
+        if not pending:
+            return None
+        top = min(pending)
         total = sum(self.class_weights[c] for c in active)
         budget = self.max_num_batched_tokens
-        return {c: max(1, int(budget * self.class_weights[c] / total)) for c in active}
+        caps = {c: max(1, int(budget * self.class_weights[c] / total)) for c in active if c > top}
+        return caps or None
+
+    # -- headroom --------------------------------------------------------------------------------
+    def _observe_demand(self) -> None:
+        """Record this step's sequences per class (running + waiting + loading)."""
+        counts = Counter(self.class_of(s) for s in self.running)
+        counts.update(self.class_of(s) for s in self.waiting)
+        counts.update(self.class_of(s) for s in self.loading)
+        for c, n in counts.items():
+            seen = self._seen_at.setdefault(c, {})
+            for k in range(1, min(n, self.max_num_seqs) + 1):
+                seen[k] = self.step_index
+
+    def recent_peak(self, c: int) -> int:
+        """Class ``c``'s largest number of sequences in the last ``headroom_window`` steps."""
+        seen = self._seen_at.get(c, {})
+        since = self.step_index - self.headroom_window
+        return max((k for k, at in seen.items() if at > since), default=0)
+
+    def headroom(self, c: int) -> int:
+        """Seats a class-``c`` sequence may not take: what the more important classes had
+        recently beyond what they run now, counting those idle now or within their share (C at
+        most ``c``'s: a backlogged class over its share holds no seats back, so a class owed
+        service by the weights is never starved by headroom); fair only, at most
+        ``max_num_seqs - 1``."""
+        if self.policy != "fair" or c == 0:
+            return 0
+        memo = (c, len(self.running), self.num_preemptions)
+        if memo in self._headroom_memo:
+            return self._headroom_memo[memo]
+        running = Counter(self.class_of(s) for s in self.running)
+        keep = sum(
+            max(0, self.recent_peak(h) - running[h])
+            for h in range(c)
+            if h in self._seen_at
+            and (
+                not self.class_service.members[h] or self.class_service[h] <= self.class_service[c]
+            )
+        )
+        self._headroom_memo[memo] = min(keep, self.max_num_seqs - 1)
+        return self._headroom_memo[memo]
 
     def _capped(self, seq: Sequence, n: int) -> int:
         """``n`` tokens for ``seq`` this step within its class's prefill cap (see above)."""
@@ -290,6 +381,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self.step_index += 1
+        self._headroom_memo = {}
+        if self.policy == "fair":
+            self._observe_demand()
         self._caps, self._cap_used = self._prefill_caps(), Counter()
         preempted = False
         i = 0
@@ -441,6 +536,12 @@ class Scheduler:
         for seq in self._candidates(list(self.waiting)):
             if budget > 0 and self._capped(seq, budget) == 0:
                 continue  # its class used its prefill share of this step: others may go
+            if len(self.running) + self.headroom(self.class_of(seq)) >= self.max_num_seqs:
+                # the free seats are kept for a more important class; it may still get in by
+                # preempting a less important one when every seat is taken
+                full = len(self.running) >= self.max_num_seqs
+                if not full or not any(self._outranks(seq, r) for r in self.running):
+                    continue
             while budget <= 0 or len(self.running) >= self.max_num_seqs:
                 freed = self._make_room(seq, batch)
                 if freed is None:

@@ -66,6 +66,7 @@ class Sequence:
     # tenant's SLO class into it), and the key whose served tokens the fair policy balances
     priority: int = 0
     tenant: str | None = None
+    preempted_at_step: int | None = None  # the scheduler step that last preempted it
     _namespace: bytes = field(init=False, repr=False, default=b"")
 
     def __post_init__(self) -> None:
