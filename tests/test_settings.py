@@ -168,6 +168,11 @@ SERVE_SAMPLES = {  # settings whose values have a syntax of their own: one valid
     "allowed_origins": '["*"]',
     "allowed_methods": '["GET"]',
     "allowed_headers": '["X-Y"]',
+    "scheduling_policy": "fair",
+    "slo_classes": "gold=8,standard=2,batch=1",
+    "default_slo_class": "gold",
+    "tenant_slo_classes": "acme=gold",
+    "lora_rank_slot_budgets": "8:4,64:2",
 }
 SERVE_NEEDS = {  # cross-field rules: what else a setting needs to be valid
     "enable_auto_tool_choice": ["--tool-call-parser", "hermes"],
@@ -208,7 +213,8 @@ def _sample(spec: Any, samples: dict[str, str], paths: dict[str, str]) -> tuple[
         return str(number), number
     if spec.kind == "float":
         le = spec.setting.le
-        value = (default + le) / 2 if le is not None else default + 0.5
+        base = 0.0 if default is None else default  # None: no limit unless set
+        value = (base + le) / 2 if le is not None else base + 0.5
         return str(value), value
     text = _fill(samples[spec.name], paths)
     if spec.kind == "keyed":
