@@ -2,10 +2,11 @@
 # SLO-class proof on a live server (issue 19): per policy one server, three workloads: gold
 # alone, gold + batch (batch over 120 cold adapters, max-loras 8), two tenants flooding.
 # usage: scripts/bench_slo.sh [ROUNDS=2] [OUTDIR=/tmp/bench_slo] [POLICIES="fcfs fair"]
-# (env: PY the python with loraplex's deps, FIRST_ROUND to add rounds, PORT the first port - 1)
+# (env: PY the python with loraplex's deps, FIRST_ROUND to add rounds, PORT the first port - 1,
+#  DURATION seconds per workload, default 30)
 # Assets (a small random Llama, 123 rank-8 adapters) are built once in $OUTDIR/assets.
 set -u
-ROUNDS=${1:-2}; OUT=${2:-/tmp/bench_slo}; POLICIES=${3:-"fcfs fair"}
+ROUNDS=${1:-2}; OUT=${2:-/tmp/bench_slo}; POLICIES=${3:-"fcfs fair"}; DUR=${DURATION:-30}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}; [ -x "$PY" ] || PY=python
 export PYTHONPATH=$ROOT/src
@@ -26,9 +27,9 @@ one() {  # POLICY PORT DIR
   run() { local name=$1; shift; echo "== $P $name  loadavg $(cat /proc/loadavg)"
     $PY -m loraplex bench serve --url http://127.0.0.1:$PORT --no-progress --seed 1 \
       --save $D/$P-$name.json "$@"; echo; }
-  run gold-alone --duration 30 --tenant "$GOLD"
-  run gold-batch --duration 30 --tenant "$GOLD" --tenant "$BATCH"
-  run flood --duration 30 --tenant "a:models=flood-a,concurrency=32,prompt=64,output=32" \
+  run gold-alone --duration $DUR --tenant "$GOLD"
+  run gold-batch --duration $DUR --tenant "$GOLD" --tenant "$BATCH"
+  run flood --duration $DUR --tenant "a:models=flood-a,concurrency=32,prompt=64,output=32" \
     --tenant "b:models=flood-b,concurrency=12,prompt=64,output=32"
   echo "== $P server: $(curl -s localhost:$PORT/metrics | grep -E '^vllm:num_preemptions' | tr '\n' ' ')"
   kill $SPID; wait $SPID 2>/dev/null
