@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -71,37 +70,11 @@ def model_dir(kind: str, work: Path) -> tuple[Path, bool]:
 
 
 def make_adapters(model: Path, root: Path) -> list[Path]:
-    """16 rank-8 q/v adapters with random non-zero A and B (seeded), built once under ``root``."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    """16 rank-8 q/v adapters: the first 16 of ``compare_peers``' seeded set."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compare_peers import make_adapters as peers_adapters
 
-    from loraplex.lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
-    from loraplex.testing import make_random_adapter
-
-    template = root / "template"
-    if not (template / SAFETENSORS_NAME).is_file():
-        make_random_adapter(
-            model, template, r=RANK, lora_alpha=2 * RANK, target_modules=["q_proj", "v_proj"],
-            seed=0, std=0.02,
-        )  # fmt: skip
-    tensors = load_file(str(template / SAFETENSORS_NAME))
-    out = []
-    for i in range(N_ADAPTERS):
-        d = root / f"a{i:02d}"
-        if not (d / SAFETENSORS_NAME).is_file():
-            tmp = root / f".tmp-a{i:02d}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            gen = torch.Generator().manual_seed(1000 + i)
-            fresh = {
-                k: (0.02 * torch.randn(v.shape, generator=gen)).to(v.dtype)
-                for k, v in tensors.items()
-            }
-            shutil.copyfile(template / CONFIG_NAME, tmp / CONFIG_NAME)
-            save_file(fresh, str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
-            os.rename(tmp, d)
-        out.append(d)
-    return out
+    return peers_adapters(model, root, N_ADAPTERS)
 
 
 def bench_argv(url: str, args: Any, save: Path) -> list[str]:

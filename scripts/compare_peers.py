@@ -109,8 +109,9 @@ def demo_model() -> Path:
     return prepare_demo_model(Path(cache) if cache else None, progress=True)
 
 
-def make_adapters(model: Path, root: Path) -> list[Path]:
-    """64 rank-8 q/v adapters with random non-zero A and B (seeded), built once under ``root``."""
+def make_adapters(model: Path, root: Path, n: int = N_ADAPTERS) -> list[Path]:
+    """``n`` rank-8 q/v adapters with random non-zero A and B (seeded), built once under
+    ``root`` (``scripts/bench_server_path.py`` uses the first 16)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -125,7 +126,7 @@ def make_adapters(model: Path, root: Path) -> list[Path]:
         )  # fmt: skip
     tensors = load_file(str(template / SAFETENSORS_NAME))
     out = []
-    for i in range(N_ADAPTERS):
+    for i in range(n):
         d = root / f"a{i:02d}"
         if not (d / SAFETENSORS_NAME).is_file():
             tmp = root / f".tmp-a{i:02d}"
