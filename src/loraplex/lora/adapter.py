@@ -434,6 +434,29 @@ def load_peft_adapter(
     )
 
 
+def _finite_in_one_pass(ts: list[torch.Tensor]) -> bool:
+    """True when the sum over the span of the buffer that ``ts`` cover is finite, so each of
+    them is finite (a NaN or an inf anywhere makes the sum NaN or inf): for contiguous views of
+    one owned buffer in one float dtype (what :func:`read_adapter` builds), one reduction
+    instead of an ``isfinite`` (several passes) per tensor. False when they are not such views,
+    or the sum is not finite (a non-finite value, or only an overflow; the span may include
+    bytes between tensors): the caller then checks each tensor, and names the culprit."""
+    if not ts:
+        return True
+    first = ts[0]
+    if not first.is_floating_point():
+        return False
+    ptr, dtype = first.untyped_storage().data_ptr(), first.dtype
+    lo = hi = first.storage_offset()
+    for t in ts:
+        if t.dtype != dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr:
+            return False
+        off = t.storage_offset()
+        lo, hi = min(lo, off), max(hi, off + t.numel())
+    span = first.as_strided((hi - lo,), (1,), lo)  # [elements from the first tensor to the last]
+    return bool(torch.isfinite(span.sum()))
+
+
 def build_adapter(
     config: dict,
     tensors: dict[str, torch.Tensor],
@@ -463,12 +486,15 @@ def build_adapter(
         layout = check_layout(settings, metas, spec, max_rank=max_lora_rank)
     except FormatError as e:
         raise _fail(path, str(e)) from e
+    used = [tensors[n] for m in layout.values() for n in (m.a_name, m.b_name)]
+    if not _finite_in_one_pass(used):  # name the first non-finite tensor, if any
+        for m in layout.values():
+            for tname in (m.a_name, m.b_name):
+                if not bool(torch.isfinite(tensors[tname]).all()):
+                    raise _fail(path, f"tensor {tname!r}: contains non-finite values (NaN/inf)")
     weights: dict[tuple[int, str], LoRAModuleWeights] = {}
     for key, m in layout.items():
         a, b = tensors[m.a_name], tensors[m.b_name]
-        for tname, t in ((m.a_name, a), (m.b_name, b)):
-            if not bool(torch.isfinite(t).all()):
-                raise _fail(path, f"tensor {tname!r}: contains non-finite values (NaN/inf)")
         # convert last: all checks ran on the stored values
         weights[key] = LoRAModuleWeights(
             a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous(), scale=m.scale
