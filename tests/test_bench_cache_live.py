@@ -27,3 +27,5 @@ def test_cache_live_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert ratio is not None and float(ratio[1]) > 0, out
     assert re.search(r"^disk_load\s+\d+", out, re.M), out
     assert re.search(r"sha256 \d+ MB/s", out), out
+    assert re.search(r"blake3 \d+ MB/s 1 thread", out), out
+    assert re.search(r"target <= 2x: (met|NOT met)", out), out

@@ -326,11 +326,11 @@ def test_source_changing_during_put_stores_nothing(
         assert sorted(p.name for p in tier.root.iterdir()) == [".lock"]
 
 
-@pytest.mark.parametrize("what", ["tensors", "one_byte", "config"])
+@pytest.mark.parametrize("what", ["tensors", "one_byte", "first_data_byte", "config"])
 def test_a_changed_copy_is_caught_after_a_verified_load(
     tmp_path: Path, adapters: list, what: str
 ) -> None:
-    """Loads after the first full verification compare plain file hashes of the bytes read:
+    """Loads after the first full verification compare BLAKE3 file hashes of the bytes read:
     the same tensors come back, and any change since is still an integrity error."""
     (src, digest), (other, _) = adapters[0], adapters[1]
     with DiskTier(tmp_path / "l2", 1 << 20) as tier:
@@ -350,6 +350,10 @@ def test_a_changed_copy_is_caught_after_a_verified_load(
             raw = bytearray((entry / ST).read_bytes())
             raw[-1] ^= 0x01
             (entry / ST).write_bytes(bytes(raw))
+        elif what == "first_data_byte":  # right after the header: inside the first tensor
+            raw = bytearray((entry / ST).read_bytes())
+            raw[8 + int.from_bytes(raw[:8], "little")] ^= 0x01
+            (entry / ST).write_bytes(bytes(raw))
         else:
             cfg = json.loads((entry / CFG).read_text())
             cfg["lora_alpha"] = 3 * cfg["lora_alpha"]
@@ -357,3 +361,20 @@ def test_a_changed_copy_is_caught_after_a_verified_load(
         with pytest.raises(AdapterIntegrityError) as info:
             tier.load_verified(digest, "team-a")
         assert info.value.deleted and digest not in tier and not entry.exists()
+
+
+def test_a_copy_changed_outside_the_math_is_verified_again_and_kept(
+    tmp_path: Path, adapters: list
+) -> None:
+    """A config byte that is not part of the digest (whitespace) misses the fast path; the full
+    verification passes, the entry stays, and the same tensors come back."""
+    src, digest = adapters[0]
+    with DiskTier(tmp_path / "l2", 1 << 20) as tier:
+        tier.put(digest, src)
+        first = tier.load_verified(digest, "team-a")
+        cfg = tier.root / digest / CFG
+        cfg.write_text(cfg.read_text() + "\n")
+        again = tier.load_verified(digest, "team-a")
+        assert again.config == first.config and digest in tier and cfg.exists()
+        assert all(torch.equal(again.tensors[k], t) for k, t in first.tensors.items())
+        assert tier.load_verified(digest, "team-a").digest == digest  # and again after that

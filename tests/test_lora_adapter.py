@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -711,3 +712,66 @@ def test_refuses_layer_count_mismatch(default_adapter: Path, spec: BaseModelSpec
     assert_refused(default_adapter, fewer, "layer 2 >= base model num_layers 2")
     more = BaseModelSpec(num_layers=4, module_shapes=spec.module_shapes)
     assert_refused(default_adapter, more, "layers.3", "no LoRA tensors")
+
+
+# --------------------------------------------------------------------------- non-finite check
+
+
+def _insert_gap(path: Path, gap: bytes) -> None:
+    """Rewrite a safetensors file with ``gap`` between its first and second tensors (data order):
+    bytes no tensor owns, which a reader must not mistake for tensor values."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    cut = min(v["data_offsets"][1] for v in entries.values() if v["data_offsets"][0] == 0)
+    for v in entries.values():
+        if v["data_offsets"][0] >= cut:
+            v["data_offsets"] = [o + len(gap) for o in v["data_offsets"]]
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + data[:cut] + gap + data[cut:])
+
+
+@pytest.mark.parametrize("case", ["overflow", "fp16_overflow", "nan_between_tensors"])
+def test_finite_tensors_load_whatever_their_sum(
+    spec: BaseModelSpec, tmp_path: Path, case: str
+) -> None:
+    """All values finite: the one-pass check over the buffer may not prove it (the sum
+    overflows; a NaN lies between tensors), and then every tensor is checked on its own."""
+    tensors = hand_tensors(spec)
+    if case == "overflow":
+        tensors = {k: torch.full_like(t, 3e38) for k, t in tensors.items()}
+    elif case == "fp16_overflow":
+        tensors = {k: torch.full_like(t, 6e4, dtype=torch.float16) for k, t in tensors.items()}
+    path = write_adapter(tmp_path / "ad", hand_config(), tensors)
+    if case == "nan_between_tensors":
+        _insert_gap(path / "adapter_model.safetensors", struct.pack("<f", math.nan))
+    adapter = load_peft_adapter(path, spec)
+    for (layer, proj), w in adapter.weights.items():
+        name = f"{module_name(layer, proj)}.lora_A.weight"
+        torch.testing.assert_close(w.a, tensors[name].float(), rtol=0, atol=0)
+        torch.testing.assert_close(w.b, tensors[name.replace("lora_A", "lora_B")].float())
+    assert len(adapter.weights) == len(tensors) // 2
+
+
+@pytest.mark.parametrize("where", ["last_value", "two_tensors", "fp16"])
+def test_non_finite_values_are_named_in_any_position(
+    spec: BaseModelSpec, tmp_path: Path, where: str
+) -> None:
+    tensors = hand_tensors(spec)
+    last = max(tensors)  # sorted last: the last tensor in the file
+    if where == "last_value":
+        tensors[last][-1, -1] = math.inf
+        needle = last
+    elif where == "two_tensors":  # the first in layout order is named
+        tensors[VB][0, 0] = -math.inf
+        tensors[QA][1, 2] = math.nan
+        needle = QA
+    else:
+        tensors = {k: t.half() for k, t in tensors.items()}
+        tensors[QB][3, 1] = math.nan
+        needle = QB
+    path = write_adapter(tmp_path / "ad", hand_config(), tensors)
+    msg = assert_refused(path, spec, needle, "non-finite")
+    assert msg.count("non-finite") == 1

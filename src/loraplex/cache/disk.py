@@ -13,9 +13,10 @@ is rebuilt by scanning: ``.tmp-*`` leftovers of a crash are removed, and entries
 not match their manifest's sizes (the cheap check) are dropped. Full verification happens on use
 (:meth:`DiskTier.load_verified`: the entry is read into owned memory and hashed before it is
 parsed), which deletes a bad copy. After one full verification the tier remembers, in memory
-only, each file's plain sha256 and the tensor table of those bytes: a later load of the entry
-reads each file once into one buffer, hashes it in one pass and compares (no digest
-re-derivation, no header re-parse); any difference falls back to the full verification.
+only, each file's BLAKE3 hash and the tensor layout of those bytes (:class:`KnownFiles`): a
+later load of the entry reads each file once into one buffer, hashing it chunk by chunk as it
+lands, and compares (no digest re-derivation, no header re-parse); any difference falls back to
+the full verification.
 
 The budget counts the adapter files' bytes (the manifest and directory metadata are not counted,
 nor transient ``.tmp`` staging). ``put`` never exceeds it: it raises :class:`DiskBudgetError` and
@@ -135,7 +136,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._entries: dict[str, int] = {}  # digest -> bytes
         self._access: dict[str, float] = {}  # digest -> last access (time.time())
-        # digest -> file hashes and tensor table of the bytes this process last verified
+        # digest -> file hashes and tensor layout of the bytes this process last verified
         self._known: dict[str, KnownFiles] = {}
         self._reserved = 0  # bytes of puts in progress
         self._lock_fd: int | None = None

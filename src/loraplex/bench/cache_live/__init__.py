@@ -15,10 +15,11 @@ L0 slot. Then:
    client-side TTFT (time to the first content chunk), the ``x-loraplex-adapter-state`` header,
    and, for cold requests, whether the load was an L2 disk hit or an L3 fetch;
 2. collects the cache's load stage timings (``load_observers``) and per-tier hit counters;
-3. times a verified L2 read (``DiskTier.load_verified``: read + sha256 + parse) and the full host
-   load (that plus ``build_adapter``) against reading the same files' raw bytes, warm page cache
-   (median of ``--repeats``) and cold (pages dropped per file with ``posix_fadvise``), with
-   ``hashlib.sha256`` throughput on the same bytes as the floor of any verified read.
+3. times a verified L2 read (``DiskTier.load_verified``: after the entry's first full
+   verification, read + BLAKE3 of each file + tensor views) and the full host load (that plus
+   ``build_adapter``) against reading the same files' raw bytes, warm page cache (median of
+   ``--repeats``) and cold (pages dropped per file with ``posix_fadvise``), next to the target
+   (L2 <= 2x raw), with ``sha256`` and BLAKE3 throughput on the same bytes as the floors.
 
 The package: ``assets`` (model, adapters, request stream), ``drive`` (the client and the load
 hooks), ``l2_vs_raw`` (step 3), ``experiment`` (one run, the results dict) and ``table`` (the
