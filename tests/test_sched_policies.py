@@ -40,10 +40,13 @@ def _seq(rid: str, *, prompt: int = 8, out: int = 4, priority: int = 0, tenant: 
 
 
 def _sched(policy: str, *, blocks: int = 256, seqs: int = 4, tokens: int = 64,
-           weights: tuple[float, ...] = (8.0, 4.0, 1.0)) -> Scheduler:  # fmt: skip
+           weights: tuple[float, ...] = (8.0, 4.0, 1.0), seat_shares: bool = True) -> Scheduler:  # fmt: skip
+    """``seat_shares=False`` for tests of another rule that need lower classes to fill seats
+    beside a more important one (their own test is below)."""
     pool = BlockPool(blocks, 4, enable_prefix_caching=False)
     return Scheduler(pool, None, max_num_seqs=seqs, max_num_batched_tokens=tokens,
-                     policy=policy, class_weights=weights, default_class=1)  # fmt: skip
+                     policy=policy, class_weights=weights, default_class=1,
+                     seat_shares=seat_shares)  # fmt: skip
 
 
 def _step(s: Scheduler, served: Counter[str] | None = None) -> list[Sequence]:
@@ -198,7 +201,7 @@ def test_preemption_under_kv_pressure_takes_the_lowest_class_first(
     after a token each, three sequences need a block: the first gets the free one, the second
     preempts: fcfs the newest, priority the largest priority value, fair the lowest class and
     there the tenant most over its share (not the newest)."""
-    s = _sched(policy, blocks=5, seqs=4, tokens=1000)
+    s = _sched(policy, blocks=5, seqs=4, tokens=1000, seat_shares=False)
     prio = {"b0": 2, "hog": 0, "b1": 1} if policy == "priority" else dict.fromkeys("x", 0)
     s.add(_seq("gold", prompt=3, out=8, priority=GOLD))
     for rid in ("b0", "hog", "b1"):
@@ -389,7 +392,7 @@ def test_fair_caps_a_lower_class_prefill_per_step_while_a_higher_one_is_active()
     """Budget 90, weights 8:1 (gold:batch active): while gold has prompt work, batch prompt
     chunks get int(90/9) = 10 tokens a step; while gold only decodes, and alone, batch gets
     the whole budget (no starvation by the cap); decodes are never capped."""
-    s = _sched("fair", seqs=8, tokens=90, weights=(8.0, 1.0))
+    s = _sched("fair", seqs=8, tokens=90, weights=(8.0, 1.0), seat_shares=False)
     s.default_class = 0
     s.add(_seq("g", prompt=4, out=40, priority=0, tenant="gold"))
     for i in range(3):
@@ -408,7 +411,7 @@ def test_fair_caps_a_lower_class_prefill_per_step_while_a_higher_one_is_active()
     chunks = {q.request_id: n for q, n in s.schedule().items}
     assert chunks["g"] == 1 and chunks["g2"] == 20
     assert sum(n for r, n in chunks.items() if not r.startswith("g")) == 10  # capped again
-    alone = _sched("fair", seqs=8, tokens=90, weights=(8.0, 1.0))
+    alone = _sched("fair", seqs=8, tokens=90, weights=(8.0, 1.0), seat_shares=False)
     for i in range(3):
         alone.add(_seq(f"b{i}", prompt=40, out=2, priority=1, tenant="batch"))
     assert sum(n for _, n in alone.schedule().items) == 90
@@ -446,7 +449,7 @@ def test_fair_keeps_headroom_seats_for_a_recently_active_higher_class() -> None:
     """Gold ran two at once: for ``headroom_window`` steps after, batch may take only the seats
     gold does not need (4 - 2), so the next gold request gets a seat at once, without a
     preemption; once the window has passed without gold, batch takes every seat."""
-    s = _sched("fair", seqs=4, tokens=1000)
+    s = _sched("fair", seqs=4, tokens=1000, seat_shares=False)
     s.headroom_window = 40
     s.add(_seq("g0", out=2, priority=GOLD, tenant="gold"))
     s.add(_seq("g1", out=2, priority=GOLD, tenant="gold"))
@@ -472,6 +475,58 @@ def test_fair_keeps_headroom_seats_for_a_recently_active_higher_class() -> None:
     assert s.recent_peak(0) == 0 and s.headroom(2) == 0
     _step(s)
     assert len(s.running) == 4 and s.num_preemptions == 0
+
+
+def test_seat_shares_cap_a_lower_class_while_a_more_important_one_is_active() -> None:
+    """Batch alone fills all 8 seats. Once gold has been seen, batch may run only its weight
+    share of the seats (gold=8, batch=1: max(1, floor(8 * 1/9)) = 1): running batch sequences
+    are not preempted for it, but as they finish no new ones start, while gold still gets
+    in; a window after gold's last sequence, batch fills the engine again."""
+    s = _sched("fair", seqs=8, tokens=1000, weights=(8.0, 1.0))
+    s.headroom_window = 20
+    for i in range(30):
+        s.add(_seq(f"b{i}", out=6 + i % 3, priority=BATCH, tenant="batch"))
+    _step(s)
+    assert len(s.running) == 8 and s.seat_share(1) is None  # no gold yet: no cap
+    s.add(_seq("g0", out=40, priority=GOLD, tenant="gold"))
+    _step(s)
+    assert "g0" in _admitted(s) and s.seat_share(1) == 1
+    batch_running = []
+    while "g0" in _admitted(s):
+        done = _step(s)  # batch rows of the step: still running + finished in it
+        batch_running.append(sum(q.priority == BATCH for q in [*s.running, *done]))
+    assert batch_running[0] > 1  # the ones running when gold came finish in their time
+    assert max(batch_running[-20:]) == 1 and min(batch_running[-20:]) == 1  # never starved
+    s.add(_seq("g1", out=3, priority=GOLD, tenant="gold"))
+    _step(s)
+    assert "g1" in _admitted(s)  # a gold arrival finds a seat
+    while "g1" in _admitted(s):
+        _step(s)
+    last_seen = s.step_index
+    while s.step_index < last_seen + s.headroom_window:
+        assert sum(q.priority == BATCH for q in s.running) <= 1
+        _step(s)
+    _step(s)
+    assert s.seat_share(1) is None and len(s.running) == 8  # the whole engine is batch's again
+
+
+def test_seat_shares_follow_the_weights_of_the_active_classes() -> None:
+    """Three classes (8, 4, 1) over 16 seats: a class's share counts only the more important
+    classes active in the window; the most important class is never capped; off: no caps."""
+    s = _sched("fair", seqs=16, tokens=1000)
+    s.add(_seq("std", out=50, priority=STANDARD, tenant="s"))
+    _step(s)
+    assert s.seat_share(0) is None and s.seat_share(1) is None
+    assert s.seat_share(2) == 3  # floor(16 * 1 / (1 + 4))
+    s.add(_seq("gold", out=50, priority=GOLD, tenant="g"))
+    _step(s)
+    assert s.seat_share(1) == 5  # floor(16 * 4 / (4 + 8))
+    assert s.seat_share(2) == 1  # max(1, floor(16 * 1 / 13))
+    off = _sched("fair", seqs=8, tokens=1000, seat_shares=False)
+    off.add(_seq("gold", out=50, priority=GOLD, tenant="g"))
+    _step(off)
+    assert off.seat_share(2) is None
+    assert _sched("priority", seqs=8).seat_share(2) is None
 
 
 def test_headroom_leaves_a_lower_class_one_seat_and_yields_to_a_class_owed_service() -> None:
@@ -547,7 +602,7 @@ def test_preemption_cooldown_holds_a_higher_class_back_rather_than_thrash() -> N
 def test_kv_pressure_preemption_prefers_sequences_not_cooling_down() -> None:
     """Under KV pressure a recently preempted sequence goes last, but it still goes when it is
     the only candidate (memory must always free)."""
-    s = _sched("fair", blocks=5, seqs=4, tokens=1000)
+    s = _sched("fair", blocks=5, seqs=4, tokens=1000, seat_shares=False)
     s.add(_seq("gold", prompt=3, out=8, priority=GOLD))
     for rid in ("b0", "hog", "b1"):
         s.add(_seq(rid, prompt=4, out=8, priority=BATCH, tenant=rid))
@@ -564,7 +619,7 @@ def test_a_middle_class_may_not_take_seats_kept_for_a_higher_one() -> None:
     """Gold's recent peak keeps two of four seats: standard (between gold and batch) may not
     take them while they are free, though it outranks the running batch (it would take a
     seat gold needs, and gold would then preempt); without the headroom it gets in at once."""
-    s = _sched("fair", seqs=4, tokens=1000)
+    s = _sched("fair", seqs=4, tokens=1000, seat_shares=False)
     for i in range(2):
         s.add(_seq(f"g{i}", out=1, priority=GOLD, tenant="gold"))
     s.add(_seq("b0", out=80, priority=BATCH, tenant="batch"))

@@ -37,6 +37,14 @@ Three policies order the waiting sequences and pick preemption victims (``policy
     (fewest computed tokens: the cheapest recompute), then the tenant most over its share,
     then the newest; and never one preempted within the last ``preempt_cooldown`` steps
     (hysteresis; under KV pressure such ones go last but still go, so memory always frees).
+  - *seat shares*: a step's time grows with its rows, so every row of a lower class slows the
+    steps of a more important one. While a more important class is active (it had a sequence
+    within the last ``headroom_window`` steps), class ``c`` may run at most
+    ``max(1, floor(max_num_seqs * w_c / (w_c + sum of the active more important classes' w)))``
+    sequences (gold=8, batch=1: one batch seat in 8); new ones wait (nothing is preempted for
+    it), and once the more important classes have been idle for a window the whole engine is
+    the lower class's again. The weights say how much latency the lower class's throughput may
+    cost: closer weights, more seats.
   - *prefill caps*: while a more important class has prompt work this step (a waiting
     sequence, or a running one mid-prompt), a lower class's prompt chunks in the step are
     capped at its weighted share of ``max_num_batched_tokens`` (decodes never are); when the
@@ -148,13 +156,15 @@ class Scheduler:
         rank_slot_budgets: Mapping[int, int] | None = None,
         headroom_window: int = 256,
         preempt_cooldown: int = 64,
+        seat_shares: bool = True,
     ) -> None:
         """``class_weights[i]``: the share weight of SLO class ``i`` (0 the most important);
         ``rank_slot_budgets``: bucket's largest rank -> device slots its adapters may hold in
         running requests at once (e.g. ``{8: 12, 64: 4}``); ``headroom_window``: steps over
         which a class's peak concurrency sizes the seats kept for it (fair);
         ``preempt_cooldown``: steps after a preemption in which that sequence is not chosen
-        again (fair and priority)."""
+        again (fair and priority); ``seat_shares``: cap a lower class's running sequences
+        while a more important one is active (fair; see the module docstring)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"unknown scheduling policy {policy!r} ({', '.join(SCHEDULING_POLICIES)})"
@@ -181,6 +191,7 @@ class Scheduler:
         self._cap_used: Counter[int] = Counter()
         self.headroom_window = headroom_window
         self.preempt_cooldown = preempt_cooldown
+        self.seat_shares = seat_shares
         self.step_index = 0  # schedule() calls so far
         # class -> k -> the last step at which the class had at least k sequences
         self._seen_at: dict[int, dict[int, int]] = {}
@@ -188,6 +199,7 @@ class Scheduler:
         # and finish(): in between, what it depends on changes only with admissions and
         # preemptions
         self._headroom_memo: dict[tuple[int, int, int], int] = {}
+        self._share_memo: dict[int, int | None] = {}  # class -> seat share, cleared per step
 
     # -- classes ---------------------------------------------------------------------------------
     def class_of(self, seq: Sequence) -> int:
@@ -371,6 +383,24 @@ class Scheduler:
         self._headroom_memo[memo] = min(keep, self.max_num_seqs - 1)
         return self._headroom_memo[memo]
 
+    def seat_share(self, c: int) -> int | None:
+        """fair: the most sequences class ``c`` may run now (see *seat shares* above); None when
+        no more important class was active within the window (no cap)."""
+        if self.policy != "fair" or c == 0 or not self.seat_shares:
+            return None
+        if c not in self._share_memo:  # what it reads changes once per step
+            above = [self.class_weights[h] for h in range(c) if self.recent_peak(h) > 0]
+            w = self.class_weights[c]
+            share = max(1, int(self.max_num_seqs * w / (w + sum(above)))) if above else None
+            self._share_memo[c] = share
+        return self._share_memo[c]
+
+    def _over_seat_share(self, seq: Sequence) -> bool:
+        """Whether admitting ``seq`` would take its class past its seat share."""
+        c = self.class_of(seq)
+        share = self.seat_share(c)
+        return share is not None and sum(self.class_of(s) == c for s in self.running) >= share
+
     def _capped(self, seq: Sequence, n: int) -> int:
         """``n`` tokens for ``seq`` this step within its class's prefill cap (see above)."""
         if self._caps is None or seq.num_tokens - seq.num_computed_tokens <= 1:
@@ -382,7 +412,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         self.step_index += 1
-        self._headroom_memo = {}
+        self._headroom_memo, self._share_memo = {}, {}
         if self.policy == "fair":
             self._observe_demand()
         self._caps, self._cap_used = self._prefill_caps(), Counter()
@@ -536,6 +566,8 @@ class Scheduler:
         for seq in self._candidates(list(self.waiting)):
             if budget > 0 and self._capped(seq, budget) == 0:
                 continue  # its class used its prefill share of this step: others may go
+            if self._over_seat_share(seq):
+                continue  # its class runs its share of seats while a more important one is on
             if len(self.running) + self.headroom(self.class_of(seq)) >= self.max_num_seqs:
                 # the free seats are kept for a more important class; it may still get in by
                 # preempting a less important one when every seat is taken
