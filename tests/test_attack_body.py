@@ -169,3 +169,45 @@ def test_a_request_without_a_key_is_refused_before_its_body_arrives(
     finally:
         s.close()
     assert status == 401 and err["error"]["code"] == "invalid_api_key"
+
+
+def _send_endless_headers(host: str, port: int, limit: int) -> tuple[int, int | None]:
+    """Send header lines (1 KiB each) until the server stops the request or ``limit`` bytes
+    went out; (bytes sent, the status it answered or None when it just closed)."""
+    line = b"X-Filler: " + b"a" * 1012 + b"\r\n"
+    s = socket.create_connection((host, port))
+    s.settimeout(EVENT_TIMEOUT_S)
+    sent = 0
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        while sent < limit and not select.select([s], [], [], 0)[0]:
+            s.sendall(line)
+            sent += len(line)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    try:
+        head = s.recv(65536)
+    except (ConnectionResetError, TimeoutError):
+        head = b""
+    finally:
+        s.close()
+    status = int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else None
+    return sent, status
+
+
+def test_an_endless_header_block_is_cut_off_without_memory(
+    server: tuple[str, int, psutil.Process],
+) -> None:
+    """Header lines that never end (8 clients at once): the HTTP parser bounds a header block
+    (h11, as the server runs it), so each request is refused long before its 64 MiB are out,
+    and the server's RSS does not grow by what was sent."""
+    host, port, proc = server
+    limit = 64 << 20
+    base = proc.memory_info().rss
+    with _PeakRSS(proc) as rss, ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: _send_endless_headers(host, port, limit), range(8)))
+    for sent, status in results:
+        assert sent < limit, "the server kept reading headers"
+        assert status in (None, 400, 431)
+    assert rss.peak - base < 50 << 20
+    assert httpx.get(f"http://{host}:{port}/health", timeout=60).is_success

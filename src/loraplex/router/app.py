@@ -547,4 +547,7 @@ def run_router(config: RouterConfig) -> None:
     import uvicorn
 
     app = create_router_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    # h11: bounded header blocks (see loraplex.server.app.run_server); uvloop when installed
+    uvicorn.run(
+        app, host=config.host, port=config.port, log_level=config.log_level, http="h11", loop="auto"
+    )

@@ -281,6 +281,10 @@ def run_server(config: ServerConfig, *, on_ready: Callable[[], None] | None = No
         app = create_app(config, on_ready=on_ready)
         uvicorn.run(
             app,
+            # h11 bounds a request's header block (httptools, uvicorn's "auto" pick when
+            # installed, does not); the event loop is uvloop when installed ("auto")
+            http="h11",
+            loop="auto",
             host=config.host,
             port=config.port,
             log_level=config.log_level,

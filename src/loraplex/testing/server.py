@@ -23,7 +23,10 @@ def serve_in_thread(app: Any, *, timeout: float = 30.0) -> Iterator[str]:
 
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        # as the servers run (loraplex.server.app.run_server): h11, uvloop when installed
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", http="h11"
+        )
     )
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
