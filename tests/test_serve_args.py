@@ -650,3 +650,18 @@ def test_scheduling_flag_errors(
         pytest.fail(f"{argv} accepted")
     for w in words:
         assert w in msg, (w, msg)
+
+
+def test_serve_leaves_one_core_to_the_http_side_unless_told() -> None:
+    """serve on CPU without --num-threads: torch's threads minus one (at least one); an
+    explicit --num-threads, or a CUDA device, is kept as given."""
+    import torch
+
+    from loraplex.config import EngineConfig
+    from loraplex.server.app import reserve_http_core
+
+    n = torch.get_num_threads()
+    got = reserve_http_core(EngineConfig(model="m", device="cpu"))
+    assert got.num_threads == (n - 1 if n >= 2 else None)
+    assert reserve_http_core(EngineConfig(model="m", device="cpu", num_threads=3)).num_threads == 3
+    assert reserve_http_core(EngineConfig(model="m", device="cuda")).num_threads is None
