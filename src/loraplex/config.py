@@ -814,7 +814,11 @@ class EngineConfig:
     )
     num_threads: int | None = field(
         default=None,
-        metadata=setting("--num-threads", ge=1, help="CPU intra-op threads (default: torch's; serve on CPU: one fewer, for the HTTP side)"),
+        metadata=setting(
+            "--num-threads",
+            ge=1,
+            help="CPU intra-op threads (default: torch's; serve on CPU: one fewer, for HTTP)",
+        ),
     )
 
     @property
