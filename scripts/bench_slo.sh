@@ -3,7 +3,7 @@
 # alone, gold + batch (batch over 120 cold adapters, max-loras 8), two tenants flooding.
 # usage: scripts/bench_slo.sh [ROUNDS=2] [OUTDIR=/tmp/bench_slo] [POLICIES="fcfs fair"]
 # (env: PY the python with loraplex's deps, FIRST_ROUND to add rounds, PORT the first port - 1,
-#  DURATION seconds per workload, default 30)
+#  DURATION seconds per workload, default 30; SKIP_FLOOD=1 skips the two-tenant flood)
 # Assets (a small random Llama, 123 rank-8 adapters) are built once in $OUTDIR/assets.
 set -u
 ROUNDS=${1:-2}; OUT=${2:-/tmp/bench_slo}; POLICIES=${3:-"fcfs fair"}; DUR=${DURATION:-30}
@@ -29,7 +29,7 @@ one() {  # POLICY PORT DIR
       --save $D/$P-$name.json "$@"; echo; }
   run gold-alone --duration $DUR --tenant "$GOLD"
   run gold-batch --duration $DUR --tenant "$GOLD" --tenant "$BATCH"
-  run flood --duration $DUR --tenant "a:models=flood-a,concurrency=32,prompt=64,output=32" \
+  [ -n "${SKIP_FLOOD:-}" ] || run flood --duration $DUR --tenant "a:models=flood-a,concurrency=32,prompt=64,output=32" \
     --tenant "b:models=flood-b,concurrency=12,prompt=64,output=32"
   echo "== $P server: $(curl -s localhost:$PORT/metrics | grep -E '^vllm:num_preemptions' | tr '\n' ' ')"
   kill $SPID; wait $SPID 2>/dev/null

@@ -16,10 +16,12 @@ def main(out: Path) -> None:
     for rnd in sorted(out.glob("round*/"), key=lambda p: int(p.name[5:])):
         for policy in ("fcfs", "fair"):
             try:
-                alone, mixed, flood = (
+                alone, mixed = (
                     json.loads((rnd / f"{policy}-{w}.json").read_text())["summary"]
-                    for w in ("gold-alone", "gold-batch", "flood")
+                    for w in ("gold-alone", "gold-batch")
                 )
+                fp = rnd / f"{policy}-flood.json"
+                flood = json.loads(fp.read_text())["summary"] if fp.exists() else None
             except FileNotFoundError:
                 continue
             a = alone["by_tenant"]["gold"]["ttft_s"]["p99"] * 1e3
@@ -27,7 +29,7 @@ def main(out: Path) -> None:
             b = mixed["by_tenant"]["batch"]
             row = (rnd.name[5:], policy, f"{a:.0f}", f"{m:.0f}", f"{m / a:.2f}",
                    f"{b['completed']}/{b['requests']}", str(b["output_tokens"]),
-                   f"{b['tpot_s']['p50'] * 1e3:.1f}", f"{flood['jain_index']:.3f}")  # fmt: skip
+                   f"{b['tpot_s']['p50'] * 1e3:.1f}", f"{flood['jain_index']:.3f}" if flood else "-")  # fmt: skip
             print(" | ".join(row))
 
 
