@@ -169,16 +169,34 @@ class LoRASlotBank:
         """Record ``slot`` at ``[start, start + rows)`` and copy its (validated) weights in."""
         self._rows[slot] = (start, start + rows)
         self.layout_version += 1
+        # A few list-wide torch calls instead of ~5 per module: each torch call hands the GIL
+        # over, and a background writer doing that hundreds of times per adapter makes the
+        # engine thread wait at every one of its own calls.
+        dst_a: list[torch.Tensor] = []
+        dst_bt: list[torch.Tensor] = []
+        src_a: list[torch.Tensor] = []
+        b32: list[torch.Tensor] = []
+        scales: list[float] = []
+        pad: list[torch.Tensor] = []
+        for key, w in weights.items():
+            r = w.a.shape[0]
+            a_tab, bt_tab = self._a[key], self._bt[key]
+            dst_a.append(a_tab[start : start + r])  # [r, d_in]
+            dst_bt.append(bt_tab[start : start + r])  # [r, d_out]
+            src_a.append(w.a)
+            b32.append(w.b if w.b.dtype == torch.float32 else w.b.to(torch.float32))
+            scales.append(float(w.scale))
+            if r < rows:  # rows past this module's rank are zero already; keep it explicit
+                pad += [a_tab[start + r : start + rows], bt_tab[start + r : start + rows]]
+        if not dst_a:
+            return
         with torch.no_grad():
-            for key, w in weights.items():
-                r = w.a.shape[0]
-                a_tab, bt_tab = self._a[key], self._bt[key]
-                a_tab[start : start + r].copy_(w.a)  # [r, d_in]
-                # (scale * B).T in float32 first, so a low-precision table gets one rounding.
-                bt_tab[start : start + r].copy_((w.b.to(torch.float32) * float(w.scale)).t())
-                if r < rows:  # rows past this module's rank are zero already; keep it explicit
-                    a_tab[start + r : start + rows].zero_()
-                    bt_tab[start + r : start + rows].zero_()
+            torch._foreach_copy_(dst_a, src_a)
+            # (scale * B).T in float32 first, so a low-precision table gets one rounding.
+            scaled = torch._foreach_mul(b32, scales)  # [d_out, r] each
+            torch._foreach_copy_(dst_bt, [b.t() for b in scaled])
+            if pad:
+                torch._foreach_zero_(pad)
 
     def reset_lora(self, slot: int) -> None:
         """Zero the slot's rows in every table and free them; ``KeyError`` if the slot is empty."""
