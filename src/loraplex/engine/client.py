@@ -331,15 +331,19 @@ class EngineClient:
         mgr.release(adapter)
         return adapter.ref
 
-    def pin(self, spec: AdapterSpec, *, device: bool = False) -> str:
-        """Load ``spec`` if needed and pin it in host memory and disk (and its device slot with
-        ``device``); returns the digest pinned."""
+    def _pin_with(self, spec: AdapterSpec, pin: Callable[[str], str]) -> str:
+        """Load ``spec`` if needed (uncounted) and apply ``pin`` to its digest."""
         mgr = self._adapters
         adapter, _ = mgr.acquire(spec, count=False)
         try:
-            return mgr.pin(adapter.ref.sha256, device=device)
+            return pin(adapter.ref.sha256)
         finally:
             mgr.release(adapter)
+
+    def pin(self, spec: AdapterSpec, *, device: bool = False) -> str:
+        """Load ``spec`` if needed and pin it in host memory and disk (and its device slot with
+        ``device``); returns the digest pinned."""
+        return self._pin_with(spec, lambda d: self._adapters.pin(d, device=device))
 
     def unpin(self, digest: str) -> str:
         """Remove every pin of the adapter ``digest``; returns the digest."""
@@ -348,12 +352,7 @@ class EngineClient:
     def pin_window(self, spec: AdapterSpec, *, device: bool = False) -> str:
         """As :meth:`pin`, as a warm window's pin: :meth:`unpin_window` releases it and leaves
         pins set by hand alone."""
-        mgr = self._adapters
-        adapter, _ = mgr.acquire(spec, count=False)
-        try:
-            return mgr.pin_window(adapter.ref.sha256, device=device)
-        finally:
-            mgr.release(adapter)
+        return self._pin_with(spec, lambda d: self._adapters.pin_window(d, device=device))
 
     def load_ahead(self, specs: Mapping[str, AdapterSpec], *, limit: int) -> list[str]:
         """Forecast load-ahead into host memory (``hybrid-forecast``): the policy sees the
