@@ -222,3 +222,142 @@ def test_end_to_end_mixed_batch_matches_merged_weights():
                 atol = rel * expected.abs().max().item()
                 torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
                 assert not out[[t for t, s in enumerate(token_slot) if s is None]].any()
+
+
+def _tables(bank: LoRASlotBank) -> dict:
+    return {key: tuple(t.clone() for t in bank.tables(*key)) for key in SHAPES}
+
+
+def _same_tables(got: dict, want: dict) -> bool:
+    return all(
+        torch.equal(g, w) for key in SHAPES for g, w in zip(got[key], want[key], strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (make_adapter(30, 8), make_adapter(31, 8)),  # same rows, all overwritten
+        (make_adapter(32, 12), make_adapter(33, 4)),  # narrower: old rows past 4 zeroed
+        (make_adapter(34, 4), make_adapter(35, 12)),  # wider
+        (make_adapter(36, 8), make_adapter(37, 8, modules=[(0, "q_proj"), (1, "k_proj")])),
+        (
+            make_adapter(38, {k: (3 if k[1] == "k_proj" else 9) for k in SHAPES}),
+            make_adapter(39, 6),
+        ),
+    ],
+)
+def test_replace_lora_leaves_the_tables_of_reset_then_set(old, new):
+    """A replace writes over the old rows and zeroes only what the new adapter leaves alone:
+    bit for bit the tables reset_lora + set_lora leave, with the other slots untouched."""
+    tables = {}
+    for how in ("replace", "reset+set"):
+        bank = make_bank()
+        bank.set_lora(0, make_adapter(40, 5))
+        bank.set_lora(1, old)
+        bank.set_lora(2, make_adapter(41, 7))
+        if how == "replace":
+            bank.replace_lora(1, new)
+        else:
+            bank.reset_lora(1)
+            bank.set_lora(1, new)
+        tables[how] = (_tables(bank), bank.slot_rows(1), bank.slot_modules(1))
+        check_slot_math(bank, 1, new)
+    assert tables["replace"][1:] == tables["reset+set"][1:]
+    assert _same_tables(tables["replace"][0], tables["reset+set"][0])
+
+
+def test_replace_lora_errors_keep_the_old_adapter_and_fragments_reset_it():
+    from loraplex.lora.slots import NeedsCompaction
+
+    bank = make_bank(max_loras=4, max_rank=16)
+    old = make_adapter(42, 8)
+    bank.set_lora(0, old)
+    with pytest.raises(ValueError, match="rank"):
+        bank.replace_lora(0, make_adapter(43, 17))
+    check_slot_math(bank, 0, old)  # validation comes first: the old adapter still serves
+    bank.replace_lora(1, make_adapter(44, 16))  # an empty slot: as set_lora
+    assert bank.slot_rows(1) == (8, 24)
+    for s, r in ((2, 16), (3, 16)):
+        bank.set_lora(s, make_adapter(45 + s, r))  # rows 24..56 used, 56..64 free
+    with pytest.raises(NeedsCompaction):  # 8 old rows + 8 at the end: 16 free, in two pieces
+        bank.replace_lora(0, make_adapter(48, 16), compact=False)
+    assert 0 not in bank.occupied_slots
+    for key in SHAPES:
+        a, bt = bank.tables(*key)
+        assert not a[0:8].any() and not bt[0:8].any()  # reset: no stale rows
+
+
+def test_slot_modules_are_recorded_at_load_and_kept_through_compaction():
+    bank = make_bank(max_loras=2, max_rank=12)  # 24 rows
+    qk = make_adapter(50, 8, modules=[(0, "q_proj"), (1, "k_proj")])
+    bank.set_lora(0, make_adapter(51, 8))
+    bank.set_lora(1, qk)
+    assert bank.slot_modules(1) == {(0, "q_proj"), (1, "k_proj")}
+    assert bank.slot_modules(0) == frozenset(SHAPES)
+    bank.reset_lora(0)
+    with pytest.raises(KeyError):
+        bank.slot_modules(0)
+    bank.set_lora(0, make_adapter(52, 12))  # 8 free at the front and 8 at the end: compacts
+    assert bank.slot_rows(1) == (0, 8) and bank.slot_modules(1) == {(0, "q_proj"), (1, "k_proj")}
+    assert bank.slot_rows(0) == (8, 20) and bank.slot_modules(0) == frozenset(SHAPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_slot_source_reloads_write_the_scaled_rows_exactly(dtype):
+    """Host copies in the table dtype (numpy's transposing copy for float32, ATen's else),
+    reloaded through a kept SlotSource into the same and other rows: bt is exactly
+    round(scale * B).T computed in float32, as one rounding, every time."""
+    from loraplex.lora.slots import SlotSource
+
+    bank = LoRASlotBank(SHAPES, 4, 16, dtype, "cpu")
+    g = torch.Generator().manual_seed(53)
+    host = {
+        key: W(
+            torch.randn(8, d_in, generator=g).to(dtype),
+            torch.randn(d_out, 8, generator=g).to(dtype),
+            0.37,
+        )
+        for key, (d_in, d_out) in SHAPES.items()
+    }
+    source = SlotSource(host)
+    for slot in (0, 0, 1, 0):  # a reload into the same rows, then into others
+        bank.replace_lora(slot, source)
+        rs, re = bank.slot_rows(slot)
+        for key, w in host.items():
+            a, bt = bank.tables(*key)
+            assert torch.equal(a[rs:re], w.a)
+            assert torch.equal(bt[rs:re], (w.b.float() * w.scale).t().to(dtype))
+        if slot == 1:
+            bank.reset_lora(1)
+
+
+def test_a_float32_host_copy_into_a_bf16_table_rounds_once():
+    bank = LoRASlotBank(SHAPES, 2, 16, torch.bfloat16, "cpu")
+    w = make_adapter(54, 8, scale=0.3)
+    bank.set_lora(0, w)
+    for key, m in w.items():
+        a, bt = bank.tables(*key)
+        assert torch.equal(bt[0:8], (m.b * m.scale).t().to(torch.bfloat16))
+        assert torch.equal(a[0:8], m.a.to(torch.bfloat16))
+
+
+def test_modules_past_the_parallel_grain_are_written_in_blocks():
+    """A module whose slot rows exceed ATen's parallel grain is copied in row blocks (a writer
+    thread must not start an OpenMP team); the rows are the same as one copy's."""
+    from loraplex.lora.slots import _GRAIN, SlotSource, _split
+
+    shapes = {(0, "up_proj"): (64, 4100), (0, "down_proj"): (4100, 64)}
+    bank = LoRASlotBank(shapes, 2, 16, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(55)
+    w = {
+        k: W(torch.randn(16, i, generator=g), torch.randn(o, 16, generator=g), 2.0)
+        for k, (i, o) in shapes.items()
+    }
+    prep = SlotSource(w).prepared()
+    assert len(prep.bt) > len(w) and all(t.numel() < _GRAIN for t in prep.a + prep.bt)
+    assert [t.shape[0] for t in _split(torch.zeros(16, 4100))] == [7, 7, 2]  # 7 * 4100 < grain
+    bank.set_lora(1, w)
+    for key, m in w.items():
+        a, bt = bank.tables(*key)
+        assert torch.equal(a[0:16], m.a) and torch.equal(bt[0:16], (m.b * 2.0).t())

@@ -18,11 +18,11 @@ N_NEW = 8
 
 
 class Gate:
-    """Wraps the real bank's ``set_lora``: copies made off the engine thread wait for ``open``."""
+    """Wraps the real bank's ``replace_lora``: copies made off the engine thread wait for ``open``."""
 
     def __init__(self, bank: LoRASlotBank, engine_thread: int) -> None:
         self.bank, self.engine_thread = bank, engine_thread
-        self.real = bank.set_lora
+        self.real = bank.replace_lora
         self.open = threading.Event()
         self.started = threading.Event()
         self.threads: list[int] = []
@@ -46,7 +46,7 @@ def test_loading_request_waits_while_others_run(
     eng = llm.engine
     assert eng.adapters is not None
     gate = Gate(eng.adapters.bank, threading.get_ident())
-    monkeypatch.setattr(eng.adapters.bank, "set_lora", gate)
+    monkeypatch.setattr(eng.adapters.bank, "replace_lora", gate)
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
     a, b = "all_r8", "mlp_r16"
@@ -82,7 +82,7 @@ def test_engine_with_only_loading_requests_waits_then_runs(
     eng = llm.engine
     assert eng.adapters is not None
     gate = Gate(eng.adapters.bank, threading.get_ident())
-    monkeypatch.setattr(eng.adapters.bank, "set_lora", gate)
+    monkeypatch.setattr(eng.adapters.bank, "replace_lora", gate)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     eng.add_request("c", "Hello", params, LoRARequest("patterns", adapters["patterns"]))
     assert eng.step() == [] and eng.last_step.num_seqs == 0  # nothing else to run: it waited
@@ -121,6 +121,34 @@ def test_set_lora_without_compaction_leaves_the_bank_unchanged() -> None:
     assert not a[8:].any() and not bt[8:].any()  # rows nobody owns are zero
     bank.set_lora(0, {(0, "q_proj"): W(4, 3)}, compact=False)
     assert bank.slot_rows(0) == (8, 12)
+
+
+def test_a_failed_copy_over_an_occupied_slot_leaves_it_empty() -> None:
+    """The stager writes a new adapter over a retired one's rows; one that fails validation is
+    reported to the engine thread and leaves the slot empty (no stale rows), never half-written."""
+    from loraplex.cache.staging import SlotStager
+
+    shapes = {(0, "q_proj"): (8, 8), (0, "v_proj"): (8, 8)}
+    bank = LoRASlotBank(shapes, 2, 4, torch.float32, "cpu")
+
+    class W:
+        def __init__(self, r: int, d_in: int = 8) -> None:
+            self.a, self.b, self.scale = torch.ones(r, d_in), torch.ones(8, r), 1.0
+
+    stager = SlotStager(bank)
+    good = stager.submit(0, "a" * 64, {(0, "q_proj"): W(4), (0, "v_proj"): W(4)})
+    assert good.done.wait(EVENT_TIMEOUT_S) and good.error is None and good.seconds > 0
+    assert bank.slot_rows(0) == (0, 4)
+    bad = stager.submit(0, "b" * 64, {(0, "q_proj"): W(4), (0, "v_proj"): W(4, d_in=7)})
+    assert bad.done.wait(EVENT_TIMEOUT_S)
+    assert isinstance(bad.error, ValueError) and "expected" in str(bad.error)
+    assert bank.occupied_slots == ()
+    for key in shapes:
+        a, bt = bank.tables(*key)
+        assert not a.any() and not bt.any()
+    again = stager.submit(0, "c" * 64, {(0, "v_proj"): W(2)})  # over an empty slot
+    assert again.done.wait(EVENT_TIMEOUT_S) and again.error is None
+    assert bank.slot_rows(0) == (0, 2) and bank.slot_modules(0) == {(0, "v_proj")}
 
 
 class Batch:

@@ -664,7 +664,7 @@ class WatchedBank(LoRASlotBank):
     cache: TieredAdapterCache | None = None
     copies = 0
 
-    def set_lora(self, slot, weights, **kw):  # type: ignore[no-untyped-def]
+    def replace_lora(self, slot, weights, **kw):  # type: ignore[no-untyped-def]
         assert self.cache is not None
         done: list[object] = []
         other = threading.Thread(target=lambda: done.append(self.cache.tier_of("0" * 64)))
@@ -672,7 +672,7 @@ class WatchedBank(LoRASlotBank):
         other.join(EVENT_TIMEOUT_S)
         assert done, "the weights were copied under the cache lock"
         self.copies += 1
-        super().set_lora(slot, weights, **kw)
+        super().replace_lora(slot, weights, **kw)
 
 
 def test_slots_are_reserved_under_the_lock_and_filled_outside_it(

@@ -448,7 +448,7 @@ class TieredAdapterCache:
             return True
         if job is None or job.digest != d:  # a superseded fill is reset by this one
             self._active[slot] = None
-            self._staging[slot] = self._stager.submit(slot, d, adapter.weights)
+            self._staging[slot] = self._stager.submit(slot, d, adapter.slot_source)
         return False
 
     def _collect(self, job: StagingJob) -> None:

@@ -3,7 +3,7 @@
 A newly reserved slot's weights (reset of a retired adapter's stale rows, then the copy into the
 slot bank's rows) are written by one short-lived background thread while the engine keeps
 running batches over the other slots' rows. The write never moves another slot's rows
-(``LoRASlotBank.set_lora(..., compact=False)``); when the free rows are fragmented the job comes
+(``LoRASlotBank.replace_lora(..., compact=False)``); when the free rows are fragmented the job comes
 back with ``needs_compaction`` and the owner compacts between steps and submits it again.
 
 Jobs run one at a time in submission order, so a later job for the same slot always sees the
@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.lora.slots import LoRAModuleWeightsLike, LoRASlotBank, ModuleKey, NeedsCompaction
+from loraplex.lora.slots import (
+    LoRAModuleWeightsLike,
+    LoRASlotBank,
+    ModuleKey,
+    NeedsCompaction,
+    SlotSource,
+)
 
 
 @dataclass(eq=False)
@@ -31,7 +37,7 @@ class StagingJob:
 
     slot: int
     digest: str
-    weights: Mapping[ModuleKey, LoRAModuleWeightsLike]
+    weights: Mapping[ModuleKey, LoRAModuleWeightsLike] | SlotSource
     done: threading.Event = field(default_factory=threading.Event)
     seconds: float = 0.0  # the write's duration (reset + copy, synchronised on CUDA)
     error: BaseException | None = None  # validation or copy failure (the slot is then empty)
@@ -49,7 +55,10 @@ class SlotStager:
         self._stream = torch.cuda.Stream(bank.device) if bank.device.type == "cuda" else None
 
     def submit(
-        self, slot: int, digest: str, weights: Mapping[ModuleKey, LoRAModuleWeightsLike]
+        self,
+        slot: int,
+        digest: str,
+        weights: Mapping[ModuleKey, LoRAModuleWeightsLike] | SlotSource,
     ) -> StagingJob:
         """Queue a fill of ``slot``; returns at once."""
         job = StagingJob(slot, digest, weights)
@@ -90,9 +99,15 @@ class SlotStager:
         t0 = time.perf_counter()
         try:
             with self._on_stream():
-                if job.slot in self.bank.occupied_slots:
-                    self.bank.reset_lora(job.slot)  # a retired adapter's stale rows
-                self.bank.set_lora(job.slot, job.weights, compact=False)  # validates first
+                try:
+                    # over a retired adapter's stale rows; validates first
+                    self.bank.replace_lora(job.slot, job.weights, compact=False)
+                except NeedsCompaction:
+                    raise
+                except BaseException:
+                    if job.slot in self.bank.occupied_slots:  # all or nothing: the slot is empty
+                        self.bank.reset_lora(job.slot)
+                    raise
                 if self._stream is not None:
                     self._stream.synchronize()  # the rows are complete before anyone reads them
         except NeedsCompaction:

@@ -21,6 +21,7 @@ adapter (safetensors' ``load_file`` would map the file and fault on a truncation
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -58,6 +59,7 @@ from loraplex.lora.peft_format import (
     parse_lora_config,
     projection_shapes,
 )
+from loraplex.lora.slots import SlotSource
 from loraplex.types import AdapterError, AdapterRef
 
 __all__ = [
@@ -99,6 +101,12 @@ class LoRAAdapter:
     path: str
     weights: dict[tuple[int, str], LoRAModuleWeights]  # (layer index, proj name) -> weights
     config: dict
+
+    @functools.cached_property
+    def slot_source(self) -> SlotSource:
+        """The weights as device-slot writes copy them (lists built on the first load, kept
+        for the next ones)."""
+        return SlotSource(self.weights)
 
     @property
     def rank(self) -> int:

@@ -15,11 +15,14 @@ them. The scale is folded into ``bt``, so ops never see it.
 Row ranges move when ``set_lora`` compacts the layout: callers must read ``slot_rows`` again
 after any ``set_lora``/``reset_lora`` (``layout_version`` changes on every layout change).
 
-Staging off the engine thread: mutations take the bank's lock, and ``set_lora(...,
-compact=False)`` never moves another slot's rows (it raises :class:`NeedsCompaction` instead), so
-a background thread may fill a slot that no running batch reads while the engine keeps running
-batches over the other slots' rows; only :meth:`compact` (engine thread, between steps) moves
-rows of slots in use.
+Staging off the engine thread: mutations take the bank's lock, and ``set_lora``/``replace_lora``
+with ``compact=False`` never move another slot's rows (they raise :class:`NeedsCompaction`
+instead), so a background thread may fill a slot that no running batch reads while the engine
+keeps running batches over the other slots' rows; only :meth:`compact` (engine thread, between
+steps) moves rows of slots in use. Such a writer shares the cores and the GIL with the engine
+thread, so a write is a few list-wide calls over lists built once per host copy
+(:class:`SlotSource`), in row blocks that never start a second OpenMP team, and the modules a
+slot targets are recorded at the write (the engine never scans rows for them).
 """
 
 from __future__ import annotations
@@ -28,10 +31,21 @@ import threading
 from collections.abc import Mapping
 from typing import Protocol
 
+import numpy as np
 import torch
 
 ModuleKey = tuple[int, str]
 """``(layer index, projection name)``, e.g. ``(3, "q_proj")``."""
+
+
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen runs smaller element-wise ops on one thread
+
+
+def _minus(span: tuple[int, int], cut: tuple[int, int]) -> list[tuple[int, int]]:
+    """The parts of row range ``span`` outside ``cut`` (0, 1 or 2 ranges)."""
+    (lo, hi), (c0, c1) = span, cut
+    parts = [(lo, min(hi, c0)), (max(lo, c1), hi)]
+    return [(a, b) for a, b in parts if a < b]
 
 
 class LoRAModuleWeightsLike(Protocol):
@@ -45,6 +59,63 @@ class LoRAModuleWeightsLike(Protocol):
 
     @property
     def scale(self) -> float: ...
+
+
+def _split(view: torch.Tensor) -> list[torch.Tensor]:
+    """``view`` as row blocks under ATen's parallel grain, so a background writer on CPU never
+    starts an OpenMP team of its own (its threads would spin on the cores the engine's team
+    computes on)."""
+    step = max(1, (_GRAIN - 1) // max(1, view.shape[-1]))
+    return [view] if view.shape[0] <= step else list(view.split(step))
+
+
+class _Prepared:
+    """What a slot write copies, per row block: A rows, (unscaled) B.T rows, the scale."""
+
+    def __init__(self, weights: Mapping[ModuleKey, LoRAModuleWeightsLike]) -> None:
+        self.rank_of: dict[ModuleKey, int] = {}
+        self.a: list[torch.Tensor] = []  # [<= r, d_in] blocks
+        self.bt: list[torch.Tensor] = []  # [<= r, d_out] blocks (views of B, transposed)
+        self.scales: list[float] = []  # per bt block
+        b_dtypes: set[torch.dtype] = set()
+        for key, w in weights.items():
+            self.rank_of[key] = w.a.shape[0]
+            self.a += _split(w.a)
+            bt = _split(w.b.t())
+            self.bt += bt
+            self.scales += [float(w.scale)] * len(bt)
+            b_dtypes.add(w.b.dtype)
+        self.signature = tuple(self.rank_of.items())
+        self.b_dtype = b_dtypes.pop() if len(b_dtypes) == 1 else None  # None: mixed
+        # float32 B.T blocks as numpy arrays: numpy's strided copy transposes ~3x faster than
+        # ATen's (into float32 tables on CPU)
+        self.bt_numpy = (
+            [t.numpy() for t in self.bt]
+            if self.b_dtype == torch.float32 and all(t.device.type == "cpu" for t in self.bt)
+            else None
+        )
+
+
+_Targets = tuple[list[torch.Tensor], list[torch.Tensor], list[np.ndarray]]
+
+
+class SlotSource:
+    """An adapter's weights with the lists a slot write copies, built on first use and kept.
+
+    A host copy loaded into device slots many times (``LoRAAdapter.slot_source``) then spends a
+    load copying rather than in Python, where it would hold the GIL the engine thread needs.
+    The weights must not change after the first use.
+    """
+
+    def __init__(self, weights: Mapping[ModuleKey, LoRAModuleWeightsLike]) -> None:
+        self.weights = weights
+        self._prepared: _Prepared | None = None
+
+    def prepared(self) -> _Prepared:
+        """The copy lists (call after validating ``weights``: building them reads the shapes)."""
+        if self._prepared is None:  # two threads at once build the same lists: harmless
+            self._prepared = _Prepared(self.weights)
+        return self._prepared
 
 
 class NeedsCompaction(Exception):
@@ -86,6 +157,9 @@ class LoRASlotBank:
             self._a[key] = torch.zeros(self.capacity, d_in, dtype=dtype, device=self.device)
             self._bt[key] = torch.zeros(self.capacity, d_out, dtype=dtype, device=self.device)
         self._rows: dict[int, tuple[int, int]] = {}  # slot -> (row_start, row_end)
+        self._modules: dict[int, frozenset[ModuleKey]] = {}  # slot -> modules its adapter targets
+        self._targets_cache: dict[tuple, _Targets] = {}
+        self._host = self.device.type == "cpu"
         self.layout_version = 0
         self._lock = threading.RLock()
 
@@ -127,21 +201,22 @@ class LoRASlotBank:
         return self._a[key], self._bt[key]
 
     def slot_modules(self, slot: int) -> frozenset[ModuleKey]:
-        """Modules where the slot's A rows are not all zero: the only ones whose LoRA delta for
-        this slot can be non-zero (scans the slot's rows; callers cache it per layout_version)."""
-        start, end = self.slot_rows(slot)
-        return frozenset(key for key, a in self._a.items() if bool(a[start:end].any()))
+        """Modules the slot's adapter targets: every other module's rows of the slot are zero,
+        so its LoRA delta there is zero. Recorded when the slot was filled (nothing scans rows);
+        ``KeyError`` if the slot is empty."""
+        self.slot_rows(slot)
+        return self._modules[slot]
 
     # ----------------------------------------------------------------------------- mutation
 
     def set_lora(
         self,
         slot: int,
-        weights: Mapping[ModuleKey, LoRAModuleWeightsLike],
+        weights: Mapping[ModuleKey, LoRAModuleWeightsLike] | SlotSource,
         *,
         compact: bool = True,
     ) -> None:
-        """Load one adapter into an empty slot.
+        """Load one adapter (its weights, or a :class:`SlotSource` of them) into an empty slot.
 
         Validates everything before touching a table, so a bad adapter leaves the bank as it was.
         Allocates ``rows = max rank`` rows first fit; if enough rows are free but fragmented,
@@ -153,59 +228,127 @@ class LoRASlotBank:
             self._check_slot(slot)
             if slot in self._rows:
                 raise ValueError(f"slot {slot} is already occupied; reset_lora({slot}) first")
-            rows = 0
-            for key, w in weights.items():
-                rows = max(rows, self._check_module(key, w))
-            start = self._first_fit(rows)
-            if start is None:
-                if not compact:
-                    raise NeedsCompaction(f"{rows} rank rows free only in fragments")
-                start = self._allocate(rows)
-            self._write(slot, start, rows, weights)
+            self._fill(slot, weights, compact=compact)
 
-    def _write(
-        self, slot: int, start: int, rows: int, weights: Mapping[ModuleKey, LoRAModuleWeightsLike]
+    def replace_lora(
+        self,
+        slot: int,
+        weights: Mapping[ModuleKey, LoRAModuleWeightsLike] | SlotSource,
+        *,
+        compact: bool = True,
     ) -> None:
-        """Record ``slot`` at ``[start, start + rows)`` and copy its (validated) weights in."""
+        """Load one adapter into a slot, empty or not: the tables end as after ``reset_lora``
+        then ``set_lora``, but the old rows the new weights overwrite are not zeroed first.
+
+        A bad adapter raises before anything changes (the old adapter stays). With
+        ``compact=False`` and only fragmented free rows, raises :class:`NeedsCompaction` with
+        the slot reset (empty).
+        """
+        with self._lock:
+            self._check_slot(slot)
+            self._fill(slot, weights, compact=compact, replacing=True)
+
+    def _fill(
+        self,
+        slot: int,
+        weights: Mapping[ModuleKey, LoRAModuleWeightsLike] | SlotSource,
+        *,
+        compact: bool,
+        replacing: bool = False,
+    ) -> None:
+        source = weights if isinstance(weights, SlotSource) else SlotSource(weights)
+        rows = 0
+        for key, w in source.weights.items():
+            rows = max(rows, self._check_module(key, w))
+        prep = source.prepared()
+        old = self._rows.pop(slot, None) if replacing else None
+        self._modules.pop(slot, None)
+        start = self._first_fit(rows)  # the old rows count as free
+        if start is None:
+            if old is not None:
+                self._zero({key: [old] for key in self.module_shapes})
+                self.layout_version += 1
+            if not compact:
+                raise NeedsCompaction(f"{rows} rank rows free only in fragments")
+            start = self._allocate(rows)
+        elif old is not None:
+            # Rows nobody owns are zero; of the old rows, zero those the new weights leave alone.
+            stale: dict[ModuleKey, list[tuple[int, int]]] = {}
+            for key in self.module_shapes:
+                end = start + prep.rank_of.get(key, 0)
+                if not (start <= old[0] and old[1] <= end):  # else all overwritten
+                    stale[key] = _minus(old, (start, end))
+            self._zero(stale)
+        self._write(slot, start, rows, prep)
+
+    def _zero(self, ranges: Mapping[ModuleKey, list[tuple[int, int]]]) -> None:
+        """Zero ``[start, end)`` row ranges of both tables of each module, in list-wide calls."""
+        views = [
+            piece
+            for key, spans in ranges.items()
+            for lo, hi in spans
+            for t in (self._a[key], self._bt[key])
+            for piece in _split(t[lo:hi])
+        ]
+        if views:
+            with torch.no_grad():
+                torch._foreach_zero_(views)
+
+    def _targets(self, start: int, prep: _Prepared) -> _Targets:
+        """The table row blocks ``prep``'s blocks go to when its slot starts at ``start``: A
+        blocks, B.T blocks, and those as numpy arrays for float32 tables on CPU (views of the
+        fixed tables: kept, so a reload into the same rows builds none)."""
+        key = (start, prep.signature)
+        got = self._targets_cache.get(key)
+        if got is None:
+            if len(self._targets_cache) >= 4 * self.max_loras:
+                self._targets_cache.clear()
+            dst_a: list[torch.Tensor] = []
+            dst_bt: list[torch.Tensor] = []
+            for mod, r in prep.signature:
+                dst_a += _split(self._a[mod][start : start + r])
+                dst_bt += _split(self._bt[mod][start : start + r])
+            dst_np = (
+                [t.numpy() for t in dst_bt] if self._host and self.dtype == torch.float32 else []
+            )
+            got = self._targets_cache[key] = (dst_a, dst_bt, dst_np)
+        return got
+
+    def _write(self, slot: int, start: int, rows: int, prep: _Prepared) -> None:
+        """Record ``slot`` at ``[start, start + rows)`` and copy its (validated) weights in
+        (rows past a module's rank, and modules the adapter leaves alone, are zero already).
+
+        A few list-wide torch calls instead of several per module: each torch call hands the GIL
+        over, and a background writer doing that hundreds of times per adapter makes the engine
+        thread wait at every one of its own calls. ``B`` is copied transposed into the table and
+        scaled there in place.
+        """
         self._rows[slot] = (start, start + rows)
         self.layout_version += 1
-        # A few list-wide torch calls instead of ~5 per module: each torch call hands the GIL
-        # over, and a background writer doing that hundreds of times per adapter makes the
-        # engine thread wait at every one of its own calls.
-        dst_a: list[torch.Tensor] = []
-        dst_bt: list[torch.Tensor] = []
-        src_a: list[torch.Tensor] = []
-        b32: list[torch.Tensor] = []
-        scales: list[float] = []
-        pad: list[torch.Tensor] = []
-        for key, w in weights.items():
-            r = w.a.shape[0]
-            a_tab, bt_tab = self._a[key], self._bt[key]
-            dst_a.append(a_tab[start : start + r])  # [r, d_in]
-            dst_bt.append(bt_tab[start : start + r])  # [r, d_out]
-            src_a.append(w.a)
-            b32.append(w.b if w.b.dtype == torch.float32 else w.b.to(torch.float32))
-            scales.append(float(w.scale))
-            if r < rows:  # rows past this module's rank are zero already; keep it explicit
-                pad += [a_tab[start + r : start + rows], bt_tab[start + r : start + rows]]
-        if not dst_a:
+        self._modules[slot] = frozenset(prep.rank_of)
+        if not prep.a:
             return
+        dst_a, dst_bt, dst_np = self._targets(start, prep)
         with torch.no_grad():
-            torch._foreach_copy_(dst_a, src_a)
-            # (scale * B).T in float32 first, so a low-precision table gets one rounding.
-            scaled = torch._foreach_mul(b32, scales)  # [d_out, r] each
-            torch._foreach_copy_(dst_bt, [b.t() for b in scaled])
-            if pad:
-                torch._foreach_zero_(pad)
+            torch._foreach_copy_(dst_a, prep.a)
+            if self.dtype == torch.float32:  # B copied exactly (or widened): one rounding
+                if prep.bt_numpy is not None and dst_np:
+                    for d, src in zip(dst_np, prep.bt_numpy, strict=True):
+                        np.copyto(d, src)
+                else:
+                    torch._foreach_copy_(dst_bt, prep.bt)
+                torch._foreach_mul_(dst_bt, prep.scales)
+            else:  # a 16-bit in-place scale would round the scale first: scale in float32
+                wide = [t.to(torch.float32) for t in prep.bt]
+                torch._foreach_copy_(dst_bt, torch._foreach_mul(wide, prep.scales))
 
     def reset_lora(self, slot: int) -> None:
         """Zero the slot's rows in every table and free them; ``KeyError`` if the slot is empty."""
         with self._lock:
             start, end = self.slot_rows(slot)
-            with torch.no_grad():
-                for tab in (*self._a.values(), *self._bt.values()):
-                    tab[start:end].zero_()
+            self._zero({key: [(start, end)] for key in self.module_shapes})
             del self._rows[slot]
+            self._modules.pop(slot, None)
             self.layout_version += 1
 
     def compact(self) -> None:

@@ -78,21 +78,13 @@ class LoRABinding:
     def __init__(self, bank: LoRASlotBank, ops: LoRAOps) -> None:
         self.bank = bank
         self.ops = ops
-        self._modules_version = -1  # bank.layout_version the cache below belongs to
-        self._slot_modules: dict[int, frozenset[ModuleKey]] = {}
 
     def modules_for(self, slots: Iterable[int]) -> frozenset[ModuleKey]:
-        """Modules any of ``slots``' adapters targets (non-zero rows), cached per layout version
-        of the bank, so a step's plan can skip every other module."""
-        if self._modules_version != self.bank.layout_version:
-            self._slot_modules.clear()
-            self._modules_version = self.bank.layout_version
+        """Modules any of ``slots``' adapters targets (non-zero rows, as the bank recorded when
+        it filled each slot), so a step's plan can skip every other module."""
         found: set[ModuleKey] = set()
         for slot in slots:
-            mods = self._slot_modules.get(slot)
-            if mods is None:
-                mods = self._slot_modules[slot] = self.bank.slot_modules(slot)
-            found |= mods
+            found |= self.bank.slot_modules(slot)
         return frozenset(found)
 
     def add(
