@@ -74,6 +74,26 @@ def run_mode(engine: Any, adapters: list[Path], mode: str, steps: int, steady: i
     }
 
 
+def write_alone(engine: Any, adapter: Path, rounds: int = 50) -> float:
+    """Median ms of one slot write (a host copy over a retired adapter's rows) with nothing
+    else running, into a bank shaped like the engine's: the load's own cost."""
+    from loraplex.lora.adapter import load_peft_adapter
+    from loraplex.lora.slots import LoRASlotBank
+
+    bank = engine.adapters.bank
+    spare = LoRASlotBank(bank.module_shapes, 2, bank.max_lora_rank, bank.dtype, bank.device)
+    source = load_peft_adapter(
+        adapter, engine.adapters.spec, max_lora_rank=bank.max_lora_rank, dtype=bank.dtype
+    ).slot_source
+    spare.set_lora(0, source)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        spare.replace_lora(0, source)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="assets directory (reused)")
@@ -107,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_mode(engine, adapters, mode, args.steps, args.steady)
             if mode not in best or r["p99"] < best[mode]["p99"]:
                 best[mode] = r
+    alone = write_alone(engine, adapters[-1])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"step time, {args.steady} decoding + 1 arrival/step, {args.dtype}, {args.steps} steps, "
@@ -124,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"p99 loads / none = {best['loads']['p99'] / best['none']['p99']:.3f}x (target <= 1.1x); "
         f"p50 {best['loads']['p50'] / best['none']['p50']:.3f}x"
+    )
+    print(
+        f"one slot write with nothing else running: {alone:.2f} ms "
+        f"(a load every step costs at least that much CPU per step)"
     )
     return 0
 

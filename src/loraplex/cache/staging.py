@@ -1,10 +1,11 @@
 """Slot activation off the engine thread: a background writer fills device slots' rows.
 
-A newly reserved slot's weights (reset of a retired adapter's stale rows, then the copy into the
-slot bank's rows) are written by one short-lived background thread while the engine keeps
-running batches over the other slots' rows. The write never moves another slot's rows
-(``LoRASlotBank.replace_lora(..., compact=False)``); when the free rows are fragmented the job comes
-back with ``needs_compaction`` and the owner compacts between steps and submits it again.
+A newly reserved slot's weights are written over a retired adapter's stale rows by one
+background thread (it waits a little for the next job before it exits, so loads at every step
+never make the engine thread wait for a thread start) while the engine keeps running batches
+over the other slots' rows. The write never moves another slot's rows
+(``LoRASlotBank.replace_lora(..., compact=False)``); when the free rows are fragmented the job
+comes back with ``needs_compaction`` and the owner compacts between steps and submits it again.
 
 Jobs run one at a time in submission order, so a later job for the same slot always sees the
 earlier one's rows (and resets them). The owner (``TieredAdapterCache``, engine thread) decides
@@ -30,6 +31,9 @@ from loraplex.lora.slots import (
     SlotSource,
 )
 
+IDLE_EXIT_S = 2.0
+"""How long the writer thread waits for another job before it exits."""
+
 
 @dataclass(eq=False)
 class StagingJob:
@@ -45,13 +49,15 @@ class StagingJob:
 
 
 class SlotStager:
-    """Writes slot rows on a background thread (started per burst of jobs, exits when idle)."""
+    """Writes slot rows on one background thread (started by the first job, exits after
+    ``IDLE_EXIT_S`` without one)."""
 
     def __init__(self, bank: LoRASlotBank) -> None:
         self.bank = bank
         self._cond = threading.Condition()
         self._queue: deque[StagingJob] = deque()
         self._worker: threading.Thread | None = None
+        self._pending = 0  # jobs submitted and not yet done
         self._stream = torch.cuda.Stream(bank.device) if bank.device.type == "cuda" else None
 
     def submit(
@@ -60,15 +66,19 @@ class SlotStager:
         digest: str,
         weights: Mapping[ModuleKey, LoRAModuleWeightsLike] | SlotSource,
     ) -> StagingJob:
-        """Queue a fill of ``slot``; returns at once."""
+        """Queue a fill of ``slot``; returns at once (a worker already waiting takes it, else
+        one is started: the engine thread does not wait for a thread start per load)."""
         job = StagingJob(slot, digest, weights)
         with self._cond:
             self._queue.append(job)
+            self._pending += 1
             if self._worker is None:
                 self._worker = threading.Thread(
                     target=self._run, name="loraplex-slot-staging", daemon=True
                 )
                 self._worker.start()
+            else:
+                self._cond.notify_all()
         return job
 
     def wait_any(self, jobs: list[StagingJob], timeout: float) -> None:
@@ -81,11 +91,15 @@ class SlotStager:
     def busy(self) -> bool:
         """A job is queued or being written."""
         with self._cond:
-            return self._worker is not None
+            return self._pending > 0
 
     def _run(self) -> None:
+        """Write queued jobs; wait up to ``IDLE_EXIT_S`` for the next, then exit (so loads at
+        every step reuse one thread, and an idle engine holds none)."""
         while True:
             with self._cond:
+                if not self._queue:
+                    self._cond.wait_for(lambda: bool(self._queue), IDLE_EXIT_S)
                 if not self._queue:
                     self._worker = None
                     return
@@ -93,6 +107,7 @@ class SlotStager:
             self._write(job)
             with self._cond:
                 job.done.set()
+                self._pending -= 1
                 self._cond.notify_all()
 
     def _write(self, job: StagingJob) -> None:
