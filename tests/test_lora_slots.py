@@ -361,3 +361,14 @@ def test_modules_past_the_parallel_grain_are_written_in_blocks():
     for key, m in w.items():
         a, bt = bank.tables(*key)
         assert torch.equal(a[0:16], m.a) and torch.equal(bt[0:16], (m.b * 2.0).t())
+
+
+def test_scale_one_modules_are_copied_as_they_are():
+    """alpha == r gives scale 1: those B rows are plain copies; other modules are still scaled."""
+    bank = make_bank()
+    w = make_adapter(56, 8, scale=1.0)
+    w[(1, "k_proj")] = W(w[(1, "k_proj")].a, w[(1, "k_proj")].b, 0.25)
+    bank.set_lora(0, w)
+    for key, m in w.items():
+        _, bt = bank.tables(*key)
+        assert torch.equal(bt[0:8], (m.b * m.scale).t())

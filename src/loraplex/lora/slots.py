@@ -86,6 +86,7 @@ class _Prepared:
             self.scales += [float(w.scale)] * len(bt)
             b_dtypes.add(w.b.dtype)
         self.signature = tuple(self.rank_of.items())
+        self.scaled = [i for i, c in enumerate(self.scales) if c != 1.0]  # bt blocks to scale
         self.b_dtype = b_dtypes.pop() if len(b_dtypes) == 1 else None  # None: mixed
         # float32 B.T blocks as numpy arrays: numpy's strided copy transposes ~3x faster than
         # ATen's (into float32 tables on CPU)
@@ -337,7 +338,12 @@ class LoRASlotBank:
                         np.copyto(d, src)
                 else:
                     torch._foreach_copy_(dst_bt, prep.bt)
-                torch._foreach_mul_(dst_bt, prep.scales)
+                if len(prep.scaled) == len(dst_bt):
+                    torch._foreach_mul_(dst_bt, prep.scales)
+                elif prep.scaled:  # blocks of scale 1 (alpha == r, PEFT's default) need no pass
+                    torch._foreach_mul_(
+                        [dst_bt[i] for i in prep.scaled], [prep.scales[i] for i in prep.scaled]
+                    )
             else:  # a 16-bit in-place scale would round the scale first: scale in float32
                 wide = [t.to(torch.float32) for t in prep.bt]
                 torch._foreach_copy_(dst_bt, torch._foreach_mul(wide, prep.scales))
