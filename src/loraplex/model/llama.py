@@ -80,8 +80,8 @@ class LoRABinding:
         self.ops = ops
 
     def modules_for(self, slots: Iterable[int]) -> frozenset[ModuleKey]:
-        """Modules any of ``slots``' adapters targets (non-zero rows, as the bank recorded when
-        it filled each slot), so a step's plan can skip every other module."""
+        """Modules any of ``slots``' adapters targets (recorded by the bank when it filled each
+        slot), so a step's plan can skip every other module."""
         found: set[ModuleKey] = set()
         for slot in slots:
             found |= self.bank.slot_modules(slot)
