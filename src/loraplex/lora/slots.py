@@ -91,7 +91,7 @@ class _Prepared:
         # float32 B.T blocks as numpy arrays: numpy's strided copy transposes ~3x faster than
         # ATen's (into float32 tables on CPU)
         self.bt_numpy = (
-            [t.numpy() for t in self.bt]
+            [t.detach().numpy() for t in self.bt]
             if self.b_dtype == torch.float32 and all(t.device.type == "cpu" for t in self.bt)
             else None
         )
