@@ -86,6 +86,7 @@ class _Prepared:
             self.scales += [float(w.scale)] * len(bt)
             b_dtypes.add(w.b.dtype)
         self.signature = tuple(self.rank_of.items())
+        self.modules = frozenset(self.rank_of)  # what slot_modules reports for the slot
         self.scaled = [i for i, c in enumerate(self.scales) if c != 1.0]  # bt blocks to scale
         self.b_dtype = b_dtypes.pop() if len(b_dtypes) == 1 else None  # None: mixed
         # float32 B.T blocks as numpy arrays: numpy's strided copy transposes ~3x faster than
@@ -160,7 +161,6 @@ class LoRASlotBank:
         self._rows: dict[int, tuple[int, int]] = {}  # slot -> (row_start, row_end)
         self._modules: dict[int, frozenset[ModuleKey]] = {}  # slot -> modules its adapter targets
         self._targets_cache: dict[tuple, _Targets] = {}
-        self._host = self.device.type == "cpu"
         self.layout_version = 0
         self._lock = threading.RLock()
 
@@ -310,7 +310,9 @@ class LoRASlotBank:
                 dst_a += _split(self._a[mod][start : start + r])
                 dst_bt += _split(self._bt[mod][start : start + r])
             dst_np = (
-                [t.numpy() for t in dst_bt] if self._host and self.dtype == torch.float32 else []
+                [t.numpy() for t in dst_bt]
+                if self.device.type == "cpu" and self.dtype == torch.float32
+                else []
             )
             got = self._targets_cache[key] = (dst_a, dst_bt, dst_np)
         return got
@@ -326,7 +328,7 @@ class LoRASlotBank:
         """
         self._rows[slot] = (start, start + rows)
         self.layout_version += 1
-        self._modules[slot] = frozenset(prep.rank_of)
+        self._modules[slot] = prep.modules
         if not prep.a:
             return
         dst_a, dst_bt, dst_np = self._targets(start, prep)
