@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from loraplex.lora.adapter import KnownFiles, _layout, read_adapter, read_known_adapter
+from loraplex.workers import IdleWorker
 from s3fixture import LAYERS, write_adapter
 
 ST = "adapter_model.safetensors"
@@ -76,14 +77,21 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         assert torch.equal(*as_bytes), name  # bit for bit (random bytes include NaNs)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20])
-def test_crafted_layout_reads_back_exactly(tmp_path: Path, chunk: int) -> None:
+def helpers() -> list[IdleWorker | None]:
+    return [None, IdleWorker("test-read-helper")]
+
+
+@pytest.mark.parametrize("helper", helpers(), ids=["alone", "helper"])
+@pytest.mark.parametrize("segment", [1, 5, 64, 1 << 20])
+def test_crafted_layout_reads_back_exactly(
+    tmp_path: Path, segment: int, helper: IdleWorker | None
+) -> None:
     want, _ = write_crafted(tmp_path / "a")
     first = read_adapter(tmp_path / "a")  # the full verification's tensors
     assert_same(first.tensors, want)
     assert first.files is not None
-    known = KnownFiles.of(first.files)
-    again = read_known_adapter(tmp_path / "a", known, chunk=chunk)
+    known = KnownFiles.of(first.files, segment=segment)
+    again = read_known_adapter(tmp_path / "a", known, helper=helper)
     assert again is not None
     config, tensors = again
     assert config == CONFIG
@@ -112,38 +120,40 @@ def test_layer_blocks_become_runs(tmp_path: Path) -> None:
     assert len(peft.names) == 4 * LAYERS and len(peft.runs) == 4  # q/v x A/B
 
 
-def test_a_real_adapter_reads_back_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("helper", helpers(), ids=["alone", "helper"])
+def test_a_real_adapter_reads_back_exactly(tmp_path: Path, helper: IdleWorker | None) -> None:
     src, digest = write_adapter(tmp_path / "a", r=8)
     first = read_adapter(src)
     assert first.digest == digest and first.files is not None
-    again = read_known_adapter(src, KnownFiles.of(first.files), chunk=1000)
+    again = read_known_adapter(src, KnownFiles.of(first.files, segment=1000), helper=helper)
     assert again is not None
     assert_same(again[1], load_file(str(src / ST)))
 
 
 @pytest.mark.parametrize("where", ["length", "header", "first_data", "boundary", "middle", "last"])
-@pytest.mark.parametrize("chunk", [64, 1 << 20])
-def test_any_changed_weights_byte_is_a_miss(tmp_path: Path, where: str, chunk: int) -> None:
+@pytest.mark.parametrize("segment", [64, 1 << 20])
+def test_any_changed_weights_byte_is_a_miss(tmp_path: Path, where: str, segment: int) -> None:
     _, data_start = write_crafted(tmp_path / "a")
     first = read_adapter(tmp_path / "a")
     assert first.files is not None
-    known = KnownFiles.of(first.files)
+    known = KnownFiles.of(first.files, segment=segment)
+    helper = IdleWorker("test-read-helper")
     path = tmp_path / "a" / ST
     raw = bytearray(path.read_bytes())
     at = {
         "length": 0,
         "header": 12,
         "first_data": data_start,
-        "boundary": (data_start // 64 + 1) * 64,  # first byte of a 64-byte chunk, in the data
+        "boundary": (data_start // 64 + 1) * 64,  # first byte of a 64-byte segment, in the data
         "middle": data_start + _DATA_BYTES // 2,
         "last": len(raw) - 1,
     }[where]
     raw[at] ^= 0x40
     path.write_bytes(bytes(raw))
-    assert read_known_adapter(tmp_path / "a", known, chunk=chunk) is None
+    assert read_known_adapter(tmp_path / "a", known, helper=helper) is None
     raw[at] ^= 0x40
     path.write_bytes(bytes(raw))  # restored: a hit again
-    assert read_known_adapter(tmp_path / "a", known, chunk=chunk) is not None
+    assert read_known_adapter(tmp_path / "a", known, helper=helper) is not None
 
 
 @pytest.mark.parametrize("change", ["config_byte", "truncated", "extended", "missing"])
@@ -151,7 +161,7 @@ def test_changed_or_missing_files_are_a_miss(tmp_path: Path, change: str) -> Non
     write_crafted(tmp_path / "a")
     first = read_adapter(tmp_path / "a")
     assert first.files is not None
-    known = KnownFiles.of(first.files)
+    known = KnownFiles.of(first.files, segment=16)
     root = tmp_path / "a"
     if change == "config_byte":  # same math, one byte more: still not the verified bytes
         (root / CFG).write_text(json.dumps(CONFIG) + " ")
@@ -162,3 +172,4 @@ def test_changed_or_missing_files_are_a_miss(tmp_path: Path, change: str) -> Non
     else:
         (root / ST).unlink()
     assert read_known_adapter(root, known) is None
+    assert read_known_adapter(root, known, helper=IdleWorker("test-read-helper")) is None

@@ -151,14 +151,11 @@ def test_a_failed_copy_over_an_occupied_slot_leaves_it_empty() -> None:
     assert bank.slot_rows(0) == (0, 2) and bank.slot_modules(0) == {(0, "v_proj")}
 
 
-def test_loads_in_a_row_reuse_one_writer_thread_which_exits_when_idle(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_loads_in_a_row_reuse_one_writer_thread_which_exits_when_idle() -> None:
     """A load at every step must not cost the engine thread a thread start each time: the
-    writer waits for the next job, and exits only after ``IDLE_EXIT_S`` without one."""
+    writer waits for the next job, and exits only after ``idle_exit_s`` without one."""
     from loraplex.cache import staging
 
-    monkeypatch.setattr(staging, "IDLE_EXIT_S", 0.2)
     shapes = {(0, "q_proj"): (8, 8)}
     threads: list[int] = []
 
@@ -172,7 +169,7 @@ def test_loads_in_a_row_reuse_one_writer_thread_which_exits_when_idle(
             g = torch.Generator().manual_seed(seed)
             self.a, self.b, self.scale = torch.randn(2, 8, generator=g), torch.randn(8, 2), 1.0
 
-    stager = staging.SlotStager(Bank(shapes, 2, 4, torch.float32, "cpu"))
+    stager = staging.SlotStager(Bank(shapes, 2, 4, torch.float32, "cpu"), idle_exit_s=0.2)
     for i in range(5):
         job = stager.submit(i % 2, f"{i:064x}", {(0, "q_proj"): W(i)})
         assert job.done.wait(EVENT_TIMEOUT_S) and job.error is None

@@ -14,9 +14,9 @@ not match their manifest's sizes (the cheap check) are dropped. Full verificatio
 (:meth:`DiskTier.load_verified`: the entry is read into owned memory and hashed before it is
 parsed), which deletes a bad copy. After one full verification the tier remembers, in memory
 only, each file's BLAKE3 hash and the tensor layout of those bytes (:class:`KnownFiles`): a
-later load of the entry reads each file once into one buffer, hashing it chunk by chunk as it
-lands, and compares (no digest re-derivation, no header re-parse); any difference falls back to
-the full verification.
+later load of the entry reads each file once into one buffer, hashing it segment by segment as
+it lands (the loading thread and one helper thread share the segments), and compares (no digest
+re-derivation, no header re-parse); any difference falls back to the full verification.
 
 The budget counts the adapter files' bytes (the manifest and directory metadata are not counted,
 nor transient ``.tmp`` staging). ``put`` never exceeds it: it raises :class:`DiskBudgetError` and
@@ -51,6 +51,7 @@ from loraplex.lora.peft_format import (
     choose_adapter_files,
 )
 from loraplex.types import AdapterCopyError, AdapterError
+from loraplex.workers import IdleWorker
 
 try:
     import fcntl
@@ -138,6 +139,8 @@ class DiskTier:
         self._access: dict[str, float] = {}  # digest -> last access (time.time())
         # digest -> file hashes and tensor layout of the bytes this process last verified
         self._known: dict[str, KnownFiles] = {}
+        # reads and hashes half of a known entry's segments beside the loading thread
+        self._read_helper = IdleWorker("loraplex-disk-read")
         self._reserved = 0  # bytes of puts in progress
         self._lock_fd: int | None = None
         try:
@@ -427,7 +430,7 @@ class DiskTier:
             )
         with self._lock:
             known = self._known.get(digest)
-        fast = read_known_adapter(p, known) if known is not None else None
+        fast = read_known_adapter(p, known, helper=self._read_helper) if known else None
         if fast is not None:  # the very bytes this process verified against the digest
             config, tensors = fast
         else:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -30,9 +29,7 @@ from loraplex.lora.slots import (
     NeedsCompaction,
     SlotSource,
 )
-
-IDLE_EXIT_S = 2.0
-"""How long the writer thread waits for another job before it exits."""
+from loraplex.workers import IDLE_EXIT_S, IdleWorker
 
 
 @dataclass(eq=False)
@@ -49,14 +46,13 @@ class StagingJob:
 
 
 class SlotStager:
-    """Writes slot rows on one background thread (started by the first job, exits after
-    ``IDLE_EXIT_S`` without one)."""
+    """Writes slot rows on one background thread (an :class:`~loraplex.workers.IdleWorker`:
+    started by the first job, gone after a while without one)."""
 
-    def __init__(self, bank: LoRASlotBank) -> None:
+    def __init__(self, bank: LoRASlotBank, *, idle_exit_s: float = IDLE_EXIT_S) -> None:
         self.bank = bank
         self._cond = threading.Condition()
-        self._queue: deque[StagingJob] = deque()
-        self._worker: threading.Thread | None = None
+        self._worker = IdleWorker("loraplex-slot-staging", idle_exit_s=idle_exit_s)
         self._pending = 0  # jobs submitted and not yet done
         self._stream = torch.cuda.Stream(bank.device) if bank.device.type == "cuda" else None
 
@@ -70,15 +66,8 @@ class SlotStager:
         one is started: the engine thread does not wait for a thread start per load)."""
         job = StagingJob(slot, digest, weights)
         with self._cond:
-            self._queue.append(job)
             self._pending += 1
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._run, name="loraplex-slot-staging", daemon=True
-                )
-                self._worker.start()
-            else:
-                self._cond.notify_all()
+        self._worker.submit(lambda: self._run(job))
         return job
 
     def wait_any(self, jobs: list[StagingJob], timeout: float) -> None:
@@ -93,22 +82,13 @@ class SlotStager:
         with self._cond:
             return self._pending > 0
 
-    def _run(self) -> None:
-        """Write queued jobs; wait up to ``IDLE_EXIT_S`` for the next, then exit (so loads at
-        every step reuse one thread, and an idle engine holds none)."""
-        while True:
-            with self._cond:
-                if not self._queue:
-                    self._cond.wait_for(lambda: bool(self._queue), IDLE_EXIT_S)
-                if not self._queue:
-                    self._worker = None
-                    return
-                job = self._queue.popleft()
-            self._write(job)
-            with self._cond:
-                job.done.set()
-                self._pending -= 1
-                self._cond.notify_all()
+    def _run(self, job: StagingJob) -> None:
+        """Write one job (jobs run in submission order), then wake whoever waits on it."""
+        self._write(job)
+        with self._cond:
+            job.done.set()
+            self._pending -= 1
+            self._cond.notify_all()
 
     def _write(self, job: StagingJob) -> None:
         t0 = time.perf_counter()

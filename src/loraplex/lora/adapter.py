@@ -47,6 +47,7 @@ from loraplex.lora.digest import (
     read_safetensors_adapter,
     tensor_header_line,
 )
+from loraplex.lora.filehash import SEGMENT, read_digest, segmented_digest
 from loraplex.lora.peft_format import (
     BIN_NAME,
     CONFIG_NAME,
@@ -61,6 +62,7 @@ from loraplex.lora.peft_format import (
 )
 from loraplex.lora.slots import SlotSource
 from loraplex.types import AdapterError, AdapterRef
+from loraplex.workers import IdleWorker
 
 __all__ = [
     "BIN_NAME",
@@ -223,46 +225,44 @@ def _run_of(
     return _Run(dtype, names, shape, stride, infos[0].start, step, infos[0].nbytes)
 
 
-# The fast path reads this much, then hashes it while it is still in the CPU cache (256 KiB:
-# a fifth of this machine's per-core L2; 64 KiB-4 MiB measured, 256 KiB was fastest).
-READ_CHUNK = 256 << 10
-
-
 @dataclass(frozen=True)
 class KnownFiles:
-    """What a full verification of a safetensors adapter directory found: the BLAKE3 hash of
-    each file's bytes and where each tensor lies in them. A later read whose files hash the same
-    holds the same bytes, so it may skip re-deriving the digest and re-parsing the header
-    (:func:`read_known_adapter`). Only trust a record made in this process.
+    """What a full verification of a safetensors adapter directory found: a BLAKE3 digest of
+    each file's bytes (the weights' segmented, :mod:`loraplex.lora.filehash`) and where each
+    tensor lies in them. A later read whose files hash the same holds the same bytes, so it may
+    skip re-deriving the digest and re-parsing the header (:func:`read_known_adapter`). Only
+    trust a record made in this process.
 
     BLAKE3, not sha256: the record is made here from bytes that passed the full sha256-based
     digest check, so any 256-bit cryptographic hash answers "are these the same bytes" as well,
     and BLAKE3 is ~4x faster than sha256 on this hardware (an L2 load is mostly this hash)."""
 
     config_blake3: bytes
-    weights_blake3: bytes
+    weights_digest: bytes  # segmented BLAKE3 with ``segment``-byte segments
     weights_size: int
     layout: _Layout  # where each tensor lies in the weights file
+    segment: int = SEGMENT
 
     @classmethod
-    def of(cls, st: SafetensorsAdapter) -> KnownFiles:
+    def of(cls, st: SafetensorsAdapter, *, segment: int = SEGMENT) -> KnownFiles:
         return cls(
             blake3(st.config_bytes).digest(),
-            blake3(st.data).digest(),
+            segmented_digest(st.data, segment),
             len(st.data),
             _layout(st.tensors),
+            segment,
         )
 
 
 def read_known_adapter(
-    path: str | Path, known: KnownFiles, *, chunk: int = READ_CHUNK
+    path: str | Path, known: KnownFiles, *, helper: IdleWorker | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]] | None:
     """``(config, tensors)`` of the adapter directory at ``path`` if its files are byte for byte
     the ones ``known`` describes: the weights file read once into one owned, uninitialised
-    buffer, ``chunk`` bytes at a time, each chunk hashed (BLAKE3, single-threaded: the engine
-    shares the cores) right after it lands, and the tensors built as views of exactly those
-    bytes. None when a file is missing, unreadable or different (the caller then verifies
-    fully, which names the cause)."""
+    buffer and hashed segment by segment as it lands (by this thread and ``helper``'s, when
+    given: :func:`~loraplex.lora.filehash.read_digest`), and the tensors built as views of
+    exactly those bytes. None when a file is missing, unreadable or different (the caller then
+    verifies fully, which names the cause)."""
     root = Path(path)
     try:
         with open(root / CONFIG_NAME, "rb") as f:
@@ -274,18 +274,10 @@ def read_known_adapter(
             if size != known.weights_size:
                 return None
             buf = torch.empty(size, dtype=torch.uint8)  # [file bytes], not zero-filled
-            h = blake3()
-            got = 0
-            with memoryview(buf.numpy()) as view:
-                while got < size:
-                    n = f.readinto(view[got : got + chunk])
-                    if not n:
-                        return None  # truncated since the fstat
-                    h.update(view[got : got + n])
-                    got += n
+            got = read_digest(f.fileno(), buf.numpy(), segment=known.segment, helper=helper)
     except OSError:
         return None
-    if h.digest() != known.weights_blake3:
+    if got != known.weights_digest:  # None: the file ended early or a read failed
         return None
     return json.loads(cfg), _tensors_in(buf, known.layout)
 
