@@ -1,7 +1,7 @@
 """Token sampling over float32 logits [S, V], one row per sequence, in vLLM's order:
 
     grammar mask (structured rows) → min_tokens mask → logprobs recorded (model's, pre-penalty)
-    → logit_bias → penalties → greedy argmax | temperature → min_p → top-k / top-p → multinomial
+    → logit_bias → penalties → greedy argmax | temperature → min_p → top-k / top-p → one draw
 
 Penalties follow vLLM:
 
@@ -34,6 +34,23 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         logits = logits.clone()
         logits[order[drop]] = float("-inf")
     return logits
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from ``probs`` [V] (non-negative, finite, not all zero) by inverse CDF: one
+    uniform from ``generator`` against a float64 running sum, so a token is drawn with
+    probability ``probs[t] / probs.sum()`` and a zero-probability token never.
+
+    Not ``torch.multinomial``: for one sample it races V exponential variates, ~1 ms for a
+    49k-token row on CPU (about a fifth of a served SmolLM2 decode step at 16 sequences)."""
+    cdf = probs.double().cumsum(0)  # [V], non-decreasing
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]  # [0, total)
+    # the first token whose running sum exceeds u: a zero-probability token repeats its
+    # predecessor's sum (or 0), so it is never the first to exceed
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i == cdf.shape[0]:  # u rounded up to the total: the last token with any mass
+        i = int(torch.searchsorted(cdf, cdf[-1]))
+    return i
 
 
 def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -129,7 +146,7 @@ class Sampler:
                 if not bool(torch.isfinite(probs).all()):  # overflow: the limit is greedy
                     continue
                 gen = seq.generator if seq.generator is not None else self.generator
-                tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
+                tokens[i] = draw(probs, gen)
         if lp is not None:
             self._logprobs(lp, seqs, tokens)
         return tokens
