@@ -9,9 +9,11 @@ import torch
 
 from loraplex.lora.ops import (
     DEFAULT_BACKENDS,
+    NATIVE_RUN_TOKENS,
     LoRAOpsBackend,
     TorchLoRAOps,
     TorchReferenceOps,
+    cpu_slow_matmul_dtypes,
     select_lora_ops,
 )
 from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch
@@ -27,6 +29,8 @@ FAST_OPS = {
     "native": (TorchLoRAOps(), None),
     "upcast": (TorchLoRAOps(upcast=LOWP), torch.float32),
     "upcast-lowp-tables": (TorchLoRAOps(upcast=LOWP), None),  # converts per run
+    # float32 tables; runs past NATIVE_RUN_TOKENS (the prefill cases) in x's dtype
+    "upcast-native-long": (TorchLoRAOps(upcast=LOWP, native_runs=LOWP), torch.float32),
 }
 
 
@@ -189,6 +193,36 @@ def test_select_lora_ops_and_backend_registration():
 def test_upcast_ops_use_float32_tables_for_bf16():
     assert TorchLoRAOps(upcast=LOWP).table_dtype(torch.bfloat16) == torch.float32
     assert TorchLoRAOps().table_dtype(torch.bfloat16) == torch.bfloat16
+
+
+def test_cpu_default_keeps_float32_tables_and_long_runs_native_where_fast():
+    """On CPU every low-precision model keeps float32 tables (thin GEMMs are cheaper in
+    float32 MKL than in oneDNN bf16); long runs go native only where that GEMM is fast."""
+    ops = select_lora_ops("cpu")
+    assert isinstance(ops, TorchLoRAOps)
+    assert ops.table_dtype(torch.bfloat16) == ops.table_dtype(torch.float16) == torch.float32
+    assert ops.table_dtype(torch.float32) == torch.float32
+    assert ops.native_runs == set(LOWP) - set(cpu_slow_matmul_dtypes())
+
+
+def test_a_long_run_takes_the_native_path():
+    """A run past NATIVE_RUN_TOKENS computes with bf16-rounded table rows (the native GEMM);
+    a short one keeps the float32 rows: visible as exact agreement with each computation."""
+    g = torch.Generator().manual_seed(0)
+    n = NATIVE_RUN_TOKENS + 1
+    x = torch.randn(n + 1, 16, generator=g).bfloat16()
+    a, bt = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+    plan = plan_lora_batch(n + 1, [(0, n, 0, 4)], torch.float32, "cpu", costs=NEVER_MERGE)
+    short = plan_lora_batch(n + 1, [(n, n + 1, 0, 4)], torch.float32, "cpu", costs=NEVER_MERGE)
+    ops = TorchLoRAOps(upcast=LOWP, native_runs=LOWP)
+    out = torch.zeros(n + 1, 8, dtype=torch.bfloat16)
+    ops.apply(x, a, bt, out, plan)
+    want = torch.zeros(n, 8, dtype=torch.bfloat16)
+    want.addmm_(torch.nn.functional.linear(x[:n], a.bfloat16()), bt.bfloat16())
+    assert torch.equal(out[:n], want) and not out[n].any()
+    ops.apply(x, a, bt, out, short)
+    want_short = (x[n:].float() @ a.T @ bt).bfloat16()
+    assert torch.equal(out[n:], want_short)
 
 
 def test_plan_is_plain_data():
