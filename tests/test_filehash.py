@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
+import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 from blake3 import blake3
 
@@ -119,6 +122,26 @@ def test_a_busy_helper_is_not_waited_for(tmp_path: Path) -> None:
     done = threading.Event()
     helper.submit(done.set)  # jobs run in order: the skipped share's turn came and went
     assert done.wait(EVENT_TIMEOUT_S) and bytes(buf) == data
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_the_buffer_is_not_kept_alive_by_the_helper(tmp_path: Path, busy: bool) -> None:
+    """Neither the job the helper ran nor one still queued behind another keeps a load's
+    buffer (megabytes) alive after the read returns."""
+    helper = IdleWorker("test-read")
+    release = threading.Event()
+    if busy:
+        helper.submit(lambda: release.wait(EVENT_TIMEOUT_S))
+    data = os.urandom(5000)
+    buf = np.zeros(len(data), dtype=np.uint8)
+    gone = weakref.ref(buf)
+    with open(write(tmp_path, data), "rb") as f:
+        assert read_digest(f.fileno(), buf, segment=100, helper=helper) == expected(data, 100)
+    assert buf.tobytes() == data
+    del buf
+    gc.collect()
+    assert gone() is None
+    release.set()
 
 
 def test_a_read_error_on_either_thread_is_no_digest(

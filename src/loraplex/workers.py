@@ -61,3 +61,4 @@ class IdleWorker:
                 job()
             except Exception:  # a job's bug must not strand the jobs queued behind it
                 log.exception("%s: a job raised", self.name)
+            del job  # what it holds (a load's buffer) is not kept alive while the thread waits

@@ -115,6 +115,8 @@ def read_digest(
             helper.submit(share.helper_job)
         share.work()
         share.join()
+        size = len(share.view)
+        share.view.release()  # a skipped helper job still queued must not keep buffer alive
         if share.failed is not None:
             return None
-        return _combine(len(share.view), segment, share.parts)  # type: ignore[arg-type]
+        return _combine(size, segment, share.parts)  # type: ignore[arg-type]
