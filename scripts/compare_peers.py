@@ -160,14 +160,15 @@ def server_command(
         if args.loraplex_src:  # a snapshot of the code (the working tree may be mid-edit)
             env["PYTHONPATH"] = str(Path(args.loraplex_src).resolve())
         cmd = [sys.executable, "-m", "loraplex.cli", "serve", str(model), *common,
-               "--num-threads", str(args.threads), "--kv-cache-memory", "1GiB",
+               "--num-threads", str(args.loraplex_threads or args.threads), "--kv-cache-memory", "1GiB",
                "--log-level", "warning"]  # fmt: skip
     else:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(model), *common, "--uvicorn-log-level", "warning"]  # fmt: skip
         env.update(
             VLLM_CPU_KVCACHE_SPACE="2",
-            VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind or f"0-{args.threads - 1}",
+            VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind
+            or f"0-{(args.vllm_threads or args.threads) - 1}",
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
         )
     return cmd, env
@@ -480,17 +481,21 @@ def report(results: dict[str, dict[str, dict[str, Any]]], wls: list[Workload]) -
 
 
 def machine() -> str:
-    cpu = ""
+    """CPU model, the ISA that decides bf16 speed, CPUs, load, Python."""
+    cpu, flags = "", set()
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
+            if line.startswith("model name") and not cpu:
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
+    isa = "/".join(f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no avx512"
     load = os.getloadavg()
     return (
-        f"{platform.machine()} {cpu}, {os.cpu_count()} CPUs, load average "
+        f"{platform.machine()} {cpu} ({isa}), {os.cpu_count()} CPUs, load average "
         f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, python {platform.python_version()}"
     )
 
@@ -543,7 +548,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-cpu-loras", type=int, default=16, help="host copies (both servers)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="engine threads of both servers")
+    ap.add_argument(
+        "--loraplex-threads", type=int, help="loraplex's --num-threads (default --threads)"
+    )
+    ap.add_argument(
+        "--vllm-threads", type=int, help="vLLM's bound OpenMP threads (default --threads)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--peft", action="store_true", help="also the offline HF PEFT baseline")
@@ -558,6 +569,10 @@ def main(argv: list[str] | None = None) -> int:
     wls = [w for w in workloads(args.concurrency, args.hot_rate) if w.name in wanted]
     systems = [s for s in args.systems.split(",") if s]
     print(f"machine: {machine()}")
+    print(
+        f"engine threads: loraplex {args.loraplex_threads or args.threads}, "
+        f"vllm {args.vllm_threads or args.threads}"
+    )
     print(f"model {model} ({args.dtype}), {len(adapters)} adapters rank {RANK} q/v; "
           f"{args.requests} requests per workload, prompt {args.prompt_len} tokens, output "
           f"{args.output_len} tokens (ignore_eos), max_num_seqs {args.max_num_seqs}, "
