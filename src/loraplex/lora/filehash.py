@@ -58,7 +58,7 @@ class _Share:
         self.n = -(-len(view) // segment)
         self.parts: list[bytes | None] = [None] * self.n
         self._next = count()  # next() on a count is atomic under the GIL
-        self.failed: OSError | None = None
+        self.failed: Exception | None = None
         self.lock = threading.Lock()
         self.helper_started = False
         self.helper_skip = False  # the caller finished first: the helper must not touch view
@@ -81,7 +81,7 @@ class _Share:
                         raise OSError(f"short read at byte {a + got} of {len(view)}")
                     got += k
                 self.parts[i] = blake3(part).digest()
-        except OSError as e:
+        except Exception as e:  # any failure on either thread: no digest
             self.failed = e
 
     def helper_job(self) -> None:
@@ -117,6 +117,7 @@ def read_digest(
         share.join()
         size = len(share.view)
         share.view.release()  # a skipped helper job still queued must not keep buffer alive
-        if share.failed is not None:
+        parts = [p for p in share.parts if p is not None]
+        if share.failed is not None or len(parts) != share.n:
             return None
-        return _combine(size, segment, share.parts)  # type: ignore[arg-type]
+        return _combine(size, segment, parts)
