@@ -15,7 +15,7 @@ import loraplex
 
 SRC = Path(loraplex.__file__).parent
 
-BASE = {"types", "config", "settings", "paths", "outputs", "requests", "cliargs"}
+BASE = {"types", "config", "settings", "paths", "outputs", "requests", "cliargs", "workers"}
 """The value types and configuration: importable from anywhere."""
 
 ALLOWED: dict[str, set[str]] = {
@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "requests": {"types"},
     "cliargs": {"config", "settings"},
     "hub": set(),  # hub ids -> local snapshot directories (huggingface_hub only)
+    "workers": set(),  # a background thread that exits when idle (threading only)
     "logs": BASE,  # logging set-up, start-up summary, stats line (no server types)
     # layer 2
     "lora": BASE,

@@ -190,7 +190,7 @@ SCHEMA = {
 
 # Random weights under a JSON grammar that allows any whitespace may write whitespace for a
 # long time; these (model, temperature, seed) end well within max_tokens (checked: "stop").
-JSON_OBJECT_RUNS = {None: (0.7, 2), "all_r8": (0.0, None)}
+JSON_OBJECT_RUNS = {None: (0.7, 21), "all_r8": (0.0, None)}
 
 
 @pytest.mark.parametrize("model", [None, "all_r8"])
