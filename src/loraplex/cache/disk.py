@@ -430,7 +430,9 @@ class DiskTier:
             )
         with self._lock:
             known = self._known.get(digest)
-        fast = read_known_adapter(p, known, helper=self._read_helper) if known else None
+        fast = None
+        if known is not None:
+            fast = read_known_adapter(p, known, helper=self._read_helper)
         if fast is not None:  # the very bytes this process verified against the digest
             config, tensors = fast
         else:
