@@ -169,7 +169,9 @@ def test_loads_in_a_row_reuse_one_writer_thread_which_exits_when_idle() -> None:
             g = torch.Generator().manual_seed(seed)
             self.a, self.b, self.scale = torch.randn(2, 8, generator=g), torch.randn(8, 2), 1.0
 
-    stager = staging.SlotStager(Bank(shapes, 2, 4, torch.float32, "cpu"), idle_exit_s=0.2)
+    # the default 2 s idle wait: a loaded machine must not deschedule this thread between two
+    # submits for longer than the writer waits (with 0.2 s it could, and the test would race)
+    stager = staging.SlotStager(Bank(shapes, 2, 4, torch.float32, "cpu"))
     for i in range(5):
         job = stager.submit(i % 2, f"{i:064x}", {(0, "q_proj"): W(i)})
         assert job.done.wait(EVENT_TIMEOUT_S) and job.error is None
