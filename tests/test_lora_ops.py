@@ -7,15 +7,13 @@ import random
 import pytest
 import torch
 
-from loraplex.lora.ops import (
+from loraplex.lora.backends import (
     DEFAULT_BACKENDS,
-    NATIVE_RUN_TOKENS,
     LoRAOpsBackend,
-    TorchLoRAOps,
-    TorchReferenceOps,
     cpu_slow_matmul_dtypes,
     select_lora_ops,
 )
+from loraplex.lora.ops import NATIVE_RUN_TOKENS, TorchLoRAOps, TorchReferenceOps
 from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch
 
 LOWP = (torch.bfloat16, torch.float16)
@@ -24,13 +22,24 @@ NEVER_MERGE = LoRAPlanCosts(run_overhead_us=0.0, mask_overhead_us=0.0)
 ALWAYS_MERGE = LoRAPlanCosts(mac_ns=0.0, mask_overhead_us=0.0, bandwidth_gbs=1e12)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
-# Fast-path variants: native compute in x's dtype, and the CPU upcast (float32 tables) path.
+
+def _cpu_kernel_ops():
+    from loraplex.lora.cpu_ops import CPUKernelLoRAOps, load_kernel
+
+    return CPUKernelLoRAOps(load_kernel(), TorchLoRAOps(upcast=LOWP, native_runs=LOWP))
+
+
+# Fast-path variants (factory, table dtype or None for x's): native compute in x's dtype, the
+# CPU upcast (float32 tables) path, and the C kernel (short segments; the prefill cases' long
+# ones on its torch fallback).
 FAST_OPS = {
-    "native": (TorchLoRAOps(), None),
-    "upcast": (TorchLoRAOps(upcast=LOWP), torch.float32),
-    "upcast-lowp-tables": (TorchLoRAOps(upcast=LOWP), None),  # converts per run
+    "native": (TorchLoRAOps, None),
+    "upcast": (lambda: TorchLoRAOps(upcast=LOWP), torch.float32),
+    "upcast-lowp-tables": (lambda: TorchLoRAOps(upcast=LOWP), None),  # converts per run
     # float32 tables; runs past NATIVE_RUN_TOKENS (the prefill cases) in x's dtype
-    "upcast-native-long": (TorchLoRAOps(upcast=LOWP, native_runs=LOWP), torch.float32),
+    "upcast-native-long": (lambda: TorchLoRAOps(upcast=LOWP, native_runs=LOWP), torch.float32),
+    "cpu-kernel": (_cpu_kernel_ops, None),
+    "cpu-kernel-f32-tables": (_cpu_kernel_ops, torch.float32),
 }
 
 
@@ -89,7 +98,8 @@ def test_fast_ops_match_reference(case, costs, variant, dtype, device, seed):
     rng = random.Random(f"{case[0]}-{seed}")
     T, segs, rows = random_case(rng, n_segments=n_segments, tokens=tokens)
     d_in, d_out = rng.randint(16, 256), rng.randint(16, 256)
-    ops, table_dtype = FAST_OPS[variant]
+    make_ops, table_dtype = FAST_OPS[variant]
+    ops = make_ops()
     table_dtype = table_dtype or dtype
     x, a, bt, out = make_tensors(T, rows, d_in, d_out, dtype, table_dtype, device, seed)
     plan = plan_lora_batch(T, segs, table_dtype, device, costs)
@@ -177,7 +187,7 @@ def test_planner_prefers_fewer_runs_when_dispatch_dominates():
 
 def test_select_lora_ops_and_backend_registration():
     ops = select_lora_ops("cpu")
-    assert ops.name.startswith("torch")
+    assert ops.name == "cpu-kernel"  # CI has a C compiler: the kernel must build and pass
     assert ops.table_dtype(torch.float32) == torch.float32
 
     class Fake:
@@ -195,14 +205,20 @@ def test_upcast_ops_use_float32_tables_for_bf16():
     assert TorchLoRAOps().table_dtype(torch.bfloat16) == torch.bfloat16
 
 
-def test_cpu_default_keeps_float32_tables_and_long_runs_native_where_fast():
-    """On CPU every low-precision model keeps float32 tables (thin GEMMs are cheaper in
-    float32 MKL than in oneDNN bf16); long runs go native only where that GEMM is fast."""
+def test_cpu_default_tables_and_long_runs():
+    """On CPU the default is the C kernel with tables in the model's dtype where it reads it
+    (float32, bfloat16) and float32 tables for float16 (the torch path's); its fallback keeps
+    long runs native only where that GEMM is fast. ``name="torch"`` still picks the torch path,
+    which keeps float32 tables for every low-precision dtype."""
     ops = select_lora_ops("cpu")
-    assert isinstance(ops, TorchLoRAOps)
-    assert ops.table_dtype(torch.bfloat16) == ops.table_dtype(torch.float16) == torch.float32
-    assert ops.table_dtype(torch.float32) == torch.float32
-    assert ops.native_runs == set(LOWP) - set(cpu_slow_matmul_dtypes())
+    assert ops.table_dtype(torch.bfloat16) == torch.bfloat16
+    assert ops.table_dtype(torch.float16) == ops.table_dtype(torch.float32) == torch.float32
+    fallback = ops.fallback
+    assert isinstance(fallback, TorchLoRAOps)
+    assert fallback.native_runs == set(LOWP) - set(cpu_slow_matmul_dtypes())
+    torch_ops = select_lora_ops("cpu", name="torch")
+    assert isinstance(torch_ops, TorchLoRAOps)
+    assert torch_ops.table_dtype(torch.bfloat16) == torch.float32
 
 
 def test_a_long_run_takes_the_native_path():
@@ -314,10 +330,11 @@ def test_step_modules_follow_set_and_reset_lora():
     rs, re = bank.slot_rows(2)
     x = torch.randn(3, 16)  # [T, d_in]
     plan = plan_lora_batch(3, [(0, 3, rs, re)], torch.float32, "cpu", modules=lora.modules_for([2]))
-    untouched, added = torch.zeros(3, 24), torch.zeros(3, 24)
-    lora.add(0, "k_proj", x, untouched, plan)  # not a module of slot 2: skipped
-    lora.add(1, "k_proj", x, added, plan)
+    untouched, added = torch.zeros(3, 24), torch.zeros(3, 48)
+    lora.add(0, [("k_proj", 0, 24)], x, untouched, plan)  # not a module of slot 2: skipped
+    lora.add(1, [("q_proj", 0, 24), ("k_proj", 24, 48)], x, added, plan)  # q skipped, k added
     assert torch.equal(untouched, torch.zeros(3, 24))
+    assert torch.equal(added[:, :24], torch.zeros(3, 24))
     a, bt = bank.tables(1, "k_proj")
     expected = x @ a[rs:re].T @ bt[rs:re]  # [T, d_out]
-    torch.testing.assert_close(added, expected)
+    torch.testing.assert_close(added[:, 24:], expected)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loraplex.lora.ops import TorchLoRAOps, select_lora_ops
+from loraplex.lora.backends import select_lora_ops
+from loraplex.lora.ops import TorchLoRAOps
 from loraplex.lora.plan import plan_lora_batch
 from loraplex.lora.slots import LoRASlotBank
 

@@ -1,4 +1,4 @@
-"""Whether a path lies under allowed roots: loraplex's one containment check.
+"""Whether a path lies under allowed roots (loraplex's one containment check), and the cache root.
 
 Layer 1: imports nothing of loraplex (and no third-party package), so every layer may use it.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 StrPath = str | os.PathLike[str]
 
@@ -45,3 +45,9 @@ def first_outside(directory: StrPath, names: Iterable[str], roots: Iterable[StrP
         if (os.path.exists(p) or os.path.islink(p)) and not contained(p, root_list):
             return name
     return None
+
+
+def default_cache_dir() -> Path:
+    """``$LORAPLEX_CACHE_DIR`` if set, else ``~/.cache/loraplex`` (demo model, built kernels)."""
+    env = os.environ.get("LORAPLEX_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "loraplex"

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.lora.adapter import projection_shapes
-from loraplex.lora.ops import LoRAOps, select_lora_ops
+from loraplex.lora.backends import select_lora_ops
+from loraplex.lora.ops import LoRAOps
 from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch
 from loraplex.lora.slots import LoRASlotBank
 

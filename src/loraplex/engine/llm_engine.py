@@ -26,7 +26,7 @@ from loraplex.engine.structured import GrammarState, StructuredOutputBackend
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.adapter import BaseModelSpec
-from loraplex.lora.ops import select_lora_ops
+from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.linear import cpu_has_fast_bf16, select_linear_factory

@@ -1,23 +1,24 @@
 """Gathered LoRA ops for a mixed batch, over one plan per engine step (``loraplex.lora.plan``).
 
 Backends implement the small ``LoRAOps`` protocol and are chosen once at start-up by
-``select_lora_ops``; the model never branches on the backend.
+``loraplex.lora.backends.select_lora_ops``; the model never branches on the backend.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from loraplex.lora.plan import LoRABatchPlan, plan_lora_batch
+from loraplex.lora.plan import LoRABatchPlan
 
 # ------------------------------------------------------------------------------------ ops
+
+ModuleTables = tuple[torch.Tensor, torch.Tensor, int, int]
+"""``(a [capacity, d_in], bt [capacity, d_out], lo, hi)``: one module's tables and the columns
+``[lo, hi)`` (``hi - lo = d_out``) of the fused output it adds into."""
 
 
 class LoRAOps(Protocol):
@@ -69,8 +70,51 @@ class LoRAOps(Protocol):
         """
         ...
 
+    def apply_many(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        modules: Sequence[ModuleTables],
+        plan: LoRABatchPlan,
+    ) -> None:
+        """Several modules reading the same ``x`` and adding into column ranges of one fused
+        output (q/k/v of a layer), maybe in one pass::
 
-class TorchReferenceOps:
+        for a, bt, lo, hi in modules:
+            apply(x, a, bt, out[:, lo:hi], plan)
+
+        Callers pass the same ``modules`` object for the same modules (a backend may keep
+        what it derives from it, keyed by identity); the tables in it never change shape.
+        """
+        ...
+
+
+class PerModuleOps:
+    """``apply_many`` as one ``apply`` per module: for backends with nothing to share."""
+
+    def apply(
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        bt: torch.Tensor,
+        out: torch.Tensor,
+        plan: LoRABatchPlan,
+    ) -> None:
+        raise NotImplementedError
+
+    def apply_many(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        modules: Sequence[ModuleTables],
+        plan: LoRABatchPlan,
+    ) -> None:
+        """See ``LoRAOps.apply_many``."""
+        for a, bt, lo, hi in modules:
+            self.apply(x, a, bt, out[:, lo:hi], plan)
+
+
+class TorchReferenceOps(PerModuleOps):
     """Per-token loop in float64 over ``plan.segments``: the semantic reference (tests only)."""
 
     name = "torch-reference"
@@ -112,7 +156,7 @@ NATIVE_RUN_TOKENS = 64
 AMX Xeon: float32 wins up to 64 tokens at ranks 8 and 64, native from 128)."""
 
 
-class TorchLoRAOps:
+class TorchLoRAOps(PerModuleOps):
     """Fast torch path: per run one shrink GEMM, the mask multiply if coalesced, one addmm_.
 
     Reads each run's rows of ``a``/``bt`` once as contiguous views (no gathers, no per-row
@@ -202,92 +246,3 @@ class TorchLoRAOps:
                 out[ts:te].addmm_(y, bt_run)  # [n, d_out] += [n, r] @ [r, d_out]
             else:
                 out[ts:te].add_(torch.mm(y, bt_run))  # [n, d_out], cast into out's dtype
-
-
-# ------------------------------------------------------------------------------------ selection
-
-
-@dataclass(frozen=True, slots=True)
-class LoRAOpsBackend:
-    """A registrable backend: ``select_lora_ops`` takes the first one that supports the device."""
-
-    name: str
-    supports: Callable[[torch.device], bool]
-    create: Callable[[torch.device], LoRAOps]
-
-
-def cpu_slow_matmul_dtypes() -> tuple[torch.dtype, ...]:
-    """Low-precision dtypes oneDNN has no fast CPU GEMM for here (both on AVX2)."""
-    slow = []
-    for dtype, probe in (
-        (torch.bfloat16, "_is_mkldnn_bf16_supported"),
-        (torch.float16, "_is_mkldnn_fp16_supported"),
-    ):
-        try:
-            fast = bool(getattr(torch.ops.mkldnn, probe)())
-        except (AttributeError, RuntimeError):
-            fast = False
-        if not fast:
-            slow.append(dtype)
-    return tuple(slow)
-
-
-def _create_torch_ops(device: torch.device) -> LoRAOps:
-    if device.type != "cpu":
-        return TorchLoRAOps()
-    slow = cpu_slow_matmul_dtypes()
-    lowp = (torch.bfloat16, torch.float16)
-    return TorchLoRAOps(upcast=lowp, native_runs=[d for d in lowp if d not in slow])
-
-
-def _triton_available(device: torch.device) -> bool:
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
-
-
-def _create_triton_ops(device: torch.device) -> LoRAOps:
-    """Triton kernels, after a start-up self-check on ``device`` against the torch path;
-    if they fail to compile or disagree, the torch path is used instead (with a warning)."""
-    from loraplex.lora.triton_ops import TritonLoRAOps
-
-    ops = TritonLoRAOps()
-    try:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(5, 32, generator=g).to(device)
-        a = torch.randn(24, 32, generator=g).to(device)
-        bt = torch.randn(24, 48, generator=g).to(device)
-        plan = plan_lora_batch(5, [(0, 2, 0, 8), (3, 5, 8, 24)], torch.float32, device)
-        got, want = torch.zeros(5, 48, device=device), torch.zeros(5, 48, device=device)
-        ops.apply(x, a, bt, got, plan)
-        TorchLoRAOps().apply(x, a, bt, want, plan)
-        if not torch.allclose(got, want, atol=1e-3, rtol=1e-3):
-            raise RuntimeError(f"max difference {(got - want).abs().max().item():.3g}")
-    except Exception as e:  # any compile or launch failure: keep serving on the torch path
-        warnings.warn(
-            f"Triton LoRA kernels unusable on {device} ({e}); using the torch path", stacklevel=2
-        )
-        return _create_torch_ops(device)
-    return ops
-
-
-TRITON_BACKEND = LoRAOpsBackend(
-    name="triton", supports=_triton_available, create=_create_triton_ops
-)
-TORCH_BACKEND = LoRAOpsBackend(
-    name="torch", supports=lambda device: device.type in ("cpu", "cuda"), create=_create_torch_ops
-)
-DEFAULT_BACKENDS: tuple[LoRAOpsBackend, ...] = (TRITON_BACKEND, TORCH_BACKEND)
-"""In preference order: Triton kernels on CUDA when triton is installed, else the torch path."""
-
-
-def select_lora_ops(
-    device: torch.device | str,
-    backends: Sequence[LoRAOpsBackend] = DEFAULT_BACKENDS,
-    name: str | None = None,
-) -> LoRAOps:
-    """Choose the LoRA ops backend once at start-up: ``name`` if given, else the first that fits."""
-    device = torch.device(device)
-    for backend in backends:
-        if (name is None or backend.name == name) and backend.supports(device):
-            return backend.create(device)
-    wanted = f"{name!r}" if name else "any backend"
-    raise ValueError(f"no LoRA ops backend ({wanted}) supports device {device}")

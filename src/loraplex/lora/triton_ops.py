@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.lora.ops import PerModuleOps
 from loraplex.lora.plan import LoRABatchPlan
 
 
@@ -104,7 +105,7 @@ def _expand_kernel(
     tl.store(ptrs, (cur + acc).to(out_ptr.dtype.element_ty), mask=omask)
 
 
-class TritonLoRAOps:
+class TritonLoRAOps(PerModuleOps):
     """``LoRAOps`` over ``plan.segments`` with the kernels above (coalesced runs are not needed:
     one launch covers every segment)."""
 

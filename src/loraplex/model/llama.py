@@ -7,7 +7,7 @@ then adds its gathered LoRA delta for the tokens of every adapter in the batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +78,11 @@ class LoRABinding:
     def __init__(self, bank: LoRASlotBank, ops: LoRAOps) -> None:
         self.bank = bank
         self.ops = ops
+        # plan.modules -> (layer, first proj) -> the modules' (a, bt, lo, hi); bank tables are
+        # fixed for the bank's life, so an entry stays valid however slots change
+        self._by_modules: dict[frozenset[ModuleKey] | None, dict[tuple[int, str], tuple]] = {}
+        self._lists: dict[tuple[int, str], tuple] = {}
+        self._plan: LoRABatchPlan | None = None
 
     def modules_for(self, slots: Iterable[int]) -> frozenset[ModuleKey]:
         """Modules any of ``slots``' adapters targets (recorded by the bank when it filled each
@@ -88,14 +93,48 @@ class LoRABinding:
         return frozenset(found)
 
     def add(
-        self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor, plan: LoRABatchPlan
+        self,
+        layer: int,
+        parts: Sequence[tuple[str, int, int]],
+        x: torch.Tensor,
+        out: torch.Tensor,
+        plan: LoRABatchPlan,
     ) -> None:
-        """out += LoRA delta of ``proj`` in ``layer`` for every adapted token. x: [T, d_in].
-        Modules outside ``plan.modules`` (no adapter of the step targets them) are skipped."""
-        if plan.modules is not None and (layer, proj) not in plan.modules:
-            return
-        a, bt = self.bank.tables(layer, proj)
-        self.ops.apply(x, a, bt, out, plan)
+        """``out[:, lo:hi] += `` LoRA delta of each ``(proj, lo, hi)`` of ``parts`` in ``layer``
+        for every adapted token, the projections sharing input ``x: [T, d_in]`` in one
+        ``apply_many``. Modules outside ``plan.modules`` (no adapter of the step targets them)
+        are skipped. ``parts``: the same groups every step (the first name keys the cache)."""
+        if plan is not self._plan:
+            self._switch(plan)
+        key = (layer, parts[0][0])
+        modules = self._lists.get(key)
+        if modules is None:
+            wanted = plan.modules
+            modules = self._lists[key] = tuple(
+                (*self.bank.tables(layer, proj), lo, hi)
+                for proj, lo, hi in parts
+                if wanted is None or (layer, proj) in wanted
+            )
+        if modules:
+            self.ops.apply_many(x, out, modules, plan)
+
+    def active(
+        self, plan: LoRABatchPlan, groups: Sequence[Sequence[tuple[str, int, int]]]
+    ) -> list[bool]:
+        """Per group of ``groups``: whether any adapter of the step targets one of its
+        projections in some layer (the model skips the others' ``add`` calls altogether)."""
+        if plan.modules is None:
+            return [True] * len(groups)
+        projs = {proj for _, proj in plan.modules}
+        return [any(proj in projs for proj, _, _ in parts) for parts in groups]
+
+    def _switch(self, plan: LoRABatchPlan) -> None:
+        """The module lists for ``plan.modules``: the same tuple objects while the step's set of
+        targeted modules stays the same (so backends may key what they derive on identity)."""
+        if len(self._by_modules) >= 64 and plan.modules not in self._by_modules:
+            self._by_modules.clear()
+        self._lists = self._by_modules.setdefault(plan.modules, {})
+        self._plan = plan
 
 
 class DecoderLayer:
@@ -145,6 +184,14 @@ class LlamaForCausalLM:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        qs, kvs, inter, d = self.q_size, self.kv_size, cfg.intermediate_size, cfg.hidden_size
+        # (proj, first column, end column) in each fused output, grouped by shared input
+        self._lora_parts = (
+            (("q_proj", 0, qs), ("k_proj", qs, qs + kvs), ("v_proj", qs + kvs, qs + 2 * kvs)),
+            (("o_proj", 0, d),),
+            (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),
+            (("down_proj", 0, d),),
+        )
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
 
@@ -317,31 +364,32 @@ class LlamaForCausalLM:
         lora = self.lora
         cos, sin = self._rope(batch.positions)
         h = self.embed[batch.input_ids]  # [T, D]
+        qkv_parts, o_parts, gu_parts, down_parts = self._lora_parts
+        on_qkv = on_o = on_gu = on_down = False
+        if plan is not None:
+            on_qkv, on_o, on_gu, on_down = lora.active(plan, self._lora_parts)
         for i, L in enumerate(self.layers):
             x = _rms_norm(h, L.ln1, c.rms_norm_eps)
             qkv = L.qkv(x)  # [T, q + 2 kv]
-            if plan is not None:
-                lora.add(i, "q_proj", x, qkv[:, :qs], plan)
-                lora.add(i, "k_proj", x, qkv[:, qs : qs + kvs], plan)
-                lora.add(i, "v_proj", x, qkv[:, qs + kvs :], plan)
+            if on_qkv:
+                lora.add(i, qkv_parts, x, qkv, plan)
             qk = _rotate(qkv[:, : qs + kvs].view(T, -1, hd), cos, sin)  # [T, H + KVH, hd]
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [T, H, hd], [T, KVH, hd]
             v = qkv[:, qs + kvs :].view(T, -1, hd)
             a = paged_attention(q, k, v, i, cache, batch.attn, self.scale).reshape(T, qs)
             o = L.o(a)  # [T, D]
-            if plan is not None:
-                lora.add(i, "o_proj", a, o, plan)
+            if on_o:
+                lora.add(i, o_parts, a, o, plan)
             h = h + o
             x = _rms_norm(h, L.ln2, c.rms_norm_eps)
             gu = L.gate_up(x)  # [T, 2 I]
             inter = c.intermediate_size
-            if plan is not None:
-                lora.add(i, "gate_proj", x, gu[:, :inter], plan)
-                lora.add(i, "up_proj", x, gu[:, inter:], plan)
+            if on_gu:
+                lora.add(i, gu_parts, x, gu, plan)
             act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
             d = L.down(act)  # [T, D]
-            if plan is not None:
-                lora.add(i, "down_proj", act, d, plan)
+            if on_down:
+                lora.add(i, down_parts, act, d, plan)
             h = h + d
         return h  # [T, D]
 
