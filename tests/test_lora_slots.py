@@ -306,7 +306,7 @@ def test_slot_modules_are_recorded_at_load_and_kept_through_compaction():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_slot_source_reloads_write_the_scaled_rows_exactly(dtype):
-    """Host copies in the table dtype (numpy's transposing copy for float32, ATen's else),
+    """Host copies in the table dtype (numpy's transposing copy for float32 and bf16, ATen's for fp16),
     reloaded through a kept SlotSource into the same and other rows: bt is exactly
     round(scale * B).T computed in float32, as one rounding, every time."""
     from loraplex.lora.slots import SlotSource

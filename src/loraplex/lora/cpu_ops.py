@@ -316,6 +316,7 @@ class CPUKernelLoRAOps:
         self._split_of: tuple[LoRABatchPlan, KernelSegments, LoRABatchPlan | None] | None = None
         # id(modules) -> (modules, its PreparedModules or None if the kernel cannot read it)
         self._groups: dict[int, tuple[Sequence[ModuleTables], PreparedModules | None]] = {}
+        self._singles: dict[tuple[int, int, int], tuple[ModuleTables]] = {}  # apply()'s groups
 
     def table_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if model_dtype in ELEMENT_TYPES:
@@ -340,16 +341,17 @@ class CPUKernelLoRAOps:
         out: torch.Tensor,
         plan: LoRABatchPlan,
     ) -> None:
-        """See ``LoRAOps.apply``: ``apply_many`` over one module (checks its tables each call;
-        the model calls ``apply_many`` with fixed groups)."""
+        """See ``LoRAOps.apply``: ``apply_many`` over one module (its one-module group kept
+        by the tables' identity, as the model's groups are)."""
         if out.dim() != 2:
             raise ValueError(f"out must be [T, d_out], got {tuple(out.shape)}")
-        modules = ((a, bt, 0, out.shape[1]),)
-        group = self._group(modules, keep=False)
-        if group is None or not self._reads(x, out, group, plan):
-            self.fallback.apply(x, a, bt, out, plan)
-        else:
-            self._run(x, out, modules, group, plan)
+        key = (id(a), id(bt), out.shape[1])
+        modules = self._singles.get(key)
+        if modules is None or modules[0][0] is not a or modules[0][1] is not bt:
+            if len(self._singles) >= 4096:
+                self._singles.clear()
+            modules = self._singles[key] = ((a, bt, 0, out.shape[1]),)
+        self.apply_many(x, out, modules, plan)
 
     def apply_many(
         self,
@@ -367,7 +369,7 @@ class CPUKernelLoRAOps:
         else:
             self._run(x, out, modules, group, plan)
 
-    def _group(self, modules: Sequence[ModuleTables], keep: bool = True) -> PreparedModules | None:
+    def _group(self, modules: Sequence[ModuleTables]) -> PreparedModules | None:
         """The prepared group of ``modules`` (None: the kernel cannot read its tables)."""
         got = self._groups.get(id(modules))
         if got is not None and got[0] is modules:
@@ -376,10 +378,9 @@ class CPUKernelLoRAOps:
             group: PreparedModules | None = PreparedModules(modules)
         except KernelCannotRead:
             group = None
-        if keep:
-            if len(self._groups) >= 4096:
-                self._groups.clear()
-            self._groups[id(modules)] = (modules, group)
+        if len(self._groups) >= 4096:
+            self._groups.clear()
+        self._groups[id(modules)] = (modules, group)
         return group
 
     @staticmethod

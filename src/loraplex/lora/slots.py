@@ -89,16 +89,28 @@ class _Prepared:
         self.modules = frozenset(self.rank_of)  # what slot_modules reports for the slot
         self.scaled = [i for i, c in enumerate(self.scales) if c != 1.0]  # bt blocks to scale
         self.b_dtype = b_dtypes.pop() if len(b_dtypes) == 1 else None  # None: mixed
-        # float32 B.T blocks as numpy arrays: numpy's strided copy transposes ~3x faster than
-        # ATen's (into float32 tables on CPU)
+        # B.T blocks as numpy arrays (bf16 as its bits, uint16): numpy's strided copy
+        # transposes ~3x faster than ATen's (into tables of B's dtype on CPU)
         self.bt_numpy = (
-            [t.detach().numpy() for t in self.bt]
-            if self.b_dtype == torch.float32 and all(t.device.type == "cpu" for t in self.bt)
+            [_bits(t) for t in self.bt]
+            if self.b_dtype in _NUMPY_COPY and all(t.device.type == "cpu" for t in self.bt)
             else None
         )
+        # the scales as float32 0-dim tensors: a list-wide in-place multiply of 16-bit blocks by
+        # tensor scalars rounds once (by Python floats it rounds the scale to 16 bits first)
+        self.scale_tensors = [torch.tensor(c, dtype=torch.float32) for c in self.scales]
 
 
 _Targets = tuple[list[torch.Tensor], list[torch.Tensor], list[np.ndarray]]
+
+_NUMPY_COPY = (torch.float32, torch.bfloat16)
+"""Dtypes whose strided copies go through numpy (bfloat16 as uint16 bits: an exact copy)."""
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor of ``_NUMPY_COPY`` (bf16 as its uint16 bits), same strides."""
+    t = t.detach()
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 class SlotSource:
@@ -310,8 +322,8 @@ class LoRASlotBank:
                 dst_a += _split(self._a[mod][start : start + r])
                 dst_bt += _split(self._bt[mod][start : start + r])
             dst_np = (
-                [t.numpy() for t in dst_bt]
-                if self.device.type == "cpu" and self.dtype == torch.float32
+                [_bits(t) for t in dst_bt]
+                if self.device.type == "cpu" and self.dtype in _NUMPY_COPY
                 else []
             )
             got = self._targets_cache[key] = (dst_a, dst_bt, dst_np)
@@ -334,21 +346,26 @@ class LoRASlotBank:
         dst_a, dst_bt, dst_np = self._targets(start, prep)
         with torch.no_grad():
             torch._foreach_copy_(dst_a, prep.a)
-            if self.dtype == torch.float32:  # B copied exactly (or widened): one rounding
-                if prep.bt_numpy is not None and dst_np:
-                    for d, src in zip(dst_np, prep.bt_numpy, strict=True):
-                        np.copyto(d, src)
-                else:
-                    torch._foreach_copy_(dst_bt, prep.bt)
-                if len(prep.scaled) == len(dst_bt):
-                    torch._foreach_mul_(dst_bt, prep.scales)
-                elif prep.scaled:  # blocks of scale 1 (alpha == r, PEFT's default) need no pass
-                    torch._foreach_mul_(
-                        [dst_bt[i] for i in prep.scaled], [prep.scales[i] for i in prep.scaled]
-                    )
-            else:  # a 16-bit in-place scale would round the scale first: scale in float32
+            same = prep.b_dtype == self.dtype
+            if self.dtype != torch.float32 and not same:
+                # B of another dtype into 16-bit tables: scale in float32, round once
                 wide = [t.to(torch.float32) for t in prep.bt]
                 torch._foreach_copy_(dst_bt, torch._foreach_mul(wide, prep.scales))
+                return
+            if same and prep.bt_numpy is not None and dst_np:  # B copied exactly
+                for d, src in zip(dst_np, prep.bt_numpy, strict=True):
+                    np.copyto(d, src)
+            else:  # exact, or widened into float32 tables: one rounding
+                torch._foreach_copy_(dst_bt, prep.bt)
+            # scaled in place: float32 tables by Python floats; 16-bit tables by float32 tensor
+            # scalars (one rounding of B * scale, as scaling in float32 then casting)
+            scales = prep.scales if self.dtype == torch.float32 else prep.scale_tensors
+            if len(prep.scaled) == len(dst_bt):
+                torch._foreach_mul_(dst_bt, scales)
+            elif prep.scaled:  # blocks of scale 1 (alpha == r, PEFT's default) need no pass
+                torch._foreach_mul_(
+                    [dst_bt[i] for i in prep.scaled], [scales[i] for i in prep.scaled]
+                )
 
     def reset_lora(self, slot: int) -> None:
         """Zero the slot's rows in every table and free them; ``KeyError`` if the slot is empty."""
