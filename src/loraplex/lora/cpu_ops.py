@@ -225,15 +225,34 @@ class KernelCannotRead(Exception):
     """These tensors are outside what the kernel reads (the caller uses the torch path)."""
 
 
+def _openmp_runtimes() -> frozenset[str] | None:
+    """Paths of the OpenMP runtimes mapped into this process (None where /proc cannot say)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    names = ("libgomp", "libiomp", "libomp")
+    return frozenset(
+        line.split()[-1]
+        for line in maps.splitlines()
+        if any(n in line.rsplit("/", 1)[-1] for n in names)
+    )
+
+
 class LoRAKernel:
     """The loaded C function with its argument types (ctypes releases the GIL while it runs)."""
 
     def __init__(self, library: Path) -> None:
+        before = _openmp_runtimes()
         try:
             lib = ctypes.CDLL(str(library))
             fn = getattr(lib, KERNEL_SYMBOL)
         except (OSError, AttributeError) as e:
             raise KernelBuildError(f"cannot load {library}: {e}") from e
+        # Threads only when the library's OpenMP runtime is torch's (nothing new was mapped):
+        # a second runtime would keep a second team spinning on the same cores.
+        after = _openmp_runtimes()
+        self.shared_threads = before is not None and after is not None and after <= before
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         fn.argtypes = [
             ptr, i64, i32, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, i64, i32, ptr, i64, i32
@@ -253,7 +272,7 @@ class LoRAKernel:
             x.data_ptr(), x.stride(0), ELEMENT_TYPES[x.dtype], group.d_in, group.count,
             group.a_ptrs, group.bt_ptrs, group.w_type, out.data_ptr(), group.cols, group.d_out,
             out.stride(0), ELEMENT_TYPES[out.dtype], segments.address, segments.count,
-            torch.get_num_threads(),
+            torch.get_num_threads() if self.shared_threads else 1,
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("LoRA CPU kernel: cannot allocate its scratch rows")
