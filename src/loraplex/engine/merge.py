@@ -34,16 +34,10 @@ GroupKey = tuple[int, str]
 
 def projection_rows(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
     """proj name -> (fused Linear attribute, first output row, input features)."""
-    c = model.cfg
-    qs, kvs, inter, d = model.q_size, model.kv_size, c.intermediate_size, c.hidden_size
     return {
-        "q_proj": ("qkv", 0, d),
-        "k_proj": ("qkv", qs, d),
-        "v_proj": ("qkv", qs + kvs, d),
-        "o_proj": ("o", 0, qs),
-        "gate_proj": ("gate_up", 0, d),
-        "up_proj": ("gate_up", inter, d),
-        "down_proj": ("down", 0, inter),
+        proj: (attr, lo, d_in)
+        for attr, d_in, parts in model.projection_groups
+        for proj, lo, _ in parts
     }
 
 

@@ -21,6 +21,8 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
 #endif
 
 #define LANES 16
@@ -134,7 +136,7 @@ DEFINE_SHRINK(shrink_bf16, load_bf16)
 DEFINE_EXPAND(expand_f32, load_f32)
 DEFINE_EXPAND(expand_bf16, load_bf16)
 
-#ifdef HAVE_DPBF16
+#if HAVE_DPBF16
 /* shrink for bf16 x and bf16 rows with AVX512-BF16 dot products (pairs of exact bf16 products
  * accumulated in float32): 32 elements per instruction, no widening of either operand. */
 static void shrink_bf16_dp(const uint16_t *x, const uint16_t *w, int64_t r, int64_t n,
@@ -178,9 +180,8 @@ static void shrink_bf16_dp(const uint16_t *x, const uint16_t *w, int64_t r, int6
 }
 #endif
 
-#ifndef PREFETCH_AHEAD
+/* Segments ahead whose rows are requested early (in the engine 1 beat 0, 2, 4 and 8). */
 #define PREFETCH_AHEAD 1
-#endif
 
 /* Ask for a table block now: the rows of consecutive segments lie anywhere in the tables and
  * each is a few KiB, so asking for all of them at once keeps many reads in flight where the
@@ -204,9 +205,7 @@ static int run_range(const Job *j, int64_t g0, int64_t g1, int64_t max_rows) {
     float *xf = (float *)malloc((size_t)(j->d_in + max_rows) * sizeof(float));
     if (xf == NULL) return 1;
     float *y = xf + j->d_in;
-#ifdef HAVE_DPBF16
-    const int dp = j->x_type == 1 && j->w_type == 1;
-#endif
+    const int dp = HAVE_DPBF16 && j->x_type == 1 && j->w_type == 1; /* bf16 x bf16 shrink */
     int64_t g = 0;
     for (int64_t s = 0; s < j->nseg && g < g1; s++) {
         const int64_t *seg = j->segs + 4 * s;
@@ -231,26 +230,20 @@ static int run_range(const Job *j, int64_t g0, int64_t g1, int64_t max_rows) {
             if (g < g0) continue;
             if (g >= g1) break;
             const char *xt = j->x + (size_t)(t * j->x_stride) * xs;
-#ifdef HAVE_DPBF16
             if (!dp) row_to_f32(xt, j->x_type, j->d_in, xf);
-#else
-            row_to_f32(xt, j->x_type, j->d_in, xf);
-#endif
             for (int64_t m = 0; m < j->n_mod; m++) {
                 const int64_t d_out = j->d_out[m];
                 const char *a_seg = (const char *)j->a[m] + (size_t)(rs * j->d_in) * ws;
                 const char *b_seg = (const char *)j->bt[m] + (size_t)(rs * d_out) * ws;
                 char *o = j->out + (size_t)(t * j->out_stride + j->cols[m]) * os;
                 if (j->w_type) {
-#ifdef HAVE_DPBF16
+#if HAVE_DPBF16
                     if (dp)
                         shrink_bf16_dp((const uint16_t *)xt, (const uint16_t *)a_seg, r,
                                        j->d_in, y);
                     else
-                        shrink_bf16(xf, a_seg, r, j->d_in, y);
-#else
-                    shrink_bf16(xf, a_seg, r, j->d_in, y);
 #endif
+                        shrink_bf16(xf, a_seg, r, j->d_in, y);
                     expand_bf16(y, b_seg, r, d_out, o, j->out_type);
                 } else {
                     shrink_f32(xf, a_seg, r, j->d_in, y);

@@ -29,7 +29,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -68,21 +68,14 @@ def find_compiler() -> str | None:
     return None
 
 
-def _private_dir(path: Path) -> bool:
-    """Owned by this user and writable by nobody else (so nobody else chose what is in it)."""
+def _private(path: Path, is_kind: Callable[[int], bool]) -> bool:
+    """Of kind ``is_kind`` (``stat.S_ISDIR``, ``stat.S_ISREG``; a symlink is neither), owned by
+    this user and writable by nobody else (so nobody else chose what is in it)."""
     try:
         st = path.lstat()
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
-def _private_file(path: Path) -> bool:
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+    return is_kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _cpu_signature() -> str:
@@ -99,7 +92,7 @@ def _cpu_signature() -> str:
     return "\n".join(dict.fromkeys(keep))  # one line per distinct value
 
 
-def _compile(cc: str, src: Path, dst: Path) -> tuple[str, ...]:
+def _compile(cc: str, src: Path, dst: Path) -> None:
     """Compile ``src`` into the shared library ``dst`` with the first flag set that works."""
     errors = []
     for flags in FLAG_SETS:
@@ -110,7 +103,7 @@ def _compile(cc: str, src: Path, dst: Path) -> tuple[str, ...]:
             errors.append(f"{' '.join(cmd)}: {e}")
             continue
         if done.returncode == 0:
-            return flags
+            return
         errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-400:]}")
     raise KernelBuildError("cannot compile the LoRA CPU kernel:\n" + "\n".join(errors))
 
@@ -161,8 +154,8 @@ def build_kernel(cache_dir: Path | None = None) -> Path:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:
         pass
-    if _private_dir(root):
-        if _private_file(target):
+    if _private(root, stat.S_ISDIR):
+        if _private(target, stat.S_ISREG):
             return target
         fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
         os.close(fd)

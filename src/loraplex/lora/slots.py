@@ -97,7 +97,8 @@ class _Prepared:
             else None
         )
         # the scales as float32 0-dim tensors: a list-wide in-place multiply of 16-bit blocks by
-        # tensor scalars rounds once (by Python floats it rounds the scale to 16 bits first)
+        # tensor scalars rounds once (by Python floats it rounds the scale to 16 bits first);
+        # float32 blocks get the same products either way
         self.scale_tensors = [torch.tensor(c, dtype=torch.float32) for c in self.scales]
 
 
@@ -357,9 +358,9 @@ class LoRASlotBank:
                     np.copyto(d, src)
             else:  # exact, or widened into float32 tables: one rounding
                 torch._foreach_copy_(dst_bt, prep.bt)
-            # scaled in place: float32 tables by Python floats; 16-bit tables by float32 tensor
-            # scalars (one rounding of B * scale, as scaling in float32 then casting)
-            scales = prep.scales if self.dtype == torch.float32 else prep.scale_tensors
+            # scaled in place by float32 tensor scalars: one rounding of B * scale in any table
+            # dtype (as scaling in float32 then casting)
+            scales = prep.scale_tensors
             if len(prep.scaled) == len(dst_bt):
                 torch._foreach_mul_(dst_bt, scales)
             elif prep.scaled:  # blocks of scale 1 (alpha == r, PEFT's default) need no pass

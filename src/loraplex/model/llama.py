@@ -72,6 +72,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rot * sin
 
 
+ProjectionGroup = tuple[str, int, tuple[tuple[str, int, int], ...]]
+"""``(fused Linear attribute, input features, ((proj, first column, end column), ...))``."""
+
+
 class LoRABinding:
     """The LoRA state a model reads: slot tables plus the op backend chosen at start-up."""
 
@@ -185,13 +189,19 @@ class LlamaForCausalLM:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         qs, kvs, inter, d = self.q_size, self.kv_size, cfg.intermediate_size, cfg.hidden_size
-        # (proj, first column, end column) in each fused output, grouped by shared input
-        self._lora_parts = (
-            (("q_proj", 0, qs), ("k_proj", qs, qs + kvs), ("v_proj", qs + kvs, qs + 2 * kvs)),
-            (("o_proj", 0, d),),
-            (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),
-            (("down_proj", 0, d),),
+        self.projection_groups: tuple[ProjectionGroup, ...] = (
+            (
+                "qkv",
+                d,
+                (("q_proj", 0, qs), ("k_proj", qs, qs + kvs), ("v_proj", qs + kvs, qs + 2 * kvs)),
+            ),
+            ("o", qs, (("o_proj", 0, d),)),
+            ("gate_up", d, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
+            ("down", inter, (("down_proj", 0, d),)),
         )
+        """Each fused Linear (in forward order), its input width and its projections' output
+        columns ``(proj, lo, hi)``: the one map of projections to fused weights (LoRA groups,
+        merging)."""
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
 
@@ -364,10 +374,12 @@ class LlamaForCausalLM:
         lora = self.lora
         cos, sin = self._rope(batch.positions)
         h = self.embed[batch.input_ids]  # [T, D]
-        qkv_parts, o_parts, gu_parts, down_parts = self._lora_parts
+        qkv_parts, o_parts, gu_parts, down_parts = (g[2] for g in self.projection_groups)
         on_qkv = on_o = on_gu = on_down = False
         if plan is not None:
-            on_qkv, on_o, on_gu, on_down = lora.active(plan, self._lora_parts)
+            on_qkv, on_o, on_gu, on_down = lora.active(
+                plan, (qkv_parts, o_parts, gu_parts, down_parts)
+            )
         for i, L in enumerate(self.layers):
             x = _rms_norm(h, L.ln1, c.rms_norm_eps)
             qkv = L.qkv(x)  # [T, q + 2 kv]
