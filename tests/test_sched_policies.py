@@ -9,7 +9,9 @@ real engine on the tiny model."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from loraplex.engine.scheduler import (
     VirtualTokenCounter,
     rank_bucket,
 )
+from loraplex.engine.scheduling import POLICIES, SchedulerState, SchedulingPolicy, make_policy
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool
 from loraplex.types import InvalidRequestError
@@ -227,6 +230,76 @@ def test_policy_names_agree_with_config() -> None:
     from loraplex import config
 
     assert config.SCHEDULING_POLICIES == SCHEDULING_POLICIES
+
+
+# ------------------------------------------------------------------------ policy objects
+
+
+class ShortestPromptFirst(SchedulingPolicy):
+    """A policy from outside the registry: shortest prompt first, the longest one preempted
+    under KV pressure, and a waiting sequence preempts a running one with a longer prompt."""
+
+    name = "spf"
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def running_key(self, state: SchedulerState, seq: Sequence) -> int:
+        return len(seq.prompt_token_ids)
+
+    def admission_order(self, state: SchedulerState, waiting: list[Sequence]) -> Iterator[Sequence]:
+        return iter(sorted(waiting, key=lambda s: len(s.prompt_token_ids)))
+
+    def victim(self, state: SchedulerState, candidates: list[Sequence]) -> Sequence:
+        return max(candidates, key=lambda s: len(s.prompt_token_ids))
+
+    def outranks(self, state: SchedulerState, seq: Sequence, other: Sequence) -> bool:
+        return len(seq.prompt_token_ids) < len(other.prompt_token_ids)
+
+    def begin_step(self, state: SchedulerState) -> None:
+        self.steps += 1
+
+
+def test_a_policy_object_plugs_in() -> None:
+    spf = ShortestPromptFirst()
+    pool = BlockPool(256, 4, enable_prefix_caching=False)
+    s = Scheduler(pool, None, max_num_seqs=3, max_num_batched_tokens=1000, policy=spf)
+    assert s.policy is spf
+    for rid, n in (("long", 20), ("short", 2), ("mid", 9), ("tiny", 1)):
+        s.add(_seq(rid, prompt=n, out=50))
+    _step(s)
+    assert _admitted(s) == ["tiny", "short", "mid"] and spf.steps == 1  # kept in its order
+    s.add(_seq("mini", prompt=1, out=50))  # outranks "mid": it preempts it to get in
+    batch = s.schedule()
+    assert batch.num_preempted == 1 and spf.steps == 2
+    assert _admitted(s) == ["tiny", "mini", "short"]
+    assert [q.request_id for q in s.waiting] == ["mid", "long"]
+
+
+def test_a_registry_entry_is_a_policy_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(POLICIES, "spf", ShortestPromptFirst)
+    a, b = _sched("spf"), _sched("spf")
+    assert isinstance(a.policy, ShortestPromptFirst) and a.policy is not b.policy  # one each
+    assert {name: type(make_policy(name)).name for name in SCHEDULING_POLICIES} == {
+        name: name for name in SCHEDULING_POLICIES
+    }
+
+
+def test_an_unknown_policy_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown scheduling policy 'sjf' \(choose from fcfs, priority, fair\)"):  # fmt: skip
+        _sched("sjf")
+    with pytest.raises(TypeError, match="SchedulingPolicy"):
+        _sched(object())  # type: ignore[arg-type]
+
+
+def test_the_scheduler_core_has_no_policy_names() -> None:
+    """Every policy decision is the policy object's: no branch on a policy's name is left."""
+    import loraplex.engine.scheduler as core
+
+    source = Path(core.__file__).read_text()
+    names = "|".join(SCHEDULING_POLICIES)
+    assert not re.findall(rf"(==|!=|\bin)\s*\(?\s*[\"']({names})[\"']", source)
+    assert re.findall(r"\bself\.policy\.\w+", source)  # the check sees what it looks for
 
 
 # ------------------------------------------------------------------------ engine: adapters

@@ -6,49 +6,12 @@ budget, ``max_num_seqs`` and free blocks allow. A waiting sequence whose adapter
 device slot (or whose rank bucket is at its slot budget) moves to the *loading queue*: it never
 blocks the requests behind it, and it is retried (once per adapter per step) before admission.
 
-Three policies order the waiting sequences and pick preemption victims (``policy``):
-
-- ``fcfs``: arrival order; the newest running sequence is preempted (vLLM's default).
-- ``priority``: vLLM's: lowest ``Sequence.priority`` first, then arrival; a waiting sequence
-  may preempt a running one of a strictly larger priority value, and under KV pressure the
-  largest value (then the newest) goes first.
-- ``fair``: SLO classes with weighted shares, and tenants balanced within a class by a virtual
-  token counter (VTC, Sheng et al., "Fairness in Serving Large Language Models", OSDI '24)::
-
-      class(seq)     = clamp(default_class + seq.priority, 0, len(class_weights) - 1)
-      served tokens  = PROMPT_TOKEN_COST * prompt tokens + OUTPUT_TOKEN_COST * output tokens
-      C[class]      += served / class_weights[class]       # per scheduled chunk
-      V[class, ten] += served
-      admit next: the class with the least C (ties: the more important), within it the tenant
-                  with the least V (ties: the oldest head), within the tenant arrival order
-      a key that becomes active starts at max(its own, min over active keys)  # no banked credit
-
-  so a class with weight w gets about w / sum(w) of the tokens while all are backlogged and a
-  lower class never starves. Production rules that keep a more important class's latency
-  without thrashing the lower ones:
-
-  - *headroom*: a lower class may not take the last K seats, K = sum over the more important
-    classes of (their peak concurrency, running + waiting, over the last ``headroom_window``
-    steps) minus (their running now); K leaves the lower class one seat at least. So a gold
-    arrival usually finds a free seat instead of preempting.
-  - *preempt only when needed*: a waiting sequence may preempt a running one of a less
-    important class (whose C is at least its own) only when no seat or block is free; the
-    victim is the least important class, within it the one with the least computed work
-    (fewest computed tokens: the cheapest recompute), then the tenant most over its share,
-    then the newest; and never one preempted within the last ``preempt_cooldown`` steps
-    (hysteresis; under KV pressure such ones go last but still go, so memory always frees).
-  - *seat shares*: a step's time grows with its rows, so every row of a lower class slows the
-    steps of a more important one. While a more important class is active (it had a sequence
-    within the last ``headroom_window`` steps), class ``c`` may run at most
-    ``max(1, floor(max_num_seqs * w_c / (w_c + sum of the active more important classes' w)))``
-    sequences (gold=8, batch=1: one batch seat in 8); new ones wait (nothing is preempted for
-    it), and once the more important classes have been idle for a window the whole engine is
-    the lower class's again. The weights say how much latency the lower class's throughput may
-    cost: closer weights, more seats.
-  - *prefill caps*: while a more important class has prompt work this step (a waiting
-    sequence, or a running one mid-prompt), a lower class's prompt chunks in the step are
-    capped at its weighted share of ``max_num_batched_tokens`` (decodes never are); when the
-    more important classes only decode or are idle, the lower class gets the whole budget.
+The policy (``loraplex.engine.scheduling``: ``fcfs``, ``priority``, ``fair``, or an object)
+orders the waiting sequences, says whom a waiting sequence may preempt and which running one
+goes first under KV pressure, and, for fair, which seats and prompt tokens a class may take.
+The scheduler does the accounting every policy reads: the SLO class of each sequence, the
+served tokens per class and tenant (virtual token counters, charged per scheduled chunk), and
+the preemption cooldown.
 
 Slots are only *reserved* here ("slot k now belongs to digest d", bookkeeping in the adapter
 cache); the engine copies the weights of newly reserved adapters before the step runs.
@@ -58,21 +21,27 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, deque
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
+from loraplex.engine.scheduling import (
+    POLICIES,
+    SchedulingPolicy,
+    VirtualTokenCounter,
+    make_policy,
+)
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool, hash_block, hash_prefix_blocks
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import LoRAAdapter
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+SCHEDULING_POLICIES = tuple(POLICIES)
+"""The registry's names; ``--scheduling-policy`` offers ``loraplex.config.SCHEDULING_POLICIES``
+(config imports nothing of the engine; a test checks they agree)."""
 PROMPT_TOKEN_COST = 1.0  # VTC's weights (the paper's w_p = 1, w_q = 2)
 OUTPUT_TOKEN_COST = 2.0
-
-K = TypeVar("K", bound=Hashable)
 
 
 class SlotReservations(Protocol):
@@ -83,37 +52,6 @@ class SlotReservations(Protocol):
         ...
 
     def release_slot(self, slot: int) -> None: ...
-
-
-class VirtualTokenCounter(Generic[K]):
-    """Weighted service received per key, VTC-style: a key that becomes active (its first
-    member joins) is lifted to the least counter of the keys active then, so an idle key cannot
-    bank credit and a newcomer cannot take the engine over for long."""
-
-    def __init__(self) -> None:
-        self.served: dict[K, float] = {}
-        self.members: Counter[K] = Counter()
-
-    def __getitem__(self, key: K) -> float:
-        return self.served.get(key, 0.0)
-
-    def active(self) -> list[K]:
-        return [k for k, n in self.members.items() if n > 0]
-
-    def join(self, key: K) -> None:
-        if self.members[key] == 0:
-            others = [self.served.get(k, 0.0) for k in self.active()]
-            if others:
-                self.served[key] = max(self.served.get(key, 0.0), min(others))
-        self.members[key] += 1
-
-    def leave(self, key: K) -> None:
-        self.members[key] -= 1
-        if self.members[key] <= 0:
-            del self.members[key]
-
-    def charge(self, key: K, amount: float) -> None:
-        self.served[key] = self.served.get(key, 0.0) + amount
 
 
 @dataclass
@@ -150,7 +88,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        policy: str = "fcfs",
+        policy: str | SchedulingPolicy = "fcfs",
         class_weights: tuple[float, ...] = (1.0,),
         default_class: int = 0,
         rank_slot_budgets: Mapping[int, int] | None = None,
@@ -158,16 +96,19 @@ class Scheduler:
         preempt_cooldown: int = 64,
         seat_shares: bool = True,
     ) -> None:
-        """``class_weights[i]``: the share weight of SLO class ``i`` (0 the most important);
+        """``policy``: a ``POLICIES`` name or a policy object (used by this scheduler only);
+        ``class_weights[i]``: the share weight of SLO class ``i`` (0 the most important);
         ``rank_slot_budgets``: bucket's largest rank -> device slots its adapters may hold in
         running requests at once (e.g. ``{8: 12, 64: 4}``); ``headroom_window``: steps over
         which a class's peak concurrency sizes the seats kept for it (fair);
         ``preempt_cooldown``: steps after a preemption in which that sequence is not chosen
         again (fair and priority); ``seat_shares``: cap a lower class's running sequences
-        while a more important one is active (fair; see the module docstring)."""
-        if policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"unknown scheduling policy {policy!r} ({', '.join(SCHEDULING_POLICIES)})"
+        while a more important one is active (fair; see ``loraplex.engine.scheduling``)."""
+        if isinstance(policy, str):
+            policy = make_policy(policy)
+        elif not isinstance(policy, SchedulingPolicy):
+            raise TypeError(
+                f"policy must be a scheduling policy name or a SchedulingPolicy, got {policy!r}"
             )
         if not class_weights or any(w <= 0 for w in class_weights):
             raise ValueError(f"class weights must be > 0, got {class_weights!r}")
@@ -177,7 +118,7 @@ class Scheduler:
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy
+        self.policy: SchedulingPolicy = policy
         self.class_weights = tuple(float(w) for w in class_weights)
         self.default_class = default_class
         self.rank_slot_budgets = dict(rank_slot_budgets or {})
@@ -193,28 +134,19 @@ class Scheduler:
         self.preempt_cooldown = preempt_cooldown
         self.seat_shares = seat_shares
         self.step_index = 0  # schedule() calls so far
-        # class -> k -> the last step at which the class had at least k sequences
-        self._seen_at: dict[int, dict[int, int]] = {}
-        # headroom per (class, len(running), num_preemptions), cleared by schedule(), add()
-        # and finish(): in between, what it depends on changes only with admissions and
-        # preemptions
-        self._headroom_memo: dict[tuple[int, int, int], int] = {}
-        self._share_memo: dict[int, int | None] = {}  # class -> seat share, cleared per step
+        self.generation = 0  # bumped by add(), finish() and schedule(): policies' caches
 
     # -- classes ---------------------------------------------------------------------------------
     def class_of(self, seq: Sequence) -> int:
         """The SLO class index of ``seq`` (0 the most important)."""
         return min(max(self.default_class + seq.priority, 0), len(self.class_weights) - 1)
 
-    def _order_key(self, seq: Sequence) -> int:
-        """What the running list is kept sorted by (stable: ties stay in admission order)."""
-        if self.policy == "priority":
-            return seq.priority
-        return self.class_of(seq) if self.policy == "fair" else 0
+    def _running_key(self, seq: Sequence) -> int:
+        return self.policy.running_key(self, seq)
 
     # -- queue -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self._headroom_memo = {}
+        self.generation += 1
         self.waiting.append(seq)
         c = self.class_of(seq)
         self.class_service.join(c)
@@ -233,7 +165,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and free its blocks and slot (from any queue)."""
-        self._headroom_memo = {}
+        self.generation += 1
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -269,42 +201,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _cooling(self, seq: Sequence) -> bool:
+    def cooling(self, seq: Sequence) -> bool:
         """Whether ``seq`` was preempted within the last ``preempt_cooldown`` steps."""
         at = seq.preempted_at_step
         return at is not None and self.step_index - at < self.preempt_cooldown
 
     def _victim(self, candidates: list[Sequence]) -> Sequence:
         """Which of ``candidates`` (running, in running order) to preempt first."""
-        if self.policy == "priority":
-            i = max(
-                range(len(candidates)),
-                key=lambda j: (not self._cooling(candidates[j]), candidates[j].priority, j),
-            )
-        elif self.policy == "fair":
-
-            def key(j: int) -> tuple[bool, int, int, float, int]:
-                s = candidates[j]
-                c = self.class_of(s)
-                v = self.tenant_service[(c, s.tenant)]
-                return not self._cooling(s), c, -s.num_computed_tokens, v, j
-
-            i = max(range(len(candidates)), key=key)
-        else:
-            i = len(candidates) - 1
-        return candidates[i]
+        return self.policy.victim(self, candidates)
 
     def _outranks(self, seq: Sequence, other: Sequence) -> bool:
         """Whether waiting ``seq`` may preempt running ``other`` to get in (never one that
         was preempted within the cooldown: no thrash)."""
-        if self._cooling(other):
+        at = other.preempted_at_step  # cooling(other), inline: asked per waiting x running
+        if at is not None and self.step_index - at < self.preempt_cooldown:
             return False
-        if self.policy == "priority":
-            return seq.priority < other.priority
-        if self.policy == "fair":
-            c, o = self.class_of(seq), self.class_of(other)
-            return c < o and self.class_service[c] <= self.class_service[o]
-        return False
+        return self.policy.outranks(self, seq, other)
 
     def _charge(self, seq: Sequence, n: int, sign: float = 1.0) -> None:
         """Count ``n`` tokens scheduled for ``seq`` as served (``sign=-1`` takes them back)."""
@@ -319,81 +231,21 @@ class Scheduler:
         bs = self.pool.block_size
         return max(0, -(-num_tokens // bs) - len(seq.block_ids))
 
-    # -- one step --------------------------------------------------------------------------------
-    def _prefill_caps(self) -> dict[int, int] | None:
-        """fair: the prompt-chunk cap of each class that has a more important class with
-        prompt work this step (a waiting sequence, or a running one mid-prompt): its weighted
-        share, among the active classes, of the step's token budget. A class whose more
-        important classes only decode (or are idle) is not capped, so the cap never starves
-        it. None: no caps (other policies, or nothing to cap)."""
-        if self.policy != "fair":
-            return None
-        active = self.class_service.active()
-        if len(active) < 2:
-            return None
-        pending = {self.class_of(s) for s in self.waiting}
-        pending |= {
-            self.class_of(s) for s in self.running if s.num_tokens - s.num_computed_tokens > 1
-        }
-        if not pending:
-            return None
-        top = min(pending)
-        total = sum(self.class_weights[c] for c in active)
-        budget = self.max_num_batched_tokens
-        caps = {c: max(1, int(budget * self.class_weights[c] / total)) for c in active if c > top}
-        return caps or None
-
-    # -- headroom --------------------------------------------------------------------------------
-    def _observe_demand(self) -> None:
-        """Record this step's sequences per class (running + waiting + loading)."""
-        counts = Counter(self.class_of(s) for s in self.running)
-        counts.update(self.class_of(s) for s in self.waiting)
-        counts.update(self.class_of(s) for s in self.loading)
-        for c, n in counts.items():
-            seen = self._seen_at.setdefault(c, {})
-            for k in range(1, min(n, self.max_num_seqs) + 1):
-                seen[k] = self.step_index
-
+    # -- seats (the policy's) --------------------------------------------------------------------
     def recent_peak(self, c: int) -> int:
-        """Class ``c``'s largest number of sequences in the last ``headroom_window`` steps."""
-        seen = self._seen_at.get(c, {})
-        since = self.step_index - self.headroom_window
-        return max((k for k, at in seen.items() if at > since), default=0)
+        """Class ``c``'s largest number of sequences in the last ``headroom_window`` steps (as
+        the policy tracks it: fair; 0 otherwise)."""
+        return self.policy.recent_peak(self, c)
 
     def headroom(self, c: int) -> int:
-        """Seats a class-``c`` sequence may not take: what the more important classes had
-        recently beyond what they run now, counting those idle now or within their share (C at
-        most ``c``'s: a backlogged class over its share holds no seats back, so a class owed
-        service by the weights is never starved by headroom); fair only, at most
-        ``max_num_seqs - 1``."""
-        if self.policy != "fair" or c == 0:
-            return 0
-        memo = (c, len(self.running), self.num_preemptions)
-        if memo in self._headroom_memo:
-            return self._headroom_memo[memo]
-        running = Counter(self.class_of(s) for s in self.running)
-        keep = sum(
-            max(0, self.recent_peak(h) - running[h])
-            for h in range(c)
-            if h in self._seen_at
-            and (
-                not self.class_service.members[h] or self.class_service[h] <= self.class_service[c]
-            )
-        )
-        self._headroom_memo[memo] = min(keep, self.max_num_seqs - 1)
-        return self._headroom_memo[memo]
+        """Free seats a class-``c`` sequence may not take (fair: kept for more important
+        classes that were busy recently; at most ``max_num_seqs - 1``)."""
+        return self.policy.headroom(self, c)
 
     def seat_share(self, c: int) -> int | None:
-        """fair: the most sequences class ``c`` may run now (see *seat shares* above); None when
-        no more important class was active within the window (no cap)."""
-        if self.policy != "fair" or c == 0 or not self.seat_shares:
-            return None
-        if c not in self._share_memo:  # what it reads changes once per step
-            above = [self.class_weights[h] for h in range(c) if self.recent_peak(h) > 0]
-            w = self.class_weights[c]
-            share = max(1, int(self.max_num_seqs * w / (w + sum(above)))) if above else None
-            self._share_memo[c] = share
-        return self._share_memo[c]
+        """The most sequences class ``c`` may run now (fair: see *seat shares* in
+        ``loraplex.engine.scheduling``); None: no cap."""
+        return self.policy.seat_share(self, c)
 
     def _over_seat_share(self, seq: Sequence) -> bool:
         """Whether admitting ``seq`` would take its class past its seat share."""
@@ -401,8 +253,9 @@ class Scheduler:
         share = self.seat_share(c)
         return share is not None and sum(self.class_of(s) == c for s in self.running) >= share
 
+    # -- one step --------------------------------------------------------------------------------
     def _capped(self, seq: Sequence, n: int) -> int:
-        """``n`` tokens for ``seq`` this step within its class's prefill cap (see above)."""
+        """``n`` tokens for ``seq`` this step within its class's prefill cap (the policy's)."""
         if self._caps is None or seq.num_tokens - seq.num_computed_tokens <= 1:
             return n
         c = self.class_of(seq)
@@ -412,10 +265,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         self.step_index += 1
-        self._headroom_memo, self._share_memo = {}, {}
-        if self.policy == "fair":
-            self._observe_demand()
-        self._caps, self._cap_used = self._prefill_caps(), Counter()
+        self.generation += 1
+        self.policy.begin_step(self)
+        self._caps, self._cap_used = self.policy.prefill_caps(self), Counter()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -444,30 +296,6 @@ class Scheduler:
         if not preempted:
             self._admit(batch, budget)
         return batch
-
-    def _candidates(self, waiting: list[Sequence]) -> Iterator[Sequence]:
-        """Waiting sequences in the order the policy admits them (lazily: the fair order reads
-        the counters as admissions charge them)."""
-        if self.policy == "fcfs":
-            yield from waiting
-            return
-        if self.policy == "priority":
-            yield from sorted(waiting, key=lambda s: (s.priority, s.arrival))
-            return
-        groups: dict[int, dict[str | None, deque[Sequence]]] = {}
-        for s in waiting:
-            groups.setdefault(self.class_of(s), {}).setdefault(s.tenant, deque()).append(s)
-        while groups:
-            c = min(groups, key=lambda k: (self.class_service[k], k))
-            tenants = groups[c]
-            t = min(tenants, key=lambda k: (self.tenant_service[(c, k)], tenants[k][0].arrival))
-            queue = tenants[t]
-            seq = queue.popleft()
-            if not queue:
-                del tenants[t]
-                if not tenants:
-                    del groups[c]
-            yield seq
 
     def _slot_budget_full(self, seq: Sequence, in_use: dict[int, set[int]]) -> bool:
         """Whether ``seq``'s adapter would need one more slot of a rank bucket at its budget."""
@@ -558,12 +386,12 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         full = budget <= 0 or len(self.running) >= self.max_num_seqs
-        if full and self.policy == "fcfs":
-            return  # nothing can get in (no preemption for admission under fcfs)
+        if full and not self.policy.preempts_for_admission:
+            return  # nothing can get in (no preemption for admission)
         in_use = self._slots_in_use()
         self._retry_loading(in_use)
         to_loading: set[int] = set()  # ids of sequences moved to the loading queue
-        for seq in self._candidates(list(self.waiting)):
+        for seq in self.policy.admission_order(self, list(self.waiting)):
             if budget > 0 and self._capped(seq, budget) == 0:
                 continue  # its class used its prefill share of this step: others may go
             if self._over_seat_share(seq):
@@ -654,10 +482,7 @@ class Scheduler:
         self.waiting = kept
 
     def _insert_running(self, seq: Sequence) -> None:
-        if self.policy == "fcfs":
-            self.running.append(seq)
-        else:
-            bisect.insort_right(self.running, seq, key=self._order_key)
+        bisect.insort_right(self.running, seq, key=self._running_key)
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance computed counts and publish newly full blocks to the prefix cache."""
