@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.cli import main
+from loraplex.cli import GENERATE_SETTINGS, build_parser, generate_engine_options, main
+from loraplex.config import EngineConfig
+from loraplex.server.args import serve_settings
 from loraplex.testing.sync import wait_healthy
 
 
@@ -27,6 +29,37 @@ def test_generate_with_adapter(tiny_model: Path, adapters: dict[str, Path], caps
     out = capsys.readouterr().out
     assert rc == 0
     assert "[base]" in out and "[a@" in out and "2 requests, 6 tokens" in out
+
+
+def test_generate_flags_are_the_declared_settings() -> None:
+    """``generate``'s engine flags are ``serve``'s declarations (flags, defaults, bounds and
+    cross-field rules), not a second list: ``--max-loras 64`` takes 64 host copies too."""
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    generate = sub.choices["generate"]  # type: ignore[index]
+    declared = serve_settings().specs
+    for name in GENERATE_SETTINGS:
+        (action,) = [a for a in generate._actions if a.dest == name]
+        assert action.option_strings == list(declared[name].setting.flags), name
+        assert action.choices == declared[name].setting.choices, name
+
+    def options(*flags: str) -> dict[str, object]:
+        args = build_parser().parse_args(["generate", "m", "--prompt", "x", *flags])
+        return generate_engine_options(args)
+
+    got = options("--max-loras", "64")
+    assert got["max_loras"] == 64 and got["max_lora_rank"] == 64 and got["dtype"] == "auto"
+    assert EngineConfig(model="m", **got).max_cpu_loras == 64  # type: ignore[arg-type]
+    assert options("--dtype", "half")["dtype"] == "float16"  # vLLM's alias, as for serve
+    with pytest.raises(ValueError, match=r"^--max-cpu-loras: must be >= --max-loras \(8\), got 2$"):
+        options("--max-cpu-loras", "2")
+    with pytest.raises(SystemExit):
+        options("--max-loras", "0x")
+
+
+def test_generate_refuses_a_bad_setting_before_loading(capsys) -> None:
+    rc = main(["generate", "missing", "--prompt", "x", "--max-loras", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "loraplex generate: error: --max-loras: must be >= 1, got 0" in err
 
 
 def test_bad_model_dir_is_one_clear_message(tmp_path: Path, capsys) -> None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from loraplex import LLM
-from loraplex.config import EngineConfig
-from loraplex.engine import llm_engine
-from loraplex.engine.llm_engine import LLMEngine, resolve_dtype
+from loraplex.config import EngineConfig, LoRAModule, ServerConfig
+from loraplex.engine import builder
+from loraplex.engine.builder import resolve_dtype
+from loraplex.engine.llm_engine import LLMEngine
 from loraplex.kv.cache import PagedKVCache
 from loraplex.model.config import load_model_config
 
@@ -19,9 +21,9 @@ def test_auto_dtype_prefers_fast_types(tiny_model: Path, monkeypatch: pytest.Mon
     cfg = load_model_config(tiny_model)
     bf16_cfg = type(cfg)(**{**cfg.__dict__, "torch_dtype": "bfloat16"})
     cpu = torch.device("cpu")
-    monkeypatch.setattr(llm_engine, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(builder, "cpu_has_fast_bf16", lambda: False)
     assert resolve_dtype("auto", bf16_cfg, cpu) == torch.float32
-    monkeypatch.setattr(llm_engine, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(builder, "cpu_has_fast_bf16", lambda: True)
     assert resolve_dtype("auto", bf16_cfg, cpu) == torch.bfloat16
     assert resolve_dtype("auto", cfg, cpu) == torch.float32  # a float32 checkpoint stays float32
     assert resolve_dtype("bfloat16", cfg, cpu) == torch.bfloat16
@@ -41,7 +43,7 @@ def test_auto_dtype_end_to_end_on_each_kind_of_cpu(
 
     model = make_random_model(tmp_path / "bf16", dtype=torch.bfloat16, seed=5)
     adapter = make_random_adapter(model, tmp_path / "a", r=4, target_modules=ALL_PROJ, seed=6)
-    monkeypatch.setattr(llm_engine, "cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(builder, "cpu_has_fast_bf16", lambda: fast_bf16)
     want = torch.bfloat16 if fast_bf16 else torch.float32
     engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=8, max_loras=1))
     assert engine.dtype == want and engine.cache.k.dtype == want
@@ -82,6 +84,33 @@ def test_bad_options_are_named(tiny_model: Path) -> None:
         LLM(str(tiny_model), max_loras=8, max_cpu_loras=2)
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(tiny_model), dtype="float8")
+
+
+def test_max_cpu_loras_is_one_rule_on_the_config(tiny_model: Path) -> None:
+    """``max_cpu_loras`` not given is ``max(max_loras, 32)``, for every way in (the Python
+    config, ``LLM``, ``serve``, ``generate``); one given below ``max_loras`` is an error."""
+    for max_loras, want in ((4, 32), (64, 64)):
+        e = EngineConfig(model="m", max_loras=max_loras)
+        e.validate()
+        assert e.max_cpu_loras == want
+    assert EngineConfig(model="m", max_loras=64, max_cpu_loras=100).max_cpu_loras == 100
+    llm = LLM(str(tiny_model), max_loras=64, max_lora_rank=8, dtype="float32", num_threads=1)
+    assert llm.engine.adapters is not None and llm.engine.adapters.max_cpu_loras == 64
+    with pytest.raises(ValueError, match=r"max_cpu_loras: must be >= max_loras \(64\), got 8"):
+        EngineConfig(model="m", max_loras=64, max_cpu_loras=8).validate()
+
+
+def test_configs_are_frozen() -> None:
+    """A config is never changed in place: ``dataclasses.replace`` derives another."""
+    e = EngineConfig(model="m")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.max_loras = 3  # type: ignore[misc]
+    s = ServerConfig(engine=e)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.engine = e  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LoRAModule("a", "/a").warm = "host"  # type: ignore[misc]
+    assert dataclasses.replace(s, engine=dataclasses.replace(e, max_loras=3)).engine.max_loras == 3
 
 
 def test_linear_backend_chosen_once(tiny_model: Path) -> None:

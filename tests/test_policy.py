@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from loraplex.cache.controller import TierController
 from loraplex.cache.policy import (
     POLICIES,
     AdapterInfo,
@@ -16,7 +17,6 @@ from loraplex.cache.policy import (
     belady_hits,
     make_policy,
 )
-from loraplex.cache.residency import TierIndex
 
 MiB = 1 << 20
 
@@ -29,6 +29,27 @@ def info(
 
 def access(p: EvictionPolicy, key: str, now: float, **kw: object) -> None:
     p.on_access(key, info(key, **kw), now)  # type: ignore[arg-type]
+
+
+class SlotCache:
+    """``n`` device slots under ``policy`` (the simulator's flat tiers), admitting through the
+    cache's own path: a request that misses takes a slot (evicting by policy), then leaves it."""
+
+    def __init__(self, policy: EvictionPolicy, n: int) -> None:
+        self.now = 0.0
+        self.tiers = TierController(
+            policy, slots=n, clock=lambda: self.now, host_tier=False, names=("L0", "L1", "L2")
+        )
+
+    def request(self, key: str, now: float) -> bool:
+        """One request on ``key`` at ``now`` (the policy is told first); whether it hit."""
+        self.now = now
+        self.tiers.policy.on_access(key, info(key), now)
+        hit = self.tiers.device.lookup(key, now)
+        got = self.tiers.reserve_slot(info(key))
+        assert got is not None
+        self.tiers.release_slot(got[0])
+        return hit
 
 
 # ------------------------------------------------------------------------------ basics
@@ -240,16 +261,8 @@ def test_hybrid_inline_order_matches_keep_score() -> None:
 def test_hybrid_keeps_hot_set_through_a_burst() -> None:
     """Hot adapters requested steadily stay resident while 500 one-off adapters stream through."""
     for name, expect_kept in (("hybrid", True), ("lru", False)):
-        p = make_policy(name)
-        tier = TierIndex("L0", capacity_bytes=None, capacity_count=4, policy=p)
+        request = SlotCache(make_policy(name), 4).request
         t = 0.0
-
-        def request(key: str, now: float, tier: TierIndex = tier, p: EvictionPolicy = p) -> bool:
-            p.on_access(key, info(key), now)
-            if tier.lookup(key, now):
-                return True
-            tier.admit(info(key), now)
-            return False
 
         for _ in range(20):  # warm-up: the hot set is used
             for h in ("h1", "h2", "h3"):
@@ -284,15 +297,8 @@ def test_belady_beats_online_policies() -> None:
     trace = [f"k{min(int(rng.paretovariate(1.0)), 60)}" for _ in range(3000)]
     best = belady_hit_ratio(trace, 5)
     for name in POLICIES:
-        p = make_policy(name)
-        tier = TierIndex("L0", capacity_bytes=None, capacity_count=5, policy=p)
-        hits = 0
-        for t, k in enumerate(trace):
-            p.on_access(k, info(k), float(t))
-            if tier.lookup(k, float(t)):
-                hits += 1
-            else:
-                tier.admit(info(k), float(t))
+        cache = SlotCache(make_policy(name), 5)
+        hits = sum(cache.request(k, float(t)) for t, k in enumerate(trace))
         assert hits / len(trace) <= best + 1e-12, name
 
 

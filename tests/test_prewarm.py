@@ -12,22 +12,15 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from loraplex.cache.prewarm import PrewarmScheduler
-from loraplex.config import (
-    EngineConfig,
-    LoRAModule,
-    ServerConfig,
-    WarmSchedule,
-    WarmWindow,
-    parse_lora_module,
-    parse_warm,
-)
+from loraplex.cache.prewarm import PrewarmScheduler, windows
+from loraplex.config import EngineConfig, LoRAModule, ServerConfig, parse_lora_module
 from loraplex.engine.client import EngineClient, LLMEngine
 from loraplex.lora.digest import digest_safetensors_dir
 from loraplex.registry import Principal, Registry, RegistryPolicy
 from loraplex.server.app import create_app
 from loraplex.server.residency import residency_view
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec
+from loraplex.warm import WarmSchedule, WarmWindow, parse_warm
 
 BERLIN = ZoneInfo("Europe/Berlin")
 OPERATOR = Principal("admin", None, frozenset({"admin:*"}))
@@ -107,7 +100,7 @@ def test_windows_follow_the_time_zone_and_dst() -> None:
     s = parse_warm(OFFICE)
     assert isinstance(s, WarmSchedule)
     # the week of 2026-03-23: Berlin switches to summer time on Sunday the 29th
-    wins = s.windows(berlin(2026, 3, 23, 0), berlin(2026, 4, 1, 0))
+    wins = windows(s, berlin(2026, 3, 23, 0), berlin(2026, 4, 1, 0))
     utc = [dt.datetime.fromtimestamp(lo, dt.UTC) for lo, _, _ in wins]
     assert [(t.day, t.hour) for t in utc] == [
         (23, 7), (24, 7), (25, 7), (26, 7), (27, 7), (30, 6), (31, 6)
@@ -115,7 +108,7 @@ def test_windows_follow_the_time_zone_and_dst() -> None:
     assert all(hi - lo == 10 * 3600 and tier == "device" for lo, hi, tier in wins)
     ny = parse_warm({"host": "Mon 08:00-09:00", "tz": "America/New_York"})
     assert isinstance(ny, WarmSchedule)
-    (lo, _, tier), *_ = ny.windows(berlin(2026, 3, 23, 0), berlin(2026, 3, 24, 0))
+    (lo, _, tier), *_ = windows(ny, berlin(2026, 3, 23, 0), berlin(2026, 3, 24, 0))
     assert dt.datetime.fromtimestamp(lo, dt.UTC).hour == 12 and tier == "host"  # EDT, UTC-4
 
 

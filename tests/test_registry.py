@@ -161,6 +161,32 @@ def test_registry_never_imports_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_registry_methods_are_the_stores_methods_forwarded() -> None:
+    """The facade declares no signature of its own: each public method is a store's method
+    (same signature and docstring), so a new parameter is one edit, in the store."""
+    import inspect
+
+    from loraplex.registry.audit import AuditLog
+    from loraplex.registry.keys import ApiKeys
+    from loraplex.registry.releases import Releases
+    from loraplex.registry.revisions import Revisions
+    from loraplex.registry.tenants import Tenants
+
+    stores = (Revisions, Releases, Tenants, ApiKeys, AuditLog)
+    own = {"open", "close", "generation"}
+    public = [n for n in vars(Registry) if not n.startswith("_") and n not in own]
+    store_methods = {n: getattr(s, n) for s in stores for n in vars(s) if not n.startswith("_")}
+    assert set(public) == set(store_methods)  # every store method is reachable, nothing else
+    for name in public:
+        method = getattr(Registry, name)
+        assert method.__wrapped__ is store_methods[name], name
+        assert inspect.signature(method) == inspect.signature(store_methods[name]), name
+        assert method.__doc__ == store_methods[name].__doc__, name
+    with Registry.open("sqlite://") as reg:  # bound: the store's signature without self
+        assert "warm" in inspect.signature(reg.register).parameters
+        assert reg.list() == [] and reg.list_tenants() == []
+
+
 def test_manifest_fields_are_the_revision_columns() -> None:
     """The Manifest dataclass is the one field list: the row conversion maps it by name."""
     from dataclasses import fields

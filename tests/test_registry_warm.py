@@ -13,10 +13,10 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, inspect
 
-from loraplex.config import WarmSchedule, parse_warm
 from loraplex.registry import Registry, RegistryError, RegistryPolicy, base_model_info
 from loraplex.registry.cli import main as registry_main
 from loraplex.registry.db import MIGRATIONS_DIR, current_revision, head_revision
+from loraplex.warm import WarmSchedule, parse_warm
 
 OFFICE = {"device": "Mon-Fri 08:00-18:00", "tz": "Europe/Berlin"}
 

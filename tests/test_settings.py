@@ -103,6 +103,20 @@ def test_help_comes_from_the_declaration() -> None:
     assert "--hidden" not in text
 
 
+def test_a_command_may_offer_some_settings_only() -> None:
+    """``only``: a command with a few of a config's settings, each as declared (``generate``)."""
+    settings = Settings(Toy, error=ToyError, only=("size", "depth"))
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, config_file=False)
+    text = parser.format_help()
+    assert "--toy-size" in text and "--depth" in text
+    assert "--name" not in text and "--config" not in text
+    values = settings.resolve(parser.parse_args(["--size", "4"]), {})
+    assert (values["size"], values["depth"]) == (4, 2)
+    with pytest.raises(TypeError, match=r"no settings \['nope'\]"):
+        Settings(Toy, error=ToyError, only=("size", "nope"))
+
+
 def test_bounds_errors_name_the_flag_or_key(tmp_path: Path) -> None:
     with pytest.raises(ToyError, match=r"^--size: must be between 1 and 10, got 11$"):
         toy(["--toy-size", "11"])
@@ -173,6 +187,8 @@ SERVE_SAMPLES = {  # settings whose values have a syntax of their own: one valid
     "default_slo_class": "gold",
     "tenant_slo_classes": "acme=gold",
     "lora_rank_slot_budgets": "8:4,64:2",
+    "max_cpu_loras": "40",  # at least --max-loras (8)
+    "structured_outputs_whitespace": "compact",
 }
 SERVE_NEEDS = {  # cross-field rules: what else a setting needs to be valid
     "enable_auto_tool_choice": ["--tool-call-parser", "hermes"],
@@ -209,7 +225,7 @@ def _sample(spec: Any, samples: dict[str, str], paths: dict[str, str]) -> tuple[
     if spec.kind == "bool":
         return None, not default
     if spec.kind == "int":
-        number = (default or 0) + 7
+        number = int(samples[spec.name]) if spec.name in samples else (default or 0) + 7
         return str(number), number
     if spec.kind == "float":
         le = spec.setting.le
@@ -405,6 +421,29 @@ def test_route_weights_merge_file_then_flags(tmp_path: Path) -> None:
     cfg.write_text('replicas = "a:1"\n[weights]\ncolour = 1\n')
     with pytest.raises(RouteConfigError, match="unknown weight 'colour'"):
         parse_route_args(["--config", str(cfg)], environ={})
+
+
+def test_every_environment_variable_is_declared() -> None:
+    """Each ``LORAPLEX_*`` name the source mentions is declared once: a setting's ``env=``, or
+    ``loraplex.config.ENVIRONMENT`` (read through ``env_value``, which refuses other names)."""
+    import re
+
+    from loraplex.config import ENV_LORA_CPU_KERNEL, ENVIRONMENT, env_value, lora_cpu_kernel_enabled
+
+    src = Path(__file__).resolve().parents[1] / "src" / "loraplex"
+    named = {
+        n for p in src.rglob("*.py") for n in re.findall(r"LORAPLEX_[A-Z0-9_]+", p.read_text())
+    }
+    by_setting = {v for cls in (EngineConfig, ServerConfig, RouterConfig) for f in fields(cls)
+                  if (s := setting_of(f)) is not None for v in s.env}  # fmt: skip
+    assert named - by_setting - set(ENVIRONMENT) == set()
+    assert len(set(ENVIRONMENT)) == len(ENVIRONMENT)
+    assert env_value("LORAPLEX_HOME", {"LORAPLEX_HOME": " /x "}) == "/x"
+    assert env_value("LORAPLEX_HOME", {"LORAPLEX_HOME": "  "}) is None
+    with pytest.raises(KeyError, match="not declared"):
+        env_value("LORAPLEX_NOPE", {})
+    assert lora_cpu_kernel_enabled({}) and lora_cpu_kernel_enabled({ENV_LORA_CPU_KERNEL: "1"})
+    assert not lora_cpu_kernel_enabled({ENV_LORA_CPU_KERNEL: " 0 "})
 
 
 def test_settings_module_imports_nothing_of_loraplex() -> None:

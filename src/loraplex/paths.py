@@ -1,6 +1,7 @@
 """Whether a path lies under allowed roots (loraplex's one containment check), and the cache root.
 
-Layer 1: imports nothing of loraplex (and no third-party package), so every layer may use it.
+Layer 1: imports only the config layer's declaration of its environment variable (and no
+third-party package), so every layer may use it.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path, PurePath
+
+from loraplex.config import ENV_CACHE_DIR, env_value
 
 StrPath = str | os.PathLike[str]
 
@@ -49,5 +52,5 @@ def first_outside(directory: StrPath, names: Iterable[str], roots: Iterable[StrP
 
 def default_cache_dir() -> Path:
     """``$LORAPLEX_CACHE_DIR`` if set, else ``~/.cache/loraplex`` (demo model, built kernels)."""
-    env = os.environ.get("LORAPLEX_CACHE_DIR")
+    env = env_value(ENV_CACHE_DIR)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "loraplex"

@@ -31,7 +31,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, Field, dataclass, fields, is_dataclass, replace
 from decimal import Decimal
 from pathlib import Path
@@ -430,7 +430,8 @@ def _argparse_type(parse: Callable[[str], Any], name: str) -> Callable[[str], An
 class Settings:
     """The settings of one command, read from the dataclass ``root`` and the ones it nests.
 
-    ``error`` is the command's exception type; ``wording`` how its messages name file keys.
+    ``error`` is the command's exception type; ``wording`` how its messages name file keys;
+    ``only`` (field names) keeps those settings alone, for a command that offers a few.
     """
 
     def __init__(
@@ -440,6 +441,7 @@ class Settings:
         error: type[Exception],
         wording: FileWording | None = None,
         other_key: Callable[[str, object], dict[str, Any] | None] | None = None,
+        only: Collection[str] | None = None,
     ) -> None:
         self.root = root
         self.error = error
@@ -448,6 +450,11 @@ class Settings:
         # (possibly none: accepted as is); a ValueError refuses it with its message
         self.other_key = other_key
         self.specs, self.nested = _specs(root)
+        if only is not None:
+            missing = sorted(set(only) - self.specs.keys())
+            if missing:
+                raise TypeError(f"{root.__name__}: no settings {missing}")
+            self.specs = {n: s for n, s in self.specs.items() if n in only}
         self.keys: dict[str, _Spec] = {}
         for spec in self.specs.values():
             for key in (*(f.lstrip("-") for f in spec.setting.flags), *spec.setting.keys):
@@ -456,9 +463,14 @@ class Settings:
                     raise TypeError(f"{root.__name__}: key {norm!r} is declared twice")
 
     def add_arguments(
-        self, parser: argparse.ArgumentParser, *, config_group: str | None = None
+        self,
+        parser: argparse.ArgumentParser,
+        *,
+        config_group: str | None = None,
+        config_file: bool = True,
     ) -> None:
-        """Add every setting's flag and ``--config`` to ``parser`` (all default to SUPPRESS)."""
+        """Add every setting's flag and (with ``config_file``) ``--config`` to ``parser`` (all
+        default to SUPPRESS)."""
         groups: dict[str | None, Any] = {None: parser}
         for spec in self.specs.values():
             s = spec.setting
@@ -482,6 +494,8 @@ class Settings:
                 elif spec.kind in ("list", "keyed"):
                     kw.update(nargs=s.nargs, action="extend")
             groups[s.group].add_argument(*s.flags, **kw)
+        if not config_file:
+            return
         if config_group not in groups:
             groups[config_group] = parser.add_argument_group(config_group)
         groups[config_group].add_argument(

@@ -53,7 +53,7 @@ class AdapterSpec:
     the name is for people and errors. ``source_uri`` is a local directory, a ``file://`` URI or
     an object-store URI (``s3://...``). ``tenant`` and ``priority`` feed residency decisions
     (tenant budgets, the policy's SLO weight); ``warm_policy`` is one of
-    ``loraplex.config.WARM_POLICIES`` (used by start-up warming). ``allow_pickle``: whether the
+    ``loraplex.warm.WARM_POLICIES`` (used by start-up warming). ``allow_pickle``: whether the
     weights may be read from ``adapter_model.bin`` (a pickle) when there is no safetensors file;
     False unless the catalog that built the spec found only a ``.bin`` (the registry registers
     safetensors only, so specs of registered revisions never allow it).

@@ -29,6 +29,7 @@ from loraplex.bench.serve import (
     run_load,
     run_mixed,
 )
+from loraplex.config import ENV_API_KEYS, env_value
 from loraplex.sim.workloads import (
     WORKLOAD_KINDS,
     WorkloadSpecError,
@@ -82,7 +83,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("LORAPLEX_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        default=env_value(ENV_API_KEYS[0]) or os.environ.get("OPENAI_API_KEY"),
         help="bearer key (default: $LORAPLEX_API_KEY or $OPENAI_API_KEY)",
     )
     who = p.add_mutually_exclusive_group(required=True)

@@ -61,7 +61,6 @@ from loraplex.cache.residency import PIN_WINDOW, NoRoomError
 from loraplex.cache.staging import SlotStager, StagingJob
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.cache.store import ObjectStore
-from loraplex.config import WARM_POLICIES
 from loraplex.lora.adapter import BaseModelSpec, LoRAAdapter
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.types import (
@@ -71,6 +70,7 @@ from loraplex.types import (
     AdapterRef,
     AdapterSpec,
 )
+from loraplex.warm import WARM_POLICIES
 
 if TYPE_CHECKING:
     from loraplex.config import EngineConfig
@@ -150,8 +150,6 @@ class TieredAdapterCache:
         thrash_window_s: float = 60.0,
         tenant_budgets: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
-        if max_cpu_loras < max_loras:
-            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.bank = bank
         self.spec = spec
         self.max_loras = max_loras

@@ -1,7 +1,8 @@
 """Time-window prewarming: pin adapters ahead of their warm windows, release them after.
 
-A manifest's ``warm`` may be a :class:`~loraplex.config.WarmSchedule` (e.g. ``{"device":
-"Mon-Fri 08:00-18:00", "tz": "Europe/Berlin"}``) instead of a warm policy string. The
+A manifest's ``warm`` may be a :class:`~loraplex.warm.WarmSchedule` (e.g. ``{"device":
+"Mon-Fri 08:00-18:00", "tz": "Europe/Berlin"}``) instead of a warm policy string; :func:`windows`
+turns one into Unix times (local times through ``zoneinfo``, DST included). The
 :class:`PrewarmScheduler` follows those schedules on an injected clock (Unix seconds)::
 
     for each scheduled adapter, at every tick:
@@ -20,21 +21,54 @@ thread: its owner calls :meth:`PrewarmScheduler.tick` and sleeps until the time 
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+from zoneinfo import ZoneInfo
 
-from loraplex.config import WarmSchedule
 from loraplex.types import AdapterSpec
+from loraplex.warm import WarmSchedule
 
-__all__ = ["PrewarmScheduler", "PrewarmTarget", "ScheduledAdapter"]
+__all__ = ["PrewarmScheduler", "PrewarmTarget", "ScheduledAdapter", "windows"]
 
 log = logging.getLogger("loraplex.cache.prewarm")
 
 _HORIZON_S = 8 * 86400.0  # windows are looked up this far ahead (covers a weekly schedule)
+
+
+def windows(schedule: WarmSchedule, start: float, end: float) -> list[tuple[float, float, str]]:
+    """``(open, close, tier)`` in Unix seconds of every window of ``schedule`` overlapping
+    ``[start, end)``, by opening time; local times through ``zoneinfo`` (DST included)."""
+    zone = ZoneInfo(schedule.tz)
+    first = dt.datetime.fromtimestamp(start, zone).date() - dt.timedelta(days=1)
+    last = dt.datetime.fromtimestamp(end, zone).date()
+    out = []
+    day = first
+    while day <= last:
+        for tier, wins in (("device", schedule.device), ("host", schedule.host)):
+            for w in wins:
+                if day.weekday() not in w.days:
+                    continue
+                lo = _local(day, w.start_min, zone)
+                hi = _local(day, w.end_min, zone)
+                if hi > start and lo < end:
+                    out.append((lo, hi, tier))
+        day += dt.timedelta(days=1)
+    out.sort()
+    return out
+
+
+def _local(day: dt.date, minutes: int, zone: ZoneInfo) -> float:
+    """Unix time of local ``day`` + ``minutes`` (24:00 is the next midnight)."""
+    if minutes >= 24 * 60:
+        nxt = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), zone)
+        return nxt.timestamp()
+    wall = dt.datetime.combine(day, dt.time(minutes // 60, minutes % 60), zone)
+    return wall.timestamp()
 
 
 class PrewarmTarget(Protocol):
@@ -125,7 +159,7 @@ class PrewarmScheduler:
         lead = self.lead_for(entry)
         want: str | None = None
         change = now + _HORIZON_S
-        for lo, hi, tier in entry.schedule.windows(now - 1.0, now + lead + _HORIZON_S):
+        for lo, hi, tier in windows(entry.schedule, now - 1.0, now + lead + _HORIZON_S):
             start = lo - lead
             if start <= now < hi:
                 if want != "device":

@@ -13,16 +13,16 @@ the hard constraints allow, whatever the policy says:
   only that tenant's own entries are evicted;
 - the tier's byte and count capacities are never exceeded.
 
-Admission is two-phase because the new copy is loaded *before* any victim is dropped::
+Admission is planned, then carried out by the owner, which routes every eviction through one
+path of its own (the tier controller, ``loraplex.cache.controller``)::
 
-    victims = index.plan_admission(info, now)      # raises NoRoomError when impossible
-                                                   # (patient=True: may raise AdmissionDeferred)
-    ... load the new copy (may take a while, lock released) ...
-    evicted = index.commit_admission(info, victims, now)   # re-checks, re-plans if stale
-    ... free the copies of ``evicted`` (not ``victims``: the plan may have changed) ...
+    victims = index.plan_admission(info, now)   # raises NoRoomError when impossible
+                                                # (patient=True: may raise AdmissionDeferred)
+    for key in victims: index.evict(key, now)   # each through the owner's eviction path
+    index.insert(info, now)                     # fits now; a resident key is a hit
 
-An owner that routes every eviction through one path of its own (the tier controller) evicts a
-plan's victims one by one with :meth:`TierIndex.evict`, then calls :meth:`TierIndex.insert`.
+The owner plans and commits under its lock with the copy already loaded (loads happen before
+any victim is dropped), so a plan cannot go stale between the two.
 
 Request accounting: call ``lookup(key, now)`` once per request that reaches this tier (counts a
 hit or a miss and refreshes recency); the policy's ``on_access`` is called by the owner once per
@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from loraplex.cache.policy import AdapterInfo, EvictionPolicy
@@ -355,24 +355,6 @@ class TierIndex:
                 )
         return victims
 
-    def commit_admission(self, info: AdapterInfo, victims: Iterable[str], now: float) -> list[str]:
-        """Evict ``victims`` and insert ``info``; returns the keys actually evicted.
-
-        Re-checks the plan: if a victim is gone, became in-flight/pinned, or the tier changed so
-        that the plan no longer makes room, it plans again (and may raise NoRoomError, leaving the
-        tier unchanged). If ``info`` is already resident it is a hit and nothing is evicted.
-        """
-        if info.key in self._entries:
-            self.touch(info.key, now)
-            return []
-        planned = list(dict.fromkeys(victims))
-        if not self._plan_valid(info, planned, now):
-            planned = self.plan_admission(info, now)
-        for k in planned:
-            self._evict(k, now)
-        self._insert(info, now)
-        return planned
-
     def insert(self, info: AdapterInfo, now: float) -> None:
         """Insert ``info`` when it fits now (its victims already evicted); ResidencyError if it
         does not, NoRoomError never: nothing is evicted here. A resident key is a hit."""
@@ -382,10 +364,6 @@ class TierIndex:
         if not self._plan_valid(info, [], now):
             raise ResidencyError(f"tier {self.name}: adapter {info.key[:16]} does not fit")
         self._insert(info, now)
-
-    def admit(self, info: AdapterInfo, now: float, *, patient: bool = False) -> list[str]:
-        """plan + commit in one step (when loading happens elsewhere); returns evicted keys."""
-        return self.commit_admission(info, self.plan_admission(info, now, patient=patient), now)
 
     # ------------------------------------------------------------------------ internals
     def _require(self, key: str) -> Entry:

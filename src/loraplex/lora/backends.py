@@ -8,13 +8,13 @@ kernel) verify it against the torch path and fall back to it, with a warning, if
 from __future__ import annotations
 
 import importlib.util
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from loraplex.config import lora_cpu_kernel_enabled
 from loraplex.lora.ops import LoRAOps, TorchLoRAOps
 from loraplex.lora.plan import plan_lora_batch
 
@@ -103,12 +103,12 @@ TRITON_BACKEND = LoRAOpsBackend(
 TORCH_BACKEND = LoRAOpsBackend(
     name="torch", supports=lambda device: device.type in ("cpu", "cuda"), create=_create_torch_ops
 )
-CPU_KERNEL_ENV = "LORAPLEX_LORA_CPU_KERNEL"
-"""Set to ``0`` to keep the CPU kernel out of the default choice (the torch path instead)."""
 
 
 def _cpu_kernel_wanted(device: torch.device) -> bool:
-    return device.type == "cpu" and os.environ.get(CPU_KERNEL_ENV, "1").strip() != "0"
+    """On CPU unless ``$LORAPLEX_LORA_CPU_KERNEL=0`` keeps the kernel out of the default choice
+    (the torch path instead; :func:`loraplex.config.lora_cpu_kernel_enabled`)."""
+    return device.type == "cpu" and lora_cpu_kernel_enabled()
 
 
 CPU_KERNEL_BACKEND = LoRAOpsBackend(

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from loraplex.cliargs import byte_size, fraction, positive_int
-from loraplex.config import WARM_POLICIES
 from loraplex.registry import signing
 from loraplex.registry.db import ADAPTER_STATUSES
 from loraplex.registry.errors import RegistryError, RegistryUnavailableError
@@ -34,6 +33,7 @@ from loraplex.registry.policy import RegistryPolicy
 from loraplex.registry.records import SCOPES, CanaryPolicy, Manifest, Release
 from loraplex.registry.service import Registry
 from loraplex.types import LoraplexError
+from loraplex.warm import WARM_POLICIES
 
 
 class _Usage(Exception):

@@ -9,7 +9,6 @@ transaction with ``BEGIN IMMEDIATE`` (one writer at a time, readers unblocked un
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 import time
@@ -34,6 +33,8 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
 
+from loraplex.config import ENV_HOME, ENV_REGISTRY_URL, env_value
+
 ADAPTER_STATUSES = ("uploaded", "validated", "staged", "active", "deprecated", "disabled")
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
@@ -43,16 +44,13 @@ _STATUS_CHECK = "status IN (" + ", ".join(f"'{s}'" for s in ADAPTER_STATUSES) + 
 
 def loraplex_home() -> Path:
     """``$LORAPLEX_HOME`` or ``~/.local/share/loraplex`` (not created here)."""
-    env = os.environ.get("LORAPLEX_HOME")
+    env = env_value(ENV_HOME)
     return Path(env).expanduser() if env else Path.home() / ".local" / "share" / "loraplex"
 
 
 def default_url() -> str:
     """``$LORAPLEX_REGISTRY_URL`` or the SQLite file ``<LORAPLEX_HOME>/registry.db``."""
-    env = os.environ.get("LORAPLEX_REGISTRY_URL")
-    if env:
-        return env
-    return f"sqlite:///{loraplex_home() / 'registry.db'}"
+    return env_value(ENV_REGISTRY_URL) or f"sqlite:///{loraplex_home() / 'registry.db'}"
 
 
 class Base(DeclarativeBase):

@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from loraplex.config import WarmSchedule
 from loraplex.registry.errors import RegistryError
 from loraplex.types import AdapterRef
+from loraplex.warm import WarmSchedule
 
 SCOPES = ("inference", "admin:register", "admin:promote", "admin:pin", "admin:load", "admin:*")
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from loraplex.config import WARM_POLICIES, WarmSchedule, parse_warm
 from loraplex.registry.audit import add_entry
 from loraplex.registry.checks import NAME_RE, REVISION_RE, TENANT_RE, check_name
 from loraplex.registry.db import ADAPTER_STATUSES, ReleaseRow, RevisionRow, TenantRow
@@ -31,6 +30,7 @@ from loraplex.registry.rows import (
     row_or_active,
 )
 from loraplex.registry.sessions import Database
+from loraplex.warm import WARM_POLICIES, WarmSchedule, parse_warm
 
 _AUTO_REV_RE = re.compile(r"r(\d+)")
 
@@ -126,7 +126,7 @@ class Revisions:
         ``max_concurrent_requests`` caps the revision's calls in flight per replica. ``warm``
         (optional, instead of ``warm_policy``) is a warm policy string or a window schedule
         (``{"device": "Mon-Fri 08:00-18:00", "tz": "Europe/Berlin"}``, see
-        :func:`loraplex.config.parse_warm`). Re-registering the same content under ``name``
+        :func:`loraplex.warm.parse_warm`). Re-registering the same content under ``name``
         returns the existing revision. A failed validation raises ValidationError and records
         only an audit entry."""
         if revision is not None:

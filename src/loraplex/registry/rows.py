@@ -10,10 +10,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplex.config import WarmSchedule, parse_warm
 from loraplex.registry.db import ReleaseRow, RevisionRow, TenantRow
 from loraplex.registry.errors import NotFoundError
 from loraplex.registry.records import CanaryPolicy, Manifest, Release, RollbackEvent, Tenant
+from loraplex.warm import WarmSchedule, parse_warm
 
 _MANIFEST_FIELDS = tuple(f.name for f in fields(Manifest))
 

@@ -16,7 +16,7 @@ _HEALTH = "health and retries"  # an argparse group of `loraplex route --help`
 ENV_STATUS_API_KEY = "LORAPLEX_ROUTER_STATUS_API_KEY"
 
 
-@dataclass
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything ``loraplex route`` can set; each field declares its flag, config-file key,
     bounds and help once (``loraplex.settings``)."""

@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse, Response
 
-from loraplex.config import parse_warm
 from loraplex.registry import CanaryPolicy, Principal, RegistryError
 from loraplex.server.adapters import check_allowed_path
 from loraplex.server.auth import admin_principal, inference_principal
@@ -38,6 +37,7 @@ from loraplex.server.protocol import (
 )
 from loraplex.server.state import ServerState, get_state
 from loraplex.types import AdapterError
+from loraplex.warm import parse_warm
 
 log = logging.getLogger("loraplex.server.app")  # the server's log lines keep one logger name
 

@@ -97,7 +97,8 @@ def create_app(
         ),
     }
     if engine is None:
-        e = config.engine = reserve_http_core(config.engine)
+        config = replace(config, engine=reserve_http_core(config.engine))
+        e = config.engine
         log.info(
             "loading model %s (dtype %s, device %s, max_model_len %s) ...",
             e.model,

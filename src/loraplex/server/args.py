@@ -167,8 +167,6 @@ def config_from_args(
             values["tokenizer"], "tokenizer", revision=values["tokenizer_revision"]
         )
     values["chat_template"] = _chat_template(values)
-    if not values.given("max_cpu_loras"):  # vLLM: defaults to at least max_loras
-        values["max_cpu_loras"] = max(values["max_cpu_loras"], values["max_loras"])
     values["served_model_name"] = list(values["served_model_name"]) or [model]
 
     config: ServerConfig = values.build()
