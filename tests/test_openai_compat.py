@@ -311,7 +311,7 @@ def test_named_and_required_tool_choice_are_enforced(server: Server) -> None:
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
     r = client.chat.completions.create(
-        model=BASE, messages=ASK, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
+        model=BASE, messages=ASK, tools=[WEATHER, TIME], max_tokens=400, temperature=0,
         tool_choice="required",
     )  # fmt: skip
     calls = r.choices[0].message.tool_calls or []

@@ -160,3 +160,234 @@ def test_structured_outputs_need_a_tokenizer(tiny_model: Path) -> None:
         llm.generate([[5, 6, 7]], _sp(StructuredOutput(regex="a+")))
     assert e.value.param == "structured_outputs"
     assert llm.engine.is_idle()
+
+
+# -- JSON whitespace: bounded by default, compact per request, unbounded only when asked ----------
+# A flat schema of booleans and enums: its longest compact text is known, so a bound on the
+# whitespace per gap bounds the whole output.
+FLAT = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
+    "required": ["ok", "size"],
+    "additionalProperties": False,
+}
+
+
+def whitespace_ids(tok: object) -> list[int]:
+    """The vocabulary's whitespace-only tokens (newline, space, tab, ...)."""
+    n = len(tok)  # type: ignore[arg-type]
+    texts = ((t, tok.decode([t])) for t in range(n))  # type: ignore[attr-defined]
+    return [t for t, s in texts if s and not s.strip(" \n\r\t")]
+
+
+def token_budget(schema: dict, per_gap: int, separators: tuple[str, str] = (",", ":")) -> int:
+    """The most tokens a constrained output of the flat ``schema`` can take: its longest text
+    with ``separators`` plus, for k members, 4k gaps (after ``{``, around each ``:`` and ``,``,
+    before ``}``) of at most ``per_gap`` whitespace characters; every token is at least one
+    character, and one more for the stop token."""
+    longest = {
+        k: False if v.get("type") == "boolean" else max(v["enum"], key=lambda e: len(json.dumps(e)))
+        for k, v in schema["properties"].items()
+    }
+    text = json.dumps(longest, separators=separators)
+    return len(text) + 4 * len(longest) * per_gap + 1
+
+
+@pytest.fixture(scope="module")
+def ws_bias(llm: LLM) -> dict[int, float]:
+    """logit_bias that makes a random model all but certain to write whitespace."""
+    ids = whitespace_ids(llm.get_tokenizer())
+    assert {"\n", " "} <= {llm.get_tokenizer().decode([t]) for t in ids}
+    return {t: 100.0 for t in ids}
+
+
+def test_whitespace_modes_and_bound() -> None:
+    from loraplex.config import EngineConfig
+    from loraplex.engine.structured import (
+        MAX_JSON_WHITESPACE,
+        WHITESPACE_MODES,
+        json_schema_options,
+    )
+    from loraplex.settings import setting_of
+
+    flag = setting_of(EngineConfig.__dataclass_fields__["structured_outputs_whitespace"])
+    assert flag is not None and flag.choices == WHITESPACE_MODES
+    assert EngineConfig(model="m").structured_outputs_whitespace == "bounded"
+    assert f"at most {MAX_JSON_WHITESPACE} characters" in flag.help
+    assert json_schema_options("bounded") == {
+        "any_whitespace": True,
+        "max_whitespace_cnt": MAX_JSON_WHITESPACE,
+    }
+    assert json_schema_options("any") == {"any_whitespace": True}
+    assert json_schema_options("compact") == {"any_whitespace": False}
+    with pytest.raises(ValueError, match="bounded"):
+        json_schema_options("pretty")
+    bounded, compact = (
+        StructuredOutput(json_schema=FLAT),
+        StructuredOutput(json_schema=FLAT, disable_any_whitespace=True),
+    )
+    keys = {grammar_key(bounded), grammar_key(compact), grammar_key(bounded, "any")}
+    assert len(keys) == 3  # each mode is its own compiled grammar
+    assert grammar_key(compact, "any") == grammar_key(compact)  # the request's compact wins
+    regex = StructuredOutput(regex="a", disable_any_whitespace=True)
+    assert grammar_key(regex) == grammar_key(StructuredOutput(regex="a"), "any")
+    with pytest.raises(InvalidRequestError, match="disable_any_whitespace"):
+        StructuredOutput(json_schema=FLAT, disable_any_whitespace=1)  # type: ignore[arg-type]
+
+
+def _accepts(state: object, tok: object, text: str) -> bool:
+    ids = tok(text, add_special_tokens=False).input_ids  # type: ignore[operator]
+    return all(state.accept(t) for t in ids)  # type: ignore[attr-defined]
+
+
+def test_bounded_grammar_keeps_pretty_json(llm: LLM) -> None:
+    """Pretty-printed JSON is legal (indent 4 three levels deep, indent 2 seven deep); a gap of
+    more than MAX_JSON_WHITESPACE characters is not; compact is one line."""
+    from loraplex.engine.structured import MAX_JSON_WHITESPACE
+
+    tok, backend = llm.get_tokenizer(), llm.engine.structured_outputs
+    assert backend.whitespace == "bounded"
+    deep: dict = {"ok": True}
+    for _ in range(6):
+        deep = {"d": deep}
+    nested = StructuredOutput(json_schema={"type": "object"})
+    for indent, value in ((4, deep["d"]["d"]["d"]["d"]), (2, deep)):
+        assert _accepts(backend.new_state(nested), tok, json.dumps(value, indent=indent))
+    too_far = "{" + " " * (MAX_JSON_WHITESPACE + 1) + '"ok": true}'
+    assert _accepts(backend.new_state(nested), tok, "{" + " " * MAX_JSON_WHITESPACE + '"a": 1}')
+    assert not _accepts(backend.new_state(nested), tok, too_far)
+    compact = StructuredOutput(json_schema=FLAT, disable_any_whitespace=True)
+    assert _accepts(backend.new_state(compact), tok, '{"ok": true, "size": "small"}')
+    assert not _accepts(backend.new_state(compact), tok, '{"ok":true,"size":"small"}')
+    assert not _accepts(backend.new_state(compact), tok, '{\n"ok": true')
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 5), (1.0, 17)])
+def test_whitespace_loving_model_closes_its_json_within_budget(
+    llm: LLM, ws_bias: dict[int, float], temperature: float, seed: int | None
+) -> None:
+    """The random model pushed to whitespace still closes the JSON: at most
+    MAX_JSON_WHITESPACE whitespace characters per gap leave it a derived token budget."""
+    from loraplex.engine.structured import MAX_JSON_WHITESPACE
+
+    budget = token_budget(FLAT, MAX_JSON_WHITESPACE)
+    sp = _sp(StructuredOutput(json_schema=FLAT), temperature=temperature, seed=seed,
+             max_tokens=budget, logit_bias=ws_bias)  # fmt: skip
+    out = llm.generate(PROMPT, sp)[0].outputs[0]
+    assert out.finish_reason == "stop", out
+    assert len(out.token_ids) <= budget
+    jsonschema.validate(json.loads(out.text), FLAT)
+    assert len(out.text) - len(re.sub(r"\s", "", out.text)) > 8  # it did favour whitespace
+    assert not re.search(rf"\s{{{MAX_JSON_WHITESPACE + 1}}}", out.text)
+
+
+def test_compact_per_request_and_old_grammar_by_flag(
+    llm: LLM, ws_bias: dict[int, float], tiny_model: Path
+) -> None:
+    """disable_any_whitespace: one line whatever the bias. --structured-outputs-whitespace any
+    (the old grammar): the same model and budget write only whitespace and never close."""
+    from loraplex.engine.structured import MAX_JSON_WHITESPACE
+
+    budget = token_budget(FLAT, MAX_JSON_WHITESPACE)
+    compact = StructuredOutput(json_schema=FLAT, disable_any_whitespace=True)
+    out = llm.generate(PROMPT, _sp(compact, max_tokens=budget, logit_bias=ws_bias))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == json.dumps(json.loads(out.text))  # separators ", " and ": ", one line
+    jsonschema.validate(json.loads(out.text), FLAT)
+
+    old = LLM(str(tiny_model), dtype="float32", enable_lora=False,
+              structured_outputs_whitespace="any")  # fmt: skip
+    assert old.engine.structured_outputs.whitespace == "any"
+    sp = _sp(StructuredOutput(json_schema=FLAT), temperature=0, max_tokens=budget,
+             logit_bias=ws_bias)  # fmt: skip
+    run = old.generate(PROMPT, sp)[0].outputs[0]
+    assert run.finish_reason == "length" and len(run.token_ids) == budget
+    assert re.fullmatch(r"\{\s+", run.text), run.text  # "{" then whitespace to the end
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(run.text)
+    # a request's disable_any_whitespace still gets compact JSON from that engine
+    fixed = old.generate(PROMPT, _sp(compact, max_tokens=budget, logit_bias=ws_bias))[0]
+    jsonschema.validate(json.loads(fixed.outputs[0].text), FLAT)
+
+
+def test_serve_flag_and_request_field(tiny_model: Path) -> None:
+    from loraplex.server.args import parse_serve_args
+    from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    for argv, want in (([], "bounded"), (["--structured-outputs-whitespace", "any"], "any"),
+                       (["--structured-outputs-whitespace", "compact"], "compact")):  # fmt: skip
+        cfg = parse_serve_args([str(tiny_model), *argv], environ={})
+        assert cfg.engine.structured_outputs_whitespace == want
+    msgs = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": FLAT}}
+    no_ws = {"disable_any_whitespace": True}
+    bodies = [
+        {"messages": msgs, "response_format": {"type": "json_object"}, "structured_outputs": no_ws},
+        {"messages": msgs, "structured_outputs": {"json": FLAT, **no_ws}},
+        {"messages": msgs, "tools": [tool], "tool_choice": "required", "structured_outputs": no_ws},
+        {"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": FLAT}}, "structured_outputs": no_ws},
+    ]  # fmt: skip
+    for body in bodies:
+        so = (
+            ChatCompletionRequest.model_validate({"model": "m", **body})
+            .sampling_params()
+            .structured
+        )
+        assert so is not None and so.kind == "json_schema" and so.disable_any_whitespace, body
+    plain = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": msgs, "guided_json": FLAT}
+    ).sampling_params()
+    assert plain.structured is not None and not plain.structured.disable_any_whitespace
+    regex = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "structured_outputs": {"regex": "a+", **no_ws}}
+    ).sampling_params()
+    assert regex.structured == StructuredOutput(regex="a+")  # no JSON whitespace to disable
+    for extra in ({"whitespace_pattern": " "}, {"disable_additional_properties": True}):
+        body = {"model": "m", "prompt": "x", "structured_outputs": {"json": FLAT, **extra}}
+        with pytest.raises(InvalidRequestError, match=next(iter(extra))) as e:
+            CompletionRequest.model_validate(body).sampling_params()
+        assert e.value.param == "structured_outputs"
+
+
+def test_whitespace_over_http(tiny_model: Path) -> None:
+    """The finding, through the server: a json_schema chat request whose model favours
+    whitespace comes back as valid JSON within the derived budget; with
+    structured_outputs.disable_any_whitespace it is one compact line."""
+    import httpx
+
+    from loraplex.config import EngineConfig, ServerConfig
+    from loraplex.engine.structured import MAX_JSON_WHITESPACE
+    from loraplex.server.app import create_app
+    from loraplex.testing.server import serve_in_thread
+
+    config = ServerConfig(
+        EngineConfig(model=str(tiny_model), enable_lora=False, num_threads=1),
+        served_model_name=["tiny"],
+        log_level="warning",
+    )
+    app = create_app(config)
+    tok = app.state.loraplex.engine.tokenizer
+    bias = {str(t): 100 for t in whitespace_ids(tok)}
+    budget = token_budget(FLAT, MAX_JSON_WHITESPACE)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Answer in JSON."}],
+        "max_tokens": budget,
+        "temperature": 0,
+        "logit_bias": bias,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": FLAT}},
+    }
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as h:
+        for extra in ({}, {"structured_outputs": {"disable_any_whitespace": True}}):
+            r = h.post("/v1/chat/completions", json={**body, **extra})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            text = choice["message"]["content"]
+            assert choice["finish_reason"] == "stop", choice
+            assert r.json()["usage"]["completion_tokens"] <= budget
+            jsonschema.validate(json.loads(text), FLAT)
+            if extra:
+                assert text == json.dumps(json.loads(text))
+            else:
+                assert "\n" in text or "  " in text  # bounded, not compact: it wrote whitespace

@@ -2,13 +2,24 @@
 
 A request's :class:`~loraplex.requests.StructuredOutput` (JSON Schema, regex, choice, or an
 EBNF / Lark grammar) is compiled by xgrammar into a token-level automaton once per distinct spec
-(an LRU of compiled grammars keyed by ``(kind, spec)``, compilations shared by concurrent
+(an LRU of compiled grammars keyed by :func:`grammar_key`, compilations shared by concurrent
 requests asking for the same spec) on a small thread pool. Each constrained sequence gets its
 own :class:`GrammarState` (a matcher: which tokens may come next), so constrained,
 unconstrained and different-adapter sequences share one batch; the sampler fills one bitmask
 row per constrained sequence and applies it to those rows of the logits only:
 
     allowed[t] = bit t of the row's mask;  logits[row, t] = -inf where not allowed[t]
+
+JSON grammars (``json_schema``: OpenAI's ``json_schema`` and ``json_object``, ``guided_json``,
+the tool-call schemas) bound the whitespace between JSON tokens (:data:`WHITESPACE_MODES`,
+``--structured-outputs-whitespace``). xgrammar's default allows any run of whitespace at every
+gap, so a weak model that favours whitespace writes it until ``max_tokens`` (unterminated JSON).
+``bounded``, the default, allows any layout with at most :data:`MAX_JSON_WHITESPACE` characters
+per gap (after ``{`` or ``[``, around ``:`` and ``,``, before ``}`` or ``]``): pretty-printed
+JSON stays legal and every gap ends. ``compact`` is one line with ``", "`` and ``": "``
+separators (vLLM's ``disable_any_whitespace``; a request asks for it with
+``StructuredOutput.disable_any_whitespace``). ``any`` is xgrammar's unbounded default.
+Whitespace inside a string is its content, bounded only by the schema (``maxLength``).
 """
 
 from __future__ import annotations
@@ -29,15 +40,45 @@ from loraplex.types import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
+# How JSON grammars treat whitespace between tokens (the --structured-outputs-whitespace values)
+WHITESPACE_MODES = ("bounded", "any", "compact")
+# Whitespace characters per gap under "bounded": a newline plus the indentation of pretty JSON
+# up to depth 3 with indent 4 (13 characters) or depth 7 with indent 2 (15). An object of k
+# members has 4k gaps, so at most 4k * MAX_JSON_WHITESPACE whitespace characters.
+MAX_JSON_WHITESPACE = 16
 
-def grammar_key(so: StructuredOutput) -> tuple[str, str]:
-    """Cache key of a spec: its kind and a canonical text of it (JSON keys sorted)."""
+
+def json_whitespace(so: StructuredOutput, default: str) -> str:
+    """The whitespace mode of ``so``'s JSON grammar: ``compact`` where the request disables
+    any whitespace, else the server's ``default``; "" for the kinds that are not JSON."""
+    if so.kind != "json_schema":
+        return ""
+    return "compact" if so.disable_any_whitespace else default
+
+
+def json_schema_options(
+    whitespace: str, max_whitespace: int = MAX_JSON_WHITESPACE
+) -> dict[str, Any]:
+    """xgrammar's ``compile_json_schema`` whitespace arguments of one mode."""
+    if whitespace == "bounded":
+        return {"any_whitespace": True, "max_whitespace_cnt": max_whitespace}
+    if whitespace == "any":
+        return {"any_whitespace": True}
+    if whitespace == "compact":  # indent None: one line, separators ", " and ": "
+        return {"any_whitespace": False}
+    raise ValueError(f"whitespace must be one of {', '.join(WHITESPACE_MODES)}, got {whitespace!r}")
+
+
+def grammar_key(so: StructuredOutput, whitespace: str = "bounded") -> tuple[str, str, str]:
+    """Cache key of a spec: its kind, its JSON whitespace mode ("" for the other kinds; see
+    :func:`json_whitespace`) and a canonical text of it (JSON keys sorted)."""
     kind = so.kind
+    mode = json_whitespace(so, whitespace)
     if kind == "json_schema":
-        return kind, json.dumps(so.json_schema, sort_keys=True, separators=(",", ":"))
+        return kind, mode, json.dumps(so.json_schema, sort_keys=True, separators=(",", ":"))
     if kind == "choice":
-        return kind, json.dumps(list(so.choice or ()))
-    return kind, str(getattr(so, kind))
+        return kind, mode, json.dumps(list(so.choice or ()))
+    return kind, mode, str(getattr(so, kind))
 
 
 def choice_ebnf(choices: tuple[str, ...]) -> str:
@@ -69,7 +110,9 @@ class StructuredOutputBackend:
     """Compiles and caches grammars for one tokenizer and vocabulary (thread-safe).
 
     ``vocab_size`` is the model's (its logits' width, which may exceed the tokenizer's);
-    ``stop_token_ids`` end a completed grammar (the engine's EOS ids).
+    ``stop_token_ids`` end a completed grammar (the engine's EOS ids); ``whitespace`` is the
+    JSON grammars' whitespace mode (:data:`WHITESPACE_MODES`, ``--structured-outputs-whitespace``)
+    unless a request asks for ``compact``, ``max_whitespace`` its ``bounded`` limit per gap.
     """
 
     def __init__(
@@ -81,9 +124,15 @@ class StructuredOutputBackend:
         max_workers: int = 2,
         cache_size: int = 256,
         compile_timeout_s: float = 60.0,
-        any_whitespace: bool = True,
+        whitespace: str = "bounded",
+        max_whitespace: int = MAX_JSON_WHITESPACE,
     ) -> None:
+        json_schema_options(whitespace)  # raises ValueError for an unknown mode
+        if max_whitespace < 1:
+            raise ValueError(f"max_whitespace must be >= 1, got {max_whitespace}")
         self.vocab_size = vocab_size
+        self.whitespace = whitespace
+        self.max_whitespace = max_whitespace
         self._info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
@@ -92,19 +141,19 @@ class StructuredOutputBackend:
             self._info, max_threads=max_workers, cache_enabled=False
         )
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="loraplex-grammar")
-        self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self._cache_size = cache_size
         self._timeout = compile_timeout_s
-        self._any_whitespace = any_whitespace
         self.num_compiled = 0  # compilations run (cache misses), for tests and metrics
 
     def _compile(self, so: StructuredOutput) -> xgr.CompiledGrammar:
         kind = so.kind
         self.num_compiled += 1
         if kind == "json_schema":
+            mode = json_whitespace(so, self.whitespace)
             return self._compiler.compile_json_schema(
-                json.dumps(so.json_schema), any_whitespace=self._any_whitespace
+                json.dumps(so.json_schema), **json_schema_options(mode, self.max_whitespace)
             )
         if kind == "regex":
             return self._compiler.compile_regex(so.regex)  # type: ignore[arg-type]
@@ -119,7 +168,7 @@ class StructuredOutputBackend:
         """The compiled grammar of ``so`` (cached; compiled on the pool, the caller waits).
 
         Raises InvalidRequestError naming the spec's field when it cannot be compiled."""
-        key = grammar_key(so)
+        key = grammar_key(so, self.whitespace)
         with self._lock:
             fut = self._cache.get(key)
             if fut is None:
@@ -147,6 +196,10 @@ class StructuredOutputBackend:
         """A fresh matcher for one sequence (compiles or reuses the grammar)."""
         return GrammarState(self.compile(so))
 
+    def shutdown(self) -> None:
+        """Stop the compile pool (compilations not started are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
 
 def apply_grammars(logits: torch.Tensor, states: dict[int, GrammarState]) -> None:
     """Mask (to -inf) the tokens each row's grammar forbids, for the constrained rows only.
@@ -159,6 +212,3 @@ def apply_grammars(logits: torch.Tensor, states: dict[int, GrammarState]) -> Non
     for r in rows:
         states[r].fill_bitmask(bitmask, r)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -34,6 +34,7 @@ from loraplex.registry.records import MAX_CONCURRENT_REQUESTS
 from loraplex.requests import SamplingParams, StructuredOutput
 from loraplex.server.tools import named_tool_schema, required_tools_schema
 from loraplex.types import InvalidRequestError
+from loraplex.warm import WarmPolicy
 
 log = logging.getLogger("loraplex.server.app")
 
@@ -143,6 +144,7 @@ class StructuredOutputsBody(_Body):
     json_object: bool | None = None
     structural_tag: Text | None = None
     disable_fallback: bool = False  # there is one grammar engine: nothing to fall back to
+    # JSON constraints of the request (whatever field names them) are one compact line
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: Text | None = None
@@ -298,16 +300,19 @@ class _SamplingBody(_Body):
                 "use 'auto', 'xgrammar' or omit it)",
             )
         if self.guided_whitespace_pattern is not None:
-            refuse("guided_whitespace_pattern", "JSON whitespace follows the grammar engine")
+            refuse("guided_whitespace_pattern", "JSON whitespace follows the server's "
+                   "--structured-outputs-whitespace (structured_outputs.disable_any_whitespace "
+                   "asks for compact JSON)")  # fmt: skip
         so = self.structured_outputs
         if so is not None:
             if so.structural_tag is not None:
                 refuse("structured_outputs", "structural_tag is not implemented")
-            if so.disable_any_whitespace or so.disable_additional_properties:
-                refuse("structured_outputs", "disable_any_whitespace and "
-                       "disable_additional_properties are not implemented")  # fmt: skip
+            if so.disable_additional_properties:
+                refuse("structured_outputs", "disable_additional_properties is not implemented")
             if so.whitespace_pattern is not None:
-                refuse("structured_outputs", "whitespace_pattern is not implemented")
+                refuse("structured_outputs", "whitespace_pattern is not implemented (JSON "
+                       "whitespace is the server's --structured-outputs-whitespace, or compact "
+                       "with disable_any_whitespace)")  # fmt: skip
         if self.response_format is not None and self.response_format.type == "structural_tag":
             refuse("response_format", "the 'structural_tag' type is not implemented")
         if self.stream_options is not None and not self.stream:
@@ -365,7 +370,9 @@ class _SamplingBody(_Body):
     def _structured(
         self, extra: tuple[str, StructuredOutput] | None = None
     ) -> StructuredOutput | None:
-        """The one structured-output constraint of the request (None: unconstrained)."""
+        """The one structured-output constraint of the request (None: unconstrained); a JSON
+        one, from whichever field, is compact when ``structured_outputs.disable_any_whitespace``
+        is set (as vLLM merges it with ``response_format``)."""
         sources = ([extra] if extra is not None else []) + list(self._structured_sources())
         if len(sources) > 1:
             names = ", ".join(dict.fromkeys(n for n, _ in sources))
@@ -373,7 +380,13 @@ class _SamplingBody(_Body):
                 f"only one structured-output constraint per request (got {len(sources)}: {names})",
                 param=sources[1][0],
             )
-        return sources[0][1] if sources else None
+        if not sources:
+            return None
+        found = sources[0][1]
+        so = self.structured_outputs
+        if so is not None and so.disable_any_whitespace and found.kind == "json_schema":
+            found = StructuredOutput(json_schema=found.json_schema, disable_any_whitespace=True)
+        return found
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys (strings)."""
@@ -831,7 +844,7 @@ class RegisterAdapterRequest(_AdminBody):
     source_uri: Text | None = None
     priority: int = 0
     slo_class: Text | None = None
-    warm_policy: Literal["device-preferred", "host", "on-demand"] = "on-demand"
+    warm_policy: WarmPolicy = "on-demand"
     # a warm policy string or a window schedule ({"device": "Mon-Fri 08:00-18:00", "tz": ...})
     warm: Text | dict[str, Any] | None = None
     signature: Text | None = None
