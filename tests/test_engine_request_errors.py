@@ -80,7 +80,7 @@ def test_failed_add_request_leaves_nothing_behind(
     """An error after the adapter was resolved must release its references and queue nothing."""
     e = _engine(tiny_model, max_loras=2)
     lora = LoRARequest("a", adapters["all_r8"])
-    import loraplex.engine.llm_engine as mod
+    import loraplex.engine.intake as mod
 
     class Boom(RuntimeError):
         pass

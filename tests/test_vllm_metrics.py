@@ -4,14 +4,17 @@ loraplex's own metrics and with what was served."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.config import EngineConfig, LoRAModule, ServerConfig
+from loraplex.logs import StatsLogger
 from loraplex.server.app import create_app
 from loraplex.testing import sync
+from loraplex.testing.sync import EVENT_TIMEOUT_S, StepGate, wait_until
 
 # the series vLLM's own Grafana dashboard (examples/observability/dashboards) queries, plus the
 # Gateway API ones; with the Prometheus suffixes the exposition adds
@@ -138,3 +141,54 @@ def test_preemptions_are_counted(tiny_model: Path) -> None:
         sync.wait_idle(state.engine, state.aengine)
         got = samples(client.get("/metrics").text)
     assert value(got, "vllm:num_preemptions_total") == state.engine.scheduler.num_preemptions > 0
+
+
+def test_token_counters_move_while_a_request_runs(tiny_model: Path) -> None:
+    """vLLM counts prompt and generation tokens every step: with a long request still running,
+    the counters and the stats line's throughput are already above zero (counted only when a
+    request finished, they stayed at 0 for as long as it ran). Steps are let through one
+    gate at a time, so the counts are exact on any machine."""
+    config = ServerConfig(
+        engine=EngineConfig(model=str(tiny_model), device="cpu", num_threads=1, enable_lora=False),
+        served_model_name=["base-model"],
+    )
+    app = create_app(config)
+    state = app.state.loraplex
+    eng = state.engine
+    now = [0.0]
+    stats = StatsLogger(app.state.stats.source, clock=lambda: now[0])  # the server's numbers
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    body = {"model": "base-model", "prompt": prompt, "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    got: dict = {}
+    with TestClient(app) as client, StepGate(eng) as gate:
+        gate.hold()
+        post = threading.Thread(
+            target=lambda: got.update(r=client.post("/v1/completions", json=body))
+        )
+        post.start()
+        wait_until(lambda: eng.num_waiting == 1, what="the request in the engine")
+        gate.allow(5)  # the prefill with the first token, then four more tokens
+        gate.wait_held()
+        assert eng.num_running == 1 and eng.requests  # still running: 35 tokens to go
+        mid = samples(client.get("/metrics").text)
+        now[0] = 2.0
+        line = stats.log_once()
+        gate.open()
+        post.join(EVENT_TIMEOUT_S)
+        sync.wait_idle(eng, state.aengine)
+        end = samples(client.get("/metrics").text)
+    assert value(mid, "vllm:generation_tokens_total") == 5
+    assert value(mid, "loraplex_generation_tokens_total") == 5
+    assert value(mid, "vllm:prompt_tokens_total") == len(prompt)
+    assert value(mid, "vllm:request_generation_tokens_count") == 0  # per request: at the end
+    assert line is not None
+    assert "Avg prompt throughput: 3.5 tokens/s, Avg generation throughput: 2.5 tokens/s" in line
+    assert "Running: 1 reqs" in line
+    # at the end: every token counted once, the per-request histograms observed once
+    assert got["r"].status_code == 200, got["r"].text
+    usage = got["r"].json()["usage"]
+    assert usage["completion_tokens"] == 40 and usage["prompt_tokens"] == len(prompt)
+    assert value(end, "vllm:generation_tokens_total") == 40
+    assert value(end, "vllm:prompt_tokens_total") == len(prompt)
+    assert value(end, "vllm:request_generation_tokens_sum") == 40

@@ -174,7 +174,8 @@ class StatsSource:
     """Where the stats line reads its numbers (functions, so the logger needs no server type):
     ``totals()`` -> cumulative counters (prompt_tokens, generation_tokens, prefix_queries,
     prefix_hits, preemptions, and per adapter tier ``<tier>_hits`` / ``<tier>_misses``);
-    ``gauges()`` -> running, waiting, kv_usage (0..1)."""
+    ``gauges()`` -> running, waiting, kv_usage (0..1). The token counters must move as the
+    engine steps (not when requests finish), or the throughputs read 0 while requests run."""
 
     totals: Callable[[], dict[str, float]]
     gauges: Callable[[], dict[str, float]]

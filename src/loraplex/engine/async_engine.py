@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.engine.llm_engine import LLMEngine, PreparedRequest, StepStats
+from loraplex.engine.intake import PreparedRequest
+from loraplex.engine.llm_engine import LLMEngine, StepStats
 from loraplex.outputs import RequestOutput
 from loraplex.requests import LoRARequest, SamplingParams
 from loraplex.types import AdapterSpec, LoraplexError

@@ -53,7 +53,8 @@ from loraplex.engine.async_engine import (
     StreamBounds,
     StreamStalledError,
 )
-from loraplex.engine.llm_engine import LLMEngine, PreparedRequest, StepStats
+from loraplex.engine.intake import PreparedRequest
+from loraplex.engine.llm_engine import LLMEngine, StepStats
 from loraplex.engine.vocab import TokenVocab
 from loraplex.requests import SamplingParams
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec, InvalidRequestError
@@ -204,7 +205,7 @@ class EngineClient:
             raise InvalidRequestError(
                 "text prompts need a tokenizer (skip_tokenizer_init=True was set)"
             )
-        with self.engine._tokenizer_lock:  # the engine's lock: HF tokenizers are not shareable
+        with self.engine.intake.tokenizer_lock:  # the engine's lock: HF tokenizers are not shareable
             return [int(t) for t in tok(text, add_special_tokens=False).input_ids]
 
     @property

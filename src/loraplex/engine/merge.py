@@ -5,9 +5,10 @@ thread builds merged copies of only the fused projections the adapter targets::
 
     W' = (W + scale * B @ A)   in float32, then cast to the model dtype (as PEFT's merge)
 
-packed with the model's own Linear factory. Between steps the engine swaps those Linear objects
-into the decoder layers and the runner treats that adapter's tokens as base tokens (no LoRA
-ops); a step with a second adapter or a base request first swaps the original objects back.
+packed with the model's own Linear factory. Before each run the model runner tells the merger
+the step's lone adapter (:meth:`AdapterMerger.before_step`); the merger swaps those Linear
+objects into the decoder layers and the runner treats that adapter's tokens as base tokens (no
+LoRA ops); a step with a second adapter or a base request first swaps the original objects back.
 Base weights are never written: unmerging is restoring references, so base outputs stay exact.
 Switches never wait for a merge: until the build is ready the adapter runs unmerged. The last
 build is kept (keyed by the adapter's digest), so a burst that resumes re-merges at once.
@@ -100,7 +101,8 @@ class _Build:
 
 
 class AdapterMerger:
-    """The merge policy and the swaps (engine thread); builds run on a background thread."""
+    """The merge policy and the swaps (called by the runner, on the engine thread); builds run
+    on a background thread."""
 
     def __init__(self, model: LlamaForCausalLM, make: LinearFactory, after_steps: int) -> None:
         if after_steps < 1:

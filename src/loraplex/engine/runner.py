@@ -1,8 +1,13 @@
 """Turn a scheduled batch into tensors and run the model once.
 
 Adapter slots come with the batch: ``batch.slot_rows[slot]`` is the ``(row_start, row_end)``
-range the slot's adapter occupies in the slot bank's tables (recorded when the engine activated
+range the slot's adapter occupies in the slot bank's tables (recorded when the engine staged
 the batch's adapters); the runner never asks the adapter cache.
+
+Merging (``lora_merge_after_steps``): before each run the runner tells its
+:class:`~loraplex.engine.merge.AdapterMerger` which adapter the batch uses alone (if one does)
+and learns whether that adapter runs merged into the base weights; if so its tokens take the
+base path this step (``merged_slot``). Only the runner sets that state.
 
 Prompt logprobs: for a sequence that asked for them, the hidden state of every prompt position
 in the step's chunk is kept, and ``logprob(prompt[p + 1] | prompt[:p + 1])`` (with the top-k) is
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.merge import AdapterMerger
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
@@ -36,18 +42,38 @@ class PromptLogprobRows:
 
 
 class ModelRunner:
-    """Owns the model and its KV cache; one ``run`` per engine step."""
+    """Owns the model, its KV cache and which adapter runs merged; one ``run`` per engine step."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, cache: PagedKVCache, merger: AdapterMerger | None = None
+    ) -> None:
         self.model = model
         self.cache = cache
+        self.merger = merger
         self.device = model.device
         self.block_size = cache.block_size
         dims = model.cfg.module_shapes.values()
         self.lora_costs = LoRAPlanCosts(feature_dim=sum(i + o for i, o in dims) // len(dims))
-        # the slot whose adapter is merged into the base weights now (loraplex.engine.merge):
-        # its tokens take the base path, with no LoRA segment
-        self.merged_slot: int | None = None
+        self._merged_slot: int | None = None
+
+    @property
+    def merged_slot(self) -> int | None:
+        """The slot whose adapter ran merged into the base weights in the last run (its tokens
+        took the base path, with no LoRA segment), else None."""
+        return self._merged_slot
+
+    def _merge_for(self, batch: ScheduledBatch) -> int | None:
+        """Tell the merger the adapter every sequence of ``batch`` uses (None: base sequences
+        or several adapters, and it unmerges: a reference swap, never a wait); the slot that
+        runs merged this step, else None."""
+        assert self.merger is not None
+        digests = {s.adapter.ref.sha256 if s.adapter else None for s, _ in batch.items}
+        seq = batch.items[0][0]
+        if len(digests) > 1 or seq.adapter is None:
+            self.merger.before_step(None, None)
+            return None
+        merged = self.merger.before_step(seq.adapter.ref.sha256, seq.adapter.weights)
+        return seq.slot if merged else None
 
     @staticmethod
     def order(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
@@ -113,7 +139,7 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 logits_idx.append(t + n - 1)
                 samplers.append(seq)
-            if seq.slot is not None and seq.slot != self.merged_slot:
+            if seq.slot is not None and seq.slot != self._merged_slot:
                 rs, re = slot_rows[seq.slot]
                 if segments and segments[-1][2] == rs and segments[-1][1] == t:
                     segments[-1] = (segments[-1][0], t + n, rs, re)
@@ -138,7 +164,7 @@ class ModelRunner:
         plan = None
         if segments:
             lora = self.model.lora  # the step's adapters decide which modules the plan covers
-            slots = {seq.slot for seq, _ in items if seq.slot not in (None, self.merged_slot)}
+            slots = {seq.slot for seq, _ in items if seq.slot not in (None, self._merged_slot)}
             modules = lora.modules_for(slots) if lora is not None else None
             plan = plan_lora_batch(t, segments, self.model.dtype, dev, self.lora_costs, modules)
         fb = ForwardBatch(
@@ -153,6 +179,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward the step; returns logits [S, vocab] (float32) and the sampling sequences.
         Prompt logprobs due this step are appended to their sequences."""
+        if self.merger is not None:
+            self._merged_slot = self._merge_for(batch)
         fb, samplers, prompt_rows = self.prepare(self.order(batch), batch.slot_rows)
         if not prompt_rows:
             logits = self.model.forward(fb, self.cache)  # [0, vocab] for partial prefills only

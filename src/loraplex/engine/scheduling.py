@@ -135,6 +135,9 @@ class SchedulingPolicy(ABC):
     preempts_for_admission: ClassVar[bool] = True
     """False where ``outranks`` is always False: then a step with no free seat or token left
     admits nothing, and the scheduler skips admission (and the loading queue's retry)."""
+    request_priorities: ClassVar[bool] = True
+    """Whether a request's own ``priority`` field means anything (False: it is refused, as
+    vLLM refuses it under fcfs)."""
 
     def running_key(self, state: SchedulerState, seq: Sequence) -> int:
         """What the running list is kept sorted by (stable: ties stay in admission order)."""
@@ -182,6 +185,7 @@ class FCFSPolicy(SchedulingPolicy):
 
     name = "fcfs"
     preempts_for_admission = False
+    request_priorities = False
 
     def admission_order(self, state: SchedulerState, waiting: list[Sequence]) -> Iterator[Sequence]:
         return iter(waiting)

@@ -203,9 +203,7 @@ def _observe(metrics: ServerMetrics, track: _Tracked, out: RequestOutput) -> Non
     if not out.finished:
         return
     m.e2e.labels(adapter_state=track.state).observe(now - track.arrival)
-    m.prompt_tokens.inc(len(out.prompt_token_ids))
-    for o in out.outputs:
-        m.generation_tokens.inc(len(o.token_ids))
+    for o in out.outputs:  # the token counters move per engine step (ServerMetrics._on_step)
         m.finished.labels(finished_reason=o.finish_reason or "unknown").inc()
     if first is not None and len(first.token_ids) > 1 and track.first_token is not None:
         tpot = (now - track.first_token) / (len(first.token_ids) - 1)

@@ -7,9 +7,11 @@ works unchanged.
 Each app owns its own :class:`CollectorRegistry` (no process-global state). Counters that the
 engine already keeps (tier hits, loads, evictions, preemptions, prefix-cache lookups) are read
 at scrape time by a collector rather than mirrored, so they can never drift. A request-level
-observation (TTFT, end-to-end latency, tokens, finish reason) goes to our metric and its vLLM
-twin at once (:class:`Twin`); per-token and per-phase times (inter-token latency, queue,
-prefill, decode) come from the engine loop's step observer (:class:`SequenceTimes`).
+observation (TTFT, end-to-end latency, finish reason) goes to our metric and its vLLM
+twin at once (:class:`Twin`). The engine loop's step observer feeds the token counters
+(``vllm:prompt_tokens``, ``vllm:generation_tokens``: every step, as vLLM counts them, so rates
+show while requests run) and the per-token and per-phase times (inter-token latency, queue,
+prefill, decode: :class:`SequenceTimes`).
 Adapter names appear as label values only inside ``vllm:lora_requests_info``, each list bounded
 by :data:`MAX_ADAPTER_LABELS` names (the waiting ones: those with the most waiting sequences).
 ``model_name`` is the served base model's name (vLLM labels LoRA requests with it too). Who may
@@ -427,14 +429,22 @@ class ServerMetrics:
             ("finished_reason",),
         )
         self.prompt_tokens = twin(
-            Counter("loraplex_prompt_tokens", "Prompt tokens processed.", registry=r),
+            Counter(
+                "loraplex_prompt_tokens",
+                "Prompt tokens processed (cached ones included), counted when a sequence's "
+                "prefill completes.",
+                registry=r,
+            ),
             "vllm:prompt_tokens",
-            "Prompt tokens processed.",
+            "Prompt tokens processed (cached ones included), counted when a sequence's "
+            "prefill completes.",
         )
         self.generation_tokens = twin(
-            Counter("loraplex_generation_tokens", "Tokens generated.", registry=r),
+            Counter(
+                "loraplex_generation_tokens", "Tokens generated, counted each step.", registry=r
+            ),
             "vllm:generation_tokens",
-            "Tokens generated.",
+            "Tokens generated, counted each step.",
         )
         self.load_seconds = Histogram(
             "adapter_load_seconds",
@@ -489,6 +499,10 @@ class ServerMetrics:
         client.add_load_observer(self._on_load)
 
     def _on_step(self, stats: StepStats) -> None:
+        # the token counters move every step, as vLLM's do: prompt tokens when a prefill
+        # completes, generated tokens as they are sampled (so rates show while requests run)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
         self.distinct_adapters.observe(stats.distinct_adapters)
         self.iteration_tokens.observe(stats.num_tokens)
         self.sequences.on_step(stats)

@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import Request
 
-from loraplex.config import ServerConfig, WarmSchedule
+from loraplex.config import ServerConfig
 from loraplex.engine.client import AsyncEngine, EngineClient, LLMEngine
 from loraplex.paths import contained
 from loraplex.registry import (
@@ -43,6 +43,7 @@ from loraplex.server.limits import TenantLimits
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.protocol import UnknownFields
 from loraplex.types import AdapterError, AdapterInUseError, AdapterSpec
+from loraplex.warm import WarmSchedule
 
 log = logging.getLogger("loraplex.server.app")  # the server's log lines keep one logger name
 

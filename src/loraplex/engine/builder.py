@@ -1,0 +1,243 @@
+"""Building an engine's parts from its config, once, at start-up: the device and dtype, the model
+and its tokenizer, the LoRA wiring (slot bank, backend, tiered adapter cache, merger) and the
+memory budget that sizes the slot bank, the KV cache and ``max_model_len``.
+
+:func:`build_parts` does it all and returns :class:`EngineParts`; nothing here runs per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from loraplex.cache.adapters import TieredAdapterCache
+from loraplex.config import DTYPES, EngineConfig
+from loraplex.engine.adapter_catalog import LocalAdapterCatalog
+from loraplex.engine.merge import AdapterMerger
+from loraplex.kv.block_pool import BlockPool
+from loraplex.kv.cache import PagedKVCache
+from loraplex.lora.adapter import BaseModelSpec
+from loraplex.lora.backends import select_lora_ops
+from loraplex.lora.slots import LoRASlotBank
+from loraplex.model.config import ModelConfig, load_model_config
+from loraplex.model.linear import cpu_has_fast_bf16, select_linear_factory
+from loraplex.model.llama import LlamaForCausalLM, LoRABinding
+from loraplex.types import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
+_CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's half type where the hardware runs it fast, else float32."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    saved = (cfg.torch_dtype or "float32").replace("torch.", "")
+    if device.type == "cuda":
+        return torch.float16 if saved == "float16" else torch.bfloat16
+    if saved in ("bfloat16", "float16") and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> Any:
+    if not any(
+        (model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
+        raise ModelLoadError(
+            f"{model_dir}: no tokenizer files (tokenizer.json / tokenizer.model / vocab.json); "
+            "pass skip_tokenizer_init=True and give prompts as token ids"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many types here
+        raise ModelLoadError(f"{model_dir}: cannot load tokenizer ({e})") from e
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What the KV cache and the adapter slots may use, and the lengths that follow from it."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+
+    def after_weights(self) -> int:
+        """Bytes this engine may give the KV cache and adapter slots together: by
+        ``--kv-cache-memory`` if set, on CUDA what ``--gpu-memory-utilization`` leaves after
+        what the device holds now, on CPU a quarter of the available memory (at most 2 GiB)."""
+        c = self.config
+        if c.kv_cache_memory_bytes is not None:
+            return c.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return c.device_kv_budget(free, total)  # --gpu-memory-utilization
+        return min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
+
+    def lora_slots(self, shapes: dict[tuple[int, str], tuple[int, int]], dtype: torch.dtype) -> int:
+        """The slot bank's slots: ``--max-loras``, capped so the bank's bytes stay within
+        ``--max-lora-device-fraction`` of the memory left after the weights. One slot holds
+        ``max_lora_rank`` rows of A ``[r, d_in]`` and of B^T ``[r, d_out]`` for every module."""
+        c = self.config
+        if c.max_lora_device_fraction is None:
+            return c.max_loras
+        row_bytes = sum(d_in + d_out for d_in, d_out in shapes.values()) * dtype.itemsize
+        return c.lora_slot_count(c.max_lora_rank * row_bytes, self.after_weights())
+
+    def kv_blocks(self, bank_bytes: int) -> int:
+        """KV blocks: ``--num-kv-blocks``, else what the budget holds (less ``bank_bytes``, the
+        slot bank's, when its capped share comes out of the same CPU memory), never more than
+        ``max_num_seqs`` full-length sequences can use."""
+        c, mc = self.config, self.model_config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        per_block = PagedKVCache.bytes_per_block(
+            mc.num_layers, c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+        )
+        budget = c.kv_cache_memory_bytes
+        if budget is None:
+            budget = self.after_weights()  # on CUDA the slot bank is out of it already
+            if c.max_lora_device_fraction is not None and self.device.type != "cuda":
+                budget = max(budget - bank_bytes, 0)
+            longest = c.max_model_len or mc.max_position_embeddings
+            budget = min(budget, c.max_num_seqs * -(-longest // c.block_size) * per_block)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} bytes)"
+            )
+        return int(blocks)
+
+    def max_model_len(self, num_blocks: int) -> int:
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:
+            limit = min(limit, mc.sliding_window)  # full attention within the window is exact
+        capacity = num_blocks * self.config.block_size
+        want = self.config.max_model_len
+        if want is None:
+            return min(limit, capacity)
+        if want > limit:
+            raise ValueError(
+                f"max_model_len={want} exceeds the model's limit {limit} "
+                f"(max_position_embeddings / sliding_window in config.json)"
+            )
+        if want > capacity:
+            raise ValueError(
+                f"max_model_len={want} needs more KV cache than configured ({capacity} tokens); "
+                "raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        return want
+
+
+@dataclass(frozen=True)
+class LoRAParts:
+    """The adapter side of an engine with ``enable_lora``."""
+
+    adapters: TieredAdapterCache
+    catalog: LocalAdapterCatalog  # offline LoRARequest -> AdapterSpec
+    merger: AdapterMerger | None  # one adapter merged into the base (lora_merge_after_steps)
+
+
+def wire_lora(config: EngineConfig, model: LlamaForCausalLM, budget: MemoryBudget) -> LoRAParts:
+    """Bind a slot bank (on the backend chosen once, here) to ``model`` and build the tiered
+    adapter cache over it; the cache is told the bank's slot count, which the memory budget may
+    have capped below ``--max-loras``."""
+    mc, device = budget.model_config, budget.device
+    shapes = {
+        (layer, proj): dims
+        for layer in range(mc.num_layers)
+        for proj, dims in mc.module_shapes.items()
+    }
+    ops = select_lora_ops(device)
+    table_dtype = ops.table_dtype(budget.dtype)
+    slots = budget.lora_slots(shapes, table_dtype)  # --max-lora-device-fraction
+    bank = LoRASlotBank(shapes, slots, config.max_lora_rank, table_dtype, device)
+    model.lora = LoRABinding(bank, ops)
+    spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
+    cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
+    adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=table_dtype)
+    merger = None
+    if config.lora_merge_after_steps:
+        _, make = select_linear_factory(device, budget.dtype)
+        merger = AdapterMerger(model, make, config.lora_merge_after_steps)
+    return LoRAParts(adapters, LocalAdapterCatalog(adapters.store), merger)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What an engine is made of, built from its config by :func:`build_parts`."""
+
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any | None  # None with skip_tokenizer_init
+    model: LlamaForCausalLM
+    eos_token_ids: set[int]  # the model's and the tokenizer's
+    lora: LoRAParts | None  # None without enable_lora
+    cache: PagedKVCache
+    pool: BlockPool
+    max_model_len: int
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    """Load the model (and tokenizer), wire LoRA and size the KV cache for ``config``."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    model_dir = Path(config.model)
+    mc = load_model_config(model_dir, config.generation_config, config.generation_overrides)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, mc, device)
+    tokenizer = None
+    if not config.skip_tokenizer_init:
+        tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
+        tokenizer = load_tokenizer(tok_dir, config.trust_remote_code)
+    model = LlamaForCausalLM.from_pretrained(model_dir, mc, dtype, device)
+    if model.linear_impl == "upcast-f32":
+        log.warning(
+            "this CPU has no native bfloat16 (no AVX512_BF16 or AMX): bfloat16 GEMMs run "
+            "2-4x slower than float32 here; prompt GEMMs are computed in float32 from the "
+            "bfloat16 weights, decode steps stay bfloat16 (--dtype float32 is faster on "
+            "this CPU if memory allows)"
+        )
+    eos = set(mc.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    budget = MemoryBudget(config, mc, device, dtype)
+    lora = wire_lora(config, model, budget) if config.enable_lora else None
+    num_blocks = budget.kv_blocks(lora.adapters.bank.nbytes if lora is not None else 0)
+    cache = PagedKVCache(
+        mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device
+    )
+    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+    return EngineParts(
+        model_config=mc,
+        device=device,
+        dtype=dtype,
+        tokenizer=tokenizer,
+        model=model,
+        eos_token_ids=eos,
+        lora=lora,
+        cache=cache,
+        pool=pool,
+        max_model_len=budget.max_model_len(num_blocks),
+    )
