@@ -54,9 +54,8 @@ second per byte held — with decayed (rolling-window) counts:
   is also proportionally more expensive to reload.
 - *Slots ignore cost and size*: every slot is the same size and every slot miss costs a load on
   the request's path. Charging slots their reload cost made L0 evict exactly the adapters whose
-  host copy made them cheap — the hot ones — and in the simulator (Zipf, ranks 8/16/64, 1 GiB
-  host) cut the L0 hit ratio from 0.43 to 0.08 for 16% fewer modeled load seconds. The expensive
-  part of a reload is the host/disk tiers' business, where cost does count.
+  host copy made them cheap — the hot ones — and collapsed the simulated L0 hit ratio. The
+  expensive part of a reload is the host/disk tiers' business, where cost does count.
 
 Ties (equal scores, e.g. two never-seen keys) fall back to least-recently-used first.
 

@@ -41,8 +41,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     uniform from ``generator`` against a float64 running sum, so a token is drawn with
     probability ``probs[t] / probs.sum()`` and a zero-probability token never.
 
-    Not ``torch.multinomial``: for one sample it races V exponential variates, ~1 ms for a
-    49k-token row on CPU (about a fifth of a served SmolLM2 decode step at 16 sequences)."""
+    Not ``torch.multinomial``: for one sample it races V exponential variates, a large share of
+    a CPU decode step for a 49k-token vocabulary (docs/benchmarks.md)."""
     cdf = probs.double().cumsum(0)  # [V], non-decreasing
     u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]  # [0, total)
     # the first token whose running sum exceeds u: a zero-probability token repeats its

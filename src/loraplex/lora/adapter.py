@@ -235,7 +235,7 @@ class KnownFiles:
 
     BLAKE3, not sha256: the record is made here from bytes that passed the full sha256-based
     digest check, so any 256-bit cryptographic hash answers "are these the same bytes" as well,
-    and BLAKE3 is ~4x faster than sha256 on this hardware (an L2 load is mostly this hash)."""
+    and BLAKE3 is several times faster than sha256 (an L2 load is mostly this hash)."""
 
     config_blake3: bytes
     weights_digest: bytes  # segmented BLAKE3 with ``segment``-byte segments

@@ -1,10 +1,10 @@
 """A file digest that two threads can compute while they read: BLAKE3 over fixed segments.
 
-A disk-tier re-read must read every byte and hash every byte. One BLAKE3 stream hashes at
-about half the speed the page cache copies (on the machines we measure), so read-then-hash costs
-~3x a raw read and hashing beside the read on one helper still ~2x. Splitting the file into
+A disk-tier re-read must read every byte and hash every byte. One BLAKE3 stream hashes slower
+than the page cache copies, so read-then-hash costs several raw reads. Splitting the file into
 fixed segments lets the caller and one helper thread each read (``os.preadv``) and hash whole
-segments (both release the GIL), so the pair costs about half of read + hash.
+segments (both release the GIL), so the pair costs about half of read + hash (figures:
+docs/benchmarks.md).
 
 The digest of ``data`` with segment size ``s``::
 
@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 SEGMENT = 1 << 20
-"""Bytes per segment: large enough that per-segment Python work is noise (~2 us against ~80 us of
-hashing), small enough that a 2.5 MB rank-8 file still splits across two threads and a segment
-stays in a core's L2 between its read and its hash."""
+"""Bytes per segment: large enough that per-segment Python work is noise beside hashing it,
+small enough that a 2.5 MB rank-8 file still splits across two threads and a segment stays in a
+core's L2 between its read and its hash."""
 
 
 def segmented_digest(data: Buffer, segment: int = SEGMENT) -> bytes:

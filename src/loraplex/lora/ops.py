@@ -152,8 +152,8 @@ class TorchReferenceOps(PerModuleOps):
 
 
 NATIVE_RUN_TOKENS = 64
-"""Runs longer than this compute natively in ``TorchLoRAOps.native_runs`` dtypes (measured on an
-AMX Xeon: float32 wins up to 64 tokens at ranks 8 and 64, native from 128)."""
+"""Runs longer than this compute natively in ``TorchLoRAOps.native_runs`` dtypes; shorter ones
+upcast (where each wins was measured with ``loraplex.bench.lora_ops``: docs/benchmarks.md)."""
 
 
 class TorchLoRAOps(PerModuleOps):
@@ -164,14 +164,13 @@ class TorchLoRAOps(PerModuleOps):
 
     ``upcast``: low-precision dtypes computed in float32 with float32 tables (``table_dtype``),
     so only ``x`` (once per module) and the result are converted. On CPU that is every
-    low-precision dtype: without native GEMMs for it a bf16 ``mm`` runs ~100x slower than
-    float32 (AVX2), and even with them (AMX) a rank-thin bf16 GEMM pays ~25 us of oneDNN
-    overhead per call where float32 MKL pays ~5 (16 distinct rank-8 adapters on 16 decode
-    tokens: 134 us per module native, 63 us upcast).
+    low-precision dtype: without native GEMMs for it a bf16 ``mm`` is far slower than float32
+    (AVX2), and even with them (AMX) a rank-thin bf16 GEMM pays more per-call overhead in
+    oneDNN than float32 does in MKL.
 
     ``native_runs``: upcast dtypes the device has fast native GEMMs for. A run of more than
     ``NATIVE_RUN_TOKENS`` tokens (prefill) computes in ``x``'s dtype with its table rows
-    converted, where the native GEMM wins (512 tokens x rank 8: 126 us native, 2088 us upcast).
+    converted, where the native GEMM wins. (Figures: docs/benchmarks.md.)
     """
 
     def __init__(

@@ -68,22 +68,13 @@ class LoRAPlanCosts:
     The plan minimises the total over the step (an exact DP over the segment sequence). Rows a
     segment needs are read once whatever the partition, so only gap rows count as extra reads.
 
-    Defaults: torch fast path (``TorchLoRAOps``, float32 compute) on the 2-core AMD EPYC
-    (AVX2) dev box, from ``python -m loraplex.bench.lora_ops --calibrate`` (best of repeats;
-    the box is shared and noisy, three calibrations spread as shown):
-
-    - least-squares fit of single-run time over T 1..208, R 8..192, d_in + d_out 1024/2048:
-      ``run_overhead_us`` 23-37 (slicing + two small GEMMs: a 16x512x8 GEMM alone takes
-      ~12 us here) and ``mac_ns`` 0.022-0.035 (~35 GMAC/s over two cores);
-    - mask multiply of a [16, 192] run: ~2.5 us;
-    - copy bandwidth (read + write, 256 MiB): 10-16 GB/s.
-
-    With these, a decode step of 16 one-token segments (ranks 8/16) becomes 1-4 runs and
-    prefill segments of a few hundred tokens stay one run each. Whole decode steps of the
-    benchmark model (``python -m loraplex.bench.lora_ops``) stream the tables from DRAM and
-    measure within noise of each other for 1-16 runs, while coalescing all of a 16 x 26 token
-    prefill is ~2x slower, which the model avoids. On a GPU the dispatch is relatively dearer
-    and the MACs cheaper, so coalescing pays more; pass costs measured there.
+    Defaults: the torch fast path (``TorchLoRAOps``, float32 compute) on a 2-core AVX2 CPU,
+    fitted by ``python -m loraplex.bench.lora_ops --calibrate`` (least squares of single-run time
+    over token counts, ranks and feature sizes; the fits and their spread are in
+    docs/benchmarks.md). With them a decode step of one-token segments becomes a few runs and
+    prefill segments of a few hundred tokens stay one run each, which is what the op
+    microbenchmark found fastest. On a GPU the dispatch is relatively dearer and the MACs
+    cheaper, so coalescing pays more; pass costs measured there.
 
     ``feature_dim`` is the mean ``d_in + d_out`` over adapted modules; pass the model's
     (the default, 1536, is a small Llama's).
@@ -174,7 +165,7 @@ def _make_run(segs: Sequence[Segment], dtype: torch.dtype, device: torch.device)
     if len(segs) == 1:
         return LoRARun(t0, t1, r0, r1, None)
     # Label every token and row with its segment index; base tokens -1, gap rows -2.
-    # (numpy: small torch ops cost ~5-20 us each on the dev box, numpy ones < 1 us.)
+    # (numpy: a small numpy op costs a fraction of a small torch op's dispatch.)
     tok_labels = np.full(t1 - t0, -1)  # [T_run]
     row_labels = np.full(r1 - r0, -2)  # [R_run]
     for k, (ts, te, rs, re) in enumerate(segs):

@@ -90,7 +90,7 @@ class _Prepared:
         self.scaled = [i for i, c in enumerate(self.scales) if c != 1.0]  # bt blocks to scale
         self.b_dtype = b_dtypes.pop() if len(b_dtypes) == 1 else None  # None: mixed
         # B.T blocks as numpy arrays (bf16 as its bits, uint16): numpy's strided copy
-        # transposes ~3x faster than ATen's (into tables of B's dtype on CPU)
+        # transposes faster than ATen's (into tables of B's dtype on CPU; docs/benchmarks.md)
         self.bt_numpy = (
             [_bits(t) for t in self.bt]
             if self.b_dtype in _NUMPY_COPY and all(t.device.type == "cpu" for t in self.bt)

@@ -39,8 +39,8 @@ def measure_l2_vs_raw(
     in memory: every verified read must hash every byte (the timed ``l2`` loads after the first
     take the BLAKE3 fast path).
 
-    Call it from a worker thread, as the server loads adapters: on a busy 2-core machine the
-    main thread's OpenMP team made ``build_adapter``'s many small parallel ops ~30x slower."""
+    Call it from a worker thread, as the server loads adapters: on a busy machine the main
+    thread's OpenMP team makes ``build_adapter``'s many small parallel ops much slower."""
     import torch
     from blake3 import blake3
 
