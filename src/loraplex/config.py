@@ -35,7 +35,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 DEFAULT_MAX_CPU_LORAS = 32  # host copies when --max-cpu-loras is not given (and max_loras less)
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
-"""Names of ``loraplex.engine.scheduler.SCHEDULING_POLICIES`` (checked by a test)."""
+"""Names of ``loraplex.engine.scheduling.POLICIES`` (checked by a test; config imports nothing of the engine)."""
 _CLASS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 # --------------------------------------------------------------------------- environment
