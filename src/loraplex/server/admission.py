@@ -412,10 +412,10 @@ class EngineStreamingResponse(StreamingResponse):
                 raise
             finally:
                 stall.cancel()
-            if body.done():
+            if body.done() and not _stalled(body.exception()):
                 body.result()
                 return
-            body.cancel()  # blocked in a send the client never drains
+            body.cancel()  # blocked in a send the client never drains (or ended by the stall)
             with contextlib.suppress(BaseException):
                 await body
             log.warning("closed a stream whose client stopped reading")
@@ -427,6 +427,14 @@ class EngineStreamingResponse(StreamingResponse):
                     await aclose()
             finally:
                 self.on_close()
+
+
+def _stalled(e: BaseException | None) -> bool:
+    """Whether ``e`` is (or groups) the abort of a stream whose client stopped reading."""
+    if isinstance(e, StreamStalledError):
+        return True
+    group = getattr(e, "exceptions", None)  # an ExceptionGroup from the response's task group
+    return isinstance(group, tuple) and any(_stalled(x) for x in group)
 
 
 def admit(

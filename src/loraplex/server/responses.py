@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from loraplex.engine.client import EngineClient, PreparedRequest
+from loraplex.engine.client import EngineClient, PreparedRequest, StreamStalledError
 from loraplex.outputs import RequestOutput, TokenLogprob
 from loraplex.server.admission import Admission, EngineStreamingResponse
 from loraplex.server.errors import as_api_error
@@ -206,7 +206,9 @@ async def sse_events(
 ) -> AsyncIterator[bytes]:
     """SSE framing shared by both routes: ``base`` fields on every chunk, ``usage: null`` (or
     the chunk's own running usage, ``continuous_usage_stats``) then a final usage chunk when
-    asked for, an error event instead of a hang, then ``[DONE]``."""
+    asked for, an error event instead of a hang, then ``[DONE]``. A stream aborted because its
+    client stopped reading is not finished: its error propagates and the response is cut
+    (:class:`EngineStreamingResponse`)."""
     include_usage = bool(stream_options and stream_options.include_usage)
     finals: dict[int, RequestOutput] = {}
     head = _json(base)[:-1].encode()  # '{"id": ..., "model": ...' (encoded once per stream)
@@ -221,6 +223,8 @@ async def sse_events(
             yield b"".join((b"data: ", head, b", ", _json(c)[1:].encode(), b"\n\n"))
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage_of(prepared, finals)})
+    except StreamStalledError:
+        raise
     except Exception as e:
         yield _sse(as_api_error(e).body())
     yield _DONE
