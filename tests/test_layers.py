@@ -1,6 +1,7 @@
-"""The package layering of ``../shared/DESIGN.md``, checked on the source: no import cycle between
-modules, and no package importing one it may not (lower layers never import higher ones, the
-server never imports the cache, the router only the config layer).
+"""The package layering, checked on the source: no import cycle between modules, and no package
+importing one it may not (lower layers never import higher ones, the server never imports the
+cache, the router only the config layer). ``ALLOWED`` below is the layering itself, one entry
+per package of ``src/loraplex`` (``docs/architecture.md`` describes the packages).
 
 Every ``import`` statement counts, also inside functions and under ``TYPE_CHECKING``: a lazy or
 type-only import upward is still a dependency a reader has to know about.
@@ -15,20 +16,21 @@ import loraplex
 
 SRC = Path(loraplex.__file__).parent
 
-BASE = {"types", "config", "settings", "paths", "outputs", "requests", "cliargs", "workers"}
+BASE = {"types", "config", "settings", "paths", "outputs", "requests", "cliargs", "workers", "warm"}
 """The value types and configuration: importable from anywhere."""
 
 ALLOWED: dict[str, set[str]] = {
     # layer 1: no internal imports beyond each other
     "types": set(),
-    "paths": set(),
-    "config": {"settings"},
+    "paths": {"config"},  # its environment variable is declared there
+    "config": {"settings", "warm"},
     "settings": {"config"},
     "outputs": {"types"},
     "requests": {"types"},
     "cliargs": {"config", "settings"},
     "hub": set(),  # hub ids -> local snapshot directories (huggingface_hub only)
     "workers": set(),  # a background thread that exits when idle (threading only)
+    "warm": set(),  # an adapter's warm policy or window schedule (the standard library only)
     "logs": BASE,  # logging set-up, start-up summary, stats line (no server types)
     # layer 2
     "lora": BASE,

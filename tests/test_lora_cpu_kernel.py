@@ -1,10 +1,17 @@
 """The C LoRA kernel for CPU: against the float64 reference, its thread split, its rounding,
-what it refuses, and how it is built and loaded (``loraplex.lora.cpu_ops``)."""
+what it refuses, and how it is built and loaded (``loraplex.lora.cpu_ops``).
+
+Every numeric test runs on each build this CPU can run (``KERNEL_ISAS``): ``native``
+(``-march=native``: on an AVX512-BF16 CPU the dot-product shrink, else the plain loops at this
+CPU's vector width), ``avx2`` (AVX2 + FMA + F16C, no AVX-512: what an AVX2-only CPU runs, so an
+AVX-512 or AMX machine tests that code too) and ``portable`` (the compiler's default target, the
+fallback for a compiler without ``-march=native``)."""
 
 from __future__ import annotations
 
 import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,11 +20,15 @@ import torch
 from loraplex.lora import cpu_ops
 from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.cpu_ops import (
+    AVX2_CPU_FLAGS,
+    KERNEL_ISAS,
     CPUKernelLoRAOps,
     KernelBuildError,
     KernelSegments,
     PreparedModules,
     build_kernel,
+    cpu_flags,
+    default_kernel_isa,
     load_kernel,
 )
 from loraplex.lora.ops import NATIVE_RUN_TOKENS, TorchLoRAOps, TorchReferenceOps
@@ -27,9 +38,67 @@ LOWP = (torch.bfloat16, torch.float16)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
+def _runnable_kernel(isa: str) -> cpu_ops.LoRAKernel:
+    """The verified kernel built for ``isa``; skipped where this CPU cannot run that build or
+    the compiler cannot target it (``native`` and ``portable`` must build everywhere)."""
+    if isa == "avx2":
+        flags = cpu_flags()
+        if flags is None or not flags.issuperset(AVX2_CPU_FLAGS):
+            pytest.skip(f"this CPU cannot run an AVX2 build (needs {', '.join(AVX2_CPU_FLAGS)})")
+        try:
+            return load_kernel(isa=isa)
+        except KernelBuildError as e:
+            if "cannot compile" not in str(e):
+                raise  # built but failed to load or verify: a real failure
+            pytest.skip(f"the compiler cannot target AVX2: {e}")
+    return load_kernel(isa=isa)
+
+
+@pytest.fixture(scope="module", params=list(KERNEL_ISAS))
+def isa(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def ops() -> CPUKernelLoRAOps:
-    return CPUKernelLoRAOps(load_kernel(), TorchLoRAOps(upcast=LOWP, native_runs=LOWP))
+def ops(isa: str) -> CPUKernelLoRAOps:
+    """The kernel ops over each build this CPU can run (the test runs once per build)."""
+    return CPUKernelLoRAOps(_runnable_kernel(isa), TorchLoRAOps(upcast=LOWP, native_runs=LOWP))
+
+
+def _compiler_accepts(flag: str) -> bool:
+    cc = cpu_ops.find_compiler()
+    if cc is None:
+        return False
+    done = subprocess.run(
+        [cc, flag, "-E", "-x", "c", os.devnull], capture_output=True, timeout=60, check=False
+    )
+    return done.returncode == 0
+
+
+def test_each_build_targets_its_instruction_set(ops, isa):
+    """What each build was compiled for: ``avx2`` AVX2, FMA and F16C and nothing of AVX-512,
+    whichever CPU built it; ``native`` on a CPU with AVX512-BF16 (and a compiler that knows it)
+    the dot-product shrink; ``portable`` no AVX-512."""
+    features = ops.kernel.features
+    if isa == "avx2":
+        assert features == {"avx2", "fma", "f16c"}
+    elif isa == "portable":
+        assert "avx512f" not in features
+    else:
+        flags = cpu_flags() or frozenset()
+        if {"avx512bw", "avx512_bf16"} <= flags and _compiler_accepts("-mavx512bf16"):
+            assert {"avx512f", "avx512bf16-dot"} <= features
+
+
+def test_the_default_build_follows_torchs_cpu_capability():
+    """The engine builds for AVX2 where torch's own kernels run at AVX2 (an AVX2-only CPU, or
+    ``ATEN_CPU_CAPABILITY=avx2``), else natively; an unknown instruction set is refused."""
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2" and (cpu_flags() or set()) >= set(
+        AVX2_CPU_FLAGS
+    )
+    assert default_kernel_isa() == ("avx2" if avx2 else "native")
+    with pytest.raises(ValueError, match="unknown kernel instruction set"):
+        build_kernel(isa="avx9000")
 
 
 def _group_case(seed: int, x_dtype: torch.dtype, w_dtype: torch.dtype, long: bool = False):

@@ -256,6 +256,27 @@ static int run_range(const Job *j, int64_t g0, int64_t g1, int64_t max_rows) {
     return 0;
 }
 
+/* What this build was compiled for (loraplex.lora.cpu_ops.FEATURE_BITS): 1 AVX2, 2 FMA, 4 F16C,
+ * 8 AVX-512F, 16 the AVX512-BF16 shrink. The tests check that a build for an instruction set
+ * uses it and nothing above it. */
+int loraplex_lora_features(void) {
+    int bits = 0;
+#ifdef __AVX2__
+    bits |= 1;
+#endif
+#ifdef __FMA__
+    bits |= 2;
+#endif
+#ifdef __F16C__
+    bits |= 4;
+#endif
+#ifdef __AVX512F__
+    bits |= 8;
+#endif
+    if (HAVE_DPBF16) bits |= 16;
+    return bits;
+}
+
 #define PARALLEL_MIN_MACS 65536 /* below this one thread wins: waking a second costs more */
 
 /* x: [T, d_in] rows x_stride elements apart; out: [T, *] rows out_stride elements apart; for

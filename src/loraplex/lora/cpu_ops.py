@@ -5,16 +5,23 @@ shrink and an expand GEMM, a mask, an add), each paying dispatch and an OpenMP b
 model with native bf16 GEMMs those calls cost more than the bytes they read, and so does the
 Python around each call once the layer's GEMMs have pushed the interpreter's data out of cache.
 So one call covers q/k/v (or gate/up) of a layer, over tables prepared once per module group;
-per call only x, the output and the step's plan are checked (SmolLM2 in bf16, 16 distinct rank-8
-q/v adapters: LoRA 8.75 -> 2.12 ms a step; bf16 tables also halve the bytes of float32 ones).
-Segments of more than ``NATIVE_RUN_TOKENS`` tokens (prefill) keep the torch path, whose GEMMs
-win there.
+per call only x, the output and the step's plan are checked, and bf16 tables are read as they
+are (half the bytes of float32 ones; docs/benchmarks.md, "A C kernel for LoRA on CPU", has the
+measurements). Segments of more than ``NATIVE_RUN_TOKENS`` tokens (prefill) keep the torch
+path, whose GEMMs win there.
 
-The kernel is plain C (no torch headers), built once per source, compiler and CPU with the
-system compiler into ``$LORAPLEX_CACHE_DIR/kernels`` (a private directory: a shared library is
-code, so one found in a directory others can write is never loaded; the build then goes to a
-fresh temporary directory), and checked against a float64 reference before use. Without a
-compiler, ``select_lora_ops`` falls back to the torch path with a warning.
+The kernel is plain C (no torch headers), built once per source, compiler, instruction set
+(``KERNEL_ISAS``) and CPU with the system compiler into ``$LORAPLEX_CACHE_DIR/kernels`` (a
+private directory: a shared library is code, so one found in a directory others can write is
+never loaded; the build then goes to a fresh temporary directory), and checked against a
+float64 reference before use. Without a compiler, ``select_lora_ops`` falls back to the torch
+path with a warning.
+
+Which instruction set: ``-march=native`` (with AVX512-BF16 the bf16 x bf16 shrink uses its dot
+products), except where torch's own CPU kernels run at AVX2 (an AVX2-only CPU, or
+``ATEN_CPU_CAPABILITY=avx2`` on a bigger one): there the kernel is built for AVX2 + FMA + F16C
+with no ``-march=native``, the build an AVX-512 machine's tests also make and check
+(``build_kernel(isa="avx2")``), so the code an AVX2-only CPU runs is tested everywhere.
 """
 
 from __future__ import annotations
@@ -41,15 +48,30 @@ from loraplex.paths import default_cache_dir
 
 KERNEL_SOURCE = Path(__file__).with_name("cpu_kernel.c")
 KERNEL_SYMBOL = "loraplex_lora_apply"
+FEATURES_SYMBOL = "loraplex_lora_features"
+FEATURE_BITS = {"avx2": 1, "fma": 2, "f16c": 4, "avx512f": 8, "avx512bf16-dot": 16}
+"""What ``loraplex_lora_features()`` reports a build was compiled for (its bits)."""
 ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Element types the kernel reads and writes (its ``*_type`` codes)."""
-FLAG_SETS = (
-    ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"),
-    ("-O3", "-march=native", "-fopenmp"),
-    ("-O3", "-march=native"),
-    ("-O3",),
-)
-"""Tried in order: the first set the compiler accepts builds the kernel."""
+_AVX2 = ("-O3", "-mavx2", "-mfma", "-mf16c")
+KERNEL_ISAS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "native": (
+        ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"),
+        ("-O3", "-march=native", "-fopenmp"),
+        ("-O3", "-march=native"),
+        ("-O3",),
+    ),
+    "avx2": ((*_AVX2, "-fopenmp"), _AVX2),
+    "portable": (("-O3", "-fopenmp"), ("-O3",)),
+}
+"""Compiler flag sets per instruction set the kernel can be built for, tried in order: the
+first set the compiler accepts builds it. ``native``: this CPU's (``-march=native``; plain
+``-O3`` for a compiler without it); ``avx2``: AVX2, FMA and F16C and nothing above (no
+AVX-512), the code an AVX2-only x86 CPU runs, whichever CPU builds it (a compiler that cannot
+target it fails the build: there is no fallback to another instruction set); ``portable``: the
+compiler's default target (what ``native`` falls back to)."""
+AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
+"""``/proc/cpuinfo`` flags a CPU needs to run an ``avx2`` build."""
 
 
 class KernelBuildError(RuntimeError):
@@ -78,6 +100,34 @@ def _private(path: Path, is_kind: Callable[[int], bool]) -> bool:
     return is_kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
+def cpu_flags() -> frozenset[str] | None:
+    """This CPU's feature flags from ``/proc/cpuinfo`` (None where it cannot say)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in info.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return None
+
+
+def default_kernel_isa() -> str:
+    """The ``KERNEL_ISAS`` entry the engine builds: ``avx2`` on an x86 CPU where torch's own
+    CPU kernels run at AVX2 (``torch.backends.cpu.get_cpu_capability()``: an AVX2-only CPU, or
+    ``ATEN_CPU_CAPABILITY=avx2`` on a bigger one), else ``native``."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "native"
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return "native"
+    flags = cpu_flags()
+    if capability == "AVX2" and flags is not None and flags.issuperset(AVX2_CPU_FLAGS):
+        return "avx2"
+    return "native"
+
+
 def _cpu_signature() -> str:
     """The CPU's model and feature flags: a kernel built with ``-march=native`` runs only there."""
     try:
@@ -92,10 +142,10 @@ def _cpu_signature() -> str:
     return "\n".join(dict.fromkeys(keep))  # one line per distinct value
 
 
-def _compile(cc: str, src: Path, dst: Path) -> None:
+def _compile(cc: str, src: Path, dst: Path, flag_sets: Sequence[Sequence[str]]) -> None:
     """Compile ``src`` into the shared library ``dst`` with the first flag set that works."""
     errors = []
-    for flags in FLAG_SETS:
+    for flags in flag_sets:
         cmd = [cc, *flags, "-shared", "-fPIC", "-o", str(dst), str(src)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -125,8 +175,13 @@ def _prune(root: Path, keep: Path) -> None:
                 old.unlink()
 
 
-def build_kernel(cache_dir: Path | None = None) -> Path:
-    """Path of the shared library for this source, compiler and CPU; built if missing."""
+def build_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> Path:
+    """Path of the shared library for this source, compiler, instruction set (a
+    ``KERNEL_ISAS`` key; default ``default_kernel_isa()``) and CPU; built if missing."""
+    isa = default_kernel_isa() if isa is None else isa
+    flag_sets = KERNEL_ISAS.get(isa)
+    if flag_sets is None:
+        raise ValueError(f"unknown kernel instruction set {isa!r} (one of {sorted(KERNEL_ISAS)})")
     cc = find_compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
@@ -143,7 +198,8 @@ def build_kernel(cache_dir: Path | None = None) -> Path:
                 source,
                 cc.encode(),
                 version.encode(),
-                repr(FLAG_SETS).encode(),
+                isa.encode(),
+                repr(flag_sets).encode(),
                 _cpu_signature().encode(),
             ]
         )
@@ -160,7 +216,7 @@ def build_kernel(cache_dir: Path | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
         os.close(fd)
         try:
-            _compile(cc, KERNEL_SOURCE, Path(tmp))
+            _compile(cc, KERNEL_SOURCE, Path(tmp), flag_sets)
             os.chmod(tmp, 0o700)
             os.replace(tmp, target)  # atomic: a concurrent build of the same key is identical
         finally:
@@ -170,7 +226,7 @@ def build_kernel(cache_dir: Path | None = None) -> Path:
         return target
     # A shared or foreign cache directory: build where only this process writes.
     private = Path(tempfile.mkdtemp(prefix="loraplex-kernel-"))
-    _compile(cc, KERNEL_SOURCE, private / "lora_cpu.so")
+    _compile(cc, KERNEL_SOURCE, private / "lora_cpu.so", flag_sets)
     return private / "lora_cpu.so"
 
 
@@ -243,8 +299,13 @@ class LoRAKernel:
         try:
             lib = ctypes.CDLL(str(library))
             fn = getattr(lib, KERNEL_SYMBOL)
+            features = getattr(lib, FEATURES_SYMBOL)
         except (OSError, AttributeError) as e:
             raise KernelBuildError(f"cannot load {library}: {e}") from e
+        features.argtypes, features.restype = [], ctypes.c_int
+        bits = features()
+        # what the library was compiled for (``FEATURE_BITS`` names)
+        self.features = frozenset(name for name, bit in FEATURE_BITS.items() if bits & bit)
         # Threads only when the library's OpenMP runtime is torch's (nothing new was mapped):
         # a second runtime would keep a second team spinning on the same cores.
         after = _openmp_runtimes()
@@ -274,11 +335,17 @@ class LoRAKernel:
             raise MemoryError("LoRA CPU kernel: cannot allocate its scratch rows")
 
 
+def load_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> LoRAKernel:
+    """Build (once per cache key), load and verify the kernel for instruction set ``isa``
+    (default ``default_kernel_isa()``); ``KernelBuildError`` if any step fails. Memoised per
+    process and instruction set: every engine of the process shares one loaded library. The
+    caller makes sure this CPU can run ``isa`` (``native`` and ``portable`` always can)."""
+    return _load_kernel(cache_dir, default_kernel_isa() if isa is None else isa)
+
+
 @functools.cache
-def load_kernel(cache_dir: Path | None = None) -> LoRAKernel:
-    """Build (once per cache key), load and verify the kernel; ``KernelBuildError`` if any
-    step fails. Memoised per process: every engine of the process shares one loaded library."""
-    kernel = LoRAKernel(build_kernel(cache_dir))
+def _load_kernel(cache_dir: Path | None, isa: str) -> LoRAKernel:
+    kernel = LoRAKernel(build_kernel(cache_dir, isa=isa))
     _self_check(kernel)
     return kernel
 

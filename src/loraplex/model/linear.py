@@ -1,12 +1,12 @@
 """Base-model linear layers behind one small protocol; the implementation is chosen at start-up.
 
 On CPUs where oneDNN can prepack weights for the model dtype, GEMMs with few rows (decode
-steps) run about 1.7-2.7x faster from the packed layout than through ``F.linear``'s BLAS call;
-elsewhere (CUDA, or dtypes oneDNN cannot pack here) the plain path is used. On a CPU without
-native bfloat16 arithmetic (no AVX512_BF16, no AMX) a bfloat16 GEMM runs 2-4x slower than the
-same GEMM in float32 once it has a few dozen rows, so there GEMMs with many rows (prompt chunks)
-are computed in float32 from the bfloat16 weights (:class:`UpcastCPULinear`; the weights stay
-bfloat16 in memory). The model never branches on which one it got.
+steps) run faster from the packed layout than through ``F.linear``'s BLAS call; elsewhere
+(CUDA, or dtypes oneDNN cannot pack here) the plain path is used. On a CPU without native
+bfloat16 arithmetic (no AVX512_BF16, no AMX) a bfloat16 GEMM runs slower than the same GEMM in
+float32 once it has a few dozen rows, so there GEMMs with many rows (prompt chunks) are computed
+in float32 from the bfloat16 weights (:class:`UpcastCPULinear`; the weights stay bfloat16 in
+memory). The model never branches on which one it got. (Figures: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class UpcastCPULinear(DenseLinear):
     native kernels compute it, in another summation order); fewer rows (decode) stay bfloat16,
     where widening the weight costs more than the slow kernel."""
 
-    UPCAST_MIN_ROWS = 64  # measured on AVX-512 without BF16: 64 rows 1.1-1.8x, 2048 rows 3-4x
+    UPCAST_MIN_ROWS = 64  # where upcasting starts to win (docs/benchmarks.md, bf16 without BF16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < self.UPCAST_MIN_ROWS:
@@ -86,12 +86,25 @@ def _packed_works(dtype: torch.dtype) -> bool:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """Native bf16 dot products (AVX512-BF16 or AMX); without them bf16 GEMMs are slow on CPU."""
+    """Native bf16 dot products (AVX512-BF16 or AMX) that oneDNN may use; without them bf16
+    GEMMs are slow on CPU. Both must hold: the CPU has them, and oneDNN is not held below them
+    (``ONEDNN_MAX_CPU_ISA=AVX2`` on an AMX CPU leaves torch without oneDNN bf16 GEMMs, as on an
+    AVX2-only CPU)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        cpu = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    else:
+        cpu = "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu and _onednn_bf16()
+
+
+def _onednn_bf16() -> bool:
+    """Whether oneDNN computes bf16 here at its present ISA limit (True where torch cannot say)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def select_linear_factory(
