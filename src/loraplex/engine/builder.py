@@ -215,7 +215,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if model.linear_impl == "upcast-f32":
         log.warning(
             "this CPU has no native bfloat16 (no AVX512_BF16 or AMX): bfloat16 GEMMs run "
-            "2-4x slower than float32 here; prompt GEMMs are computed in float32 from the "
+            "much slower than float32 here; prompt GEMMs are computed in float32 from the "
             "bfloat16 weights, decode steps stay bfloat16 (--dtype float32 is faster on "
             "this CPU if memory allows)"
         )

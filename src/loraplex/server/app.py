@@ -60,8 +60,8 @@ def reserve_http_core(engine: EngineConfig) -> EngineConfig:
     """``serve`` on a CPU without ``--num-threads``: torch's threads minus one, the core the
     HTTP side (event loop, request preparation, streaming) runs on. Sharing every core between
     the engine's intra-op threads and the HTTP side makes each parallel GEMM wait for a thread
-    descheduled by it (2 cores, 64 streams, SmolLM2: 0.62 of offline throughput with 2 threads,
-    0.91 with 1); vLLM's CPU backend reserves a core for its front end the same way."""
+    descheduled by it (measured: docs/benchmarks.md, "The served path at 64 streams"); vLLM's
+    CPU backend reserves a core for its front end the same way."""
     auto_cpu = engine.device == "auto" and not torch.cuda.is_available()
     if engine.num_threads or not (auto_cpu or engine.device.startswith("cpu")):
         return engine
