@@ -48,7 +48,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     PostgreSQL server (skipped without one, unless ``LORAPLEX_REQUIRE_POSTGRES=1``)."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'registry.db'}"
-    from pg import pg_url_or_skip
+    from tests.pg import pg_url_or_skip
 
     return pg_url_or_skip()
 

@@ -1,7 +1,7 @@
 """Triton LoRA kernels vs the torch reference, run by Triton's CPU interpreter (no GPU needed).
 
 Not collected by the suite itself: Triton reads ``TRITON_INTERPRET`` when it is imported, so
-``tests/test_lora_triton.py`` runs this file in its own pytest process with the variable set,
+``tests/lora/test_triton_kernels.py`` runs this file in its own pytest process with the variable set,
 and no other test of the run sees it.
 """
 
@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_lora_triton.py"
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/lora/test_triton_kernels.py"
 pytest.importorskip("triton")
 
 from loraplex.lora.ops import TorchReferenceOps  # noqa: E402

@@ -25,7 +25,7 @@ from loraplex.sim.workloads import (
     write_trace,
 )
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def run(spec: str, policy: str, **cfg: object):  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ from loraplex.types import (
     StorePermissionError,
     StoreUnavailableError,
 )
-from s3fixture import TINY_SPEC, fake_aws_env, free_port, run_moto_server, write_adapter
+from tests.s3fixture import TINY_SPEC, fake_aws_env, free_port, run_moto_server, write_adapter
 
 
 def digest_of(path: Path) -> str:

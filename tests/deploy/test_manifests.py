@@ -15,7 +15,7 @@ from loraplex.router.cli import build_parser as route_parser
 from loraplex.router.cli import config_from_args as route_config
 from loraplex.server.args import parse_serve_args
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 YAMLS = sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from loraplex.lora.adapter import KnownFiles, _layout, read_adapter, read_known_adapter
 from loraplex.workers import IdleWorker
-from s3fixture import LAYERS, write_adapter
+from tests.s3fixture import LAYERS, write_adapter
 
 ST = "adapter_model.safetensors"
 CFG = "adapter_config.json"

@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-from browser import chromium_page
 from loraplex.config import EngineConfig, LoRAModule, ServerConfig
 from loraplex.router.app import RouterConfig, create_router_app
 from loraplex.router.scoring import Weights
 from loraplex.server.app import create_app
 from loraplex.testing.server import serve_in_thread
 from loraplex.testing.sync import wait_until
+from tests.browser import chromium_page
 
 STATUS = "sk-router-dash"
 STATUS_H = {"Authorization": f"Bearer {STATUS}"}

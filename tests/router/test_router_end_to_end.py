@@ -96,7 +96,7 @@ def router(replicas: list[Proc]) -> Iterator[str]:
         thresholds=Thresholds(max_waiting=4),
         # no load for device evictions per second: a poll landing right after an adapter's
         # load would otherwise move the next request off its warm replica, by timing alone
-        # (that term is tested in test_router_scoring)
+        # (that term is tested in test_scoring)
         weights=Weights(evictions=0.0),
         status_api_key=STATUS,
     )

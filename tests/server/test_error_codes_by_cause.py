@@ -30,7 +30,7 @@ from loraplex.server.errors import as_api_error
 from loraplex.testing.server import serve_in_thread
 from loraplex.testing.sync import wait_until
 from loraplex.types import AdapterCorruptError, AdapterIntegrityError
-from pg import pg_url_or_skip
+from tests.pg import pg_url_or_skip
 
 BASE = "tiny"
 KEY = "sk-outage-inference"

@@ -25,7 +25,7 @@ from loraplex.server.limits import TenantLimits
 from loraplex.testing import ALL_PROJ, load_merged_reference, make_random_adapter, reference_greedy
 from loraplex.testing.server import serve_in_thread
 from loraplex.testing.sync import StepGate, wait_idle, wait_until
-from pg import pg_url_or_skip
+from tests.pg import pg_url_or_skip
 
 ADMIN = "sk-admin-registry"
 BASE = "tiny"

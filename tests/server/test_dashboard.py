@@ -14,13 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from browser import chromium_page
 from loraplex.config import EngineConfig, LoRAModule, ServerConfig
 from loraplex.server.app import ServerState, create_app
 from loraplex.server.dashboard import DashboardSampler, quantile
 from loraplex.testing.server import serve_in_thread
 from loraplex.testing.sync import wait_until
-from registry_server import live_server, tenant_adapters
+from tests.browser import chromium_page
+from tests.server.registry_server import live_server, tenant_adapters
 
 ADMIN = "sk-admin-dash"
 USER = "sk-user-dash"

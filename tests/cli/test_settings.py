@@ -448,7 +448,7 @@ def test_every_environment_variable_is_declared() -> None:
 
 def test_settings_module_imports_nothing_of_loraplex() -> None:
     """The config layer's base: loraplex.config and the router build on it, never the reverse."""
-    src = Path(__file__).resolve().parents[1] / "src" / "loraplex" / "settings.py"
+    src = Path(__file__).resolve().parents[2] / "src" / "loraplex" / "settings.py"
     tree = ast.parse(src.read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

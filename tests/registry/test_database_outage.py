@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from loraplex.registry import Registry, RegistryError, RegistryUnavailableError
-from pg import REQUIRE_ENV, postgres_server
+from tests.pg import REQUIRE_ENV, postgres_server
 
 PASSWORD = "s3cret-pw-for-the-test"
 

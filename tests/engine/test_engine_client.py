@@ -20,7 +20,7 @@ from loraplex.lora.digest import digest_safetensors_dir
 from loraplex.server.app import create_app
 from loraplex.testing.server import serve_in_thread
 from loraplex.types import AdapterError, AdapterInUseError, AdapterRef, AdapterSpec
-from s3fixture import fake_aws_env, run_moto_server
+from tests.s3fixture import fake_aws_env, run_moto_server
 
 
 def _spec(name: str, path: Path) -> AdapterSpec:

@@ -16,7 +16,7 @@ from loraplex.registry import Principal, Registry, base_model_info
 from loraplex.server.app import create_app
 from loraplex.server.catalog import Catalog
 from loraplex.testing.server import serve_in_thread
-from registry_server import BASE, live_server, tenant_adapters
+from tests.server.registry_server import BASE, live_server, tenant_adapters
 
 ADMIN = "sk-admin-auth"
 METRICS = "sk-metrics-auth"

@@ -38,7 +38,7 @@ from loraplex.types import (
     AdapterSpec,
     StoreUnavailableError,
 )
-from s3fixture import TINY_SPEC, fake_aws_env, free_port, run_moto_server, write_adapter
+from tests.s3fixture import TINY_SPEC, fake_aws_env, free_port, run_moto_server, write_adapter
 
 N_ADAPTERS = 8
 

@@ -14,7 +14,7 @@ from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.lora.digest import digest_safetensors_dir
 from loraplex.requests import LoRARequest
 from loraplex.types import AdapterError
-from s3fixture import write_adapter
+from tests.s3fixture import write_adapter
 
 
 def test_digest_is_memoised_until_the_files_change(tmp_path: Path) -> None:

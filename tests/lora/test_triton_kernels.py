@@ -1,7 +1,7 @@
 """The Triton LoRA kernels under Triton's CPU interpreter, in a pytest process of their own.
 
 Triton decides at import time whether ``@triton.jit`` functions (its own standard library's too)
-are interpreted, so the checks in ``tests/interpreted_triton_kernels.py`` need
+are interpreted, so the checks in ``tests/lora/interpreted_triton_kernels.py`` need
 ``TRITON_INTERPRET=1`` before ``import triton``. Setting it here would leak into every later test
 of the run; a child process keeps it to those checks.
 """
@@ -26,7 +26,7 @@ def test_triton_kernels_match_the_torch_reference_under_the_interpreter() -> Non
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          str(HERE / "interpreted_triton_kernels.py")],
-        cwd=HERE.parent, env=env, capture_output=True, text=True,
+        cwd=HERE.parents[1], env=env, capture_output=True, text=True,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

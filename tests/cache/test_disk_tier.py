@@ -17,7 +17,7 @@ from loraplex.cache.disk import MANIFEST_NAME, DiskBudgetError, DiskTier, DiskTi
 from loraplex.cache.store import LocalDirStore
 from loraplex.cache.verify import verify_adapter_dir
 from loraplex.types import AdapterCorruptError, AdapterError, AdapterIntegrityError
-from s3fixture import write_adapter
+from tests.s3fixture import write_adapter
 
 ST = "adapter_model.safetensors"
 CFG = "adapter_config.json"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from registry_server import BASE, live_server, tenant_adapters
+from tests.server.registry_server import BASE, live_server, tenant_adapters
 
 ADMIN = "sk-admin-leaks"
 
