@@ -6,7 +6,7 @@ kernel is built for AVX2 (``default_kernel_isa``, from torch's capability), bf16
 (``cpu_has_fast_bf16``, which asks oneDNN too), so bf16 prompt GEMMs take the upcast path and
 prefill LoRA runs compute in float32. Any test file can be run that way::
 
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m pytest -q tests/test_linear.py
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m pytest -q tests/model/test_linear_backends.py
 
 This test checks, in a child process, that the pair gives exactly an AVX2 CPU's choices.
 """
