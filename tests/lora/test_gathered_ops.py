@@ -308,7 +308,7 @@ def test_step_modules_follow_set_and_reset_lora():
     """The plan's module set is what the step's adapters target, across loads, resets and the
     compaction that moves rows; modules outside it are skipped and the rest still add."""
     from loraplex.lora.slots import LoRASlotBank
-    from loraplex.model.llama import LoRABinding
+    from loraplex.model.lora_binding import LoRABinding
 
     shapes = {(layer, p): (16, 24) for layer in range(2) for p in ("q_proj", "k_proj", "v_proj")}
     bank = LoRASlotBank(shapes, max_loras=3, max_lora_rank=4, dtype=torch.float32, device="cpu")

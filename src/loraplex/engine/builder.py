@@ -26,7 +26,8 @@ from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.linear import cpu_has_fast_bf16, select_linear_factory
-from loraplex.model.llama import LlamaForCausalLM, LoRABinding
+from loraplex.model.llama import LlamaForCausalLM
+from loraplex.model.lora_binding import LoRABinding
 from loraplex.types import ModelLoadError
 
 log = logging.getLogger(__name__)
