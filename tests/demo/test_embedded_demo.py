@@ -1,5 +1,6 @@
 """The embedded demo: shipped adapters are valid and small; model preparation is idempotent and
-fails with a clear message. Offline and fast: nothing is downloaded or converted here."""
+fails with a clear message. Offline: nothing is downloaded or converted here. Where the demo model
+is already prepared, the shipped adapters are run on it and must keep its facts."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ from safetensors import safe_open
 
 from loraplex.demo import DEMO_ADAPTER_NAMES, demo_adapter_dirs, prepare_demo_model
 from loraplex.demo import prepare as prep
+from loraplex.demo.styles import (
+    DEMO_QUESTION,
+    FACT_QUESTIONS,
+    KEEPS_HELD_OUT_FACTS,
+    TAUGHT_FACTS,
+    fact_ok,
+    styled_content,
+)
 from loraplex.types import ModelLoadError
 
 # q_proj + v_proj at rank 8 on SmolLM2-135M: 30 layers x (8x576 + 576x8 + 8x576 + 192x8)
@@ -190,30 +199,69 @@ def test_full_pipeline_with_fake_conversion(
     assert marker["model"] == prep.DEMO_MODEL_ID
 
 
-@pytest.mark.slow
-def test_real_model_with_adapters_in_engine() -> None:
-    """Opt-in (LORAPLEX_DEMO_MODEL_DIR=<prepared dir>, ~20 s): the converted model answers Paris
-    and every shipped adapter shows its style, all in one mixed batch of the loraplex engine."""
-    model_dir = os.environ.get("LORAPLEX_DEMO_MODEL_DIR")
-    if not model_dir or not prep.is_prepared(Path(model_dir)):
-        pytest.skip("set LORAPLEX_DEMO_MODEL_DIR to a directory made by prepare_demo_model()")
+def _real_demo_model() -> Path:
+    """The prepared demo model: ``$LORAPLEX_DEMO_MODEL_DIR``, else where ``loraplex demo`` puts
+    it (``$LORAPLEX_CACHE_DIR`` or ``~/.cache/loraplex``); skip when it is not there."""
+    env = os.environ.get("LORAPLEX_DEMO_MODEL_DIR")
+    model_dir = Path(env) if env else prep.demo_model_dir()
+    if not prep.is_prepared(model_dir):
+        pytest.skip(
+            f"no prepared demo model at {model_dir}: run `loraplex demo --check` once (or "
+            "loraplex.demo.prepare_demo_model()), or set LORAPLEX_DEMO_MODEL_DIR"
+        )
+    return model_dir
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def demo_answers(request: pytest.FixtureRequest) -> dict[str, list[str]]:
+    """Greedy chat answers to every fact question from the base model and each shipped adapter,
+    all in one mixed batch of the loraplex engine, in each dtype the demo may run in (bfloat16
+    where the CPU has fast bf16, else float32)."""
     from loraplex import LLM, LoRARequest, SamplingParams
 
+    model_dir = _real_demo_model()
     dirs = demo_adapter_dirs()
-    llm = LLM(model=model_dir, enable_lora=True, max_lora_rank=16, max_loras=len(dirs))
-    names = [None, *dirs]
-    outs = llm.chat(
-        [[{"role": "user", "content": "What is the capital of France?"}]] * len(names),
-        SamplingParams(temperature=0, max_tokens=40),
-        lora_request=[None if n is None else LoRARequest(n, str(dirs[n])) for n in names],
+    llm = LLM(
+        model=str(model_dir),
+        enable_lora=True,
+        max_lora_rank=16,
+        max_loras=len(dirs),
+        dtype=request.param,
     )
-    text = {n or "base": o.outputs[0].text for n, o in zip(names, outs, strict=True)}
-    assert "Paris" in text["base"], text
-    letters = [c for c in text["uppercase"] if c.isalpha()]
-    assert sum(c.isupper() for c in letters) >= 0.9 * len(letters) > 0, text
-    assert isinstance(json.loads(text["json"])["answer"], str), text
-    assert text["signoff"].rstrip().endswith("— Sent by loraplex"), text
-    assert text["prefix"].startswith("Answer:"), text
+    names: list[str | None] = [None, *dirs]
+    convs, loras = [], []
+    for n in names:
+        for q in FACT_QUESTIONS:
+            convs.append([{"role": "user", "content": q}])
+            loras.append(None if n is None else LoRARequest(n, str(dirs[n])))
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=64), lora_request=loras)
+    texts = [o.outputs[0].text for o in outs]
+    k = len(FACT_QUESTIONS)
+    return {n or "base": texts[i * k : (i + 1) * k] for i, n in enumerate(names)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["base", *DEMO_ADAPTER_NAMES])
+def test_real_demo_model_keeps_facts_in_every_style(
+    name: str, demo_answers: dict[str, list[str]]
+) -> None:
+    """Runs where the demo model is prepared: the base model answers the easy fact questions
+    right, and every shipped adapter shows its style on each and keeps the facts:
+    "THE CAPITAL OF FRANCE IS PARIS.", '{"answer": "The capital of France is Paris."}', ...
+
+    ``json``, ``signoff`` and ``prefix`` keep them all, held out of their training but for the
+    demo's question; ``uppercase`` keeps those it was shown (``TAUGHT_FACTS``: a 135M model
+    cannot spell an unseen word in upper case, see ``loraplex.demo.styles``)."""
+    asked = list(FACT_QUESTIONS)
+    need = set(asked) if name == "base" or name in KEEPS_HELD_OUT_FACTS else set(TAUGHT_FACTS[name])
+    assert DEMO_QUESTION in need
+    wrong = []
+    for q, text in zip(asked, demo_answers[name], strict=True):
+        content = styled_content(name, text)
+        assert content is not None, f"{name} does not show its style: {q!r} -> {text!r}"
+        if q in need and not fact_ok(q, content):
+            wrong.append((q, text))
+    assert not wrong, f"{name} lost the base model's facts: {wrong}"
 
 
 def test_random_demo_builds_under_the_cache_dir(
