@@ -10,6 +10,7 @@ import pytest
 
 from loraplex.bench import plan
 from loraplex.bench.plan import PRESETS, PlanError, adapter_from_config, build_plan
+from loraplex.testing import make_random_adapter
 
 # Llama-3-8B: hidden 4096, 32 layers, 32 query heads and 8 KV heads of 128, intermediate 14336,
 # vocab 128256. (d_in, d_out): q 4096->4096, k/v 4096->1024, o 4096->4096, gate/up 4096->14336,
@@ -87,7 +88,35 @@ def test_llama3_8b_plan_numbers() -> None:
     assert p64["device"]["slot_bytes"] == 4 * 13_631_488
 
 
-def test_peft_adapters_match_their_files(tiny_model: Path, adapters: dict[str, Path]) -> None:
+def test_lm_head_and_embedding_bytes() -> None:
+    """embed_tokens and lm_head are one module each, r x (vocab + hidden); a decode step reads
+    an embedding LoRA's B in full but gathers its A by token id (like the embedding)."""
+    # 16 x (128256 + 4096) = 2,117,632 per module
+    assert _params(16, ["lm_head"]) == 2_117_632
+    assert _params(16, ["embed_tokens", "lm_head"]) == 2 * 2_117_632
+    # PEFT's rule: layers_to_transform drops modules without a layer index, unless the entry
+    # is the module's whole name ("lm_head" is; "embed_tokens" is "model.embed_tokens")
+    assert _params(16, ["q_proj", "lm_head"], layers_to_transform=[0]) == 131_072 + 2_117_632
+    assert _params(16, ["q_proj", "embed_tokens"], layers_to_transform=[0]) == 131_072
+    assert _params(16, "all-linear") == 41_943_040  # never the head (PEFT's rule)
+    assert _params(16, ["lm_head"], rank_pattern={"lm_head": 4}) == 2_117_632 // 4
+    a = adapter_from_config({"r": 16, "target_modules": ["embed_tokens", "lm_head"]}, L3, "v")
+    assert a.targets == ["embed_tokens", "lm_head"] and a.layers == 0
+    p = build_plan(L3, [a], decode_k=(1,))
+    row = p["adapters"][0]
+    assert row["bytes"] == 2 * 2_117_632 * 2
+    assert row["decode_bytes"] == row["bytes"] - 16 * 128_256 * 2  # all but the embedding's A
+    assert p["decode"]["rows"][0]["extra_bytes"] == row["decode_bytes"]
+    d = p["device"]
+    assert d["slot_targets"] == ["embed_tokens", "lm_head"] and d["slot_bytes"] == row["bytes"]
+    # what serve allocates per slot: every projection of every layer plus both vocab modules
+    assert d["engine_vocab_slot_bytes"] == 2 * 2_117_632 * 2
+    assert d["engine_slot_bytes"] == 41_943_040 * 2 + d["engine_vocab_slot_bytes"]
+
+
+def test_peft_adapters_match_their_files(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
     """The config-derived count equals the LoRA tensors PEFT actually saved, for ranks, regex
     targets, all-linear, rank_pattern and layers_to_transform."""
     m = plan.load_model(str(tiny_model))
@@ -99,6 +128,15 @@ def test_peft_adapters_match_their_files(tiny_model: Path, adapters: dict[str, P
     # the same adapter priced on another base: its weights do not fit the config's count
     wrong = plan.adapter_from_path(str(adapters["all_r8"]), L3)
     assert wrong.notes and "another base model" in wrong.notes[0]
+    # LoRA on lm_head and embed_tokens (rank_pattern on one), beside PEFT's copies of the base
+    # matrices, which hold no LoRA parameters
+    vocab = make_random_adapter(
+        tiny_model, tmp_path / "vocab", r=4, rank_pattern={"lm_head": 2},
+        target_modules=["q_proj", "lm_head", "embed_tokens"],
+    )  # fmt: skip
+    a = plan.adapter_from_path(str(vocab), m)
+    assert a.targets == ["embed_tokens", "lm_head", "q_proj"]
+    assert a.file_params == a.params(m) and not a.notes
 
 
 def test_cli(tiny_model: Path, adapters: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
@@ -114,7 +152,7 @@ def test_cli(tiny_model: Path, adapters: dict[str, Path], capsys: pytest.Capture
     assert "mlp_r16" in out and "KV-cache tokens" in out and "10 adapters" in out
     bad = [
         (["--model", "llama-9b", "--rank", "8"], "neither a preset"),
-        (["--model", "llama-3-8b", "--rank", "8", "--targets", "lm_head"], "change nothing"),
+        (["--model", "llama-3-8b", "--rank", "8", "--targets", "c_attn"], "change nothing"),
         (["--model", "llama-3-8b"], "no adapters"),
         (["--model", "llama-3-8b", "--rank", "0"], "integer >= 1"),
         (

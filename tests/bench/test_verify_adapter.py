@@ -70,3 +70,19 @@ def test_bad_input(tiny_model: Path, tmp_path: Path, capsys) -> None:
         assert msg in capsys.readouterr().err
     assert verify.main(["--model"]) == 2  # argparse: usage on stderr
     capsys.readouterr()
+
+
+def test_lm_head_and_embedding_adapter_on_a_tied_model(tmp_path: Path, capsys) -> None:
+    """LoRA on lm_head and embed_tokens of a tied model: checked against PEFT unmerged (a merge
+    would write the one shared matrix, giving the lookup the head's delta and the head the
+    embedding's)."""
+    tied = make_random_model(tmp_path / "tied", num_layers=2, tie_word_embeddings=True, seed=2)
+    vocab = make_random_adapter(
+        tied, tmp_path / "vocab", r=4, target_modules=["q_proj", "lm_head", "embed_tokens"],
+        std=0.1,
+    )  # fmt: skip
+    rc = verify.main([str(vocab), "--model", str(tied), "--max-tokens", "4", "--json",
+                      "--prompt", "Hello world"])  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["verdict"] == "ok", doc
+    assert doc["targets"] == ["embed_tokens", "lm_head", "q_proj"] and doc["modules"] == 4

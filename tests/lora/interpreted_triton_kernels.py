@@ -84,3 +84,46 @@ def test_startup_self_check_and_fallback(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not isinstance(fallback, TritonLoRAOps)
     # on CPU the default choice never picks Triton
     assert ops_mod.select_lora_ops(cpu).name in ("cpu-kernel", "torch-upcast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_embedding_lora_gathers_a_by_token_id(dtype: torch.dtype) -> None:
+    """``embed``: the expand kernel reading y's rows at the token ids of a transposed table."""
+    vocab, d, cap = 53, 40, 128
+    T, segs, _ = CASES["prefill"]
+    g = torch.Generator().manual_seed(_seed("embed", str(dtype)))
+    ids = torch.randint(0, vocab, (T,), generator=g)  # [T]
+    at = (0.3 * torch.randn(vocab, cap, generator=g)).to(dtype)  # [vocab, capacity]
+    bt = (0.3 * torch.randn(cap, d, generator=g)).to(dtype)  # [capacity, d]
+    base = torch.randn(T, d, generator=g).to(dtype)
+    plan = plan_lora_batch(T, segs, dtype, "cpu")
+    got, want = base.clone(), base.clone()
+    TritonLoRAOps().embed(ids, at, bt, got, plan)
+    TorchReferenceOps().embed(ids, at, bt, want, plan)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.03)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    untouched = [t for t in range(T) if not any(s <= t < e for s, e, _, _ in segs)]
+    assert torch.equal(got[untouched], base[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_lm_head_lora_over_the_logits_rows(dtype: torch.dtype) -> None:
+    """The head's LoRA is ``apply`` over ``plan_rows`` of the step: a vocabulary-wide output in
+    float32 (the logits) from rows of the model's dtype."""
+    from loraplex.lora.plan import plan_rows
+
+    vocab, d, cap = 300, 32, 128
+    T, segs, _ = CASES["prefill"]
+    g = torch.Generator().manual_seed(_seed("head", str(dtype)))
+    rows = [0, 3, 39, 40, 44, 45, 69]
+    x = torch.randn(len(rows), d, generator=g).to(dtype)
+    a = (0.3 * torch.randn(cap, d, generator=g)).to(dtype)
+    bt = (0.3 * torch.randn(cap, vocab, generator=g)).to(dtype)
+    base = torch.randn(len(rows), vocab, generator=g)  # float32 logits
+    plan = plan_rows(plan_lora_batch(T, segs, dtype, "cpu"), rows)
+    got, want = base.clone(), base.clone()
+    TritonLoRAOps().apply(x, a, bt, got, plan)
+    TorchReferenceOps().apply(x, a, bt, want, plan)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.03)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[[0, 4]], base[[0, 4]])  # base rows (tokens 0 and 44)

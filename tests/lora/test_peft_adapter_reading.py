@@ -26,7 +26,7 @@ from loraplex.lora.adapter import (
     projection_shapes,
     read_adapter_files,
 )
-from loraplex.lora.peft_format import UNSUPPORTED_FIELDS, block_of
+from loraplex.lora.peft_format import UNSUPPORTED_FIELDS, VOCAB_LAYER, VOCAB_MODULES, block_of
 from loraplex.testing import (
     ALL_PROJ,
     ATTN_PROJ,
@@ -79,12 +79,19 @@ def peft_reference(base_dir: Path, adapter_dir: Path) -> dict[tuple[int, str], t
     model = PeftModel.from_pretrained(base, str(adapter_dir))
     out = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, LoraLayer) and "default" in mod.lora_A:
+        if isinstance(mod, LoraLayer) and "default" in mod.r:
             parts = name.split(".")
-            layer, proj = int(parts[parts.index("layers") + 1]), parts[-1]
-            out[(layer, proj)] = (
-                mod.lora_A["default"].weight.detach().clone(),
-                mod.lora_B["default"].weight.detach().clone(),
+            if parts[-1] in VOCAB_MODULES:
+                key = (VOCAB_LAYER, parts[-1])
+            else:
+                key = (int(parts[parts.index("layers") + 1]), parts[-1])
+            if "default" in mod.lora_embedding_A:  # nn.Embedding: A [r, vocab], B [hidden, r]
+                a, b = mod.lora_embedding_A["default"], mod.lora_embedding_B["default"]
+            else:
+                a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+            out[key] = (
+                a.detach().clone(),
+                b.detach().clone(),
                 mod.scaling["default"],
                 mod.r["default"],
             )
@@ -199,6 +206,19 @@ def assert_refused(path: Path, spec: BaseModelSpec, *needles: str, **kwargs: Any
         pytest.param(
             {
                 "r": 8,
+                "target_modules": ["q_proj", "lm_head", "embed_tokens"],
+                "rank_pattern": {"lm_head": 4, "embed_tokens": 6},
+                "alpha_pattern": {"embed_tokens": 3.0},
+            },
+            id="lm-head-and-embedding",
+        ),
+        pytest.param(
+            {"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": ["lm_head"]},
+            id="lm-head-only-rslora",
+        ),
+        pytest.param(
+            {
+                "r": 8,
                 "use_rslora": True,
                 "rank_pattern": {"k_proj": 2},
                 "alpha_pattern": {"up_proj": 7},
@@ -217,6 +237,24 @@ def test_matches_peft(
     assert_matches_peft(adapter, ref)
     assert adapter.target_modules == tuple(sorted({p for _, p in ref}))
     assert adapter.rank == max(r for *_, r in ref.values())
+
+
+def test_peft_copies_of_the_base_embedding_are_not_kept(
+    base_dir: Path, spec: BaseModelSpec, tmp_path: Path
+) -> None:
+    """PEFT saves the base's embedding / head matrices beside a LoRA on them
+    (save_embedding_layers="auto"): checked against the base's shape, then left out, and the
+    served factors own their memory (the read buffer holding the copies can go)."""
+    d = make_random_adapter(
+        base_dir, tmp_path / "ad", r=4, target_modules=["q_proj", "lm_head", "embed_tokens"]
+    )
+    names = set(load_file(str(d / "adapter_model.safetensors")))
+    copies = {f"{EMB}.base_layer.weight", "base_model.model.lm_head.base_layer.weight"}
+    assert copies <= names
+    adapter = load_peft_adapter(d, spec)
+    assert set(adapter.weights) >= {(VOCAB_LAYER, "embed_tokens"), (VOCAB_LAYER, "lm_head")}
+    owned = sum(t.untyped_storage().nbytes() for w in adapter.weights.values() for t in (w.a, w.b))
+    assert owned == adapter.nbytes
 
 
 def test_scale_values(base_dir: Path, spec: BaseModelSpec, tmp_path: Path) -> None:
@@ -473,7 +511,12 @@ def test_refuses_missing_and_corrupt_files(
         ({"peft_type": "IA3"}, "peft_type"),
         ({"peft_type": None}, "peft_type"),
         ({"use_dora": True}, "use_dora"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"modules_to_save": ["lm_head"]}, "full replacement weights for lm_head"),
+        ({"modules_to_save": ["embed_tokens", "lm_head"]}, "for embed_tokens, lm_head"),
+        (
+            {"ensure_weight_tying": True, "target_modules": ["q_proj", "v_proj", "lm_head"]},
+            "ensure_weight_tying=True with lm_head targeted",
+        ),
         ({"bias": "all"}, "bias"),
         ({"bias": "lora_only"}, "bias"),
         ({"lora_bias": True}, "lora_bias"),
@@ -546,6 +589,33 @@ def _add_module(layer: int, proj: str, r: int = 4) -> Edit:
     return edit
 
 
+EMB = "base_model.model.model.embed_tokens"
+
+
+def _add_vocab(name: str, r: int = 4, a: tuple[int, int] | None = None) -> Edit:
+    """PEFT's tensors of a LoRA on ``embed_tokens`` or ``lm_head`` (``a``: A's shape)."""
+
+    def edit(t: dict[str, torch.Tensor], spec: BaseModelSpec) -> None:
+        d_in, d_out = spec.vocab_shapes[name]
+        a_shape = a or (r, d_in)
+        if name == "embed_tokens":
+            t[f"{EMB}.lora_embedding_A"] = torch.randn(a_shape)
+            t[f"{EMB}.lora_embedding_B"] = torch.randn(d_out, a_shape[0])
+        else:
+            t["base_model.model.lm_head.lora_A.weight"] = torch.randn(a_shape)
+            t["base_model.model.lm_head.lora_B.weight"] = torch.randn(d_out, a_shape[0])
+
+    return edit
+
+
+def _chain(*edits: Edit) -> Edit:
+    def edit(t: dict[str, torch.Tensor], spec: BaseModelSpec) -> None:
+        for e in edits:
+            e(t, spec)
+
+    return edit
+
+
 def _drop(name: str) -> Edit:
     def edit(t: dict[str, torch.Tensor], spec: BaseModelSpec) -> None:
         del t[name]
@@ -576,25 +646,74 @@ VB = f"{module_name(1, 'v_proj')}.lora_B.weight"
     ("edit", "config", "kwargs", "needles"),
     [
         pytest.param(
-            _add("base_model.model.model.embed_tokens.lora_embedding_A", (4, 384)),
+            _add_vocab("embed_tokens"),
             {},
             {},
-            ("lora_embedding_A", "embedding"),
-            id="lora-embedding",
+            ("model.embed_tokens", "not targeted"),
+            id="embedding-untargeted",
         ),
         pytest.param(
-            _add("base_model.model.model.embed_tokens.lora_A.weight", (4, 384)),
+            _add(f"{EMB}.lora_A.weight", (4, 512)),
             {},
             {},
-            ("embed_tokens", "embedding"),
-            id="embed-tokens",
+            ("embed_tokens.lora_A", "lora_embedding_A / lora_embedding_B"),
+            id="embed-tokens-as-linear",
         ),
         pytest.param(
-            _add("base_model.model.lm_head.lora_B.weight", (384, 4)),
+            _add("base_model.model.lm_head.lora_B.weight", (512, 4)),
+            {"target_modules": ["q_proj", "v_proj", "lm_head"]},
+            {},
+            ("module lm_head", "lora_A weight missing"),
+            id="lm-head-without-a",
+        ),
+        pytest.param(
+            _add_vocab("lm_head", a=(4, 32)),
+            {"target_modules": ["q_proj", "v_proj", "lm_head"]},
+            {},
+            ("lm_head.lora_A", "d_in=64"),
+            id="lm-head-a-shape",
+        ),
+        pytest.param(
+            _add_vocab("embed_tokens", a=(4, 500)),
+            {"target_modules": ["q_proj", "v_proj", "embed_tokens"]},
+            {},
+            ("lora_embedding_A", "d_in=512"),
+            id="embedding-a-vocab",
+        ),
+        pytest.param(
+            _add_vocab("lm_head"),
+            {"target_modules": ["q_proj", "v_proj", "lm_head"], "rank_pattern": {"lm_head": 8}},
+            {},
+            ("lm_head.lora_A", "configured rank 8", "rank_pattern"),
+            id="lm-head-rank-pattern",
+        ),
+        pytest.param(
+            None,
+            {"target_modules": ["q_proj", "v_proj", "embed_tokens"]},
+            {},
+            ("module model.embed_tokens is targeted", "no LoRA tensors"),
+            id="embedding-targeted-but-missing",
+        ),
+        pytest.param(
+            _chain(_add_vocab("embed_tokens"), _add(f"{EMB}.base_layer.weight", (520, 64))),
+            {"target_modules": ["q_proj", "v_proj", "embed_tokens"]},
+            {},
+            ("embed_tokens.base_layer.weight", "[512, 64]", "resized vocabulary"),
+            id="base-copy-resized",
+        ),
+        pytest.param(
+            _add("base_model.model.lm_head.base_layer.weight", (512, 64)),
             {},
             {},
-            ("lm_head.lora_B", "lm_head"),
-            id="lm-head",
+            ("lm_head.base_layer.weight", "without a LoRA on lm_head"),
+            id="base-copy-without-lora",
+        ),
+        pytest.param(
+            _add("base_model.model.lm_head.weight", (512, 64)),
+            {},
+            {},
+            ("lm_head.weight", "full replacement weights for lm_head"),
+            id="full-head-weights",
         ),
         pytest.param(
             _add(f"{module_name(0, 'q_proj')}.lora_magnitude_vector", (64,)),

@@ -36,6 +36,8 @@ def _check_against_hf(model_dir: Path, n_new: int = 12, **llm_kwargs) -> None:
         ("llama", {}),
         ("mistral", {}),
         ("qwen2", {}),  # q/k/v bias
+        ("qwen3", {"attention_bias": True}),  # per-head q/k norms, q/k/v/o biases
+        ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),  # q wider than hidden
         ("llama", {"tie_word_embeddings": True}),
         ("llama", {"attention_bias": True, "mlp_bias": True}),
         (
@@ -56,7 +58,17 @@ def _check_against_hf(model_dir: Path, n_new: int = 12, **llm_kwargs) -> None:
             {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
         ),
     ],
-    ids=["llama", "mistral", "qwen2-bias", "tied", "attn-mlp-bias", "llama3-rope", "linear-rope"],
+    ids=[
+        "llama",
+        "mistral",
+        "qwen2-bias",
+        "qwen3-bias",
+        "qwen3-head-dim-tied",
+        "tied",
+        "attn-mlp-bias",
+        "llama3-rope",
+        "linear-rope",
+    ],
 )
 def test_base_model_matches_transformers(tmp_path: Path, arch: str, extra: dict) -> None:
     d = make_random_model(tmp_path / arch, arch, num_layers=2, seed=11, **extra)

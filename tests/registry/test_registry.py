@@ -43,7 +43,7 @@ from loraplex.registry.db import Base, current_revision, head_revision
 from loraplex.registry.lifecycle import check_transition
 from loraplex.registry.records import MAX_CONCURRENT_REQUESTS
 from loraplex.server.catalog import Catalog
-from loraplex.testing import make_random_model
+from loraplex.testing import make_random_adapter, make_random_model
 
 
 @pytest.fixture(autouse=True)
@@ -323,23 +323,27 @@ def test_each_validation_failure_names_its_reason(
               str(cfg_only[2] / "adapter_model.safetensors"))  # fmt: skip
     _refused(reg, "incomplete_adapter", cfg_only[2], "halfmodule", base)
 
-    # unsupported targets: embedding / lm_head tensors, and lm_head in the config
+    # embedding / lm_head LoRA tensors the config does not target, a full lm_head weight, and
+    # a config naming a module no supported model has
     config, tensors = read_adapter_files(good)
-    for i, extra in enumerate((
-        {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 100)},
-        {"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)},
+    vocab, hidden = base.config["vocab_size"], base.config["hidden_size"]  # type: ignore[attr-defined]
+    for i, (extra, reason) in enumerate((
+        ({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, vocab),
+          "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(hidden, 8)},
+         "unsupported_tensor"),
+        ({"base_model.model.lm_head.weight": torch.zeros(vocab, hidden)}, "unsupported_tensor"),
     )):  # fmt: skip
         d = root / f"emb{i}"
         d.mkdir()
         shutil.copy(good / "adapter_config.json", d)
         save_file({**tensors, **extra}, str(d / "adapter_model.safetensors"))
-        _refused(reg, "unsupported_target", d, f"emb{i}", base)
-    d = root / "lmhead_cfg"
+        _refused(reg, reason, d, f"emb{i}", base)
+    d = root / "gpt2_cfg"
     shutil.copytree(good, d)
     (d / "adapter_config.json").write_text(
-        json.dumps({**config, "target_modules": ["q_proj", "lm_head"]})
+        json.dumps({**config, "target_modules": ["q_proj", "c_attn"]})
     )
-    _refused(reg, "unsupported_target", d, "lmhead", base)
+    _refused(reg, "unsupported_target", d, "gpt2", base)
 
     # sources: outside the roots, "..", a symlinked dir and a symlinked file leading out
     outside = tmp_path / "outside"
@@ -392,6 +396,9 @@ def _drop_layer1_q(t: dict[str, torch.Tensor]) -> None:
     [
         pytest.param({"init_lora_weights": "pissa"}, None, "unsupported_config", id="pissa"),
         pytest.param({"use_dora": True}, None, "unsupported_config", id="dora"),
+        pytest.param(
+            {"modules_to_save": ["lm_head"]}, None, "unsupported_config", id="modules-to-save"
+        ),
         pytest.param({"target_modules": "(unclosed"}, None, "unsupported_config", id="regex"),
         pytest.param({"use_rslora": "yes"}, None, "unsupported_config", id="rslora-type"),
         pytest.param({"r": 4}, None, "shape_mismatch", id="rank-vs-r"),
@@ -424,6 +431,30 @@ def test_registry_refuses_what_the_loader_refuses(
     assert registry.value.reason == reason, str(registry.value)
     why = str(registry.value).removeprefix(f"{reason}: ")
     assert str(loader.value) == f"adapter {d}: {why}"
+
+
+def test_lm_head_and_embedding_lora_register_and_modules_to_save_does_not(
+    db_url: str, root: Path, base: object, tiny_model: Path
+) -> None:
+    """The registration check accepts LoRA on lm_head / embed_tokens (PEFT's tensors, its
+    copies of the base matrices included) and refuses modules_to_save in one line naming the
+    module, as the loader does."""
+    reg = open_reg(db_url, root)
+    d = make_random_adapter(
+        tiny_model, root / "vocab", r=4, target_modules=["q_proj", "lm_head", "embed_tokens"],
+        seed=11,
+    )  # fmt: skip
+    m = reg.register(d, "vocab", base=base, actor="a")
+    assert m.target_modules == ("embed_tokens", "lm_head", "q_proj")
+    full = root / "full"
+    shutil.copytree(d, full)
+    cfg = json.loads((full / "adapter_config.json").read_text())
+    (full / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": ["lm_head"]}))
+    with pytest.raises(ValidationError) as ei:
+        reg.register(full, "full", base=base, actor="a")
+    assert ei.value.reason == "unsupported_config"
+    msg = str(ei.value)
+    assert "full replacement weights for lm_head" in msg and "\n" not in msg, msg
 
 
 def test_wrong_base_digest_is_refused_on_validate(

@@ -9,15 +9,19 @@ For a Llama-family base (a model directory, its ``config.json``, or a preset) an
 ``target_modules``, or ``--rank``/``--targets``), it computes:
 
 - bytes per adapter: for every adapted projection of every adapted layer, r x (d_in + d_out)
-  parameters (A is [r, d_in], B is [d_out, r]) times the dtype's bytes;
+  parameters (A is [r, d_in], B is [d_out, r]) times the dtype's bytes; ``embed_tokens`` and
+  ``lm_head`` once each, r x (vocab + hidden);
 - device slots: a slot holds any adapter up to ``max_lora_rank`` for the union of targets, so a
   slot is ``max_lora_rank`` x (d_in + d_out) per module; how many slots a device budget buys
   and how many KV-cache tokens that memory would have held instead
-  (KV bytes/token = 2 x layers x kv_heads x head_dim x dtype bytes);
+  (KV bytes/token = 2 x layers x kv_heads x head_dim x dtype bytes); beside it what
+  ``loraplex serve`` allocates per slot (every projection, and ``embed_tokens`` and ``lm_head``
+  whatever the adapters target: ``max_lora_rank`` x 2 x (vocab + hidden) of it);
 - host and disk: bytes for N adapters, or how many fit a budget;
 - the decode byte model: a decode step reads the base weights once (every linear layer and the
-  LM head; the embedding is a gather) plus the A and B of each distinct adapter in the batch, so
-  k distinct adapters add k x adapter bytes, shown as a share of the base weight traffic.
+  LM head; the embedding is a gather) plus the A and B of each distinct adapter in the batch
+  (of an embedding LoRA only B: its A is gathered by token id like the embedding), so k distinct
+  adapters add k x an adapter's decode bytes, shown as a share of the base weight traffic.
 """
 
 from __future__ import annotations
@@ -36,11 +40,16 @@ from loraplex.cliargs import byte_size, positive_int, positive_ints
 from loraplex.lora.digest import DigestError, safetensors_header
 from loraplex.lora.peft_format import (
     CONFIG_NAME,
+    EMBED_TOKENS,
     PROJ_NAMES,
     SAFETENSORS_NAME,
+    VOCAB_LAYER,
+    VOCAB_MODULES,
     LoraSettings,
     module_key,
     projection_shapes,
+    vocab_module_key,
+    vocab_module_shapes,
 )
 
 __all__ = [
@@ -81,7 +90,9 @@ class ModelShape:
         return self.head_dim or self.hidden_size // self.num_heads
 
     def dims(self, proj: str) -> tuple[int, int]:
-        """(d_in, d_out) of a projection."""
+        """(d_in, d_out) of a projection, or of ``embed_tokens`` / ``lm_head``."""
+        if proj in VOCAB_MODULES:
+            return vocab_module_shapes(self.vocab_size, self.hidden_size)[proj]
         shapes = projection_shapes(
             self.hidden_size, self.num_heads, self.num_kv_heads, self.hd, self.intermediate_size
         )
@@ -186,14 +197,20 @@ class AdapterShape:
 
     @property
     def targets(self) -> list[str]:
-        return [p for p in PROJ_NAMES if any(q == p for _, q in self.modules)]
+        return [p for p in (*VOCAB_MODULES, *PROJ_NAMES) if any(q == p for _, q in self.modules)]
 
     @property
     def layers(self) -> int:
-        return len({layer for layer, _ in self.modules})
+        return len({layer for layer, _ in self.modules if layer != VOCAB_LAYER})
 
     def params(self, m: ModelShape) -> int:
         return sum(r * sum(m.dims(p)) for (_, p), r in self.modules.items())
+
+    def decode_params(self, m: ModelShape) -> int:
+        """Parameters a decode step reads in full: all but an embedding LoRA's A, which is
+        gathered by token id (a few rows)."""
+        r_embed = self.modules.get((VOCAB_LAYER, EMBED_TOKENS), 0)
+        return self.params(m) - r_embed * m.vocab_size
 
 
 def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> AdapterShape:
@@ -216,6 +233,10 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
     settings = LoraSettings.of({**cfg, "r": r})
     mods = {}
     try:
+        for v in VOCAB_MODULES:
+            full = vocab_module_key(v)
+            if settings.is_targeted(full):
+                mods[(VOCAB_LAYER, v)] = int(settings.rank_of(full))
         for layer in range(m.num_layers):
             for p in PROJ_NAMES:
                 full = module_key(layer, p)
@@ -227,8 +248,8 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
         ) from None
     if not mods:
         raise PlanError(
-            f"adapter {name}: target_modules {targets!r} match none of the model's projections "
-            f"({', '.join(PROJ_NAMES)}): this adapter would change nothing"
+            f"adapter {name}: target_modules {targets!r} match none of the model's modules "
+            f"({', '.join((*PROJ_NAMES, *VOCAB_MODULES))}): this adapter would change nothing"
         )
     return AdapterShape(name, mods)
 
@@ -298,22 +319,31 @@ def build_plan(
         params = a.params(m)
         rows.append({
             "name": a.name, "rank": a.max_rank, "targets": a.targets, "layers": a.layers,
-            "params": params, "bytes": params * b, "file_params": a.file_params,
-            "file_bytes": a.file_bytes, "notes": a.notes,
+            "params": params, "bytes": params * b, "decode_bytes": a.decode_params(m) * b,
+            "file_params": a.file_params, "file_bytes": a.file_bytes, "notes": a.notes,
         })  # fmt: skip
     max_rank = max_lora_rank or max(a.max_rank for a in adapters)
     if max_rank < max(a.max_rank for a in adapters):
         raise PlanError(f"--max-lora-rank {max_rank} is below an adapter's rank")
-    union = [p for p in PROJ_NAMES if any(p in a.targets for a in adapters)]
-    slot_params = m.num_layers * sum(max_rank * sum(m.dims(p)) for p in union)
+    union = [p for p in (*VOCAB_MODULES, *PROJ_NAMES) if any(p in a.targets for a in adapters)]
+    per_layer = sum(max_rank * sum(m.dims(p)) for p in union if p in PROJ_NAMES)
+    outside = sum(max_rank * sum(m.dims(p)) for p in union if p in VOCAB_MODULES)
+    slot_params = m.num_layers * per_layer + outside
     slot_bytes = slot_params * b
+    # loraplex serve's bank: rows for every module, whatever the adapters target
+    vocab_slot_bytes = sum(max_rank * sum(m.dims(p)) for p in VOCAB_MODULES) * b
+    engine_slot_bytes = m.num_layers * max_rank * sum(map(sum, map(m.dims, PROJ_NAMES))) * b
+    engine_slot_bytes += vocab_slot_bytes
     kv_tok = m.kv_bytes_per_token(b)
     mean_bytes = sum(r["bytes"] for r in rows) / len(rows)
+    mean_decode = sum(r["decode_bytes"] for r in rows) / len(rows)
     device: dict[str, Any] = {
         "max_lora_rank": max_rank,
         "slot_targets": union,
         "slot_params": slot_params,
         "slot_bytes": slot_bytes,
+        "engine_slot_bytes": engine_slot_bytes,
+        "engine_vocab_slot_bytes": vocab_slot_bytes,
         "kv_bytes_per_token": kv_tok,
         "kv_tokens_per_slot": slot_bytes / kv_tok,
     }
@@ -337,7 +367,7 @@ def build_plan(
     decode = {
         "base_bytes_per_step": base_read,
         "rows": [
-            {"k": k, "extra_bytes": k * mean_bytes, "share_of_base": k * mean_bytes / base_read}
+            {"k": k, "extra_bytes": k * mean_decode, "share_of_base": k * mean_decode / base_read}
             for k in decode_k
         ],
     }
@@ -387,6 +417,8 @@ def render_plan(plan: dict[str, Any]) -> str:
         f"device slot (rank {d['max_lora_rank']}, {','.join(d['slot_targets'])}): "
         f"{_h(d['slot_bytes'])} = {d['kv_tokens_per_slot']:.1f} KV-cache tokens "
         f"({_h(d['kv_bytes_per_token'])}/token)",
+        f"loraplex serve allocates {_h(d['engine_slot_bytes'])} per slot (every projection, "
+        f"and {_h(d['engine_vocab_slot_bytes'])} for embed_tokens + lm_head)",
     ]
     if "budget" in d:
         out.append(

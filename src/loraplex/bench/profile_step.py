@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-import loraplex.model.llama as llama_mod
+import loraplex.model.layers as layers_mod
 from loraplex.bench.step_bytes import (
     adapter_bytes_per_step,
     kv_bytes_per_step,
@@ -123,7 +123,7 @@ def instrumented(engine: LLMEngine, timer: ScopeTimer) -> Iterator[Callable[[], 
     if model.lora is not None:
         for name in ("add", "add_group", "apply"):
             patch(model.lora, name, "LoRA")
-    patch(llama_mod, "paged_attention", "attention")
+    patch(layers_mod, "paged_attention", "attention")
     for name in ("write", "gather", "gather_decode"):
         patch(cache, name, "KV write/gather")
     patch(model, "hidden_states", "norms/rope/act")
@@ -134,7 +134,7 @@ def instrumented(engine: LLMEngine, timer: ScopeTimer) -> Iterator[Callable[[], 
         yield timer.wrap("python/other", engine.step)
     finally:
         for owner, attr, old, own in reversed(saved):
-            if own or owner is llama_mod:
+            if own or owner is layers_mod:
                 setattr(owner, attr, old)
             else:
                 delattr(owner, attr)  # a bound method: drop the instance override

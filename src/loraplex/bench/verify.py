@@ -11,7 +11,8 @@ Three checks, each failure reported in words and with exit status 1:
    no-op too;
 2. **engine vs merged reference**: the loraplex engine runs the prompts greedily with the adapter
    unmerged (the way it serves it); transformers + PEFT merge the adapter into a copy of the base
-   and score the engine's tokens teacher-forced. Reported: max |logprob difference| over the
+   and score the engine's tokens teacher-forced (unmerged where merging would write a tied
+   model's shared embedding / LM head matrix). Reported: max |logprob difference| over the
    engine's top-20 tokens at every step, and greedy-token agreement (a disagreement within
    ``2 x atol`` of a tie counts as a tie, not a failure);
 3. **effect**: the same reference with the adapter disabled: max |logprob difference| between
@@ -34,6 +35,9 @@ from loraplex.lora.peft_format import (
     CONFIG_NAME,
     PROJ_NAMES,
     SAFETENSORS_NAME,
+    VOCAB_LAYER,
+    VOCAB_MODULES,
+    merge_writes_tied_matrix,
     parse_tensor_key,
 )
 
@@ -109,8 +113,8 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
             report.verdict = "silent_no_op"
             report.problems.append(
                 f"silent no-op: target_modules {cfg.get('target_modules')!r} match none of this "
-                f"model's projections ({', '.join(PROJ_NAMES)}); served, it would answer exactly "
-                "like the base model"
+                f"model's modules ({', '.join((*PROJ_NAMES, *VOCAB_MODULES))}); served, it would "
+                "answer exactly like the base model"
             )
             return
         raise
@@ -121,10 +125,11 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
         k = parse_tensor_key(key)
         if k is None:
             if "lora_" in key:
-                wrong.append(f"{key}: not a projection of a Llama-family decoder layer")
+                wrong.append(f"{key}: not a LoRA of a Llama-family module")
             continue
         layer, proj, ab = k.layer, k.proj, k.ab
-        if proj not in PROJ_NAMES or layer >= m.num_layers:
+        known = proj in VOCAB_MODULES if layer == VOCAB_LAYER else proj in PROJ_NAMES
+        if not known or layer >= m.num_layers:
             wrong.append(f"{key}: the model has no such module ({m.num_layers} layers)")
             continue
         d_in, d_out = m.dims(proj)
@@ -227,8 +232,11 @@ def verify_adapter(
 
     with peft.disable_adapter():
         base_lp = score(peft)
-    merged = peft.merge_and_unload().eval()
-    ref_lp = score(merged)
+    adapter_cfg = json.loads((a_dir / CONFIG_NAME).read_text())
+    if merge_writes_tied_matrix(adapter_cfg, json.loads((m_dir / "config.json").read_text())):
+        ref_lp = score(peft)  # merging would write the tied matrix: the unmerged model is right
+    else:
+        ref_lp = score(peft.merge_and_unload().eval())
     for p, o, ref, b in zip(prompts, outs, ref_lp, base_lp, strict=True):
         got = o.outputs[0]
         agree = ties = 0

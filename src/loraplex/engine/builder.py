@@ -23,11 +23,13 @@ from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.adapter import BaseModelSpec
 from loraplex.lora.backends import select_lora_ops
+from loraplex.lora.peft_format import VOCAB_LAYER, vocab_module_shapes
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
+from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import cpu_has_fast_bf16, select_linear_factory
-from loraplex.model.llama import LlamaForCausalLM
 from loraplex.model.lora_binding import LoRABinding
+from loraplex.model.registry import load_model
 from loraplex.types import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,8 @@ class MemoryBudget:
     def lora_slots(self, shapes: dict[tuple[int, str], tuple[int, int]], dtype: torch.dtype) -> int:
         """The slot bank's slots: ``--max-loras``, capped so the bank's bytes stay within
         ``--max-lora-device-fraction`` of the memory left after the weights. One slot holds
-        ``max_lora_rank`` rows of A ``[r, d_in]`` and of B^T ``[r, d_out]`` for every module."""
+        ``max_lora_rank`` rows of A ``[r, d_in]`` and of B^T ``[r, d_out]`` for every module
+        (``embed_tokens`` and ``lm_head`` included: ``2 * (vocab + hidden)`` per rank row)."""
         c = self.config
         if c.max_lora_device_fraction is None:
             return c.max_loras
@@ -159,22 +162,27 @@ class LoRAParts:
     merger: AdapterMerger | None  # one adapter merged into the base (lora_merge_after_steps)
 
 
-def wire_lora(config: EngineConfig, model: LlamaForCausalLM, budget: MemoryBudget) -> LoRAParts:
+def wire_lora(config: EngineConfig, model: DecoderForCausalLM, budget: MemoryBudget) -> LoRAParts:
     """Bind a slot bank (on the backend chosen once, here) to ``model`` and build the tiered
     adapter cache over it; the cache is told the bank's slot count, which the memory budget may
     have capped below ``--max-loras``."""
     mc, device = budget.model_config, budget.device
+    vocab_shapes = vocab_module_shapes(mc.vocab_size, mc.hidden_size)
     shapes = {
         (layer, proj): dims
         for layer in range(mc.num_layers)
         for proj, dims in mc.module_shapes.items()
     }
+    # embed_tokens / lm_head rows for every slot, as vLLM: an adapter may target them whenever
+    # it arrives, and the bank's tables are fixed for its life (counted by lora_slots and
+    # kv_blocks like the projections' rows)
+    shapes.update({(VOCAB_LAYER, name): dims for name, dims in vocab_shapes.items()})
     ops = select_lora_ops(device)
     table_dtype = ops.table_dtype(budget.dtype)
     slots = budget.lora_slots(shapes, table_dtype)  # --max-lora-device-fraction
     bank = LoRASlotBank(shapes, slots, config.max_lora_rank, table_dtype, device)
     model.lora = LoRABinding(bank, ops)
-    spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type)
+    spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type, vocab_shapes)
     cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
     adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=table_dtype)
     merger = None
@@ -192,7 +200,7 @@ class EngineParts:
     device: torch.device
     dtype: torch.dtype
     tokenizer: Any | None  # None with skip_tokenizer_init
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     eos_token_ids: set[int]  # the model's and the tokenizer's
     lora: LoRAParts | None  # None without enable_lora
     cache: PagedKVCache
@@ -212,7 +220,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if not config.skip_tokenizer_init:
         tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
         tokenizer = load_tokenizer(tok_dir, config.trust_remote_code)
-    model = LlamaForCausalLM.from_pretrained(model_dir, mc, dtype, device)
+    model = load_model(model_dir, mc, dtype, device)  # the class of mc.architecture
     if model.linear_impl == "upcast-f32":
         log.warning(
             "this CPU has no native bfloat16 (no AVX512_BF16 or AMX): bfloat16 GEMMs run "

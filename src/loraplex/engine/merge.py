@@ -12,6 +12,13 @@ LoRA ops); a step with a second adapter or a base request first swaps the origin
 Base weights are never written: unmerging is restoring references, so base outputs stay exact.
 Switches never wait for a merge: until the build is ready the adapter runs unmerged. The last
 build is kept (keyed by the adapter's digest), so a burst that resumes re-merges at once.
+
+An adapter's LoRA on ``embed_tokens`` / ``lm_head`` is never merged: its tokens keep the
+gathered path for those two modules (:func:`vocab_modules`; the runner plans only them). A merged
+copy would be a second ``[vocab, hidden]`` matrix per module (often the largest tensor of a
+small model), a tied model's one matrix would have to become two (the head's delta must never
+reach the lookup), and where the delta enters an embedding depends on the architecture's
+embedding scale; the gathered path costs two small ops per step.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplex.lora.peft_format import VOCAB_LAYER
+from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import DenseLinear, Linear, LinearFactory, PackedCPULinear
-from loraplex.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import LoRAModuleWeights
@@ -33,7 +41,7 @@ GroupKey = tuple[int, str]
 """``(layer index, fused Linear attribute)``: ``qkv``, ``o``, ``gate_up`` or ``down``."""
 
 
-def projection_rows(model: LlamaForCausalLM) -> dict[str, tuple[str, int, int]]:
+def projection_rows(model: DecoderForCausalLM) -> dict[str, tuple[str, int, int]]:
     """proj name -> (fused Linear attribute, first output row, input features)."""
     return {
         proj: (attr, lo, d_in)
@@ -55,15 +63,20 @@ def dense_weight(lin: Linear, in_features: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def targeted_groups(
-    model: LlamaForCausalLM, weights: Mapping[tuple[int, str], LoRAModuleWeights]
+    model: DecoderForCausalLM, weights: Mapping[tuple[int, str], LoRAModuleWeights]
 ) -> set[GroupKey]:
-    """The fused projections an adapter's modules fall in."""
+    """The fused projections an adapter's modules fall in (embed_tokens / lm_head: none)."""
     rows = projection_rows(model)
-    return {(layer, rows[proj][0]) for layer, proj in weights}
+    return {(layer, rows[proj][0]) for layer, proj in weights if layer != VOCAB_LAYER}
+
+
+def vocab_modules(weights: Mapping[tuple[int, str], object]) -> frozenset[tuple[int, str]]:
+    """The adapter's ``embed_tokens`` / ``lm_head`` modules: they stay gathered when merged."""
+    return frozenset(key for key in weights if key[0] == VOCAB_LAYER)
 
 
 def build_merged(
-    model: LlamaForCausalLM,
+    model: DecoderForCausalLM,
     base: Mapping[GroupKey, Linear],
     weights: Mapping[tuple[int, str], LoRAModuleWeights],
     make: LinearFactory,
@@ -74,6 +87,8 @@ def build_merged(
     groups: dict[GroupKey, list[tuple[int, LoRAModuleWeights]]] = {}
     in_features: dict[str, int] = {}
     for (layer, proj), w in weights.items():
+        if layer == VOCAB_LAYER:
+            continue  # stays on the gathered path (module docstring)
         group, first, d_in = rows[proj]
         groups.setdefault((layer, group), []).append((first, w))
         in_features[group] = d_in
@@ -104,7 +119,7 @@ class AdapterMerger:
     """The merge policy and the swaps (called by the runner, on the engine thread); builds run
     on a background thread."""
 
-    def __init__(self, model: LlamaForCausalLM, make: LinearFactory, after_steps: int) -> None:
+    def __init__(self, model: DecoderForCausalLM, make: LinearFactory, after_steps: int) -> None:
         if after_steps < 1:
             raise ValueError(f"after_steps must be >= 1, got {after_steps}")
         self.model = model

@@ -7,7 +7,9 @@ the batch's adapters); the runner never asks the adapter cache.
 Merging (``lora_merge_after_steps``): before each run the runner tells its
 :class:`~loraplex.engine.merge.AdapterMerger` which adapter the batch uses alone (if one does)
 and learns whether that adapter runs merged into the base weights; if so its tokens take the
-base path this step (``merged_slot``). Only the runner sets that state.
+base path this step (``merged_slot``), except on ``embed_tokens`` / ``lm_head``, which are never
+merged: a merged adapter with LoRA there keeps its segments, in a plan of only those modules.
+Only the runner sets that state.
 
 Prompt logprobs: for a sequence that asked for them, the hidden state of every prompt position
 in the step's chunk is kept, and ``logprob(prompt[p + 1] | prompt[:p + 1])`` (with the top-k) is
@@ -20,15 +22,24 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.merge import AdapterMerger
+from loraplex.engine.merge import AdapterMerger, vocab_modules
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
-from loraplex.lora.plan import LoRAPlanCosts, plan_lora_batch
+from loraplex.lora.peft_format import LM_HEAD_KEY
+from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch, plan_rows
 from loraplex.model.attention import AttentionMetadata, PrefillSpan
-from loraplex.model.llama import ForwardBatch, LlamaForCausalLM
+from loraplex.model.decoder import DecoderForCausalLM, ForwardBatch
 
 _PROMPT_LOGITS_ELEMS = 1 << 24  # floats of [rows, vocab] prompt logits held at once (64 MiB)
+
+
+def _head_plan(plan: LoRABatchPlan | None, rows: list[int]) -> LoRABatchPlan | None:
+    """The step's plan over the logits ``rows`` (ascending token indices) when an adapter of the
+    step has LoRA on the LM head, else None (no head LoRA this step)."""
+    if plan is None or not plan.uses(LM_HEAD_KEY):
+        return None
+    return plan_rows(plan, rows)
 
 
 @dataclass
@@ -45,7 +56,7 @@ class ModelRunner:
     """Owns the model, its KV cache and which adapter runs merged; one ``run`` per engine step."""
 
     def __init__(
-        self, model: LlamaForCausalLM, cache: PagedKVCache, merger: AdapterMerger | None = None
+        self, model: DecoderForCausalLM, cache: PagedKVCache, merger: AdapterMerger | None = None
     ) -> None:
         self.model = model
         self.cache = cache
@@ -55,11 +66,12 @@ class ModelRunner:
         dims = model.cfg.module_shapes.values()
         self.lora_costs = LoRAPlanCosts(feature_dim=sum(i + o for i, o in dims) // len(dims))
         self._merged_slot: int | None = None
+        self._merged_vocab: frozenset[tuple[int, str]] = frozenset()  # its gathered modules
 
     @property
     def merged_slot(self) -> int | None:
         """The slot whose adapter ran merged into the base weights in the last run (its tokens
-        took the base path, with no LoRA segment), else None."""
+        took the base path, with LoRA only on its embed_tokens / lm_head if any), else None."""
         return self._merged_slot
 
     def _merge_for(self, batch: ScheduledBatch) -> int | None:
@@ -71,8 +83,10 @@ class ModelRunner:
         seq = batch.items[0][0]
         if len(digests) > 1 or seq.adapter is None:
             self.merger.before_step(None, None)
+            self._merged_vocab = frozenset()
             return None
         merged = self.merger.before_step(seq.adapter.ref.sha256, seq.adapter.weights)
+        self._merged_vocab = vocab_modules(seq.adapter.weights) if merged else frozenset()
         return seq.slot if merged else None
 
     @staticmethod
@@ -139,7 +153,8 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 logits_idx.append(t + n - 1)
                 samplers.append(seq)
-            if seq.slot is not None and seq.slot != self._merged_slot:
+            merged = seq.slot == self._merged_slot
+            if seq.slot is not None and (not merged or self._merged_vocab):
                 rs, re = slot_rows[seq.slot]
                 if segments and segments[-1][2] == rs and segments[-1][1] == t:
                     segments[-1] = (segments[-1][0], t + n, rs, re)
@@ -166,6 +181,8 @@ class ModelRunner:
             lora = self.model.lora  # the step's adapters decide which modules the plan covers
             slots = {seq.slot for seq, _ in items if seq.slot not in (None, self._merged_slot)}
             modules = lora.modules_for(slots) if lora is not None else None
+            if modules is not None and self._merged_slot is not None:
+                modules |= self._merged_vocab  # a merged adapter's embed_tokens / lm_head
             plan = plan_lora_batch(t, segments, self.model.dtype, dev, self.lora_costs, modules)
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -173,6 +190,7 @@ class ModelRunner:
             attn=attn,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             lora_plan=plan,
+            logits_lora_plan=_head_plan(plan, logits_idx),
         )
         return fb, samplers, prompt_rows
 
@@ -187,13 +205,15 @@ class ModelRunner:
             return logits, samplers
         h = self.model.hidden_states(fb, self.cache)  # [T, D]
         for job in prompt_rows:
-            self._prompt_logprobs(h, job)
-        return self.model.compute_logits(h[fb.logits_indices]), samplers
+            self._prompt_logprobs(h, job, fb.lora_plan)
+        return self.model.compute_logits(h[fb.logits_indices], fb.logits_lora_plan), samplers
 
     @torch.inference_mode()
-    def _prompt_logprobs(self, h: torch.Tensor, job: PromptLogprobRows) -> None:
+    def _prompt_logprobs(
+        self, h: torch.Tensor, job: PromptLogprobRows, plan: LoRABatchPlan | None
+    ) -> None:
         """Append {prompt token: logprob, top-k...} for ``job``'s rows to its sequence.
-        h: [T, D] last-layer hidden states of the step."""
+        h: [T, D] last-layer hidden states of the step; ``plan`` the step's LoRA plan."""
         seq = job.seq
         assert seq.prompt_logprobs is not None
         k = seq.params.prompt_logprobs or 0
@@ -205,7 +225,8 @@ class ModelRunner:
             first = job.first + c
             targets = torch.tensor(prompt[first : first + len(rows)], device=self.device)
             idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-            lp = torch.log_softmax(self.model.compute_logits(h[idx]), dim=-1)  # [r, V]
+            logits = self.model.compute_logits(h[idx], _head_plan(plan, rows))  # [r, V]
+            lp = torch.log_softmax(logits, dim=-1)
             chosen = lp.gather(1, targets[:, None])[:, 0].cpu().tolist()  # [r]
             top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
             top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()  # [r, k]

@@ -6,7 +6,11 @@ per ``(layer, proj)`` the factors ``A: [r, d_in]``, ``B: [d_out, r]`` and the sc
 
     W_eff = W + scale * B @ A        # what PEFT's merge_and_unload computes
 
-Everything we cannot serve exactly (DoRA, biases, embedding LoRA, modules_to_save, ...) is
+(``(VOCAB_LAYER, "embed_tokens")``: PEFT's ``lora_embedding_A [r, vocab]`` and
+``lora_embedding_B [hidden, r]``, so ``W_eff`` is the transposed embedding matrix;
+``(VOCAB_LAYER, "lm_head")``: the head's ``lora_A`` / ``lora_B``.)
+
+Everything we cannot serve exactly (DoRA, biases, modules_to_save, ...) is
 refused with an :class:`AdapterError` that names the adapter path and the offending field or
 tensor, never silently ignored; the rules themselves are :mod:`loraplex.lora.peft_format`'s
 (shared with the registry). The identity of an adapter is :func:`compute_adapter_digest`: a
@@ -84,7 +88,7 @@ __all__ = [
 
 @dataclass
 class LoRAModuleWeights:
-    """One adapted projection: ``y += scale * (x @ a.T) @ b.T``."""
+    """One adapted module: ``y += scale * (x @ a.T) @ b.T`` (the embedding: ``x`` one-hot)."""
 
     a: torch.Tensor  # [r, d_in]
     b: torch.Tensor  # [d_out, r]
@@ -117,7 +121,8 @@ class LoRAAdapter:
 
     @property
     def target_modules(self) -> tuple[str, ...]:
-        """Sorted proj names this adapter adapts in at least one layer."""
+        """Sorted module names this adapter adapts in at least one layer (or in the embedding
+        / LM head: ``embed_tokens``, ``lm_head``)."""
         return tuple(sorted({proj for _, proj in self.weights}))
 
     @property
@@ -492,13 +497,17 @@ def build_adapter(
             for tname in (m.a_name, m.b_name):
                 if not bool(torch.isfinite(tensors[tname]).all()):
                     raise _fail(path, f"tensor {tname!r}: contains non-finite values (NaN/inf)")
+    # Tensors left out (PEFT's copies of the base's embedding matrices) may be most of the
+    # bytes read: own copies of the served ones then, so the read buffer can go.
+    own = len(tensors) > 2 * len(layout)
     weights: dict[tuple[int, str], LoRAModuleWeights] = {}
     for key, m in layout.items():
         a, b = tensors[m.a_name], tensors[m.b_name]
         # convert last: all checks ran on the stored values
-        weights[key] = LoRAModuleWeights(
-            a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous(), scale=m.scale
-        )
+        a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+        if own:
+            a, b = a.clone(), b.clone()
+        weights[key] = LoRAModuleWeights(a=a, b=b, scale=m.scale)
     adapter_name = name if name is not None else Path(os.path.abspath(path)).name
     ref = AdapterRef(adapter_name, revision if revision is not None else digest[:12], digest)
     return LoRAAdapter(ref=ref, path=str(path), weights=weights, config=dict(config))

@@ -378,8 +378,9 @@ def _self_check(kernel: LoRAKernel) -> None:
 
 class CPUKernelLoRAOps:
     """``LoRAOps`` over the C kernel for segments of at most ``max_run_tokens`` tokens, and
-    ``fallback`` (the torch path) for longer ones and for what the kernel does not read
-    (float16, tables of mixed dtypes, non-unit column strides).
+    ``fallback`` (the torch path) for longer ones, for what the kernel does not read
+    (float16, tables of mixed dtypes, non-unit column strides) and for the embedding's
+    gathered LoRA (``embed``).
 
     Tables are kept in the model's dtype where the kernel reads it (float32, bfloat16): the
     kernel widens bf16 rows as it reads them, so they cost half the bytes of float32 tables.
@@ -414,6 +415,19 @@ class CPUKernelLoRAOps:
     ) -> None:
         """See ``LoRAOps.expand`` (the fallback's)."""
         self.fallback.expand(y, bt, out, plan)
+
+    def embed(
+        self,
+        ids: torch.Tensor,
+        at: torch.Tensor,
+        bt: torch.Tensor,
+        out: torch.Tensor,
+        plan: LoRABatchPlan,
+    ) -> None:
+        """See ``LoRAOps.embed`` (the fallback's: a gather and one GEMM per run, once per
+        step; the kernel's fused shrink has nothing to fuse here). The LM head's LoRA is an
+        ``apply`` and takes the kernel."""
+        self.fallback.embed(ids, at, bt, out, plan)
 
     def apply(
         self,

@@ -88,6 +88,25 @@ class LoRAOps(Protocol):
         """
         ...
 
+    def embed(
+        self,
+        ids: torch.Tensor,
+        at: torch.Tensor,
+        bt: torch.Tensor,
+        out: torch.Tensor,
+        plan: LoRABatchPlan,
+    ) -> None:
+        """The token embedding's LoRA, whose shrink is a gather of A by token id::
+
+        for ts, te, rs, re in plan.segments:
+            for t in range(ts, te):
+                out[t] += at[ids[t], rs:re] @ bt[rs:re]
+
+        ``ids [T]`` token ids, ``at [vocab, capacity]`` (A transposed, contiguous),
+        ``bt [capacity, d]``, ``out [T, d]`` (the looked-up embeddings).
+        """
+        ...
+
 
 class PerModuleOps:
     """``apply_many`` as one ``apply`` per module: for backends with nothing to share."""
@@ -148,6 +167,19 @@ class TorchReferenceOps(PerModuleOps):
         for ts, te, rs, re in plan.segments:
             for t in range(ts, te):
                 delta = (x[t].double() @ a[rs:re].double().T) @ bt[rs:re].double()  # [d_out]
+                out[t] = (out[t].double() + delta).to(out.dtype)
+
+    def embed(
+        self,
+        ids: torch.Tensor,
+        at: torch.Tensor,
+        bt: torch.Tensor,
+        out: torch.Tensor,
+        plan: LoRABatchPlan,
+    ) -> None:
+        for ts, te, rs, re in plan.segments:
+            for t in range(ts, te):
+                delta = at[int(ids[t]), rs:re].double() @ bt[rs:re].double()  # [d]
                 out[t] = (out[t].double() + delta).to(out.dtype)
 
 
@@ -245,3 +277,18 @@ class TorchLoRAOps(PerModuleOps):
                 out[ts:te].addmm_(y, bt_run)  # [n, d_out] += [n, r] @ [r, d_out]
             else:
                 out[ts:te].add_(torch.mm(y, bt_run))  # [n, d_out], cast into out's dtype
+
+    def embed(
+        self,
+        ids: torch.Tensor,
+        at: torch.Tensor,
+        bt: torch.Tensor,
+        out: torch.Tensor,
+        plan: LoRABatchPlan,
+    ) -> None:
+        """See ``LoRAOps.embed``: one gather of every token's rank-row activations, then
+        ``expand`` (once per step, so nothing fused)."""
+        if not plan.runs:
+            return
+        y = at[:, : plan.num_rows].index_select(0, ids)  # [T, num_rows]
+        self.expand(y, bt, out, plan)

@@ -6,15 +6,19 @@ Everything the loader (:mod:`loraplex.lora.adapter`), the registry
 
 - the file names (``adapter_config.json`` + ``adapter_model.safetensors``, or the older
   ``adapter_model.bin``) and which weights file a directory is read from;
-- the seven projections of a Llama-family decoder layer and their ``(d_in, d_out)``;
+- the seven projections of a Llama-family decoder layer and their ``(d_in, d_out)``, and the
+  two modules outside the layers (``embed_tokens``, PEFT's ``lora_embedding_A/B``, and
+  ``lm_head``), keyed ``(VOCAB_LAYER, name)``;
 - the config features we refuse (DoRA, biases, modules_to_save, base-modifying inits, ...),
   checked by :func:`parse_lora_config`;
 - PEFT's module selection and per-module rank/scale (:class:`LoraSettings`: ``target_modules``
   as a list, a regex or ``all-linear``, ``exclude_modules``, ``layers_to_transform`` with
   ``layers_pattern``, ``rank_pattern`` / ``alpha_pattern``);
 - the tensor names PEFT saves and what a set of tensors must look like for a base model
-  (:func:`check_layout`: every tensor a LoRA A/B of a targeted projection, ``A: [r, d_in]``,
-  ``B: [d_out, r]``, the configured rank, every targeted module present).
+  (:func:`check_layout`: every tensor a LoRA A/B of a targeted module, ``A: [r, d_in]``,
+  ``B: [d_out, r]``, the configured rank, every targeted module present; the copies of the
+  base's own embedding matrices PEFT saves beside an embedding / lm_head LoRA are checked
+  against the base's shape and not served).
 
 Each refusal is a :class:`FormatError` with a registry ``reason`` code and a message; the
 loader wraps it into an ``AdapterError`` naming the path, the registry into a
@@ -26,7 +30,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 CONFIG_NAME = "adapter_config.json"
@@ -83,6 +87,30 @@ def projection_shapes(
     }
 
 
+EMBED_TOKENS = "embed_tokens"
+LM_HEAD = "lm_head"
+VOCAB_MODULES = (EMBED_TOKENS, LM_HEAD)
+"""The adaptable modules outside the decoder layers: the token embedding (PEFT's
+``lora_embedding_A [r, vocab]`` / ``lora_embedding_B [hidden, r]``) and the LM head (an ordinary
+``lora_A [r, hidden]`` / ``lora_B [vocab, r]``)."""
+VOCAB_LAYER = -1
+"""The layer index of :data:`VOCAB_MODULES` in ``(layer, name)`` module keys."""
+EMBED_KEY = (VOCAB_LAYER, EMBED_TOKENS)
+LM_HEAD_KEY = (VOCAB_LAYER, LM_HEAD)
+
+
+def vocab_module_shapes(vocab_size: int, hidden: int) -> dict[str, tuple[int, int]]:
+    """name -> (d_in, d_out) of the two vocabulary-wide modules: the embedding maps a token
+    (one of ``vocab_size``) to ``hidden`` features, the head the other way round."""
+    return {EMBED_TOKENS: (vocab_size, hidden), LM_HEAD: (hidden, vocab_size)}
+
+
+def vocab_module_key(name: str, prefix: str = "model.") -> str:
+    """The module name PEFT matches its patterns against: ``model.embed_tokens``, ``lm_head``
+    (the head sits beside the decoder, outside ``prefix``)."""
+    return f"{prefix}{name}" if name == EMBED_TOKENS else name
+
+
 @dataclass(frozen=True)
 class BaseModelSpec:
     """What an adapter is validated against, built from the base model's config."""
@@ -90,6 +118,9 @@ class BaseModelSpec:
     num_layers: int
     module_shapes: dict[str, tuple[int, int]]  # proj name -> (d_in, d_out)
     model_type: str = "llama"
+    vocab_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """``embed_tokens`` / ``lm_head`` -> (d_in, d_out) (:func:`vocab_module_shapes`); empty
+    when the base does not serve LoRA on them (such adapters are then refused)."""
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any]) -> BaseModelSpec:
@@ -101,7 +132,11 @@ class BaseModelSpec:
         head_dim = int(raw.get("head_dim") or hidden // heads)
         inter = int(raw["intermediate_size"])
         shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
-        return cls(int(raw["num_hidden_layers"]), shapes, str(raw.get("model_type", "llama")))
+        vocab = raw.get("vocab_size")
+        vocab_shapes = vocab_module_shapes(int(vocab), hidden) if vocab else {}
+        return cls(
+            int(raw["num_hidden_layers"]), shapes, str(raw.get("model_type", "llama")), vocab_shapes
+        )
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -122,7 +157,7 @@ class FormatError(ValueError):
 
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "use_dora": "DoRA adapters are not supported",
-    "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+    "modules_to_save": "full replacement weights (modules_to_save) are not served, only LoRA A/B",
     "lora_bias": "LoRA bias terms are not supported",
     "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights) is not supported",
     "layer_replication": "layer_replication is not supported",
@@ -184,7 +219,9 @@ class LoraSettings:
         )
 
     def is_targeted(self, module: str) -> bool:
-        """PEFT's ``check_target_module_exists`` for a key like ``model.layers.3.mlp.up_proj``."""
+        """PEFT's ``check_target_module_exists`` for a key like ``model.layers.3.mlp.up_proj``
+        (or ``model.embed_tokens`` / ``lm_head``: with no layer index, ``layers_to_transform``
+        leaves them out unless ``target_modules`` lists the whole name, as PEFT does)."""
         ex = self.exclude_modules
         if ex:
             if isinstance(ex, str):
@@ -194,8 +231,8 @@ class LoraSettings:
                 return False
         tm = self.target_modules
         if isinstance(tm, str):
-            if tm.lower() == "all-linear":  # every linear except the LM head: all 7 projections
-                found = True
+            if tm.lower() == "all-linear":  # every linear but the LM head (an embedding is none)
+                found = module.rsplit(".", 1)[-1] not in VOCAB_MODULES
             else:
                 return re.fullmatch(tm, module) is not None
         elif module in tm:
@@ -256,9 +293,16 @@ def parse_lora_config(config: Mapping[str, Any]) -> LoraSettings:
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise _config_error(f"peft_type must be 'LORA', got {peft_type!r}")
-    for field, why in UNSUPPORTED_FIELDS.items():
-        if config.get(field):
-            raise _config_error(f"{field}={config[field]!r}: {why}")
+    for name, why in UNSUPPORTED_FIELDS.items():
+        value = config.get(name)
+        if value and name == "modules_to_save":
+            modules = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+            raise _config_error(
+                f"modules_to_save={value!r}: full replacement weights for {modules} are not "
+                "served, only LoRA A/B"
+            )
+        if value:
+            raise _config_error(f"{name}={value!r}: {why}")
     bias = config.get("bias", "none")
     if bias != "none":
         raise _config_error(f"bias={bias!r}: only bias='none' is supported")
@@ -305,24 +349,49 @@ def parse_lora_config(config: Mapping[str, Any]) -> LoraSettings:
     pattern = config.get("layers_pattern")
     if pattern is not None and not _str_or_str_list(pattern):
         raise _config_error(f"layers_pattern must be a string or list of strings, got {pattern!r}")
-    for field, value in (("target_modules", target), ("exclude_modules", exclude)):
+    for name, value in (("target_modules", target), ("exclude_modules", exclude)):
         if isinstance(value, str):
             try:
                 re.compile(value)
             except re.error as e:
-                raise _config_error(f"{field} is not a valid regex {value!r}: {e}") from e
-    return LoraSettings.of(config)
+                raise _config_error(f"{name} is not a valid regex {value!r}: {e}") from e
+    settings = LoraSettings.of(config)
+    tied = [m for m in VOCAB_MODULES if settings.is_targeted(vocab_module_key(m))]
+    if config.get("ensure_weight_tying") and tied:
+        raise _config_error(
+            f"ensure_weight_tying=True with {' and '.join(tied)} targeted: one LoRA shared "
+            "by a tied embedding and LM head is not supported"
+        )
+    return settings
+
+
+def merge_writes_tied_matrix(config: Mapping[str, Any], base_config: Mapping[str, Any]) -> bool:
+    """Whether PEFT's ``merge_and_unload`` of this adapter (its ``adapter_config.json``) would
+    write the one matrix a tied base (``tie_word_embeddings``) shares between its embedding and
+    LM head: a LoRA on either would then reach the other too. The adapter means what it did in
+    training, the unmerged PEFT model: LoRA on the tied head on the logits only, on the
+    embedding in the lookup only (what loraplex serves)."""
+    text = base_config.get("text_config")
+    tied = base_config.get("tie_word_embeddings")
+    if tied is None and isinstance(text, Mapping):
+        tied = text.get("tie_word_embeddings")
+    if not tied:
+        return False
+    try:
+        settings = parse_lora_config(config)
+    except FormatError:
+        return False
+    return any(settings.is_targeted(vocab_module_key(m)) for m in VOCAB_MODULES)
 
 
 def unservable_targets(target_modules: Any) -> list[Any]:
-    """Entries of a ``target_modules`` list that name no projection we serve (``lm_head``,
-    ``embed_tokens``, GPT-2's ``c_attn``, non-strings). The registry refuses adapters whose
-    config names such modules; the loader only refuses their tensors."""
+    """Entries of a ``target_modules`` list that name no module we serve (GPT-2's ``c_attn``,
+    non-strings; not the seven projections, ``embed_tokens`` or ``lm_head``). The registry
+    refuses adapters whose config names such modules; the loader only refuses their tensors."""
     if not isinstance(target_modules, list):
         return []
-    return [
-        t for t in target_modules if not isinstance(t, str) or t.split(".")[-1] not in PROJ_NAMES
-    ]
+    servable = (*PROJ_NAMES, *VOCAB_MODULES)
+    return [t for t in target_modules if not isinstance(t, str) or t.split(".")[-1] not in servable]
 
 
 # -- the tensors ---------------------------------------------------------------------------------
@@ -333,33 +402,63 @@ TENSOR_KEY_RE = re.compile(
     r"(?P<module>(?:model\.)?layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<proj>[^.]+))"
     r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
+_EMBED_MODULE = r"(?:model\.)?(?:language_model\.)?(?:model\.)?embed_tokens"
+_HEAD_MODULE = r"(?:language_model\.)?lm_head"
+# base_model.model.model.embed_tokens.lora_embedding_A[.default]  (PEFT's nn.Parameter names)
+EMBED_KEY_RE = re.compile(
+    rf"^(?:base_model\.model\.)?(?P<module>{_EMBED_MODULE})\.lora_embedding_(?P<ab>[AB])"
+    r"(?:\.[^.]+)?$"
+)
+# base_model.model.lm_head.lora_A[.default].weight
+HEAD_KEY_RE = re.compile(
+    rf"^(?:base_model\.model\.)?(?P<module>{_HEAD_MODULE})\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+# base_model.model.model.embed_tokens.base_layer.weight: PEFT's save_embedding_layers="auto"
+# saves the base's own (frozen) matrix beside an embedding / lm_head LoRA
+BASE_COPY_RE = re.compile(
+    rf"^(?:base_model\.model\.)?(?P<module>{_EMBED_MODULE}|{_HEAD_MODULE})\.base_layer\.weight$"
+)
+_VOCAB_WEIGHT_RE = re.compile(
+    rf"^(?:base_model\.model\.)?(?:{_EMBED_MODULE}|{_HEAD_MODULE})(?:\.[^.]+)?\.weight$"
+)
 
 
 @dataclass(frozen=True)
 class TensorKey:
-    """A tensor name PEFT saves for one LoRA factor of a decoder-layer module."""
+    """A tensor name PEFT saves for one LoRA factor of an adaptable module."""
 
     module: str  # e.g. "model.layers.3.self_attn.q_proj" (what patterns are matched against)
-    layer: int
-    block: str  # self_attn | mlp
+    layer: int  # VOCAB_LAYER for embed_tokens / lm_head
+    block: str  # self_attn | mlp; "" for embed_tokens / lm_head
     proj: str
     ab: str  # "A" | "B"
 
 
 def parse_tensor_key(name: str) -> TensorKey | None:
-    """The parts of ``...layers.N.{self_attn,mlp}.<proj>.lora_{A,B}[.<adapter>].weight``."""
+    """The parts of ``...layers.N.{self_attn,mlp}.<proj>.lora_{A,B}[.<adapter>].weight``,
+    ``...embed_tokens.lora_embedding_{A,B}[.<adapter>]`` or
+    ``...lm_head.lora_{A,B}[.<adapter>].weight``."""
     m = TENSOR_KEY_RE.match(name)
+    if m is not None:
+        return TensorKey(m["module"], int(m["layer"]), m["block"], m["proj"], m["ab"])
+    for proj, pattern in ((EMBED_TOKENS, EMBED_KEY_RE), (LM_HEAD, HEAD_KEY_RE)):
+        m = pattern.match(name)
+        if m is not None:
+            return TensorKey(m["module"], VOCAB_LAYER, "", proj, m["ab"])
+    return None
+
+
+def parse_base_copy(name: str) -> str | None:
+    """``embed_tokens`` / ``lm_head`` when ``name`` is PEFT's copy of that base matrix
+    (``...embed_tokens.base_layer.weight``), else None."""
+    m = BASE_COPY_RE.match(name)
     if m is None:
         return None
-    return TensorKey(m["module"], int(m["layer"]), m["block"], m["proj"], m["ab"])
+    return LM_HEAD if m["module"].endswith(LM_HEAD) else EMBED_TOKENS
 
 
 def unknown_tensor_error(name: str) -> FormatError:
     """Why a tensor whose name :func:`parse_tensor_key` does not parse is refused."""
-    if "lora_embedding_" in name or ".embed_tokens." in name or "lm_head" in name:
-        return FormatError(
-            "unsupported_target", f"tensor {name!r}: embedding / lm_head LoRA is not supported"
-        )
     if "lora_magnitude_vector" in name:
         why = "DoRA magnitude vectors are not supported"
     elif "modules_to_save" in name:
@@ -368,10 +467,18 @@ def unknown_tensor_error(name: str) -> FormatError:
         why = "trainable tokens are not supported"
     elif ".lora_" in name and name.endswith(".bias"):
         why = "LoRA bias (lora_bias) is not supported"
+    elif ".embed_tokens.lora_" in name:
+        why = "an embed_tokens LoRA is PEFT's lora_embedding_A / lora_embedding_B"
+    elif _VOCAB_WEIGHT_RE.match(name):
+        module = LM_HEAD if LM_HEAD in name else EMBED_TOKENS
+        why = (
+            f"full replacement weights for {module} (modules_to_save, or a resized "
+            "vocabulary) are not served, only LoRA A/B"
+        )
     else:
         return FormatError(
             "unsupported_tensor",
-            f"tensor {name!r} is not a LoRA A/B weight of a decoder-layer projection we understand",
+            f"tensor {name!r} is not a LoRA A/B weight of a module we understand",
         )
     return FormatError("unsupported_tensor", f"tensor {name!r}: {why}")
 
@@ -396,6 +503,23 @@ class ModuleLayout:
     scale: float
 
 
+def _module_order(key: tuple[int, str]) -> tuple[int, int]:
+    """Modules in table order: embed_tokens and lm_head first, then layer by layer."""
+    layer, proj = key
+    table = VOCAB_MODULES if layer == VOCAB_LAYER else PROJ_NAMES
+    return (layer, table.index(proj))
+
+
+def _decoder_prefix(module_keys: Iterable[str]) -> str:
+    """What precedes ``layers.N`` / ``embed_tokens`` in the module names PEFT saw
+    (``model.``, ``model.language_model.``), for naming the modules it must have seen."""
+    for mkey in module_keys:
+        for anchor in ("layers.", EMBED_TOKENS):
+            if anchor in mkey:
+                return mkey.split(anchor)[0]
+    return "model."
+
+
 def check_layout(
     settings: LoraSettings,
     tensors: Mapping[str, TensorMeta],
@@ -405,25 +529,40 @@ def check_layout(
 ) -> dict[tuple[int, str], ModuleLayout]:
     """Check a set of tensors (name -> shape and kind, no data) against the config and the base.
 
-    Every tensor must be ``lora_A``/``lora_B`` of a projection of a decoder layer, each module
-    has both, ``A: [r, d_in]`` and ``B: [d_out, r]`` of the base's shapes with the configured
-    rank ``r <= max_rank``, the config targets it, and every module the config targets has
-    tensors (a half-present adapter, e.g. made for a model with fewer layers, is a mismatch).
-    Returns ``(layer, proj) -> ModuleLayout`` in (layer, projection table) order.
+    Every tensor must be ``lora_A``/``lora_B`` of a projection of a decoder layer or of the LM
+    head, or ``lora_embedding_A``/``lora_embedding_B`` of the token embedding; each module has
+    both, ``A: [r, d_in]`` and ``B: [d_out, r]`` of the base's shapes (the embedding's ``d_in``
+    is the vocabulary) with the configured rank ``r <= max_rank``, the config targets it, and
+    every module the config targets has tensors (a half-present adapter, e.g. made for a model
+    with fewer layers, is a mismatch). PEFT's copies of the base's embedding / LM head matrix
+    (``...base_layer.weight``, saved beside a LoRA on them) must have the base's shape (else the
+    vocabulary was resized) and are not served: LoRA training freezes them. Returns
+    ``(layer, proj) -> ModuleLayout`` in table order (``(VOCAB_LAYER, name)`` first).
     """
     pairs: dict[tuple[int, str], dict[str, str]] = {}  # (layer, proj) -> {"A": name, "B": name}
     module_keys: dict[tuple[int, str], str] = {}
+    copies: dict[str, str] = {}  # base copy tensor name -> embed_tokens | lm_head
     for name in sorted(tensors):
+        copied = parse_base_copy(name)
+        if copied is not None:
+            copies[name] = copied
+            continue
         k = parse_tensor_key(name)
         if k is None:
             raise unknown_tensor_error(name)
-        if k.proj not in PROJ_NAMES:
+        if k.layer == VOCAB_LAYER:
+            if k.proj not in spec.vocab_shapes:
+                raise FormatError(
+                    "unsupported_target",
+                    f"tensor {name!r}: this base model serves no LoRA on {k.proj}",
+                )
+        elif k.proj not in PROJ_NAMES:
             raise FormatError(
                 "unsupported_target",
                 f"tensor {name!r}: target module {k.proj!r} is not supported "
-                f"(supported: {', '.join(PROJ_NAMES)})",
+                f"(supported: {', '.join((*PROJ_NAMES, *VOCAB_MODULES))})",
             )
-        if k.block != block_of(k.proj):
+        elif k.block != block_of(k.proj):
             raise FormatError(
                 "unsupported_tensor", f"tensor {name!r}: {k.proj} does not belong under {k.block}"
             )
@@ -434,14 +573,30 @@ def check_layout(
         module_keys[(k.layer, k.proj)] = k.module
     if not pairs:
         raise FormatError("incomplete_adapter", "no LoRA tensors (lora_A/lora_B weights) found")
+    for name, copied in copies.items():
+        if (VOCAB_LAYER, copied) not in pairs:
+            raise FormatError(
+                "unsupported_tensor",
+                f"tensor {name!r}: a copy of the base's {copied} matrix without a LoRA on "
+                f"{copied} (full replacement weights are not served, only LoRA A/B)",
+            )
+        vocab = spec.vocab_shapes[copied][0 if copied == EMBED_TOKENS else 1]
+        want = [vocab, spec.vocab_shapes[EMBED_TOKENS][1]]
+        if list(tensors[name].shape) != want:
+            raise FormatError(
+                "shape_mismatch",
+                f"tensor {name!r}: shape {list(tensors[name].shape)}, the base's {copied} is "
+                f"{want} (a resized vocabulary is not served)",
+            )
 
     out: dict[tuple[int, str], ModuleLayout] = {}
-    for key in sorted(pairs, key=lambda k: (k[0], PROJ_NAMES.index(k[1]))):
+    for key in sorted(pairs, key=_module_order):
         layer, proj = key
         mkey, slot = module_keys[key], pairs[key]
         for ab in "AB":
             if ab not in slot:
-                raise FormatError("incomplete_adapter", f"module {mkey}: lora_{ab} weight missing")
+                what = f"lora_embedding_{ab}" if proj == EMBED_TOKENS else f"lora_{ab} weight"
+                raise FormatError("incomplete_adapter", f"module {mkey}: {what} missing")
         a_name, b_name = slot["A"], slot["B"]
         a, b = tensors[a_name], tensors[b_name]
         if layer >= spec.num_layers:
@@ -449,7 +604,8 @@ def check_layout(
                 "shape_mismatch",
                 f"tensor {a_name!r}: layer {layer} >= base model num_layers {spec.num_layers}",
             )
-        if proj not in spec.module_shapes:
+        shapes = spec.vocab_shapes if layer == VOCAB_LAYER else spec.module_shapes
+        if proj not in shapes:
             raise FormatError("shape_mismatch", f"tensor {a_name!r}: base model has no {proj}")
         if not settings.is_targeted(mkey):
             raise FormatError(
@@ -466,7 +622,7 @@ def check_layout(
                 raise FormatError(
                     "shape_mismatch", f"tensor {tname!r}: expected 2-D, got shape {list(t.shape)}"
                 )
-        d_in, d_out = spec.module_shapes[proj]
+        d_in, d_out = shapes[proj]
         rank = a.shape[0]
         if b.shape[1] != rank:
             raise FormatError(
@@ -498,15 +654,25 @@ def check_layout(
             )
         out[key] = ModuleLayout(mkey, a_name, b_name, rank, scale)
 
-    prefix = next(iter(module_keys.values())).split("layers.")[0]
-    for layer in range(spec.num_layers):
-        for proj in spec.module_shapes:
-            mkey = module_key(layer, proj, prefix)
-            if (layer, proj) not in out and settings.is_targeted(mkey):
+    prefix = _decoder_prefix(module_keys.values())
+    expected = [
+        ((layer, proj), module_key(layer, proj, prefix))
+        for layer in range(spec.num_layers)
+        for proj in spec.module_shapes
+    ]
+    expected += [((VOCAB_LAYER, m), vocab_module_key(m, prefix)) for m in VOCAB_MODULES]
+    for key, mkey in expected:
+        if key not in out and settings.is_targeted(mkey):
+            if key[0] == VOCAB_LAYER and key[1] not in spec.vocab_shapes:
                 raise FormatError(
-                    "incomplete_adapter",
-                    f"module {mkey} is targeted by the config (target_modules / "
-                    "layers_to_transform) but has no LoRA tensors "
-                    "(adapter made for another model?)",
+                    "unsupported_target",
+                    f"module {mkey} is targeted by the config, and this base model serves no "
+                    f"LoRA on {key[1]}",
                 )
+            raise FormatError(
+                "incomplete_adapter",
+                f"module {mkey} is targeted by the config (target_modules / "
+                "layers_to_transform) but has no LoRA tensors "
+                "(adapter made for another model?)",
+            )
     return out

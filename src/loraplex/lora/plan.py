@@ -17,6 +17,7 @@ The plan is backend-neutral: every backend of ``loraplex.lora.ops`` (torch, Trit
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -54,6 +55,10 @@ class LoRABatchPlan:
     modules: frozenset[tuple[int, str]] | None = None
     """``(layer, proj)`` modules any of the step's adapters targets; the model skips the rest
     (their rows are zero for every segment). ``None``: apply every module."""
+
+    def uses(self, module: tuple[int, str]) -> bool:
+        """Whether the step applies LoRA on ``module`` (some adapter of it targets it)."""
+        return self.modules is None or module in self.modules
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +143,30 @@ def plan_lora_batch(
     device = torch.device(device)
     runs = [_make_run(segs[i:j], dtype, device) for i, j in reversed(bounds)]
     return LoRABatchPlan(num_tokens, num_rows, runs, tuple(segs), modules)
+
+
+def plan_rows(plan: LoRABatchPlan, rows: Sequence[int]) -> LoRABatchPlan:
+    """``plan`` over a subset of its tokens: row ``i`` of the result is token ``rows[i]``
+    (ascending, e.g. the step's logits rows or a chunk of prompt positions) with that token's
+    rank rows; one run per segment (no masks: the ops that read it, the LM head's, are
+    vocabulary-wide, so a masked run's extra rows cost more than the runs it saves)::
+
+        for ts, te, rs, re in plan.segments:
+            the rows i with ts <= rows[i] < te form one segment (i0, i1, rs, re)
+    """
+    n = len(rows)
+    if any(rows[i] >= rows[i + 1] for i in range(n - 1)):
+        raise ValueError("rows must be strictly increasing token indices")
+    if n and not 0 <= rows[0] <= rows[-1] < plan.num_tokens:
+        raise ValueError(f"rows must lie in [0, {plan.num_tokens}), got {rows[0]}..{rows[-1]}")
+    segs: list[Segment] = []
+    for ts, te, rs, re in plan.segments:
+        i0, i1 = bisect.bisect_left(rows, ts), bisect.bisect_left(rows, te)
+        if i0 < i1:
+            segs.append((i0, i1, rs, re))
+    runs = [LoRARun(*seg, None) for seg in segs]
+    num_rows = max((seg[3] for seg in segs), default=0)
+    return LoRABatchPlan(n, num_rows, runs, tuple(segs), plan.modules)
 
 
 def _check_segments(num_tokens: int, segments: Sequence[Segment]) -> list[Segment]:

@@ -5,7 +5,10 @@ Every adapted module ``(layer, proj)`` owns two tables that share one row layout
     a[(layer, proj)]:  [capacity, d_in]    rows = A of the owning adapter
     bt[(layer, proj)]: [capacity, d_out]   rows = (scale * B).T of the owning adapter
 
-with ``capacity = max_loras * max_lora_rank`` *rank rows*. An occupied slot owns the contiguous
+with ``capacity = max_loras * max_lora_rank`` *rank rows*. The token embedding's A (d_in = the
+vocabulary; :data:`GATHERED_MODULES`) is stored transposed, ``[vocab, capacity]``, and ``a`` is a
+``[capacity, vocab]`` view of it: its op gathers one row per token id, so a token's rank-row
+activations are contiguous. An occupied slot owns the contiguous
 rows ``[row_start, row_start + rows)`` in every table, ``rows`` being the adapter's largest rank
 over its modules, so a rank-8 adapter never pays for the largest supported rank. Rows nobody owns,
 rows of modules an adapter does not target and rows past a module's own rank (``rank_pattern``)
@@ -34,8 +37,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from loraplex.lora.peft_format import EMBED_KEY
+
 ModuleKey = tuple[int, str]
-"""``(layer index, projection name)``, e.g. ``(3, "q_proj")``."""
+"""``(layer index, projection name)``, e.g. ``(3, "q_proj")``; ``(VOCAB_LAYER, "lm_head")`` and
+``(VOCAB_LAYER, "embed_tokens")`` for the modules outside the layers."""
+
+GATHERED_MODULES: frozenset[ModuleKey] = frozenset({EMBED_KEY})
+"""Modules whose A is read by row gathers (token id -> A's column), stored ``[d_in, capacity]``."""
 
 
 _GRAIN = 32768  # at::internal::GRAIN_SIZE: ATen runs smaller element-wise ops on one thread
@@ -62,11 +71,16 @@ class LoRAModuleWeightsLike(Protocol):
 
 
 def _split(view: torch.Tensor) -> list[torch.Tensor]:
-    """``view`` as row blocks under ATen's parallel grain, so a background writer on CPU never
+    """``view`` (2-D) as blocks under ATen's parallel grain, so a background writer on CPU never
     starts an OpenMP team of its own (its threads would spin on the cores the engine's team
-    computes on)."""
-    step = max(1, (_GRAIN - 1) // max(1, view.shape[-1]))
-    return [view] if view.shape[0] <= step else list(view.split(step))
+    computes on): row blocks, or for rows longer than the grain (vocabulary-wide tables) column
+    blocks of every row. Views of one shape split alike whatever their strides (a transposed
+    table and the weights copied into it)."""
+    rows, cols = view.shape[0], view.shape[-1]
+    if cols < _GRAIN or rows == 0:
+        step = max(1, (_GRAIN - 1) // max(1, cols))
+        return [view] if rows <= step else list(view.split(step))
+    return list(view.split(max(1, (_GRAIN - 1) // rows), dim=-1))
 
 
 class _Prepared:
@@ -168,8 +182,12 @@ class LoRASlotBank:
         self._a: dict[ModuleKey, torch.Tensor] = {}
         self._bt: dict[ModuleKey, torch.Tensor] = {}
         for key, (d_in, d_out) in self.module_shapes.items():
-            # a: [capacity, d_in], bt: [capacity, d_out]
-            self._a[key] = torch.zeros(self.capacity, d_in, dtype=dtype, device=self.device)
+            # a: [capacity, d_in] (gathered: a view of [d_in, capacity]), bt: [capacity, d_out]
+            if key in GATHERED_MODULES:
+                at = torch.zeros(d_in, self.capacity, dtype=dtype, device=self.device)
+                self._a[key] = at.t()
+            else:
+                self._a[key] = torch.zeros(self.capacity, d_in, dtype=dtype, device=self.device)
             self._bt[key] = torch.zeros(self.capacity, d_out, dtype=dtype, device=self.device)
         self._rows: dict[int, tuple[int, int]] = {}  # slot -> (row_start, row_end)
         self._modules: dict[int, frozenset[ModuleKey]] = {}  # slot -> modules its adapter targets
@@ -208,7 +226,9 @@ class LoRASlotBank:
             raise KeyError(f"slot {slot} is empty") from None
 
     def tables(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(a [capacity, d_in], bt [capacity, d_out])`` of one module; ``KeyError`` if unknown."""
+        """``(a [capacity, d_in], bt [capacity, d_out])`` of one module; ``KeyError`` if unknown.
+        For :data:`GATHERED_MODULES` ``a`` is a transposed view: ``a.t()`` is the contiguous
+        ``[d_in, capacity]`` table."""
         key = (layer, proj)
         if key not in self._a:
             raise KeyError(f"module {key} has no LoRA tables")

@@ -7,6 +7,9 @@ adapter's weights are read once per token tile and a rank-8 adapter never touche
 rank-64 one. Tiles are converted to float32 before ``tl.dot``: ``ieee`` precision for float32
 models (exact), ``tf32`` otherwise (exact for bf16/fp16 inputs, whose mantissas fit in tf32).
 
+The embedding's LoRA (``embed``) is the expand kernel reading y's rows at the tokens' ids in
+the transposed A table: its shrink is a gather.
+
 The kernels also run under Triton's CPU interpreter (``TRITON_INTERPRET=1``), which is how the
 test suite checks them against the torch reference on machines without a GPU.
 """
@@ -77,6 +80,7 @@ def _expand_kernel(
     bt_ptr,
     out_ptr,
     seg_ptr,
+    ids_ptr,
     d_out,
     stride_y,
     stride_bt,
@@ -85,18 +89,24 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREC: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
-    """out[t, c] += sum_{r in [rs, re)} y[t, r] * bt[r, c] for t in [ts, te) of one segment."""
+    """out[t, c] += sum_{r in [rs, re)} y[t, r] * bt[r, c] for t in [ts, te) of one segment;
+    with ``GATHER`` y's row of token t is ``ids[t]`` (the embedding: y is A transposed)."""
     ts, te, rs, re = _segment(seg_ptr, tl.program_id(0))
     toks = ts + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     tmask = toks < te
     cmask = cols < d_out
+    if GATHER:
+        y_rows = tl.load(ids_ptr + toks, mask=tmask, other=0)  # [BM] token ids
+    else:
+        y_rows = toks
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(rs, re, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
         rmask = rows < re
-        y = _tile(y_ptr, toks, rows, stride_y, tmask, rmask)  # [BM, BK]
+        y = _tile(y_ptr, y_rows, rows, stride_y, tmask, rmask)  # [BM, BK]
         bt = _tile(bt_ptr, rows, cols, stride_bt, rmask, cmask)  # [BK, BN]
         acc += tl.dot(y, bt, input_precision=PREC)
     ptrs = out_ptr + toks[:, None] * stride_out + cols[None, :]
@@ -163,9 +173,33 @@ class TritonLoRAOps(PerModuleOps):
         d_out = out.shape[1]
         grid = (segs.shape[0], triton.cdiv(max_t, self.BLOCK_M), triton.cdiv(d_out, self.EXPAND_N))
         _expand_kernel[grid](
-            y, bt, out, segs, d_out, y.stride(0), bt.stride(0), out.stride(0),
+            y, bt, out, segs, segs, d_out, y.stride(0), bt.stride(0), out.stride(0),
             BLOCK_M=self.BLOCK_M, BLOCK_N=self.EXPAND_N, BLOCK_K=self.EXPAND_K,
             PREC=self._precision(bt),  # y is a float32 accumulator; precision follows the model
+            GATHER=False,
+        )  # fmt: skip
+
+    def embed(
+        self,
+        ids: torch.Tensor,
+        at: torch.Tensor,
+        bt: torch.Tensor,
+        out: torch.Tensor,
+        plan: LoRABatchPlan,
+    ) -> None:
+        """See ``LoRAOps.embed``: the expand kernel reading each token's rank-row activations
+        straight from row ``ids[t]`` of ``at`` (no gathered copy)."""
+        segs, max_t, _ = self._segments(plan, out.device)
+        if not plan.segments:
+            return
+        if out.stride(1) != 1 or at.stride(1) != 1:
+            raise ValueError("TritonLoRAOps.embed needs out and at with unit column stride")
+        d_out = out.shape[1]
+        grid = (segs.shape[0], triton.cdiv(max_t, self.BLOCK_M), triton.cdiv(d_out, self.EXPAND_N))
+        _expand_kernel[grid](
+            at, bt, out, segs, ids, d_out, at.stride(0), bt.stride(0), out.stride(0),
+            BLOCK_M=self.BLOCK_M, BLOCK_N=self.EXPAND_N, BLOCK_K=self.EXPAND_K,
+            PREC=self._precision(at, bt), GATHER=True,
         )  # fmt: skip
 
     def apply(

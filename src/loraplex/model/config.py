@@ -1,73 +1,33 @@
-"""Parse an HF ``config.json`` for the Llama family (Llama, Mistral, Qwen2) into a typed config."""
+"""Parse an HF ``config.json`` into a typed ``ModelConfig`` for one of the supported architectures.
+
+The fields every decoder shares are read here; the architecture's class (looked up in
+``model/registry.py``) reads what it does its own way (``config_fields``). An unknown
+architecture, rope type or activation is refused with one line naming it.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loraplex.lora.adapter import projection_shapes
+from loraplex.model.layers import ACTIVATIONS, ROPE_TYPES
+from loraplex.model.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from loraplex.model.spec import ModelConfig
 from loraplex.types import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_ROPE_TYPES",
+    "ModelConfig",
+    "generation_defaults_of",
+    "load_model_config",
+    "parse_model_config",
+    "read_generation_config",
+]
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape and numerics of a Llama-family decoder."""
-
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    torch_dtype: str | None
-    rope_scaling: dict[str, Any] | None = None
-    sliding_window: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    generation_defaults: dict[str, Any] = field(default_factory=dict, compare=False)
-    """Default sampling parameters from generation_config.json (SamplingParams field names:
-    temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), for the fields a request
-    leaves out; empty with ``--generation-config vllm``."""
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """proj name -> (d_in, d_out) of the seven adaptable projections."""
-        return projection_shapes(
-            self.hidden_size,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.intermediate_size,
-        )
-
-    def num_parameters(self) -> int:
-        per_layer = sum(a * b for a, b in self.module_shapes.values()) + 2 * self.hidden_size
-        embed = self.vocab_size * self.hidden_size
-        return (
-            self.num_layers * per_layer
-            + embed * (1 if self.tie_word_embeddings else 2)
-            + self.hidden_size
-        )
+SUPPORTED_ROPE_TYPES = tuple(ROPE_TYPES)
 
 
 GENERATION_CONFIG = "generation_config.json"
@@ -168,13 +128,19 @@ def load_model_config(
 
 
 def parse_model_config(raw: dict[str, Any], source: str = "config") -> ModelConfig:
+    """``raw`` (a parsed config.json) as the ``ModelConfig`` of its architecture's class."""
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
+        named = (
+            ", ".join(repr(a) for a in archs)
+            or f"(none named; model_type {raw.get('model_type')!r})"
+        )
         raise ModelLoadError(
-            f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"{source}: unsupported architecture {named}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    cls = ARCHITECTURES[arch]
     c = _text_config(raw)
 
     def req(key: str) -> Any:
@@ -206,15 +172,11 @@ def parse_model_config(raw: dict[str, Any], source: str = "config") -> ModelConf
         rope_scaling = {**rope_scaling, "rope_type": rtype}
         if rtype == "default":
             rope_scaling = None
-    model_type = SUPPORTED_ARCHITECTURES[arch]
     eos_ids = _eos_ids(c.get("eos_token_id", raw.get("eos_token_id")))
-    sliding = c.get("sliding_window")
-    if model_type == "qwen2" and not c.get("use_sliding_window", False):
-        sliding = None
+    # Qwen2/3 configs carry a sliding_window they only use with use_sliding_window
+    sliding = c.get("sliding_window") if c.get("use_sliding_window", True) else None
     attention_bias = bool(c.get("attention_bias", False))
-    return ModelConfig(
-        architecture=arch,
-        model_type=model_type,
+    fields: dict[str, Any] = dict(
         vocab_size=int(req("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(req("intermediate_size")),
@@ -228,13 +190,20 @@ def parse_model_config(raw: dict[str, Any], source: str = "config") -> ModelConf
         tie_word_embeddings=bool(
             c.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         ),
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=attention_bias and model_type != "qwen2",
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
         mlp_bias=bool(c.get("mlp_bias", False)),
         torch_dtype=c.get("torch_dtype") or c.get("dtype") or raw.get("torch_dtype"),
         rope_scaling=rope_scaling,
         sliding_window=int(sliding) if sliding else None,
+        hidden_act=str(c.get("hidden_act") or "silu"),
         eos_token_ids=eos_ids,
         bos_token_id=c.get("bos_token_id"),
-        raw=raw,
     )
+    fields.update(cls.config_fields(c, source))
+    if fields["hidden_act"] not in ACTIVATIONS:
+        raise ModelLoadError(
+            f"{source}: unsupported hidden_act {fields['hidden_act']!r}; "
+            f"supported: {', '.join(ACTIVATIONS)}"
+        )
+    return cls.config_class(architecture=arch, model_type=cls.model_type, raw=raw, **fields)

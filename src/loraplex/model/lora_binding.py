@@ -1,7 +1,9 @@
 """The LoRA state a decoder reads each step: the slot bank's tables and the op backend.
 
 A model calls ``add`` once per fused projection group and layer; modules no adapter of the step
-targets are skipped without a call."""
+targets are skipped without a call. Outside the layers it calls ``add_embedding`` after the token
+lookup and ``add_logits`` after the LM head, once per step each (both return at once when no
+adapter of the step targets ``embed_tokens`` / ``lm_head``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from loraplex.lora.ops import LoRAOps
+from loraplex.lora.peft_format import EMBED_KEY, LM_HEAD_KEY
 from loraplex.lora.plan import LoRABatchPlan
 from loraplex.lora.slots import LoRASlotBank, ModuleKey
 
@@ -25,6 +28,14 @@ class LoRABinding:
         self._by_modules: dict[frozenset[ModuleKey] | None, dict[tuple[int, str], tuple]] = {}
         self._lists: dict[tuple[int, str], tuple] = {}
         self._plan: LoRABatchPlan | None = None
+        self._embed: tuple[torch.Tensor, torch.Tensor] | None = None  # (at, bt), if adaptable
+        self._head: tuple[tuple[torch.Tensor, torch.Tensor, int, int], ...] | None = None
+        if EMBED_KEY in bank.module_shapes:
+            a, bt = bank.tables(*EMBED_KEY)
+            self._embed = (a.t(), bt)  # at: [vocab, capacity] (stored so), bt: [capacity, D]
+        if LM_HEAD_KEY in bank.module_shapes:
+            a, bt = bank.tables(*LM_HEAD_KEY)
+            self._head = ((a, bt, 0, bt.shape[1]),)  # a: [capacity, D], bt: [capacity, vocab]
 
     def modules_for(self, slots: Iterable[int]) -> frozenset[ModuleKey]:
         """Modules any of ``slots``' adapters targets (recorded by the bank when it filled each
@@ -59,6 +70,19 @@ class LoRABinding:
             )
         if modules:
             self.ops.apply_many(x, out, modules, plan)
+
+    def add_embedding(self, input_ids: torch.Tensor, h: torch.Tensor, plan: LoRABatchPlan) -> None:
+        """``h[t] += `` the embedding LoRA delta of token ``input_ids[t]`` for every adapted
+        token (``h: [T, D]``, the looked-up embeddings; ``plan`` the step's)."""
+        if self._embed is not None and plan.uses(EMBED_KEY):
+            self.ops.embed(input_ids, *self._embed, h, plan)
+
+    def add_logits(self, x: torch.Tensor, logits: torch.Tensor, plan: LoRABatchPlan) -> None:
+        """``logits[i] += `` the LM head's LoRA delta of row ``x[i]`` (``x: [N, D]``, the head's
+        input; ``logits: [N, vocab]``; ``plan`` over those N rows, ``plan_rows`` of the step's).
+        A tied head gets it here and never in the embedding lookup."""
+        if self._head is not None and plan.uses(LM_HEAD_KEY):
+            self.ops.apply_many(x, logits, self._head, plan)
 
     def active(
         self, plan: LoRABatchPlan, groups: Sequence[Sequence[tuple[str, int, int]]]

@@ -3,7 +3,8 @@
 :func:`inspect_adapter` reads an adapter directory once (digest, file hashes, safetensors
 header) and checks it against a base model's ``config.json`` with the engine loader's own
 format rules (:mod:`loraplex.lora.peft_format`: supported config, tensor names of the seven
-Llama projections, ``A: [r, d_in]`` / ``B: [d_out, r]`` shapes, targeted modules, rank limit).
+Llama projections, the embedding and the LM head, ``A: [r, d_in]`` / ``B: [d_out, r]`` shapes,
+targeted modules, rank limit).
 Each failure is a :class:`ValidationError` with a short ``reason`` code.
 :func:`base_model_info` fingerprints a base model directory (memoised across restarts).
 """
@@ -29,6 +30,7 @@ from loraplex.lora.peft_format import (
     BIN_NAME,
     PROJ_NAMES,
     SAFETENSORS_NAME,
+    VOCAB_MODULES,
     BaseModelSpec,
     FormatError,
     TensorMeta,
@@ -59,7 +61,7 @@ class AdapterInfo:
     rank: int  # max over modules
     alpha: float
     dtype: str  # e.g. "float16"; "mixed" when tensors differ
-    target_modules: tuple[str, ...]  # projections adapted in at least one layer, table order
+    target_modules: tuple[str, ...]  # modules adapted (embed_tokens, lm_head, then projections)
     nbytes: int
 
 
@@ -142,8 +144,9 @@ def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> 
     (:mod:`loraplex.lora.peft_format`), so a registered adapter is one the engine loads.
 
     ValidationError names the reason: ``unreadable``, ``unsupported_format`` (pickle weights),
-    ``unsupported_config``, ``unsupported_target`` (also a config naming a module that is not
-    a projection, e.g. ``lm_head``), ``unsupported_tensor``, ``unsupported_dtype``,
+    ``unsupported_config`` (also ``modules_to_save``, naming the module),
+    ``unsupported_target`` (also a config naming a module we do not serve, e.g. GPT-2's
+    ``c_attn``), ``unsupported_tensor``, ``unsupported_dtype``,
     ``incomplete_adapter``, ``shape_mismatch``, ``unsupported_base``, ``rank_too_large``."""
     root = Path(path)
     if root.is_dir() and not (root / SAFETENSORS_NAME).exists() and (root / BIN_NAME).exists():
@@ -161,9 +164,9 @@ def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> 
         settings = parse_lora_config(config)
         bad = unservable_targets(config.get("target_modules"))
         if bad:
+            supported = ", ".join((*PROJ_NAMES, *VOCAB_MODULES))
             raise FormatError(
-                "unsupported_target",
-                f"target_modules {bad} not supported (supported: {', '.join(PROJ_NAMES)})",
+                "unsupported_target", f"target_modules {bad} not supported (supported: {supported})"
             )
         try:
             spec = BaseModelSpec.from_hf_config(base.config)
@@ -185,6 +188,6 @@ def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> 
         rank=max(m.rank for m in layout.values()),
         alpha=float(config.get("lora_alpha", 8)),
         dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
-        target_modules=tuple(p for p in PROJ_NAMES if p in present),
+        target_modules=tuple(p for p in (*VOCAB_MODULES, *PROJ_NAMES) if p in present),
         nbytes=files.nbytes,
     )

@@ -32,6 +32,7 @@ ARCH_CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -74,6 +75,7 @@ def make_random_model(
     num_layers: int = 2,
     num_heads: int = 4,
     num_kv_heads: int = 2,
+    head_dim: int | None = None,
     intermediate_size: int = 128,
     vocab_size: int | None = None,
     dtype: torch.dtype = torch.float32,
@@ -85,7 +87,9 @@ def make_random_model(
 ) -> Path:
     """Save a random ``arch`` causal LM (HF format, safetensors) plus tokenizer to ``out_dir``.
 
-    ``vocab_size`` defaults to the tokenizer's size when a tokenizer is made, else 512.
+    ``vocab_size`` defaults to the tokenizer's size when a tokenizer is made, else 512;
+    ``head_dim`` to ``hidden_size // num_heads`` (whatever the config class's own default:
+    Qwen3Config's is 128).
     """
     import transformers
 
@@ -104,6 +108,7 @@ def make_random_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
         intermediate_size=intermediate_size,
         vocab_size=vocab,
         max_position_embeddings=config_overrides.pop("max_position_embeddings", 512),
@@ -171,14 +176,23 @@ def make_random_adapter(
 
 
 def load_merged_reference(base_dir: str | Path, adapter_dir: str | Path | None) -> Any:
-    """transformers model (float32, eval) with the adapter merged in: the correctness reference."""
+    """transformers model (float32, eval) with the adapter merged in: the correctness reference.
+
+    Unmerged (PEFT's own forward) where merging would write a tied base's one embedding / LM
+    head matrix (``merge_writes_tied_matrix``): the adapter means what it did in training."""
     from transformers import AutoModelForCausalLM
+
+    from loraplex.lora.peft_format import CONFIG_NAME, merge_writes_tied_matrix
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     if adapter_dir is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+        adapter_cfg = json.loads((Path(adapter_dir) / CONFIG_NAME).read_text())
+        base_cfg = json.loads((Path(base_dir) / "config.json").read_text())
+        if not merge_writes_tied_matrix(adapter_cfg, base_cfg):
+            model = model.merge_and_unload()
     return model.eval()
 
 

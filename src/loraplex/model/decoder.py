@@ -1,0 +1,337 @@
+"""The decoder skeleton every architecture shares: embedding, layers, final norm, LM head,
+over a flattened token batch with paged KV, and loading from an HF safetensors checkpoint.
+
+Base GEMMs run once per step for all tokens (q/k/v and gate/up fused); each adapted projection
+then adds its gathered LoRA delta for the tokens of every adapter in the batch.
+
+An architecture is a subclass (one short file) that says only how it differs: its checkpoint
+names (``layer_weights``, ``checkpoint_name``), its ``config.json`` extras (``config_fields``,
+``config_class``), its norm (``norm_class``), q/k norm (``qk_norm``), attention scale, rotary
+per layer (``layer_rotaries``) and, where the residual wiring differs, ``run_layers``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from loraplex.kv.cache import PagedKVCache
+from loraplex.lora.plan import LoRABatchPlan
+from loraplex.model.attention import AttentionMetadata
+from loraplex.model.layers import (
+    Attention,
+    DecoderLayer,
+    GatedMLP,
+    LayerStep,
+    ProjectionGroup,
+    RMSNorm,
+    RotaryEmbedding,
+    make_rotary,
+)
+from loraplex.model.linear import Linear, select_linear_factory
+from loraplex.model.loader import iter_checkpoint
+from loraplex.model.lora_binding import LoRABinding
+from loraplex.model.spec import ModelConfig
+from loraplex.types import ModelLoadError
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors for one engine step; tokens of one adapter are contiguous (see the runner)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] rows whose next-token logits are needed
+    lora_plan: LoRABatchPlan | None = None
+    logits_lora_plan: LoRABatchPlan | None = None  # lora_plan over the S logits rows (lm_head)
+
+
+LINEAR_SLOTS = ("qkv", "o", "gate_up", "down")
+"""The fused Linear slots of a layer, in forward order (the attributes ``projection_groups``
+names and the merger swaps)."""
+
+LLAMA_LAYER_WEIGHTS: Mapping[str, tuple[str, int]] = {
+    "input_layernorm": ("ln1", 0),
+    "post_attention_layernorm": ("ln2", 0),
+    "self_attn.q_proj": ("qkv", 0),
+    "self_attn.k_proj": ("qkv", 1),
+    "self_attn.v_proj": ("qkv", 2),
+    "self_attn.o_proj": ("o", 0),
+    "mlp.gate_proj": ("gate_up", 0),
+    "mlp.up_proj": ("gate_up", 1),
+    "mlp.down_proj": ("down", 0),
+}
+"""Checkpoint module under ``model.layers.N.`` -> (``DecoderLayer`` slot, part of the slot):
+parts of one slot are concatenated in part order (q, k, v -> ``qkv``); its ``.weight`` and
+``.bias`` tensors load into the slot's weight and bias."""
+
+TOP_WEIGHTS = {
+    "model.embed_tokens.weight": "embed_tokens",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+}
+"""Canonical names of the tensors outside the layers (see ``checkpoint_name``)."""
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+class DecoderForCausalLM:
+    """Inference-only decoder reading a paged KV cache; the Llama layout unless a subclass
+    says otherwise."""
+
+    model_type: ClassVar[str] = "llama"
+    """The HF ``model_type`` adapters are checked against (``BaseModelSpec``)."""
+    config_class: ClassVar[type[ModelConfig]] = ModelConfig
+    layer_weights: ClassVar[Mapping[str, tuple[str, int]]] = LLAMA_LAYER_WEIGHTS
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
+    """Every norm of the model (layers, q/k, final); Gemma's ``(1 + w)`` float32 norm goes here."""
+    qk_norm: ClassVar[bool] = False
+    """Per-head RMSNorm of q and k before RoPE (``q_norm`` and ``k_norm`` slots)."""
+
+    @classmethod
+    def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """``ModelConfig`` fields this architecture reads its own way from its text config
+        ``c`` (they replace the common parse's values; new fields need a ``config_class``).
+        Raise ModelLoadError naming the field for a value it cannot serve."""
+        return {}
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        per_layer = self.layer_rotaries()
+        assert len(per_layer) == cfg.num_layers, "layer_rotaries: one rotary per layer"
+        self.rotaries = list({id(r): r for r in per_layer}.values())  # cos/sin once per step each
+        index = {id(r): j for j, r in enumerate(self.rotaries)}
+        self.layers = [DecoderLayer(index[id(r)]) for r in per_layer]
+        self.attn = Attention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.attention_scale(),
+            self.qk_norm,
+        )
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.projection_groups: tuple[ProjectionGroup, ...] = (*self.attn.groups, *self.mlp.groups)
+        """Each fused Linear (in forward order), its input width and its projections' output
+        columns ``(proj, lo, hi)``: the one map of projections to fused weights (LoRA groups,
+        merging)."""
+        self._group_parts = tuple(parts for _, _, parts in self.projection_groups)
+        self.embed_tokens: torch.Tensor  # [V, D]
+        self.norm: RMSNorm
+        self.head: Linear
+        self.linear_impl = "unset"
+        self.lora: LoRABinding | None = None
+
+    # -- what an architecture may change -----------------------------------------------------
+    def layer_rotaries(self) -> list[RotaryEmbedding]:
+        """The rotary embedding of each layer: one shared instance per distinct rope (an
+        architecture with local and global bases returns two instances, each layer its own)."""
+        c = self.cfg
+        rot = make_rotary(c.head_dim, c.rope_theta, c.rope_scaling, self.dtype, self.device)
+        return [rot] * c.num_layers
+
+    def attention_scale(self) -> float:
+        """The softmax scale of attention scores."""
+        return self.cfg.head_dim**-0.5
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The canonical name (``TOP_WEIGHTS`` or ``model.layers.N.<module>.<weight|bias>``)
+        of checkpoint tensor ``name``, or None to skip it (rotary buffers; a multimodal
+        checkpoint's other towers)."""
+        return None if name.endswith("rotary_emb.inv_freq") else name
+
+    def norm_dims(self) -> dict[str, int]:
+        """Width of each norm slot of ``layer_weights`` (the shape check of its weight)."""
+        c = self.cfg
+        return {
+            "ln1": c.hidden_size,
+            "ln2": c.hidden_size,
+            "q_norm": c.head_dim,
+            "k_norm": c.head_dim,
+        }
+
+    # -- loading -----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> DecoderForCausalLM:
+        """Load weights tensor by tensor into their final buffers (fusing q/k/v and gate/up);
+        missing, unexpected or misshapen tensors raise ModelLoadError naming the tensor."""
+        model = cls(cfg, dtype, device)
+        top, layers = model._read_checkpoint(Path(model_dir))
+        model._build(top, layers)
+        return model
+
+    def _read_checkpoint(
+        self, model_dir: Path
+    ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """(top-level tensors by attribute, per layer ``{"<slot>.<weight|bias>": tensor}``)."""
+        cfg, dtype, device = self.cfg, self.dtype, self.device
+        nparts = Counter(slot for slot, _ in self.layer_weights.values())
+        top: dict[str, torch.Tensor] = {}
+        layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_layers)]
+        pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # parts of fused slots
+        for name, st in iter_checkpoint(model_dir):
+            key = self.checkpoint_name(name)
+            if key is None or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue  # a tied head is the embedding
+            if key in TOP_WEIGHTS:
+                self._check_shape(st.entries[name].shape, self._top_shape(key), name, model_dir)
+                top[TOP_WEIGHTS[key]] = st.read(name, dtype, device)
+                continue
+            m = _LAYER_KEY.fullmatch(key)
+            entry = self.layer_weights.get(m.group(2)) if m else None
+            if m is None or entry is None:
+                raise ModelLoadError(
+                    f"{model_dir}: unexpected tensor {name!r} for {cfg.architecture}"
+                )
+            idx, kind = int(m.group(1)), m.group(3)
+            if idx >= cfg.num_layers:
+                raise ModelLoadError(
+                    f"{model_dir}: unexpected tensor {name} (layer {idx} >= {cfg.num_layers})"
+                )
+            slot, part = entry
+            want = self._layer_shape(slot, part, nparts[slot], kind, name, model_dir)
+            self._check_shape(st.entries[name].shape, want, name, model_dir)
+            t = st.read(name, dtype, device)
+            if nparts[slot] == 1:
+                layers[idx][f"{slot}.{kind}"] = t
+                continue
+            got = pending.setdefault((idx, f"{slot}.{kind}"), {})
+            got[part] = t
+            if len(got) == nparts[slot]:
+                layers[idx][f"{slot}.{kind}"] = torch.cat([got[p] for p in range(nparts[slot])])
+                del pending[(idx, f"{slot}.{kind}")]
+        self._check_complete(top, layers, pending, model_dir)
+        return top, layers
+
+    def _top_shape(self, key: str) -> tuple[int, ...]:
+        c = self.cfg
+        return (c.hidden_size,) if key == "model.norm.weight" else (c.vocab_size, c.hidden_size)
+
+    def _layer_shape(
+        self, slot: str, part: int, nparts: int, kind: str, name: str, src: object
+    ) -> tuple[int, ...]:
+        """The shape config.json implies for part ``part`` of ``slot`` (``nparts`` parts)."""
+        group = next((g for g in self.projection_groups if g[0] == slot), None)
+        if group is None:  # a norm: a weight of its width, never a bias
+            if kind != "weight":
+                raise ModelLoadError(f"{src}: unexpected tensor {name!r}")
+            return (self.norm_dims()[slot],)
+        _, d_in, cols = group
+        lo, hi = (cols[part][1], cols[part][2]) if nparts == len(cols) else (0, cols[-1][2])
+        return (hi - lo, d_in) if kind == "weight" else (hi - lo,)
+
+    @staticmethod
+    def _check_shape(shape: tuple[int, ...], want: tuple[int, ...], name: str, src: object) -> None:
+        if tuple(shape) != want:
+            raise ModelLoadError(
+                f"{src}: tensor {name!r} has shape {tuple(shape)}, config.json implies {want}"
+            )
+
+    def _check_complete(
+        self,
+        top: dict[str, torch.Tensor],
+        layers: list[dict[str, torch.Tensor]],
+        pending: dict[tuple[int, str], dict[int, torch.Tensor]],
+        src: object,
+    ) -> None:
+        """Every tensor the config needs is there: each weight, the biases it asks for, and
+        every part of a fused bias the checkpoint started."""
+        c = self.cfg
+        for key, attr in TOP_WEIGHTS.items():
+            if attr not in top and not (attr == "lm_head" and c.tie_word_embeddings):
+                raise ModelLoadError(f"{src}: missing tensor {key!r}")
+        biased = {"qkv": c.qkv_bias, "o": c.o_bias, "gate_up": c.mlp_bias, "down": c.mlp_bias}
+        for idx, have in enumerate(layers):
+            missing = []
+            for module, (slot, part) in self.layer_weights.items():
+                for kind in ("weight", "bias"):
+                    key = f"{slot}.{kind}"
+                    started = pending.get((idx, key))
+                    needed = kind == "weight" or biased.get(slot, False) or started is not None
+                    if key not in have and needed and part not in (started or {}):
+                        missing.append(f"model.layers.{idx}.{module}.{kind}")
+            if missing:
+                raise ModelLoadError(f"{src}: layer {idx} is missing tensor(s) {missing}")
+
+    def _build(self, top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]]) -> None:
+        """Choose the linear implementation once and build every norm and projection."""
+        c, norm = self.cfg, self.norm_class
+        self.linear_impl, make = select_linear_factory(self.device, self.dtype)
+        for L, w in zip(self.layers, layers, strict=True):
+            for slot in LINEAR_SLOTS:
+                setattr(L, slot, make(w.pop(f"{slot}.weight"), w.pop(f"{slot}.bias", None)))
+            if self.qk_norm:
+                q, k = w.pop("q_norm.weight"), w.pop("k_norm.weight")
+                L.qk_norm = norm.per_head(q, k, c.num_heads, c.num_kv_heads, c.rms_norm_eps)
+            for key in list(w):
+                setattr(L, key.partition(".")[0], norm(w.pop(key), c.rms_norm_eps))
+        self.embed_tokens = top["embed_tokens"]
+        self.norm = norm(top["norm"], c.rms_norm_eps)
+        # a tied head shares the embedding (a packed backend makes the head its own copy)
+        self.head = make(top.get("lm_head", self.embed_tokens), None)
+
+    # -- forward -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Run all layers for the batch; returns float32 logits [S, vocab] at logits_indices."""
+        h = self.hidden_states(batch, cache)  # [T, D]
+        return self.compute_logits(h[batch.logits_indices], batch.logits_lora_plan)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding lookup: input_ids [T] -> [T, D]."""
+        return self.embed_tokens[input_ids]
+
+    @torch.inference_mode()
+    def compute_logits(
+        self, h: torch.Tensor, lora_plan: LoRABatchPlan | None = None
+    ) -> torch.Tensor:
+        """Final norm and LM head over last-layer hidden states.  h: [N, D] -> float32 [N, V].
+        ``lora_plan`` (over the N rows, ``plan_rows`` of the step's): the head's LoRA, added to
+        the float32 logits before anything else is done to them."""
+        x = self.norm(h)  # [N, D]
+        logits = self.head(x).float()  # [N, V]
+        if lora_plan is not None and self.lora is not None:
+            self.lora.add_logits(x, logits, lora_plan)
+        return logits
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Run all layers for the batch (writing its KV); returns the last layer's hidden
+        states [T, D] before the final norm, for every token (prompt logprobs need them all)."""
+        rope = [r.cos_sin(batch.positions) for r in self.rotaries]
+        step = LayerStep(cache, batch.attn, rope)
+        h = self.embed(batch.input_ids)  # [T, D]
+        lora, plan = self.lora, batch.lora_plan
+        if lora is not None and plan is not None:
+            step.lora, step.plan = lora, plan
+            step.lora_qkv, step.lora_o, step.lora_gate_up, step.lora_down = lora.active(
+                plan, self._group_parts
+            )
+            lora.add_embedding(batch.input_ids, h, plan)  # the lookup's own (never a tied head's)
+        return self.run_layers(h, step)  # [T, D]
+
+    def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """The layer stack's residual wiring (pre-norm): h: [T, D] -> [T, D]."""
+        attn, mlp = self.attn, self.mlp
+        for i, L in enumerate(self.layers):
+            h = h + attn(L, i, L.ln1(h), step)
+            h = h + mlp(L, i, L.ln2(h), step)
+        return h
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights as loaded (embedding, norms, projections, head)."""
+        shared = getattr(self.head, "weight", None) is self.embed_tokens  # tied and unpacked
+        total = self.embed_tokens.nbytes + self.norm.nbytes + (0 if shared else self.head.nbytes)
+        return total + sum(L.nbytes for L in self.layers)

@@ -1,0 +1,309 @@
+"""The layers every architecture is built from: norms, rotary embeddings, the attention block,
+the gated MLP, a layer's weights (``DecoderLayer``) and the per-step state the layers read.
+
+The blocks hold only what is the same for every layer (sizes, scale, activation, LoRA groups)
+and read the weights of the ``DecoderLayer`` they are called with by attribute, so the merger
+can swap a fused Linear in place. Every choice (norm kind, q/k norm, activation, rope type) is
+made once at construction; the per-token work is the same tensor ops for every architecture
+that shares a block.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.model.attention import AttentionMetadata, paged_attention
+from loraplex.model.linear import Linear
+
+if TYPE_CHECKING:
+    from loraplex.kv.cache import PagedKVCache
+    from loraplex.lora.plan import LoRABatchPlan
+    from loraplex.model.lora_binding import LoRABinding
+
+ProjectionGroup = tuple[str, int, tuple[tuple[str, int, int], ...]]
+"""``(fused Linear attribute, input features, ((proj, first column, end column), ...))``."""
+
+
+# ------------------------------------------------------------------------------------- norms
+
+
+class RMSNorm:
+    """HF-exact RMSNorm over the last dimension: statistics in float32, then the scale in the
+    model dtype (one fused kernel in float32; low-precision inputs normalise in float32 first,
+    as HF does).
+
+    ``weight``: ``[dim]``, or one row per head (``[heads, dim]``, see :meth:`per_head`).
+    Architectures with another norm (Gemma's ``x * (1 + w)`` computed in float32) subclass it
+    and name the subclass in their decoder's ``norm_class``."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        self.weight = weight
+        self.eps = eps
+        self.dim = (int(weight.shape[-1]),)
+        self._fused = weight.dim() == 1  # F.rms_norm takes a weight of exactly ``dim``
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused and x.dtype == torch.float32:
+            return F.rms_norm(x, self.dim, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.dim, None, self.eps).to(x.dtype)
+
+    @classmethod
+    def per_head(
+        cls,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+    ) -> RMSNorm:
+        """The per-head norms of q (``q_weight [hd]``) and k (``k_weight [hd]``) as one norm of
+        the ``[T, H + KVH, hd]`` q/k heads: row ``h`` of its weight is q's for ``h < H``, else
+        k's, so q and k normalise in one op (each head over its own ``hd`` values)."""
+        rows = torch.cat((q_weight.expand(num_heads, -1), k_weight.expand(num_kv_heads, -1)))
+        return cls(rows.contiguous(), eps)  # [H + KVH, hd]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+# ------------------------------------------------------------------------------------ rotary
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention.  x: [T, heads, hd]; cos, sin: [T, 1, hd]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class RotaryEmbedding:
+    """Default RoPE: ``inv_freq[i] = base ** (-2i / hd)``, with cos/sin tables [positions, hd]
+    grown on demand (doubling) in the model dtype.
+
+    Subclasses change the frequencies (:meth:`inv_freq`: linear, llama3) or the tables
+    (:meth:`tables`; a LongRoPE-style rope with two factor sets and an attention factor would
+    override :meth:`cos_sin` to pick the long or short table). One instance per distinct base:
+    an architecture with a per-layer base (local vs global layers) builds one per base in its
+    decoder's ``layer_rotaries``."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        base: float,
+        scaling: Mapping[str, Any] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.head_dim = head_dim
+        self.base = base
+        self.scaling = scaling
+        self.dtype = dtype
+        self.device = device
+        self._len = 0
+        self._cos = self._sin = torch.empty(0)
+
+    def inv_freq(self) -> torch.Tensor:
+        """Inverse frequencies [hd / 2], float32."""
+        hd = self.head_dim
+        return 1.0 / (self.base ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+
+    def tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions ``0..n-1``: [n, hd] each, in the model dtype."""
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype).to(self.device), emb.sin().to(self.dtype).to(self.device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of ``positions [T]``: [T, 1, hd] each (broadcast over heads)."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if need > self._len:
+            n = max(need, 2 * self._len, 256)
+            self._cos, self._sin = self.tables(n)
+            self._len = n
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+
+class LinearScalingRotaryEmbedding(RotaryEmbedding):
+    """``rope_type: linear``: positions divided by ``factor`` (frequencies, equivalently)."""
+
+    def inv_freq(self) -> torch.Tensor:
+        assert self.scaling is not None
+        return super().inv_freq() / float(self.scaling["factor"])
+
+
+class Llama3RotaryEmbedding(RotaryEmbedding):
+    """``rope_type: llama3``: low frequencies scaled by ``factor``, high ones kept, a smooth
+    ramp between (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``)."""
+
+    def inv_freq(self) -> torch.Tensor:
+        assert self.scaling is not None
+        rs, inv = self.scaling, super().inv_freq()
+        factor = float(rs["factor"])
+        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_len = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+
+
+ROPE_TYPES: dict[str, type[RotaryEmbedding]] = {
+    "default": RotaryEmbedding,
+    "linear": LinearScalingRotaryEmbedding,
+    "llama3": Llama3RotaryEmbedding,
+}
+"""``rope_scaling.rope_type`` -> its rotary class; ``parse_model_config`` refuses the others."""
+
+
+def make_rotary(
+    head_dim: int,
+    base: float,
+    scaling: Mapping[str, Any] | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> RotaryEmbedding:
+    """The rotary embedding for ``scaling`` (None: default RoPE)."""
+    rtype = "default" if scaling is None else str(scaling["rope_type"])
+    return ROPE_TYPES[rtype](head_dim, base, scaling, dtype, device)
+
+
+# ------------------------------------------------------------------------------ layer state
+
+
+class DecoderLayer:
+    """One decoder layer's weights, by slot (inference only). The blocks read them by
+    attribute; the merger swaps the Linear slots for merged copies and back."""
+
+    def __init__(self, rope: int = 0) -> None:
+        self.ln1: RMSNorm  # before attention
+        self.ln2: RMSNorm  # before the MLP
+        self.qkv: Linear  # [q + 2 kv, D]
+        self.o: Linear  # [D, q]
+        self.gate_up: Linear  # [2 I, D]
+        self.down: Linear  # [D, I]
+        self.qk_norm: RMSNorm | None = None  # per-head q/k norm, weight [H + KVH, hd]
+        self.rope = rope  # index of this layer's rotary in the model's ``rotaries``
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the layer's norms and projections."""
+        return sum(v.nbytes for v in vars(self).values() if hasattr(v, "nbytes"))
+
+
+@dataclass(slots=True)
+class LayerStep:
+    """What every layer reads in one step, built once per step by the decoder."""
+
+    cache: PagedKVCache
+    attn_meta: AttentionMetadata
+    rope: list[tuple[torch.Tensor, torch.Tensor]]  # per rotary of the model: cos, sin [T, 1, hd]
+    lora: LoRABinding | None = None
+    plan: LoRABatchPlan | None = None
+    lora_qkv: bool = False  # an adapter of the step targets one of the group's projections
+    lora_o: bool = False
+    lora_gate_up: bool = False
+    lora_down: bool = False
+
+
+# -------------------------------------------------------------------------------- attention
+
+
+class Attention:
+    """The attention block: fused q/k/v Linear, optional per-head q/k RMSNorm, RoPE, paged
+    attention with ``scale``, o Linear, and the LoRA adds of the q/k/v and o groups.
+
+    Reads ``L.qkv``, ``L.o``, ``L.rope`` (index of the layer's rotary) and, with ``qk_norm``,
+    ``L.qk_norm`` (an :meth:`RMSNorm.per_head` norm) of the layer it is called with."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        qk_norm: bool,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.qk_size = self.q_size + self.kv_size
+        self.scale = scale
+        self.qk_norm = qk_norm
+        qs, kvs, d = self.q_size, self.kv_size, hidden_size
+        self.groups: tuple[ProjectionGroup, ProjectionGroup] = (
+            (
+                "qkv",
+                d,
+                (("q_proj", 0, qs), ("k_proj", qs, qs + kvs), ("v_proj", qs + kvs, qs + 2 * kvs)),
+            ),
+            ("o", qs, (("o_proj", 0, d),)),
+        )
+        self.qkv_parts, self.o_parts = (g[2] for g in self.groups)
+
+    def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """Layer ``i``'s attention output [T, D] for normed input ``x [T, D]`` (writes its KV)."""
+        T, hd = x.shape[0], self.head_dim
+        qkv = L.qkv(x)  # [T, q + 2 kv]
+        if step.lora_qkv:
+            step.lora.add(i, self.qkv_parts, x, qkv, step.plan)
+        qk = qkv[:, : self.qk_size].view(T, -1, hd)  # [T, H + KVH, hd]
+        if self.qk_norm:
+            qk = L.qk_norm(qk)
+        cos, sin = step.rope[L.rope]
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, hd], [T, KVH, hd]
+        v = qkv[:, self.qk_size :].view(T, -1, hd)  # [T, KVH, hd]
+        a = paged_attention(q, k, v, i, step.cache, step.attn_meta, self.scale).reshape(
+            T, self.q_size
+        )
+        o = L.o(a)  # [T, D]
+        if step.lora_o:
+            step.lora.add(i, self.o_parts, a, o, step.plan)
+        return o
+
+
+# -------------------------------------------------------------------------------------- MLP
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+"""``hidden_act`` -> the gated MLP's activation (transformers' ``ACT2FN`` of the same name)."""
+
+
+class GatedMLP:
+    """The gated MLP: fused gate/up Linear, ``act(gate) * up``, down Linear, and the LoRA adds
+    of the gate/up and down groups. Reads ``L.gate_up`` and ``L.down``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        self.inter = intermediate_size
+        self.act = ACTIVATIONS[hidden_act]
+        inter, d = intermediate_size, hidden_size
+        self.groups: tuple[ProjectionGroup, ProjectionGroup] = (
+            ("gate_up", d, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
+            ("down", inter, (("down_proj", 0, d),)),
+        )
+        self.gate_up_parts, self.down_parts = (g[2] for g in self.groups)
+
+    def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """Layer ``i``'s MLP output [T, D] for normed input ``x [T, D]``."""
+        gu = L.gate_up(x)  # [T, 2 I]
+        if step.lora_gate_up:
+            step.lora.add(i, self.gate_up_parts, x, gu, step.plan)
+        act = self.act(gu[:, : self.inter]) * gu[:, self.inter :]  # [T, I]
+        d = L.down(act)  # [T, D]
+        if step.lora_down:
+            step.lora.add(i, self.down_parts, act, d, step.plan)
+        return d

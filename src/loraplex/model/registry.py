@@ -1,0 +1,36 @@
+"""The supported architectures: HF ``architectures`` name -> decoder class, one line each.
+
+Adding an architecture is its file in ``model/`` (a ``DecoderForCausalLM`` subclass saying how
+it differs) and its line here; ``parse_model_config`` refuses every other name at start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loraplex.model.decoder import DecoderForCausalLM
+from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from loraplex.model.qwen3 import Qwen3ForCausalLM
+from loraplex.model.spec import ModelConfig
+
+ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    name: cls.model_type for name, cls in ARCHITECTURES.items()
+}
+"""Architecture name -> its ``model_type`` (what adapters are checked against)."""
+
+
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> DecoderForCausalLM:
+    """The decoder of ``cfg.architecture`` (parsed by ``parse_model_config``, which refused
+    any other) with the checkpoint's weights."""
+    return ARCHITECTURES[cfg.architecture].from_pretrained(model_dir, cfg, dtype, device)

@@ -1,0 +1,70 @@
+"""``ModelConfig``: the typed shape and numerics of a decoder, whatever its architecture.
+
+It lives apart from its parsing (``model/config.py``) because the parser looks architectures up
+in the registry, whose classes are built from this config: the split keeps imports acyclic.
+``loraplex.model.config`` re-exports it, and that is where callers import it from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraplex.lora.adapter import projection_shapes
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and numerics of a decoder (the fields every architecture shares).
+
+    An architecture with more to say subclasses it (its class's ``config_class``) and fills the
+    extra fields from its ``config_fields`` hook."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    torch_dtype: str | None
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    """The gated MLP's activation (``model.layers.ACTIVATIONS`` names the supported ones)."""
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    generation_defaults: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Default sampling parameters from generation_config.json (SamplingParams field names:
+    temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), for the fields a request
+    leaves out; empty with ``--generation-config vllm``."""
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """proj name -> (d_in, d_out) of the seven adaptable projections."""
+        return projection_shapes(
+            self.hidden_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate_size,
+        )
+
+    def num_parameters(self) -> int:
+        per_layer = sum(a * b for a, b in self.module_shapes.values()) + 2 * self.hidden_size
+        embed = self.vocab_size * self.hidden_size
+        return (
+            self.num_layers * per_layer
+            + embed * (1 if self.tie_word_embeddings else 2)
+            + self.hidden_size
+        )

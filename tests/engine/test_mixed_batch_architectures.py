@@ -1,0 +1,185 @@
+"""Invariant 2 on every architecture family beyond Llama: a mixed batch of adapters of different
+ranks and targets equals transformers + PEFT with each adapter merged (greedy tokens, sample
+and prompt logprobs), on the CPU LoRA kernel and on the torch path; and the single-adapter
+merged fast path equals the same references.
+
+``FAMILIES`` holds one tiny model per family, shaped to hit what the family does differently;
+adding a family here runs it through every test of this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.testing import (
+    ALL_PROJ,
+    ATTN_PROJ,
+    MLP_PROJ,
+    load_merged_reference,
+    make_random_adapter,
+    make_random_model,
+    reference_greedy,
+)
+from loraplex.testing.sync import EVENT_TIMEOUT_S
+
+FAMILIES: dict[str, dict] = {
+    # head_dim 24 != hidden 64 / 4 heads (q is 96 wide, o_proj 96 -> 64), tied embeddings,
+    # per-head q/k norms with non-trivial weights (make_random_model perturbs every norm)
+    "qwen3": dict(arch="qwen3", head_dim=24, tie_word_embeddings=True),
+}
+
+ADAPTERS: dict[str, dict] = {
+    "all_r8": dict(r=8, lora_alpha=16, target_modules=ALL_PROJ, seed=1),
+    "attn_r4_rslora": dict(r=4, lora_alpha=8, target_modules=ATTN_PROJ, use_rslora=True, seed=2),
+    "mlp_r16_layer1": dict(
+        r=16, lora_alpha=8, target_modules=MLP_PROJ, layers_to_transform=[1], seed=3
+    ),
+    "qv_r32": dict(r=32, lora_alpha=64, target_modules=["q_proj", "v_proj"], seed=4),
+}
+
+PROMPTS = [
+    "What is the capital of France?",
+    "def add(a, b):",
+    "SELECT name FROM users WHERE id = 42",
+    "Once upon a time there was",
+    "Hello world! How are you",
+]
+N_NEW = 8
+SAMPLE_TOL = 2e-4  # float32 logprobs, as the Llama mixed-batch test
+PROMPT_TOL = 1e-4  # float32 prompt logprobs, as the Llama prompt-logprob test
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One family's tiny model, its adapters and their merged references."""
+    root = tmp_path_factory.mktemp(request.param)
+    spec = dict(FAMILIES[request.param])
+    model = make_random_model(root / "model", spec.pop("arch"), num_layers=2, seed=5, **spec)
+    adapters = {n: make_random_adapter(model, root / n, **kw) for n, kw in ADAPTERS.items()}
+    refs = {n: load_merged_reference(model, adapters.get(n)) for n in [None, *adapters]}
+    return {"model": model, "adapters": adapters, "refs": refs}
+
+
+@pytest.fixture(scope="module", params=["cpu-kernel", "torch"])
+def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
+    """An engine on the C LoRA kernel (the CPU default) or on the torch path."""
+    with pytest.MonkeyPatch.context() as mp:  # the backend is chosen once, at start-up
+        mp.setenv("LORAPLEX_LORA_CPU_KERNEL", "1" if request.param == "cpu-kernel" else "0")
+        llm = LLM(str(family["model"]), max_loras=4, max_lora_rank=32, dtype="float32")
+    assert llm.engine.model.lora is not None
+    assert llm.engine.model.lora.ops.name.startswith(request.param)
+    yield llm
+
+
+@torch.no_grad()
+def _prompt_reference(model: object, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i + 1] | ids[: i + 1]) rows: [len(ids) - 1, vocab]."""
+    logits = model(torch.tensor([ids])).logits[0].float()  # type: ignore[operator]
+    return torch.log_softmax(logits, dim=-1)[:-1]
+
+
+def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
+    adapters, refs = family["adapters"], family["refs"]
+    names = [None, *adapters]
+    prompts, loras, expect = [], [], []
+    for i, name in enumerate(names):  # each adapter twice, with different prompts
+        for j in range(2):
+            prompts.append(PROMPTS[(i + j) % len(PROMPTS)])
+            loras.append(LoRARequest(name, str(adapters[name])) if name else None)
+            expect.append(name)
+    sp = SamplingParams(
+        temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=5, prompt_logprobs=3
+    )
+    outs = llm.generate(prompts, sp, lora_request=loras)
+    tok = llm.get_tokenizer()
+    base: dict[str, list[int]] = {}
+    for prompt, name, out in zip(prompts, expect, outs, strict=True):
+        ids = tok(prompt).input_ids
+        want, ref_lp = reference_greedy(refs[name], ids, N_NEW)
+        got = out.outputs[0]
+        assert got.token_ids == want, f"adapter {name} prompt {prompt!r}"
+        worst = max(
+            abs(val - float(ref_lp[step, tid]))
+            for step, lp in enumerate(got.logprobs)
+            for tid, val in lp.top.items()
+        )
+        assert worst < SAMPLE_TOL, f"adapter {name}: logprob diff {worst}"
+        want_prompt = _prompt_reference(refs[name], ids)
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
+        worst = max(
+            abs(val - float(want_prompt[i, tid]))
+            for i, entry in enumerate(out.prompt_logprobs[1:])
+            for tid, val in entry.items()  # type: ignore[union-attr]
+        )
+        assert worst < PROMPT_TOL, f"adapter {name}: prompt logprob diff {worst}"
+        if name is None:
+            base[prompt] = got.token_ids
+    changed = sum(  # the adapters really change outputs (non-zero B)
+        out.outputs[0].token_ids != base[p]
+        for p, n, out in zip(prompts, expect, outs, strict=True)
+        if n is not None and p in base
+    )
+    assert changed >= 1
+    assert llm.engine.is_idle()
+
+
+def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
+    """One adapter alone for a few steps runs merged into the fused weights; a base request
+    afterwards runs on the untouched base Linears again."""
+    llm = LLM(
+        str(family["model"]),
+        max_loras=2,
+        max_lora_rank=32,
+        dtype="float32",
+        lora_merge_after_steps=2,
+    )
+    eng, tok = llm.engine, llm.get_tokenizer()
+    assert eng.merger is not None
+    name = "all_r8"
+    adapter = family["adapters"][name]
+    base_linears = [(L.qkv, L.o, L.gate_up, L.down) for L in eng.model.layers]
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW + 4, ignore_eos=True, logprobs=3)
+    for i, p in enumerate(PROMPTS[:2]):
+        eng.add_request(f"r{i}", p, sp, LoRARequest(name, str(adapter)))
+    results: dict = {}
+    merged_steps = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0]
+        merged_steps += eng.runner.merged_slot is not None
+        assert eng.merger.wait_build(EVENT_TIMEOUT_S)
+    assert eng.merger.merges == 1 and merged_steps >= 3
+    eng.add_request("base", PROMPTS[2], sp)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0]
+    assert eng.merger.merged_digest is None
+    now = [(L.qkv, L.o, L.gate_up, L.down) for L in eng.model.layers]
+    assert all(
+        a is b
+        for old, new in zip(base_linears, now, strict=True)
+        for a, b in zip(old, new, strict=True)
+    )
+    for rid, prompt, ref_name in (
+        ("r0", PROMPTS[0], name),
+        ("r1", PROMPTS[1], name),
+        ("base", PROMPTS[2], None),
+    ):
+        got = results[rid]
+        want, ref_lp = reference_greedy(
+            family["refs"][ref_name], tok(prompt).input_ids, len(got.token_ids)
+        )
+        assert got.token_ids == want, (rid, prompt)
+        worst = max(
+            abs(val - float(ref_lp[step, tid]))
+            for step, lp in enumerate(got.logprobs)
+            for tid, val in lp.top.items()
+        )
+        assert worst < SAMPLE_TOL, (rid, worst)
+    assert eng.is_idle()
