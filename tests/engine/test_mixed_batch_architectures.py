@@ -1,20 +1,30 @@
-"""Invariant 2 on every architecture family beyond Llama: a mixed batch of adapters of different
-ranks and targets equals transformers + PEFT with each adapter merged (greedy tokens, sample
-and prompt logprobs), on the CPU LoRA kernel and on the torch path; and the single-adapter
-merged fast path equals the same references.
+"""Invariant 2 on every architecture family: a mixed batch of the base and adapters of different
+ranks and targets (all projections, attention only, ``layers_to_transform``, ``lm_head``,
+``embed_tokens``, both beside every projection) equals transformers + PEFT with each adapter
+merged (greedy tokens, sample and prompt logprobs), on the CPU LoRA kernel and on the torch path;
+the single-adapter merged fast path equals the same references and keeps the vocabulary LoRAs
+gathered; ``modules_to_save`` is refused at load.
+
+A tied head's LoRA reaches the logits only, never the lookup (PEFT's unmerged forward is then the
+reference: merging would write the one shared matrix; see ``load_merged_reference``).
 
 ``FAMILIES`` holds one tiny model per family, shaped to hit what the family does differently;
-adding a family here runs it through every test of this file.
+adding a family here runs it through every test of this file. A family whose checkpoint names
+its projections otherwise gives its target lists in ``proj``.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.lora.peft_format import EMBED_KEY, LM_HEAD_KEY
 from loraplex.testing import (
     ALL_PROJ,
     ATTN_PROJ,
@@ -25,21 +35,45 @@ from loraplex.testing import (
     reference_greedy,
 )
 from loraplex.testing.sync import EVENT_TIMEOUT_S
+from loraplex.types import AdapterError
+
+LLAMA_PROJ = {"all": ALL_PROJ, "attn": ATTN_PROJ, "mlp": MLP_PROJ, "qv": ["q_proj", "v_proj"]}
 
 FAMILIES: dict[str, dict] = {
+    "llama": dict(arch="llama", tie_word_embeddings=False),
+    "llama_tied": dict(arch="llama", tie_word_embeddings=True),
     # head_dim 24 != hidden 64 / 4 heads (q is 96 wide, o_proj 96 -> 64), tied embeddings,
     # per-head q/k norms with non-trivial weights (make_random_model perturbs every norm)
     "qwen3": dict(arch="qwen3", head_dim=24, tie_word_embeddings=True),
 }
 
-ADAPTERS: dict[str, dict] = {
-    "all_r8": dict(r=8, lora_alpha=16, target_modules=ALL_PROJ, seed=1),
-    "attn_r4_rslora": dict(r=4, lora_alpha=8, target_modules=ATTN_PROJ, use_rslora=True, seed=2),
-    "mlp_r16_layer1": dict(
-        r=16, lora_alpha=8, target_modules=MLP_PROJ, layers_to_transform=[1], seed=3
-    ),
-    "qv_r32": dict(r=32, lora_alpha=64, target_modules=["q_proj", "v_proj"], seed=4),
-}
+
+def adapters_for(proj: dict[str, list[str]]) -> dict[str, dict]:
+    """The adapters every family is tested with, over its projection names."""
+    return {
+        "all_r8": dict(r=8, lora_alpha=16, target_modules=proj["all"], seed=1),
+        "attn_r4_rslora": dict(
+            r=4, lora_alpha=8, target_modules=proj["attn"], use_rslora=True, seed=2
+        ),
+        "mlp_r16_layer1": dict(
+            r=16, lora_alpha=8, target_modules=proj["mlp"], layers_to_transform=[1], seed=3
+        ),
+        "head_r8": dict(r=8, lora_alpha=16, target_modules=["lm_head"], std=0.1, seed=4),
+        "embed_r4_rslora": dict(
+            r=4, lora_alpha=8, target_modules=["embed_tokens"], use_rslora=True, std=0.1, seed=5
+        ),
+        "both_all_r16": dict(
+            r=16,
+            lora_alpha=16,
+            target_modules=[*proj["all"], "lm_head", "embed_tokens"],
+            rank_pattern={"lm_head": 4},
+            alpha_pattern={"embed_tokens": 24},
+            std=0.1,
+            seed=6,
+        ),
+        "qv_r32": dict(r=32, lora_alpha=64, target_modules=proj["qv"], seed=7),
+    }
+
 
 PROMPTS = [
     "What is the capital of France?",
@@ -58,8 +92,11 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """One family's tiny model, its adapters and their merged references."""
     root = tmp_path_factory.mktemp(request.param)
     spec = dict(FAMILIES[request.param])
+    proj = spec.pop("proj", LLAMA_PROJ)
     model = make_random_model(root / "model", spec.pop("arch"), num_layers=2, seed=5, **spec)
-    adapters = {n: make_random_adapter(model, root / n, **kw) for n, kw in ADAPTERS.items()}
+    adapters = {
+        n: make_random_adapter(model, root / n, **kw) for n, kw in adapters_for(proj).items()
+    }
     refs = {n: load_merged_reference(model, adapters.get(n)) for n in [None, *adapters]}
     return {"model": model, "adapters": adapters, "refs": refs}
 
@@ -69,7 +106,12 @@ def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
     """An engine on the C LoRA kernel (the CPU default) or on the torch path."""
     with pytest.MonkeyPatch.context() as mp:  # the backend is chosen once, at start-up
         mp.setenv("LORAPLEX_LORA_CPU_KERNEL", "1" if request.param == "cpu-kernel" else "0")
-        llm = LLM(str(family["model"]), max_loras=4, max_lora_rank=32, dtype="float32")
+        llm = LLM(
+            str(family["model"]),
+            max_loras=len(family["adapters"]),
+            max_lora_rank=32,
+            dtype="float32",
+        )
     assert llm.engine.model.lora is not None
     assert llm.engine.model.lora.ops.name.startswith(request.param)
     yield llm
@@ -124,12 +166,27 @@ def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
         if n is not None and p in base
     )
     assert changed >= 1
+    # the vocabulary LoRAs really move the outputs (non-zero B): not silent no-ops
+    first = {
+        p: o.outputs[0].logprobs[0].top
+        for p, n, o in zip(prompts, expect, outs, strict=True)
+        if n is None
+    }
+    for prompt, name, out in zip(prompts, expect, outs, strict=True):
+        if name in ("head_r8", "embed_r4_rslora") and prompt in first:
+            top = out.outputs[0].logprobs[0].top
+            shared = [t for t in top if t in first[prompt]]  # none shared: moved all the more
+            moved = max((abs(top[t] - first[prompt][t]) for t in shared), default=float("inf"))
+            assert moved > 1e-2, (name, moved)
+    # the bank holds embed_tokens / lm_head rows for every slot
+    assert {EMBED_KEY, LM_HEAD_KEY} <= set(llm.engine.adapters.bank.module_shapes)
     assert llm.engine.is_idle()
 
 
 def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
-    """One adapter alone for a few steps runs merged into the fused weights; a base request
-    afterwards runs on the untouched base Linears again."""
+    """One adapter (every projection, lm_head and embed_tokens) alone for a few steps runs its
+    layers merged into the fused weights and its embedding / head LoRA gathered; a base request
+    afterwards runs on the untouched base Linears, embedding and head again."""
     llm = LLM(
         str(family["model"]),
         max_loras=2,
@@ -139,9 +196,10 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
     )
     eng, tok = llm.engine, llm.get_tokenizer()
     assert eng.merger is not None
-    name = "all_r8"
+    name = "both_all_r16"
     adapter = family["adapters"][name]
     base_linears = [(L.qkv, L.o, L.gate_up, L.down) for L in eng.model.layers]
+    head, embed = eng.model.head, eng.model.embed_tokens.clone()
     sp = SamplingParams(temperature=0, max_tokens=N_NEW + 4, ignore_eos=True, logprobs=3)
     for i, p in enumerate(PROMPTS[:2]):
         eng.add_request(f"r{i}", p, sp, LoRARequest(name, str(adapter)))
@@ -154,6 +212,7 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
         merged_steps += eng.runner.merged_slot is not None
         assert eng.merger.wait_build(EVENT_TIMEOUT_S)
     assert eng.merger.merges == 1 and merged_steps >= 3
+    assert eng.model.head is head and torch.equal(eng.model.embed_tokens, embed)  # never merged
     eng.add_request("base", PROMPTS[2], sp)
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -183,3 +242,15 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
         )
         assert worst < SAMPLE_TOL, (rid, worst)
     assert eng.is_idle()
+
+
+def test_modules_to_save_is_refused_at_load(llm: LLM, family: dict, tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    shutil.copytree(family["adapters"]["head_r8"], full)
+    cfg = json.loads((full / "adapter_config.json").read_text())
+    (full / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": ["lm_head"]}))
+    sp = SamplingParams(max_tokens=1)
+    with pytest.raises(AdapterError, match="full replacement weights for lm_head") as info:
+        llm.generate("Hello", sp, lora_request=LoRARequest("full", str(full)))
+    assert "\n" not in str(info.value)
+    assert llm.generate("Hello", sp)[0].outputs[0].token_ids  # the engine serves on

@@ -121,11 +121,21 @@ class BaseModelSpec:
     vocab_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
     """``embed_tokens`` / ``lm_head`` -> (d_in, d_out) (:func:`vocab_module_shapes`); empty
     when the base does not serve LoRA on them (such adapters are then refused)."""
+    text_only: bool = False
+    """The base is the language model of a multimodal checkpoint (Gemma 3's
+    ``Gemma3ForConditionalGeneration``): LoRA applies to the text backbone only, and an
+    adapter's tensors on the other towers (:data:`OTHER_TOWER_RE`) are skipped, as vLLM does;
+    they never touch a text-only forward."""
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any]) -> BaseModelSpec:
-        """Spec from a Llama-family HF ``config.json`` dict; ``KeyError`` / ``TypeError`` /
-        ``ValueError`` / ``ZeroDivisionError`` when it is not one."""
+        """Spec from a Llama-family HF ``config.json`` dict (a multimodal one's ``text_config``
+        for the language model); ``KeyError`` / ``TypeError`` / ``ValueError`` /
+        ``ZeroDivisionError`` when it is not one."""
+        model_type = str(raw.get("model_type", "llama"))
+        text_only = isinstance(raw.get("text_config"), Mapping)
+        if text_only:
+            raw = raw["text_config"]
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -134,9 +144,7 @@ class BaseModelSpec:
         shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
         vocab = raw.get("vocab_size")
         vocab_shapes = vocab_module_shapes(int(vocab), hidden) if vocab else {}
-        return cls(
-            int(raw["num_hidden_layers"]), shapes, str(raw.get("model_type", "llama")), vocab_shapes
-        )
+        return cls(int(raw["num_hidden_layers"]), shapes, model_type, vocab_shapes, text_only)
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -396,13 +404,22 @@ def unservable_targets(target_modules: Any) -> list[Any]:
 
 # -- the tensors ---------------------------------------------------------------------------------
 
+_DECODER = r"(?:model\.)?(?:language_model\.)?(?:model\.)?"
+"""What precedes ``layers.N`` / ``embed_tokens``: ``model.`` for a causal LM, and
+``model.language_model.`` (transformers 5) or ``language_model.model.`` (older) for the
+language model of a multimodal checkpoint."""
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
 TENSOR_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
-    r"(?P<module>(?:model\.)?layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<proj>[^.]+))"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<proj>[^.]+))"
     r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
-_EMBED_MODULE = r"(?:model\.)?(?:language_model\.)?(?:model\.)?embed_tokens"
+# base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_A...
+OTHER_TOWER_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?(?:vision_tower|multi_modal_projector|audio_tower)\."
+)
+"""Tensors of a multimodal checkpoint's non-text towers (skipped on a text-only base)."""
+_EMBED_MODULE = rf"{_DECODER}embed_tokens"
 _HEAD_MODULE = r"(?:language_model\.)?lm_head"
 # base_model.model.model.embed_tokens.lora_embedding_A[.default]  (PEFT's nn.Parameter names)
 EMBED_KEY_RE = re.compile(
@@ -543,6 +560,8 @@ def check_layout(
     module_keys: dict[tuple[int, str], str] = {}
     copies: dict[str, str] = {}  # base copy tensor name -> embed_tokens | lm_head
     for name in sorted(tensors):
+        if spec.text_only and OTHER_TOWER_RE.match(name):
+            continue  # LoRA on the text backbone only (the other towers never run)
         copied = parse_base_copy(name)
         if copied is not None:
             copies[name] = copied
