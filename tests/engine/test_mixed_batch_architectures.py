@@ -45,6 +45,30 @@ FAMILIES: dict[str, dict] = {
     # head_dim 24 != hidden 64 / 4 heads (q is 96 wide, o_proj 96 -> 64), tied embeddings,
     # per-head q/k norms with non-trivial weights (make_random_model perturbs every norm)
     "qwen3": dict(arch="qwen3", head_dim=24, tie_word_embeddings=True),
+    # a window of 4 tokens, crossed by every prompt: Gemma 2's sliding layer 0 and global
+    # layer 1, attention and final soft-caps that bite, query_pre_attn_scalar != head_dim
+    "gemma2": dict(
+        arch="gemma2",
+        sliding_window=4,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0,
+        query_pre_attn_scalar=24,
+    ),
+    # q/k norms, the local rope base on the sliding layer, the global one linear-scaled
+    "gemma3_text": dict(
+        arch="gemma3_text",
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=10.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+        },
+    ),
+    # the language model of a vision-language checkpoint (its vision tower is skipped)
+    "gemma3": dict(
+        arch="gemma3", sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    ),
 }
 
 

@@ -133,9 +133,7 @@ class MemoryBudget:
 
     def max_model_len(self, num_blocks: int) -> int:
         mc = self.model_config
-        limit = mc.max_position_embeddings
-        if mc.sliding_window:
-            limit = min(limit, mc.sliding_window)  # full attention within the window is exact
+        limit = mc.max_position_embeddings  # sliding windows are masked: they cap nothing
         capacity = num_blocks * self.config.block_size
         want = self.config.max_model_len
         if want is None:
@@ -143,7 +141,7 @@ class MemoryBudget:
         if want > limit:
             raise ValueError(
                 f"max_model_len={want} exceeds the model's limit {limit} "
-                f"(max_position_embeddings / sliding_window in config.json)"
+                f"(max_position_embeddings in config.json)"
             )
         if want > capacity:
             raise ValueError(
@@ -182,7 +180,8 @@ def wire_lora(config: EngineConfig, model: DecoderForCausalLM, budget: MemoryBud
     slots = budget.lora_slots(shapes, table_dtype)  # --max-lora-device-fraction
     bank = LoRASlotBank(shapes, slots, config.max_lora_rank, table_dtype, device)
     model.lora = LoRABinding(bank, ops)
-    spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type, vocab_shapes)
+    text_only = isinstance(mc.raw.get("text_config"), dict)  # a multimodal checkpoint's text
+    spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type, vocab_shapes, text_only)
     cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
     adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=table_dtype)
     merger = None

@@ -28,7 +28,13 @@ from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.peft_format import LM_HEAD_KEY
 from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch, plan_rows
-from loraplex.model.attention import AttentionMetadata, PrefillSpan
+from loraplex.model.attention import (
+    AttentionMetadata,
+    PrefillSpan,
+    WindowMasks,
+    causal_mask,
+    decode_mask,
+)
 from loraplex.model.decoder import DecoderForCausalLM, ForwardBatch
 
 _PROMPT_LOGITS_ELEMS = 1 << 24  # floats of [rows, vocab] prompt logits held at once (64 MiB)
@@ -63,6 +69,7 @@ class ModelRunner:
         self.merger = merger
         self.device = model.device
         self.block_size = cache.block_size
+        self.windows = model.windows  # the distinct sliding windows of its layers
         dims = model.cfg.module_shapes.values()
         self.lora_costs = LoRAPlanCosts(feature_dim=sum(i + o for i, o in dims) // len(dims))
         self._merged_slot: int | None = None
@@ -107,6 +114,31 @@ class ModelRunner:
         table = torch.tensor(seq.block_ids, dtype=torch.long)
         return table[pos // bs] * bs + pos % bs
 
+    def _window_masks(
+        self,
+        window: int,
+        attn: AttentionMetadata,
+        prefill_pos: list[tuple[int, int]],
+        dec_seqs: list[Sequence],
+    ) -> WindowMasks:
+        """``attn``'s masks under a sliding ``window`` (built once per step for all the layers
+        with that window): the global mask where every query's context fits in the window,
+        else the causal one that also hides keys ``window`` or more positions back."""
+        wm = WindowMasks()
+        for span, (start, ctx) in zip(attn.prefills, prefill_pos, strict=True):
+            bites = ctx > window
+            wm.prefill.append(
+                causal_mask(start, ctx, window).to(self.device) if bites else span.mask
+            )
+        if attn.decode_mask is not None:
+            lens = torch.tensor([s.num_computed_tokens + 1 for s in dec_seqs])  # [Bd]
+            width = attn.decode_mask.shape[-1]
+            bites = int(lens.max()) > window
+            wm.decode = (
+                decode_mask(lens, width, window).to(self.device) if bites else attn.decode_mask
+            )
+        return wm
+
     def prepare(
         self, items: list[tuple[Sequence, int]], slot_rows: dict[int, tuple[int, int]]
     ) -> tuple[ForwardBatch, list[Sequence], list[PromptLogprobRows]]:
@@ -120,6 +152,7 @@ class ModelRunner:
         dec_tokens: list[int] = []
         dec_seqs: list[Sequence] = []
         prefills: list[PrefillSpan] = []
+        prefill_pos: list[tuple[int, int]] = []  # per prefill span: (first position, context)
         logits_idx: list[int] = []
         samplers: list[Sequence] = []
         segments: list[tuple[int, int, int, int]] = []
@@ -142,9 +175,11 @@ class ModelRunner:
                 dec_seqs.append(seq)
             elif start == 0:
                 prefills.append(PrefillSpan(t, t + n))
+                prefill_pos.append((0, n))
             else:
                 ctx = start + n
-                mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]  # [n, ctx]
+                mask = causal_mask(start, ctx)  # [n, ctx]
+                prefill_pos.append((start, ctx))
                 prefills.append(
                     PrefillSpan(
                         t, t + n, self._slots(seq, 0, ctx).to(self.device), mask.to(self.device)
@@ -170,12 +205,12 @@ class ModelRunner:
             table = torch.zeros(len(dec_seqs), nblk, dtype=torch.long)
             for r, s in enumerate(dec_seqs):
                 table[r, : len(s.block_ids[:nblk])] = torch.tensor(s.block_ids[:nblk])
-            pos = torch.arange(nblk * self.block_size)  # whole blocks: gathered block-wise
-            mask = pos[None, :] < torch.tensor(lens)[:, None]  # [Bd, L]
+            # whole blocks: gathered block-wise
+            attn.decode_mask = decode_mask(torch.tensor(lens), nblk * self.block_size).to(dev)
             attn.decode_block_table = table.to(dev)
-            attn.decode_mask = mask[:, None, None, :].to(dev)
             attn.decode_all = len(dec_tokens) == t
             attn.decode_tokens = torch.tensor(dec_tokens, dtype=torch.long, device=dev)
+        attn.windowed = [self._window_masks(w, attn, prefill_pos, dec_seqs) for w in self.windows]
         plan = None
         if segments:
             lora = self.model.lora  # the step's adapters decide which modules the plan covers

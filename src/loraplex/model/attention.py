@@ -1,17 +1,98 @@
 """Paged attention over the flat KV slot space, plus the per-step metadata it reads.
 
-Decode tokens (one new token per sequence) are batched into one SDPA call over their gathered,
-padded contexts; prefill chunks run one SDPA call each (causal, offset by their cached prefix).
+Decode tokens (one new token per sequence) are batched into one attention call over their
+gathered, padded contexts; prefill chunks run one call each (causal, offset by their cached
+prefix).
+
+Sliding windows: a windowed layer keeps the full paged KV (so the prefix cache's blocks and keys
+are the same as a global layer's) and attends through masks that also hide the keys ``window``
+or more positions back (HF: key ``k`` is seen by query ``q`` iff ``k <= q and q - k < window``).
+The runner builds each distinct window's masks once per step (``WindowMasks``); a layer picks
+its set by index. Soft-capped scores (``tanh(s / cap) * cap`` before the mask, Gemma 2) cannot
+go through SDPA: a block built with a cap attends with :func:`softcap_attend`, every other
+block with :func:`sdpa_attend` (chosen once, at construction).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from loraplex.kv.cache import PagedKVCache
+
+AttendFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, bool], torch.Tensor
+]
+"""``attend(q, k, v, mask, scale, gqa)``: q ``[..., H, Lq, hd]``, k and v ``[..., KVH, Lk, hd]``,
+``mask`` (True = attend, broadcast to ``[..., H, Lq, Lk]``) or None for causal with ``Lq ==
+Lk``; ``gqa``: ``H > KVH``, head ``h`` reads KV head ``h // (H / KVH)``. Returns ``[..., H, Lq,
+hd]``."""
+
+
+def sdpa_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    gqa: bool,
+) -> torch.Tensor:
+    """``softmax(q k^T * scale, masked) v`` through SDPA (see ``AttendFn``)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+    )
+
+
+def softcap_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    gqa: bool,
+    *,
+    cap: float,
+) -> torch.Tensor:
+    """HF's eager attention with soft-capped scores (see ``AttendFn``)::
+
+    s = tanh((q k^T * scale) / cap) * cap;  s[~mask] = -inf
+    out = softmax(s in float32).to(q.dtype) v
+    """
+    if gqa:  # HF's repeat_kv: KV head j serves query heads j * G .. j * G + G - 1
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., H, Lq, Lk]
+    s = torch.tanh(s / cap) * cap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v)  # [..., H, Lq, hd]
+
+
+def causal_mask(q_start: int, ctx: int, window: int | None = None) -> torch.Tensor:
+    """``[ctx - q_start, ctx]`` True = attend: the query at position ``p`` (``q_start <= p <
+    ctx``) sees key ``k`` iff ``k <= p`` and, with a window, ``p - k < window``."""
+    q = torch.arange(q_start, ctx)[:, None]
+    k = torch.arange(ctx)[None, :]
+    mask = k <= q
+    if window is not None:
+        mask &= q - k < window
+    return mask
+
+
+def decode_mask(lens: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
+    """``[Bd, 1, 1, width]`` True = attend for decode rows whose contexts are ``lens [Bd]``
+    long (the new token at position ``len - 1``): keys ``k < len`` and, with a window,
+    ``k >= len - window``."""
+    pos = torch.arange(width)[None, :]
+    mask = pos < lens[:, None]  # [Bd, width]
+    if window is not None:
+        mask &= pos >= lens[:, None] - window
+    return mask[:, None, None, :]
 
 
 @dataclass
@@ -39,6 +120,19 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None  # [Bd, nblk] block ids, padded with 0
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] True = attend
     prefills: list[PrefillSpan] = field(default_factory=list)
+    windowed: list[WindowMasks] = field(default_factory=list)
+    """The masks of each distinct sliding window of the model (``DecoderForCausalLM.windows``
+    order); a windowed layer reads ``windowed[L.window]``."""
+
+
+@dataclass
+class WindowMasks:
+    """One sliding window's masks for the step (True = attend), beside the global ones."""
+
+    decode: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size], as decode_mask
+    prefill: list[torch.Tensor | None] = field(default_factory=list)
+    """Per span of ``prefills``: its mask under the window (the span's own ``mask`` where the
+    window does not bite; None: plain causal, a fresh chunk no longer than the window)."""
 
 
 def paged_attention(
@@ -49,12 +143,16 @@ def paged_attention(
     cache: PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    attend: AttendFn = sdpa_attend,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend.
+    """Write this step's K/V into the cache, then attend with ``attend``.
 
-    q: [T, H, hd]; k, v: [T, KVH, hd]. Returns [T, H, hd].
+    q: [T, H, hd]; k, v: [T, KVH, hd]. ``window``: index of the layer's masks in
+    ``meta.windowed`` (None: global attention). Returns [T, H, hd].
     """
     cache.write(layer, k, v, meta.slot_mapping)
+    masks = None if window is None else meta.windowed[window]
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     if meta.decode_block_table is not None:
@@ -63,34 +161,27 @@ def paged_attention(
         bd, kvh = qd.shape[0], kc.shape[2]
         # The G = H / KVH query heads sharing a KV head (HF's repeat_kv order) attend as G
         # queries of one head: no K/V repeat, and the fused CPU kernel takes it as is.
-        od = F.scaled_dot_product_attention(
+        od = attend(
             qd.reshape(bd, kvh, -1, qd.shape[-1]),  # [Bd, KVH, G, hd]
             kc.transpose(1, 2),  # [Bd, KVH, L, hd]
             vc.transpose(1, 2),
-            attn_mask=meta.decode_mask,
-            scale=scale,
+            meta.decode_mask if masks is None else masks.decode,  # [Bd, 1, 1, L]
+            scale,
+            False,
         ).reshape(bd, -1, qd.shape[-1])  # [Bd, H, hd]
         if meta.decode_all:
             out = od
         else:
             out[meta.decode_tokens] = od
-    for span in meta.prefills:
+    for j, span in enumerate(meta.prefills):
         s, e = span.tok_start, span.tok_end
         qs = q[s:e].transpose(0, 1)  # [H, Lq, hd]
+        mask = span.mask if masks is None else masks.prefill[j]  # [Lq, ctx] or None: causal
         if span.ctx_slots is None:
             ks, vs = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)  # [KVH, Lq, hd]
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
-            )
         else:
             kc, vc = cache.gather(layer, span.ctx_slots)  # [L, KVH, hd]
-            o = F.scaled_dot_product_attention(
-                qs,
-                kc.transpose(0, 1),
-                vc.transpose(0, 1),
-                attn_mask=span.mask,
-                scale=scale,
-                enable_gqa=gqa,
-            )
+            ks, vs = kc.transpose(0, 1), vc.transpose(0, 1)  # [KVH, L, hd]
+        o = attend(qs, ks, vs, mask, scale, gqa)  # [H, Lq, hd]
         out[s:e] = o.transpose(0, 1)
     return out

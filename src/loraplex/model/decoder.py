@@ -110,7 +110,15 @@ class DecoderForCausalLM:
         assert len(per_layer) == cfg.num_layers, "layer_rotaries: one rotary per layer"
         self.rotaries = list({id(r): r for r in per_layer}.values())  # cos/sin once per step each
         index = {id(r): j for j, r in enumerate(self.rotaries)}
-        self.layers = [DecoderLayer(index[id(r)]) for r in per_layer]
+        windows = self.layer_windows()
+        assert len(windows) == cfg.num_layers, "layer_windows: one window per layer"
+        self.windows: tuple[int, ...] = tuple(sorted({w for w in windows if w is not None}))
+        """The distinct sliding windows of the layers (the runner builds each one's masks once
+        per step; a layer's ``window`` indexes them)."""
+        self.layers = [
+            DecoderLayer(index[id(r)], None if w is None else self.windows.index(w))
+            for r, w in zip(per_layer, windows, strict=True)
+        ]
         self.attn = Attention(
             cfg.hidden_size,
             cfg.num_heads,
@@ -118,6 +126,7 @@ class DecoderForCausalLM:
             cfg.head_dim,
             self.attention_scale(),
             self.qk_norm,
+            self.attention_softcap(),
         )
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.projection_groups: tuple[ProjectionGroup, ...] = (*self.attn.groups, *self.mlp.groups)
@@ -143,21 +152,49 @@ class DecoderForCausalLM:
         """The softmax scale of attention scores."""
         return self.cfg.head_dim**-0.5
 
+    def attention_softcap(self) -> float | None:
+        """The soft cap of attention scores (``tanh(s / cap) * cap`` before the mask; None:
+        uncapped, the SDPA path)."""
+        return None
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: global attention), by transformers' rule: with a
+        ``sliding_window``, the ``sliding_attention`` layers of ``layer_types`` where config.json
+        lists them, else the layers from ``max_window_layers`` on (Qwen2/3), else every layer
+        (Mistral)."""
+        c = self.cfg
+        if c.sliding_window is None:
+            return [None] * c.num_layers
+        raw = c.raw.get("text_config", c.raw) if "hidden_size" not in c.raw else c.raw
+        types = raw.get("layer_types")
+        if types:
+            return [c.sliding_window if t == "sliding_attention" else None for t in types]
+        first = int(raw.get("max_window_layers") or 0)
+        return [c.sliding_window if i >= first else None for i in range(c.num_layers)]
+
     def checkpoint_name(self, name: str) -> str | None:
         """The canonical name (``TOP_WEIGHTS`` or ``model.layers.N.<module>.<weight|bias>``)
         of checkpoint tensor ``name``, or None to skip it (rotary buffers; a multimodal
         checkpoint's other towers)."""
         return None if name.endswith("rotary_emb.inv_freq") else name
 
-    def norm_dims(self) -> dict[str, int]:
+    @classmethod
+    def norm_dims(cls, c: ModelConfig) -> dict[str, int]:
         """Width of each norm slot of ``layer_weights`` (the shape check of its weight)."""
-        c = self.cfg
         return {
             "ln1": c.hidden_size,
             "ln2": c.hidden_size,
             "q_norm": c.head_dim,
             "k_norm": c.head_dim,
         }
+
+    @classmethod
+    def layer_norm_widths(cls, c: ModelConfig) -> tuple[int, ...]:
+        """The width of every norm weight of a layer, in ``layer_weights`` order (the byte
+        model's count: ``ModelConfig.layer_norm_widths``)."""
+        slots = dict.fromkeys(s for s, _ in cls.layer_weights.values() if s not in LINEAR_SLOTS)
+        dims = cls.norm_dims(c)
+        return tuple(dims[s] for s in slots)
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
@@ -226,7 +263,7 @@ class DecoderForCausalLM:
         if group is None:  # a norm: a weight of its width, never a bias
             if kind != "weight":
                 raise ModelLoadError(f"{src}: unexpected tensor {name!r}")
-            return (self.norm_dims()[slot],)
+            return (self.norm_dims(self.cfg)[slot],)
         _, d_in, cols = group
         lo, hi = (cols[part][1], cols[part][2]) if nparts == len(cols) else (0, cols[-1][2])
         return (hi - lo, d_in) if kind == "weight" else (hi - lo,)

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from loraplex.model.attention import AttentionMetadata, paged_attention
+from loraplex.model.attention import (
+    AttendFn,
+    AttentionMetadata,
+    paged_attention,
+    sdpa_attend,
+    softcap_attend,
+)
 from loraplex.model.linear import Linear
 
 if TYPE_CHECKING:
@@ -72,6 +78,15 @@ class RMSNorm:
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, HF-exact: ``(x / rms(x)) * (1 + w)`` all in float32, then cast to the
+    input dtype (Llama's scales in the model dtype instead)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), self.dim, None, self.eps) * (1.0 + self.weight.float())
+        return out.to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------ rotary
@@ -184,7 +199,7 @@ class DecoderLayer:
     """One decoder layer's weights, by slot (inference only). The blocks read them by
     attribute; the merger swaps the Linear slots for merged copies and back."""
 
-    def __init__(self, rope: int = 0) -> None:
+    def __init__(self, rope: int = 0, window: int | None = None) -> None:
         self.ln1: RMSNorm  # before attention
         self.ln2: RMSNorm  # before the MLP
         self.qkv: Linear  # [q + 2 kv, D]
@@ -193,6 +208,7 @@ class DecoderLayer:
         self.down: Linear  # [D, I]
         self.qk_norm: RMSNorm | None = None  # per-head q/k norm, weight [H + KVH, hd]
         self.rope = rope  # index of this layer's rotary in the model's ``rotaries``
+        self.window = window  # index of its sliding window's masks (None: global attention)
 
     @property
     def nbytes(self) -> int:
@@ -220,10 +236,12 @@ class LayerStep:
 
 class Attention:
     """The attention block: fused q/k/v Linear, optional per-head q/k RMSNorm, RoPE, paged
-    attention with ``scale``, o Linear, and the LoRA adds of the q/k/v and o groups.
+    attention with ``scale`` (scores soft-capped at ``softcap`` if given), o Linear, and the
+    LoRA adds of the q/k/v and o groups.
 
-    Reads ``L.qkv``, ``L.o``, ``L.rope`` (index of the layer's rotary) and, with ``qk_norm``,
-    ``L.qk_norm`` (an :meth:`RMSNorm.per_head` norm) of the layer it is called with."""
+    Reads ``L.qkv``, ``L.o``, ``L.rope`` (index of the layer's rotary), ``L.window`` (its
+    sliding window's masks, None: global) and, with ``qk_norm``, ``L.qk_norm`` (an
+    :meth:`RMSNorm.per_head` norm) of the layer it is called with."""
 
     def __init__(
         self,
@@ -233,6 +251,7 @@ class Attention:
         head_dim: int,
         scale: float,
         qk_norm: bool,
+        softcap: float | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -241,6 +260,10 @@ class Attention:
         self.qk_size = self.q_size + self.kv_size
         self.scale = scale
         self.qk_norm = qk_norm
+        # soft-capped scores need the explicit path; everyone else keeps SDPA
+        self.attend: AttendFn = (
+            sdpa_attend if softcap is None else functools.partial(softcap_attend, cap=softcap)
+        )
         qs, kvs, d = self.q_size, self.kv_size, hidden_size
         self.groups: tuple[ProjectionGroup, ProjectionGroup] = (
             (
@@ -265,9 +288,9 @@ class Attention:
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, hd], [T, KVH, hd]
         v = qkv[:, self.qk_size :].view(T, -1, hd)  # [T, KVH, hd]
-        a = paged_attention(q, k, v, i, step.cache, step.attn_meta, self.scale).reshape(
-            T, self.q_size
-        )
+        a = paged_attention(
+            q, k, v, i, step.cache, step.attn_meta, self.scale, L.window, self.attend
+        ).reshape(T, self.q_size)
         o = L.o(a)  # [T, D]
         if step.lora_o:
             step.lora.add(i, self.o_parts, a, o, step.plan)

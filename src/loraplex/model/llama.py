@@ -19,7 +19,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 
 class MistralForCausalLM(DecoderForCausalLM):
-    """Mistral: Llama's layers (its ``sliding_window`` caps the context, see the builder)."""
+    """Mistral: Llama's layers (its ``sliding_window``, if any, masks every layer)."""
 
     model_type = "mistral"
 

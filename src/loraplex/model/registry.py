@@ -11,6 +11,11 @@ from pathlib import Path
 import torch
 
 from loraplex.model.decoder import DecoderForCausalLM
+from loraplex.model.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from loraplex.model.qwen3 import Qwen3ForCausalLM
 from loraplex.model.spec import ModelConfig
@@ -20,6 +25,9 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

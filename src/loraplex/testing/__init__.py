@@ -33,7 +33,38 @@ ARCH_CONFIGS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
 }
+
+_TEXT_CONFIGS = {"Gemma3Config": "Gemma3TextConfig"}
+"""Multimodal config class -> the text config class it wraps: ``make_random_model`` builds the
+text config from its arguments and wraps it with a tiny vision tower (``_wrap_text_config``)."""
+
+
+def _wrap_text_config(cfg_name: str, text: Any) -> Any:
+    """The multimodal ``cfg_name`` config around text config ``text`` with a tiny SigLIP
+    vision tower (one layer, 28 px images of 2 x 2 patches, 4 tokens per image), so the saved
+    checkpoint really holds vision tensors beside the language model's."""
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    return getattr(transformers, cfg_name)(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        tie_word_embeddings=text.tie_word_embeddings,
+        initializer_range=text.initializer_range,
+    )
+
 
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -103,7 +134,8 @@ def make_random_model(
         vocab = vocab_size or 512
         eos, bos = 1, 0
     cfg_name, model_name = ARCH_CONFIGS[arch]
-    cfg = getattr(transformers, cfg_name)(
+    text_name = _TEXT_CONFIGS.get(cfg_name, cfg_name)
+    cfg = getattr(transformers, text_name)(
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
@@ -117,6 +149,8 @@ def make_random_model(
         bos_token_id=bos,
         **config_overrides,
     )
+    if text_name != cfg_name:
+        cfg = _wrap_text_config(cfg_name, cfg)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).to(dtype)
     with torch.no_grad():  # norms get non-trivial weights so they are exercised

@@ -1,0 +1,138 @@
+"""Sliding-window layers through the engine, against transformers: prompts three windows long,
+prefills chunked across the window by a small token budget, decodes past it, and prefix-cache
+hits that reach beyond the window (windowed layers keep the full paged KV, so the cached blocks
+are the same as for global layers, and their masks hide what the window excludes).
+
+Mistral's ``sliding_window`` (every layer) no longer caps the context: it is exact past it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex import LLM, SamplingParams
+from loraplex.testing import load_merged_reference, make_random_model, reference_greedy
+
+WINDOW = 8
+BLOCK = 4
+N_NEW = 12  # decodes from 3 windows to 4.5 windows past the start
+SAMPLE_TOL = 2e-4  # float32 logprobs, as the Llama mixed-batch test
+PROMPT_TOL = 1e-4  # float32 prompt logprobs, as the Llama prompt-logprob test
+ALTERNATE = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+FAMILIES: dict[str, dict] = {
+    "gemma2": dict(
+        arch="gemma2",
+        layer_types=ALTERNATE,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+        query_pre_attn_scalar=24,
+    ),
+    "gemma3_text": dict(arch="gemma3_text", layer_types=ALTERNATE, final_logit_softcapping=3.0),
+    "gemma3": dict(arch="gemma3", layer_types=ALTERNATE),
+    "mistral": dict(arch="mistral"),  # every layer windowed
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    spec = dict(FAMILIES[request.param])
+    d = make_random_model(
+        tmp_path_factory.mktemp(request.param),
+        spec.pop("arch"),
+        num_layers=4,
+        head_dim=16,
+        sliding_window=WINDOW,
+        seed=3,
+        **spec,
+    )
+    return {"dir": d, "ref": load_merged_reference(d, None)}
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def _prompt_reference(model: object, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i + 1] | ids[: i + 1]) rows: [len(ids) - 1, vocab]."""
+    logits = model(torch.tensor([ids])).logits[0].float()  # type: ignore[operator]
+    return torch.log_softmax(logits, dim=-1)[:-1]
+
+
+def _check(out: object, ids: list[int], ref: object, prompt_logprobs: bool) -> None:
+    """Greedy tokens, sample logprobs and (if asked) prompt logprobs equal the reference's."""
+    want, ref_lp = reference_greedy(ref, ids, N_NEW)
+    got = out.outputs[0]  # type: ignore[attr-defined]
+    assert got.token_ids == want
+    worst = max(
+        abs(val - float(ref_lp[step, tid]))
+        for step, lp in enumerate(got.logprobs)
+        for tid, val in lp.top.items()
+    )
+    assert worst < SAMPLE_TOL, worst
+    if prompt_logprobs:
+        want_prompt = _prompt_reference(ref, ids)
+        worst = max(
+            abs(val - float(want_prompt[i, tid]))
+            for i, entry in enumerate(out.prompt_logprobs[1:])  # type: ignore[attr-defined]
+            for tid, val in entry.items()
+        )
+        assert worst < PROMPT_TOL, worst
+
+
+def test_chunked_prefill_and_decode_past_the_window(family: dict) -> None:
+    """Three prompts of 3 windows in chunks of at most 6 tokens (each chunk's context crosses
+    the window), then decodes past it, all in one batch."""
+    llm = LLM(
+        str(family["dir"]),
+        enable_lora=False,
+        dtype="float32",
+        block_size=BLOCK,
+        max_num_batched_tokens=6,
+    )
+    assert llm.engine.max_model_len > WINDOW  # the window caps nothing
+    prompts = [_ids(3 * WINDOW + k, seed=k) for k in range(3)]
+    sp = SamplingParams(
+        temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3, prompt_logprobs=3
+    )
+    outs = llm.generate(prompts, sp)
+    for ids, out in zip(prompts, outs, strict=True):
+        _check(out, ids, family["ref"], prompt_logprobs=True)
+    assert llm.engine.is_idle()
+
+
+def test_prefix_cache_hit_crossing_the_window(family: dict) -> None:
+    """A second request sharing a 6-block prefix (3 windows) hits the prefix cache for all of
+    it and still equals the reference; a fresh prompt of the same length hits nothing."""
+    llm = LLM(str(family["dir"]), enable_lora=False, dtype="float32", block_size=BLOCK)
+    pool = llm.engine.pool
+    shared = _ids(3 * WINDOW, seed=10)
+    first, second = shared + _ids(3, seed=11), shared + _ids(5, seed=12)
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    (a,) = llm.generate([first], sp)
+    hits = pool.hit_tokens
+    (b,) = llm.generate([second], sp)
+    assert a.num_cached_tokens == 0
+    assert b.num_cached_tokens == len(shared) > WINDOW
+    assert pool.hit_tokens - hits == len(shared)
+    _check(a, first, family["ref"], prompt_logprobs=False)
+    _check(b, second, family["ref"], prompt_logprobs=False)
+    (c,) = llm.generate([_ids(len(second), seed=13)], sp)
+    assert c.num_cached_tokens == 0
+    assert llm.engine.is_idle()
+
+
+def test_mistral_window_shorter_than_the_context_is_exact(tmp_path: Path) -> None:
+    """Mistral's window used to cap max_model_len at the window; now it is masked, so a
+    context of many windows serves and equals transformers (its window on every layer)."""
+    d = make_random_model(tmp_path / "mistral", "mistral", sliding_window=WINDOW, seed=4)
+    llm = LLM(str(d), enable_lora=False, dtype="float32", block_size=BLOCK)
+    assert llm.engine.max_model_len == 512  # max_position_embeddings, not the window
+    assert [L.window for L in llm.engine.model.layers] == [0, 0]
+    ids = _ids(5 * WINDOW, seed=5)
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    (out,) = llm.generate([ids], sp)
+    _check(out, ids, load_merged_reference(d, None), prompt_logprobs=False)
