@@ -127,3 +127,56 @@ def test_triton_lm_head_lora_over_the_logits_rows(dtype: torch.dtype) -> None:
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.03)
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(got[[0, 4]], base[[0, 4]])  # base rows (tokens 0 and 44)
+
+
+def _family_params() -> list[str]:
+    from tests.engine.test_mixed_batch_architectures import FAMILIES
+
+    return list(FAMILIES)
+
+
+@pytest.mark.parametrize("family", _family_params())
+def test_every_architecture_serves_a_mixed_batch_on_the_triton_path(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Each family of the mixed-batch test, its LoRA run by the Triton kernels: the base, an
+    adapter on every linear projection and one on lm_head + embed_tokens in one batch equal
+    transformers + PEFT merged (greedy tokens and logprobs, float32)."""
+    from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex.testing import (
+        load_merged_reference,
+        make_random_adapter,
+        make_random_model,
+        reference_greedy,
+    )
+    from tests.engine.test_mixed_batch_architectures import FAMILIES, PROMPTS, SAMPLE_TOL
+
+    root = tmp_path_factory.mktemp(family)
+    spec = dict(FAMILIES[family])
+    spec.pop("proj", None)
+    model = make_random_model(root / "model", spec.pop("arch"), num_layers=2, seed=9, **spec)
+    adapters = {
+        "linear": make_random_adapter(model, root / "linear", r=8, seed=1),  # all-linear
+        "vocab": make_random_adapter(
+            model, root / "vocab", r=4, target_modules=["lm_head", "embed_tokens"], std=0.1, seed=2
+        ),
+    }
+    llm = LLM(str(model), max_loras=2, max_lora_rank=8, dtype="float32")
+    assert llm.engine.model.lora is not None
+    llm.engine.model.lora.ops = TritonLoRAOps()  # what a CUDA engine picks at start-up
+    names = [None, "linear", "vocab"]
+    loras = [LoRARequest(n, str(adapters[n])) if n else None for n in names]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    outs = llm.generate(PROMPTS[: len(names)], sp, lora_request=loras)
+    tok = llm.get_tokenizer()
+    for name, prompt, out in zip(names, PROMPTS, outs, strict=False):
+        ref = load_merged_reference(model, adapters.get(name) if name else None)
+        want, ref_lp = reference_greedy(ref, tok(prompt).input_ids, 4)
+        got = out.outputs[0]
+        assert got.token_ids == want, (family, name)
+        worst = max(
+            abs(v - float(ref_lp[i, t]))
+            for i, lp in enumerate(got.logprobs)
+            for t, v in lp.top.items()
+        )
+        assert worst < SAMPLE_TOL, (family, name, worst)

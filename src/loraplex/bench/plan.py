@@ -41,6 +41,7 @@ from loraplex.lora.digest import DigestError, safetensors_header
 from loraplex.lora.peft_format import (
     CONFIG_NAME,
     EMBED_TOKENS,
+    OTHER_TOWER_RE,
     PROJ_NAMES,
     SAFETENSORS_NAME,
     VOCAB_LAYER,
@@ -84,6 +85,9 @@ class ModelShape:
     head_dim: int = 0  # 0: hidden_size // num_heads
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
+    layer_norm_params: int = 0  # 0: Llama's two norms of hidden_size per layer
+    layer_bias_params: int = 0
+    text_only: bool = False  # a multimodal checkpoint's language model (other towers unserved)
 
     @property
     def hd(self) -> int:
@@ -102,17 +106,24 @@ class ModelShape:
         """Parameters of every projection of every layer (no norms, embeddings or head)."""
         return self.num_layers * sum(a * b for a, b in map(self.dims, PROJ_NAMES))
 
+    def _layer_extras(self) -> int:
+        """A layer's norm and bias parameters, and the final norm."""
+        norms = self.layer_norm_params or 2 * self.hidden_size
+        return self.num_layers * (norms + self.layer_bias_params) + self.hidden_size
+
     def params(self) -> int:
-        """All parameters: projections, norms, embedding, LM head (unless tied)."""
-        norms = (2 * self.num_layers + 1) * self.hidden_size
+        """All parameters: projections, biases, norms, embedding, LM head (unless tied)."""
         emb = self.vocab_size * self.hidden_size
-        return self.linear_params() + norms + emb * (1 if self.tie_word_embeddings else 2)
+        return (
+            self.linear_params()
+            + self._layer_extras()
+            + emb * (1 if self.tie_word_embeddings else 2)
+        )
 
     def decode_read_params(self) -> int:
-        """Parameters a decode step reads in full: projections, norms and the LM head (the
-        embedding is a gather of a few rows; a tied head reads the embedding matrix)."""
-        norms = (2 * self.num_layers + 1) * self.hidden_size
-        return self.linear_params() + norms + self.vocab_size * self.hidden_size
+        """Parameters a decode step reads in full: projections, biases, norms and the LM head
+        (the embedding is a gather of a few rows; a tied head reads the embedding matrix)."""
+        return self.linear_params() + self._layer_extras() + self.vocab_size * self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.hd * dtype_bytes
@@ -134,6 +145,34 @@ PRESETS: dict[str, ModelShape] = {
 
 
 def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
+    """The shape of a ``config.json``: through the architecture's own parse where it names one
+    we serve (its norms, biases, a multimodal checkpoint's ``text_config``), else read as a
+    Llama-family config."""
+    from loraplex.model.config import parse_model_config
+    from loraplex.model.registry import ARCHITECTURES
+
+    if any(a in ARCHITECTURES for a in cfg.get("architectures") or []):
+        from loraplex.types import ModelLoadError
+
+        try:
+            mc = parse_model_config(cfg, source=name)
+        except ModelLoadError as e:
+            raise PlanError(str(e)) from None
+        return ModelShape(
+            name=name,
+            hidden_size=mc.hidden_size,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            intermediate_size=mc.intermediate_size,
+            vocab_size=mc.vocab_size,
+            head_dim=mc.head_dim,
+            tie_word_embeddings=mc.tie_word_embeddings,
+            dtype=str(mc.torch_dtype or "bfloat16"),
+            layer_norm_params=sum(mc.layer_norm_widths),
+            layer_bias_params=mc.layer_bias_params(),
+            text_only=isinstance(cfg.get("text_config"), dict),
+        )
     try:
         heads = int(cfg["num_attention_heads"])
         shape = ModelShape(
@@ -254,13 +293,18 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
     return AdapterShape(name, mods)
 
 
-def _safetensors_stats(path: Path) -> tuple[int, int]:
-    """(LoRA parameters, their bytes) from a safetensors header (no tensor data read)."""
+def _safetensors_stats(path: Path, text_only: bool = False) -> tuple[int, int]:
+    """(LoRA parameters, their bytes) from a safetensors header (no tensor data read); on a
+    multimodal base's language model, of the text backbone only (what is served)."""
     try:
         header = safetensors_header(path)
     except (OSError, DigestError) as e:
         raise PlanError(f"cannot read the safetensors header of {path}: {e}") from None
-    lora = [t for key, t in header.items() if "lora_" in key]
+    lora = [
+        t
+        for key, t in header.items()
+        if "lora_" in key and not (text_only and OTHER_TOWER_RE.match(key))
+    ]
     return sum(math.prod(t.shape) for t in lora), sum(t.nbytes for t in lora)
 
 
@@ -284,7 +328,7 @@ def adapter_from_path(spec: str, m: ModelShape) -> AdapterShape:
     a = adapter_from_config(cfg, m, name)
     weights = cfg_path.parent / SAFETENSORS_NAME
     if weights.is_file():
-        a.file_params, a.file_bytes = _safetensors_stats(weights)
+        a.file_params, a.file_bytes = _safetensors_stats(weights, m.text_only)
         if a.file_params != a.params(m):
             a.notes.append(
                 f"its weights hold {a.file_params:,} LoRA parameters but its config on this "

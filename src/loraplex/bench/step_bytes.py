@@ -43,14 +43,10 @@ def read_bandwidth_gbs(mib: int = 256) -> float:
 
 
 def weight_bytes_per_step(engine: LLMEngine) -> int:
-    """Base weights a decode step reads: every layer's projections and norms, norm, LM head."""
+    """Base weights a decode step reads: every layer's projections and norms (however many
+    its architecture has), the final norm and the LM head."""
     m = engine.model
-    total = m.norm.nbytes + m.head.nbytes
-    for L in m.layers:
-        total += (
-            L.ln1.nbytes + L.ln2.nbytes + sum(x.nbytes for x in (L.qkv, L.o, L.gate_up, L.down))
-        )
-    return total
+    return m.norm.nbytes + m.head.nbytes + sum(L.nbytes for L in m.layers)
 
 
 def adapter_bytes_per_step(engine: LLMEngine, slots: set[int]) -> int:

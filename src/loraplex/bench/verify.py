@@ -33,6 +33,7 @@ from loraplex.lora.digest import DigestError, safetensors_header
 from loraplex.lora.peft_format import (
     BIN_NAME,
     CONFIG_NAME,
+    OTHER_TOWER_RE,
     PROJ_NAMES,
     SAFETENSORS_NAME,
     VOCAB_LAYER,
@@ -122,6 +123,8 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
     wrong: list[str] = []
     seen: set[tuple[int, str]] = set()
     for key, sh in sorted(_tensor_shapes(adapter).items()):
+        if m.text_only and OTHER_TOWER_RE.match(key):
+            continue  # a multimodal base's other towers: never served, never checked
         k = parse_tensor_key(key)
         if k is None:
             if "lora_" in key:

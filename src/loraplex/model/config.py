@@ -206,4 +206,5 @@ def parse_model_config(raw: dict[str, Any], source: str = "config") -> ModelConf
             f"{source}: unsupported hidden_act {fields['hidden_act']!r}; "
             f"supported: {', '.join(ACTIVATIONS)}"
         )
-    return cls.config_class(architecture=arch, model_type=cls.model_type, raw=raw, **fields)
+    config = cls.config_class(architecture=arch, model_type=cls.model_type, raw=raw, **fields)
+    return replace(config, layer_norm_widths=cls.layer_norm_widths(config))

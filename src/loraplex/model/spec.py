@@ -41,6 +41,10 @@ class ModelConfig:
     sliding_window: int | None = None
     hidden_act: str = "silu"
     """The gated MLP's activation (``model.layers.ACTIVATIONS`` names the supported ones)."""
+    layer_norm_widths: tuple[int, ...] = ()
+    """The width of each norm weight of a layer (empty: Llama's two of ``hidden_size``; Qwen3
+    adds its q/k norms of ``head_dim``, Gemma has four of ``hidden_size``); filled in by
+    ``parse_model_config`` from the architecture's checkpoint names."""
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     generation_defaults: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -60,8 +64,18 @@ class ModelConfig:
             self.intermediate_size,
         )
 
+    def layer_bias_params(self) -> int:
+        """Bias parameters of one layer's projections (q/k/v, o, gate/up, down)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        d, inter = self.hidden_size, self.intermediate_size
+        return (q + 2 * kv) * self.qkv_bias + d * self.o_bias + (2 * inter + d) * self.mlp_bias
+
     def num_parameters(self) -> int:
-        per_layer = sum(a * b for a, b in self.module_shapes.values()) + 2 * self.hidden_size
+        """Parameters of the text model as loaded: projections, their biases, norms, the
+        embedding and an untied LM head."""
+        norms = sum(self.layer_norm_widths or (self.hidden_size, self.hidden_size))
+        projections = sum(a * b for a, b in self.module_shapes.values())
+        per_layer = projections + self.layer_bias_params() + norms
         embed = self.vocab_size * self.hidden_size
         return (
             self.num_layers * per_layer
