@@ -69,6 +69,40 @@ FAMILIES: dict[str, dict] = {
     "gemma3": dict(
         arch="gemma3", sliding_window=4, layer_types=["sliding_attention", "full_attention"]
     ),
+    # fused qkv_proj / gate_up_proj in the checkpoint and in the adapters (one A/B pair over
+    # q, k and v under GQA); Phi3Config's pad_token_id 32000 lies outside the tiny vocabulary
+    "phi3": dict(
+        arch="phi3",
+        pad_token_id=None,
+        proj={
+            "all": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+            "attn": ["qkv_proj", "o_proj"],
+            "mlp": ["gate_up_proj", "down_proj"],
+            "qv": ["qkv_proj"],
+        },
+    ),
+    # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE with an original length (6)
+    # every prompt passes (its long factors and attention factor from the prefill on; a
+    # sequence crossing it while decoding is tests/model/test_phi3.py's)
+    "phi3_longrope": dict(
+        arch="phi3",
+        pad_token_id=None,
+        tie_word_embeddings=True,
+        original_max_position_embeddings=6,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [2.0 + 0.75 * i for i in range(6)],
+        },
+        proj={
+            "all": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+            "attn": ["qkv_proj", "o_proj"],
+            "mlp": ["gate_up_proj", "down_proj"],
+            "qv": ["qkv_proj"],
+        },
+    ),
 }
 
 

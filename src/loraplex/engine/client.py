@@ -205,7 +205,8 @@ class EngineClient:
             raise InvalidRequestError(
                 "text prompts need a tokenizer (skip_tokenizer_init=True was set)"
             )
-        with self.engine.intake.tokenizer_lock:  # the engine's lock: HF tokenizers are not shareable
+        # the engine's lock: HF tokenizers are not shareable
+        with self.engine.intake.tokenizer_lock:
             return [int(t) for t in tok(text, add_special_tokens=False).input_ids]
 
     @property

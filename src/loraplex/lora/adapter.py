@@ -127,11 +127,11 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all A and B tensors (host memory the adapter occupies)."""
-        return sum(
-            w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
-            for w in self.weights.values()
-        )
+        """Bytes of all A and B tensors (host memory the adapter occupies: an A shared by a
+        fused module's parts counts once)."""
+        tensors = {id(w.a): w.a for w in self.weights.values()}
+        tensors.update((id(w.b), w.b) for w in self.weights.values())
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _fail(path: str | Path, what: str) -> AdapterError:
@@ -499,14 +499,20 @@ def build_adapter(
                     raise _fail(path, f"tensor {tname!r}: contains non-finite values (NaN/inf)")
     # Tensors left out (PEFT's copies of the base's embedding matrices) may be most of the
     # bytes read: own copies of the served ones then, so the read buffer can go.
-    own = len(tensors) > 2 * len(layout)
+    own = len(tensors) > 2 * len({m.a_name for m in layout.values()})
+    converted: dict[str, torch.Tensor] = {}  # a fused module's parts share one A
+
+    def served(tname: str) -> torch.Tensor:
+        if tname not in converted:  # convert last: all checks ran on the stored values
+            t = tensors[tname].to(dtype).contiguous()
+            converted[tname] = t.clone() if own else t
+        return converted[tname]
+
     weights: dict[tuple[int, str], LoRAModuleWeights] = {}
     for key, m in layout.items():
-        a, b = tensors[m.a_name], tensors[m.b_name]
-        # convert last: all checks ran on the stored values
-        a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
-        if own:
-            a, b = a.clone(), b.clone()
+        a, b = served(m.a_name), served(m.b_name)  # [r, d_in], [d_out (fused: all parts), r]
+        if m.b_rows is not None:  # a fused module's part: its rows of B (a contiguous view)
+            b = b[m.b_rows[0] : m.b_rows[1]]
         weights[key] = LoRAModuleWeights(a=a, b=b, scale=m.scale)
     adapter_name = name if name is not None else Path(os.path.abspath(path)).name
     ref = AdapterRef(adapter_name, revision if revision is not None else digest[:12], digest)

@@ -6,7 +6,9 @@ Everything the loader (:mod:`loraplex.lora.adapter`), the registry
 
 - the file names (``adapter_config.json`` + ``adapter_model.safetensors``, or the older
   ``adapter_model.bin``) and which weights file a directory is read from;
-- the seven projections of a Llama-family decoder layer and their ``(d_in, d_out)``, and the
+- the seven projections of a Llama-family decoder layer and their ``(d_in, d_out)`` (a base
+  whose checkpoints fuse some, Phi-3's ``qkv_proj`` / ``gate_up_proj``, has adapters on the
+  fused modules: :data:`FUSED_PROJ_NAMES`, split into the seven by :func:`check_layout`), and the
   two modules outside the layers (``embed_tokens``, PEFT's ``lora_embedding_A/B``, and
   ``lm_head``), keyed ``(VOCAB_LAYER, name)``;
 - the config features we refuse (DoRA, biases, modules_to_save, base-modifying inits, ...),
@@ -57,13 +59,40 @@ def choose_adapter_files(names: Iterable[str]) -> tuple[str, ...]:
 
 PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The Llama-family projections an adapter may target (attention first, then MLP)."""
-ATTN_PROJ_NAMES = frozenset(PROJ_NAMES[:4])
-MLP_PROJ_NAMES = frozenset(PROJ_NAMES[4:])
+FUSED_PROJ_NAMES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+"""A checkpoint module that is several projections in one (Phi-3's ``qkv_proj`` ``[q + 2 kv,
+D]``, ``gate_up_proj`` ``[2 I, D]``) -> its parts in row order. An adapter on it has one
+``A [r, d_in]`` and one ``B`` over the fused rows; the layout check splits it into its parts
+(``A`` shared, ``B`` by rows), so slots, kernels and the merger see the seven projections."""
+FUSED_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {"phi3": ("qkv_proj", "gate_up_proj")}
+"""``model_type`` -> the fused modules its checkpoints (and so its adapters) have."""
+ATTN_PROJ_NAMES = frozenset((*PROJ_NAMES[:4], "qkv_proj"))
+MLP_PROJ_NAMES = frozenset((*PROJ_NAMES[4:], "gate_up_proj"))
 
 
 def block_of(proj: str) -> str:
     """The submodule of a decoder layer that holds ``proj``: ``self_attn`` or ``mlp``."""
     return "self_attn" if proj in ATTN_PROJ_NAMES else "mlp"
+
+
+def adapter_module_shapes(
+    module_shapes: Mapping[str, tuple[int, int]], fused: Iterable[str] = ()
+) -> dict[str, tuple[int, int]]:
+    """The modules an adapter names on a base -> (d_in, d_out): ``module_shapes`` (the seven
+    projections) with each ``fused`` module in place of its parts (d_out: the parts' sum)."""
+    fused = tuple(fused)
+    part_of = {part: f for f in fused for part in FUSED_PROJ_NAMES[f]}
+    out: dict[str, tuple[int, int]] = {}
+    for proj, (d_in, d_out) in module_shapes.items():
+        f = part_of.get(proj)
+        if f is None:
+            out[proj] = (d_in, d_out)
+        else:
+            out[f] = (d_in, out.get(f, (d_in, 0))[1] + d_out)
+    return out
 
 
 def module_key(layer: int, proj: str, prefix: str = "model.") -> str:
@@ -126,6 +155,27 @@ class BaseModelSpec:
     ``Gemma3ForConditionalGeneration``): LoRA applies to the text backbone only, and an
     adapter's tensors on the other towers (:data:`OTHER_TOWER_RE`) are skipped, as vLLM does;
     they never touch a text-only forward."""
+
+    @property
+    def fused(self) -> tuple[str, ...]:
+        """The fused modules of this base's checkpoints (``FUSED_BY_MODEL_TYPE``; Phi-3's
+        ``qkv_proj``, ``gate_up_proj``): its adapters name these, never their parts."""
+        return FUSED_BY_MODEL_TYPE.get(self.model_type, ())
+
+    @property
+    def adapter_shapes(self) -> dict[str, tuple[int, int]]:
+        """The modules an adapter for this base names in a layer -> (d_in, d_out)."""
+        return adapter_module_shapes(self.module_shapes, self.fused)
+
+    def fused_rows(self, proj: str) -> tuple[tuple[str, int, int], ...]:
+        """``(part, first row, end row)`` of fused module ``proj``'s output (q, then k, then v
+        under GQA; gate, then up)."""
+        rows, lo = [], 0
+        for part in FUSED_PROJ_NAMES[proj]:
+            hi = lo + self.module_shapes[part][1]
+            rows.append((part, lo, hi))
+            lo = hi
+        return tuple(rows)
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any]) -> BaseModelSpec:
@@ -398,7 +448,7 @@ def unservable_targets(target_modules: Any) -> list[Any]:
     refuses adapters whose config names such modules; the loader only refuses their tensors."""
     if not isinstance(target_modules, list):
         return []
-    servable = (*PROJ_NAMES, *VOCAB_MODULES)
+    servable = (*PROJ_NAMES, *FUSED_PROJ_NAMES, *VOCAB_MODULES)
     return [t for t in target_modules if not isinstance(t, str) or t.split(".")[-1] not in servable]
 
 
@@ -518,13 +568,18 @@ class ModuleLayout:
     b_name: str
     rank: int
     scale: float
+    b_rows: tuple[int, int] | None = None
+    """The rows of ``B`` this projection takes when the tensors are a fused module's (Phi-3's
+    ``qkv_proj``: q's rows, k's, v's; ``A`` is then shared by the parts); None: all of them."""
 
 
 def _module_order(key: tuple[int, str]) -> tuple[int, int]:
-    """Modules in table order: embed_tokens and lm_head first, then layer by layer."""
+    """Modules in table order: embed_tokens and lm_head first, then layer by layer (a fused
+    module where its first part is)."""
     layer, proj = key
-    table = VOCAB_MODULES if layer == VOCAB_LAYER else PROJ_NAMES
-    return (layer, table.index(proj))
+    if layer == VOCAB_LAYER:
+        return (layer, VOCAB_MODULES.index(proj))
+    return (layer, PROJ_NAMES.index(FUSED_PROJ_NAMES.get(proj, (proj,))[0]))
 
 
 def _decoder_prefix(module_keys: Iterable[str]) -> str:
@@ -554,7 +609,9 @@ def check_layout(
     with fewer layers, is a mismatch). PEFT's copies of the base's embedding / LM head matrix
     (``...base_layer.weight``, saved beside a LoRA on them) must have the base's shape (else the
     vocabulary was resized) and are not served: LoRA training freezes them. Returns
-    ``(layer, proj) -> ModuleLayout`` in table order (``(VOCAB_LAYER, name)`` first).
+    ``(layer, proj) -> ModuleLayout`` in table order (``(VOCAB_LAYER, name)`` first); a fused
+    module of the base (``spec.fused``: Phi-3's ``qkv_proj``) is checked as one module and
+    returned as its parts, each with its rows of ``B`` (``b_rows``).
     """
     pairs: dict[tuple[int, str], dict[str, str]] = {}  # (layer, proj) -> {"A": name, "B": name}
     module_keys: dict[tuple[int, str], str] = {}
@@ -575,11 +632,11 @@ def check_layout(
                     "unsupported_target",
                     f"tensor {name!r}: this base model serves no LoRA on {k.proj}",
                 )
-        elif k.proj not in PROJ_NAMES:
+        elif k.proj not in spec.adapter_shapes:
             raise FormatError(
                 "unsupported_target",
                 f"tensor {name!r}: target module {k.proj!r} is not supported "
-                f"(supported: {', '.join((*PROJ_NAMES, *VOCAB_MODULES))})",
+                f"(supported: {', '.join((*spec.adapter_shapes, *VOCAB_MODULES))})",
             )
         elif k.block != block_of(k.proj):
             raise FormatError(
@@ -623,7 +680,7 @@ def check_layout(
                 "shape_mismatch",
                 f"tensor {a_name!r}: layer {layer} >= base model num_layers {spec.num_layers}",
             )
-        shapes = spec.vocab_shapes if layer == VOCAB_LAYER else spec.module_shapes
+        shapes = spec.vocab_shapes if layer == VOCAB_LAYER else spec.adapter_shapes
         if proj not in shapes:
             raise FormatError("shape_mismatch", f"tensor {a_name!r}: base model has no {proj}")
         if not settings.is_targeted(mkey):
@@ -671,17 +728,21 @@ def check_layout(
             raise FormatError(
                 "rank_too_large", f"tensor {a_name!r}: rank {rank} > max_lora_rank {max_rank}"
             )
-        out[key] = ModuleLayout(mkey, a_name, b_name, rank, scale)
+        if proj in FUSED_PROJ_NAMES:  # one A/B pair over the parts' rows: A shared, B split
+            for part, lo, hi in spec.fused_rows(proj):
+                out[(layer, part)] = ModuleLayout(mkey, a_name, b_name, rank, scale, (lo, hi))
+        else:
+            out[key] = ModuleLayout(mkey, a_name, b_name, rank, scale)
 
     prefix = _decoder_prefix(module_keys.values())
     expected = [
         ((layer, proj), module_key(layer, proj, prefix))
         for layer in range(spec.num_layers)
-        for proj in spec.module_shapes
+        for proj in spec.adapter_shapes
     ]
     expected += [((VOCAB_LAYER, m), vocab_module_key(m, prefix)) for m in VOCAB_MODULES]
     for key, mkey in expected:
-        if key not in out and settings.is_targeted(mkey):
+        if key not in pairs and settings.is_targeted(mkey):
             if key[0] == VOCAB_LAYER and key[1] not in spec.vocab_shapes:
                 raise FormatError(
                     "unsupported_target",

@@ -346,6 +346,8 @@ class DecoderForCausalLM:
     def hidden_states(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Run all layers for the batch (writing its KV); returns the last layer's hidden
         states [T, D] before the final norm, for every token (prompt logprobs need them all)."""
+        for r in self.rotaries:  # LongRoPE picks its factor set per sequence; others ignore it
+            r.begin_step(batch.positions, batch.attn)
         rope = [r.cos_sin(batch.positions) for r in self.rotaries]
         step = LayerStep(cache, batch.attn, rope)
         h = self.embed(batch.input_ids)  # [T, D]

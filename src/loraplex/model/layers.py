@@ -11,10 +11,9 @@ that shares a block.
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,12 @@ from loraplex.model.attention import (
     softcap_attend,
 )
 from loraplex.model.linear import Linear
+from loraplex.model.rotary import ROPE_TYPES as ROPE_TYPES
+from loraplex.model.rotary import LinearScalingRotaryEmbedding as LinearScalingRotaryEmbedding
+from loraplex.model.rotary import Llama3RotaryEmbedding as Llama3RotaryEmbedding
+from loraplex.model.rotary import RotaryEmbedding as RotaryEmbedding
+from loraplex.model.rotary import apply_rotary
+from loraplex.model.rotary import make_rotary as make_rotary
 
 if TYPE_CHECKING:
     from loraplex.kv.cache import PagedKVCache
@@ -87,109 +92,6 @@ class GemmaRMSNorm(RMSNorm):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), self.dim, None, self.eps) * (1.0 + self.weight.float())
         return out.to(x.dtype)
-
-
-# ------------------------------------------------------------------------------------ rotary
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention.  x: [T, heads, hd]; cos, sin: [T, 1, hd]."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
-
-
-class RotaryEmbedding:
-    """Default RoPE: ``inv_freq[i] = base ** (-2i / hd)``, with cos/sin tables [positions, hd]
-    grown on demand (doubling) in the model dtype.
-
-    Subclasses change the frequencies (:meth:`inv_freq`: linear, llama3) or the tables
-    (:meth:`tables`; a LongRoPE-style rope with two factor sets and an attention factor would
-    override :meth:`cos_sin` to pick the long or short table). One instance per distinct base:
-    an architecture with a per-layer base (local vs global layers) builds one per base in its
-    decoder's ``layer_rotaries``."""
-
-    def __init__(
-        self,
-        head_dim: int,
-        base: float,
-        scaling: Mapping[str, Any] | None,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.head_dim = head_dim
-        self.base = base
-        self.scaling = scaling
-        self.dtype = dtype
-        self.device = device
-        self._len = 0
-        self._cos = self._sin = torch.empty(0)
-
-    def inv_freq(self) -> torch.Tensor:
-        """Inverse frequencies [hd / 2], float32."""
-        hd = self.head_dim
-        return 1.0 / (self.base ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-
-    def tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions ``0..n-1``: [n, hd] each, in the model dtype."""
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq())
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype).to(self.device), emb.sin().to(self.dtype).to(self.device)
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of ``positions [T]``: [T, 1, hd] each (broadcast over heads)."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if need > self._len:
-            n = max(need, 2 * self._len, 256)
-            self._cos, self._sin = self.tables(n)
-            self._len = n
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
-
-
-class LinearScalingRotaryEmbedding(RotaryEmbedding):
-    """``rope_type: linear``: positions divided by ``factor`` (frequencies, equivalently)."""
-
-    def inv_freq(self) -> torch.Tensor:
-        assert self.scaling is not None
-        return super().inv_freq() / float(self.scaling["factor"])
-
-
-class Llama3RotaryEmbedding(RotaryEmbedding):
-    """``rope_type: llama3``: low frequencies scaled by ``factor``, high ones kept, a smooth
-    ramp between (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``)."""
-
-    def inv_freq(self) -> torch.Tensor:
-        assert self.scaling is not None
-        rs, inv = self.scaling, super().inv_freq()
-        factor = float(rs["factor"])
-        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-        old_len = float(rs["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        return torch.where(medium, smoothed, scaled)
-
-
-ROPE_TYPES: dict[str, type[RotaryEmbedding]] = {
-    "default": RotaryEmbedding,
-    "linear": LinearScalingRotaryEmbedding,
-    "llama3": Llama3RotaryEmbedding,
-}
-"""``rope_scaling.rope_type`` -> its rotary class; ``parse_model_config`` refuses the others."""
-
-
-def make_rotary(
-    head_dim: int,
-    base: float,
-    scaling: Mapping[str, Any] | None,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> RotaryEmbedding:
-    """The rotary embedding for ``scaling`` (None: default RoPE)."""
-    rtype = "default" if scaling is None else str(scaling["rope_type"])
-    return ROPE_TYPES[rtype](head_dim, base, scaling, dtype, device)
 
 
 # ------------------------------------------------------------------------------ layer state

@@ -17,6 +17,7 @@ from loraplex.model.gemma import (
     Gemma3ForConditionalGeneration,
 )
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from loraplex.model.phi3 import Phi3ForCausalLM
 from loraplex.model.qwen3 import Qwen3ForCausalLM
 from loraplex.model.spec import ModelConfig
 
@@ -28,6 +29,7 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

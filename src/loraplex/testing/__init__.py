@@ -36,6 +36,7 @@ ARCH_CONFIGS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 _TEXT_CONFIGS = {"Gemma3Config": "Gemma3TextConfig"}
@@ -69,6 +70,10 @@ def _wrap_text_config(cfg_name: str, text: Any) -> Any:
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_PROJ = ["gate_proj", "up_proj", "down_proj"]
+PHI3_ALL_PROJ = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+"""Phi-3's modules (its checkpoints fuse q/k/v and gate/up; adapters name the fused ones)."""
+PHI3_ATTN_PROJ = ["qkv_proj", "o_proj"]
+PHI3_MLP_PROJ = ["gate_up_proj", "down_proj"]
 
 
 def make_tokenizer(out_dir: str | Path, vocab_size: int = 384) -> Any:
@@ -149,6 +154,9 @@ def make_random_model(
         bos_token_id=bos,
         **config_overrides,
     )
+    pad = getattr(cfg, "pad_token_id", None)
+    if isinstance(pad, int) and pad >= vocab:  # Phi3Config's default (32000) in a tiny vocabulary
+        cfg.pad_token_id = None
     if text_name != cfg_name:
         cfg = _wrap_text_config(cfg_name, cfg)
     torch.manual_seed(seed)
