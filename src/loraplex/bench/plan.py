@@ -41,6 +41,8 @@ from loraplex.lora.digest import DigestError, safetensors_header
 from loraplex.lora.peft_format import (
     CONFIG_NAME,
     EMBED_TOKENS,
+    FUSED_BY_MODEL_TYPE,
+    FUSED_PROJ_NAMES,
     OTHER_TOWER_RE,
     PROJ_NAMES,
     SAFETENSORS_NAME,
@@ -88,15 +90,31 @@ class ModelShape:
     layer_norm_params: int = 0  # 0: Llama's two norms of hidden_size per layer
     layer_bias_params: int = 0
     text_only: bool = False  # a multimodal checkpoint's language model (other towers unserved)
+    fused: tuple[str, ...] = ()  # the checkpoint's fused modules (Phi-3's qkv_proj, gate_up_proj)
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
+    @property
+    def adapter_projs(self) -> tuple[str, ...]:
+        """The modules of a layer an adapter for this base names: the seven projections, with
+        each fused module in place of its parts."""
+        out: list[str] = []
+        for p in PROJ_NAMES:
+            f = next((f for f in self.fused if p in FUSED_PROJ_NAMES[f]), p)
+            if f not in out:
+                out.append(f)
+        return tuple(out)
+
     def dims(self, proj: str) -> tuple[int, int]:
-        """(d_in, d_out) of a projection, or of ``embed_tokens`` / ``lm_head``."""
+        """(d_in, d_out) of a projection, of a fused module (its parts' rows), or of
+        ``embed_tokens`` / ``lm_head``."""
         if proj in VOCAB_MODULES:
             return vocab_module_shapes(self.vocab_size, self.hidden_size)[proj]
+        if proj in FUSED_PROJ_NAMES:
+            parts = [self.dims(q) for q in FUSED_PROJ_NAMES[proj]]
+            return parts[0][0], sum(d_out for _, d_out in parts)
         shapes = projection_shapes(
             self.hidden_size, self.num_heads, self.num_kv_heads, self.hd, self.intermediate_size
         )
@@ -172,6 +190,7 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             layer_norm_params=sum(mc.layer_norm_widths),
             layer_bias_params=mc.layer_bias_params(),
             text_only=isinstance(cfg.get("text_config"), dict),
+            fused=FUSED_BY_MODEL_TYPE.get(mc.model_type, ()),
         )
     try:
         heads = int(cfg["num_attention_heads"])
@@ -236,7 +255,8 @@ class AdapterShape:
 
     @property
     def targets(self) -> list[str]:
-        return [p for p in (*VOCAB_MODULES, *PROJ_NAMES) if any(q == p for _, q in self.modules)]
+        names = (*VOCAB_MODULES, *PROJ_NAMES, *FUSED_PROJ_NAMES)
+        return [p for p in names if any(q == p for _, q in self.modules)]
 
     @property
     def layers(self) -> int:
@@ -247,9 +267,14 @@ class AdapterShape:
 
     def decode_params(self, m: ModelShape) -> int:
         """Parameters a decode step reads in full: all but an embedding LoRA's A, which is
-        gathered by token id (a few rows)."""
+        gathered by token id (a few rows); a fused module's LoRA as the engine holds it, split
+        into its parts (A once per part, B by rows)."""
         r_embed = self.modules.get((VOCAB_LAYER, EMBED_TOKENS), 0)
-        return self.params(m) - r_embed * m.vocab_size
+        split = sum(
+            r * sum(sum(m.dims(q)) for q in FUSED_PROJ_NAMES.get(p, (p,)))
+            for (_, p), r in self.modules.items()
+        )
+        return split - r_embed * m.vocab_size
 
 
 def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> AdapterShape:
@@ -277,7 +302,7 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
             if settings.is_targeted(full):
                 mods[(VOCAB_LAYER, v)] = int(settings.rank_of(full))
         for layer in range(m.num_layers):
-            for p in PROJ_NAMES:
+            for p in m.adapter_projs:
                 full = module_key(layer, p)
                 if settings.is_targeted(full):
                     mods[(layer, p)] = int(settings.rank_of(full))
@@ -288,7 +313,7 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
     if not mods:
         raise PlanError(
             f"adapter {name}: target_modules {targets!r} match none of the model's modules "
-            f"({', '.join((*PROJ_NAMES, *VOCAB_MODULES))}): this adapter would change nothing"
+            f"({', '.join((*m.adapter_projs, *VOCAB_MODULES))}): this adapter would change nothing"
         )
     return AdapterShape(name, mods)
 
@@ -369,7 +394,9 @@ def build_plan(
     max_rank = max_lora_rank or max(a.max_rank for a in adapters)
     if max_rank < max(a.max_rank for a in adapters):
         raise PlanError(f"--max-lora-rank {max_rank} is below an adapter's rank")
-    union = [p for p in (*VOCAB_MODULES, *PROJ_NAMES) if any(p in a.targets for a in adapters)]
+    # a slot holds the parts of a fused module (the engine splits its LoRA)
+    parts = {q for a in adapters for p in a.targets for q in FUSED_PROJ_NAMES.get(p, (p,))}
+    union = [p for p in (*VOCAB_MODULES, *PROJ_NAMES) if p in parts]
     per_layer = sum(max_rank * sum(m.dims(p)) for p in union if p in PROJ_NAMES)
     outside = sum(max_rank * sum(m.dims(p)) for p in union if p in VOCAB_MODULES)
     slot_params = m.num_layers * per_layer + outside

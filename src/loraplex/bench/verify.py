@@ -34,7 +34,6 @@ from loraplex.lora.peft_format import (
     BIN_NAME,
     CONFIG_NAME,
     OTHER_TOWER_RE,
-    PROJ_NAMES,
     SAFETENSORS_NAME,
     VOCAB_LAYER,
     VOCAB_MODULES,
@@ -114,7 +113,7 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
             report.verdict = "silent_no_op"
             report.problems.append(
                 f"silent no-op: target_modules {cfg.get('target_modules')!r} match none of this "
-                f"model's modules ({', '.join((*PROJ_NAMES, *VOCAB_MODULES))}); served, it would "
+                f"model's modules ({', '.join((*m.adapter_projs, *VOCAB_MODULES))}); served, it would "
                 "answer exactly like the base model"
             )
             return
@@ -131,7 +130,7 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
                 wrong.append(f"{key}: not a LoRA of a Llama-family module")
             continue
         layer, proj, ab = k.layer, k.proj, k.ab
-        known = proj in VOCAB_MODULES if layer == VOCAB_LAYER else proj in PROJ_NAMES
+        known = proj in VOCAB_MODULES if layer == VOCAB_LAYER else proj in m.adapter_projs
         if not known or layer >= m.num_layers:
             wrong.append(f"{key}: the model has no such module ({m.num_layers} layers)")
             continue
