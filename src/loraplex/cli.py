@@ -239,27 +239,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_random(args: argparse.Namespace) -> int:
-    """Build (once) a small random Llama and four PEFT adapters, then run one mixed batch."""
+    """Build (once) a small random model of ``--arch`` and four PEFT adapters, then run one
+    mixed batch and check it against transformers + PEFT."""
     from loraplex import LLM, LoRARequest, SamplingParams
     from loraplex.demo.prepare import default_cache_dir
     from loraplex.lora.peft_format import CONFIG_NAME
     from loraplex.testing import (
-        ALL_PROJ,
-        ATTN_PROJ,
-        MLP_PROJ,
+        ARCH_CONFIGS,
         load_merged_reference,
         make_random_adapter,
         make_random_model,
         reference_greedy,
     )
 
+    arch = args.arch
+    if arch not in ARCH_CONFIGS:
+        print(
+            f"loraplex demo: --arch {arch!r} is not one of {', '.join(ARCH_CONFIGS)}",
+            file=sys.stderr,
+        )
+        return 2
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
-    root = cache / "demo-random"
+    root = cache / ("demo-random" if arch == "llama" else f"demo-random-{arch}")
     model_dir = root / "model"
     if not (model_dir / "config.json").is_file():
-        print(f"building a random Llama (h256, 4 layers, GQA) in {model_dir} ...")
+        print(f"building a random {arch} model (h256, 4 layers, GQA) in {model_dir} ...")
         make_random_model(
             model_dir,
+            arch,
             hidden_size=256,
             num_layers=4,
             num_heads=8,
@@ -267,11 +274,15 @@ def cmd_demo_random(args: argparse.Namespace) -> int:
             intermediate_size=768,
             seed=0,
         )
+    # targets every architecture names alike (Phi-3's fused qkv_proj / gate_up_proj included)
+    attention = r".*self_attn\.\w+_proj"
     specs = {
-        "all-r8": dict(r=8, target_modules=ALL_PROJ, seed=1),
-        "attn-r16": dict(r=16, target_modules=ATTN_PROJ, seed=2),
-        "mlp-r4-rslora": dict(r=4, target_modules=MLP_PROJ, use_rslora=True, seed=3),
-        "qv-r32": dict(r=32, target_modules=["q_proj", "v_proj"], seed=4),
+        "all-r8": dict(r=8, target_modules="all-linear", seed=1),
+        "attn-r16": dict(r=16, target_modules=attention, seed=2),
+        "layer1-r4-rslora": dict(
+            r=4, target_modules=r".*layers\.1\.\w+\.\w+_proj", use_rslora=True, seed=3
+        ),
+        "vocab-r32": dict(r=32, target_modules=["lm_head", "embed_tokens"], seed=4),
     }
     loras: list[LoRARequest | None] = [None]
     for name, kw in specs.items():
@@ -333,9 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--random",
         action="store_true",
-        help="no download: random Llama + 4 random adapters, one mixed batch checked against PEFT",
+        help="no download: a random model (--arch) + 4 random adapters, one mixed batch checked against PEFT",
     )
     d.add_argument("--max-tokens", type=int, default=32, help="with --random")
+    d.add_argument(
+        "--arch",
+        default="llama",
+        help="with --random: the architecture of the random model (llama, mistral, qwen2, "
+        "qwen3, gemma2, gemma3_text, gemma3, phi3)",
+    )
     d.set_defaults(func=cmd_demo)
     from loraplex.server.args import add_serve_arguments
 

@@ -287,6 +287,35 @@ def test_random_demo_builds_under_the_cache_dir(
     assert not any(home.iterdir())  # nothing written to ~/.cache
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3"])
+def test_random_demo_on_other_architectures(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``loraplex demo --random --arch A``: the same mixed batch (every linear projection,
+    attention only, one layer, lm_head + embed_tokens) on another architecture, equal to
+    transformers + PEFT."""
+    from loraplex.cli import main
+
+    monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["demo", "--random", "--arch", arch, "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "DIFFERENT" not in out and "all KV blocks and slots free afterwards: True" in out, out
+    assert out.count("equal ") == 10, out  # 2 prompts x (base + 4 adapters)
+    assert (tmp_path / "cache" / f"demo-random-{arch}" / "model" / "config.json").is_file()
+
+
+def test_random_demo_refuses_an_unknown_architecture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loraplex.cli import main
+
+    monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["demo", "--random", "--arch", "gpt2"]) == 2
+    err = capsys.readouterr().err
+    assert "--arch 'gpt2' is not one of llama" in err and "\n" not in err.strip()
+    assert not (tmp_path / "cache").exists()
+
+
 def test_printed_examples_run_and_use_the_chat_formatted_prompt(
     tiny_model: Path, adapters: dict[str, Path]
 ) -> None:
