@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,6 +95,15 @@ def step_bytes(llm: object, adapters: list[Path], table_itemsize: int) -> dict[i
     return {k: base + sum(per_adapter[:k]) for k in DISTINCT}
 
 
+def generate_rate(llm: Any, reqs: list[Any], prompts: list[list[int]], sp: Any, k: int) -> float:
+    """Output tok/s of one ``llm.generate`` over ``prompts``, the first ``k`` of ``reqs``
+    round-robin (``k = 0``: the base model)."""
+    lr = [None if a is None else reqs[a] for a in assignment(k, len(prompts))]
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, sp, lora_request=lr)
+    return sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t0)
+
+
 def bench_loraplex(
     model: Path,
     adapters: list[Path],
@@ -117,12 +127,7 @@ def bench_loraplex(
     reqs = [LoRARequest(f"a{i}", p) for i, p in enumerate(adapters)]
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
 
-    def run(k: int) -> float:
-        lr = [None if a is None else reqs[a] for a in assignment(k, len(prompts))]
-        t0 = time.perf_counter()
-        res = llm.generate(prompts, sp, lora_request=lr)
-        return sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t0)
-
+    run = functools.partial(generate_rate, llm, reqs, prompts, sp)
     run(N_ADAPTERS)  # warm-up: loads every adapter into its slot
     if bytes_out is not None:
         itemsize = llm.engine.adapters.bank.dtype.itemsize
