@@ -287,7 +287,7 @@ def test_random_demo_builds_under_the_cache_dir(
     assert not any(home.iterdir())  # nothing written to ~/.cache
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3", "qwen3_moe"])
 def test_random_demo_on_other_architectures(
     arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,5 +1,5 @@
 """The guarantees beside exact mixed batches, on every architecture family of
-``test_mixed_batch_architectures.FAMILIES``: the prefix cache keyed by the adapter's digest
+``test_mixed_batch_architectures.FAMILIES`` and ``test_moe_experts.FAMILIES``: the prefix cache keyed by the adapter's digest
 (hits within one adapter, none across adapters or after a hot swap), structured outputs with an
 adapter, ``loraplex verify``, the byte model (``ModelConfig.num_parameters``, ``loraplex plan``'s
 model and adapter counts) against what is really loaded and saved, and the registry's refusal of
@@ -30,6 +30,17 @@ from loraplex.testing import (
     reference_greedy,
 )
 from tests.engine.test_mixed_batch_architectures import FAMILIES, LLAMA_PROJ
+from tests.engine.test_moe_experts import FAMILIES as MOE_FAMILIES
+
+EVERY_FAMILY = {
+    **FAMILIES,
+    **{
+        name: {k: v for k, v in spec.items() if k != "experts"}
+        for name, spec in MOE_FAMILIES.items()
+    },
+}
+"""The dense families and the MoE ones (``all-linear`` on a MoE base is PEFT's: attention by
+module, the experts and the router by ``target_parameters``)."""
 
 PROMPT = "Multi-LoRA serving runs many adapters on one base model at once. " * 2
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -41,12 +52,12 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(EVERY_FAMILY))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One family's tiny model and two adapters: every linear projection, and the attention
     projections with lm_head and embed_tokens."""
     root = tmp_path_factory.mktemp(request.param)
-    spec = dict(FAMILIES[request.param])
+    spec = dict(EVERY_FAMILY[request.param])
     proj = spec.pop("proj", LLAMA_PROJ)
     model = make_random_model(root / "model", spec.pop("arch"), num_layers=2, seed=11, **spec)
     adapters = {

@@ -129,30 +129,41 @@ def test_triton_lm_head_lora_over_the_logits_rows(dtype: torch.dtype) -> None:
     assert torch.equal(got[[0, 4]], base[[0, 4]])  # base rows (tokens 0 and 44)
 
 
-def _family_params() -> list[str]:
+def _families() -> dict[str, dict]:
+    """The dense families and the MoE ones (their experts' grouped GEMMs on Triton too)."""
     from tests.engine.test_mixed_batch_architectures import FAMILIES
+    from tests.engine.test_moe_experts import FAMILIES as MOE
 
-    return list(FAMILIES)
+    moe = {  # the interpreter is slow: the two MoE architectures, not every MoE variant
+        n: {k: v for k, v in MOE[n].items() if k != "experts"} for n in ("qwen3_moe", "mixtral")
+    }
+    return {**FAMILIES, **moe}
+
+
+def _family_params() -> list[str]:
+    return list(_families())
 
 
 @pytest.mark.parametrize("family", _family_params())
 def test_every_architecture_serves_a_mixed_batch_on_the_triton_path(
     family: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Each family of the mixed-batch test, its LoRA run by the Triton kernels: the base, an
+    """Each family of the mixed-batch and MoE tests, its LoRA (and a MoE's grouped expert
+    GEMMs) run by the Triton kernels: the base, an
     adapter on every linear projection and one on lm_head + embed_tokens in one batch equal
     transformers + PEFT merged (greedy tokens and logprobs, float32)."""
     from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex.model.moe_triton import TritonGroupedExperts
     from loraplex.testing import (
         load_merged_reference,
         make_random_adapter,
         make_random_model,
         reference_greedy,
     )
-    from tests.engine.test_mixed_batch_architectures import FAMILIES, PROMPTS, SAMPLE_TOL
+    from tests.engine.test_mixed_batch_architectures import PROMPTS, SAMPLE_TOL
 
     root = tmp_path_factory.mktemp(family)
-    spec = dict(FAMILIES[family])
+    spec = dict(_families()[family])
     spec.pop("proj", None)
     model = make_random_model(root / "model", spec.pop("arch"), num_layers=2, seed=9, **spec)
     adapters = {
@@ -161,9 +172,13 @@ def test_every_architecture_serves_a_mixed_batch_on_the_triton_path(
             model, root / "vocab", r=4, target_modules=["lm_head", "embed_tokens"], std=0.1, seed=2
         ),
     }
-    llm = LLM(str(model), max_loras=2, max_lora_rank=8, dtype="float32")
+    # rank 16: PEFT's all-linear on a MoE base doubles the packed gate_up rank (rank_pattern)
+    llm = LLM(str(model), max_loras=2, max_lora_rank=16, dtype="float32")
     assert llm.engine.model.lora is not None
     llm.engine.model.lora.ops = TritonLoRAOps()  # what a CUDA engine picks at start-up
+    moe = getattr(llm.engine.model, "moe", None)
+    if moe is not None:
+        moe.grouped = TritonGroupedExperts()  # the experts' GEMMs too (an expert LoRA: "linear")
     names = [None, "linear", "vocab"]
     loras = [LoRARequest(n, str(adapters[n])) if n else None for n in names]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)

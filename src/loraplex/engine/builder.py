@@ -8,6 +8,7 @@ memory budget that sizes the slot bank, the KV cache and ``max_model_len``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -96,15 +97,22 @@ class MemoryBudget:
             return c.device_kv_budget(free, total)  # --gpu-memory-utilization
         return min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
 
-    def lora_slots(self, shapes: dict[tuple[int, str], tuple[int, int]], dtype: torch.dtype) -> int:
+    def lora_slots(
+        self,
+        shapes: dict[tuple[int, str], tuple[int, int]],
+        dtype: torch.dtype,
+        experts: Mapping[tuple[int, str], int] | None = None,
+    ) -> int:
         """The slot bank's slots: ``--max-loras``, capped so the bank's bytes stay within
         ``--max-lora-device-fraction`` of the memory left after the weights. One slot holds
         ``max_lora_rank`` rows of A ``[r, d_in]`` and of B^T ``[r, d_out]`` for every module
-        (``embed_tokens`` and ``lm_head`` included: ``2 * (vocab + hidden)`` per rank row)."""
+        (``embed_tokens`` and ``lm_head`` included: ``2 * (vocab + hidden)`` per rank row; an
+        expert module's once per expert, ``experts``)."""
         c = self.config
         if c.max_lora_device_fraction is None:
             return c.max_loras
-        row_bytes = sum(d_in + d_out for d_in, d_out in shapes.values()) * dtype.itemsize
+        n = experts or {}
+        row_bytes = sum((i + o) * n.get(k, 1) for k, (i, o) in shapes.items()) * dtype.itemsize
         return c.lora_slot_count(c.max_lora_rank * row_bytes, self.after_weights())
 
     def kv_blocks(self, bank_bytes: int) -> int:
@@ -169,19 +177,22 @@ def wire_lora(config: EngineConfig, model: DecoderForCausalLM, budget: MemoryBud
     shapes = {
         (layer, proj): dims
         for layer in range(mc.num_layers)
-        for proj, dims in mc.module_shapes.items()
+        for proj, dims in mc.layer_module_shapes(layer).items()
     }
+    experts = {key: n for key in shapes if (n := mc.module_experts(key[1]))}  # a MoE's experts
     # embed_tokens / lm_head rows for every slot, as vLLM: an adapter may target them whenever
     # it arrives, and the bank's tables are fixed for its life (counted by lora_slots and
     # kv_blocks like the projections' rows)
     shapes.update({(VOCAB_LAYER, name): dims for name, dims in vocab_shapes.items()})
     ops = select_lora_ops(device)
     table_dtype = ops.table_dtype(budget.dtype)
-    slots = budget.lora_slots(shapes, table_dtype)  # --max-lora-device-fraction
-    bank = LoRASlotBank(shapes, slots, config.max_lora_rank, table_dtype, device)
+    slots = budget.lora_slots(shapes, table_dtype, experts)  # --max-lora-device-fraction
+    bank = LoRASlotBank(shapes, slots, config.max_lora_rank, table_dtype, device, experts)
     model.lora = LoRABinding(bank, ops)
     text_only = isinstance(mc.raw.get("text_config"), dict)  # a multimodal checkpoint's text
-    spec = BaseModelSpec(mc.num_layers, mc.module_shapes, mc.model_type, vocab_shapes, text_only)
+    spec = BaseModelSpec(
+        mc.num_layers, mc.module_shapes, mc.model_type, vocab_shapes, text_only, mc.moe_spec()
+    )
     cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
     adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=table_dtype)
     merger = None
@@ -209,7 +220,9 @@ class EngineParts:
 
 def build_parts(config: EngineConfig) -> EngineParts:
     """Load the model (and tokenizer), wire LoRA and size the KV cache for ``config``."""
-    if config.num_threads:
+    if config.num_threads and torch.get_num_threads() != config.num_threads:
+        # only when it changes: resizing the OpenMP team while another engine in this process
+        # (a test's, a second LLM) is inside a parallel region is unsafe in the OpenMP runtime
         torch.set_num_threads(config.num_threads)
     model_dir = Path(config.model)
     mc = load_model_config(model_dir, config.generation_config, config.generation_overrides)

@@ -19,6 +19,12 @@ copy would be a second ``[vocab, hidden]`` matrix per module (often the largest 
 small model), a tied model's one matrix would have to become two (the head's delta must never
 reach the lookup), and where the delta enters an embedding depends on the architecture's
 embedding scale; the gathered path costs two small ops per step.
+
+A MoE layer's router and experts stay gathered too (:func:`vocab_modules` names them with the
+vocabulary modules): a merged copy would be every expert of the layer (an expert adapter of a
+30B-A3B base would copy most of the base), while the gathered path reads only the experts the
+step's tokens chose, and only their LoRA rows. The attention projections merge as in a dense
+model.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.lora.peft_format import VOCAB_LAYER
+from loraplex.lora.peft_format import EXPERT_PROJ_NAMES, ROUTER, VOCAB_LAYER
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import DenseLinear, Linear, LinearFactory, PackedCPULinear
 
@@ -67,12 +73,17 @@ def targeted_groups(
 ) -> set[GroupKey]:
     """The fused projections an adapter's modules fall in (embed_tokens / lm_head: none)."""
     rows = projection_rows(model)
-    return {(layer, rows[proj][0]) for layer, proj in weights if layer != VOCAB_LAYER}
+    gathered = vocab_modules(weights)
+    return {(layer, rows[proj][0]) for layer, proj in weights if (layer, proj) not in gathered}
+
+
+_GATHERED_PROJS = frozenset((ROUTER, *EXPERT_PROJ_NAMES))
 
 
 def vocab_modules(weights: Mapping[tuple[int, str], object]) -> frozenset[tuple[int, str]]:
-    """The adapter's ``embed_tokens`` / ``lm_head`` modules: they stay gathered when merged."""
-    return frozenset(key for key in weights if key[0] == VOCAB_LAYER)
+    """The adapter's modules that stay gathered when it runs merged: ``embed_tokens`` /
+    ``lm_head``, and a MoE layer's router and experts (module docstring)."""
+    return frozenset(k for k in weights if k[0] == VOCAB_LAYER or k[1] in _GATHERED_PROJS)
 
 
 def build_merged(
@@ -86,8 +97,9 @@ def build_merged(
     rows = projection_rows(model)
     groups: dict[GroupKey, list[tuple[int, LoRAModuleWeights]]] = {}
     in_features: dict[str, int] = {}
+    gathered = vocab_modules(weights)
     for (layer, proj), w in weights.items():
-        if layer == VOCAB_LAYER:
+        if (layer, proj) in gathered:
             continue  # stays on the gathered path (module docstring)
         group, first, d_in = rows[proj]
         groups.setdefault((layer, group), []).append((first, w))

@@ -58,6 +58,7 @@ from loraplex.lora.peft_format import (
     PROJ_NAMES,
     SAFETENSORS_NAME,
     BaseModelSpec,
+    ExpertModuleLayout,
     FormatError,
     TensorMeta,
     check_layout,
@@ -88,15 +89,24 @@ __all__ = [
 
 @dataclass
 class LoRAModuleWeights:
-    """One adapted module: ``y += scale * (x @ a.T) @ b.T`` (the embedding: ``x`` one-hot)."""
+    """One adapted module: ``y += scale * (x @ a.T) @ b.T`` (the embedding: ``x`` one-hot).
 
-    a: torch.Tensor  # [r, d_in]
-    b: torch.Tensor  # [d_out, r]
+    An expert projection of a MoE layer holds every expert's factors, ``a [E, r, d_in]`` and
+    ``b [E, d_out, r]`` (expert ``e``'s rows ``y += scale * (x @ a[e].T) @ b[e].T``), with each
+    expert's own scale already in its ``b`` (``scale`` 1) and zeros past an expert's rank."""
+
+    a: torch.Tensor  # [r, d_in], or [E, r, d_in]
+    b: torch.Tensor  # [d_out, r], or [E, d_out, r]
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
 
     @property
     def rank(self) -> int:
-        return int(self.a.shape[0])
+        return int(self.a.shape[-2])
+
+    @property
+    def num_experts(self) -> int:
+        """Experts the factors cover (0: an ordinary module)."""
+        return int(self.a.shape[0]) if self.a.dim() == 3 else 0
 
 
 @dataclass
@@ -462,6 +472,44 @@ def _finite_in_one_pass(ts: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(span.sum()))
 
 
+def _expert_weights(
+    m: ExpertModuleLayout,
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    converted: dict[str, torch.Tensor],
+) -> LoRAModuleWeights:
+    """Every expert's factors of one expert projection as ``a [E, r, d_in]``, ``b [E, d_out,
+    r]`` in ``dtype`` (new tensors: never views of the read buffer), each expert's scale folded
+    into its ``b`` in float32 (one rounding, as a slot write's) and zeros past its rank.
+
+    PEFT's ``target_parameters`` layout (``A [E r, d_in]`` expert-major, ``B [d_out, r E]``
+    rank-major, as its ``ParamWrapper.get_delta_weight`` reads them) is
+    ``a = A.view(E, r, d_in)`` and ``b[e] = B.view(d_out, r, E)[:, :, e]``; a fused parameter's
+    parts (``gate_up_proj``) share ``a`` and take their rows of ``b``."""
+    E, R = m.num_experts, m.rank
+    if m.packed is not None:
+        f = m.packed
+        A, B = tensors[f.a_name], tensors[f.b_name]  # [E r, d_in], [d_out (all parts), r E]
+        a = converted.get(f"{f.a_name}#experts")
+        if a is None:
+            a = converted[f"{f.a_name}#experts"] = A.to(dtype).reshape(E, R, -1).clone()
+        b = B.float().reshape(B.shape[0], R, E).permute(2, 0, 1)  # [E, d_out (all), r]
+        if m.b_rows is not None:
+            b = b[:, m.b_rows[0] : m.b_rows[1]]
+        return LoRAModuleWeights(a=a, b=(b * f.scale).to(dtype).contiguous(), scale=1.0)
+    factors = m.per_expert or ()
+    first = next(f for f in factors if f is not None)
+    d_in = tensors[first.a_name].shape[1]
+    d_out = tensors[first.b_name].shape[0]
+    a = torch.zeros(E, R, d_in, dtype=dtype)
+    b = torch.zeros(E, d_out, R, dtype=dtype)
+    for e, f in enumerate(factors):
+        if f is not None:
+            a[e, : f.rank] = tensors[f.a_name].to(dtype)
+            b[e, :, : f.rank] = (tensors[f.b_name].float() * f.scale).to(dtype)
+    return LoRAModuleWeights(a=a, b=b, scale=1.0)
+
+
 def build_adapter(
     config: dict,
     tensors: dict[str, torch.Tensor],
@@ -491,15 +539,15 @@ def build_adapter(
         layout = check_layout(settings, metas, spec, max_rank=max_lora_rank)
     except FormatError as e:
         raise _fail(path, str(e)) from e
-    used = [tensors[n] for m in layout.values() for n in (m.a_name, m.b_name)]
+    names = list(dict.fromkeys(n for m in layout.values() for n in m.tensor_names))
+    used = [tensors[n] for n in names]
     if not _finite_in_one_pass(used):  # name the first non-finite tensor, if any
-        for m in layout.values():
-            for tname in (m.a_name, m.b_name):
-                if not bool(torch.isfinite(tensors[tname]).all()):
-                    raise _fail(path, f"tensor {tname!r}: contains non-finite values (NaN/inf)")
+        for tname in names:
+            if not bool(torch.isfinite(tensors[tname]).all()):
+                raise _fail(path, f"tensor {tname!r}: contains non-finite values (NaN/inf)")
     # Tensors left out (PEFT's copies of the base's embedding matrices) may be most of the
     # bytes read: own copies of the served ones then, so the read buffer can go.
-    own = len(tensors) > 2 * len({m.a_name for m in layout.values()})
+    own = len(tensors) > len(names)
     converted: dict[str, torch.Tensor] = {}  # a fused module's parts share one A
 
     def served(tname: str) -> torch.Tensor:
@@ -510,6 +558,9 @@ def build_adapter(
 
     weights: dict[tuple[int, str], LoRAModuleWeights] = {}
     for key, m in layout.items():
+        if isinstance(m, ExpertModuleLayout):
+            weights[key] = _expert_weights(m, tensors, dtype, converted)
+            continue
         a, b = served(m.a_name), served(m.b_name)  # [r, d_in], [d_out (fused: all parts), r]
         if m.b_rows is not None:  # a fused module's part: its rows of B (a contiguous view)
             b = b[m.b_rows[0] : m.b_rows[1]]

@@ -140,6 +140,87 @@ def vocab_module_key(name: str, prefix: str = "model.") -> str:
     return f"{prefix}{name}" if name == EMBED_TOKENS else name
 
 
+# -- mixture-of-experts layers -------------------------------------------------------------------
+
+ROUTER = "gate"
+"""The router linear of a sparse MoE block (``mlp.gate``: ``[num_experts, hidden]``), adaptable as
+any linear (PEFT's ``target_modules=["gate"]`` on older transformers, ``target_parameters=
+["mlp.gate.weight"]`` on transformers 5: both save ``...mlp.gate.lora_A/B.weight``)."""
+EXPERT_PROJ_NAMES = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+"""The experts' projections as loraplex keys them (one module per layer, all experts in it):
+``gate`` / ``up`` ``[I, hidden]`` and ``down`` ``[hidden, I]`` of each expert."""
+EXPERT_CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
+    "mlp": {"gate_proj": "experts.gate_proj", "up_proj": "experts.up_proj",
+            "down_proj": "experts.down_proj"},
+    "block_sparse_moe": {"w1": "experts.gate_proj", "w3": "experts.up_proj",
+                         "w2": "experts.down_proj"},
+}  # fmt: skip
+"""The sparse block's name in checkpoints and adapters -> its per-expert module names ->
+loraplex's (Qwen-MoE's ``mlp.experts.{e}.gate_proj``; Mixtral's ``block_sparse_moe.experts.{e}.w1``
+with ``w1`` gate, ``w3`` up, ``w2`` down)."""
+TARGET_PARAMETER_SUFFIXES = ("experts.gate_up_proj", "experts.down_proj", "gate.weight")
+"""What a ``target_parameters`` entry may name (or a dotted suffix of it: PEFT's conversion of
+an older adapter config writes bare ``gate_up_proj`` / ``down_proj``): the packed experts, or
+the router's weight."""
+PACKED_EXPERT_PARAMS: dict[str, tuple[str, ...]] = {
+    "gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
+    "down_proj": ("experts.down_proj",),
+}
+"""transformers 5's packed 3-D expert parameters (``mlp.experts.gate_up_proj [E, 2 I, hidden]``,
+gate rows then up rows; ``mlp.experts.down_proj [E, hidden, I]``), PEFT's ``target_parameters``
+-> the expert projections they hold."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The sparse blocks of a mixture-of-experts base, as adapters are checked against them."""
+
+    num_experts: int
+    layers: tuple[int, ...]
+    """The layers whose MLP is a sparse block (the others are dense: ``mlp_only_layers``,
+    ``decoder_sparse_step``)."""
+    hidden: int
+    intermediate: int  # of one expert (``moe_intermediate_size``; Mixtral's ``intermediate_size``)
+    block: str = "mlp"
+    """The sparse block's module name in checkpoints and older adapters (``block_sparse_moe``
+    for Mixtral); transformers 5 names it ``mlp`` for every MoE model."""
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """The router's and each expert projection's ``(d_in, d_out)`` (per expert)."""
+        h, i = self.hidden, self.intermediate
+        return {
+            ROUTER: (h, self.num_experts),
+            "experts.gate_proj": (h, i),
+            "experts.up_proj": (h, i),
+            "experts.down_proj": (i, h),
+        }
+
+    @classmethod
+    def from_hf_config(cls, raw: Mapping[str, Any]) -> MoESpec | None:
+        """The sparse blocks of a Qwen2/3-MoE or Mixtral ``config.json`` (None for a dense one):
+        ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``, ``decoder_sparse_step``
+        and ``mlp_only_layers`` as transformers reads them."""
+        mtype = str(raw.get("model_type", ""))
+        if mtype == "mixtral":
+            n = int(raw.get("num_local_experts") or 8)
+            layers = tuple(range(int(raw["num_hidden_layers"])))
+            inter = int(raw["intermediate_size"])
+            return cls(n, layers, int(raw["hidden_size"]), inter, "block_sparse_moe")
+        if mtype not in ("qwen3_moe", "qwen2_moe"):
+            return None
+        n = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        step = int(raw.get("decoder_sparse_step") or 1)
+        dense = set(raw.get("mlp_only_layers") or [])
+        layers = tuple(
+            i
+            for i in range(int(raw["num_hidden_layers"]))
+            if n > 0 and i not in dense and (i + 1) % step == 0
+        )
+        inter = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
+        return cls(n, layers, int(raw["hidden_size"]), inter)
+
+
 @dataclass(frozen=True)
 class BaseModelSpec:
     """What an adapter is validated against, built from the base model's config."""
@@ -155,6 +236,9 @@ class BaseModelSpec:
     ``Gemma3ForConditionalGeneration``): LoRA applies to the text backbone only, and an
     adapter's tensors on the other towers (:data:`OTHER_TOWER_RE`) are skipped, as vLLM does;
     they never touch a text-only forward."""
+    moe: MoESpec | None = None
+    """The sparse blocks of a mixture-of-experts base (None: dense): in its ``moe.layers`` an
+    adapter names the router and the experts instead of the dense MLP's projections."""
 
     @property
     def fused(self) -> tuple[str, ...]:
@@ -194,7 +278,17 @@ class BaseModelSpec:
         shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
         vocab = raw.get("vocab_size")
         vocab_shapes = vocab_module_shapes(int(vocab), hidden) if vocab else {}
-        return cls(int(raw["num_hidden_layers"]), shapes, model_type, vocab_shapes, text_only)
+        moe = MoESpec.from_hf_config(raw)
+        return cls(int(raw["num_hidden_layers"]), shapes, model_type, vocab_shapes, text_only, moe)
+
+    def layer_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
+        """The modules an adapter may name in ``layer`` -> (d_in, d_out) (an expert
+        projection's are one expert's): attention, then the dense MLP or the sparse block."""
+        shapes = self.adapter_shapes
+        if self.moe is None or layer not in self.moe.layers:
+            return shapes
+        attn = {p: d for p, d in shapes.items() if p in ATTN_PROJ_NAMES}
+        return {**attn, **self.moe.shapes}
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -220,7 +314,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "fan_in_fan_out": "fan_in_fan_out (Conv1D-style weights) is not supported",
     "layer_replication": "layer_replication is not supported",
     "use_qalora": "QA-LoRA adapters are not supported",
-    "target_parameters": "LoRA on nn.Parameter targets (target_parameters) is not supported",
     "trainable_token_indices": "trainable tokens (trainable_token_indices) are not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
@@ -257,6 +350,9 @@ class LoraSettings:
     layers_pattern: list[str] | None
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
+    target_parameters: tuple[str, ...] = ()
+    """PEFT's ``target_parameters``: parameters adapted directly (a MoE's packed experts,
+    ``mlp.experts.gate_up_proj``; its router, ``mlp.gate.weight``), matched as name suffixes."""
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> LoraSettings:
@@ -274,7 +370,16 @@ class LoraSettings:
             layers_pattern=[pattern] if isinstance(pattern, str) else (pattern or None),
             rank_pattern=config.get("rank_pattern") or {},
             alpha_pattern=config.get("alpha_pattern") or {},
+            target_parameters=tuple(config.get("target_parameters") or ()),
         )
+
+    def is_param_targeted(self, param: str) -> bool:
+        """Whether ``target_parameters`` names parameter ``param`` (e.g.
+        ``model.layers.3.mlp.experts.down_proj``): the whole name or a suffix of it after a dot,
+        within ``layers_to_transform`` as for modules."""
+        if not any(param == t or param.endswith(f".{t}") for t in self.target_parameters):
+            return False
+        return self._in_layers(param)
 
     def is_targeted(self, module: str) -> bool:
         """PEFT's ``check_target_module_exists`` for a key like ``model.layers.3.mlp.up_proj``
@@ -288,6 +393,8 @@ class LoraSettings:
             elif module in ex or any(module.endswith(f".{e}") for e in ex):
                 return False
         tm = self.target_modules
+        if not tm:
+            return False
         if isinstance(tm, str):
             if tm.lower() == "all-linear":  # every linear but the LM head (an embedding is none)
                 found = module.rsplit(".", 1)[-1] not in VOCAB_MODULES
@@ -297,9 +404,13 @@ class LoraSettings:
             return True
         else:
             found = any(module.endswith(f".{t}") for t in tm)
+        return found and self._in_layers(module)
+
+    def _in_layers(self, module: str) -> bool:
+        """Whether ``layers_to_transform`` (with ``layers_pattern``) keeps ``module``."""
         lt = self.layers_to_transform
-        if not found or lt is None or (isinstance(lt, list) and not lt):
-            return found
+        if lt is None or (isinstance(lt, list) and not lt):
+            return True
         match = None
         if not self.layers_pattern:
             match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
@@ -393,7 +504,20 @@ def parse_lora_config(config: Mapping[str, Any]) -> LoraSettings:
     ):
         raise _config_error(f"alpha_pattern must map patterns to numbers, got {alpha_pattern!r}")
     target = config.get("target_modules")
-    if not target or not _str_or_str_list(target):
+    params = config.get("target_parameters")
+    if params is not None and not (
+        isinstance(params, list) and all(isinstance(p, str) and p for p in params)
+    ):
+        raise _config_error(f"target_parameters must be a list of strings, got {params!r}")
+    for param in params or ():
+        if param.rsplit(".", 1)[-1] not in PACKED_EXPERT_PARAMS and not (
+            param == "gate.weight" or param.endswith(".gate.weight")
+        ):
+            raise _config_error(
+                f"target_parameters entry {param!r} is not supported (supported: the packed "
+                f"experts and the router of a MoE base: {', '.join(TARGET_PARAMETER_SUFFIXES)})"
+            )
+    if not (target or params) or (target and not _str_or_str_list(target)):
         raise _config_error(f"target_modules must be a string or list of strings, got {target!r}")
     exclude = config.get("exclude_modules")
     if exclude is not None and not _str_or_str_list(exclude):
@@ -444,11 +568,13 @@ def merge_writes_tied_matrix(config: Mapping[str, Any], base_config: Mapping[str
 
 def unservable_targets(target_modules: Any) -> list[Any]:
     """Entries of a ``target_modules`` list that name no module we serve (GPT-2's ``c_attn``,
-    non-strings; not the seven projections, ``embed_tokens`` or ``lm_head``). The registry
+    non-strings; not the seven projections, ``embed_tokens``, ``lm_head``, a MoE's router
+    ``gate`` or its experts' ``gate_proj`` / ``w1`` ...). The registry
     refuses adapters whose config names such modules; the loader only refuses their tensors."""
     if not isinstance(target_modules, list):
         return []
-    servable = (*PROJ_NAMES, *FUSED_PROJ_NAMES, *VOCAB_MODULES)
+    experts = {name for names in EXPERT_CHECKPOINT_NAMES.values() for name in names}
+    servable = (*PROJ_NAMES, *FUSED_PROJ_NAMES, *VOCAB_MODULES, ROUTER, *experts)
     return [t for t in target_modules if not isinstance(t, str) or t.split(".")[-1] not in servable]
 
 
@@ -487,6 +613,29 @@ BASE_COPY_RE = re.compile(
 )
 _VOCAB_WEIGHT_RE = re.compile(
     rf"^(?:base_model\.model\.)?(?:{_EMBED_MODULE}|{_HEAD_MODULE})(?:\.[^.]+)?\.weight$"
+)
+
+
+_MOE_BLOCK = r"(?P<block>mlp|block_sparse_moe)"
+# base_model.model.model.layers.3.mlp.experts.5.gate_proj.lora_A[.default].weight (per expert)
+EXPERT_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.experts\.(?P<expert>\d+)"
+    r"\.(?P<proj>[^.]+))\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+# base_model.model.model.layers.3.mlp.experts[.base_layer].lora_A[.default].weight: PEFT's
+# target_parameters on the packed parameters, one ParamWrapper around the other (which is
+# inner depends on PEFT's order; the shapes say which parameter each pair adapts)
+PACKED_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.experts)"
+    r"(?P<inner>(?:\.base_layer)*)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+# base_model.model.model.layers.3.mlp.gate.lora_A[.default].weight (the router)
+ROUTER_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.gate)"
+    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
 
 
@@ -572,6 +721,46 @@ class ModuleLayout:
     """The rows of ``B`` this projection takes when the tensors are a fused module's (Phi-3's
     ``qkv_proj``: q's rows, k's, v's; ``A`` is then shared by the parts); None: all of them."""
 
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """The tensors this module is served from."""
+        return (self.a_name, self.b_name)
+
+
+@dataclass(frozen=True)
+class ExpertFactors:
+    """The LoRA factors of one expert (per-expert keys: ``A [r, d_in]``, ``B [d_out, r]``), or of
+    every expert at once (PEFT's ``target_parameters``: ``A [E r, d_in]`` expert-major,
+    ``B [d_out, r E]`` rank-major: expert ``e``'s columns are ``e, E + e, 2 E + e, ...``)."""
+
+    a_name: str
+    b_name: str
+    rank: int  # of one expert
+    scale: float
+
+
+@dataclass(frozen=True)
+class ExpertModuleLayout:
+    """One expert projection of one layer (every expert of it) as the tensors describe it:
+    ``per_expert`` (keys per expert; None for an expert the config leaves alone, whose delta
+    is zero) or ``packed`` (``target_parameters``), never both."""
+
+    module: str  # the module key PEFT saw (per expert: the first expert's)
+    num_experts: int
+    rank: int  # rows per expert: the largest expert's rank
+    per_expert: tuple[ExpertFactors | None, ...] | None = None
+    packed: ExpertFactors | None = None
+    b_rows: tuple[int, int] | None = None
+    """The rows of the packed ``B`` this projection takes (``gate_up_proj``: gate's, up's)."""
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        factors = [self.packed] if self.packed is not None else list(self.per_expert or ())
+        return tuple(n for f in factors if f is not None for n in (f.a_name, f.b_name))
+
+
+Layout = ModuleLayout | ExpertModuleLayout
+
 
 def _module_order(key: tuple[int, str]) -> tuple[int, int]:
     """Modules in table order: embed_tokens and lm_head first, then layer by layer (a fused
@@ -579,6 +768,11 @@ def _module_order(key: tuple[int, str]) -> tuple[int, int]:
     layer, proj = key
     if layer == VOCAB_LAYER:
         return (layer, VOCAB_MODULES.index(proj))
+    if proj == ROUTER or proj in EXPERT_PROJ_NAMES:  # the sparse block, after attention
+        return (
+            layer,
+            len(PROJ_NAMES) + (0 if proj == ROUTER else 1 + EXPERT_PROJ_NAMES.index(proj)),
+        )
     return (layer, PROJ_NAMES.index(FUSED_PROJ_NAMES.get(proj, (proj,))[0]))
 
 
@@ -598,7 +792,7 @@ def check_layout(
     spec: BaseModelSpec,
     *,
     max_rank: int,
-) -> dict[tuple[int, str], ModuleLayout]:
+) -> dict[tuple[int, str], Layout]:
     """Check a set of tensors (name -> shape and kind, no data) against the config and the base.
 
     Every tensor must be ``lora_A``/``lora_B`` of a projection of a decoder layer or of the LM
@@ -611,14 +805,35 @@ def check_layout(
     vocabulary was resized) and are not served: LoRA training freezes them. Returns
     ``(layer, proj) -> ModuleLayout`` in table order (``(VOCAB_LAYER, name)`` first); a fused
     module of the base (``spec.fused``: Phi-3's ``qkv_proj``) is checked as one module and
-    returned as its parts, each with its rows of ``B`` (``b_rows``).
+    returned as its parts, each with its rows of ``B`` (``b_rows``). On a MoE base
+    (``spec.moe``) the sparse layers' router is an ordinary module and their experts come back
+    as :class:`ExpertModuleLayout` (:class:`_ExpertTensors` checks them).
     """
     pairs: dict[tuple[int, str], dict[str, str]] = {}  # (layer, proj) -> {"A": name, "B": name}
     module_keys: dict[tuple[int, str], str] = {}
     copies: dict[str, str] = {}  # base copy tensor name -> embed_tokens | lm_head
+    if settings.target_parameters and spec.moe is None:
+        raise FormatError(
+            "unsupported_target",
+            f"target_parameters {list(settings.target_parameters)} name a MoE's experts or "
+            "router, and this base model has none (adapter made for another model?)",
+        )
+    experts = _ExpertTensors(spec, settings, tensors, max_rank) if spec.moe else None
     for name in sorted(tensors):
         if spec.text_only and OTHER_TOWER_RE.match(name):
             continue  # LoRA on the text backbone only (the other towers never run)
+        if experts is not None and experts.collect(name):
+            continue
+        if experts is not None and (m := ROUTER_KEY_RE.match(name)) is not None:
+            k = TensorKey(m["module"], int(m["layer"]), m["block"], ROUTER, m["ab"])
+            slot = pairs.setdefault((k.layer, ROUTER), {})
+            if k.ab in slot:
+                raise FormatError(
+                    "unsupported_tensor", f"tensor {name!r} duplicates {slot[k.ab]!r}"
+                )
+            slot[k.ab] = name
+            module_keys[(k.layer, ROUTER)] = k.module
+            continue
         copied = parse_base_copy(name)
         if copied is not None:
             copies[name] = copied
@@ -632,11 +847,13 @@ def check_layout(
                     "unsupported_target",
                     f"tensor {name!r}: this base model serves no LoRA on {k.proj}",
                 )
-        elif k.proj not in spec.adapter_shapes:
+        elif k.proj not in spec.layer_shapes(k.layer):
+            supported = (*spec.layer_shapes(k.layer), *VOCAB_MODULES)
+            where = f" in layer {k.layer}" if spec.moe is not None else ""  # differs by layer
             raise FormatError(
                 "unsupported_target",
-                f"tensor {name!r}: target module {k.proj!r} is not supported "
-                f"(supported: {', '.join((*spec.adapter_shapes, *VOCAB_MODULES))})",
+                f"tensor {name!r}: target module {k.proj!r} is not supported{where} "
+                f"(supported: {', '.join(supported)})",
             )
         elif k.block != block_of(k.proj):
             raise FormatError(
@@ -647,7 +864,7 @@ def check_layout(
             raise FormatError("unsupported_tensor", f"tensor {name!r} duplicates {slot[k.ab]!r}")
         slot[k.ab] = name
         module_keys[(k.layer, k.proj)] = k.module
-    if not pairs:
+    if not pairs and (experts is None or not experts.any):
         raise FormatError("incomplete_adapter", "no LoRA tensors (lora_A/lora_B weights) found")
     for name, copied in copies.items():
         if (VOCAB_LAYER, copied) not in pairs:
@@ -680,10 +897,13 @@ def check_layout(
                 "shape_mismatch",
                 f"tensor {a_name!r}: layer {layer} >= base model num_layers {spec.num_layers}",
             )
-        shapes = spec.vocab_shapes if layer == VOCAB_LAYER else spec.adapter_shapes
+        shapes = spec.vocab_shapes if layer == VOCAB_LAYER else spec.layer_shapes(layer)
         if proj not in shapes:
             raise FormatError("shape_mismatch", f"tensor {a_name!r}: base model has no {proj}")
-        if not settings.is_targeted(mkey):
+        targeted = settings.is_targeted(mkey)
+        if proj == ROUTER:  # target_modules=["gate"], or target_parameters=["mlp.gate.weight"]
+            targeted = targeted or settings.is_param_targeted(f"{mkey}.weight")
+        if not targeted:
             raise FormatError(
                 "unsupported_tensor",
                 f"tensor {a_name!r}: module {mkey} is not targeted by the config "
@@ -734,11 +954,12 @@ def check_layout(
         else:
             out[key] = ModuleLayout(mkey, a_name, b_name, rank, scale)
 
-    prefix = _decoder_prefix(module_keys.values())
+    prefix = _decoder_prefix([*module_keys.values(), *(experts.modules if experts else ())])
     expected = [
         ((layer, proj), module_key(layer, proj, prefix))
         for layer in range(spec.num_layers)
-        for proj in spec.adapter_shapes
+        for proj in spec.layer_shapes(layer)
+        if proj not in EXPERT_PROJ_NAMES and proj != ROUTER  # the sparse block's: below
     ]
     expected += [((VOCAB_LAYER, m), vocab_module_key(m, prefix)) for m in VOCAB_MODULES]
     for key, mkey in expected:
@@ -755,4 +976,251 @@ def check_layout(
                 "layers_to_transform) but has no LoRA tensors "
                 "(adapter made for another model?)",
             )
+    if experts is not None:
+        out.update(experts.layouts(prefix, router_seen={k for k in pairs if k[1] == ROUTER}))
+        out = dict(sorted(out.items(), key=lambda kv: _module_order(kv[0])))
     return out
+
+
+class _ExpertTensors:
+    """The expert LoRA tensors of an adapter for a MoE base, collected by name and then checked
+    as :func:`check_layout` checks modules: per-expert keys (``experts.{e}.gate_proj``, Mixtral's
+    ``experts.{e}.w1``) or PEFT's ``target_parameters`` on the packed parameters, each targeted
+    by the config, of the base's shapes and expert count, of the configured rank; and every
+    expert module the config targets present (not for ``all-linear``: on transformers 5 the
+    experts are no linears, and PEFT's ``all-linear`` leaves them out)."""
+
+    def __init__(
+        self,
+        spec: BaseModelSpec,
+        settings: LoraSettings,
+        tensors: Mapping[str, TensorMeta],
+        max_rank: int,
+    ) -> None:
+        assert spec.moe is not None
+        self.moe, self.settings, self.tensors, self.max_rank = spec.moe, settings, tensors, max_rank
+        # (layer, proj) -> expert -> {"A": name, "B": name}; module key of each
+        self.per_expert: dict[tuple[int, str], dict[int, dict[str, str]]] = {}
+        self.expert_modules: dict[tuple[int, str, int], str] = {}
+        # layer -> wrapper depth -> {"A": name, "B": name}; the module key of each layer
+        self.packed: dict[int, dict[int, dict[str, str]]] = {}
+        self.packed_modules: dict[int, str] = {}
+
+    @property
+    def any(self) -> bool:
+        return bool(self.per_expert or self.packed)
+
+    @property
+    def modules(self) -> list[str]:
+        return [*self.expert_modules.values(), *self.packed_modules.values()]
+
+    def _add(self, slot: dict[str, str], ab: str, name: str) -> None:
+        if ab in slot:
+            raise FormatError("unsupported_tensor", f"tensor {name!r} duplicates {slot[ab]!r}")
+        slot[ab] = name
+
+    def collect(self, name: str) -> bool:
+        """Take ``name`` if it is an expert LoRA tensor (False: not one)."""
+        m = EXPERT_KEY_RE.match(name)
+        if m is not None:
+            layer, expert = int(m["layer"]), int(m["expert"])
+            proj = EXPERT_CHECKPOINT_NAMES[m["block"]].get(m["proj"])
+            if proj is None:
+                names = ", ".join(EXPERT_CHECKPOINT_NAMES[m["block"]])
+                raise FormatError(
+                    "unsupported_target",
+                    f"tensor {name!r}: expert module {m['proj']!r} is not supported (supported "
+                    f"under {m['block']}: {names})",
+                )
+            self._check_where(name, layer, expert)
+            self._add(self.per_expert.setdefault((layer, proj), {}).setdefault(expert, {}),
+                      m["ab"], name)  # fmt: skip
+            self.expert_modules[(layer, proj, expert)] = m["module"]
+            return True
+        m = PACKED_KEY_RE.match(name)
+        if m is not None:
+            layer = int(m["layer"])
+            self._check_where(name, layer, 0)
+            depth = m["inner"].count(".base_layer")
+            self._add(self.packed.setdefault(layer, {}).setdefault(depth, {}), m["ab"], name)
+            self.packed_modules[layer] = m["module"]
+            return True
+        return False
+
+    def _check_where(self, name: str, layer: int, expert: int) -> None:
+        moe = self.moe
+        if layer not in moe.layers:
+            raise FormatError(
+                "shape_mismatch",
+                f"tensor {name!r}: layer {layer} of the base model has no experts "
+                f"(its sparse layers: {list(moe.layers)})",
+            )
+        if expert >= moe.num_experts:
+            raise FormatError(
+                "shape_mismatch",
+                f"tensor {name!r}: expert {expert} >= the base model's num_experts "
+                f"{moe.num_experts} (adapter made for a model with more experts?)",
+            )
+
+    def _factors(self, mkey: str, a_name: str, b_name: str, experts: int) -> ExpertFactors:
+        """Check one A/B pair of ``experts`` experts' rows (1: a per-expert pair)."""
+        a, b = self.tensors[a_name], self.tensors[b_name]
+        for tname, t in ((a_name, a), (b_name, b)):
+            if not t.floating:
+                raise FormatError(
+                    "unsupported_dtype", f"tensor {tname!r}: dtype {t.dtype} is not floating point"
+                )
+            if len(t.shape) != 2:
+                raise FormatError(
+                    "shape_mismatch", f"tensor {tname!r}: expected 2-D, got shape {list(t.shape)}"
+                )
+        rows = a.shape[0]
+        if b.shape[1] != rows:
+            raise FormatError(
+                "shape_mismatch",
+                f"rank mismatch in {mkey}: {a_name!r} has {rows} rows, {b_name!r} {b.shape[1]}",
+            )
+        if rows % experts:
+            raise FormatError(
+                "shape_mismatch",
+                f"tensor {a_name!r}: {rows} rows are not a rank for each of the base model's "
+                f"{experts} experts (adapter made for a different expert count?)",
+            )
+        rank = rows // experts
+        cfg_rank, scale = self.settings.rank_and_scale(mkey)
+        if rank != cfg_rank:
+            raise FormatError(
+                "shape_mismatch",
+                f"tensor {a_name!r}: rank {rank} != configured rank {cfg_rank} "
+                f"({self.settings.rank_field(mkey)})",
+            )
+        if rank > self.max_rank:
+            raise FormatError(
+                "rank_too_large", f"tensor {a_name!r}: rank {rank} > max_lora_rank {self.max_rank}"
+            )
+        return ExpertFactors(a_name, b_name, rank, scale)
+
+    def _check_dims(self, mkey: str, f: ExpertFactors, d_in: int, d_out: int) -> None:
+        a, b = self.tensors[f.a_name].shape, self.tensors[f.b_name].shape
+        if a[1] != d_in or b[0] != d_out:
+            raise FormatError(
+                "shape_mismatch",
+                f"module {mkey}: A {list(a)} and B {list(b)}, expected A [r, d_in={d_in}] and "
+                f"B [d_out={d_out}, r] (adapter made for a different base model?)",
+            )
+
+    def _complete(self, pair: dict[str, str], mkey: str) -> tuple[str, str]:
+        for ab in "AB":
+            if ab not in pair:
+                raise FormatError("incomplete_adapter", f"module {mkey}: lora_{ab} weight missing")
+        return pair["A"], pair["B"]
+
+    def _strict(self) -> bool:
+        tm = self.settings.target_modules
+        return not (isinstance(tm, str) and tm.lower() == "all-linear")
+
+    def layouts(
+        self, prefix: str, router_seen: set[tuple[int, str]]
+    ) -> dict[tuple[int, str], ExpertModuleLayout]:
+        """The expert modules, each checked; a targeted one without tensors is refused."""
+        moe, settings, shapes = self.moe, self.settings, self.moe.shapes
+        n = moe.num_experts
+        out: dict[tuple[int, str], ExpertModuleLayout] = {}
+        block = moe.block
+        for layer, depths in sorted(self.packed.items()):
+            base = self.packed_modules[layer]
+            for pair in depths.values():
+                a_name, b_name = self._complete(pair, base)
+                d_in, d_out = self.tensors[a_name].shape[1], self.tensors[b_name].shape[0]
+                param = next(
+                    (p for p, parts in PACKED_EXPERT_PARAMS.items()
+                     if (d_in, d_out) == (shapes[parts[0]][0],
+                                          sum(shapes[q][1] for q in parts))),
+                    None,
+                )  # fmt: skip
+                if param is None:
+                    raise FormatError(
+                        "shape_mismatch",
+                        f"tensor {a_name!r}: A {list(self.tensors[a_name].shape)} and B "
+                        f"{list(self.tensors[b_name].shape)} fit neither of the base model's "
+                        "packed experts (gate_up_proj, down_proj)",
+                    )
+                mkey = f"{base}.{param}"
+                if not settings.is_param_targeted(mkey):
+                    raise FormatError(
+                        "unsupported_tensor",
+                        f"tensor {a_name!r}: parameter {mkey} is not targeted by the config "
+                        "(target_parameters / layers_to_transform)",
+                    )
+                f = self._factors(mkey, a_name, b_name, n)
+                lo = 0
+                for part in PACKED_EXPERT_PARAMS[param]:
+                    hi = lo + shapes[part][1]
+                    if (layer, part) in out or (layer, part) in self.per_expert:
+                        raise FormatError(
+                            "unsupported_tensor",
+                            f"module {mkey}: adapted twice (packed and per expert?)",
+                        )
+                    out[(layer, part)] = ExpertModuleLayout(
+                        mkey, n, f.rank, packed=f, b_rows=(lo, hi)
+                    )
+                    lo = hi
+        for (layer, proj), by_expert in sorted(self.per_expert.items()):
+            if (layer, proj) in out:
+                raise FormatError(
+                    "unsupported_tensor",
+                    f"layer {layer} {proj}: adapted twice (packed and per expert?)",
+                )
+            d_in, d_out = shapes[proj]
+            factors: list[ExpertFactors | None] = [None] * n
+            for e, pair in by_expert.items():
+                mkey = self.expert_modules[(layer, proj, e)]
+                if not settings.is_targeted(mkey):
+                    raise FormatError(
+                        "unsupported_tensor",
+                        f"tensor {pair.get('A', pair.get('B'))!r}: module {mkey} is not targeted "
+                        "by the config (target_modules / layers_to_transform / exclude_modules)",
+                    )
+                f = self._factors(mkey, *self._complete(pair, mkey), 1)
+                self._check_dims(mkey, f, d_in, d_out)
+                factors[e] = f
+            first = self.expert_modules[(layer, proj, min(by_expert))]
+            rank = max(f.rank for f in factors if f is not None)
+            out[(layer, proj)] = ExpertModuleLayout(first, n, rank, per_expert=tuple(factors))
+        # what the config targets must be there
+        names = {v: k for k, v in EXPERT_CHECKPOINT_NAMES[block].items()}
+        for layer in moe.layers:
+            for param, parts in PACKED_EXPERT_PARAMS.items():
+                mkey = f"{prefix}layers.{layer}.mlp.experts.{param}"
+                if settings.is_param_targeted(mkey) and any((layer, q) not in out for q in parts):
+                    raise FormatError(
+                        "incomplete_adapter",
+                        f"parameter {mkey} is targeted by the config (target_parameters) but "
+                        "has no LoRA tensors (adapter made for another model?)",
+                    )
+            router = f"{prefix}layers.{layer}.{block}.{ROUTER}"
+            router_v5 = f"{prefix}layers.{layer}.mlp.{ROUTER}"
+            wants_router = settings.is_param_targeted(f"{router_v5}.weight") or (
+                self._strict() and settings.is_targeted(router)
+            )
+            if wants_router and (layer, ROUTER) not in router_seen:
+                raise FormatError(
+                    "incomplete_adapter",
+                    f"module {router} is targeted by the config but has no LoRA tensors",
+                )
+            if not self._strict():
+                continue
+            for proj in EXPERT_PROJ_NAMES:
+                if (layer, proj) in out and out[(layer, proj)].packed is not None:
+                    continue
+                have = self.per_expert.get((layer, proj), {})
+                for e in range(moe.num_experts):
+                    mkey = f"{prefix}layers.{layer}.{block}.experts.{e}.{names[proj]}"
+                    if e not in have and settings.is_targeted(mkey):
+                        raise FormatError(
+                            "incomplete_adapter",
+                            f"module {mkey} is targeted by the config (target_modules / "
+                            "layers_to_transform) but has no LoRA tensors (adapter made for a "
+                            "model with fewer experts?)",
+                        )
+        return out

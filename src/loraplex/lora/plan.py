@@ -169,6 +169,51 @@ def plan_rows(plan: LoRABatchPlan, rows: Sequence[int]) -> LoRABatchPlan:
     return LoRABatchPlan(n, num_rows, runs, tuple(segs), plan.modules)
 
 
+def token_segments(plan: LoRABatchPlan) -> tuple[np.ndarray, np.ndarray]:
+    """``(seg [T] int64: each token's segment of the step's plan, -1 for base tokens,
+    rows [S, 2]: each segment's (row_start, row_end))``."""
+    seg = np.full(plan.num_tokens, -1, dtype=np.int64)
+    rows = np.zeros((len(plan.segments), 2), dtype=np.int64)
+    for j, (ts, te, rs, r_end) in enumerate(plan.segments):
+        seg[ts:te] = j
+        rows[j] = (rs, r_end)
+    return seg, rows
+
+
+def plan_expert_rows(
+    plan: LoRABatchPlan,
+    seg_rows: tuple[np.ndarray, np.ndarray],
+    tok: np.ndarray,
+    expert: np.ndarray,
+    capacity: int,
+) -> LoRABatchPlan:
+    """The LoRA plan over a layer's (token, expert) pairs sorted by expert::
+
+        for each maximal run p0..p1 of pairs with one expert e and one segment (ts, te, rs, re)
+        of the step's plan (the pairs' tokens in [ts, te)):
+            segment (p0, p1, e * capacity + rs, e * capacity + re)
+
+    ``tok`` / ``expert``: the sorted pairs' tokens and experts (``[N]`` each); the order keeps
+    both ranges increasing (the sort is stable; a slot's rows lie within ``capacity``). One run
+    per segment (no masks: an expert's rows are far apart from the next one's)."""
+    seg, rows = seg_rows
+    n = len(tok)
+    sp = seg[tok]  # [N] each pair's segment (-1: base)
+    key = expert * (len(rows) + 1) + sp + 1  # [N] non-decreasing
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    starts = np.concatenate(([0], cuts)) if n else np.zeros(0, dtype=np.int64)
+    ends = np.concatenate((cuts, [n])) if n else np.zeros(0, dtype=np.int64)
+    segs = []
+    for p0, p1 in zip(starts.tolist(), ends.tolist(), strict=True):
+        j = int(sp[p0])
+        if j >= 0:
+            base = int(expert[p0]) * capacity
+            segs.append((p0, p1, base + int(rows[j, 0]), base + int(rows[j, 1])))
+    runs = [LoRARun(*s, None) for s in segs]
+    num_rows = max((s[3] for s in segs), default=0)
+    return LoRABatchPlan(n, num_rows, runs, tuple(segs), plan.modules)
+
+
 def _check_segments(num_tokens: int, segments: Sequence[Segment]) -> list[Segment]:
     """Validate order and bounds; return the non-empty segments as int tuples."""
     if num_tokens < 0:

@@ -93,9 +93,13 @@ class _Prepared:
         self.scales: list[float] = []  # per bt block
         b_dtypes: set[torch.dtype] = set()
         for key, w in weights.items():
-            self.rank_of[key] = w.a.shape[0]
-            self.a += _split(w.a)
-            bt = _split(w.b.t())
+            self.rank_of[key] = w.a.shape[-2]
+            if w.a.dim() == 3:  # an expert projection: every expert's rows, expert by expert
+                self.a += [p for e in range(w.a.shape[0]) for p in _split(w.a[e])]
+                bt = [p for e in range(w.b.shape[0]) for p in _split(w.b[e].t())]
+            else:
+                self.a += _split(w.a)
+                bt = _split(w.b.t())
             self.bt += bt
             self.scales += [float(w.scale)] * len(bt)
             b_dtypes.add(w.b.dtype)
@@ -167,8 +171,19 @@ class LoRASlotBank:
         max_lora_rank: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        module_experts: Mapping[ModuleKey, int] | None = None,
     ) -> None:
-        """``module_shapes``: ``(layer, proj) -> (d_in, d_out)`` of every adaptable module."""
+        """``module_shapes``: ``(layer, proj) -> (d_in, d_out)`` of every adaptable module;
+        ``module_experts``: the expert projections of a MoE base -> their expert count (their
+        shapes are one expert's). An expert module's tables hold every expert's rows, expert
+        ``e`` at ``[e * capacity, (e + 1) * capacity)`` with the slots' one row layout inside::
+
+            a[(layer, "experts.gate_proj")]:  [E * capacity, d_in]
+            bt[(layer, "experts.gate_proj")]: [E * capacity, d_out]
+
+        so the rows of (expert ``e``, a slot's rows ``[rs, re)``) are one contiguous range,
+        ``[e * capacity + rs, e * capacity + re)``, and the gathered ops read them as any
+        module's (see ``loraplex.model.moe``)."""
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         if max_lora_rank < 1:
@@ -179,16 +194,22 @@ class LoRASlotBank:
         self.dtype = dtype
         self.device = torch.device(device)
         self.module_shapes: dict[ModuleKey, tuple[int, int]] = dict(module_shapes)
+        self.module_experts: dict[ModuleKey, int] = dict(module_experts or {})
+        unknown = set(self.module_experts) - set(self.module_shapes)
+        if unknown:
+            raise ValueError(f"module_experts names modules without shapes: {sorted(unknown)}")
         self._a: dict[ModuleKey, torch.Tensor] = {}
         self._bt: dict[ModuleKey, torch.Tensor] = {}
         for key, (d_in, d_out) in self.module_shapes.items():
-            # a: [capacity, d_in] (gathered: a view of [d_in, capacity]), bt: [capacity, d_out]
+            # a: [capacity, d_in] (gathered: a view of [d_in, capacity]), bt: [capacity, d_out];
+            # an expert module: [E * capacity, d] each
+            rows = self.capacity * self.module_experts.get(key, 1)
             if key in GATHERED_MODULES:
-                at = torch.zeros(d_in, self.capacity, dtype=dtype, device=self.device)
+                at = torch.zeros(d_in, rows, dtype=dtype, device=self.device)
                 self._a[key] = at.t()
             else:
-                self._a[key] = torch.zeros(self.capacity, d_in, dtype=dtype, device=self.device)
-            self._bt[key] = torch.zeros(self.capacity, d_out, dtype=dtype, device=self.device)
+                self._a[key] = torch.zeros(rows, d_in, dtype=dtype, device=self.device)
+            self._bt[key] = torch.zeros(rows, d_out, dtype=dtype, device=self.device)
         self._rows: dict[int, tuple[int, int]] = {}  # slot -> (row_start, row_end)
         self._modules: dict[int, frozenset[ModuleKey]] = {}  # slot -> modules its adapter targets
         self._targets_cache: dict[tuple, _Targets] = {}
@@ -228,7 +249,7 @@ class LoRASlotBank:
     def tables(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(a [capacity, d_in], bt [capacity, d_out])`` of one module; ``KeyError`` if unknown.
         For :data:`GATHERED_MODULES` ``a`` is a transposed view: ``a.t()`` is the contiguous
-        ``[d_in, capacity]`` table."""
+        ``[d_in, capacity]`` table; an expert module's are ``[E * capacity, d]``."""
         key = (layer, proj)
         if key not in self._a:
             raise KeyError(f"module {key} has no LoRA tables")
@@ -315,6 +336,15 @@ class LoRASlotBank:
             self._zero(stale)
         self._write(slot, start, rows, prep)
 
+    def _rows_of(self, table: torch.Tensor, key: ModuleKey, lo: int, hi: int) -> list[torch.Tensor]:
+        """The views of slot rows ``[lo, hi)`` in one of ``key``'s tables: one, or one per
+        expert of an expert module."""
+        n = self.module_experts.get(key)
+        if n is None:
+            return [table[lo:hi]]
+        cap = self.capacity
+        return [table[e * cap + lo : e * cap + hi] for e in range(n)]
+
     def _zero(self, ranges: Mapping[ModuleKey, list[tuple[int, int]]]) -> None:
         """Zero ``[start, end)`` row ranges of both tables of each module, in list-wide calls."""
         views = [
@@ -322,7 +352,8 @@ class LoRASlotBank:
             for key, spans in ranges.items()
             for lo, hi in spans
             for t in (self._a[key], self._bt[key])
-            for piece in _split(t[lo:hi])
+            for view in self._rows_of(t, key, lo, hi)
+            for piece in _split(view)
         ]
         if views:
             with torch.no_grad():
@@ -340,8 +371,10 @@ class LoRASlotBank:
             dst_a: list[torch.Tensor] = []
             dst_bt: list[torch.Tensor] = []
             for mod, r in prep.signature:
-                dst_a += _split(self._a[mod][start : start + r])
-                dst_bt += _split(self._bt[mod][start : start + r])
+                for view in self._rows_of(self._a[mod], mod, start, start + r):
+                    dst_a += _split(view)
+                for view in self._rows_of(self._bt[mod], mod, start, start + r):
+                    dst_bt += _split(view)
             dst_np = (
                 [_bits(t) for t in dst_bt]
                 if self.device.type == "cpu" and self.dtype in _NUMPY_COPY
@@ -416,6 +449,19 @@ class LoRASlotBank:
             raise ValueError(f"adapter targets module {key}, which this model does not adapt")
         d_in, d_out = self.module_shapes[key]
         a, b = w.a, w.b
+        n = self.module_experts.get(key)
+        if n is not None:
+            r = a.shape[-2] if a.ndim == 3 else 0
+            if a.shape != (n, r, d_in) or b.shape != (n, d_out, r):
+                raise ValueError(
+                    f"module {key}: expected A [{n}, r, {d_in}] and B [{n}, {d_out}, r] "
+                    f"({n} experts), got A {tuple(a.shape)} and B {tuple(b.shape)}"
+                )
+            if not 1 <= r <= self.max_lora_rank:
+                raise ValueError(
+                    f"module {key}: rank {r} not in [1, max_lora_rank={self.max_lora_rank}]"
+                )
+            return r
         if a.ndim != 2 or b.ndim != 2:
             raise ValueError(
                 f"module {key}: A and B must be 2-D, got {tuple(a.shape)}, {tuple(b.shape)}"
@@ -456,17 +502,20 @@ class LoRASlotBank:
         """Slide occupied ranges down (order kept) so free rows form one tail; return its start."""
         old_end = max(end for _, end in self._rows.values())
         pos = 0
+        tables = [(key, tab) for key in self.module_shapes for tab in (self._a[key], self._bt[key])]
         with torch.no_grad():
             for slot, (start, end) in sorted(self._rows.items(), key=lambda item: item[1]):
                 n = end - start
                 if start != pos:
-                    for tab in (*self._a.values(), *self._bt.values()):
-                        src = tab[start:end]
-                        # Overlapping ranges: copy through a temporary.
-                        tab[pos : pos + n].copy_(src.clone() if start < pos + n else src)
+                    for key, tab in tables:
+                        dsts = self._rows_of(tab, key, pos, pos + n)
+                        for dst, src in zip(dsts, self._rows_of(tab, key, start, end), strict=True):
+                            # Overlapping ranges: copy through a temporary.
+                            dst.copy_(src.clone() if start < pos + n else src)
                     self._rows[slot] = (pos, pos + n)
                 pos += n
-            for tab in (*self._a.values(), *self._bt.values()):
-                tab[pos:old_end].zero_()
+            for key, tab in tables:
+                for view in self._rows_of(tab, key, pos, old_end):
+                    view.zero_()
         self.layout_version += 1
         return pos

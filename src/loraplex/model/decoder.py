@@ -12,9 +12,10 @@ per layer (``layer_rotaries``) and, where the residual wiring differs, ``run_lay
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -172,6 +173,23 @@ class DecoderForCausalLM:
         first = int(raw.get("max_window_layers") or 0)
         return [c.sliding_window if i >= first else None for i in range(c.num_layers)]
 
+    def layer_weights_of(self, layer: int) -> Mapping[str, tuple[str, int]]:
+        """``layer_weights`` of one layer (a MoE layer has no dense MLP: its sparse block's
+        tensors are the architecture's own, see ``take_tensor``)."""
+        return self.layer_weights
+
+    def take_tensor(
+        self, key: str, read: Callable[[], torch.Tensor], shape: tuple[int, ...]
+    ) -> bool:
+        """Load checkpoint tensor ``key`` (canonical name, ``shape``) the architecture's own way
+        and return True, or False to leave it to the common loader. ``read()`` reads it in the
+        model's dtype. Every tensor comes here first (a MoE's experts and router)."""
+        return False
+
+    def check_own_tensors(self, src: object) -> None:
+        """Raise ModelLoadError naming what ``take_tensor`` still misses (after the last
+        tensor); nothing to check for a dense architecture."""
+
     def checkpoint_name(self, name: str) -> str | None:
         """The canonical name (``TOP_WEIGHTS`` or ``model.layers.N.<module>.<weight|bias>``)
         of checkpoint tensor ``name``, or None to skip it (rotary buffers; a multimodal
@@ -213,7 +231,6 @@ class DecoderForCausalLM:
     ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
         """(top-level tensors by attribute, per layer ``{"<slot>.<weight|bias>": tensor}``)."""
         cfg, dtype, device = self.cfg, self.dtype, self.device
-        nparts = Counter(slot for slot, _ in self.layer_weights.values())
         top: dict[str, torch.Tensor] = {}
         layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_layers)]
         pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # parts of fused slots
@@ -221,12 +238,15 @@ class DecoderForCausalLM:
             key = self.checkpoint_name(name)
             if key is None or (key == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue  # a tied head is the embedding
+            shape = tuple(st.entries[name].shape)
+            if self.take_tensor(key, functools.partial(st.read, name, dtype, device), shape):
+                continue
             if key in TOP_WEIGHTS:
                 self._check_shape(st.entries[name].shape, self._top_shape(key), name, model_dir)
                 top[TOP_WEIGHTS[key]] = st.read(name, dtype, device)
                 continue
             m = _LAYER_KEY.fullmatch(key)
-            entry = self.layer_weights.get(m.group(2)) if m else None
+            entry = self.layer_weights_of(int(m.group(1))).get(m.group(2)) if m else None
             if m is None or entry is None:
                 raise ModelLoadError(
                     f"{model_dir}: unexpected tensor {name!r} for {cfg.architecture}"
@@ -237,6 +257,7 @@ class DecoderForCausalLM:
                     f"{model_dir}: unexpected tensor {name} (layer {idx} >= {cfg.num_layers})"
                 )
             slot, part = entry
+            nparts = Counter(s for s, _ in self.layer_weights_of(idx).values())
             want = self._layer_shape(slot, part, nparts[slot], kind, name, model_dir)
             self._check_shape(st.entries[name].shape, want, name, model_dir)
             t = st.read(name, dtype, device)
@@ -249,6 +270,7 @@ class DecoderForCausalLM:
                 layers[idx][f"{slot}.{kind}"] = torch.cat([got[p] for p in range(nparts[slot])])
                 del pending[(idx, f"{slot}.{kind}")]
         self._check_complete(top, layers, pending, model_dir)
+        self.check_own_tensors(model_dir)
         return top, layers
 
     def _top_shape(self, key: str) -> tuple[int, ...]:
@@ -291,7 +313,7 @@ class DecoderForCausalLM:
         biased = {"qkv": c.qkv_bias, "o": c.o_bias, "gate_up": c.mlp_bias, "down": c.mlp_bias}
         for idx, have in enumerate(layers):
             missing = []
-            for module, (slot, part) in self.layer_weights.items():
+            for module, (slot, part) in self.layer_weights_of(idx).items():
                 for kind in ("weight", "bias"):
                     key = f"{slot}.{kind}"
                     started = pending.get((idx, key))
@@ -307,7 +329,8 @@ class DecoderForCausalLM:
         self.linear_impl, make = select_linear_factory(self.device, self.dtype)
         for L, w in zip(self.layers, layers, strict=True):
             for slot in LINEAR_SLOTS:
-                setattr(L, slot, make(w.pop(f"{slot}.weight"), w.pop(f"{slot}.bias", None)))
+                if f"{slot}.weight" in w:  # a MoE layer has no dense gate_up / down
+                    setattr(L, slot, make(w.pop(f"{slot}.weight"), w.pop(f"{slot}.bias", None)))
             if self.qk_norm:
                 q, k = w.pop("q_norm.weight"), w.pop("k_norm.weight")
                 L.qk_norm = norm.per_head(q, k, c.num_heads, c.num_kv_heads, c.rms_norm_eps)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from loraplex.lora.ops import LoRAOps
 from loraplex.lora.peft_format import EMBED_KEY, LM_HEAD_KEY
-from loraplex.lora.plan import LoRABatchPlan
+from loraplex.lora.plan import LoRABatchPlan, token_segments
 from loraplex.lora.slots import LoRASlotBank, ModuleKey
 
 
@@ -28,6 +29,8 @@ class LoRABinding:
         self._by_modules: dict[frozenset[ModuleKey] | None, dict[tuple[int, str], tuple]] = {}
         self._lists: dict[tuple[int, str], tuple] = {}
         self._plan: LoRABatchPlan | None = None
+        self._expert_layers: dict[frozenset[ModuleKey] | None, frozenset[int]] = {}
+        self._segments: tuple[LoRABatchPlan, tuple[np.ndarray, np.ndarray]] | None = None
         self._embed: tuple[torch.Tensor, torch.Tensor] | None = None  # (at, bt), if adaptable
         self._head: tuple[tuple[torch.Tensor, torch.Tensor, int, int], ...] | None = None
         if EMBED_KEY in bank.module_shapes:
@@ -52,11 +55,14 @@ class LoRABinding:
         x: torch.Tensor,
         out: torch.Tensor,
         plan: LoRABatchPlan,
+        rows_plan: LoRABatchPlan | None = None,
     ) -> None:
         """``out[:, lo:hi] += `` LoRA delta of each ``(proj, lo, hi)`` of ``parts`` in ``layer``
         for every adapted token, the projections sharing input ``x: [T, d_in]`` in one
         ``apply_many``. Modules outside ``plan.modules`` (no adapter of the step targets them)
-        are skipped. ``parts``: the same groups every step (the first name keys the cache)."""
+        are skipped. ``parts``: the same groups every step (the first name keys the cache).
+        ``rows_plan``: the rows of ``x`` are not the step's tokens but a MoE layer's (token,
+        expert) pairs, planned by ``plan_expert_rows`` (``plan`` still says which modules)."""
         if plan is not self._plan:
             self._switch(plan)
         key = (layer, parts[0][0])
@@ -69,7 +75,26 @@ class LoRABinding:
                 if wanted is None or (layer, proj) in wanted
             )
         if modules:
-            self.ops.apply_many(x, out, modules, plan)
+            self.ops.apply_many(x, out, modules, plan if rows_plan is None else rows_plan)
+
+    def experts_used(self, layer: int, plan: LoRABatchPlan) -> bool:
+        """Whether an adapter of the step targets one of ``layer``'s expert projections."""
+        got = self._expert_layers.get(plan.modules)
+        if got is None:
+            if len(self._expert_layers) >= 64:
+                self._expert_layers.clear()
+            experts = [
+                k for k in self.bank.module_experts if plan.modules is None or k in plan.modules
+            ]
+            got = self._expert_layers[plan.modules] = frozenset(k[0] for k in experts)
+        return layer in got
+
+    def token_segments(self, plan: LoRABatchPlan) -> tuple[np.ndarray, np.ndarray]:
+        """``token_segments(plan)``, once per step (every MoE layer reads it)."""
+        got = self._segments
+        if got is None or got[0] is not plan:
+            got = self._segments = (plan, token_segments(plan))
+        return got[1]
 
     def add_embedding(self, input_ids: torch.Tensor, h: torch.Tensor, plan: LoRABatchPlan) -> None:
         """``h[t] += `` the embedding LoRA delta of token ``input_ids[t]`` for every adapted

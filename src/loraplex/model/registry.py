@@ -17,8 +17,10 @@ from loraplex.model.gemma import (
     Gemma3ForConditionalGeneration,
 )
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
 from loraplex.model.qwen3 import Qwen3ForCausalLM
+from loraplex.model.qwen3_moe import Qwen3MoeForCausalLM
 from loraplex.model.spec import ModelConfig
 
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
@@ -30,6 +32,8 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.lora.adapter import projection_shapes
+from loraplex.lora.peft_format import MoESpec
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,19 @@ class ModelConfig:
             self.head_dim,
             self.intermediate_size,
         )
+
+    def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
+        """The adaptable modules of ``layer`` -> (d_in, d_out): the seven projections, or a MoE
+        layer's attention, router and expert projections (one expert's shapes)."""
+        return self.module_shapes
+
+    def module_experts(self, proj: str) -> int:
+        """Experts behind module ``proj`` (0: an ordinary module)."""
+        return 0
+
+    def moe_spec(self) -> MoESpec | None:
+        """The sparse blocks, for a MoE decoder (None: dense)."""
+        return None
 
     def layer_bias_params(self) -> int:
         """Bias parameters of one layer's projections (q/k/v, o, gate/up, down)."""

@@ -28,7 +28,9 @@ from loraplex.lora.digest import (
 )
 from loraplex.lora.peft_format import (
     BIN_NAME,
+    EXPERT_PROJ_NAMES,
     PROJ_NAMES,
+    ROUTER,
     SAFETENSORS_NAME,
     VOCAB_MODULES,
     BaseModelSpec,
@@ -183,11 +185,12 @@ def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> 
         raise ValidationError(e.reason, str(e)) from e
     dtypes = {t.dtype.removeprefix("torch.") for t in files.tensors.values()}
     present = {proj for _, proj in layout}
+    order = (*VOCAB_MODULES, *PROJ_NAMES, ROUTER, *EXPERT_PROJ_NAMES)
     return AdapterInfo(
         files=files,
         rank=max(m.rank for m in layout.values()),
         alpha=float(config.get("lora_alpha", 8)),
         dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
-        target_modules=tuple(p for p in (*VOCAB_MODULES, *PROJ_NAMES) if p in present),
+        target_modules=tuple(p for p in order if p in present),
         nbytes=files.nbytes,
     )

@@ -39,6 +39,10 @@ class VllmFlag:
 _ONE_DEVICE = "loraplex runs one model copy on one device; run replicas behind `loraplex route`"
 _NOT_LLAMA = "loraplex serves Llama-family text decoders only"
 _TEXT_ONLY = "loraplex serves text-only models"
+_ONE_DEVICE_EXPERTS = (
+    "loraplex runs every expert of a MoE model on one device, grouped with its LoRA "
+    "(expert parallelism is not supported)"
+)
 _NO_GRAPHS = "loraplex runs eagerly (no CUDA graphs or compilation)"
 _NO_OFFLOAD = "loraplex keeps weights and KV on the device (no offloading or KV transfer)"
 _NO_SPEC = "loraplex has no speculative decoding"
@@ -57,7 +61,7 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--max-parallel-loading-workers", "one", ANY, ""),  # shards are read one at a time
     ("--worker-cls", "one", ("auto",), _ONE_DEVICE),
     ("--worker-use-ray", "true", (), _ONE_DEVICE),
-    ("--enable-expert-parallel -ep", "bool", ("false",), _NOT_LLAMA),
+    ("--enable-expert-parallel -ep", "bool", ("false",), _ONE_DEVICE_EXPERTS),
     # what loraplex does anyway
     ("--enforce-eager", "bool", ANY, _NO_GRAPHS),
     ("--max-seq-len-to-capture", "one", ANY, _NO_GRAPHS),

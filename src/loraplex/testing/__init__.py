@@ -37,7 +37,17 @@ ARCH_CONFIGS = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
+
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+                      norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=16, num_experts_per_tok=2),
+}  # fmt: skip
+"""Config values a family's tiny model takes unless the caller says otherwise (a MoE's expert
+count and size: the config classes' defaults, 128 experts of 768, are a real model's)."""
 
 _TEXT_CONFIGS = {"Gemma3Config": "Gemma3TextConfig"}
 """Multimodal config class -> the text config class it wraps: ``make_random_model`` builds the
@@ -139,6 +149,7 @@ def make_random_model(
         vocab = vocab_size or 512
         eos, bos = 1, 0
     cfg_name, model_name = ARCH_CONFIGS[arch]
+    config_overrides = {**ARCH_DEFAULTS.get(arch, {}), **config_overrides}
     text_name = _TEXT_CONFIGS.get(cfg_name, cfg_name)
     cfg = getattr(transformers, text_name)(
         hidden_size=hidden_size,
@@ -188,8 +199,10 @@ def make_random_adapter(
     seed: int = 0,
     std: float = 0.05,
     save_format: str = "safetensors",
+    target_parameters: list[str] | None = None,
 ) -> Path:
-    """Create a PEFT LoRA adapter with random non-zero A and B for the model in ``base_dir``."""
+    """Create a PEFT LoRA adapter with random non-zero A and B for the model in ``base_dir``
+    (``target_parameters``: PEFT's LoRA on parameters, a MoE's packed experts and router)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -202,6 +215,7 @@ def make_random_adapter(
         layers_to_transform=layers_to_transform,
         rank_pattern=rank_pattern or {},
         alpha_pattern=alpha_pattern or {},
+        target_parameters=target_parameters,
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -214,6 +228,76 @@ def make_random_adapter(
                 p.copy_(std * torch.randn(p.shape, generator=gen))
     out = Path(out_dir)
     model.save_pretrained(str(out), safe_serialization=save_format == "safetensors")
+    return out
+
+
+def make_per_expert_adapter(
+    base_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    r: int = 8,
+    lora_alpha: float | None = None,
+    target_modules: list[str],
+    seed: int = 0,
+    std: float = 0.05,
+) -> Path:
+    """A MoE adapter in the layout PEFT wrote when the experts were ``nn.Linear`` modules
+    (transformers 4, and most expert adapters on the hub): per-expert keys
+    ``...layers.L.mlp.experts.E.gate_proj.lora_A.weight`` (Mixtral:
+    ``block_sparse_moe.experts.E.w1``), the router as ``...mlp.gate``, attention as usual; random
+    non-zero factors for every module of ``target_modules`` in every layer that has it. PEFT on
+    transformers 5 reads this layout through its own conversion (``load_merged_reference``)."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(base_dir) / "config.json").read_text())
+    mixtral = cfg["model_type"] == "mixtral"
+    block = "block_sparse_moe" if mixtral else "mlp"
+    hidden, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    heads, kv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads") or 0)
+    hd = int(cfg.get("head_dim") or hidden // heads)
+    n_exp = int(cfg.get("num_local_experts") or cfg.get("num_experts"))
+    inter = int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"])
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    attn = {"q_proj": (hidden, heads * hd), "k_proj": (hidden, kv * hd),
+            "v_proj": (hidden, kv * hd), "o_proj": (heads * hd, hidden)}  # fmt: skip
+    experts = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+               "w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)}  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+
+    def pair(module: str, d_in: int, d_out: int) -> None:
+        sd[f"base_model.model.{module}.lora_A.weight"] = std * torch.randn(r, d_in, generator=gen)
+        sd[f"base_model.model.{module}.lora_B.weight"] = std * torch.randn(d_out, r, generator=gen)
+
+    for layer in range(layers):
+        pre = f"model.layers.{layer}"
+        for t in target_modules:
+            if t in attn:
+                pair(f"{pre}.self_attn.{t}", *attn[t])
+        if layer in dense or (layer + 1) % step:  # a dense MLP (Qwen-MoE's mlp_only_layers)
+            mlp = {"gate_proj": (hidden, int(cfg["intermediate_size"])),
+                   "up_proj": (hidden, int(cfg["intermediate_size"])),
+                   "down_proj": (int(cfg["intermediate_size"]), hidden)}  # fmt: skip
+            for t in target_modules:
+                if t in mlp:
+                    pair(f"{pre}.mlp.{t}", *mlp[t])
+            continue
+        for t in target_modules:
+            if t == "gate":
+                pair(f"{pre}.{block}.gate", hidden, n_exp)
+            elif t in experts:
+                for e in range(n_exp):
+                    pair(f"{pre}.{block}.experts.{e}.{t}", *experts[t])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(out / "adapter_model.safetensors"))
+    write_json(
+        out / "adapter_config.json",
+        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r,
+         "lora_alpha": lora_alpha if lora_alpha is not None else 2 * r,
+         "target_modules": target_modules, "lora_dropout": 0.0, "bias": "none",
+         "base_model_name_or_path": str(base_dir)},
+    )  # fmt: skip
     return out
 
 

@@ -1,0 +1,354 @@
+"""Sparse mixture-of-experts layers: the router, the experts as grouped GEMMs, and their LoRA.
+
+One sparse block per MoE layer (``SparseMoE``), for every token of the step at once::
+
+    logits = x @ router.T (+ the router's LoRA)            # [T, E]
+    w, e   = top-k of softmax(logits) (renormalised)         # [T, k] each
+    pairs (token, expert) sorted by expert (stable)         # [N = T k]
+    h = grouped(x[tok], W_gate_up)  (+ expert LoRA)          # [N, 2 I]: each expert over its rows
+    h = grouped(act(gate) * up, W_down)  (+ expert LoRA)     # [N, D]
+    out[t] = sum over t's pairs of w * h                     # index_add in sorted order
+
+Tokens are routed once per layer and sorted by expert, so each expert's GEMM runs over one
+contiguous block of rows and an expert no token chose is never read (``GroupedExperts``: a loop
+over the experts that have rows on CPU, one grouped Triton kernel on CUDA). Nothing loops over
+tokens.
+
+Expert LoRA rides on the gathered LoRA ops unchanged: an expert module's slot tables hold expert
+``e``'s rows at ``[e * capacity, (e + 1) * capacity)`` (``loraplex.lora.slots``), and the sort is
+stable, so within an expert the pairs keep the step's token order, adapters in increasing row
+order. The pairs of (expert ``e``, a slot's rows ``[rs, re)``) are then contiguous and read rows
+``[e * capacity + rs, e * capacity + re)``: a ``LoRABatchPlan`` over the sorted pairs
+(``loraplex.lora.plan.plan_expert_rows``), which every backend (torch, the C kernel, Triton) runs as it runs any
+module's. Each (token, expert) row thus gets its own request's adapter for that expert.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from loraplex.lora.peft_format import EXPERT_CHECKPOINT_NAMES, EXPERT_PROJ_NAMES, ROUTER, MoESpec
+from loraplex.lora.plan import plan_expert_rows
+from loraplex.model.decoder import DecoderForCausalLM
+from loraplex.model.layers import ACTIVATIONS, DecoderLayer, LayerStep
+from loraplex.model.linear import select_linear_factory
+from loraplex.model.spec import ModelConfig
+from loraplex.types import ModelLoadError
+
+
+@dataclass(frozen=True)
+class MoEConfig(ModelConfig):
+    """A decoder whose MLP is a sparse block in ``sparse_layers`` (dense elsewhere)."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = ()
+    moe_block: str = "mlp"  # the sparse block's checkpoint name (Mixtral: block_sparse_moe)
+    routing_in_model_dtype: bool = True
+    """Whether the top-k weights are cast back to the model dtype before they scale the experts'
+    outputs (Qwen-MoE's router does; Mixtral's keeps them float32)."""
+    expert_shapes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
+
+    def moe_spec(self) -> MoESpec | None:
+        return MoESpec(
+            self.num_experts,
+            self.sparse_layers,
+            self.hidden_size,
+            self.moe_intermediate_size,
+            self.moe_block,
+        )
+
+    def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
+        if layer not in self.sparse_layers:
+            return self.module_shapes
+        attn = {p: d for p, d in self.module_shapes.items() if p in ATTN_PROJS}
+        spec = self.moe_spec()
+        assert spec is not None
+        return {**attn, **spec.shapes}
+
+    def module_experts(self, proj: str) -> int:
+        return self.num_experts if proj in EXPERT_PROJ_NAMES else 0
+
+    def num_parameters(self) -> int:
+        dense = super().num_parameters()
+        mlp = sum(a * b for p, (a, b) in self.module_shapes.items() if p not in ATTN_PROJS)
+        spec = self.moe_spec()
+        assert spec is not None
+        sparse = sum(a * b * max(1, self.module_experts(p)) for p, (a, b) in spec.shapes.items())
+        return dense + len(self.sparse_layers) * (sparse - mlp)
+
+    def active_parameters(self) -> int:
+        """Parameters a token reads: the dense ones and ``num_experts_per_tok`` experts per
+        sparse layer (the ``A3B`` of Qwen3-30B-A3B)."""
+        spec = self.moe_spec()
+        assert spec is not None
+        per_expert = sum(a * b for p, (a, b) in spec.shapes.items() if p in EXPERT_PROJ_NAMES)
+        idle = (self.num_experts - self.num_experts_per_tok) * per_expert
+        return self.num_parameters() - len(self.sparse_layers) * idle
+
+
+ATTN_PROJS = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def moe_config_fields(
+    c: Mapping[str, Any], source: str, *, num_experts: int, inter: int, sparse: tuple[int, ...],
+    norm_topk_prob: bool, block: str, in_model_dtype: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The ``MoEConfig`` fields, checked: top-k within the experts, positive sizes."""
+    top_k = int(c.get("num_experts_per_tok") or 0)
+    if num_experts < 1:
+        raise ModelLoadError(f"{source}: num_experts must be >= 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ModelLoadError(
+            f"{source}: num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}"
+        )
+    if inter < 1:
+        raise ModelLoadError(f"{source}: moe_intermediate_size must be >= 1, got {inter}")
+    if c.get("shared_expert_intermediate_size"):
+        raise ModelLoadError(
+            f"{source}: shared experts (shared_expert_intermediate_size) are not supported"
+        )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        norm_topk_prob=norm_topk_prob,
+        sparse_layers=sparse,
+        moe_block=block,
+        routing_in_model_dtype=in_model_dtype,
+    )
+
+
+# ---------------------------------------------------------------------------- grouped GEMMs
+
+
+class GroupedExperts(Protocol):
+    """``out[offsets[e]:offsets[e+1]] = x[offsets[e]:offsets[e+1]] @ w[e].T`` for every expert
+    with rows (``x [N, K]`` sorted by expert, ``w [E, M, K]``, ``offsets [E + 1]`` on x's
+    device, ``counts`` the same as E Python ints); an expert without rows is never read."""
+
+    name: str
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor: ...
+
+
+class TorchGroupedExperts:
+    """One GEMM per expert that has rows, into its block of the output (the CPU path: a loop
+    over at most E experts per layer, never over tokens)."""
+
+    name = "torch-grouped"
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], w.shape[1])  # [N, M]
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                torch.mm(x[start : start + n], w[e].t(), out=out[start : start + n])
+                start += n
+        return out
+
+
+def select_grouped_experts(device: torch.device) -> GroupedExperts:
+    """The grouped GEMM for ``device``, chosen once at load: Triton's on CUDA, else torch's."""
+    if device.type == "cuda":
+        try:
+            from loraplex.model.moe_triton import TritonGroupedExperts
+        except ImportError:  # no triton: the torch loop runs on CUDA too
+            return TorchGroupedExperts()
+        return TritonGroupedExperts()
+    return TorchGroupedExperts()
+
+
+# ------------------------------------------------------------------------------ the block
+
+
+class SparseMoE:
+    """The sparse block of a MoE layer (module docstring). Reads ``L.router`` (a Linear
+    ``[E, D]``), ``L.w_gate_up [E, 2 I, D]`` (gate rows, then up rows) and ``L.w_down
+    [E, D, I]`` of the layer it is called with."""
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        grouped: GroupedExperts,
+    ) -> None:
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.in_model_dtype = cfg.routing_in_model_dtype
+        self.inter = cfg.moe_intermediate_size
+        self.act: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[cfg.hidden_act]
+        self.grouped = grouped
+        i, d = self.inter, cfg.hidden_size
+        self.gate_up_parts = (("experts.gate_proj", 0, i), ("experts.up_proj", i, 2 * i))
+        self.down_parts = (("experts.down_proj", 0, d),)
+        self.router_parts = ((ROUTER, 0, cfg.num_experts),)
+        self.last_counts: list[int] | None = None
+        """Rows per expert of the last call (what the grouped GEMMs read; for tests and
+        profiling)."""
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k], experts [T, k])`` of router ``logits [T, E]``, as transformers:
+        softmax in float32, top-k, renormalised when ``norm_topk_prob``."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        w, e = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return (w.to(logits.dtype) if self.in_model_dtype else w), e
+
+    def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """Layer ``i``'s sparse-block output [T, D] for normed input ``x [T, D]``."""
+        k = self.top_k
+        logits = L.router(x)  # [T, E]
+        lora, plan = step.lora, step.plan
+        if lora is not None and plan is not None and plan.uses((i, ROUTER)):
+            lora.add(i, self.router_parts, x, logits, plan)
+        w, e = self.route(logits)  # [T, k], [T, k]
+        flat = e.reshape(-1)  # [T k]: pair p is token p // k's (p % k)-th expert
+        order = torch.argsort(flat, stable=True)  # [N]: pairs sorted by expert
+        tok = order // k  # [N] the token of each sorted pair
+        counts_t = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        counts = counts_t.tolist()
+        self.last_counts = counts
+        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x.device)
+        torch.cumsum(counts_t, 0, out=offsets[1:])
+        xs = x[tok]  # [N, D]
+        lora_plan = None
+        if lora is not None and plan is not None and lora.experts_used(i, plan):
+            tok_np = tok.cpu().numpy()
+            exp_np = flat[order].cpu().numpy()
+            lora_plan = plan_expert_rows(
+                plan, lora.token_segments(plan), tok_np, exp_np, lora.bank.capacity
+            )
+        gu = self.grouped(xs, L.w_gate_up, offsets, counts)  # [N, 2 I]
+        if lora_plan is not None:
+            lora.add(i, self.gate_up_parts, xs, gu, plan, lora_plan)
+        act = self.act(gu[:, : self.inter]) * gu[:, self.inter :]  # [N, I]
+        h = self.grouped(act, L.w_down, offsets, counts)  # [N, D]
+        if lora_plan is not None:
+            lora.add(i, self.down_parts, act, h, plan, lora_plan)
+        h = h * w.reshape(-1)[order, None]  # [N, D] (float32 weights promote, as in HF)
+        out = torch.zeros_like(x)  # [T, D]
+        return out.index_add_(0, tok, h.to(x.dtype))
+
+
+# ------------------------------------------------------------------------------ the decoder
+
+_MOE_TENSOR = re.compile(
+    r"model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\."
+    r"(?:(?P<router>gate\.weight)|experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight"
+    r"|experts\.(?P<packed>gate_up_proj|down_proj))"
+)
+"""A sparse block's checkpoint tensors: the router, per-expert projections (Qwen-MoE's
+``gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``w1`` / ``w3`` / ``w2``) or transformers
+5's packed ``experts.gate_up_proj [E, 2 I, D]`` / ``experts.down_proj [E, D, I]``."""
+
+
+class MoEDecoderForCausalLM(DecoderForCausalLM):
+    """A decoder whose ``sparse_layers`` have a :class:`SparseMoE` in place of the gated MLP;
+    the attention, norms and residual wiring are Llama's. Loads either checkpoint layout of the
+    experts into ``L.w_gate_up [E, 2 I, D]`` and ``L.w_down [E, D, I]`` (one tensor each per
+    layer, so the grouped GEMM indexes experts without copies)."""
+
+    config_class = MoEConfig
+    cfg: MoEConfig
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(cfg, dtype, device)
+        assert isinstance(cfg, MoEConfig)
+        self.moe = SparseMoE(cfg, select_grouped_experts(device))
+        sparse = set(cfg.sparse_layers)
+        self.ffns = [self.moe if i in sparse else self.mlp for i in range(cfg.num_layers)]
+        self._moe_parts: dict[tuple[int, str], torch.Tensor] = {}
+        self._moe_seen: dict[tuple[int, str], set[int]] = {}
+
+    def layer_weights_of(self, layer: int) -> Mapping[str, tuple[str, int]]:
+        if layer not in self.cfg.sparse_layers:
+            return self.layer_weights
+        return {k: v for k, v in self.layer_weights.items() if not k.startswith("mlp.")}
+
+    def take_tensor(
+        self, key: str, read: Callable[[], torch.Tensor], shape: tuple[int, ...]
+    ) -> bool:
+        m = _MOE_TENSOR.fullmatch(key)
+        if m is None or int(m["layer"]) not in self.cfg.sparse_layers:
+            return False
+        c, layer = self.cfg, int(m["layer"])
+        E, inter, D = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        if m["router"]:
+            self._check(key, shape, (E, D))
+            self._moe_parts[(layer, "router")] = read()
+            self._moe_seen[(layer, "router")] = {0}
+            return True
+        if m["packed"]:
+            slot = "w_gate_up" if m["packed"] == "gate_up_proj" else "w_down"
+            self._check(key, shape, (E, 2 * inter, D) if slot == "w_gate_up" else (E, D, inter))
+            self._moe_parts[(layer, slot)] = read()
+            self._moe_seen[(layer, slot)] = set(range(2 * E if slot == "w_gate_up" else E))
+            return True
+        names = EXPERT_CHECKPOINT_NAMES[m["block"]]
+        proj, expert = names.get(m["proj"]), int(m["expert"])
+        if proj is None or expert >= E:
+            raise ModelLoadError(f"unexpected tensor {key!r} for {c.architecture} ({E} experts)")
+        slot = "w_down" if proj == "experts.down_proj" else "w_gate_up"
+        self._check(key, shape, (D, inter) if slot == "w_down" else (inter, D))
+        full = (E, D, inter) if slot == "w_down" else (E, 2 * inter, D)
+        t = self._moe_parts.get((layer, slot))
+        if t is None:
+            t = self._moe_parts[(layer, slot)] = torch.empty(
+                full, dtype=self.dtype, device=self.device
+            )
+        half = 1 if proj == "experts.up_proj" else 0
+        rows = slice(half * inter, (half + 1) * inter) if slot == "w_gate_up" else slice(None)
+        t[expert, rows] = read()
+        self._moe_seen.setdefault((layer, slot), set()).add(expert + half * E)
+        return True
+
+    @staticmethod
+    def _check(key: str, shape: tuple[int, ...], want: tuple[int, ...]) -> None:
+        if tuple(shape) != want:
+            raise ModelLoadError(
+                f"tensor {key!r} has shape {tuple(shape)}, config.json implies {want}"
+            )
+
+    def check_own_tensors(self, src: object) -> None:
+        E = self.cfg.num_experts
+        want = {"router": 1, "w_gate_up": 2 * E, "w_down": E}
+        for layer in self.cfg.sparse_layers:
+            for slot, n in want.items():
+                got = len(self._moe_seen.get((layer, slot), ()))
+                if got != n:
+                    what = {"router": "the router (gate)", "w_gate_up": "gate/up experts",
+                            "w_down": "down experts"}[slot]  # fmt: skip
+                    raise ModelLoadError(
+                        f"{src}: layer {layer} is missing {what}: {got} of {n} tensors found"
+                    )
+
+    def _build(self, top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]]) -> None:
+        super()._build(top, layers)
+        _, make = select_linear_factory(self.device, self.dtype)
+        for layer in self.cfg.sparse_layers:
+            L = self.layers[layer]
+            L.router = make(self._moe_parts.pop((layer, "router")), None)  # [E, D]
+            L.w_gate_up = self._moe_parts.pop((layer, "w_gate_up"))  # [E, 2 I, D]
+            L.w_down = self._moe_parts.pop((layer, "w_down"))  # [E, D, I]
+        self._moe_seen.clear()
+
+    def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """Llama's pre-norm wiring with each layer's own feed-forward block."""
+        attn = self.attn
+        for i, (L, ffn) in enumerate(zip(self.layers, self.ffns, strict=True)):
+            h = h + attn(L, i, L.ln1(h), step)
+            h = h + ffn(L, i, L.ln2(h), step)
+        return h
