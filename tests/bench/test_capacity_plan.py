@@ -1,5 +1,6 @@
-"""``loraplex plan`` against hand-computed numbers (Llama-3-8B and Llama-2-7B shapes) and
-against the real PEFT adapters of the test fixtures (their safetensors give the exact count)."""
+"""``loraplex plan`` against hand-computed numbers (Llama-3-8B and Llama-2-7B shapes, and the
+mixture-of-experts Qwen3-30B-A3B and Mixtral-8x7B) and against the real PEFT adapters of the test
+fixtures (their safetensors give the exact count; MoE fixtures: ``test_moe_plan_verify``)."""
 
 from __future__ import annotations
 
@@ -167,3 +168,98 @@ def test_cli(tiny_model: Path, adapters: dict[str, Path], capsys: pytest.Capture
     with pytest.raises(PlanError, match="layers_to_transform"):
         adapter_from_config({"r": 8, "target_modules": ["q_proj"], "layers_to_transform": [40]},
                             L3, "x")  # fmt: skip
+
+
+# Qwen3-30B-A3B: hidden 2048, 48 layers (all sparse), 32 query heads and 4 KV heads of 128,
+# 128 experts of 768, top-8, vocab 151936, untied. (d_in, d_out): q 2048->4096, k/v 2048->512,
+# o 4096->2048, router 2048->128; per expert gate/up 2048->768, down 768->2048.
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "norm_topk_prob": True, "vocab_size": 151936,
+    "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
+}  # fmt: skip
+QWEN_MOE = PRESETS["qwen3-30b-a3b"]
+
+
+def test_qwen3_30b_a3b_hand_computed() -> None:
+    # the preset is what its config.json parses to
+    from_config = plan.model_from_config(QWEN3_30B_A3B_CONFIG, "qwen3-30b-a3b")
+    assert from_config.params() == QWEN_MOE.params()
+    assert from_config.active_params() == QWEN_MOE.active_params()
+    assert from_config.sparse == QWEN_MOE.sparse == tuple(range(48))
+    # per layer: attention 8,388,608 + 2 x 1,048,576 + 8,388,608 = 18,874,368; router 262,144;
+    # one expert 3 x 1,572,864 = 4,718,592, x 128 = 603,979,776; norms 2 x 2048 + q/k 2 x 128
+    # = 4352: 623,120,640, x 48 = 29,909,790,720; + embedding and head 2 x 311,164,928 + the
+    # final norm 2048 = 30,532,122,624 ("30.5B")
+    assert QWEN_MOE.params() == 30_532_122_624
+    # a token reads 8 experts: 120 x 4,718,592 x 48 = 27,179,089,920 fewer: 3,353,032,704 ("A3B")
+    assert QWEN_MOE.active_params() == 3_353_032_704
+    a = adapter_from_config(
+        {"r": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"]}, QWEN_MOE, "experts16",
+    )  # fmt: skip
+    p = build_plan(QWEN_MOE, [a], decode_k=(1, 8), decode_batch=64)
+    # attention r16: 16 x (6144 + 2560 + 2560 + 6144) = 278,528 per layer, x 48 = 13,369,344;
+    # experts: 16 x 128 x 3 x 2816 = 17,301,504 per layer, x 48 = 830,472,192: 98% of it
+    row = p["adapters"][0]
+    assert row["parts"] == {"attention": 2 * 13_369_344, "experts": 2 * 830_472_192}
+    assert row["bytes"] == 2 * 843_841_536 and round(row["experts_share"], 3) == 0.984
+    assert row["adapted_experts"] == 128 and row["expert_layout"] == "per_expert"
+    d = p["device"]
+    # KV: 2 x 48 layers x 4 heads x 128 x 2 bytes = 98,304 bytes per token
+    assert d["kv_bytes_per_token"] == 98_304 and d["slot_bytes"] == row["bytes"]
+    # serve's slot: + the router 16 x (2048 + 128) x 48 = 1,671,168 and embed_tokens/lm_head
+    # 2 x 16 x (151936 + 2048) = 4,927,488
+    assert d["engine_router_slot_bytes"] == 2 * 1_671_168
+    assert d["engine_expert_slot_bytes"] == 2 * 830_472_192
+    assert d["engine_slot_bytes"] == 2 * (843_841_536 + 1_671_168 + 4_927_488)
+    dec = p["decode"]
+    # one token: all but 120 experts per layer and the embedding, 3,041,867,776 x 2 bytes; a
+    # batch of 64 tokens may touch min(128, 64 x 8) = 128 experts: all but the embedding
+    assert dec["base_bytes_per_step"] == 2 * 3_041_867_776
+    assert dec["base_bytes_full_batch"] == 2 * 30_220_957_696
+    assert dec["experts_read_per_layer"] == {"one_token": 8, "full_batch": 128}
+    k1, k8 = dec["rows"]
+    # one token of the adapter reads its attention part and 8 experts' LoRA:
+    # 13,369,344 + 16 x 8 x 8448 x 48 = 65,273,856 parameters
+    assert k1["extra_bytes"] == 2 * 65_273_856 and k8["extra_bytes"] == 8 * 2 * 65_273_856
+    # 8 adapters, one token each: the base reads min(128, 64) = 64 experts per layer
+    assert k8["base_bytes"] == 2 * (3_041_867_776 + 56 * 4_718_592 * 48)
+    # a full batch: 8 tokens per adapter, each adapter min(128, 64) experts
+    assert k8["extra_bytes_full_batch"] == 8 * 2 * (13_369_344 + 16 * 64 * 8448 * 48)
+    # PEFT's target_parameters on the packed experts: gate_up_proj's one A serves gate and up
+    # (16 x 128 x (2048 + 1536) + 16 x 128 x (768 + 2048) = 13,107,200 per layer): smaller on
+    # disk and host, the same slot (the engine splits it) and decode bytes
+    packed = adapter_from_config(
+        {"r": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+         "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
+        QWEN_MOE, "packed16",
+    )  # fmt: skip
+    pp = build_plan(QWEN_MOE, [packed], decode_k=(1, 8), decode_batch=64)
+    assert pp["adapters"][0]["parts"]["experts"] == 2 * 48 * 13_107_200
+    assert pp["device"]["slot_bytes"] == d["slot_bytes"] and pp["decode"] == dec
+    # the router alone: r16 x (2048 + 128) per layer
+    router = adapter_from_config({"r": 16, "target_modules": ["gate"]}, QWEN_MOE, "router")
+    assert router.part_params(QWEN_MOE) == {"router": 1_671_168}
+
+
+def test_mixtral_8x7b_preset(capsys: pytest.CaptureFixture) -> None:
+    """46.7B parameters, 12.9B active (2 of 8 experts of 14336)."""
+    m = PRESETS["mixtral-8x7b"]
+    # per layer: attention 41,943,040, router 8 x 4096, experts 8 x 3 x 58,720,256; norms 8192;
+    # x 32, + 2 x 32000 x 4096 + 4096
+    assert m.params() == 46_702_792_704
+    assert m.active_params() == 46_702_792_704 - 32 * 6 * 176_160_768 == 12_879_925_248
+    # w1 / w3 / w2 are Mixtral's per-expert names: 16 x 8 x 3 x (4096 + 14336) x 32
+    a = adapter_from_config({"r": 16, "target_modules": ["w1", "w3", "w2"]}, m, "x")
+    assert a.part_params(m) == {"experts": 226_492_416}
+    assert plan.main(["--model", "mixtral-8x7b", "--rank", "8", "--targets", "q_proj",
+                      "--target-parameters", "mlp.experts.down_proj", "--json"]) == 0  # fmt: skip
+    row = json.loads(capsys.readouterr().out)["adapters"][0]
+    # q: 8 x 8192 x 32 = 2,097,152; packed down_proj: 8 x 8 x (14336 + 4096) x 32 = 37,748,736
+    assert row["parts"] == {"attention": 2 * 2_097_152, "experts": 2 * 37_748_736}
+    assert row["expert_layout"] == "packed"

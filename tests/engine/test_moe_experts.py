@@ -420,3 +420,34 @@ def test_registry_reads_expert_adapters_and_refuses_foreign_ones(
         inspect_adapter(foreign, base, max_rank=16)
     assert err.value.reason in ("shape_mismatch", "unsupported_target"), str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_expert_bytes_count_in_the_slot_budget_and_the_host_tier(family: dict) -> None:
+    """One slot's bytes are every expert's rows (what the bank allocates per slot), so
+    ``--max-lora-device-fraction`` caps the slot count by them; a host copy's bytes are the
+    served tensors' (what the adapter file holds, in the model dtype)."""
+    from dataclasses import replace
+
+    from safetensors import safe_open
+
+    from loraplex.engine.builder import MemoryBudget
+
+    llm = LLM(str(family["model"]), max_loras=3, max_lora_rank=16, dtype="float32")
+    eng = llm.engine
+    bank, cfg = eng.adapters.bank, eng.model_config
+    per_slot = bank.nbytes // bank.max_loras  # what one slot costs the bank, experts included
+    experts = {k: n for k in bank.module_shapes if (n := bank.module_experts.get(k, 0))}
+    expert_bytes = sum(bank.tables(*k)[0].nbytes + bank.tables(*k)[1].nbytes for k in experts)
+    assert expert_bytes > bank.nbytes // 2  # the expert tables are most of a slot
+    available = 10 * per_slot
+    config = replace(eng.config, kv_cache_memory_bytes=available, max_lora_device_fraction=0.25)
+    budget = MemoryBudget(config, cfg, torch.device("cpu"), torch.float32)
+    assert budget.lora_slots(dict(bank.module_shapes), torch.float32, experts) == 2  # 2.5 fit
+    assert budget.lora_slots(dict(bank.module_shapes), torch.float32) == 3  # experts uncounted
+    # a host copy: the bytes of the tensors served
+    name = "packed_r8"
+    path = family["adapters"][name]
+    llm.generate("Hi", SamplingParams(max_tokens=1), lora_request=LoRARequest(name, str(path)))
+    with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+        file_bytes = sum(f.get_tensor(k).nbytes for k in f.keys())
+    assert eng.adapters.resident_bytes()["host"] == (1, file_bytes)

@@ -17,6 +17,20 @@ Three checks, each failure reported in words and with exit status 1:
    ``2 x atol`` of a tie counts as a tie, not a failure);
 3. **effect**: the same reference with the adapter disabled: max |logprob difference| between
    base and adapter. Below ``atol`` the adapter changes nothing: a no-op.
+
+On a mixture-of-experts base (``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``) the static check
+also fits the router (``mlp.gate``: ``A [r, hidden]``, ``B [E, r]``) and the experts in either
+layout: per-expert keys (``mlp.experts.{e}.gate_proj``, Mixtral's
+``block_sparse_moe.experts.{e}.w1``: one expert's shapes, ``e`` below the base's expert count)
+or PEFT's ``target_parameters`` on the packed experts (``mlp.experts[.base_layer].lora_A/B``:
+``A [E r, d_in]``, ``B [d_out, E r]`` of ``gate_up_proj`` or ``down_proj``). The adapter is then
+read with the engine's own loader (an expert projection as ``a [E, r, d_in]``,
+``b [E, d_out, r]``): modules, and experts of an expert module, whose B is all zero do nothing
+and are listed (experts a router never chose in training keep their initial zero B). Where
+transformers + PEFT load less of the adapter than the engine serves (PEFT's conversion of
+per-expert keys onto transformers 5's packed experts drops a dense layer's MLP LoRA, and loads
+nothing for gate/up experts without down), the comparison would blame the engine for the
+reference's gap: verify stops with ``no_reference`` naming the parts it cannot check.
 """
 
 from __future__ import annotations
@@ -26,20 +40,39 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loraplex.bench.plan import PlanError, adapter_from_config, model_from_config
+from loraplex.bench.plan import (
+    PACKED_GATE_UP,
+    PART_NAMES,
+    PARTS,
+    ModelShape,
+    PlanError,
+    adapter_from_config,
+    model_from_config,
+    part_of,
+)
 from loraplex.lora.digest import DigestError, safetensors_header
 from loraplex.lora.peft_format import (
+    ATTN_PROJ_NAMES,
     BIN_NAME,
     CONFIG_NAME,
+    EXPERT_CHECKPOINT_NAMES,
+    EXPERT_KEY_RE,
     OTHER_TOWER_RE,
+    PACKED_EXPERT_PARAMS,
+    PACKED_KEY_RE,
+    ROUTER,
+    ROUTER_KEY_RE,
     SAFETENSORS_NAME,
     VOCAB_LAYER,
     VOCAB_MODULES,
     merge_writes_tied_matrix,
     parse_tensor_key,
 )
+
+if TYPE_CHECKING:
+    from loraplex.lora.adapter import LoRAAdapter
 
 __all__ = ["DEFAULT_PROMPTS", "VerifyReport", "main", "static_check", "verify_adapter"]
 
@@ -70,11 +103,15 @@ class VerifyReport:
     adapter: str
     model: str
     ok: bool = False
-    verdict: str = ""  # ok | silent_no_op | wrong_base | disagreement | load_error
+    verdict: str = ""  # ok | silent_no_op | wrong_base | disagreement | load_error | no_reference
     problems: list[str] = field(default_factory=list)
     rank: int = 0
     targets: list[str] = field(default_factory=list)
     modules: int = 0
+    parts: dict[str, int] = field(default_factory=dict)  # modules by part (attention, experts, ...)
+    experts: int = 0  # experts per expert module (0: none)
+    expert_layout: str | None = None  # per_expert | packed | mixed
+    notes: list[str] = field(default_factory=list)  # e.g. modules / experts whose B is all zero
     prompts: list[PromptResult] = field(default_factory=list)
     max_diff: float | None = None
     effect: float | None = None
@@ -98,8 +135,87 @@ def _tensor_shapes(adapter: Path) -> dict[str, list[int]]:
     raise PlanError(f"{adapter} has no {SAFETENSORS_NAME} or {BIN_NAME}")
 
 
+def _expert_tensor(key: str, sh: list[int], m: ModelShape) -> tuple[tuple[int, str], str] | None:
+    """A per-expert or router LoRA tensor of a MoE base: ((layer, module), problem or "");
+    None when ``key`` is neither."""
+    moe = m.moe
+    assert moe is not None
+    expert = EXPERT_KEY_RE.match(key)
+    hit = expert or ROUTER_KEY_RE.match(key)
+    if hit is None:
+        return None
+    layer, ab, proj = int(hit["layer"]), hit["ab"], ROUTER
+    if hit["block"] not in ("mlp", moe.block):  # transformers 5 names every sparse block mlp
+        return (layer, proj), (
+            f"{key}: names the sparse block {hit['block']!r} (another architecture's); this "
+            f"base's is {moe.block!r}"
+        )
+    if expert is not None:
+        names = EXPERT_CHECKPOINT_NAMES[moe.block]  # the base's own names (Mixtral: w1 w3 w2)
+        if expert["proj"] not in names:
+            return (layer, expert["proj"]), (
+                f"{key}: this base's experts have no {expert['proj']!r} (theirs: "
+                f"{', '.join(names)}; made for another architecture?)"
+            )
+        proj = names[expert["proj"]]
+        if int(expert["expert"]) >= moe.num_experts:
+            return (layer, proj), (
+                f"{key}: expert {expert['expert']} >= the base's {moe.num_experts} experts "
+                "(made for a model with more experts?)"
+            )
+    if layer not in moe.layers:
+        return (layer, proj), (
+            f"{key}: layer {layer} has no sparse block (sparse layers: {list(moe.layers)})"
+        )
+    d_in, d_out = moe.shapes[proj]
+    if ab == "A" and (len(sh) != 2 or sh[1] != d_in):
+        return (layer, proj), f"{key}: shape {sh}, the base's {proj} takes d_in={d_in}"
+    if ab == "B" and (len(sh) != 2 or sh[0] != d_out):
+        return (layer, proj), f"{key}: shape {sh}, the base's {proj} gives d_out={d_out}"
+    return (layer, proj), ""
+
+
+def _packed_pair(
+    layer: int,
+    a: tuple[str, list[int]],
+    b: tuple[str, list[int]],
+    m: ModelShape,
+    ranks: dict[tuple[int, str], int],
+) -> tuple[list[tuple[int, str]], str]:
+    """The expert modules one packed A/B pair (``target_parameters``) adapts, or a problem
+    (``ranks``: the config's, (layer, module) -> rank)."""
+    moe = m.moe
+    assert moe is not None
+    (a_key, sa), (_, sb) = a, b
+    if layer not in moe.layers:
+        return [], f"{a_key}: layer {layer} has no experts (sparse: {list(moe.layers)})"
+    if len(sa) != 2 or len(sb) != 2 or sa[0] != sb[1]:
+        return [], f"{a_key}: A {sa} and B {sb} are no LoRA pair (A [E r, d_in], B [d_out, E r])"
+    n = moe.num_experts
+    if sa[0] % n:
+        return [], (
+            f"{a_key}: {sa[0]} rows are no rank for each of the base's {n} experts (made for "
+            "another expert count?)"
+        )
+    want = {p: (m.dims(q[0])[0], sum(m.dims(x)[1] for x in q))
+            for p, q in PACKED_EXPERT_PARAMS.items()}  # fmt: skip
+    for param, dims in want.items():
+        if (sa[1], sb[0]) != dims:
+            continue
+        parts = PACKED_EXPERT_PARAMS[param]
+        r = ranks.get((layer, PACKED_GATE_UP if len(parts) > 1 else parts[0]))
+        if r is not None and sa[0] != n * r:
+            return [], (
+                f"{a_key}: {sa[0]} rows, the config's rank {r} for each of the base's {n} "
+                f"experts makes {n * r} (made for {sa[0] / r:g} experts?)"
+            )
+        return [(layer, q) for q in parts], ""
+    fits = ", ".join(f"{p} A [E r, {i}] B [{o}, E r]" for p, (i, o) in want.items())
+    return [], f"{a_key}: A {sa} and B {sb} fit neither packed expert parameter ({fits})"
+
+
 def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
-    """Targets vs the model's projections and tensor shapes vs the base; fills ``report``."""
+    """Targets vs the model's modules and tensor shapes vs the base; fills ``report``."""
     try:
         cfg = json.loads((adapter / CONFIG_NAME).read_text())
         mcfg = json.loads((model_dir / "config.json").read_text())
@@ -111,26 +227,51 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
     except PlanError as e:
         if "change nothing" in str(e):
             report.verdict = "silent_no_op"
+            what = f"target_modules {cfg.get('target_modules')!r}"
+            if cfg.get("target_parameters"):
+                what += f" / target_parameters {cfg['target_parameters']!r}"
             report.problems.append(
-                f"silent no-op: target_modules {cfg.get('target_modules')!r} match none of this "
-                f"model's modules ({', '.join((*m.adapter_projs, *VOCAB_MODULES))}); served, it would "
-                "answer exactly like the base model"
+                f"silent no-op: {what} match none of this model's modules "
+                f"({', '.join(m.adapter_names)}); served, it would answer exactly like the base "
+                "model"
             )
             return
         raise
     report.rank, report.targets, report.modules = shape.max_rank, shape.targets, len(shape.modules)
+    counts = [part_of(proj) for _, proj in shape.modules]
+    report.parts = {p: counts.count(p) for p in PARTS if p in counts}
+    report.experts, report.expert_layout = shape.adapted_experts, shape.expert_layout
     wrong: list[str] = []
     seen: set[tuple[int, str]] = set()
+    packed: dict[tuple[int, int], dict[str, tuple[str, list[int]]]] = {}
+    sparse = set(m.sparse)
     for key, sh in sorted(_tensor_shapes(adapter).items()):
         if m.text_only and OTHER_TOWER_RE.match(key):
             continue  # a multimodal base's other towers: never served, never checked
+        if m.is_moe:
+            if (hit := PACKED_KEY_RE.match(key)) is not None:
+                depth = hit["inner"].count(".base_layer")
+                packed.setdefault((int(hit["layer"]), depth), {})[hit["ab"]] = (key, sh)
+                continue
+            found = _expert_tensor(key, sh, m)
+            if found is not None:
+                if found[1]:
+                    wrong.append(found[1])
+                else:
+                    seen.add(found[0])
+                continue
         k = parse_tensor_key(key)
         if k is None:
             if "lora_" in key:
-                wrong.append(f"{key}: not a LoRA of a Llama-family module")
+                wrong.append(f"{key}: not a LoRA of a module this model serves")
             continue
         layer, proj, ab = k.layer, k.proj, k.ab
         known = proj in VOCAB_MODULES if layer == VOCAB_LAYER else proj in m.adapter_projs
+        if layer in sparse and proj not in ATTN_PROJ_NAMES:
+            wrong.append(
+                f"{key}: layer {layer}'s MLP is {m.num_experts} experts and a router (no {proj})"
+            )
+            continue
         if not known or layer >= m.num_layers:
             wrong.append(f"{key}: the model has no such module ({m.num_layers} layers)")
             continue
@@ -140,32 +281,107 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
         elif ab == "B" and (len(sh) != 2 or sh[0] != d_out):
             wrong.append(f"{key}: shape {sh}, the base's {proj} gives d_out={d_out}")
         seen.add((layer, proj))
+    for (layer, _), pair in sorted(packed.items()):
+        if set(pair) != {"A", "B"}:
+            key = next(iter(pair.values()))[0]
+            wrong.append(f"{key}: a packed expert LoRA without its lora_{'AB'[('A' in pair)]}")
+            continue
+        modules, problem = _packed_pair(layer, pair["A"], pair["B"], m, shape.modules)
+        if problem:
+            wrong.append(problem)
+        seen.update(modules)
     if wrong:
         report.verdict = "wrong_base"
+        base = f"hidden {m.hidden_size}, {m.num_layers} layers, intermediate {m.intermediate_size}"
+        if m.is_moe:
+            base += (
+                f", {m.num_experts} experts of intermediate {m.moe_intermediate_size} in layers "
+                f"{list(m.sparse)}"
+            )
         report.problems.append(
-            f"wrong base: {len(wrong)} LoRA tensors do not fit {model_dir} (hidden "
-            f"{m.hidden_size}, {m.num_layers} layers, intermediate {m.intermediate_size}); "
-            "first: " + "; ".join(wrong[:3])
+            f"wrong base: {len(wrong)} LoRA tensors do not fit {model_dir} ({base}); first: "
+            + "; ".join(wrong[:3])
         )
     elif not seen:
         report.verdict = "silent_no_op"
         report.problems.append(
-            "silent no-op: the weights file holds no LoRA tensors for this model's projections"
+            "silent no-op: the weights file holds no LoRA tensors for this model's modules"
         )
 
 
-def _zero_b(adapter: Path) -> bool:
+def _load_served(adapter: Path, model_dir: Path, rank: int) -> LoRAAdapter:
+    """The adapter as the engine's loader reads it (``AdapterError`` when it refuses it)."""
     import torch
 
-    st = adapter / SAFETENSORS_NAME
-    if st.is_file():
-        from safetensors.torch import load_file
+    from loraplex.lora.adapter import load_peft_adapter
+    from loraplex.lora.peft_format import BaseModelSpec
 
-        sd = load_file(str(st))
-    else:
-        sd = torch.load(adapter / BIN_NAME, map_location="cpu", weights_only=True)
-    bs = [v for k, v in sd.items() if "lora_B" in k]
-    return bool(bs) and all(not bool(torch.any(v != 0)) for v in bs)
+    spec = BaseModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    return load_peft_adapter(adapter, spec, max_lora_rank=max(rank, 1), dtype=torch.float32)
+
+
+def _zero_b(adapter: LoRAAdapter, report: VerifyReport) -> bool:
+    """True when every B of the served adapter is zero; notes the modules, and the experts of
+    an expert module (``b [E, d_out, r]``), whose B is all zero (no effect)."""
+    zero_modules: list[str] = []
+    zero_experts: list[str] = []
+    live = False
+    for (layer, proj), w in adapter.weights.items():
+        where = proj if layer == VOCAB_LAYER else f"layer {layer} {proj}"
+        if w.b.dim() == 3:  # an expert projection: every expert's B
+            dead = int((w.b.flatten(1) == 0).all(dim=1).sum())
+            live |= dead < w.b.shape[0]
+            if dead == w.b.shape[0]:
+                zero_modules.append(where)
+            elif dead:
+                zero_experts.append(f"{where}: {dead} of {w.b.shape[0]}")
+        elif bool((w.b == 0).all()):
+            zero_modules.append(where)
+        else:
+            live = True
+    if live and zero_modules:
+        report.notes.append(
+            f"{len(zero_modules)} of {len(adapter.weights)} modules have an all-zero B (no "
+            f"effect): {', '.join(zero_modules[:6])}{', ...' if len(zero_modules) > 6 else ''}"
+        )
+    if live and zero_experts:
+        report.notes.append(
+            "experts with an all-zero B (not adapted, or never routed to in training): "
+            + "; ".join(zero_experts[:6])
+            + ("; ..." if len(zero_experts) > 6 else "")
+        )
+    return not live
+
+
+def _lora_part(name: str) -> tuple[int, str] | None:
+    """(layer, part) of a LoRA parameter or tensor name (a PEFT model's or a file's)."""
+    for regex, part in ((EXPERT_KEY_RE, "experts"), (PACKED_KEY_RE, "experts"),
+                        (ROUTER_KEY_RE, "router")):  # fmt: skip
+        if (hit := regex.match(name)) is not None:
+            return int(hit["layer"]), part
+    k = parse_tensor_key(name)
+    return None if k is None else (k.layer, part_of(k.proj))
+
+
+def _reference_gaps(adapter: LoRAAdapter, peft: Any) -> list[str]:
+    """The (layer, part)s the engine serves with a non-zero B that the transformers + PEFT
+    reference holds no non-zero LoRA B for: what the comparison could not check."""
+    served = {
+        (layer, part_of(proj))
+        for (layer, proj), w in adapter.weights.items()
+        if bool((w.b != 0).any())
+    }
+    ref = set()
+    for name, t in peft.named_parameters():
+        if ".lora_B" in name or ".lora_embedding_B" in name:
+            where = _lora_part(name)
+            if where is not None and bool((t != 0).any()):
+                ref.add(where)
+    gaps = sorted(served - ref)
+    return [
+        PART_NAMES[part] if layer == VOCAB_LAYER else f"layer {layer} {PART_NAMES[part]}"
+        for layer, part in gaps
+    ]
 
 
 # -- dynamic ---------------------------------------------------------------------------------------
@@ -189,7 +405,13 @@ def verify_adapter(
     static_check(a_dir, m_dir, report)
     if report.problems:
         return report
-    if _zero_b(a_dir):
+    try:
+        served = _load_served(a_dir, m_dir, report.rank)  # the engine's loader, as it serves it
+    except LoraplexError as e:
+        report.verdict = "load_error"
+        report.problems.append(f"the engine refused the adapter: {e}")
+        return report
+    if _zero_b(served, report):
         report.verdict = "silent_no_op"
         report.problems.append("silent no-op: every lora_B matrix is zero (an untrained adapter)")
         return report
@@ -220,6 +442,16 @@ def verify_adapter(
     except (ValueError, RuntimeError, KeyError) as e:
         report.verdict = "load_error"
         report.problems.append(f"transformers + PEFT cannot load the adapter on this base: {e}")
+        return report
+    gaps = _reference_gaps(served, peft)
+    if gaps:
+        report.verdict = "no_reference"
+        report.problems.append(
+            f"no reference: transformers + PEFT load no LoRA for {', '.join(gaps)} of this "
+            "adapter, which the engine serves, so the engine cannot be checked against it "
+            "(known gaps of PEFT's conversion of per-expert keys onto transformers 5's packed "
+            "experts: a dense layer's MLP LoRA, gate/up experts without down_proj)"
+        )
         return report
     seqs = [ids + o.outputs[0].token_ids for ids, o in zip(prompt_ids, outs, strict=True)]
 
@@ -282,9 +514,18 @@ def render(report: VerifyReport) -> str:
     lines = [f"adapter {report.adapter} on {report.model}"]
     if report.modules:
         fit = "" if report.verdict == "wrong_base" else ": shapes fit the base"
+        parts = ""
+        if set(report.parts) & {"router", "experts"}:
+            layout = {"packed": "packed, target_parameters", "mixed": "packed and per-expert"}
+            layout_of = layout.get(str(report.expert_layout), "per-expert keys")
+            each = {"experts": f" ({report.experts} experts each, {layout_of})"}
+            parts = "; " + ", ".join(
+                f"{PART_NAMES[p]} {n}{each.get(p, '')}" for p, n in report.parts.items()
+            )
         lines.append(
-            f"rank {report.rank}, {report.modules} modules ({','.join(report.targets)}){fit}"
+            f"rank {report.rank}, {report.modules} modules ({','.join(report.targets)}{parts}){fit}"
         )
+    lines += [f"note: {n}" for n in report.notes]
     if report.prompts:
         lines += ["", f"{'prompt':<40}{'tokens':>7}{'agree':>7}{'ties':>5}{'first diff':>11}"
                   f"{'max|dlogp|':>12}{'vs base':>9}"]  # fmt: skip
