@@ -44,13 +44,16 @@ def read_bandwidth_gbs(mib: int = 256) -> float:
 
 def weight_bytes_per_step(engine: LLMEngine) -> int:
     """Base weights a decode step reads: every layer's projections and norms (however many
-    its architecture has), the final norm and the LM head."""
+    its architecture has), the final norm and the LM head. A MoE layer's experts all count (an
+    upper bound: a step reads only those its tokens chose; ``loraplex.bench.moe`` counts
+    those)."""
     m = engine.model
     return m.norm.nbytes + m.head.nbytes + sum(L.nbytes for L in m.layers)
 
 
 def adapter_bytes_per_step(engine: LLMEngine, slots: set[int]) -> int:
-    """Bytes of the rank rows the step's adapters own in the modules they target (non-zero)."""
+    """Bytes of the rank rows the step's adapters own in the modules they target (non-zero;
+    every expert of a MoE layer's expert modules: an upper bound, as for the weights)."""
     if engine.adapters is None or not slots:
         return 0
     bank = engine.adapters.bank
@@ -59,8 +62,10 @@ def adapter_bytes_per_step(engine: LLMEngine, slots: set[int]) -> int:
         rs, re = bank.slot_rows(slot)
         for key in bank.module_shapes:
             a, bt = bank.tables(*key)
-            if bool(a[rs:re].any()):
-                total += (re - rs) * (a.shape[1] + bt.shape[1]) * a.element_size()
+            cap = bank.capacity
+            for e in range(bank.module_experts.get(key, 1)):  # an expert module: each expert's
+                if bool(a[e * cap + rs : e * cap + re].any()):
+                    total += (re - rs) * (a.shape[1] + bt.shape[1]) * a.element_size()
     return total
 
 
