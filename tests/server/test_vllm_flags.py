@@ -98,6 +98,7 @@ def test_no_enable_log_requests_is_disable_log_requests(model_dir: Path) -> None
         (["--enable-sleep-mode"], "not supported: --enable-sleep-mode"),
         (["--limit-mm-per-prompt", "{}"], "text-only"),
         (["--numa-bind"], "not supported: --numa-bind"),
+        (["--enable-expert-parallel"], "expert parallelism is not supported"),
     ],
 )
 def test_refused_vllm_flags_name_themselves(
