@@ -102,6 +102,8 @@ class TritonGroupedExperts:
         self.block_t = block_t or (16 if small else 32)  # rows per tile (tl.dot needs >= 16)
         self.block_m = block_m or (16 if small else 64)  # output features per tile
         self.block_k = block_k or (16 if small else 64)  # reduction step
+        # the last call's tile table on its device: a layer's two GEMMs share one routing
+        self._tiles: tuple[tuple[int, ...], torch.device, torch.Tensor] | None = None
 
     def __call__(
         self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int]
@@ -114,12 +116,19 @@ class TritonGroupedExperts:
         n, k = x.shape
         m = w.shape[1]
         out = x.new_empty(n, m)  # [N, M]
-        tiles = tile_table(counts, self.block_t)
-        if n == 0 or len(tiles) == 0:
+        if n == 0:
             return out
-        tiles_d = torch.from_numpy(tiles).to(x.device)  # [num_tiles, 2] int32
+        key = tuple(counts)
+        cached = self._tiles
+        if cached is not None and cached[0] == key and cached[1] == x.device:
+            tiles_d = cached[2]
+        else:
+            tiles_d = torch.from_numpy(tile_table(counts, self.block_t)).to(x.device)
+            self._tiles = (key, x.device, tiles_d)  # [num_tiles, 2] int32
+        if len(tiles_d) == 0:
+            return out
         prec = "ieee" if torch.float32 in (x.dtype, w.dtype) else "tf32"
-        grid = (len(tiles), triton.cdiv(m, self.block_m))
+        grid = (len(tiles_d), triton.cdiv(m, self.block_m))
         _grouped_kernel[grid](
             x, w, out, tiles_d, offsets, m, k,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
