@@ -42,6 +42,12 @@ from loraplex.testing import (
     reference_greedy,
 )
 from loraplex.types import AdapterError
+from tests.engine.test_mixed_batch_architectures import (  # the dense families' references
+    PROMPT_TOL,
+    PROMPTS,
+    SAMPLE_TOL,
+    _prompt_reference,
+)
 
 QWEN_EXPERTS = ["gate_proj", "up_proj", "down_proj"]
 MIXTRAL_EXPERTS = ["w1", "w3", "w2"]
@@ -125,16 +131,7 @@ def adapters_for(experts: list[str] | None) -> dict[str, tuple[str, dict]]:
     return out
 
 
-PROMPTS = [
-    "What is the capital of France?",
-    "def add(a, b):",
-    "SELECT name FROM users WHERE id = 42",
-    "Once upon a time there was",
-    "Hello world! How are you",
-]
 N_NEW = 6
-SAMPLE_TOL = 2e-4  # float32 logprobs, as the dense families
-PROMPT_TOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -162,12 +159,6 @@ def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
     assert llm.engine.model.lora is not None
     assert llm.engine.model.lora.ops.name.startswith(request.param)
     yield llm
-
-
-@torch.no_grad()
-def _prompt_reference(model: object, ids: list[int]) -> torch.Tensor:
-    logits = model(torch.tensor([ids])).logits[0].float()  # type: ignore[operator]
-    return torch.log_softmax(logits, dim=-1)[:-1]
 
 
 def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:

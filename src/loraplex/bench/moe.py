@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loraplex.bench.profile_step import finish, start_decode
 from loraplex.bench.step_bytes import kv_bytes_per_step, read_bandwidth_gbs, weight_bytes_per_step
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.lora.plan import LoRABatchPlan
@@ -264,31 +265,6 @@ def moe_step_bytes(engine: LLMEngine, calls: list[tuple]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------ decode
-
-
-def start_decode(engine: LLMEngine, loras: list[Any], prompt_len: int, max_tokens: int) -> None:
-    """Queue one request per entry of ``loras`` and step until every one is decoding."""
-    vocab = engine.model_config.vocab_size
-    g = torch.Generator().manual_seed(len(loras))
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, lora in enumerate(loras):
-        prompt = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
-        engine.add_request(f"r{i}", prompt, sp, lora)
-    n = len(loras)
-    for _ in range(100 * (n + prompt_len)):
-        running = engine.running_sequences()
-        if len(running) == n and all(s.output_token_ids for s in running):
-            return
-        engine.step()
-    raise RuntimeError(f"{n} requests did not all reach decode")
-
-
-def finish(engine: LLMEngine) -> None:
-    """Abort what still runs and step until the engine is idle."""
-    for s in list(engine.running_sequences()):
-        engine.abort_request(s.request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def decode_run(

@@ -144,20 +144,25 @@ def instrumented(engine: LLMEngine, timer: ScopeTimer) -> Iterator[Callable[[], 
 
 
 def start_decode(engine: LLMEngine, adapters: list[Any], prompt_len: int, max_tokens: int) -> None:
-    """Queue 16 requests (``adapters[i]`` per request) and step until all are decoding."""
+    """Queue one request per entry of ``adapters`` (its adapter or None) and step until every
+    one is decoding."""
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(N_SEQS):
+    for i, lora in enumerate(adapters):
         prompt = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
-        engine.add_request(f"r{i}", prompt, sp, adapters[i])
-    while any(not s.output_token_ids for s in engine.running_sequences()) or (
-        len(engine.running_sequences()) < N_SEQS
-    ):
+        engine.add_request(f"r{i}", prompt, sp, lora)
+    n = len(adapters)
+    for _ in range(100 * (n + prompt_len)):
+        running = engine.running_sequences()
+        if len(running) == n and all(s.output_token_ids for s in running):
+            return
         engine.step()
+    raise RuntimeError(f"{n} requests did not all reach decode")
 
 
 def finish(engine: LLMEngine) -> None:
+    """Abort what still runs and step until the engine is idle."""
     for s in list(engine.running_sequences()):
         engine.abort_request(s.request_id)
     while engine.has_unfinished_requests():

@@ -909,15 +909,7 @@ def check_layout(
                 f"tensor {a_name!r}: module {mkey} is not targeted by the config "
                 "(target_modules / layers_to_transform / exclude_modules)",
             )
-        for tname, t in ((a_name, a), (b_name, b)):
-            if not t.floating:
-                raise FormatError(
-                    "unsupported_dtype", f"tensor {tname!r}: dtype {t.dtype} is not floating point"
-                )
-            if len(t.shape) != 2:
-                raise FormatError(
-                    "shape_mismatch", f"tensor {tname!r}: expected 2-D, got shape {list(t.shape)}"
-                )
+        _check_factor_meta(a_name, a, b_name, b)
         d_in, d_out = shapes[proj]
         rank = a.shape[0]
         if b.shape[1] != rank:
@@ -980,6 +972,19 @@ def check_layout(
         out.update(experts.layouts(prefix, router_seen={k for k in pairs if k[1] == ROUTER}))
         out = dict(sorted(out.items(), key=lambda kv: _module_order(kv[0])))
     return out
+
+
+def _check_factor_meta(a_name: str, a: TensorMeta, b_name: str, b: TensorMeta) -> None:
+    """Both factors of a LoRA pair are 2-D floating-point tensors."""
+    for tname, t in ((a_name, a), (b_name, b)):
+        if not t.floating:
+            raise FormatError(
+                "unsupported_dtype", f"tensor {tname!r}: dtype {t.dtype} is not floating point"
+            )
+        if len(t.shape) != 2:
+            raise FormatError(
+                "shape_mismatch", f"tensor {tname!r}: expected 2-D, got shape {list(t.shape)}"
+            )
 
 
 class _ExpertTensors:
@@ -1065,15 +1070,7 @@ class _ExpertTensors:
     def _factors(self, mkey: str, a_name: str, b_name: str, experts: int) -> ExpertFactors:
         """Check one A/B pair of ``experts`` experts' rows (1: a per-expert pair)."""
         a, b = self.tensors[a_name], self.tensors[b_name]
-        for tname, t in ((a_name, a), (b_name, b)):
-            if not t.floating:
-                raise FormatError(
-                    "unsupported_dtype", f"tensor {tname!r}: dtype {t.dtype} is not floating point"
-                )
-            if len(t.shape) != 2:
-                raise FormatError(
-                    "shape_mismatch", f"tensor {tname!r}: expected 2-D, got shape {list(t.shape)}"
-                )
+        _check_factor_meta(a_name, a, b_name, b)
         rows = a.shape[0]
         if b.shape[1] != rows:
             raise FormatError(

@@ -27,12 +27,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from loraplex.lora.peft_format import EXPERT_CHECKPOINT_NAMES, EXPERT_PROJ_NAMES, ROUTER, MoESpec
+from loraplex.lora.peft_format import (
+    ATTN_PROJ_NAMES,
+    EXPERT_CHECKPOINT_NAMES,
+    EXPERT_PROJ_NAMES,
+    ROUTER,
+    MoESpec,
+)
 from loraplex.lora.plan import plan_expert_rows
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.layers import ACTIVATIONS, DecoderLayer, LayerStep
@@ -54,7 +60,6 @@ class MoEConfig(ModelConfig):
     routing_in_model_dtype: bool = True
     """Whether the top-k weights are cast back to the model dtype before they scale the experts'
     outputs (Qwen-MoE's router does; Mixtral's keeps them float32)."""
-    expert_shapes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
 
     def moe_spec(self) -> MoESpec | None:
         return MoESpec(
@@ -68,7 +73,7 @@ class MoEConfig(ModelConfig):
     def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
         if layer not in self.sparse_layers:
             return self.module_shapes
-        attn = {p: d for p, d in self.module_shapes.items() if p in ATTN_PROJS}
+        attn = {p: d for p, d in self.module_shapes.items() if p in ATTN_PROJ_NAMES}
         spec = self.moe_spec()
         assert spec is not None
         return {**attn, **spec.shapes}
@@ -78,7 +83,7 @@ class MoEConfig(ModelConfig):
 
     def num_parameters(self) -> int:
         dense = super().num_parameters()
-        mlp = sum(a * b for p, (a, b) in self.module_shapes.items() if p not in ATTN_PROJS)
+        mlp = sum(a * b for p, (a, b) in self.module_shapes.items() if p not in ATTN_PROJ_NAMES)
         spec = self.moe_spec()
         assert spec is not None
         sparse = sum(a * b * max(1, self.module_experts(p)) for p, (a, b) in spec.shapes.items())
@@ -92,9 +97,6 @@ class MoEConfig(ModelConfig):
         per_expert = sum(a * b for p, (a, b) in spec.shapes.items() if p in EXPERT_PROJ_NAMES)
         idle = (self.num_experts - self.num_experts_per_tok) * per_expert
         return self.num_parameters() - len(self.sparse_layers) * idle
-
-
-ATTN_PROJS = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
 def moe_config_fields(
