@@ -98,6 +98,10 @@ def parse_byte_size(text: str) -> int:
     return int(Decimal(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
 
 
+QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8", "int4")
+"""``--quantization``: checkpoint formats (model/quant/formats.py), then the on-the-fly ones."""
+
+
 def _dtype_spellings() -> list[str]:
     """Every ``--dtype`` spelling, each alias after the name it stands for."""
     return [s for d in DTYPES for s in (d, *(a for a, t in DTYPE_ALIASES.items() if t == d))]
@@ -408,6 +412,25 @@ class EngineConfig:
             choices=DTYPES,
             metavar="{" + ",".join(_dtype_spellings()) + "}",
             help="weight/activation dtype (default: {default})",
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=setting(
+            "--quantization",
+            "-q",
+            choices=QUANTIZATION_METHODS,
+            help="the base's weight quantization: a checkpoint format to require (gptq, awq, "
+            "compressed-tensors, fp8; default: read from config.json's quantization_config) or "
+            "int8 (per channel) / int4 (grouped) to quantize a float checkpoint at load",
+        ),
+    )
+    quantization_group_size: int | None = field(
+        default=None,
+        metadata=setting(
+            "--quantization-group-size",
+            ge=32,
+            help="columns per int4 scale for --quantization int4 (a multiple of 32; default 128)",
         ),
     )
     device: str = field(

@@ -275,7 +275,8 @@ def test_bad_allowed_root(model_dir: Path, tmp_path: Path) -> None:
     "argv",
     [
         ["--tensor-parallel-size", "2"],  # a vLLM flag loraplex supports with value 1 only
-        ["--quantization", "awq"],  # a vLLM flag loraplex does not support
+        ["--kv-cache-dtype", "fp8"],  # a vLLM flag loraplex does not support
+        ["--quantization", "bitsandbytes"],  # a method loraplex does not serve
         ["--gpu-memory-utilization", "most"],
         ["--max-lora", "4"],  # no abbreviations: vLLM command lines parse exactly
         ["--port", "eighty"],

@@ -91,7 +91,11 @@ def test_no_enable_log_requests_is_disable_log_requests(model_dir: Path) -> None
     [
         (["--tensor-parallel-size", "2"], "not supported: --tensor-parallel-size 2 (only '1'"),
         (["-tp", "4"], "not supported: -tp 4"),
-        (["--quantization", "awq"], "not supported: --quantization awq (loraplex serves"),
+        (["--qlora-adapter-name-or-path", "x"], "serve the QLoRA adapter with --lora-modules"),
+        (
+            ["--quantization-param-path", "x"],
+            "not supported: --quantization-param-path x (loraplex reads",
+        ),
         (["--speculative-config", "{}"], "not supported: --speculative-config {}"),
         (["--no-enable-chunked-prefill"], "not supported: --no-enable-chunked-prefill"),
         (["--kv-cache-dtype", "fp8"], "not supported: --kv-cache-dtype fp8"),
@@ -199,11 +203,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_python_m_loraplex_serve_reports_errors(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "loraplex", "serve", str(tmp_path), "--quantization", "awq"],
+        [sys.executable, "-m", "loraplex", "serve", str(tmp_path), "--kv-cache-dtype", "fp8"],
         capture_output=True,
         text=True,
     )
-    assert out.returncode == 2 and "not supported: --quantization awq" in out.stderr
+    assert out.returncode == 2 and "not supported: --kv-cache-dtype fp8" in out.stderr
 
 
 def test_chat_template_flag_renders_chat_requests(tiny_model: Path, tmp_path: Path) -> None:
@@ -239,9 +243,12 @@ def test_vllm_keys_in_a_config_file(model_dir: Path, tmp_path: Path) -> None:
     f.write_text("tensor-parallel-size: 2\n")
     with pytest.raises(ServeConfigError, match=r"key 'tensor-parallel-size' .*not supported: "):
         parse([model_dir, "--config", f])
-    f.write_text("quantization: awq\n")
-    with pytest.raises(ServeConfigError, match=r"not supported: quantization: awq"):
+    f.write_text("kv-cache-dtype: fp8\n")
+    with pytest.raises(ServeConfigError, match=r"not supported: kv-cache-dtype: fp8"):
         parse([model_dir, "--config", f])
+    f.write_text("quantization: int4\nquantization-group-size: 64\n")  # loraplex's own keys
+    cfg = parse([model_dir, "--config", f])
+    assert (cfg.engine.quantization, cfg.engine.quantization_group_size) == ("int4", 64)
     f.write_text("tensor-paralel-size: 1\n")  # a typo stays an unknown key
     with pytest.raises(ServeConfigError, match=r"unknown key"):
         parse([model_dir, "--config", f])

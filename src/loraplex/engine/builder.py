@@ -30,6 +30,7 @@ from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import cpu_has_fast_bf16, select_linear_factory
 from loraplex.model.lora_binding import LoRABinding
+from loraplex.model.quant.formats import parse_quantization
 from loraplex.model.registry import load_model
 from loraplex.types import ModelLoadError
 
@@ -37,6 +38,24 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 _CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+def release_freed_memory() -> None:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim``): after a load that
+    read float tensors and kept only their quantized forms, glibc keeps the freed small
+    allocations mapped, and the resident set would count bytes the model no longer holds.
+    A no-op where the C library has no ``malloc_trim``."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -196,7 +215,11 @@ def wire_lora(config: EngineConfig, model: DecoderForCausalLM, budget: MemoryBud
     cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
     adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=table_dtype)
     merger = None
-    if config.lora_merge_after_steps:
+    if config.lora_merge_after_steps and model.quant is not None:
+        # merging would write a float copy of each targeted projection: more bytes than the
+        # quantized base holds, and not the weights the adapter runs against elsewhere
+        log.info("lora merge fast path off: the base is quantized (%s)", model.quant.label)
+    elif config.lora_merge_after_steps:
         _, make = select_linear_factory(device, budget.dtype)
         merger = AdapterMerger(model, make, config.lora_merge_after_steps)
     return LoRAParts(adapters, LocalAdapterCatalog(adapters.store), merger)
@@ -232,7 +255,13 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if not config.skip_tokenizer_init:
         tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
         tokenizer = load_tokenizer(tok_dir, config.trust_remote_code)
-    model = load_model(model_dir, mc, dtype, device)  # the class of mc.architecture
+    quant = parse_quantization(
+        mc.raw.get("quantization_config"), config.quantization, config.quantization_group_size
+    )
+    model = load_model(model_dir, mc, dtype, device, quant)  # the class of mc.architecture
+    if quant is not None:
+        release_freed_memory()  # the float copies quantized at load, back to the OS
+        log.info("quantized base (%s): %s", quant.label, model.linear_impl)
     if model.linear_impl == "upcast-f32":
         log.warning(
             "this CPU has no native bfloat16 (no AVX512_BF16 or AMX): bfloat16 GEMMs run "

@@ -155,18 +155,18 @@ def _compile(cc: str, src: Path, dst: Path, flag_sets: Sequence[Sequence[str]]) 
         if done.returncode == 0:
             return
         errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-400:]}")
-    raise KernelBuildError("cannot compile the LoRA CPU kernel:\n" + "\n".join(errors))
+    raise KernelBuildError(f"cannot compile {src.name}:\n" + "\n".join(errors))
 
 
 KEEP_BUILDS = 8
 """Builds kept in the cache directory (other sources, compilers or CPUs sharing it)."""
 
 
-def _prune(root: Path, keep: Path) -> None:
-    """Drop all but the ``KEEP_BUILDS`` newest builds (a process still using one keeps its
-    mapping; a later start rebuilds it)."""
+def _prune(root: Path, keep: Path, stem: str) -> None:
+    """Drop all but the ``KEEP_BUILDS`` newest builds of ``stem`` (a process still using one
+    keeps its mapping; a later start rebuilds it)."""
     try:
-        builds = sorted(root.glob("lora_cpu-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
+        builds = sorted(root.glob(f"{stem}-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
     except OSError:
         return
     for old in builds[KEEP_BUILDS:]:
@@ -175,9 +175,16 @@ def _prune(root: Path, keep: Path) -> None:
                 old.unlink()
 
 
-def build_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> Path:
-    """Path of the shared library for this source, compiler, instruction set (a
-    ``KERNEL_ISAS`` key; default ``default_kernel_isa()``) and CPU; built if missing."""
+def build_kernel(
+    cache_dir: Path | None = None,
+    *,
+    isa: str | None = None,
+    source: Path = KERNEL_SOURCE,
+    stem: str = "lora_cpu",
+) -> Path:
+    """Path of the shared library for this source (default: the LoRA kernel; ``stem`` names
+    its builds), compiler, instruction set (a ``KERNEL_ISAS`` key; default
+    ``default_kernel_isa()``) and CPU; built if missing."""
     isa = default_kernel_isa() if isa is None else isa
     flag_sets = KERNEL_ISAS.get(isa)
     if flag_sets is None:
@@ -185,7 +192,7 @@ def build_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> Pa
     cc = find_compiler()
     if cc is None:
         raise KernelBuildError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
-    source = KERNEL_SOURCE.read_bytes()
+    code = source.read_bytes()
     try:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30
@@ -195,7 +202,7 @@ def build_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> Pa
     key = hashlib.sha256(
         b"\0".join(
             [
-                source,
+                code,
                 cc.encode(),
                 version.encode(),
                 isa.encode(),
@@ -205,7 +212,7 @@ def build_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> Pa
         )
     ).hexdigest()[:20]
     root = (cache_dir if cache_dir is not None else default_cache_dir()) / "kernels"
-    target = root / f"lora_cpu-{key}.so"
+    target = root / f"{stem}-{key}.so"
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:
@@ -216,18 +223,18 @@ def build_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> Pa
         fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
         os.close(fd)
         try:
-            _compile(cc, KERNEL_SOURCE, Path(tmp), flag_sets)
+            _compile(cc, source, Path(tmp), flag_sets)
             os.chmod(tmp, 0o700)
             os.replace(tmp, target)  # atomic: a concurrent build of the same key is identical
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        _prune(root, keep=target)
+        _prune(root, target, stem)
         return target
     # A shared or foreign cache directory: build where only this process writes.
     private = Path(tempfile.mkdtemp(prefix="loraplex-kernel-"))
-    _compile(cc, KERNEL_SOURCE, private / "lora_cpu.so", flag_sets)
-    return private / "lora_cpu.so"
+    _compile(cc, source, private / f"{stem}.so", flag_sets)
+    return private / f"{stem}.so"
 
 
 class PreparedModules:

@@ -38,6 +38,9 @@ from loraplex.model.layers import (
 from loraplex.model.linear import Linear, select_linear_factory
 from loraplex.model.loader import iter_checkpoint
 from loraplex.model.lora_binding import LoRABinding
+from loraplex.model.quant.formats import QuantSpec, is_quantized_tensor, unpack_projection
+from loraplex.model.quant.kernels import QuantKernels
+from loraplex.model.quant.weights import FP8Weight, QuantizedEmbedding, QuantWeight
 from loraplex.model.spec import ModelConfig
 from loraplex.types import ModelLoadError
 
@@ -81,6 +84,7 @@ TOP_WEIGHTS = {
 """Canonical names of the tensors outside the layers (see ``checkpoint_name``)."""
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)\.([A-Za-z_]+)")
 
 
 class DecoderForCausalLM:
@@ -95,6 +99,8 @@ class DecoderForCausalLM:
     """Every norm of the model (layers, q/k, final); Gemma's ``(1 + w)`` float32 norm goes here."""
     qk_norm: ClassVar[bool] = False
     """Per-head RMSNorm of q and k before RoPE (``q_norm`` and ``k_norm`` slots)."""
+    supports_quantization: ClassVar[bool] = True
+    """Whether quantized projections load (a MoE's experts have no quantized path yet)."""
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -140,6 +146,9 @@ class DecoderForCausalLM:
         self.head: Linear
         self.linear_impl = "unset"
         self.lora: LoRABinding | None = None
+        self.quant: QuantSpec | None = None
+        """The base's quantization (a checkpoint format, or int8/int4 at load); None: float."""
+        self.quant_kernels: QuantKernels | None = None
 
     # -- what an architecture may change -----------------------------------------------------
     def layer_rotaries(self) -> list[RotaryEmbedding]:
@@ -217,11 +226,23 @@ class DecoderForCausalLM:
     # -- loading -----------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+        cls,
+        model_dir: str | Path,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant: QuantSpec | None = None,
     ) -> DecoderForCausalLM:
         """Load weights tensor by tensor into their final buffers (fusing q/k/v and gate/up);
-        missing, unexpected or misshapen tensors raise ModelLoadError naming the tensor."""
+        missing, unexpected or misshapen tensors raise ModelLoadError naming the tensor.
+        ``quant``: the checkpoint's quantization format, or int8/int4 to quantize at load."""
+        if quant is not None and not cls.supports_quantization:
+            raise ModelLoadError(
+                f"{cfg.architecture}: quantized bases are not supported for this architecture "
+                f"({quant.label}); serve its float checkpoint"
+            )
         model = cls(cfg, dtype, device)
+        model.quant = quant
         top, layers = model._read_checkpoint(Path(model_dir))
         model._build(top, layers)
         return model
@@ -234,11 +255,20 @@ class DecoderForCausalLM:
         top: dict[str, torch.Tensor] = {}
         layers: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_layers)]
         pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}  # parts of fused slots
+        quantized: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (layer, module) -> tensors
+        packed = self.quant if self.quant is not None and not self.quant.on_the_fly else None
         for name, st in iter_checkpoint(model_dir):
             key = self.checkpoint_name(name)
             if key is None or (key == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue  # a tied head is the embedding
             shape = tuple(st.entries[name].shape)
+            if packed is not None and self._take_quantized(key, st.entries[name].dtype, packed):
+                q = _LAYER_TENSOR.fullmatch(key)
+                assert q is not None
+                quantized.setdefault((int(q.group(1)), q.group(2)), {})[q.group(3)] = st.read(
+                    name
+                )  # raw dtype: unpacked once all of the module's tensors are in
+                continue
             if self.take_tensor(key, functools.partial(st.read, name, dtype, device), shape):
                 continue
             if key in TOP_WEIGHTS:
@@ -262,16 +292,80 @@ class DecoderForCausalLM:
             self._check_shape(st.entries[name].shape, want, name, model_dir)
             t = st.read(name, dtype, device)
             if nparts[slot] == 1:
-                layers[idx][f"{slot}.{kind}"] = t
+                layers[idx][f"{slot}.{kind}"] = self._quantize_at_load(t, slot, kind, name)
                 continue
             got = pending.setdefault((idx, f"{slot}.{kind}"), {})
             got[part] = t
             if len(got) == nparts[slot]:
-                layers[idx][f"{slot}.{kind}"] = torch.cat([got[p] for p in range(nparts[slot])])
+                fused = torch.cat([got[p] for p in range(nparts[slot])])
+                layers[idx][f"{slot}.{kind}"] = self._quantize_at_load(fused, slot, kind, name)
                 del pending[(idx, f"{slot}.{kind}")]
+        if packed is not None:
+            self._assemble_quantized(packed, quantized, layers, model_dir)
         self._check_complete(top, layers, pending, model_dir)
         self.check_own_tensors(model_dir)
         return top, layers
+
+    def _quantize_at_load(self, t: torch.Tensor, slot: str, kind: str, name: str) -> Any:
+        """A projection weight quantized as soon as it is read (``--quantization int8/int4``),
+        so a float copy of only one slot is ever resident; anything else as it is."""
+        spec = self.quant
+        if spec is None or not spec.on_the_fly or kind != "weight" or slot not in LINEAR_SLOTS:
+            return t
+        try:
+            return QuantWeight.quantize(t, spec.bits or 8, spec.group_size)
+        except ValueError as e:
+            raise ModelLoadError(f"--quantization {spec.label}: {name}: {e}") from e
+
+    def _take_quantized(self, key: str, dtype: str, spec: QuantSpec) -> bool:
+        """Whether ``key`` is a tensor of a quantized projection (it is then unpacked with its
+        module's others by ``_assemble_quantized``)."""
+        m = _LAYER_TENSOR.fullmatch(key)
+        if m is None or int(m.group(1)) >= self.cfg.num_layers:
+            return False
+        entry = self.layer_weights_of(int(m.group(1))).get(m.group(2))
+        return (
+            entry is not None
+            and entry[0] in LINEAR_SLOTS
+            and is_quantized_tensor(spec, m.group(3), dtype)
+        )
+
+    def _assemble_quantized(
+        self,
+        spec: QuantSpec,
+        quantized: dict[tuple[int, str], dict[str, torch.Tensor]],
+        layers: list[dict[str, torch.Tensor]],
+        src: object,
+    ) -> None:
+        """Unpack each quantized projection and fuse a slot's parts (q/k/v, gate/up) into one
+        weight in ``layers[i]["<slot>.weight"]``; every part of a slot must be quantized."""
+        by_slot: dict[tuple[int, str], dict[int, QuantWeight | FP8Weight]] = {}
+        for (idx, module), tensors in quantized.items():
+            weights = self.layer_weights_of(idx)
+            slot, part = weights[module]
+            nparts = sum(1 for s, _ in weights.values() if s == slot)
+            n, k = self._layer_shape(slot, part, nparts, "weight", module, src)
+            where = f"{src}: model.layers.{idx}.{module}"
+            weight = unpack_projection(spec, tensors, n, k, where)
+            by_slot.setdefault((idx, slot), {})[part] = weight
+        for (idx, slot), parts in by_slot.items():
+            modules = [m for m, (s, _) in self.layer_weights_of(idx).items() if s == slot]
+            if len(parts) != len(modules):
+                plain = [
+                    m
+                    for m, (s, p) in self.layer_weights_of(idx).items()
+                    if s == slot and p not in parts
+                ]
+                raise ModelLoadError(
+                    f"{src}: layer {idx}: {plain} not quantized while the other projections "
+                    f"sharing their input are ({spec.label}); loraplex fuses them into one GEMM"
+                )
+            ordered = [parts[p] for p in sorted(parts)]
+            try:
+                fused = type(ordered[0]).cat(ordered) if len(ordered) > 1 else ordered[0]  # type: ignore[attr-defined]
+            except ValueError as e:
+                raise ModelLoadError(f"{src}: layer {idx} {slot}: {e}") from e
+            layers[idx][f"{slot}.weight"] = fused  # type: ignore[assignment]
 
     def _top_shape(self, key: str) -> tuple[int, ...]:
         c = self.cfg
@@ -327,10 +421,15 @@ class DecoderForCausalLM:
         """Choose the linear implementation once and build every norm and projection."""
         c, norm = self.cfg, self.norm_class
         self.linear_impl, make = select_linear_factory(self.device, self.dtype)
+        projection = make
+        if self.quant is not None:
+            self.quant_kernels = QuantKernels(self.device, self.dtype)
+            projection = self._quantized_factory(self.quant, self.quant_kernels, make)
         for L, w in zip(self.layers, layers, strict=True):
             for slot in LINEAR_SLOTS:
                 if f"{slot}.weight" in w:  # a MoE layer has no dense gate_up / down
-                    setattr(L, slot, make(w.pop(f"{slot}.weight"), w.pop(f"{slot}.bias", None)))
+                    weight, bias = w.pop(f"{slot}.weight"), w.pop(f"{slot}.bias", None)
+                    setattr(L, slot, projection(weight, bias))
             if self.qk_norm:
                 q, k = w.pop("q_norm.weight"), w.pop("k_norm.weight")
                 L.qk_norm = norm.per_head(q, k, c.num_heads, c.num_kv_heads, c.rms_norm_eps)
@@ -338,8 +437,40 @@ class DecoderForCausalLM:
                 setattr(L, key.partition(".")[0], norm(w.pop(key), c.rms_norm_eps))
         self.embed_tokens = top["embed_tokens"]
         self.norm = norm(top["norm"], c.rms_norm_eps)
-        # a tied head shares the embedding (a packed backend makes the head its own copy)
+        # a tied head shares the embedding (a packed backend makes the head its own copy);
+        # it stays in the model dtype in a quantized checkpoint, as every format leaves it
         self.head = make(top.get("lm_head", self.embed_tokens), None)
+        if self.quant is not None and self.quant.on_the_fly:
+            self._quantize_vocab(top)
+        if self.quant_kernels is not None:
+            self.linear_impl = f"{self.quant.label}: {self.quant_kernels.summary() or 'dequant'}"
+
+    def _quantize_vocab(self, top: dict[str, torch.Tensor]) -> None:
+        """``--quantization int8/int4``: the embedding and the LM head as int8, one scale per
+        row (the head's rows are the logits' and the lookup's, so per-row scales keep each
+        token's row exact to its own range); a tied pair stays one matrix. These two matrices
+        are a large share of a small model's bytes (a quarter of SmolLM2-135M's); int8 keeps
+        them at a byte a weight, twice the precision of the projections' int4."""
+        assert self.quant_kernels is not None
+        emb = QuantWeight.quantize(top.pop("embed_tokens"), 8, None)
+        self.embed_tokens = QuantizedEmbedding(emb, self.dtype)  # type: ignore[assignment]
+        head = emb if "lm_head" not in top else QuantWeight.quantize(top.pop("lm_head"), 8, None)
+        self.head = self.quant_kernels(head)
+
+    def _quantized_factory(
+        self, spec: QuantSpec, kernels: QuantKernels, make: Callable[..., Linear]
+    ) -> Callable[[Any, torch.Tensor | None], Linear]:
+        """The projections' Linear factory on a quantized base: a quantized weight (the
+        checkpoint's, or quantized at load by ``--quantization int8/int4``) goes to its kernel;
+        one the checkpoint left in float (``ignore``) stays float."""
+        from dataclasses import replace
+
+        def build(weight: Any, bias: torch.Tensor | None) -> Linear:
+            if isinstance(weight, (QuantWeight, FP8Weight)):  # a checkpoint's, or at load
+                return kernels(replace(weight, bias=bias))
+            return make(weight, bias)  # a projection the checkpoint left in float
+
+        return build
 
     # -- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -395,5 +526,7 @@ class DecoderForCausalLM:
     def nbytes(self) -> int:
         """Bytes of the weights as loaded (embedding, norms, projections, head)."""
         shared = getattr(self.head, "weight", None) is self.embed_tokens  # tied and unpacked
+        if isinstance(self.embed_tokens, QuantizedEmbedding):  # tied: one int8 matrix
+            shared = getattr(self.head, "quant", None) is self.embed_tokens.weight
         total = self.embed_tokens.nbytes + self.norm.nbytes + (0 if shared else self.head.nbytes)
         return total + sum(L.nbytes for L in self.layers)

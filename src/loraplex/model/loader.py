@@ -42,6 +42,7 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.int8,
         torch.uint8,
         torch.bool,
+        torch.float8_e4m3fn,  # FP8 checkpoints' weights
     )
 }
 
@@ -67,7 +68,7 @@ class SafetensorsFile:
         info = self.entries[name]
         buf = torch.empty(info.shape, dtype=_DTYPES[info.dtype])
         if info.nbytes:
-            view = buf.view(torch.uint8).numpy().reshape(-1)
+            view = buf.reshape(-1).view(torch.uint8).numpy()  # a 0-dim scale too
             with self.path.open("rb") as f:
                 f.seek(info.start)
                 got = f.readinto(memoryview(view))

@@ -19,6 +19,7 @@ from loraplex.model.gemma import (
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
+from loraplex.model.quant.formats import QuantSpec
 from loraplex.model.qwen3 import Qwen3ForCausalLM
 from loraplex.model.qwen3_moe import Qwen3MoeForCausalLM
 from loraplex.model.spec import ModelConfig
@@ -43,8 +44,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantSpec | None = None,
 ) -> DecoderForCausalLM:
     """The decoder of ``cfg.architecture`` (parsed by ``parse_model_config``, which refused
-    any other) with the checkpoint's weights."""
-    return ARCHITECTURES[cfg.architecture].from_pretrained(model_dir, cfg, dtype, device)
+    any other) with the checkpoint's weights, quantized as ``quant`` says."""
+    return ARCHITECTURES[cfg.architecture].from_pretrained(model_dir, cfg, dtype, device, quant)

@@ -46,6 +46,7 @@ _ONE_DEVICE_EXPERTS = (
 _NO_GRAPHS = "loraplex runs eagerly (no CUDA graphs or compilation)"
 _NO_OFFLOAD = "loraplex keeps weights and KV on the device (no offloading or KV transfer)"
 _NO_SPEC = "loraplex has no speculative decoding"
+_QUANT_CONFIG = "loraplex reads quantization from the checkpoint's config.json (--quantization)"
 
 # (spellings, takes, accepted values, why) -- groups share their reason
 _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
@@ -112,10 +113,9 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--reasoning-parser", "one", ("",), "no reasoning parsers"),
     ("--enable-reasoning", "true", (), "no reasoning parsers"),
     # quantization
-    ("--quantization -q", "one", (), "loraplex serves unquantized weights (--dtype)"),
-    ("--quantization-config --quantization-param-path", "one", (), "no quantization"),
-    ("--allow-deprecated-quantization", "bool", ("false",), "no quantization"),
-    ("--qlora-adapter-name-or-path", "one", (), "no quantization"),
+    ("--quantization-config --quantization-param-path", "one", (), _QUANT_CONFIG),
+    ("--allow-deprecated-quantization", "bool", ("false",), ""),
+    ("--qlora-adapter-name-or-path", "one", (), "serve the QLoRA adapter with --lora-modules"),
     # speculative decoding
     ("--speculative-config -sc --spec-method --spec-model --spec-tokens", "one", (), _NO_SPEC),
     ("--speculative-model --num-speculative-tokens", "one", (), _NO_SPEC),

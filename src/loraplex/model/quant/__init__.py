@@ -1,0 +1,1 @@
+"""Quantized base weights: checkpoint formats, on-the-fly quantization and the kernels."""

@@ -1,0 +1,145 @@
+"""loraplex's weight-quantized GEMM on CPU (``qgemm.c``), loaded through ctypes.
+
+Built and cached like the LoRA kernel (:func:`loraplex.lora.cpu_ops.build_kernel`: once per
+source, compiler, instruction set and CPU, into a private directory) and checked against a
+float64 reference of every bit width and activation dtype before first use. It reads the
+:class:`~loraplex.model.quant.weights.QuantWeight` layout as it is stored (int4 nibbles or int8,
+float32 scales, int8 zero points), for any number of rows of x in float32 or bfloat16 (torch's
+own int4/int8 CPU kernels are slow for float32 activations and for more than a few rows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from loraplex.lora.cpu_ops import (
+    ELEMENT_TYPES,
+    KernelBuildError,
+    _openmp_runtimes,
+    build_kernel,
+    default_kernel_isa,
+)
+
+SOURCE = Path(__file__).with_name("qgemm.c")
+
+
+class QGemmKernel:
+    """The loaded ``loraplex_qgemm`` / ``loraplex_qdequant`` (ctypes releases the GIL)."""
+
+    def __init__(self, library: Path) -> None:
+        before = _openmp_runtimes()
+        try:
+            lib = ctypes.CDLL(str(library))
+            gemm, deq = lib.loraplex_qgemm, lib.loraplex_qdequant
+            features = lib.loraplex_qgemm_features
+        except (OSError, AttributeError) as e:
+            raise KernelBuildError(f"cannot load {library}: {e}") from e
+        after = _openmp_runtimes()
+        # threads only on torch's own OpenMP runtime (see LoRAKernel)
+        self.shared_threads = before is not None and after is not None and after <= before
+        features.argtypes, features.restype = [], ctypes.c_int
+        bits = features()
+        self.avx512, self.bf16_dot = bool(bits & 1), bool(bits & 2)
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        gemm.argtypes = [
+            ptr, i64, i32, i64, i64, ptr, i32, ptr, ptr, i64, i64, ptr, ptr, i64, i32, i32
+        ]  # fmt: skip
+        deq.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32, i32]
+        gemm.restype = deq.restype = i32
+        self._lib, self._gemm, self._deq = lib, gemm, deq
+        self.library = library
+
+    def _threads(self) -> int:
+        return torch.get_num_threads() if self.shared_threads else 1
+
+    def gemm(
+        self,
+        x: torch.Tensor,  # [T, K] float32 / bfloat16, rows contiguous
+        q: torch.Tensor,  # int4: uint8 [N, K/2]; int8: int8 [N, K]
+        bits: int,
+        scales: torch.Tensor,  # float32 [N, G]
+        zeros: torch.Tensor | None,  # int8 [N, G]
+        group_size: int,
+        bias: torch.Tensor | None,  # float32 [N]
+        out: torch.Tensor,  # [T, N], x's dtype, rows contiguous
+    ) -> torch.Tensor:
+        """``out = x @ W.T + bias`` for the quantized ``W`` (semantics in ``qgemm.c``)."""
+        T, K = x.shape
+        rc = self._gemm(
+            x.data_ptr(), x.stride(0), ELEMENT_TYPES[x.dtype], T, K, q.data_ptr(), bits,
+            scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), group_size,
+            scales.shape[0], 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+            out.stride(0), ELEMENT_TYPES[out.dtype], self._threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("quantized GEMM kernel: cannot allocate its scratch")
+        return out
+
+    def dequant(
+        self,
+        q: torch.Tensor,
+        bits: int,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        group_size: int,
+        n0: int,
+        n1: int,
+        out: torch.Tensor,  # [n1 - n0, K] float32 / bfloat16, contiguous
+    ) -> torch.Tensor:
+        """``out = W[n0:n1]`` in ``out``'s dtype."""
+        N, K = scales.shape[0], out.shape[1]
+        rc = self._deq(
+            q.data_ptr(), bits, scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
+            group_size, N, K, n0, n1, out.data_ptr(), ELEMENT_TYPES[out.dtype], self._threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("quantized dequantization kernel: cannot allocate its scratch")
+        return out
+
+
+def load_qgemm(cache_dir: Path | None = None, *, isa: str | None = None) -> QGemmKernel:
+    """Build (once per cache key), load and check the kernel; ``KernelBuildError`` if any step
+    fails. Memoised per process and instruction set."""
+    return _load(cache_dir, default_kernel_isa() if isa is None else isa)
+
+
+@functools.cache
+def _load(cache_dir: Path | None, isa: str) -> QGemmKernel:
+    kernel = QGemmKernel(build_kernel(cache_dir, isa=isa, source=SOURCE, stem="qgemm_cpu"))
+    _self_check(kernel)
+    return kernel
+
+
+def _self_check(kernel: QGemmKernel) -> None:
+    """Both bit widths, with and without zero points, float32 and bfloat16 x, against float64;
+    odd sizes exercise every tail (rows not a multiple of four, groups of 32 and per-channel)."""
+    from loraplex.model.quant.weights import QuantWeight
+
+    g = torch.Generator().manual_seed(0)
+    for bits, gs, zeros in ((4, 32, True), (4, 64, False), (8, 96, True), (8, 96, False)):
+        n, k = 7, 96 if gs == 96 else 128
+        qw = QuantWeight.random(n, k, bits, gs, asymmetric=zeros, generator=g)
+        ref = qw.dequantize(torch.float64)  # [N, K]
+        bias = torch.randn(n, generator=g)
+        for dtype in ELEMENT_TYPES:
+            x = torch.randn(5, k, generator=g).to(dtype)
+            want = x.double() @ ref.T + bias.double()
+            got = torch.empty(5, n, dtype=dtype)
+            kernel.gemm(x, qw.q, bits, qw.scales, qw.zeros, gs, bias, got)
+            deq = kernel.dequant(
+                qw.q, bits, qw.scales, qw.zeros, gs, 1, n, torch.empty(n - 1, k, dtype=dtype)
+            )
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            scale = want.abs().max().item() + 1.0
+            if not torch.allclose(got.double(), want, atol=tol * scale, rtol=tol):
+                diff = (got.double() - want).abs().max().item()
+                raise KernelBuildError(
+                    f"quantized GEMM kernel disagrees with the reference: int{bits}, {dtype}, "
+                    f"max diff {diff:.3g}"
+                )
+            if not torch.allclose(deq.double(), ref[1:], atol=0, rtol=tol):
+                raise KernelBuildError(f"quantized dequantization kernel is wrong: int{bits}")

@@ -1,0 +1,405 @@
+"""Linears over quantized weights, behind the model's one ``Linear`` protocol, and the start-up
+choice among them.
+
+Candidates for an integer weight (:class:`QuantWeight`) on CPU: loraplex's C kernel
+(``qgemm.c``, any rows, float32 or bfloat16 x), torch's packed int4 and int8 CPU kernels
+(bfloat16 / float16 x only: for float32 x they run ten times slower than the float GEMM), and
+dequantizing into a float buffer for a plain GEMM (prompt chunks of many rows). Each is checked
+against the dequantized reference on the real weight's first rows when it is built, and
+:func:`select_quant_linear` times the candidates once per distinct (shape, bits, group size) on
+the decode batch sizes an engine runs, keeping the fastest (``docs/benchmarks.md`` has the
+figures). On CUDA and elsewhere the dequantizing Linear serves every format.
+
+W8A8 checkpoints quantize the base product's *input* (int8 per token, or float8). The LoRA delta
+is added by the caller from the same unquantized ``x`` (``LoRABinding.add`` reads the layer's
+input, never what a Linear made of it): an adapter was trained against full-precision
+activations, and quantizing them for the adapter's tiny GEMMs would only add error where the
+speed does not need it (vLLM's FP8 MoE + LoRA bug was exactly that). These Linears therefore
+never write to ``x``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.lora.cpu_ops import KernelBuildError
+from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
+
+log = logging.getLogger(__name__)
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+def quantize_activation(x: torch.Tensor, act: ActQuant) -> torch.Tensor:
+    """What a W8A8 base product sees of ``x [T, K]``: quantized and dequantized again, in
+    float32 (the products of the int8 / fp8 GEMM, emulated exactly in float32 on CPU)."""
+    xf = x.float()
+    if act.kind == "int8":  # symmetric per token, dynamic
+        s = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-10)
+        return torch.round(xf / s).clamp(-128, 127) * s
+    s = (
+        torch.tensor(act.scale)
+        if act.scale is not None
+        else (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    )
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
+
+
+class _QuantLinearBase:
+    """What every quantized Linear shares: sizes, bytes, the act-order gather and the bias."""
+
+    name = "unset"
+
+    def __init__(self, weight: QuantWeight | FP8Weight) -> None:
+        self.out_features = weight.out_features
+        self.in_features = weight.in_features
+        self.quant = weight  # kept by every candidate for its reference (see dequantize)
+        self.perm = getattr(weight, "perm", None)
+        self.bias = weight.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.quant.nbytes
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[N, K]`` as the reference computes it (tests, the merger's refusal)."""
+        return self.quant.dequantize(dtype)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.perm is None else x[:, self.perm]  # act order: stored column order
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class DequantLinear(_QuantLinearBase):
+    """Dequantize the whole weight into x's dtype on every call, then ``F.linear``: correct on
+    every device and format (float8 included), the fallback and the prompt-chunk path."""
+
+    name = "dequant"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.quant.dequantize(torch.float32).to(device=x.device, dtype=x.dtype)
+        act = self.quant.act
+        if act is not None:  # W8A8: the base product's input is quantized (LoRA's is not)
+            return self._add_bias(F.linear(quantize_activation(x, act), w.float()).to(x.dtype))
+        return self._add_bias(F.linear(x, w))
+
+
+class CKernelLinear(_QuantLinearBase):
+    """loraplex's C kernel: unpacks each weight once per call for every row of x. Inputs of at
+    least ``dequant_rows`` rows dequantize row blocks into a float buffer and use the float
+    GEMM instead (where that was measured faster)."""
+
+    name = "c-kernel"
+    BLOCK_ROWS = 1024  # output rows dequantized at a time on the prompt path
+
+    def __init__(self, weight: QuantWeight, kernel: object) -> None:
+        super().__init__(weight)
+        if weight.act is not None:
+            raise KernelBuildError("the C kernel reads unquantized activations only")
+        self.kernel = kernel
+        self.bias32 = None if weight.bias is None else weight.bias.float().contiguous()
+        self.dequant_rows: int | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quant
+        assert isinstance(q, QuantWeight)
+        x = self._gather(x).contiguous()
+        T = x.shape[0]
+        if self.dequant_rows is not None and T >= self.dequant_rows:
+            out = torch.empty(T, self.out_features, dtype=x.dtype)
+            for n0 in range(0, self.out_features, self.BLOCK_ROWS):
+                n1 = min(n0 + self.BLOCK_ROWS, self.out_features)
+                w = torch.empty(n1 - n0, self.in_features, dtype=x.dtype)
+                self.kernel.dequant(q.q, q.bits, q.scales, q.zeros, q.group_size, n0, n1, w)
+                out[:, n0:n1] = F.linear(x, w)
+            return self._add_bias(out)
+        out = torch.empty(T, self.out_features, dtype=x.dtype)
+        return self.kernel.gemm(x, q.q, q.bits, q.scales, q.zeros, q.group_size, self.bias32, out)
+
+
+class TorchInt4Linear(_QuantLinearBase):
+    """torch's packed int4 CPU kernel (``_weight_int4pack_mm_for_cpu``: bfloat16 / float16 x,
+    ``w = (q - 8) * scale + zero`` per group); our integer zero point z becomes the float zero
+    ``(8 - z) * scale``. The weight is repacked into torch's layout (ours is dropped)."""
+
+    name = "torch-int4"
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__(weight)
+        if weight.bits != 4 or weight.act is not None or dtype == torch.float32:
+            raise KernelBuildError("torch's int4 kernel: 4-bit weights and half-precision x")
+        if (
+            weight.group_size not in (32, 64, 128, 256)
+            or weight.out_features % 16
+            or weight.in_features % weight.group_size
+        ):
+            raise KernelBuildError("torch's int4 kernel: groups of 32-256, rows a multiple of 16")
+        values = weight.values().to(torch.int32)  # [N, K]
+        z = weight.zeros.float() if weight.zeros is not None else torch.zeros_like(weight.scales)
+        zero = (8.0 - z) * weight.scales  # [N, G]
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(values, 2)
+        self.scale_zeros = (
+            torch.stack((weight.scales, zero), dim=-1).transpose(0, 1).contiguous().to(dtype)
+        )  # [G, N, 2]
+        self.group_size = weight.group_size
+        self._nbytes = self.packed.nbytes + self.scale_zeros.nbytes
+        self.quant = None  # type: ignore[assignment]  # only torch's packed copy is kept
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes + (self.perm.nbytes if self.perm is not None else 0)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """Read back through the kernel: x = I gives W^T, each output one product."""
+        eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype)
+        wt = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scale_zeros)
+        w = wt.t()
+        if self.perm is not None:
+            w = w[:, torch.argsort(self.perm)]
+        return w.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(
+            self._gather(x).contiguous(), self.packed, self.group_size, self.scale_zeros
+        )
+        return self._add_bias(y)
+
+
+class TorchInt8Linear(_QuantLinearBase):
+    """torch's int8 weight-only CPU kernel (``_weight_int8pack_mm``): per-channel symmetric
+    weights, half-precision x."""
+
+    name = "torch-int8"
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__(weight)
+        per_channel = weight.group_size == weight.in_features and weight.zeros is None
+        if weight.bits != 8 or not per_channel or weight.act is not None or dtype == torch.float32:
+            raise KernelBuildError("torch's int8 kernel: per-channel symmetric int8, half x")
+        self.scales = weight.scales[:, 0].to(dtype).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quant
+        assert isinstance(q, QuantWeight)
+        return self._add_bias(
+            torch._weight_int8pack_mm(self._gather(x).contiguous(), q.q, self.scales)
+        )
+
+
+class W8A8Int8Linear(_QuantLinearBase):
+    """W8A8 int8: x quantized per token (dynamic, symmetric), int8 x int8 -> int32 with
+    ``torch._int_mm``, both scales applied after. LoRA reads the unquantized x (module
+    docstring)."""
+
+    name = "w8a8-int8"
+
+    def __init__(self, weight: QuantWeight) -> None:
+        super().__init__(weight)
+        per_channel = weight.group_size == weight.in_features and weight.zeros is None
+        if weight.bits != 8 or not per_channel or weight.act != ActQuant("int8"):
+            raise KernelBuildError("W8A8 int8: per-channel symmetric int8 weights")
+        self.wt = weight.q.t().contiguous()  # [K, N] int8 (_int_mm's right operand)
+        self.w_scale = weight.scales[:, 0].contiguous()  # [N] float32
+        self._nbytes = self.wt.nbytes + self.w_scale.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = self._gather(x).float()
+        s = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-10)  # [T, 1]
+        xq = torch.round(xf / s).clamp(-128, 127).to(torch.int8)
+        acc = torch._int_mm(xq, self.wt)  # [T, N] int32, exact
+        return self._add_bias((acc.float() * s * self.w_scale).to(x.dtype))
+
+
+class FP8Linear(_QuantLinearBase):
+    """float8 e4m3 weights: the weight is widened block by block into x's dtype (CPUs have no
+    float8 GEMM); with an activation scheme x is quantized to float8 first (static per-tensor
+    or dynamic per-token scale), the base product of an FP8 W8A8 checkpoint. LoRA reads the
+    unquantized x (module docstring)."""
+
+    name = "fp8-dequant"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.quant
+        assert isinstance(w, FP8Weight)
+        if w.act is not None:
+            xq = quantize_activation(x, w.act)
+            return self._add_bias(F.linear(xq, w.dequantize(torch.float32)).to(x.dtype))
+        return self._add_bias(F.linear(x, w.dequantize(x.dtype)))
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel picked for one weight kind and the times it was picked by."""
+
+    name: str
+    times_ms: dict[str, float]
+    dequant_rows: int | None = None
+
+
+QuantLinearFactory = Callable[[QuantWeight | FP8Weight], _QuantLinearBase]
+
+DECODE_ROWS = (1, 16)
+"""The rows of x the start-up timing runs (decode steps: one sequence, and a batch of 16; the
+sum of both times decides, so neither end is given up for the other)."""
+PROBE_ROWS = 4096
+"""Output rows of the random weight the candidates are timed on (at most: a kernel's time per
+row does not depend on the row count, and a vocabulary-sized probe would cost seconds)."""
+PROMPT_ROWS = 256
+"""The rows of a prompt chunk the C kernel's dequantizing path is timed at."""
+
+
+def _candidates(
+    weight: QuantWeight, dtype: torch.dtype, kernel: object | None
+) -> list[_QuantLinearBase]:
+    out: list[_QuantLinearBase] = []
+    if kernel is not None:
+        out.append(CKernelLinear(weight, kernel))
+    for cls in (TorchInt4Linear, TorchInt8Linear):
+        try:
+            out.append(cls(weight, dtype))
+        except (KernelBuildError, RuntimeError):
+            continue  # this kernel does not take this weight or dtype
+    return out
+
+
+def _time_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def _self_check(lin: _QuantLinearBase, weight: QuantWeight, dtype: torch.dtype) -> bool:
+    """The candidate agrees with the dequantized reference on a few rows of x."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, weight.in_features, generator=g).to(dtype)
+    want = x.double() @ weight.dequantize(torch.float64).T
+    if weight.bias is not None:
+        want = want + weight.bias.double()
+    got = lin(x).double()
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    return bool(torch.allclose(got, want, atol=tol * (want.abs().max().item() + 1), rtol=tol))
+
+
+def choose_kernel(weight: QuantWeight, dtype: torch.dtype, kernel: object | None) -> KernelChoice:
+    """Time every candidate that passes its self-check on a weight of this shape and kind
+    (random values: only the layout matters for speed) and return the fastest."""
+    probe = QuantWeight.random(
+        min(weight.out_features, PROBE_ROWS),
+        weight.in_features,
+        weight.bits,
+        weight.group_size,
+        asymmetric=weight.zeros is not None,
+        generator=torch.Generator().manual_seed(0),
+    )
+    times: dict[str, float] = {}
+    best: tuple[float, _QuantLinearBase] | None = None
+    for lin in _candidates(probe, dtype, kernel):
+        if not _self_check(lin, probe, dtype):
+            log.warning("quantized kernel %s failed its self-check; not used", lin.name)
+            continue
+        xs = [torch.randn(t, probe.in_features).to(dtype) for t in DECODE_ROWS]
+        ms = sum(_time_ms(lambda x=x, lin=lin: lin(x)) for x in xs)
+        times[lin.name] = round(ms, 4)
+        if best is None or ms < best[0]:
+            best = (ms, lin)
+    if best is None:
+        return KernelChoice("dequant", times)
+    dequant_rows = None
+    if isinstance(best[1], CKernelLinear):  # the prompt path: direct or dequantize + GEMM
+        lin = best[1]
+        x = torch.randn(PROMPT_ROWS, probe.in_features).to(dtype)
+        direct = _time_ms(lambda: lin(x), repeats=2)
+        lin.dequant_rows = 1
+        via = _time_ms(lambda: lin(x), repeats=2)
+        times["c-kernel@prompt"], times["dequant@prompt"] = round(direct, 3), round(via, 3)
+        dequant_rows = 64 if via < direct else None
+    return KernelChoice(best[1].name, times, dequant_rows)
+
+
+def build_quant_linear(
+    weight: QuantWeight | FP8Weight, dtype: torch.dtype, device: torch.device,
+    choice: KernelChoice | None, kernel: object | None,
+) -> _QuantLinearBase:  # fmt: skip
+    """The Linear for ``weight``: a W8A8 or float8 one by its kind, else the ``choice``'s."""
+    if isinstance(weight, FP8Weight):
+        return FP8Linear(weight)
+    if weight.act is not None:
+        if device.type == "cpu" and hasattr(torch, "_int_mm"):
+            try:
+                return W8A8Int8Linear(weight)
+            except KernelBuildError:
+                pass
+        return DequantLinear(weight)
+    name = choice.name if choice is not None else "dequant"
+    if name == "c-kernel":
+        lin = CKernelLinear(weight, kernel)
+        lin.dequant_rows = choice.dequant_rows if choice is not None else None
+        return lin
+    if name == "torch-int4":
+        return TorchInt4Linear(weight, dtype)
+    if name == "torch-int8":
+        return TorchInt8Linear(weight, dtype)
+    return DequantLinear(weight)
+
+
+class QuantKernels:
+    """The quantized-Linear factory of one model: loads the C kernel once (CPU), picks a
+    kernel once per distinct weight kind (shape, bits, group size, zero points) by timing the
+    candidates, and builds every projection's Linear with it."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, *, measure: bool = True) -> None:
+        self.device, self.dtype, self.measure = device, dtype, measure
+        self.kernel: object | None = None
+        self.choices: dict[tuple[int, int, int, int, bool], KernelChoice] = {}
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            from loraplex.model.quant.cpu_kernel import load_qgemm
+
+            try:
+                self.kernel = load_qgemm()
+            except KernelBuildError as e:
+                log.warning("quantized GEMM C kernel unavailable (%s); torch kernels only", e)
+
+    def __call__(self, weight: QuantWeight | FP8Weight) -> _QuantLinearBase:
+        choice = None
+        if isinstance(weight, QuantWeight) and weight.act is None and self.device.type == "cpu":
+            key = (
+                weight.out_features,
+                weight.in_features,
+                weight.bits,
+                weight.group_size,
+                weight.zeros is not None,
+            )
+            choice = self.choices.get(key)
+            if choice is None:
+                if self.measure:
+                    choice = choose_kernel(weight, self.dtype, self.kernel)
+                else:
+                    name = "c-kernel" if self.kernel is not None else "dequant"
+                    choice = KernelChoice(name, {})
+                self.choices[key] = choice
+        return build_quant_linear(weight, self.dtype, self.device, choice, self.kernel)
+
+    def summary(self) -> str:
+        """One line per weight kind: the kernel picked and the times it was picked by."""
+        lines = []
+        for (n, k, bits, gs, zp), c in self.choices.items():
+            times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in c.times_ms.items())
+            g = "channel" if gs == k else f"g{gs}"
+            lines.append(f"int{bits} {g}{' zp' if zp else ''} [{n}, {k}]: {c.name} ({times})")
+        return "; ".join(lines)

@@ -1,0 +1,176 @@
+"""The quantized Linears against a float64 reference of their weight (``QuantWeight``).
+
+Every candidate the start-up choice may pick (the C kernel's native and AVX2 builds, torch's
+int4 and int8 CPU kernels, the dequantizing path, W8A8 int8, float8) is checked on odd sizes
+(rows not a multiple of four, one and many rows of x, groups and per channel, with and without
+zero points, act order). Tolerances follow the dtype: float32 sums of K products in another
+order (1e-5 relative to the largest output), bfloat16 one rounding of the output (2^-8).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.lora.cpu_ops import AVX2_CPU_FLAGS, cpu_flags
+from loraplex.model.quant.cpu_kernel import load_qgemm
+from loraplex.model.quant.kernels import (
+    CKernelLinear,
+    DequantLinear,
+    FP8Linear,
+    TorchInt4Linear,
+    TorchInt8Linear,
+    W8A8Int8Linear,
+    choose_kernel,
+    quantize_activation,
+)
+from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+
+ISAS = ["native"]
+if (cpu_flags() or frozenset()).issuperset(AVX2_CPU_FLAGS):
+    ISAS.append("avx2")  # the code an AVX2-only CPU runs, built and checked on every x86 CPU
+
+CASES = [  # (out, in, bits, group size (None: per channel), zero points, act order)
+    (7, 64, 4, 32, True, False),
+    (33, 128, 4, 64, False, False),
+    (9, 96, 8, None, False, False),
+    (13, 64, 8, 32, True, False),
+    (18, 128, 4, 32, True, True),
+    (5, 512, 4, None, False, False),  # one group of more than one unpacked chunk
+    (10, 96, 4, 64, True, False),  # a short last group (SmolLM2's 576 in groups of 128)
+    (6, 160, 8, 64, False, True),
+]
+
+
+def _weight(
+    n: int, k: int, bits: int, gs: int | None, zp: bool, act_order: bool, seed: int = 0
+) -> QuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    qw = QuantWeight.quantize(w, bits, gs, asymmetric=zp, bias=torch.randn(n, generator=g))
+    if act_order:  # a stored column order that is not the input's
+        from dataclasses import replace
+
+        qw = replace(qw, perm=torch.randperm(k, generator=g))
+    return qw
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> None:
+    want = x.double() @ qw.dequantize(torch.float64).T
+    if qw.bias is not None:
+        want = want + qw.bias.double()
+    scale = want.abs().max().item()
+    err = (got.double() - want).abs().max().item()
+    assert err <= TOL[dtype] * scale, f"max error {err:.3g} vs {TOL[dtype] * scale:.3g}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-int{c[2]}-g{c[3]}-zp{c[4]}-ao{c[5]}"
+)
+def test_c_kernel(isa: str, dtype: torch.dtype, case: tuple) -> None:
+    qw = _weight(*case)
+    lin = CKernelLinear(qw, load_qgemm(isa=isa))
+    for rows in (1, 5, 70):
+        x = torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(rows)).to(
+            dtype
+        )
+        _check(lin(x), x, qw, dtype)
+        lin.dequant_rows = 1  # the prompt path: dequantize row blocks, float GEMM
+        lin.BLOCK_ROWS = 4
+        _check(lin(x), x, qw, dtype)
+        lin.dequant_rows = None
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(32, 64, 4, 32, True, False), (48, 128, 4, 64, False, True), (16, 256, 4, None, False, False)],
+    ids=str,
+)
+def test_torch_int4(case: tuple) -> None:  # its layout needs out_features % 16 == 0
+    qw = _weight(*case)
+    lin = TorchInt4Linear(qw, torch.bfloat16)
+    x = torch.randn(6, qw.in_features).to(torch.bfloat16)
+    _check(lin(x), x, qw, torch.bfloat16)
+    assert torch.allclose(lin.dequantize(torch.float32), qw.dequantize(torch.float32), atol=0.05)
+    assert lin.nbytes < qw.in_features * qw.out_features  # half a byte a weight + scales
+
+
+def test_torch_int4_refuses_what_its_layout_cannot_hold() -> None:
+    from loraplex.lora.cpu_ops import KernelBuildError
+
+    for case in ((7, 64, 4, 32, True, False), (16, 512, 4, None, False, False)):
+        with pytest.raises(KernelBuildError):
+            TorchInt4Linear(_weight(*case), torch.bfloat16)
+
+
+def test_torch_int8_per_channel_only() -> None:
+    qw = _weight(9, 96, 8, None, False, False)
+    lin = TorchInt8Linear(qw, torch.bfloat16)
+    x = torch.randn(4, 96).to(torch.bfloat16)
+    _check(lin(x), x, qw, torch.bfloat16)
+    from loraplex.lora.cpu_ops import KernelBuildError
+
+    with pytest.raises(KernelBuildError):  # grouped: not this kernel's layout
+        TorchInt8Linear(_weight(13, 64, 8, 32, True, False), torch.bfloat16)
+    with pytest.raises(KernelBuildError):  # float32 x: not offered
+        TorchInt8Linear(qw, torch.float32)
+
+
+def test_rtn_quantization_error_is_half_a_step() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 128, generator=g)
+    for bits, gs, zp in ((4, 32, False), (4, 64, True), (8, None, False), (8, 32, True)):
+        qw = QuantWeight.quantize(w, bits, gs, asymmetric=zp)
+        err = (qw.dequantize(torch.float64) - w.double()).abs()  # [N, K]
+        step = qw.scales.double().repeat_interleave(qw.group_size, dim=1)
+        assert bool((err <= step / 2 + 1e-6).all()), (bits, gs, zp)
+        assert torch.equal(QuantWeight.pack(qw.values(), bits), qw.q)  # the layout round-trips
+
+
+def test_start_up_choice_picks_a_checked_kernel() -> None:
+    qw = _weight(64, 128, 4, 32, False, False)
+    for dtype in (torch.float32, torch.bfloat16):
+        choice = choose_kernel(qw, dtype, load_qgemm())
+        assert choice.name in choice.times_ms  # timed, after passing its self-check
+        if dtype == torch.float32:  # torch's int4/int8 kernels are not offered float32 x
+            assert set(choice.times_ms) <= {"c-kernel", "c-kernel@prompt", "dequant@prompt"}
+
+
+def test_w8a8_int8_quantizes_only_the_base_input() -> None:
+    qw = _weight(24, 64, 8, None, False, False)
+    from dataclasses import replace
+
+    qw = replace(qw, act=ActQuant("int8"))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
+    x_before = x.clone()
+    got = W8A8Int8Linear(qw)(x)
+    want = (
+        quantize_activation(x, qw.act).double() @ qw.dequantize(torch.float64).T + qw.bias.double()
+    )
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(x, x_before)  # the LoRA delta reads this x, unquantized
+    assert (quantize_activation(x, qw.act) - x).abs().max() > 1e-3  # the quantization is real
+    ref = DequantLinear(qw)(x)
+    assert (ref.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("act", [None, ActQuant("fp8", 0.01), ActQuant("fp8")])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fp8(act: ActQuant | None, per_channel: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(12, 64, generator=g) * 0.1
+    scale = (w.abs().amax(1, keepdim=True) if per_channel else w.abs().amax().reshape(1, 1)) / 448
+    fw = FP8Weight((w / scale).to(torch.float8_e4m3fn), scale.float(), act)
+    x = torch.randn(3, 64, generator=g)
+    x_before = x.clone()
+    got = FP8Linear(fw)(x)
+    xin = x if act is None else quantize_activation(x, act)
+    want = xin.double() @ fw.dequantize(torch.float64).T
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(x, x_before)
+    fused = FP8Weight.cat([fw, fw])
+    assert torch.equal(fused.dequantize(), torch.cat([fw.dequantize(), fw.dequantize()]))
