@@ -263,3 +263,29 @@ def test_mixtral_8x7b_preset(capsys: pytest.CaptureFixture) -> None:
     # q: 8 x 8192 x 32 = 2,097,152; packed down_proj: 8 x 8 x (14336 + 4096) x 32 = 37,748,736
     assert row["parts"] == {"attention": 2 * 2_097_152, "experts": 2 * 37_748_736}
     assert row["expert_layout"] == "packed"
+
+
+def test_quantized_base_bytes_hand_computed() -> None:
+    """A quantized base's projections at their stored bytes; embedding, norms, head and the
+    adapters stay in the dtype. Llama-3-8B: 6,979,321,856 projection weights of 8,030,261,248."""
+    a = adapter_from_config({"r": 16, "target_modules": ["q_proj", "v_proj"]}, L3, "qv16")
+    bf16 = build_plan(L3, [a], dtype="bfloat16")
+    linear = L3.linear_params()
+    assert linear == 32 * (4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336)
+    other = L3.params() - linear
+    # int4 g128: half a byte a weight, a float32 scale and an int8 zero point per 128
+    int4 = build_plan(L3, [a], dtype="bfloat16", quantization="int4")
+    assert int4["model"]["weight_bytes"] == int(other * 2 + linear * (0.5 + 5 / 128))
+    int4_g32 = build_plan(
+        L3, [a], dtype="bfloat16", quantization="int4", quantization_group_size=32
+    )
+    assert int4_g32["model"]["weight_bytes"] == int(other * 2 + linear * (0.5 + 5 / 32))
+    int8 = build_plan(L3, [a], dtype="bfloat16", quantization="int8")
+    assert int8["model"]["weight_bytes"] == other * 2 + linear
+    # the decode model reads the quantized projections and the bf16 head
+    head = L3.vocab_size * L3.hidden_size
+    norms = bf16["decode"]["base_bytes_per_step"] - 2 * (linear + head)
+    assert int8["decode"]["base_bytes_per_step"] == linear + 2 * head + norms
+    assert int4["adapters"] == bf16["adapters"]  # adapters keep the activation dtype
+    with pytest.raises(PlanError, match="unknown quantization 'int3'"):
+        build_plan(L3, [a], quantization="int3")

@@ -102,6 +102,25 @@ __all__ = [
 ]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
+QUANT_BITS = {"int8": 8, "int4": 4, "fp8": 8}
+"""``--quantization``: bits per projection weight (GPTQ / AWQ / compressed-tensors W4A16
+checkpoints are ``int4`` here, W8A8 and W8A16 ``int8``)."""
+
+
+def projection_bytes_per_param(quantization: str | None, group_size: int | None, dtype_bytes: int) -> float:  # fmt: skip
+    """Resident bytes per projection weight: the dtype's, or a quantized base's as loraplex
+    stores it (model/quant/weights.py): the values' bits, a float32 scale per group (int4:
+    ``group_size``, default 128) and an int8 zero point per int4 group; int8 and float8 have one
+    scale per output row (per channel), under a byte per million weights here."""
+    if quantization is None:
+        return float(dtype_bytes)
+    bits = QUANT_BITS[quantization]
+    if bits == 8:
+        return 1.0
+    gs = group_size or 128
+    return bits / 8 + (4 + 1) / gs
+
+
 PACKED_GATE_UP = "experts.gate_up_proj"
 """PEFT's ``target_parameters`` LoRA on the packed ``mlp.experts.gate_up_proj`` as the planner
 names it: one A ``[E r, hidden]`` for gate and up and one B over both (the engine splits it into
@@ -707,8 +726,14 @@ def build_plan(
     disk_budget: int | None = None,
     decode_k: Sequence[int] = (1, 2, 4, 8, 16, 32),
     decode_batch: int = DEFAULT_DECODE_BATCH,
+    quantization: str | None = None,
+    quantization_group_size: int | None = None,
 ) -> dict[str, Any]:
-    """Every number of the report as a JSON-able dict (bytes as integers)."""
+    """Every number of the report as a JSON-able dict (bytes as integers). ``quantization``:
+    the base's projections quantized (``QUANT_BITS``); embedding, norms and LM head stay in
+    ``dtype``, adapters and KV too."""
+    if quantization is not None and quantization not in QUANT_BITS:
+        raise PlanError(f"unknown quantization {quantization!r}; valid: {', '.join(QUANT_BITS)}")
     if not adapters:
         raise PlanError("no adapters: give --adapter or --rank/--targets")
     dt = dtype or (m.dtype if m.dtype in DTYPE_BYTES else "bfloat16")
@@ -717,6 +742,16 @@ def build_plan(
     if decode_batch < 1:
         raise PlanError(f"--decode-batch must be >= 1, got {decode_batch}")
     b = DTYPE_BYTES[dt]
+    qb = projection_bytes_per_param(quantization, quantization_group_size, b)
+
+    def base_bytes(params: int, linear: int) -> int:
+        """Bytes of ``params`` base weights of which ``linear`` are projections."""
+        return int((params - linear) * b + linear * qb)
+
+    def read_bytes(tokens: int) -> int:
+        linear = m.linear_params() - m._idle_expert_params(tokens)
+        return base_bytes(m.decode_read_params(tokens), linear)
+
     rows = []
     for a in adapters:
         params = a.params(m)
@@ -780,9 +815,9 @@ def build_plan(
     for k in decode_k:
         # one token per adapter: k tokens; a full batch: decode_batch tokens (at least k) shared
         # evenly by the k adapters
-        base_k, extra_k = m.decode_read_params(k) * b, k * mean_decode(1)
+        base_k, extra_k = read_bytes(k), k * mean_decode(1)
         full = max(decode_batch, k)
-        base_full = m.decode_read_params(full) * b
+        base_full = read_bytes(full)
         extra_full = k * mean_decode(-(-full // k))
         drows.append({
             "k": k, "base_bytes": base_k, "extra_bytes": extra_k, "share_of_base": extra_k / base_k,
@@ -790,24 +825,28 @@ def build_plan(
             "share_of_base_full_batch": extra_full / base_full,
         })  # fmt: skip
     decode: dict[str, Any] = {
-        "base_bytes_per_step": m.decode_read_params(1) * b,
+        "base_bytes_per_step": read_bytes(1),
         "decode_batch": decode_batch,
-        "base_bytes_full_batch": m.decode_read_params(decode_batch) * b,
+        "base_bytes_full_batch": read_bytes(decode_batch),
         "rows": drows,
     }
     model: dict[str, Any] = {
         **asdict(m),
         "head_dim": m.hd,
         "params": m.params(),
-        "weight_bytes": m.params() * b,
+        "weight_bytes": base_bytes(m.params(), m.linear_params()),
         "dtype": dt,
+        "quantization": quantization,
+        "projection_bytes_per_param": qb,
     }
     if m.is_moe:
         model.update(
             sparse_layers=list(m.sparse),
             active_params=m.active_params(),
-            active_weight_bytes=m.active_params() * b,
-            expert_weight_bytes=len(m.sparse) * m.num_experts * m.expert_params() * b,
+            active_weight_bytes=base_bytes(
+                m.active_params(), m.linear_params() - m._idle_expert_params(1)
+            ),
+            expert_weight_bytes=int(len(m.sparse) * m.num_experts * m.expert_params() * qb),
         )
         decode["experts_read_per_layer"] = {
             "one_token": m.experts_read(1), "full_batch": m.experts_read(decode_batch),
@@ -854,7 +893,13 @@ def render_plan(plan: dict[str, Any]) -> str:
     out = [
         f"model {m['name']}: {m['num_layers']} layers, hidden {m['hidden_size']}, heads "
         f"{m['num_heads']}/{m['num_kv_heads']} kv x {m['head_dim']}, {inter}, vocab "
-        f"{m['vocab_size']}; {m['params']:,} parameters = {_h(m['weight_bytes'])} in {m['dtype']}",
+        f"{m['vocab_size']}; {m['params']:,} parameters = {_h(m['weight_bytes'])} in {m['dtype']}"
+        + (
+            f" with {m['quantization']} projections ({m['projection_bytes_per_param']:.3f} "
+            "bytes a weight; embedding, norms and head in the dtype)"
+            if m.get("quantization")
+            else ""
+        ),
     ]
     if moe:
         out.append(
@@ -964,6 +1009,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --rank on a MoE base: PEFT target_parameters, e.g. "
                    "mlp.experts.gate_up_proj,mlp.experts.down_proj,mlp.gate.weight")  # fmt: skip
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), help="default: the model's")
+    p.add_argument(
+        "--quantization",
+        choices=list(QUANT_BITS),
+        help="the base's projections quantized (GPTQ/AWQ/W4A16: int4; W8A8: int8)",
+    )
+    p.add_argument(
+        "--quantization-group-size",
+        type=positive_int,
+        metavar="N",
+        help="int4 columns per scale (default 128)",
+    )
     p.add_argument("--max-lora-rank", type=positive_int, help="slot rank (default: the largest)")
     p.add_argument(
         "--device-budget", type=byte_size, metavar="BYTES", help="e.g. 2GiB for adapters"
@@ -1017,6 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
             disk_budget=args.disk_budget,
             decode_k=args.decode_k,
             decode_batch=args.decode_batch,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
         )
     except PlanError as e:
         print(f"loraplex plan: error: {e}", file=sys.stderr)
