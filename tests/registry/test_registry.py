@@ -1171,3 +1171,30 @@ def test_manual_rollback_records_its_reason(db_url: str, root: Path, base: objec
     rel = reg.rollback("x", actor="op", reason="bad answers")
     assert rel.active_revision == "r1" and rel.last_rollback is not None
     assert (rel.last_rollback.revision, rel.last_rollback.reason) == ("r2", "bad answers")
+
+
+def test_quantized_base_is_recorded_and_takes_the_float_bases_adapters(
+    db_url: str, root: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """An adapter trained on the float base registers for its quantized forms (same shapes);
+    each registration and validation records how the base is quantized."""
+    from loraplex.testing.quant import write_gptq
+
+    gptq, _ = write_gptq(tiny_model, tmp_path / "gptq", tmp_path / "ref", bits=4, group_size=32)
+    quantized = base_model_info(gptq, "tiny-gptq")
+    at_load = base_model_info(tiny_model, "tiny", quantization="int4")
+    assert quantized.quantization == "gptq w4 g32" and at_load.quantization == "int4"
+    assert base_model_info(tiny_model, "tiny").quantization is None
+    assert at_load.digest == base_model_info(tiny_model, "tiny").digest  # the same files
+    reg = open_reg(db_url, root)
+    path = root / "all_r8"
+    m = reg.register(path, "x", base=quantized, actor="alice")
+    assert m.base_model_digest == quantized.digest
+    reg.validate("x", m.revision, base=quantized, actor="alice")
+    log = reg.audit_log(limit=10)
+    assert (
+        log[0].action == "validate"
+        and log[0].after["verified"]["base_quantization"] == "gptq w4 g32"
+    )  # type: ignore[index]
+    assert log[1].action == "register" and log[1].after["base_quantization"] == "gptq w4 g32"  # type: ignore[index]
+    reg.close()

@@ -53,6 +53,26 @@ class BaseModelInfo:
     name: str
     digest: str
     config: dict
+    quantization: str | None = None
+    """How the served base's weights are quantized (``quantization_of``): recorded with every
+    registration and validation; None: float weights."""
+
+
+def quantization_of(config: dict, requested: str | None = None) -> str | None:
+    """The base's quantization as the registry records it: ``--quantization int8/int4``
+    (quantized at load from these float files), else the checkpoint's
+    ``quantization_config.quant_method`` with its bits and group size (``gptq w4 g128``)."""
+    if requested in ("int8", "int4"):
+        return requested
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict) or not qc.get("quant_method"):
+        return requested
+    parts = [str(qc["quant_method"])]
+    if qc.get("bits"):
+        parts.append(f"w{qc['bits']}")
+    if qc.get("group_size") not in (None, -1):
+        parts.append(f"g{qc['group_size']}")
+    return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -95,8 +115,12 @@ def _save_memo(memo_path: Path, memo: dict[str, Any]) -> None:
         pass
 
 
-def base_model_info(model_dir: str | Path, name: str | None = None) -> BaseModelInfo:
-    """Fingerprint a base model directory.
+def base_model_info(
+    model_dir: str | Path, name: str | None = None, quantization: str | None = None
+) -> BaseModelInfo:
+    """Fingerprint a base model directory (``quantization``: the server's ``--quantization``,
+    recorded as :func:`quantization_of` says; the digest is the files', so adapters registered
+    for a float base stay valid when it is served quantized at load).
 
     ``digest = sha256("loraplex-base-digest-v1\\n" + len + config.json bytes + per weight file in
     name order "name\\0size\\0sha256\\n")``. File hashes are memoised per (path, size, mtime_ns)
@@ -138,7 +162,9 @@ def base_model_info(model_dir: str | Path, name: str | None = None) -> BaseModel
         h.update(f"{p.name}\0{st.st_size}\0{sha}\n".encode())
     if changed:
         _save_memo(memo_path, memo)
-    return BaseModelInfo(name or root.resolve().name, h.hexdigest(), config)
+    return BaseModelInfo(
+        name or root.resolve().name, h.hexdigest(), config, quantization_of(config, quantization)
+    )
 
 
 def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> AdapterInfo:

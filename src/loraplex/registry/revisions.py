@@ -233,7 +233,8 @@ class Revisions:
             rel.updated_at = now
             s.flush()
             manifest = manifest_of(row)
-            add_entry(s, actor, "register", f"{name}@{revision}", None, manifest.to_dict())
+            after = {**manifest.to_dict(), "base_quantization": base.quantization}
+            add_entry(s, actor, "register", f"{name}@{revision}", None, after)
             return manifest
 
     def validate(self, name: str, revision: str, *, base: BaseModelInfo, actor: str) -> Manifest:
@@ -288,6 +289,7 @@ class Revisions:
             checked = {
                 "sha256": m.sha256,
                 "base_model_digest": base.digest,
+                "base_quantization": base.quantization,
                 "signed_by": m.signed_by,
             }
             add_entry(

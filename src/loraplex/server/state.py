@@ -94,7 +94,9 @@ class ServerState:
         self.base_names = config.model_names
         self.owns_registry = registry is None
         self.registry = registry if registry is not None else open_registry(config)
-        self.base = base_model_info(config.engine.model, name=self.base_names[0])
+        self.base = base_model_info(
+            config.engine.model, name=self.base_names[0], quantization=config.engine.quantization
+        )
         # the flags' signature policy, or the shared registry's own if only it requires them
         signatures = server_policy(config)
         if not signatures.require_signatures:
