@@ -137,7 +137,7 @@ def test_start_up_choice_picks_a_checked_kernel() -> None:
         choice = choose_kernel(qw, dtype, load_qgemm())
         assert choice.name in choice.times_ms  # timed, after passing its self-check
         if dtype == torch.float32:  # torch's int4/int8 kernels are not offered float32 x
-            assert set(choice.times_ms) <= {"c-kernel", "c-kernel@prompt", "dequant@prompt"}
+            assert not {"torch-int4", "torch-int8"} & set(choice.times_ms)
 
 
 def test_w8a8_int8_quantizes_only_the_base_input() -> None:

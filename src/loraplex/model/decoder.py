@@ -16,7 +16,7 @@ import functools
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -437,11 +437,11 @@ class DecoderForCausalLM:
                 setattr(L, key.partition(".")[0], norm(w.pop(key), c.rms_norm_eps))
         self.embed_tokens = top["embed_tokens"]
         self.norm = norm(top["norm"], c.rms_norm_eps)
-        # a tied head shares the embedding (a packed backend makes the head its own copy);
-        # it stays in the model dtype in a quantized checkpoint, as every format leaves it
-        self.head = make(top.get("lm_head", self.embed_tokens), None)
         if self.quant is not None and self.quant.on_the_fly:
             self._quantize_vocab(top)
+        else:  # a tied head shares the embedding (a packed backend makes the head its own
+            # copy); it stays in the model dtype in a quantized checkpoint, as formats leave it
+            self.head = make(top.get("lm_head", self.embed_tokens), None)
         if self.quant_kernels is not None:
             self.linear_impl = f"{self.quant.label}: {self.quant_kernels.summary() or 'dequant'}"
 
@@ -463,7 +463,6 @@ class DecoderForCausalLM:
         """The projections' Linear factory on a quantized base: a quantized weight (the
         checkpoint's, or quantized at load by ``--quantization int8/int4``) goes to its kernel;
         one the checkpoint left in float (``ignore``) stays float."""
-        from dataclasses import replace
 
         def build(weight: Any, bias: torch.Tensor | None) -> Linear:
             if isinstance(weight, (QuantWeight, FP8Weight)):  # a checkpoint's, or at load

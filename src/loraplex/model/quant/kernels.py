@@ -8,7 +8,8 @@ dequantizing into a float buffer for a plain GEMM (prompt chunks of many rows). 
 against the dequantized reference on the real weight's first rows when it is built, and
 :func:`select_quant_linear` times the candidates once per distinct (shape, bits, group size) on
 the decode batch sizes an engine runs, keeping the fastest (``docs/benchmarks.md`` has the
-figures). On CUDA and elsewhere the dequantizing Linear serves every format.
+figures). On CUDA a Triton kernel (``triton_gemm.py``) reads the integer layout as stored; W8A8 and
+float8 weights, and any device without Triton, use the dequantizing Linear.
 
 W8A8 checkpoints quantize the base product's *input* (int8 per token, or float8). The LoRA delta
 is added by the caller from the same unquantized ``x`` (``LoRABinding.add`` reads the layer's
@@ -94,11 +95,12 @@ class DequantLinear(_QuantLinearBase):
 
 class CKernelLinear(_QuantLinearBase):
     """loraplex's C kernel: unpacks each weight once per call for every row of x. Inputs of at
-    least ``dequant_rows`` rows dequantize row blocks into a float buffer and use the float
-    GEMM instead (where that was measured faster)."""
+    least ``dequant_rows`` rows dequantize blocks of ``BLOCK_ROWS`` output rows into a float
+    buffer small enough to stay in cache and run the float GEMM on it instead (where the
+    start-up timing found that faster)."""
 
     name = "c-kernel"
-    BLOCK_ROWS = 1024  # output rows dequantized at a time on the prompt path
+    BLOCK_ROWS = 256  # output rows dequantized at a time (a few hundred KiB)
 
     def __init__(self, weight: QuantWeight, kernel: object) -> None:
         super().__init__(weight)
@@ -108,20 +110,26 @@ class CKernelLinear(_QuantLinearBase):
         self.bias32 = None if weight.bias is None else weight.bias.float().contiguous()
         self.dequant_rows: int | None = None
 
+    def via_dequant(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` by dequantized row blocks and the float GEMM (x gathered already)."""
+        q = self.quant
+        assert isinstance(q, QuantWeight)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        w = torch.empty(min(self.BLOCK_ROWS, self.out_features), self.in_features, dtype=x.dtype)
+        for n0 in range(0, self.out_features, self.BLOCK_ROWS):
+            n1 = min(n0 + self.BLOCK_ROWS, self.out_features)
+            block = w[: n1 - n0]
+            self.kernel.dequant(q.q, q.bits, q.scales, q.zeros, q.group_size, n0, n1, block)
+            out[:, n0:n1] = F.linear(x, block)
+        return self._add_bias(out)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quant
         assert isinstance(q, QuantWeight)
         x = self._gather(x).contiguous()
-        T = x.shape[0]
-        if self.dequant_rows is not None and T >= self.dequant_rows:
-            out = torch.empty(T, self.out_features, dtype=x.dtype)
-            for n0 in range(0, self.out_features, self.BLOCK_ROWS):
-                n1 = min(n0 + self.BLOCK_ROWS, self.out_features)
-                w = torch.empty(n1 - n0, self.in_features, dtype=x.dtype)
-                self.kernel.dequant(q.q, q.bits, q.scales, q.zeros, q.group_size, n0, n1, w)
-                out[:, n0:n1] = F.linear(x, w)
-            return self._add_bias(out)
-        out = torch.empty(T, self.out_features, dtype=x.dtype)
+        if self.dequant_rows is not None and x.shape[0] >= self.dequant_rows:
+            return self.via_dequant(x)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         return self.kernel.gemm(x, q.q, q.bits, q.scales, q.zeros, q.group_size, self.bias32, out)
 
 
@@ -309,26 +317,34 @@ def choose_kernel(weight: QuantWeight, dtype: torch.dtype, kernel: object | None
     )
     times: dict[str, float] = {}
     best: tuple[float, _QuantLinearBase] | None = None
+    dequant_rows: int | None = None
     for lin in _candidates(probe, dtype, kernel):
         if not _self_check(lin, probe, dtype):
             log.warning("quantized kernel %s failed its self-check; not used", lin.name)
             continue
-        xs = [torch.randn(t, probe.in_features).to(dtype) for t in DECODE_ROWS]
-        ms = sum(_time_ms(lambda x=x, lin=lin: lin(x)) for x in xs)
-        times[lin.name] = round(ms, 4)
+        xs = {t: torch.randn(t, probe.in_features).to(dtype) for t in DECODE_ROWS}
+        per_rows = {t: _time_ms(lambda x=x, lin=lin: lin(x)) for t, x in xs.items()}
+        rows_via = None
+        if isinstance(lin, CKernelLinear):  # its dequantizing path, from how many rows
+            big = max(DECODE_ROWS)
+            via = _time_ms(lambda lin=lin, x=xs[big]: lin.via_dequant(x))
+            times[f"c-kernel@{big}"], times[f"dequant@{big}"] = per_rows[big], via
+            if via < per_rows[big]:
+                per_rows[big], rows_via = via, big
+            else:
+                x = torch.randn(PROMPT_ROWS, probe.in_features).to(dtype)
+                lin.dequant_rows = None
+                direct = _time_ms(lambda lin=lin, x=x: lin(x), repeats=2)
+                via_p = _time_ms(lambda lin=lin, x=x: lin.via_dequant(x), repeats=2)
+                times["c-kernel@prompt"], times["dequant@prompt"] = direct, via_p
+                rows_via = 64 if via_p < direct else None
+        ms = sum(per_rows.values())
+        times[lin.name] = ms
         if best is None or ms < best[0]:
-            best = (ms, lin)
+            best, dequant_rows = (ms, lin), rows_via
+    times = {k: round(v, 4) for k, v in times.items()}
     if best is None:
         return KernelChoice("dequant", times)
-    dequant_rows = None
-    if isinstance(best[1], CKernelLinear):  # the prompt path: direct or dequantize + GEMM
-        lin = best[1]
-        x = torch.randn(PROMPT_ROWS, probe.in_features).to(dtype)
-        direct = _time_ms(lambda: lin(x), repeats=2)
-        lin.dequant_rows = 1
-        via = _time_ms(lambda: lin(x), repeats=2)
-        times["c-kernel@prompt"], times["dequant@prompt"] = round(direct, 3), round(via, 3)
-        dequant_rows = 64 if via < direct else None
     return KernelChoice(best[1].name, times, dequant_rows)
 
 
@@ -376,6 +392,11 @@ class QuantKernels:
                 log.warning("quantized GEMM C kernel unavailable (%s); torch kernels only", e)
 
     def __call__(self, weight: QuantWeight | FP8Weight) -> _QuantLinearBase:
+        weight = weight.to(self.device)  # checkpoints unpack on the host
+        if self.device.type == "cuda" and isinstance(weight, QuantWeight) and weight.act is None:
+            triton_linear = self._triton(weight)
+            if triton_linear is not None:
+                return triton_linear  # type: ignore[return-value]
         choice = None
         if isinstance(weight, QuantWeight) and weight.act is None and self.device.type == "cpu":
             key = (
@@ -394,6 +415,17 @@ class QuantKernels:
                     choice = KernelChoice(name, {})
                 self.choices[key] = choice
         return build_quant_linear(weight, self.dtype, self.device, choice, self.kernel)
+
+    def _triton(self, weight: QuantWeight) -> object | None:
+        """The Triton kernel for ``weight`` on CUDA, or None (no Triton: the dequantizing
+        Linear serves it, with one warning)."""
+        try:
+            from loraplex.model.quant.triton_gemm import TritonQuantLinear
+        except ImportError as e:
+            if not self.choices:
+                log.warning("Triton unavailable (%s): quantized weights dequantize per call", e)
+            return None
+        return TritonQuantLinear(weight)
 
     def summary(self) -> str:
         """One line per weight kind: the kernel picked and the times it was picked by."""

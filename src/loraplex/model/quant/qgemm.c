@@ -328,6 +328,24 @@ int loraplex_qdequant(const void *q, int bits, const float *scales, const int8_t
 #pragma omp for schedule(static)
         for (int64_t n = n0; n < n1; n++) {
             if (failed) continue;
+#if HAVE_AVX512
+            if (gs % 32 == 0 && K % 32 == 0) { /* the table path of the GEMM, scaled */
+                const __m512 iota =
+                    _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+                for (int64_t g = 0; g < G; g++) {
+                    const float z = zeros ? (float)zeros[n * G + g] : 0.0f;
+                    const __m512 zv = _mm512_set1_ps(z), sv = _mm512_set1_ps(scales[n * G + g]);
+                    const __m512 tbl = _mm512_sub_ps(iota, zv);
+                    const int64_t k0 = g * gs, m = K - k0 < gs ? K - k0 : gs;
+                    for (int64_t b = 0; b < m; b += 32) {
+                        __m512 lo, hi;
+                        block_f32(q, bits, K, n, k0 + b, tbl, zv, &lo, &hi);
+                        _mm512_storeu_ps(w + k0 + b, _mm512_mul_ps(lo, sv));
+                        _mm512_storeu_ps(w + k0 + b + 16, _mm512_mul_ps(hi, sv));
+                    }
+                }
+            } else
+#endif
             for (int64_t g = 0; g < G; g++) {
                 const float z = zeros ? (float)zeros[n * G + g] : 0.0f, s = scales[n * G + g];
                 const int64_t k0 = g * gs, m = K - k0 < gs ? K - k0 : gs;
@@ -336,9 +354,16 @@ int loraplex_qdequant(const void *q, int bits, const float *scales, const int8_t
             }
             if (out_type == 0)
                 memcpy((float *)out + (n - n0) * K, w, (size_t)K * sizeof(float));
-            else
-                for (int64_t k = 0; k < K; k++)
-                    ((uint16_t *)out)[(n - n0) * K + k] = f32_to_bf16(w[k]);
+            else {
+                uint16_t *dst = (uint16_t *)out + (n - n0) * K;
+                int64_t k = 0;
+#if HAVE_DPBF16
+                for (; k + 16 <= K; k += 16) /* rounds to nearest even, as f32_to_bf16 */
+                    _mm256_storeu_si256((__m256i *)(dst + k),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w + k)));
+#endif
+                for (; k < K; k++) dst[k] = f32_to_bf16(w[k]);
+            }
         }
         free(w);
     }

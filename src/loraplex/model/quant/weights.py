@@ -71,6 +71,17 @@ class QuantWeight:
         parts = (self.q, self.scales, self.zeros, self.perm, self.bias)
         return sum(t.nbytes for t in parts if t is not None)
 
+    def to(self, device: torch.device) -> QuantWeight:
+        """The same weight with every tensor on ``device``."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(
+            self, q=move(self.q), scales=move(self.scales), zeros=move(self.zeros),
+            perm=move(self.perm), bias=move(self.bias),
+        )  # fmt: skip
+
     def values(self) -> torch.Tensor:
         """The integer values ``q`` as int16 ``[N, K]`` (stored column order)."""
         if self.bits == 8:
@@ -222,6 +233,10 @@ class FP8Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         work = torch.float64 if dtype == torch.float64 else torch.float32
         return (self.w.to(work) * self.scale.to(work)).to(dtype)
+
+    def to(self, device: torch.device) -> FP8Weight:
+        bias = None if self.bias is None else self.bias.to(device)
+        return replace(self, w=self.w.to(device), scale=self.scale.to(device), bias=bias)
 
     @staticmethod
     def cat(parts: Sequence[FP8Weight]) -> FP8Weight:
