@@ -155,7 +155,13 @@ def test_on_the_fly_tied_embedding_is_one_int8_matrix(tmp_path: Path) -> None:
     ref = write_dequantized(base, tmp_path / "ref", bits=4, group_size=32)
     llm = _check_mixed_batch(base, ref, tmp_path, quantization="int4", quantization_group_size=32)
     model = llm.engine.model
-    assert model.head.quant is model.embed_tokens.weight  # one matrix
+    assert model.head.quant.q.data_ptr() == model.embed_tokens.weight.q.data_ptr()  # one matrix
+    assert (
+        model.nbytes
+        < sum(lin.nbytes for lin in (model.head, model.embed_tokens))
+        + sum(L.nbytes for L in model.layers)
+        + model.norm.nbytes
+    )  # counted once
     vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
     assert model.embed_tokens.nbytes == vocab * hidden + 4 * vocab  # int8 values + row scales
 

@@ -526,6 +526,9 @@ class DecoderForCausalLM:
         """Bytes of the weights as loaded (embedding, norms, projections, head)."""
         shared = getattr(self.head, "weight", None) is self.embed_tokens  # tied and unpacked
         if isinstance(self.embed_tokens, QuantizedEmbedding):  # tied: one int8 matrix
-            shared = getattr(self.head, "quant", None) is self.embed_tokens.weight
+            head_q = getattr(getattr(self.head, "quant", None), "q", None)
+            shared = (
+                head_q is not None and head_q.data_ptr() == self.embed_tokens.weight.q.data_ptr()
+            )
         total = self.embed_tokens.nbytes + self.norm.nbytes + (0 if shared else self.head.nbytes)
         return total + sum(L.nbytes for L in self.layers)
