@@ -126,12 +126,29 @@ static inline void block_f32(const void *q, int bits, int64_t K, int64_t n, int6
     }
 }
 
+/* The bf16 4-bit fast path reads x as ``xp``: each 64 columns reordered [0..15, 32..47, 16..31,
+ * 48..63], the order in which two packed blocks widen into 16-bit lanes (low nibbles of 32
+ * bytes, then high ones). A nibble v becomes the bf16 bit pattern 0x4300 | v, which is exactly
+ * 128 + v (one OR, no table), and the 128 + z it is too large by is taken off once per chunk
+ * (which lies within one group): dot(x, v - z) = dot(x, 128 + v) - (128 + z) * sum(x over the
+ * chunk), in float32. */
+static void permute_x64(const uint16_t *x, int64_t K, uint16_t *xp) {
+    for (int64_t b = 0; b + 64 <= K; b += 64) {
+        memcpy(xp + b, x + b, 16 * sizeof(uint16_t));
+        memcpy(xp + b + 16, x + b + 32, 16 * sizeof(uint16_t));
+        memcpy(xp + b + 32, x + b + 16, 16 * sizeof(uint16_t));
+        memcpy(xp + b + 48, x + b + 48, 16 * sizeof(uint16_t));
+    }
+    for (int64_t b = K - K % 64; b < K; b++) xp[b] = x[b];
+}
+
 static void gemm_block_avx512(const void *x, int64_t x_stride, int x_type, int64_t T, int64_t K,
                               const void *q, int bits, const float *scales, const int8_t *zeros,
-                              int64_t gs, int64_t n0, int rows, __m512 *acc, float *wf) {
+                              int64_t gs, int64_t n0, int rows, __m512 *acc, float *wf,
+                              const uint16_t *xp, const float *xsum, float *corr) {
     const int64_t G = (K + gs - 1) / gs, ch = chunk_of(gs);
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t i = 0; i < ROWS * T; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < ROWS * T; i++) acc[i] = _mm512_setzero_ps(), corr[i] = 0.0f;
 #if HAVE_DPBF16
     const int dp = x_type == 1;
 #else
@@ -139,14 +156,33 @@ static void gemm_block_avx512(const void *x, int64_t x_stride, int x_type, int64
 #endif
     for (int64_t k0 = 0; k0 < K; k0 += ch) {
         const int64_t m = K - k0 < ch ? K - k0 : ch, g = k0 / gs;
+        const int offset = xp != NULL && m % 64 == 0; /* the fast path (above) */
         __m512 sc[ROWS];
+        float off[ROWS]; /* (128 + z) * scale of each row, for the group correction */
         for (int r = 0; r < ROWS; r++) { /* unpack this chunk of each row once */
             const int64_t n = n0 + (r < rows ? r : 0); /* padding rows: scale 0 */
             const float z = zeros ? (float)zeros[n * G + g] : 0.0f;
             const __m512 zv = _mm512_set1_ps(z), tbl = _mm512_sub_ps(iota, zv);
-            sc[r] = _mm512_set1_ps(r < rows ? scales[n * G + g] : 0.0f);
+            const float scale = r < rows ? scales[n * G + g] : 0.0f;
+            sc[r] = _mm512_set1_ps(scale);
+            off[r] = (128.0f + z) * scale;
             float *dst = wf + r * CHUNK;
 #if HAVE_DPBF16
+            if (offset) {
+                const uint8_t *src = (const uint8_t *)q + n * (K / 2) + k0 / 2;
+                const __m512i m4 = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
+                for (int64_t b = 0; b < m; b += 64) {
+                    const __m512i v =
+                        _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + b / 2)));
+                    /* (v & 15) | 0x4300: ternary-logic truth table 0xEA = (A & B) | C */
+                    const __m512i lo = _mm512_ternarylogic_epi32(v, m4, bias, 0xEA);
+                    const __m512i hi =
+                        _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m4, bias, 0xEA);
+                    _mm512_storeu_si512((void *)((uint16_t *)dst + b), lo);
+                    _mm512_storeu_si512((void *)((uint16_t *)dst + b + 32), hi);
+                }
+                continue;
+            }
             if (dp && bits == 4) { /* nibbles index a table of the 16 bf16 values (q - z) */
                 const __m512i tb = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(tbl));
                 const uint8_t *src = (const uint8_t *)q + n * (K / 2) + k0 / 2;
@@ -178,7 +214,7 @@ static void gemm_block_avx512(const void *x, int64_t x_stride, int x_type, int64
             __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
 #if HAVE_DPBF16
             if (dp) {
-                const uint16_t *xr = (const uint16_t *)x + t * x_stride + k0;
+                const uint16_t *xr = offset ? xp + t * K + k0 : (const uint16_t *)x + t * x_stride + k0;
                 const uint16_t *w0 = (const uint16_t *)wf, *w1 = (const uint16_t *)(wf + CHUNK);
                 const uint16_t *w2 = (const uint16_t *)(wf + 2 * CHUNK);
                 const uint16_t *w3 = (const uint16_t *)(wf + 3 * CHUNK);
@@ -206,6 +242,9 @@ static void gemm_block_avx512(const void *x, int64_t x_stride, int x_type, int64
             a[T] = _mm512_fmadd_ps(sc[1], s1, a[T]);
             a[2 * T] = _mm512_fmadd_ps(sc[2], s2, a[2 * T]);
             a[3 * T] = _mm512_fmadd_ps(sc[3], s3, a[3 * T]);
+            if (offset)
+                for (int r = 0; r < ROWS; r++)
+                    corr[r * T + t] += off[r] * xsum[t * ((K + ch - 1) / ch) + k0 / ch];
         }
     }
 }
@@ -257,14 +296,40 @@ int loraplex_qgemm(const void *x, int64_t x_stride, int x_type, int64_t T, int64
         }
         xs = xf, xs_stride = K;
     }
+    uint16_t *xp = NULL; /* the bf16 4-bit fast path's x and group sums (gemm_block_avx512) */
+    float *xsum = NULL;
+    (void)ch;
+#if HAVE_DPBF16
+    const int64_t C = (K + ch - 1) / ch;
+    if (vec && x_type == 1 && bits == 4 && ch % 64 == 0) {
+        xp = (uint16_t *)malloc((size_t)(T * K) * sizeof(uint16_t));
+        xsum = (float *)malloc((size_t)(T * C) * sizeof(float));
+        if (!xp || !xsum) {
+            free(xp), free(xsum), free(xf);
+            return 1;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            const uint16_t *row = (const uint16_t *)x + t * x_stride;
+            permute_x64(row, K, xp + t * K);
+            for (int64_t c = 0; c < C; c++) { /* per unpacked chunk: within one group */
+                float sum = 0.0f;
+                const int64_t end = (c + 1) * ch < K ? (c + 1) * ch : K;
+                for (int64_t k = c * ch; k < end; k++) sum += bf16_to_f32(row[k]);
+                xsum[t * C + c] = sum;
+            }
+        }
+    }
+#endif
     const int64_t blocks = (N + ROWS - 1) / ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        /* accumulators: ROWS * T floats (generic) or vectors (AVX-512); unpacked weights */
+        /* accumulators: ROWS * T floats (generic) or vectors (AVX-512); unpacked weights;
+         * the fast path's per-output corrections */
         float *acc = (float *)aligned_alloc(64, (size_t)(ROWS * T) * 64);
         float *w = (float *)aligned_alloc(64, (size_t)(ROWS * CHUNK) * sizeof(float));
-        if (!acc || !w) {
+        float *corr = (float *)malloc((size_t)(ROWS * T) * sizeof(float));
+        if (!acc || !w || !corr) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -279,7 +344,7 @@ int loraplex_qgemm(const void *x, int64_t x_stride, int x_type, int64_t T, int64
 #if HAVE_AVX512
                     if (vec)
                         gemm_block_avx512(x, x_stride, x_type, T, K, q, bits, scales, zeros, gs,
-                                          n0, rows, (__m512 *)acc, w);
+                                          n0, rows, (__m512 *)acc, w, xp, xsum, corr);
                     else
 #endif
                         gemm_block_generic(xs, xs_stride, T, K, q, bits, scales, zeros, gs, n0,
@@ -288,7 +353,8 @@ int loraplex_qgemm(const void *x, int64_t x_stride, int x_type, int64_t T, int64
                 for (int r = 0; r < rows; r++) {
 #if HAVE_AVX512
                     if (vec) {
-                        out[r] = _mm512_reduce_add_ps(((__m512 *)acc)[r * T + t]);
+                        out[r] = _mm512_reduce_add_ps(((__m512 *)acc)[r * T + t]) -
+                                 (xp ? corr[r * T + t] : 0.0f);
                         continue;
                     }
 #endif
@@ -306,8 +372,11 @@ int loraplex_qgemm(const void *x, int64_t x_stride, int x_type, int64_t T, int64
         }
         free(acc);
         free(w);
+        free(corr);
     }
     free(xf);
+    free(xp);
+    free(xsum);
     return failed;
 }
 
