@@ -31,6 +31,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                      tie_word_embeddings=True),
     "smollm2": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                     intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 intermediate_size=256, vocab_size=30100, tie_word_embeddings=True),  # its test
 }  # fmt: skip
 MODES = ("float32", "bfloat16", "bfloat16+int8", "bfloat16+int4", "float32+int8", "float32+int4")
 N_ADAPTERS = 16
@@ -137,7 +139,7 @@ def report(shape: str, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loraplex.bench.quant", description=__doc__)
     ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/loraplex/bench-quant"))
-    ap.add_argument("--shape", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--shape", nargs="+", choices=list(SHAPES), default=["llama-1b", "smollm2"])
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)

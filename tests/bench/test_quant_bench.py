@@ -1,0 +1,25 @@
+"""``python -m loraplex.bench.quant`` end to end on a tiny shape: every mode's figures land in
+its JSON line and the table, and the quantized base is the smaller one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loraplex.bench import quant
+
+
+def test_quant_bench_runs_on_a_tiny_shape(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["--shape", "tiny", "--modes", "float32", "float32+int4", "--new-tokens", "3",
+            "--threads", "1", "--cache-dir", str(tmp_path)]  # fmt: skip
+    assert quant.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["mode"] for r in rows] == ["float32", "float32+int4"]
+    for r in rows:
+        assert r["tok_s_16_adapters"] > 0 and r["tok_s_1_adapter"] > 0 and r["bandwidth_gbs"] > 0
+    f32, int4 = rows
+    assert int4["weights"] < f32["weights"] / 4  # int4 projections, int8 embedding and head
+    assert int4["kernels"].startswith("int4-g128") and "tiny: decode tok/s" in out
