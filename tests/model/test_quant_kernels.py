@@ -140,6 +140,18 @@ def test_start_up_choice_picks_a_checked_kernel() -> None:
             assert not {"torch-int4", "torch-int8"} & set(choice.times_ms)
 
 
+def test_int_mm_check_tells_saturation_from_exact() -> None:
+    """The check behind W8A8's kernel choice agrees with an int64 product of full-range
+    operands in this process (wrong under oneDNN's AVX2 code, where ``_int_mm`` saturates)."""
+    from loraplex.model.quant.kernels import int_mm_is_exact
+
+    g = torch.Generator().manual_seed(9)
+    a = torch.randint(-128, 128, (9, 2048), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (2048, 24), dtype=torch.int8, generator=g)
+    agrees = torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
+    assert int_mm_is_exact() == agrees
+
+
 def test_w8a8_int8_quantizes_only_the_base_input() -> None:
     qw = _weight(24, 64, 8, None, False, False)
     from dataclasses import replace
@@ -147,11 +159,17 @@ def test_w8a8_int8_quantizes_only_the_base_input() -> None:
     qw = replace(qw, act=ActQuant("int8"))
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
     x_before = x.clone()
-    got = W8A8Int8Linear(qw)(x)
     want = (
         quantize_activation(x, qw.act).double() @ qw.dequantize(torch.float64).T + qw.bias.double()
     )
-    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    exact = W8A8Int8Linear(qw)
+    emulated = W8A8Int8Linear(qw, load_qgemm())
+    emulated.wt = None  # the path of a CPU where _int_mm saturates (int_mm_is_exact False)
+    plain = W8A8Int8Linear(qw)
+    plain.wt = None  # ... without the C kernel
+    for lin in (exact, emulated, plain):
+        got = lin(x)
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), lin.name
     assert torch.equal(x, x_before)  # the LoRA delta reads this x, unquantized
     assert (quantize_activation(x, qw.act) - x).abs().max() > 1e-3  # the quantization is real
     ref = DequantLinear(qw)(x)

@@ -21,6 +21,7 @@ never write to ``x``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -202,32 +203,65 @@ class TorchInt8Linear(_QuantLinearBase):
         )
 
 
+@functools.cache
+def int_mm_is_exact() -> bool:
+    """Whether ``torch._int_mm`` computes int8 x int8 -> int32 exactly here. Under oneDNN's
+    AVX2 code (an AVX2-only CPU, or ``ONEDNN_MAX_CPU_ISA=AVX2``) it saturates: its u8 x s8
+    pair products sum into int16 (``vpmaddubsw``), off by up to ~250,000 on full-range
+    operands; checked once on full-range values against an int64 product."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (17, 256), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (256, 40), dtype=torch.int8, generator=g)
+    a[0], b[:, 0] = 127, 127  # the largest pair sums
+    try:
+        return bool(torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long()))
+    except RuntimeError:
+        return False
+
+
 class W8A8Int8Linear(_QuantLinearBase):
-    """W8A8 int8: x quantized per token (dynamic, symmetric), int8 x int8 -> int32 with
-    ``torch._int_mm``, both scales applied after. LoRA reads the unquantized x (module
-    docstring)."""
+    """W8A8 int8: x quantized per token (dynamic, symmetric, vLLM's ``absmax / 127``), int8 x
+    int8 -> int32 with ``torch._int_mm`` where that is exact (:func:`int_mm_is_exact`), both
+    scales applied after; elsewhere the same product from the dequantized int8 activations on
+    the C kernel's int8 weights (float32 sums of the same products). LoRA reads the
+    unquantized x (module docstring)."""
 
     name = "w8a8-int8"
 
-    def __init__(self, weight: QuantWeight) -> None:
+    def __init__(self, weight: QuantWeight, kernel: object | None = None) -> None:
         super().__init__(weight)
         per_channel = weight.group_size == weight.in_features and weight.zeros is None
         if weight.bits != 8 or not per_channel or weight.act != ActQuant("int8"):
             raise KernelBuildError("W8A8 int8: per-channel symmetric int8 weights")
-        self.wt = weight.q.t().contiguous()  # [K, N] int8 (_int_mm's right operand)
         self.w_scale = weight.scales[:, 0].contiguous()  # [N] float32
-        self._nbytes = self.wt.nbytes + self.w_scale.nbytes
+        self.exact = int_mm_is_exact()
+        self.kernel = kernel
+        self.wt = weight.q.t().contiguous() if self.exact else None  # [K, N] for _int_mm
+        self.name = "w8a8-int8" if self.exact else "w8a8-int8-emulated"
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes
+        w = self.wt if self.wt is not None else self.quant.q  # type: ignore[union-attr]
+        return w.nbytes + self.w_scale.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = self._gather(x).float()
         s = (xf.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-10)  # [T, 1]
-        xq = torch.round(xf / s).clamp(-128, 127).to(torch.int8)
-        acc = torch._int_mm(xq, self.wt)  # [T, N] int32, exact
-        return self._add_bias((acc.float() * s * self.w_scale).to(x.dtype))
+        xq = torch.round(xf / s).clamp(-128, 127)
+        if self.wt is not None:
+            acc = torch._int_mm(xq.to(torch.int8), self.wt)  # [T, N] int32, exact
+            return self._add_bias((acc.float() * s * self.w_scale).to(x.dtype))
+        q = self.quant
+        assert isinstance(q, QuantWeight)
+        xd = (xq * s).contiguous()  # the quantized activations, as float32
+        if self.kernel is not None:
+            out = torch.empty(xd.shape[0], self.out_features)
+            self.kernel.gemm(xd, q.q, 8, q.scales, None, q.group_size, None, out)  # type: ignore[attr-defined]
+        else:
+            out = F.linear(xd, q.dequantize(torch.float32))
+        return self._add_bias(out.to(x.dtype))
 
 
 class FP8Linear(_QuantLinearBase):
@@ -356,9 +390,9 @@ def build_quant_linear(
     if isinstance(weight, FP8Weight):
         return FP8Linear(weight)
     if weight.act is not None:
-        if device.type == "cpu" and hasattr(torch, "_int_mm"):
+        if device.type == "cpu":
             try:
-                return W8A8Int8Linear(weight)
+                return W8A8Int8Linear(weight, kernel)
             except KernelBuildError:
                 pass
         return DequantLinear(weight)
