@@ -151,6 +151,8 @@ SERVE_SAMPLES = {  # settings whose values have a syntax of their own: one valid
     "model": "MODEL",
     "dtype": "float16",
     "device": "cpu",
+    "quantization": "int4",
+    "quantization_group_size": "64",
     "adapter_eviction_policy": "lru",
     "disk_cache_dir": "DIR",
     "adapter_store_url": "s3://bucket/prefix",
@@ -248,8 +250,8 @@ def _argvs(spec: Any, text: str | None) -> list[list[str]]:
 
 
 def _keys(spec: Any) -> set[str]:
-    """Every config-file key naming it, dashes and underscores."""
-    names = [*(f[2:] for f in spec.setting.flags), *spec.setting.keys]
+    """Every config-file key naming it, dashes and underscores (a short flag's too: ``q``)."""
+    names = [*(f.lstrip("-") for f in spec.setting.flags), *spec.setting.keys]
     return {k for n in names for k in (n, n.replace("-", "_"))}
 
 

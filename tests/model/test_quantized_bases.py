@@ -139,6 +139,10 @@ def test_quantization_refusals(float_model: Path, tmp_path: Path) -> None:
             quantization_group_size=48,
             skip_tokenizer_init=True,
         )
+    for q in ("int8", None):
+        with pytest.raises(ModelLoadError, match="applies to --quantization int4 only"):
+            LLM(model=str(float_model), quantization=q, quantization_group_size=64,
+                skip_tokenizer_init=True)  # fmt: skip
     cfg = (qdir / "config.json").read_text().replace('"bits": 4', '"bits": 3')
     (qdir / "config.json").write_text(cfg)
     with pytest.raises(

@@ -114,6 +114,11 @@ def parse_quantization(
     """The model's quantization from config.json's ``quantization_config`` (``qc``) and
     ``--quantization`` (``requested``: a method the checkpoint must have, or ``int8`` / ``int4``
     to quantize a float checkpoint at load, with ``group_size`` for int4)."""
+    if group_size is not None and requested != "int4":
+        raise ModelLoadError(
+            "--quantization-group-size applies to --quantization int4 only (the group size "
+            "of a quantized checkpoint is its quantization_config's)"
+        )
     if requested in ON_THE_FLY:
         if qc:
             raise ModelLoadError(
@@ -121,8 +126,6 @@ def parse_quantization(
                 f"already quantized ({qc.get('quant_method')}); omit --quantization"
             )
         if requested == "int8":
-            if group_size is not None:
-                raise ModelLoadError("--quantization-group-size applies to int4 only")
             return QuantSpec("int8", 8, None)
         gs = 128 if group_size is None else group_size
         if gs <= 0 or gs % 32:
