@@ -4,7 +4,7 @@ Every candidate the start-up choice may pick (the C kernel's native and AVX2 bui
 int4 and int8 CPU kernels, the dequantizing path, W8A8 int8, float8) is checked on odd sizes
 (rows not a multiple of four, one and many rows of x, groups and per channel, with and without
 zero points, act order). Tolerances follow the dtype: float32 sums of K products in another
-order (1e-5 relative to the largest output), bfloat16 one rounding of the output (2^-8).
+order (1e-5 relative to the largest output), bfloat16 a few roundings of 2^-9 (TOL).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from loraplex.model.quant.kernels import (
 )
 from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+# bf16: up to four roundings of 2**-9 each (a bf16 scale, the product, the bias, their sum),
+# with a factor 2 of margin
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
 
 ISAS = ["native"]
 if (cpu_flags() or frozenset()).issuperset(AVX2_CPU_FLAGS):
@@ -58,10 +60,12 @@ def _weight(
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> None:
-    want = x.double() @ qw.dequantize(torch.float64).T
-    if qw.bias is not None:
-        want = want + qw.bias.double()
-    scale = want.abs().max().item()
+    product = x.double() @ qw.dequantize(torch.float64).T
+    bias = qw.bias.double() if qw.bias is not None else torch.zeros(product.shape[1])
+    want = product + bias
+    # the roundings act on the product, the bias and their sum (a kernel adding the bias in
+    # bf16 rounds all three): relative to the largest of them
+    scale = max(product.abs().max().item(), bias.abs().max().item(), want.abs().max().item())
     err = (got.double() - want).abs().max().item()
     assert err <= TOL[dtype] * scale, f"max error {err:.3g} vs {TOL[dtype] * scale:.3g}"
 
@@ -93,7 +97,9 @@ def test_c_kernel(isa: str, dtype: torch.dtype, case: tuple) -> None:
 def test_torch_int4(case: tuple) -> None:  # its layout needs out_features % 16 == 0
     qw = _weight(*case)
     lin = TorchInt4Linear(qw, torch.bfloat16)
-    x = torch.randn(6, qw.in_features).to(torch.bfloat16)
+    x = torch.randn(6, qw.in_features, generator=torch.Generator().manual_seed(6)).to(
+        torch.bfloat16
+    )
     _check(lin(x), x, qw, torch.bfloat16)
     assert torch.allclose(lin.dequantize(torch.float32), qw.dequantize(torch.float32), atol=0.05)
     assert lin.nbytes < qw.in_features * qw.out_features  # half a byte a weight + scales
@@ -110,7 +116,7 @@ def test_torch_int4_refuses_what_its_layout_cannot_hold() -> None:
 def test_torch_int8_per_channel_only() -> None:
     qw = _weight(9, 96, 8, None, False, False)
     lin = TorchInt8Linear(qw, torch.bfloat16)
-    x = torch.randn(4, 96).to(torch.bfloat16)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     _check(lin(x), x, qw, torch.bfloat16)
     from loraplex.lora.cpu_ops import KernelBuildError
 

@@ -10,6 +10,8 @@ tolerance of the dense mixed-batch tests (the kernels sum in another order than 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,27 +58,42 @@ FORMATS = {
 ON_THE_FLY = {"int8": None, "int4": 32}
 
 
-def _check_mixed_batch(model_dir: Path, ref_dir: Path, tmp: Path, **engine: object) -> LLM:
-    adapters = {
-        name: make_random_adapter(ref_dir, tmp / f"a-{name}", seed=i, **kw)
-        for i, (name, kw) in enumerate(ADAPTERS.items())
+def _check_mixed_batch(
+    model_dir: Path,
+    ref_dir: Path,
+    tmp: Path,
+    *,
+    reference: Callable[[Path | None], object] | None = None,
+    tol: float = SAMPLE_TOL,
+    adapters: dict[str, dict] = ADAPTERS,
+    std: float = 0.05,
+    new_tokens: int = 6,
+    **engine: object,
+) -> tuple[LLM, dict[str, tuple[Path, list[int], torch.Tensor]]]:
+    """The base and ``adapters`` (made on the float reference's shapes) in one mixed batch on
+    ``model_dir`` against ``reference(adapter dir or None)`` (default: transformers + PEFT
+    merged on ``ref_dir``): greedy tokens equal, logprobs within ``tol``. Returns the engine and,
+    per adapter, (its directory, the prompt ids, the reference's logprobs)."""
+    made = {
+        name: make_random_adapter(ref_dir, tmp / f"a-{name}", seed=i, std=std, **kw)
+        for i, (name, kw) in enumerate(adapters.items())
     }
+    ref_of = reference or functools.partial(load_merged_reference, ref_dir)
     llm = LLM(
-        model=str(model_dir), dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=5,
-        num_threads=2, **engine,
+        model=str(model_dir), dtype="float32", enable_lora=True, max_lora_rank=16,
+        max_loras=len(made), num_threads=2, **engine,
     )  # fmt: skip
     tok = llm.get_tokenizer()
-    names = [None, *adapters]
+    names = [None, *made]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
-    reqs = [
-        None if n is None else LoRARequest(n, i + 1, str(adapters[n])) for i, n in enumerate(names)
-    ]
-    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+    reqs = [None if n is None else LoRARequest(n, i + 1, str(made[n])) for i, n in enumerate(names)]
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
     outs = llm.generate(prompts, sp, lora_request=reqs)
+    checked: dict[str, tuple[Path, list[int], torch.Tensor]] = {}
     for name, prompt, out in zip(names, prompts, outs, strict=True):
         ids = tok(prompt)["input_ids"]
-        ref = load_merged_reference(ref_dir, None if name is None else adapters[name])
-        want, logprobs = reference_greedy(ref, ids, 6)
+        adapter = None if name is None else made[name]
+        want, logprobs = reference_greedy(ref_of(adapter), ids, new_tokens)
         got = out.outputs[0]
         assert got.token_ids == want, f"{name}: {got.token_ids} != {want}"
         worst = max(
@@ -84,8 +101,10 @@ def _check_mixed_batch(model_dir: Path, ref_dir: Path, tmp: Path, **engine: obje
             for step, lp in enumerate(got.logprobs)
             for tid, val in lp.top.items()
         )
-        assert worst < SAMPLE_TOL, f"{name}: logprob diff {worst}"
-    return llm
+        assert worst < tol, f"{name}: logprob diff {worst}"
+        if adapter is not None:
+            checked[name] = (adapter, ids, logprobs)
+    return llm, checked
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -97,7 +116,7 @@ def float_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_checkpoint_format_mixed_batch(fmt: str, float_model: Path, tmp_path: Path) -> None:
     qdir, ref = FORMATS[fmt](float_model, tmp_path / "q", tmp_path / "ref")
-    llm = _check_mixed_batch(qdir, ref, tmp_path)
+    llm, _ = _check_mixed_batch(qdir, ref, tmp_path)
     model = llm.engine.model
     assert model.quant is not None and fmt.startswith(model.quant.method)
     # the quantized bytes are what is resident: far below the float projections
@@ -116,7 +135,7 @@ def test_on_the_fly_quantization(mode: str, float_model: Path, tmp_path: Path) -
     ref = write_dequantized(
         float_model, tmp_path / "ref", bits=8 if mode == "int8" else 4, group_size=gs
     )
-    llm = _check_mixed_batch(
+    llm, _ = _check_mixed_batch(
         float_model, ref, tmp_path, quantization=mode, quantization_group_size=gs,
         lora_merge_after_steps=1,
     )  # fmt: skip
@@ -157,7 +176,9 @@ def test_on_the_fly_tied_embedding_is_one_int8_matrix(tmp_path: Path) -> None:
     base = make_random_model(tmp_path / "tied", "llama", hidden_size=64, intermediate_size=128,
                              tie_word_embeddings=True)  # fmt: skip
     ref = write_dequantized(base, tmp_path / "ref", bits=4, group_size=32)
-    llm = _check_mixed_batch(base, ref, tmp_path, quantization="int4", quantization_group_size=32)
+    llm, _ = _check_mixed_batch(
+        base, ref, tmp_path, quantization="int4", quantization_group_size=32
+    )
     model = llm.engine.model
     assert model.head.quant.q.data_ptr() == model.embed_tokens.weight.q.data_ptr()  # one matrix
     assert (
@@ -196,42 +217,37 @@ def _activation_reference(
     model = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter))
-    projs = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    projs = {p for group in FUSED_INPUTS for p in group}
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        wraps_lora = hasattr(mod, "base_layer")
         if leaf == "base_layer" and not lora_sees_quantized:
-            key = name.removesuffix(".base_layer")
-        elif leaf in projs and (lora_sees_quantized or not wraps_lora):
-            key = name
+            proj_name = name.removesuffix(".base_layer")
+        elif leaf in projs and (lora_sees_quantized or not hasattr(mod, "base_layer")):
+            proj_name = name
         else:
             continue
-        key = key[key.index("model.layers.") :]
-        fused = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+        prefix, proj = proj_name[proj_name.index("model.layers.") :].rsplit(".", 1)
         # one input, one scale for a fused group: the largest (as the loader fuses them)
-        group = [
-            key.replace(leaf if leaf != "base_layer" else key.rsplit(".", 1)[-1], p) for p in projs
-        ]
-        static = max(
-            (scales[g] for g in group if g in scales and _same_input(g, key)), default=None
-        )
-        act = ActQuant(act_kind, static if act_kind == "fp8" else None)
-        mod.register_forward_pre_hook(
-            lambda m, args, act=act: (
-                (quantize_activation(args[0][0], act).reshape(args[0].shape),)
-                if args[0].dim() == 3
-                else (quantize_activation(args[0], act),)
-            )
-        )
-        del fused
+        fused = next(g for g in FUSED_INPUTS if proj in g)
+        keys = [f"{prefix}.{p}" for p in fused if f"{prefix}.{p}" in scales]
+        static = max((scales[k] for k in keys), default=None) if act_kind == "fp8" else None
+        act = ActQuant(act_kind, static)
+
+        def quantize_input(_: object, args: tuple, act: ActQuant = act) -> tuple:
+            x = args[0]  # [B, S, D]: quantized per token
+            return (quantize_activation(x.reshape(-1, x.shape[-1]), act).reshape(x.shape),)
+
+        mod.register_forward_pre_hook(quantize_input)
     return model.eval()
 
 
-def _same_input(a: str, b: str) -> bool:
-    """Whether projections ``a`` and ``b`` (full names) read the same input (fused in loraplex)."""
-    groups = ({"q_proj", "k_proj", "v_proj"}, {"o_proj"}, {"gate_proj", "up_proj"}, {"down_proj"})
-    pa, pb = a.rsplit(".", 1), b.rsplit(".", 1)
-    return pa[0] == pb[0] and any(pa[1] in g and pb[1] in g for g in groups)
+FUSED_INPUTS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj"),
+    ("down_proj",),
+)
+"""Projections reading one input (one fused GEMM in loraplex)."""
 
 
 W8A8 = {  # scheme -> writer: compressed-tensors (as llm-compressor), and quant_method fp8
@@ -252,14 +268,6 @@ def test_w8a8_lora_reads_unquantized_activations(scheme: str, tmp_path: Path) ->
     base = make_random_model(tmp_path / "base", "llama", hidden_size=64, intermediate_size=128)
     qdir, ref = W8A8[scheme](base, tmp_path / "q", tmp_path / "ref")
     kind = "int8" if scheme == "W8A8" else "fp8"
-    adapters = {
-        name: make_random_adapter(ref, tmp_path / f"a-{name}", seed=i, std=0.3, **kw)
-        for i, (name, kw) in enumerate(ADAPTERS.items())
-        if name != "vocab8"
-    }
-    llm = LLM(model=str(qdir), dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=4,
-              num_threads=2)  # fmt: skip
-    assert llm.engine.model.quant.activations == kind
     # Engine and reference compute the projections' float32 inputs in other orders; a last-ulp
     # difference can carry an input across a rounding boundary of the activation format, which
     # moves it by one step: 1/127 of its row's absmax in int8, 2^-3 of itself in float8 e4m3.
@@ -267,32 +275,14 @@ def test_w8a8_lora_reads_unquantized_activations(scheme: str, tmp_path: Path) ->
     # budgets of 1e-3 (int8) and 1e-2 (float8), both far below what quantizing the adapters'
     # input does (the contrast below must exceed ten times the budget).
     act_tol = 1e-3 if kind == "int8" else 1e-2
-    tok = llm.get_tokenizer()
-    names = [None, *adapters]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
-    reqs = [
-        None if n is None else LoRARequest(n, i + 1, str(adapters[n])) for i, n in enumerate(names)
-    ]
-    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5)
-    outs = llm.generate(prompts, sp, lora_request=reqs)
+    adapters = {name: kw for name, kw in ADAPTERS.items() if name != "vocab8"}
+    llm, checked = _check_mixed_batch(
+        qdir, ref, tmp_path, adapters=adapters, std=0.3, new_tokens=4, tol=act_tol,
+        reference=lambda adapter: _activation_reference(ref, qdir, adapter, kind, False),
+    )  # fmt: skip
+    assert llm.engine.model.quant.activations == kind
     separated = 0.0
-    for name, prompt, out in zip(names, prompts, outs, strict=True):
-        ids = tok(prompt)["input_ids"]
-        adapter = None if name is None else adapters[name]
-        want, logprobs = reference_greedy(
-            _activation_reference(ref, qdir, adapter, kind, False), ids, 4
-        )
-        got = out.outputs[0]
-        assert got.token_ids == want, f"{name}: {got.token_ids} != {want}"
-        worst = max(
-            abs(v - float(logprobs[s, t]))
-            for s, lp in enumerate(got.logprobs)
-            for t, v in lp.top.items()
-        )
-        assert worst < act_tol, f"{name}: logprob diff {worst}"
-        if adapter is not None:  # the wrong semantics, for contrast
-            _, wrong = reference_greedy(
-                _activation_reference(ref, qdir, adapter, kind, True), ids, 4
-            )
-            separated = max(separated, float((wrong - logprobs).abs().max()))
+    for adapter, ids, logprobs in checked.values():  # the wrong semantics, for contrast
+        _, wrong = reference_greedy(_activation_reference(ref, qdir, adapter, kind, True), ids, 4)
+        separated = max(separated, float((wrong - logprobs).abs().max()))
     assert separated > 10 * act_tol, f"quantizing the adapters' input changes little ({separated})"

@@ -53,7 +53,7 @@ def quantize_activation(x: torch.Tensor, act: ActQuant) -> torch.Tensor:
     return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
 
 
-class _QuantLinearBase:
+class QuantLinearBase:
     """What every quantized Linear shares: sizes, bytes, the act-order gather and the bias."""
 
     name = "unset"
@@ -70,7 +70,7 @@ class _QuantLinearBase:
         return self.quant.nbytes
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight ``[N, K]`` as the reference computes it (tests, the merger's refusal)."""
+        """The weight ``[N, K]`` as the reference computes it (tests)."""
         return self.quant.dequantize(dtype)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class _QuantLinearBase:
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-class DequantLinear(_QuantLinearBase):
+class DequantLinear(QuantLinearBase):
     """Dequantize the whole weight into x's dtype on every call, then ``F.linear``: correct on
     every device and format (float8 included), the fallback and the prompt-chunk path."""
 
@@ -94,7 +94,7 @@ class DequantLinear(_QuantLinearBase):
         return self._add_bias(F.linear(x, w))
 
 
-class CKernelLinear(_QuantLinearBase):
+class CKernelLinear(QuantLinearBase):
     """loraplex's C kernel: unpacks each weight once per call for every row of x. Inputs of at
     least ``dequant_rows`` rows dequantize blocks of ``BLOCK_ROWS`` output rows into a float
     buffer small enough to stay in cache and run the float GEMM on it instead (where the
@@ -134,7 +134,7 @@ class CKernelLinear(_QuantLinearBase):
         return self.kernel.gemm(x, q.q, q.bits, q.scales, q.zeros, q.group_size, self.bias32, out)
 
 
-class TorchInt4Linear(_QuantLinearBase):
+class TorchInt4Linear(QuantLinearBase):
     """torch's packed int4 CPU kernel (``_weight_int4pack_mm_for_cpu``: bfloat16 / float16 x,
     ``w = (q - 8) * scale + zero`` per group); our integer zero point z becomes the float zero
     ``(8 - z) * scale``. The weight is repacked into torch's layout (ours is dropped)."""
@@ -182,7 +182,7 @@ class TorchInt4Linear(_QuantLinearBase):
         return self._add_bias(y)
 
 
-class TorchInt8Linear(_QuantLinearBase):
+class TorchInt8Linear(QuantLinearBase):
     """torch's int8 weight-only CPU kernel (``_weight_int8pack_mm``): per-channel symmetric
     weights, half-precision x."""
 
@@ -221,7 +221,7 @@ def int_mm_is_exact() -> bool:
         return False
 
 
-class W8A8Int8Linear(_QuantLinearBase):
+class W8A8Int8Linear(QuantLinearBase):
     """W8A8 int8: x quantized per token (dynamic, symmetric, vLLM's ``absmax / 127``), int8 x
     int8 -> int32 with ``torch._int_mm`` where that is exact (:func:`int_mm_is_exact`), both
     scales applied after; elsewhere the same product from the dequantized int8 activations on
@@ -264,7 +264,7 @@ class W8A8Int8Linear(_QuantLinearBase):
         return self._add_bias(out.to(x.dtype))
 
 
-class FP8Linear(_QuantLinearBase):
+class FP8Linear(QuantLinearBase):
     """float8 e4m3 weights: the weight is widened block by block into x's dtype (CPUs have no
     float8 GEMM); with an activation scheme x is quantized to float8 first (static per-tensor
     or dynamic per-token scale), the base product of an FP8 W8A8 checkpoint. LoRA reads the
@@ -290,7 +290,7 @@ class KernelChoice:
     dequant_rows: int | None = None
 
 
-QuantLinearFactory = Callable[[QuantWeight | FP8Weight], _QuantLinearBase]
+QuantLinearFactory = Callable[[QuantWeight | FP8Weight], QuantLinearBase]
 
 DECODE_ROWS = (1, 16)
 """The rows of x the start-up timing runs (decode steps: one sequence, and a batch of 16; the
@@ -304,8 +304,8 @@ PROMPT_ROWS = 256
 
 def _candidates(
     weight: QuantWeight, dtype: torch.dtype, kernel: object | None
-) -> list[_QuantLinearBase]:
-    out: list[_QuantLinearBase] = []
+) -> list[QuantLinearBase]:
+    out: list[QuantLinearBase] = []
     if kernel is not None:
         out.append(CKernelLinear(weight, kernel))
     for cls in (TorchInt4Linear, TorchInt8Linear):
@@ -326,7 +326,7 @@ def _time_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     return best * 1e3
 
 
-def _self_check(lin: _QuantLinearBase, weight: QuantWeight, dtype: torch.dtype) -> bool:
+def _self_check(lin: QuantLinearBase, weight: QuantWeight, dtype: torch.dtype) -> bool:
     """The candidate agrees with the dequantized reference on a few rows of x."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, weight.in_features, generator=g).to(dtype)
@@ -350,7 +350,7 @@ def choose_kernel(weight: QuantWeight, dtype: torch.dtype, kernel: object | None
         generator=torch.Generator().manual_seed(0),
     )
     times: dict[str, float] = {}
-    best: tuple[float, _QuantLinearBase] | None = None
+    best: tuple[float, QuantLinearBase] | None = None
     dequant_rows: int | None = None
     for lin in _candidates(probe, dtype, kernel):
         if not _self_check(lin, probe, dtype):
@@ -385,7 +385,7 @@ def choose_kernel(weight: QuantWeight, dtype: torch.dtype, kernel: object | None
 def build_quant_linear(
     weight: QuantWeight | FP8Weight, dtype: torch.dtype, device: torch.device,
     choice: KernelChoice | None, kernel: object | None,
-) -> _QuantLinearBase:  # fmt: skip
+) -> QuantLinearBase:  # fmt: skip
     """The Linear for ``weight``: a W8A8 or float8 one by its kind, else the ``choice``'s."""
     if isinstance(weight, FP8Weight):
         return FP8Linear(weight)
@@ -425,7 +425,7 @@ class QuantKernels:
             except KernelBuildError as e:
                 log.warning("quantized GEMM C kernel unavailable (%s); torch kernels only", e)
 
-    def __call__(self, weight: QuantWeight | FP8Weight) -> _QuantLinearBase:
+    def __call__(self, weight: QuantWeight | FP8Weight) -> QuantLinearBase:
         weight = weight.to(self.device)  # checkpoints unpack on the host
         if self.device.type == "cuda" and isinstance(weight, QuantWeight) and weight.act is None:
             triton_linear = self._triton(weight)

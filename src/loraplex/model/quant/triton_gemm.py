@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.model.quant.kernels import QuantLinearBase
 from loraplex.model.quant.weights import QuantWeight
 
 
@@ -82,7 +83,7 @@ def _qgemm_kernel(
     )
 
 
-class TritonQuantLinear:
+class TritonQuantLinear(QuantLinearBase):
     """A ``Linear`` over a :class:`QuantWeight` on the GPU, in one launch per call (module
     docstring). Tiles are small under the interpreter, whose cost grows with the tile."""
 
@@ -93,25 +94,15 @@ class TritonQuantLinear:
             raise ValueError("the Triton kernel reads unquantized activations only")
         if weight.in_features % 32:
             raise ValueError("the Triton kernel needs in_features a multiple of 32")
-        self.quant = weight
-        self.out_features, self.in_features = weight.out_features, weight.in_features
-        self.perm, self.bias = weight.perm, weight.bias
+        super().__init__(weight)
         small = os.environ.get("TRITON_INTERPRET") == "1"
         self.block_t = 16  # tl.dot needs >= 16
         self.block_n = 16 if small else 64
 
-    @property
-    def nbytes(self) -> int:
-        return self.quant.nbytes
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.quant.dequantize(dtype)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quant
-        if self.perm is not None:
-            x = x[:, self.perm]
-        x = x.contiguous()
+        assert isinstance(q, QuantWeight)
+        x = self._gather(x).contiguous()
         t = x.shape[0]
         out = x.new_empty(t, self.out_features)
         if t == 0:
@@ -125,4 +116,4 @@ class TritonQuantLinear:
             BITS=q.bits, HAS_ZEROS=q.zeros is not None, BLOCK_T=self.block_t,
             BLOCK_N=self.block_n, PREC=prec,
         )  # fmt: skip
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+        return self._add_bias(out)

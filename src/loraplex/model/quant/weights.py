@@ -189,15 +189,7 @@ class QuantWeight:
                 p.perm is not None and not torch.equal(p.perm, first.perm)
             ):
                 raise ValueError("fused projections have different act-order g_idx")
-        biases = [p.bias for p in parts]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat(
-                [
-                    b if b is not None else torch.zeros(p.out_features)
-                    for b, p in zip(biases, parts, strict=True)
-                ]
-            )
+        bias = _cat_bias(parts)
         zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])  # type: ignore[misc]
         return replace(
             first,
@@ -250,15 +242,7 @@ class FP8Weight:
         if act is not None and act.scale is not None:
             act = ActQuant(act.kind, max(p.act.scale for p in parts if p.act and p.act.scale))
         scales = [p.scale.expand(p.out_features, 1) for p in parts]
-        biases = [p.bias for p in parts]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat(
-                [
-                    b if b is not None else torch.zeros(p.out_features)
-                    for b, p in zip(biases, parts, strict=True)
-                ]
-            )
+        bias = _cat_bias(parts)
         return replace(
             parts[0],
             act=act,
@@ -268,9 +252,11 @@ class FP8Weight:
         )
 
 
-def _col(t: torch.Tensor | float) -> torch.Tensor | float:
-    """``[N, G]`` -> ``[N, G, 1]`` (a scalar stays)."""
-    return t[..., None] if isinstance(t, torch.Tensor) else t
+def _cat_bias(parts: Sequence[QuantWeight | FP8Weight]) -> torch.Tensor | None:
+    """The fused parts' biases, zeros for a part without one; None when none has a bias."""
+    if all(p.bias is None for p in parts):
+        return None
+    return torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts])
 
 
 class QuantizedEmbedding:
