@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.lora.cpu_ops import KernelBuildError
+from loraplex.model.quant.linear import QuantLinearBase
 from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
 
 log = logging.getLogger(__name__)
@@ -51,33 +52,6 @@ def quantize_activation(x: torch.Tensor, act: ActQuant) -> torch.Tensor:
         else (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     )
     return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
-
-
-class QuantLinearBase:
-    """What every quantized Linear shares: sizes, bytes, the act-order gather and the bias."""
-
-    name = "unset"
-
-    def __init__(self, weight: QuantWeight | FP8Weight) -> None:
-        self.out_features = weight.out_features
-        self.in_features = weight.in_features
-        self.quant = weight  # kept by every candidate for its reference (see dequantize)
-        self.perm = getattr(weight, "perm", None)
-        self.bias = weight.bias
-
-    @property
-    def nbytes(self) -> int:
-        return self.quant.nbytes
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight ``[N, K]`` as the reference computes it (tests)."""
-        return self.quant.dequantize(dtype)
-
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.perm is None else x[:, self.perm]  # act order: stored column order
-
-    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class DequantLinear(QuantLinearBase):

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.model.quant.kernels import QuantLinearBase
+from loraplex.model.quant.linear import QuantLinearBase
 from loraplex.model.quant.weights import QuantWeight
 
 
