@@ -49,6 +49,7 @@ ENV_REGISTRY_URL = "LORAPLEX_REGISTRY_URL"  # --registry-url; the registry comma
 ENV_HOME = "LORAPLEX_HOME"  # the registry's SQLite file, the base-model digest memo
 ENV_CACHE_DIR = "LORAPLEX_CACHE_DIR"  # the demo model, built CPU kernels
 ENV_LORA_CPU_KERNEL = "LORAPLEX_LORA_CPU_KERNEL"  # "0": never the native CPU LoRA kernel
+ENV_LAYER_CPU_KERNEL = "LORAPLEX_LAYER_CPU_KERNEL"  # "0": never the C layer ops (norms, attention)
 ENVIRONMENT = (
     *ENV_API_KEYS,
     ENV_ADMIN_API_KEY,
@@ -57,6 +58,7 @@ ENVIRONMENT = (
     ENV_HOME,
     ENV_CACHE_DIR,
     ENV_LORA_CPU_KERNEL,
+    ENV_LAYER_CPU_KERNEL,
 )
 """The environment variables above (``loraplex route``'s status key is its setting's ``env=``,
 in ``loraplex.router.config``)."""
@@ -75,6 +77,12 @@ def lora_cpu_kernel_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the native CPU LoRA kernel may be used: ``$LORAPLEX_LORA_CPU_KERNEL=0`` turns
     it off (any other value, or none, leaves it on)."""
     return env_value(ENV_LORA_CPU_KERNEL, environ) != "0"
+
+
+def layer_cpu_kernel_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the C layer ops may run on CPU (``loraplex.model.layer_ops``):
+    ``$LORAPLEX_LAYER_CPU_KERNEL=0`` keeps the torch ops."""
+    return env_value(ENV_LAYER_CPU_KERNEL, environ) != "0"
 
 
 # --------------------------------------------------------------------------- value parsers

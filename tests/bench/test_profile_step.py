@@ -14,9 +14,15 @@ def test_profile_step_runs_and_counts_bytes(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--model-dir", str(tiny_model), "--adapter-dir", str(tmp_path / "ad")]
-    assert profile_step.main([*argv, "--dtypes", "float32", "--steps", "2"]) == 0
+    assert (
+        profile_step.main([*argv, "--dtypes", "float32", "--steps", "2", "--layer-ops", "both"])
+        == 0
+    )
     out = capsys.readouterr().out
+    assert "layer ops: torch" in out and "layer ops: cpu-kernel" in out  # before, then after
+    assert "base step: layer ops torch" in out
     assert "float32" in out and "byte floor ms" in out and "byte bound" in out
+    out = out[out.index("layer ops: cpu-kernel") :]
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("lora MiB")}
     assert rows, out
     base, one, many = (float(v) for v in rows["lora"].split()[2:5])

@@ -116,6 +116,6 @@ def test_configs_are_frozen() -> None:
 def test_linear_backend_chosen_once(tiny_model: Path) -> None:
     llm = LLM(str(tiny_model), dtype="float32", enable_lora=False)
     m = llm.engine.model
-    assert m.linear_impl in ("onednn-packed", "dense")
+    assert m.linear_impl in ("panel", "onednn-packed", "dense")
     impls = {type(layer.qkv) for layer in m.layers} | {type(m.head)}
     assert len(impls) == 1

@@ -97,8 +97,9 @@ def _step(
         meta.decode_all = True
         lens = torch.tensor([end])
         meta.decode_mask = decode_mask(lens, nblk * BLOCK)
+        meta.decode_lens = lens
         meta.windowed = [
-            WindowMasks(decode=decode_mask(lens, nblk * BLOCK, w)) for w in model.windows
+            WindowMasks(decode=decode_mask(lens, nblk * BLOCK, w), size=w) for w in model.windows
         ]
     elif start == 0:
         meta.prefills = [PrefillSpan(0, n)]

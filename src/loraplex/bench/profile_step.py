@@ -14,7 +14,9 @@ writes/gathers, the rest of the layer stack (norms, rope, activation, residuals)
 sampler, batch preparation (incl. the LoRA plan) and Python/other (scheduler, engine loop).
 
 The breakdown wraps those entry points with timers (exclusive wall time: a scope's time minus
-its nested scopes'), measured in a separate pass from the plain ms/step. ``--torch-profile``
+its nested scopes'), measured in a separate pass from the plain ms/step. ``--layer-ops both`` measures the torch
+layer ops and then the model's choice (the C ops on CPU) on the same engine: the profile
+before and after fusing them. ``--torch-profile``
 also groups ``torch.profiler`` self-CPU time by the same scopes (profiling inflates small ops),
 and prints the top aten ops.
 """
@@ -43,6 +45,7 @@ from loraplex.bench.step_bytes import (
     weight_bytes_per_step,
 )
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.model.layer_ops import LayerOps, TorchLayerOps
 from loraplex.requests import SamplingParams
 
 CATEGORIES = (
@@ -252,17 +255,38 @@ def run(args: argparse.Namespace) -> None:
             "1 adapter": [reqs[0]] * N_SEQS,
             "16 distinct": reqs[:N_SEQS],
         }
-        results = {name: profile_scenario(
-            engine, mixes[name], args.steps, args.prompt_len, args.torch_profile
-        ) for name in SCENARIOS}  # fmt: skip
-        print(f"\n{dtype}  (linear: {engine.model.linear_impl}, lora ops: {_ops_name(engine)})")
-        _print_table(results, rbw)
-        if args.torch_profile:
-            print("\ntorch.profiler self-CPU ms/step by scope (profiling inflates small ops):")
-            _print_rows({k: r["profiler"] for k, r in results.items()})
-            print(f"\ntop ops, 16 distinct:\n{results['16 distinct']['top_ops']}")
+        chosen = engine.model.ops
+        steps: dict[str, float] = {}
+        for ops in _layer_ops_runs(chosen, args.layer_ops):
+            engine.model.use_layer_ops(ops)
+            results = {name: profile_scenario(
+                engine, mixes[name], args.steps, args.prompt_len, args.torch_profile
+            ) for name in SCENARIOS}  # fmt: skip
+            steps[ops.name] = results["base"]["ms"]
+            print(
+                f"\n{dtype}  (linear: {engine.model.linear_impl}, lora ops: "
+                f"{_ops_name(engine)}, layer ops: {ops.name})"
+            )
+            _print_table(results, rbw)
+            if args.torch_profile:
+                print("\ntorch.profiler self-CPU ms/step by scope (profiling inflates small ops):")
+                _print_rows({k: r["profiler"] for k, r in results.items()})
+                print(f"\ntop ops, 16 distinct:\n{results['16 distinct']['top_ops']}")
+        if len(steps) == 2:
+            (a, ta), (b, tb) = steps.items()
+            print(
+                f"\n{dtype} base step: layer ops {a} {ta:.2f} ms -> {b} {tb:.2f} ms ({ta / tb:.2f}x)"
+            )
+        engine.model.use_layer_ops(chosen)
         del engine
     print(f"\nload average at the end: {_loadavg()}")
+
+
+def _layer_ops_runs(chosen: LayerOps, which: str) -> list[LayerOps]:
+    """The layer ops to measure: the model's choice, torch's, or torch's then the choice."""
+    if which == "chosen" or (which == "both" and chosen.name == TorchLayerOps.name):
+        return [chosen]
+    return [TorchLayerOps()] if which == "torch" else [TorchLayerOps(), chosen]
 
 
 def _config(model_dir: Path, dtype: str, rank: int) -> Any:
@@ -332,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--torch-profile", action="store_true", help="also group torch.profiler")
+    ap.add_argument(
+        "--layer-ops",
+        choices=("chosen", "torch", "both"),
+        default="chosen",
+        help="norms/rotary/activation/decode attention: the model's choice (the C ops on CPU), "
+        "torch ops, or both side by side (before/after)",
+    )
     run(ap.parse_args(argv))
     return 0
 

@@ -28,7 +28,7 @@ from loraplex.lora.peft_format import VOCAB_LAYER, vocab_module_shapes
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.decoder import DecoderForCausalLM
-from loraplex.model.linear import cpu_has_fast_bf16, select_linear_factory
+from loraplex.model.linear import cpu_has_fast_bf16
 from loraplex.model.lora_binding import LoRABinding
 from loraplex.model.quant.formats import parse_quantization
 from loraplex.model.registry import load_model
@@ -220,8 +220,8 @@ def wire_lora(config: EngineConfig, model: DecoderForCausalLM, budget: MemoryBud
         # quantized base holds, and not the weights the adapter runs against elsewhere
         log.info("lora merge fast path off: the base is quantized (%s)", model.quant.label)
     elif config.lora_merge_after_steps:
-        _, make = select_linear_factory(device, budget.dtype)
-        merger = AdapterMerger(model, make, config.lora_merge_after_steps)
+        assert model.make_linear is not None
+        merger = AdapterMerger(model, model.make_linear, config.lora_merge_after_steps)
     return LoRAParts(adapters, LocalAdapterCatalog(adapters.store), merger)
 
 

@@ -39,6 +39,7 @@ import torch
 from loraplex.lora.peft_format import EXPERT_PROJ_NAMES, ROUTER, VOCAB_LAYER
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import DenseLinear, Linear, LinearFactory, PackedCPULinear
+from loraplex.model.panel_gemm import PanelLinear
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import LoRAModuleWeights
@@ -61,6 +62,8 @@ def dense_weight(lin: Linear, in_features: int) -> tuple[torch.Tensor, torch.Ten
     multiplying the identity without bias: each output is one exact product, so W is exact."""
     if isinstance(lin, DenseLinear):
         return lin.weight, lin.bias
+    if isinstance(lin, PanelLinear):
+        return lin.dense_weight(), lin.bias
     if isinstance(lin, PackedCPULinear):
         eye = torch.eye(in_features, dtype=lin.packed.dtype, device=lin.packed.device)
         wt = torch.ops.mkldnn._linear_pointwise(eye, lin.packed, None, "none", [], "")  # [in, out]

@@ -124,7 +124,7 @@ class ModelRunner:
         """``attn``'s masks under a sliding ``window`` (built once per step for all the layers
         with that window): the global mask where every query's context fits in the window,
         else the causal one that also hides keys ``window`` or more positions back."""
-        wm = WindowMasks()
+        wm = WindowMasks(size=window)
         for span, (start, ctx) in zip(attn.prefills, prefill_pos, strict=True):
             bites = ctx > window
             wm.prefill.append(
@@ -206,7 +206,9 @@ class ModelRunner:
             for r, s in enumerate(dec_seqs):
                 table[r, : len(s.block_ids[:nblk])] = torch.tensor(s.block_ids[:nblk])
             # whole blocks: gathered block-wise
-            attn.decode_mask = decode_mask(torch.tensor(lens), nblk * self.block_size).to(dev)
+            attn.decode_lens = torch.tensor(lens, dtype=torch.long)
+            attn.decode_mask = decode_mask(attn.decode_lens, nblk * self.block_size).to(dev)
+            attn.decode_lens = attn.decode_lens.to(dev)
             attn.decode_block_table = table.to(dev)
             attn.decode_all = len(dec_tokens) == t
             attn.decode_tokens = torch.tensor(dec_tokens, dtype=torch.long, device=dev)

@@ -1,8 +1,9 @@
 """Paged attention over the flat KV slot space, plus the per-step metadata it reads.
 
-Decode tokens (one new token per sequence) are batched into one attention call over their
-gathered, padded contexts; prefill chunks run one call each (causal, offset by their cached
-prefix).
+Decode tokens (one new token per sequence) are batched into one call of the model's
+``LayerOps.decode_attention`` (the C kernel reads each context from the cache's blocks; the
+torch path gathers them into a padded copy); prefill chunks run one call each (causal, offset
+by their cached prefix).
 
 Sliding windows: a windowed layer keeps the full paged KV (so the prefix cache's blocks and keys
 are the same as a global layer's) and attends through masks that also hide the keys ``window``
@@ -30,6 +31,24 @@ AttendFn = Callable[
 ``mask`` (True = attend, broadcast to ``[..., H, Lq, Lk]``) or None for causal with ``Lq ==
 Lk``; ``gqa``: ``H > KVH``, head ``h`` reads KV head ``h // (H / KVH)``. Returns ``[..., H, Lq,
 hd]``."""
+
+
+DecodeAttendFn = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        int,
+        PagedKVCache,
+        "AttentionMetadata",
+        float,
+        "WindowMasks | None",
+        AttendFn,
+        "float | None",
+    ],
+    None,
+]
+"""``decode(q, out, layer, cache, meta, scale, masks, attend, softcap)``: the decode rows'
+attention into ``out`` (``LayerOps.decode_attention`` states it)."""
 
 
 def sdpa_attend(
@@ -119,6 +138,7 @@ class AttentionMetadata:
     decode_all: bool = False  # every token is a decode token, in order (skip the index gather)
     decode_block_table: torch.Tensor | None = None  # [Bd, nblk] block ids, padded with 0
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] True = attend
+    decode_lens: torch.Tensor | None = None  # [Bd] int64 context lengths (the new token's too)
     prefills: list[PrefillSpan] = field(default_factory=list)
     windowed: list[WindowMasks] = field(default_factory=list)
     """The masks of each distinct sliding window of the model (``DecoderForCausalLM.windows``
@@ -130,6 +150,7 @@ class WindowMasks:
     """One sliding window's masks for the step (True = attend), beside the global ones."""
 
     decode: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size], as decode_mask
+    size: int | None = None  # the window (what the C decode attention reads; None: masks only)
     prefill: list[torch.Tensor | None] = field(default_factory=list)
     """Per span of ``prefills``: its mask under the window (the span's own ``mask`` where the
     window does not bite; None: plain causal, a fresh chunk no longer than the window)."""
@@ -143,36 +164,24 @@ def paged_attention(
     cache: PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
-    window: int | None = None,
-    attend: AttendFn = sdpa_attend,
+    window: int | None,
+    attend: AttendFn,
+    decode: DecodeAttendFn,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend with ``attend``.
+    """Write this step's K/V into the cache, then attend: decode rows through ``decode``
+    (the model's ``LayerOps.decode_attention``), prefill chunks with ``attend``.
 
     q: [T, H, hd]; k, v: [T, KVH, hd]. ``window``: index of the layer's masks in
-    ``meta.windowed`` (None: global attention). Returns [T, H, hd].
+    ``meta.windowed`` (None: global attention); ``softcap``: the cap ``attend`` applies (the
+    decode kernel applies it itself). Returns [T, H, hd].
     """
     cache.write(layer, k, v, meta.slot_mapping)
     masks = None if window is None else meta.windowed[window]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gqa = q.shape[1] != k.shape[1]
     if meta.decode_block_table is not None:
-        qd = q if meta.decode_all else q[meta.decode_tokens]  # [Bd, H, hd]
-        kc, vc = cache.gather_blocks(layer, meta.decode_block_table)  # [Bd, L, KVH, hd]
-        bd, kvh = qd.shape[0], kc.shape[2]
-        # The G = H / KVH query heads sharing a KV head (HF's repeat_kv order) attend as G
-        # queries of one head: no K/V repeat, and the fused CPU kernel takes it as is.
-        od = attend(
-            qd.reshape(bd, kvh, -1, qd.shape[-1]),  # [Bd, KVH, G, hd]
-            kc.transpose(1, 2),  # [Bd, KVH, L, hd]
-            vc.transpose(1, 2),
-            meta.decode_mask if masks is None else masks.decode,  # [Bd, 1, 1, L]
-            scale,
-            False,
-        ).reshape(bd, -1, qd.shape[-1])  # [Bd, H, hd]
-        if meta.decode_all:
-            out = od
-        else:
-            out[meta.decode_tokens] = od
+        decode(q, out, layer, cache, meta, scale, masks, attend, softcap)
     for j, span in enumerate(meta.prefills):
         s, e = span.tok_start, span.tok_end
         qs = q[s:e].transpose(0, 1)  # [H, Lq, hd]

@@ -25,9 +25,11 @@ import torch
 from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.plan import LoRABatchPlan
 from loraplex.model.attention import AttentionMetadata
+from loraplex.model.layer_ops import LayerOps, select_layer_ops
 from loraplex.model.layers import (
     Attention,
     DecoderLayer,
+    FeedForward,
     GatedMLP,
     LayerStep,
     ProjectionGroup,
@@ -35,7 +37,7 @@ from loraplex.model.layers import (
     RotaryEmbedding,
     make_rotary,
 )
-from loraplex.model.linear import Linear, select_linear_factory
+from loraplex.model.linear import Linear, LinearFactory, select_linear_factory
 from loraplex.model.loader import iter_checkpoint
 from loraplex.model.lora_binding import LoRABinding
 from loraplex.model.quant.formats import QuantSpec, is_quantized_tensor, unpack_projection
@@ -126,6 +128,8 @@ class DecoderForCausalLM:
             DecoderLayer(index[id(r)], None if w is None else self.windows.index(w))
             for r, w in zip(per_layer, windows, strict=True)
         ]
+        self.ops: LayerOps = select_layer_ops(dtype, device)
+        """Norms with the residual, rotary, activation and decode attention (C on CPU)."""
         self.attn = Attention(
             cfg.hidden_size,
             cfg.num_heads,
@@ -133,9 +137,10 @@ class DecoderForCausalLM:
             cfg.head_dim,
             self.attention_scale(),
             self.qk_norm,
+            self.ops,
             self.attention_softcap(),
         )
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, self.ops)
         self.projection_groups: tuple[ProjectionGroup, ...] = (*self.attn.groups, *self.mlp.groups)
         """Each fused Linear (in forward order), its input width and its projections' output
         columns ``(proj, lo, hi)``: the one map of projections to fused weights (LoRA groups,
@@ -145,6 +150,8 @@ class DecoderForCausalLM:
         self.norm: RMSNorm
         self.head: Linear
         self.linear_impl = "unset"
+        self.make_linear: LinearFactory | None = None
+        """The float projections' Linear factory chosen at load (the merger builds with it)."""
         self.lora: LoRABinding | None = None
         self.quant: QuantSpec | None = None
         """The base's quantization (a checkpoint format, or int8/int4 at load); None: float."""
@@ -420,7 +427,9 @@ class DecoderForCausalLM:
     def _build(self, top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]]) -> None:
         """Choose the linear implementation once and build every norm and projection."""
         c, norm = self.cfg, self.norm_class
-        self.linear_impl, make = select_linear_factory(self.device, self.dtype)
+        probe = (2 * c.intermediate_size, c.hidden_size)  # gate/up: the largest projection
+        self.linear_impl, make = select_linear_factory(self.device, self.dtype, probe=probe)
+        self.make_linear = make
         projection = make
         if self.quant is not None:
             self.quant_kernels = QuantKernels(self.device, self.dtype)
@@ -515,11 +524,11 @@ class DecoderForCausalLM:
 
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """The layer stack's residual wiring (pre-norm): h: [T, D] -> [T, D]."""
-        attn, mlp = self.attn, self.mlp
-        for i, L in enumerate(self.layers):
-            h = h + attn(L, i, L.ln1(h), step)
-            h = h + mlp(L, i, L.ln2(h), step)
-        return h
+        return pre_norm_stack(self, h, step, [self.mlp] * len(self.layers))
+
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        """Run the layers on ``ops`` from now on (benchmarks and tests compare them)."""
+        self.ops = self.attn.ops = self.mlp.ops = ops
 
     @property
     def nbytes(self) -> int:
@@ -532,3 +541,20 @@ class DecoderForCausalLM:
             )
         total = self.embed_tokens.nbytes + self.norm.nbytes + (0 if shared else self.head.nbytes)
         return total + sum(L.nbytes for L in self.layers)
+
+
+def pre_norm_stack(
+    model: DecoderForCausalLM, h: torch.Tensor, step: LayerStep, ffns: list[FeedForward]
+) -> torch.Tensor:
+    """Pre-norm wiring: ``h += attn(ln1(h)); h += ffn_i(ln2(h))`` per layer ``i``, each residual
+    add fused with the norm after it (``LayerOps.add_norm``; the last add has none):
+    h: [T, D] -> [T, D] (the embedding output, updated in place)."""
+    ops, attn, layers = model.ops, model.attn, model.layers
+    h, x = ops.add_norm(h, None, layers[0].ln1)
+    for i, (L, ffn) in enumerate(zip(layers, ffns, strict=True)):
+        h, x = ops.add_norm(h, attn(L, i, x, step), L.ln2)
+        m = ffn(L, i, x, step)
+        if i + 1 == len(layers):
+            return h + m
+        h, x = ops.add_norm(h, m, layers[i + 1].ln1)
+    return h

@@ -155,11 +155,14 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Scale the embeddings (their LoRA included), then each layer's post-normed
         attention and MLP outputs join the residual: h: [T, D] -> [T, D]."""
-        attn, mlp = self.attn, self.mlp
-        h = h * self.embed_scale  # [T, D]
-        for i, L in enumerate(self.layers):
-            h = h + L.post_attn(attn(L, i, L.ln1(h), step))
-            h = h + L.post_mlp(mlp(L, i, L.ln2(h), step))
+        attn, mlp, ops, layers = self.attn, self.mlp, self.ops, self.layers
+        h, x = ops.add_norm(h * self.embed_scale, None, layers[0].ln1)  # [T, D]
+        for i, L in enumerate(layers):
+            h, x = ops.add_norm(h, L.post_attn(attn(L, i, x, step)), L.ln2)
+            m = L.post_mlp(mlp(L, i, x, step))
+            if i + 1 == len(layers):
+                return h + m
+            h, x = ops.add_norm(h, m, layers[i + 1].ln1)
         return h
 
     @torch.inference_mode()

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from loraplex.model.attention import (
     AttendFn,
@@ -25,12 +24,15 @@ from loraplex.model.attention import (
     sdpa_attend,
     softcap_attend,
 )
+from loraplex.model.layer_ops import ACTIVATIONS as ACTIVATIONS
+from loraplex.model.layer_ops import LayerOps
 from loraplex.model.linear import Linear
+from loraplex.model.norms import GemmaRMSNorm as GemmaRMSNorm
+from loraplex.model.norms import RMSNorm
 from loraplex.model.rotary import ROPE_TYPES as ROPE_TYPES
 from loraplex.model.rotary import LinearScalingRotaryEmbedding as LinearScalingRotaryEmbedding
 from loraplex.model.rotary import Llama3RotaryEmbedding as Llama3RotaryEmbedding
 from loraplex.model.rotary import RotaryEmbedding as RotaryEmbedding
-from loraplex.model.rotary import apply_rotary
 from loraplex.model.rotary import make_rotary as make_rotary
 
 if TYPE_CHECKING:
@@ -40,58 +42,6 @@ if TYPE_CHECKING:
 
 ProjectionGroup = tuple[str, int, tuple[tuple[str, int, int], ...]]
 """``(fused Linear attribute, input features, ((proj, first column, end column), ...))``."""
-
-
-# ------------------------------------------------------------------------------------- norms
-
-
-class RMSNorm:
-    """HF-exact RMSNorm over the last dimension: statistics in float32, then the scale in the
-    model dtype (one fused kernel in float32; low-precision inputs normalise in float32 first,
-    as HF does).
-
-    ``weight``: ``[dim]``, or one row per head (``[heads, dim]``, see :meth:`per_head`).
-    Architectures with another norm (Gemma's ``x * (1 + w)`` computed in float32) subclass it
-    and name the subclass in their decoder's ``norm_class``."""
-
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        self.weight = weight
-        self.eps = eps
-        self.dim = (int(weight.shape[-1]),)
-        self._fused = weight.dim() == 1  # F.rms_norm takes a weight of exactly ``dim``
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused and x.dtype == torch.float32:
-            return F.rms_norm(x, self.dim, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.dim, None, self.eps).to(x.dtype)
-
-    @classmethod
-    def per_head(
-        cls,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-        eps: float,
-    ) -> RMSNorm:
-        """The per-head norms of q (``q_weight [hd]``) and k (``k_weight [hd]``) as one norm of
-        the ``[T, H + KVH, hd]`` q/k heads: row ``h`` of its weight is q's for ``h < H``, else
-        k's, so q and k normalise in one op (each head over its own ``hd`` values)."""
-        rows = torch.cat((q_weight.expand(num_heads, -1), k_weight.expand(num_kv_heads, -1)))
-        return cls(rows.contiguous(), eps)  # [H + KVH, hd]
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes
-
-
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm, HF-exact: ``(x / rms(x)) * (1 + w)`` all in float32, then cast to the
-    input dtype (Llama's scales in the model dtype instead)."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.rms_norm(x.float(), self.dim, None, self.eps) * (1.0 + self.weight.float())
-        return out.to(x.dtype)
 
 
 # ------------------------------------------------------------------------------ layer state
@@ -133,13 +83,17 @@ class LayerStep:
     lora_down: bool = False
 
 
+FeedForward = Callable[[DecoderLayer, int, torch.Tensor, LayerStep], torch.Tensor]
+"""A layer's feed-forward block: ``ffn(L, i, x, step)`` for normed input x [T, D] -> [T, D]."""
+
+
 # -------------------------------------------------------------------------------- attention
 
 
 class Attention:
     """The attention block: fused q/k/v Linear, optional per-head q/k RMSNorm, RoPE, paged
     attention with ``scale`` (scores soft-capped at ``softcap`` if given), o Linear, and the
-    LoRA adds of the q/k/v and o groups.
+    LoRA adds of the q/k/v and o groups; rotary and decode attention through ``ops``.
 
     Reads ``L.qkv``, ``L.o``, ``L.rope`` (index of the layer's rotary), ``L.window`` (its
     sliding window's masks, None: global) and, with ``qk_norm``, ``L.qk_norm`` (an
@@ -153,8 +107,11 @@ class Attention:
         head_dim: int,
         scale: float,
         qk_norm: bool,
+        ops: LayerOps,
         softcap: float | None = None,
     ) -> None:
+        self.ops = ops
+        self.softcap = softcap
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
@@ -187,12 +144,13 @@ class Attention:
         if self.qk_norm:
             qk = L.qk_norm(qk)
         cos, sin = step.rope[L.rope]
-        qk = apply_rotary(qk, cos, sin)
+        qk = self.ops.rotary(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, hd], [T, KVH, hd]
         v = qkv[:, self.qk_size :].view(T, -1, hd)  # [T, KVH, hd]
         a = paged_attention(
-            q, k, v, i, step.cache, step.attn_meta, self.scale, L.window, self.attend
-        ).reshape(T, self.q_size)
+            q, k, v, i, step.cache, step.attn_meta, self.scale, L.window, self.attend,
+            self.ops.decode_attention, self.softcap,
+        ).reshape(T, self.q_size)  # fmt: skip
         o = L.o(a)  # [T, D]
         if step.lora_o:
             step.lora.add(i, self.o_parts, a, o, step.plan)
@@ -201,20 +159,18 @@ class Attention:
 
 # -------------------------------------------------------------------------------------- MLP
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-}
-"""``hidden_act`` -> the gated MLP's activation (transformers' ``ACT2FN`` of the same name)."""
-
 
 class GatedMLP:
     """The gated MLP: fused gate/up Linear, ``act(gate) * up``, down Linear, and the LoRA adds
-    of the gate/up and down groups. Reads ``L.gate_up`` and ``L.down``."""
+    of the gate/up and down groups; the activation through ``ops``. Reads ``L.gate_up`` and
+    ``L.down``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, hidden_act: str, ops: LayerOps
+    ) -> None:
         self.inter = intermediate_size
-        self.act = ACTIVATIONS[hidden_act]
+        self.hidden_act = hidden_act
+        self.ops = ops
         inter, d = intermediate_size, hidden_size
         self.groups: tuple[ProjectionGroup, ProjectionGroup] = (
             ("gate_up", d, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
@@ -227,7 +183,7 @@ class GatedMLP:
         gu = L.gate_up(x)  # [T, 2 I]
         if step.lora_gate_up:
             step.lora.add(i, self.gate_up_parts, x, gu, step.plan)
-        act = self.act(gu[:, : self.inter]) * gu[:, self.inter :]  # [T, I]
+        act = self.ops.gated(gu, self.inter, self.hidden_act)  # [T, I]
         d = L.down(act)  # [T, D]
         if step.lora_down:
             step.lora.add(i, self.down_parts, act, d, step.plan)

@@ -6,17 +6,26 @@ steps) run faster from the packed layout than through ``F.linear``'s BLAS call; 
 bfloat16 arithmetic (no AVX512_BF16, no AMX) a bfloat16 GEMM runs slower than the same GEMM in
 float32 once it has a few dozen rows, so there GEMMs with many rows (prompt chunks) are computed
 in float32 from the bfloat16 weights (:class:`UpcastCPULinear`; the weights stay bfloat16 in
-memory). The model never branches on which one it got. (Figures: docs/benchmarks.md.)
+memory). Where loraplex's panel GEMM kernel (``panel_gemm.py``) computes the dtype with vectors,
+it is timed against oneDNN on one of the model's weight shapes at start-up and used if it is
+faster at decode sizes (and not much slower on a prompt chunk). The model never branches on
+which one it got. (Figures: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 class Linear(Protocol):
@@ -108,13 +117,90 @@ def _onednn_bf16() -> bool:
 
 
 def select_linear_factory(
-    device: torch.device, dtype: torch.dtype, *, native_bf16: bool | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    native_bf16: bool | None = None,
+    probe: tuple[int, int] | None = None,
 ) -> tuple[str, LinearFactory]:
     """Pick the linear implementation for this device and dtype (once, at model load).
-    ``native_bf16``: whether the CPU computes bfloat16 natively (default: ask the CPU)."""
+    ``native_bf16``: whether the CPU computes bfloat16 natively (default: ask the CPU);
+    ``probe``: a weight shape ``(out, in)`` of the model, on which the panel kernel is timed
+    against oneDNN where both can run (None: no panel kernel)."""
     if device.type == "cpu" and dtype == torch.bfloat16:
         if not (cpu_has_fast_bf16() if native_bf16 is None else native_bf16):
             return "upcast-f32", UpcastCPULinear
-    if device.type == "cpu" and _packed_works(dtype):
+    if device.type != "cpu":
+        return "dense", DenseLinear
+    packed = _packed_works(dtype)
+    if probe is not None:
+        panel = _panel_choice(dtype, min(probe[0], PROBE_MAX), min(probe[1], PROBE_MAX), packed)
+        if panel is not None:
+            return "panel", panel
+    if packed:
         return "onednn-packed", PackedCPULinear
     return "dense", DenseLinear
+
+
+PROBE_MAX = 4096
+"""The timed probe weight is at most this many rows and columns (a 70B model's 28672 x 8192
+projection would cost a second of start-up to pack and time)."""
+PROBE_ROWS = (1, 16, 128)
+"""Rows of x timed: one sequence decoding, a decode batch, a prompt chunk."""
+PREFILL_SLOWDOWN = 1.3
+"""The panel kernel is chosen for its decode times only if its prompt-chunk time is within this
+factor of oneDNN's (its blocking is for few rows)."""
+
+
+@functools.cache
+def _panel_choice(
+    dtype: torch.dtype, n: int, k: int, packed: bool
+) -> Callable[[torch.Tensor, torch.Tensor | None], Linear] | None:
+    """The panel kernel's factory if it builds, computes ``dtype`` with vectors and beats
+    oneDNN on an ``[n, k]`` weight at decode sizes (timed once per process and shape), else
+    None; the times go to the log."""
+    from loraplex.config import layer_cpu_kernel_enabled
+    from loraplex.lora.cpu_ops import KernelBuildError
+    from loraplex.model.panel_gemm import PanelLinear, load_panel_kernel
+
+    if not layer_cpu_kernel_enabled():
+        return None
+    try:
+        kernel = load_panel_kernel()
+    except KernelBuildError as e:
+        log.warning("panel GEMM kernel unavailable (%s); oneDNN GEMMs", e)
+        return None
+    if dtype not in kernel.dtypes:
+        return None
+    make = functools.partial(PanelLinear, kernel)
+    if not packed:
+        return make
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    ours, theirs = make(w, None), PackedCPULinear(w, None)
+    times = {
+        t: (_time(ours, x), _time(theirs, x))
+        for t in PROBE_ROWS
+        for x in [torch.randn(t, k, generator=g).to(dtype)]
+    }
+    decode = sum(times[t][0] for t in PROBE_ROWS[:2]) < sum(times[t][1] for t in PROBE_ROWS[:2])
+    prefill_ok = times[PROBE_ROWS[-1]][0] <= PREFILL_SLOWDOWN * times[PROBE_ROWS[-1]][1]
+    chosen = decode and prefill_ok
+    log.info(
+        "linear %s [%d, %d]: panel vs oneDNN us %s -> %s",
+        str(dtype).removeprefix("torch."), n, k,
+        ", ".join(f"{t} rows {a * 1e6:.0f}/{b * 1e6:.0f}" for t, (a, b) in times.items()),
+        "panel" if chosen else "oneDNN",
+    )  # fmt: skip
+    return make if chosen else None
+
+
+def _time(lin: Linear, x: torch.Tensor, reps: int = 5) -> float:
+    """Median seconds of ``lin(x)`` after a warm-up call."""
+    lin(x)
+    runs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        lin(x)
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)

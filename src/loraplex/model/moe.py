@@ -40,9 +40,8 @@ from loraplex.lora.peft_format import (
     MoESpec,
 )
 from loraplex.lora.plan import plan_expert_rows
-from loraplex.model.decoder import DecoderForCausalLM
+from loraplex.model.decoder import DecoderForCausalLM, pre_norm_stack
 from loraplex.model.layers import ACTIVATIONS, DecoderLayer, LayerStep
-from loraplex.model.linear import select_linear_factory
 from loraplex.model.spec import ModelConfig
 from loraplex.types import ModelLoadError
 
@@ -340,7 +339,8 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
 
     def _build(self, top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]]) -> None:
         super()._build(top, layers)
-        _, make = select_linear_factory(self.device, self.dtype)
+        make = self.make_linear
+        assert make is not None
         for layer in self.cfg.sparse_layers:
             L = self.layers[layer]
             L.router = make(self._moe_parts.pop((layer, "router")), None)  # [E, D]
@@ -350,8 +350,4 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
 
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Llama's pre-norm wiring with each layer's own feed-forward block."""
-        attn = self.attn
-        for i, (L, ffn) in enumerate(zip(self.layers, self.ffns, strict=True)):
-            h = h + attn(L, i, L.ln1(h), step)
-            h = h + ffn(L, i, L.ln2(h), step)
-        return h
+        return pre_norm_stack(self, h, step, self.ffns)

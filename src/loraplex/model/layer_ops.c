@@ -1,0 +1,409 @@
+/* A decoder layer's small ops on CPU, one call each (loraplex.model.layer_ops).
+ *
+ * At decode sizes each of these is several torch ops of a few microseconds of arithmetic and
+ * more of dispatch; one C call per op and layer replaces them. Semantics (element type E =
+ * float32 or bfloat16; rnd(v): v rounded to E, to nearest even; every other value float32):
+ *
+ *   loraplex_add_rms_norm:  for each row t:
+ *       if delta:  h[t] = rnd(h[t] + delta[t])                                  (the residual)
+ *       r = 1 / sqrt(mean(h[t]^2) + eps)
+ *       mode 0 (Llama):  out[t] = E == float32 ? (h[t] * r) * w : rnd(w * rnd(h[t] * r))
+ *       mode 1 (Gemma):  out[t] = rnd((h[t] * r) * (1 + w))
+ *   loraplex_rotary:  in place, per row t and head, on the first rd values (half = rd / 2):
+ *       x[i]        = rnd(rnd(x[i] * cos[i]) + rnd(-x[i + half] * sin[i]))          i < half
+ *       x[i + half] = rnd(rnd(x[i + half] * cos[i + half]) + rnd(x[i] * sin[i + half]))
+ *   loraplex_gated_act:  out[t, i] = rnd(rnd(act(gu[t, i])) * gu[t, I + i]),
+ *       act 0: silu(g) = g / (1 + exp(-g)); act 1: gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi)
+ *       (g + 0.044715 g^3)))
+ *   loraplex_decode_attention:  for each decode row b (query row rows[b], or b) and query head
+ *       h (KV head j = h / G, G = H / KVH), over the positions p of [lo, len[b]) (lo = len - window
+ *       with a window, else 0) at cache slot block_table[b, p / bs] * bs + p % bs:
+ *           s[p] = scale * dot(q[h], k[slot, j]),  with a cap: s[p] = tanh(s[p] / cap) * cap
+ *           out[h] = rnd(sum_p softmax(s)[p] * v[slot, j])
+ *
+ * These are what torch computes for the same ops (HF's rounding steps in bf16), except the
+ * order of the sums (norm statistics, dot products) and exp / tanh, which are a polynomial
+ * within a few ulp of float32's; attention keeps its scores and weights in float32 where SDPA's
+ * bf16 path rounds the weights. Contractions into FMAs are off so that the elementwise float32
+ * results are torch's own. Plain C, no torch headers; the caller checks shapes and strides.
+ */
+#pragma GCC optimize("fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+#define LANES 16
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : r); /* NaN: quiet */
+}
+
+INLINE float ld(const void *p, int64_t i, int e) {
+    return e == F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+INLINE void st(void *p, int64_t i, int e, float v) {
+    if (e == F32)
+        ((float *)p)[i] = v;
+    else
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+}
+
+INLINE float rnd(float v, int e) { return e == F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
+
+/* exp(x) for float32, branch-free so loops of it vectorise: x = n ln2 + r, |r| <= ln2 / 2 (n
+ * rounded to nearest by the 1.5 * 2^23 shift, no floorf: GCC vectorises that only with
+ * -fno-trapping-math), exp(r) by its degree-6 Taylor polynomial, times 2^n built in the exponent
+ * bits; below -87.3 it flushes to 0 and above 88.3 it saturates at exp(88.3) (2^n stays a
+ * normal float). */
+INLINE float exp_f32(float x) {
+    float y = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = y - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x <= -87.3f ? 0.0f : p * scale;
+}
+
+INLINE float tanh_f32(float x) {
+    /* tanh(x) = sign(x) (1 - 2 / (exp(2 |x|) + 1)); small |x| by its odd series, where the
+     * difference from 1 would cancel */
+    float a = fabsf(x);
+    float e = exp_f32(2.0f * (a > 9.0f ? 9.0f : a));
+    float big = 1.0f - 2.0f / (e + 1.0f);
+    float x2 = x * x;
+    float small = a * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f + x2 * (-17.0f / 315.0f))));
+    float t = a < 0.04f ? small : big;
+    return x < 0.0f ? -t : t;
+}
+
+int loraplex_layer_ops_version(void) { return 1; }
+
+/* ----------------------------------------------------------------------- residual + norm */
+
+INLINE void add_norm_row(void *h, const void *delta, const void *w, int64_t D, float eps,
+                         int mode, void *out, int e) {
+    float acc[LANES] = {0};
+    int64_t d = 0;
+    if (delta) {
+        for (int64_t i = 0; i < D; i++) st(h, i, e, ld(h, i, e) + ld(delta, i, e));
+    }
+    for (; d + LANES <= D; d += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float v = ld(h, d + l, e);
+            acc[l] += v * v;
+        }
+    float sum = 0.0f;
+    for (; d < D; d++) {
+        float v = ld(h, d, e);
+        sum += v * v;
+    }
+    for (int l = 0; l < LANES; l++) sum += acc[l];
+    float r = 1.0f / sqrtf(sum / (float)D + eps);
+    if (mode == 1) {
+        for (int64_t i = 0; i < D; i++) st(out, i, e, (ld(h, i, e) * r) * (1.0f + ld(w, i, e)));
+    } else if (e == F32) {
+        for (int64_t i = 0; i < D; i++) st(out, i, e, (ld(h, i, e) * r) * ld(w, i, e));
+    } else {
+        for (int64_t i = 0; i < D; i++) st(out, i, e, ld(w, i, e) * rnd(ld(h, i, e) * r, e));
+    }
+}
+
+int loraplex_add_rms_norm(void *h, int64_t h_stride, const void *delta, int64_t d_stride,
+                          const void *w, int64_t T, int64_t D, float eps, int mode, void *out,
+                          int64_t o_stride, int e, int threads) {
+    int64_t esz = e == F32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && T > 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        void *ht = (char *)h + t * h_stride * esz;
+        const void *dt = delta ? (const char *)delta + t * d_stride * esz : NULL;
+        void *ot = (char *)out + t * o_stride * esz;
+        if (e == F32)
+            add_norm_row(ht, dt, w, D, eps, mode, ot, F32);
+        else
+            add_norm_row(ht, dt, w, D, eps, mode, ot, BF16);
+    }
+    return 0;
+}
+
+/* --------------------------------------------------------------------------------- rotary */
+
+INLINE void rotary_row(void *x, int64_t heads, int64_t hd, int64_t rd, const void *c,
+                       const void *s, int e) {
+    int64_t half = rd / 2;
+    for (int64_t hh = 0; hh < heads; hh++) {
+        int64_t o = hh * hd;
+        for (int64_t i = 0; i < half; i++) {
+            float a = ld(x, o + i, e), b = ld(x, o + i + half, e);
+            float lo = rnd(rnd(a * ld(c, i, e), e) + rnd(-b * ld(s, i, e), e), e);
+            float hi = rnd(rnd(b * ld(c, i + half, e), e) + rnd(a * ld(s, i + half, e), e), e);
+            st(x, o + i, e, lo);
+            st(x, o + i + half, e, hi);
+        }
+    }
+}
+
+int loraplex_rotary(void *x, int64_t x_stride, int64_t T, int64_t heads, int64_t hd, int64_t rd,
+                    const void *cos, const void *sin, int64_t cs_stride, int e, int threads) {
+    int64_t esz = e == F32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && T > 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        void *xt = (char *)x + t * x_stride * esz;
+        const void *ct = (const char *)cos + t * cs_stride * esz;
+        const void *stt = (const char *)sin + t * cs_stride * esz;
+        if (e == F32)
+            rotary_row(xt, heads, hd, rd, ct, stt, F32);
+        else
+            rotary_row(xt, heads, hd, rd, ct, stt, BF16);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ gated activation */
+
+INLINE void gated_row(const void *gu, int64_t I, int act, void *out, int e) {
+    const char *up = (const char *)gu + I * (e == F32 ? 4 : 2);
+    if (act == 0) {
+        for (int64_t i = 0; i < I; i++) {
+            float g = ld(gu, i, e);
+            st(out, i, e, rnd(g / (1.0f + exp_f32(-g)), e) * ld(up, i, e));
+        }
+    } else {
+        for (int64_t i = 0; i < I; i++) {
+            float g = ld(gu, i, e);
+            float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+            st(out, i, e, rnd(0.5f * g * (1.0f + tanh_f32(inner)), e) * ld(up, i, e));
+        }
+    }
+}
+
+int loraplex_gated_act(const void *gu, int64_t gu_stride, int64_t T, int64_t I, int act,
+                       void *out, int64_t o_stride, int e, int threads) {
+    int64_t esz = e == F32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && T > 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const void *g = (const char *)gu + t * gu_stride * esz;
+        void *o = (char *)out + t * o_stride * esz;
+        if (e == F32)
+            gated_row(g, I, act, o, F32);
+        else
+            gated_row(g, I, act, o, BF16);
+    }
+    return 0;
+}
+
+/* ----------------------------------------------------------------------- decode attention */
+
+/* Vectors of float32 for the attention's dot products and sums: AVX-512 or AVX2 where the
+ * build has them (16 or 8 values), else scalar loops. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VW 16
+typedef __m512 vec;
+INLINE vec vload(const void *p, int64_t i, int e) {
+    if (e == F32) return _mm512_loadu_ps((const float *)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VLOADF(p) _mm512_loadu_ps(p)
+INLINE float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VW 8
+typedef __m256 vec;
+INLINE vec vload(const void *p, int64_t i, int e) {
+    if (e == F32) return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VLOADF(p) _mm256_loadu_ps(p)
+INLINE float vsum(vec v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+#else
+#define VW 0
+#endif
+
+/* The G scores of one key row: s[g * n] = dot(q[g], k) for g < G (q float32 [G, hd], k of
+ * type e), k read once for every query head (four at a time in vectors). */
+INLINE void scores_row(const float *__restrict q, const void *__restrict k, int64_t G,
+                       int64_t hd, int64_t n, float *__restrict s, int e) {
+    int64_t g = 0;
+#if VW
+    if (hd % VW == 0)
+        for (; g < G; g += 4) { /* a last tile of fewer heads repeats its first one */
+            int64_t m = G - g < 4 ? G - g : 4;
+            const float *q0 = q + g * hd, *q1 = q0 + (m > 1) * hd, *q2 = q0 + (m > 2) * 2 * hd;
+            const float *q3 = q0 + (m > 3) * 3 * hd;
+            vec a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+            for (int64_t d = 0; d < hd; d += VW) {
+                vec kv = vload(k, d, e);
+                a0 = VFMA(VLOADF(q0 + d), kv, a0);
+                a1 = VFMA(VLOADF(q1 + d), kv, a1);
+                a2 = VFMA(VLOADF(q2 + d), kv, a2);
+                a3 = VFMA(VLOADF(q3 + d), kv, a3);
+            }
+            float sums[4] = {vsum(a0), vsum(a1), vsum(a2), vsum(a3)};
+            for (int64_t t = 0; t < m; t++) s[(g + t) * n] = sums[t];
+        }
+#endif
+    for (; g < G; g++) {
+        float sum = 0.0f;
+        for (int64_t d = 0; d < hd; d++) sum += q[g * hd + d] * ld(k, d, e);
+        s[g * n] = sum;
+    }
+}
+
+/* The weighted sum of the context's value rows: out[g] = rnd(sum_p w[g * n + p] * v_p) for
+ * g < G, the rows v_p of positions [lo, len) found through the block table (``row``: bytes
+ * from one slot's row to the next; v0: this KV head's row in slot 0). Each VW-value column
+ * chunk is summed over every position in registers, four query heads at a time. */
+INLINE void weighted_values(const float *__restrict w, const char *__restrict v0,
+                            const int64_t *table, int64_t lo, int64_t len, int64_t bs,
+                            int64_t row, int64_t G, int64_t hd, int64_t n, void *out, int e) {
+    int64_t d = 0;
+#if VW
+    for (; d + VW <= hd; d += VW)
+        for (int64_t g = 0; g < G; g += 4) {
+            int64_t m = G - g < 4 ? G - g : 4;
+            const float *w0 = w + g * n, *w1 = w0 + (m > 1) * n, *w2 = w0 + (m > 2) * 2 * n;
+            const float *w3 = w0 + (m > 3) * 3 * n;
+            vec a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+            for (int64_t p = lo; p < len;) {
+                int64_t blk = p / bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
+                const char *v = v0 + (table[blk] * bs + p - blk * bs) * row;
+                for (; p < end; p++, v += row) {
+                    vec vv = vload(v, d, e);
+                    int64_t i = p - lo;
+                    a0 = VFMA(VSET1(w0[i]), vv, a0);
+                    a1 = VFMA(VSET1(w1[i]), vv, a1);
+                    a2 = VFMA(VSET1(w2[i]), vv, a2);
+                    a3 = VFMA(VSET1(w3[i]), vv, a3);
+                }
+            }
+            float buf[4][VW];
+            VSTORE(buf[0], a0), VSTORE(buf[1], a1), VSTORE(buf[2], a2), VSTORE(buf[3], a3);
+            for (int64_t t = 0; t < m; t++)
+                for (int64_t l = 0; l < VW; l++) st(out, (g + t) * hd + d + l, e, buf[t][l]);
+        }
+#endif
+    for (; d < hd; d++)
+        for (int64_t g = 0; g < G; g++) {
+            float a = 0.0f;
+            for (int64_t p = lo; p < len; p++) {
+                int64_t blk = p / bs;
+                a += w[g * n + p - lo] * ld(v0 + (table[blk] * bs + p - blk * bs) * row, d, e);
+            }
+            st(out, g * hd + d, e, a);
+        }
+}
+
+/* One (decode row, KV head): its G query heads over the row's context. scratch: G * hd
+ * (queries) + G * ctx (scores) floats. */
+INLINE void attend_one(const void *q, const void *kc, const void *vc, const int64_t *table,
+                       int64_t lo, int64_t len, int64_t bs, int64_t KVH, int64_t hd, int64_t G,
+                       int64_t j, float scale, float cap, void *out, float *scratch, int e) {
+    float *qf = scratch, *s = scratch + G * hd;
+    int64_t n = len - lo;
+    for (int64_t i = 0; i < G * hd; i++) qf[i] = ld(q, i, e);
+    int64_t row = KVH * hd * (e == F32 ? 4 : 2), head = j * hd * (e == F32 ? 4 : 2);
+    int64_t bytes = hd * (e == F32 ? 4 : 2);
+    for (int64_t p = lo; p < len;) { /* block by block: no division per position */
+        int64_t blk = p / bs, off = p - blk * bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
+        int64_t at = (table[blk] * bs + off) * row + head;
+        const char *k = (const char *)kc + at, *v = (const char *)vc + at;
+        if (end < len) { /* the next block's keys: blocks are scattered, so no prefetcher */
+            const char *nk = (const char *)kc + table[blk + 1] * bs * row + head;
+            for (int64_t i = 0; i < bs && end + i < len; i++)
+                for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(nk + i * row + c);
+        }
+        for (; p < end; p++, k += row, v += row) {
+            for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(v + c); /* for the sum */
+            scores_row(qf, k, G, hd, n, s + p - lo, e);
+        }
+    }
+    for (int64_t i = 0; i < G * n; i++) {
+        float v = s[i] * scale;
+        s[i] = cap > 0.0f ? tanh_f32(v / cap) * cap : v;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = s + g * n, m = sg[0], sum = 0.0f;
+        for (int64_t i = 1; i < n; i++) m = sg[i] > m ? sg[i] : m;
+        for (int64_t i = 0; i < n; i++) {
+            sg[i] = exp_f32(sg[i] - m);
+            sum += sg[i];
+        }
+        float inv = 1.0f / sum;
+        for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+    }
+    weighted_values(s, (const char *)vc + head, table, lo, len, bs, row, G, hd, n, out, e);
+}
+
+int loraplex_decode_attention(const void *q, int64_t q_stride, const int64_t *rows, int64_t B,
+                              int64_t H, int64_t KVH, int64_t hd, const void *kc,
+                              const void *vc, const int64_t *block_table, int64_t nblk,
+                              const int64_t *lens, int64_t bs, float scale, float cap,
+                              int64_t window, void *out, int64_t o_stride, int e, int threads) {
+    int64_t G = H / KVH, esz = e == F32 ? 4 : 2, ctx = nblk * bs;
+    int64_t per = G * hd + G * ctx;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && B * KVH > 1)
+    {
+        float *scratch = (float *)malloc((size_t)per * sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t bj = 0; bj < B * KVH; bj++) {
+            if (!scratch) continue;
+            int64_t b = bj / KVH, j = bj % KVH, row = rows ? rows[b] : b;
+            int64_t len = lens[b], lo = window > 0 && len > window ? len - window : 0;
+            const void *qb = (const char *)q + (row * q_stride + j * G * hd) * esz;
+            void *ob = (char *)out + (row * o_stride + j * G * hd) * esz;
+            const int64_t *tb = block_table + b * nblk;
+            if (e == F32)
+                attend_one(qb, kc, vc, tb, lo, len, bs, KVH, hd, G, j, scale, cap, ob, scratch,
+                           F32);
+            else
+                attend_one(qb, kc, vc, tb, lo, len, bs, KVH, hd, G, j, scale, cap, ob, scratch,
+                           BF16);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
