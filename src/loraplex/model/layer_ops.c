@@ -27,8 +27,11 @@
  * bf16 path rounds the weights. Contractions into FMAs are off so that the elementwise float32
  * results are torch's own. Plain C, no torch headers; the caller checks shapes and strides.
  */
-#pragma GCC optimize("fp-contract=off")
+#if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -233,7 +236,15 @@ INLINE vec vload(const void *p, int64_t i, int e) {
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VLOADF(p) _mm512_loadu_ps(p)
-INLINE float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+/* the four sums of a0 .. a3 into out[0 .. 3], in one reduction tree */
+INLINE void vsum4(vec a0, vec a1, vec a2, vec a3, float *out) {
+    __m256 t0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    __m256 t1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    __m256 t2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+    __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VW 8
@@ -248,11 +259,9 @@ INLINE vec vload(const void *p, int64_t i, int e) {
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #define VLOADF(p) _mm256_loadu_ps(p)
-INLINE float vsum(vec v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
+INLINE void vsum4(vec a0, vec a1, vec a2, vec a3, float *out) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 #else
 #define VW 0
@@ -260,26 +269,36 @@ INLINE float vsum(vec v) {
 
 /* The G scores of one key row: s[g * n] = dot(q[g], k) for g < G (q float32 [G, hd], k of
  * type e), k read once for every query head (four at a time in vectors). */
+/* The scores of query heads q[0 .. M) (M <= 4, a constant where it is inlined) against k. */
+INLINE void scores_tile(const float *__restrict q, const void *__restrict k, int64_t hd,
+                        int64_t n, float *__restrict s, int M, int e) {
+#if VW
+    vec a[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
+    for (int64_t d = 0; d < hd; d += VW) {
+        vec kv = vload(k, d, e);
+        for (int t = 0; t < M; t++) a[t] = VFMA(VLOADF(q + t * hd + d), kv, a[t]);
+    }
+    float sums[4];
+    vsum4(a[0], a[1], a[2], a[3], sums);
+    for (int t = 0; t < M; t++) s[t * n] = sums[t];
+#else
+    (void)q, (void)k, (void)hd, (void)n, (void)s, (void)M, (void)e;
+#endif
+}
+
 INLINE void scores_row(const float *__restrict q, const void *__restrict k, int64_t G,
                        int64_t hd, int64_t n, float *__restrict s, int e) {
     int64_t g = 0;
 #if VW
-    if (hd % VW == 0)
-        for (; g < G; g += 4) { /* a last tile of fewer heads repeats its first one */
-            int64_t m = G - g < 4 ? G - g : 4;
-            const float *q0 = q + g * hd, *q1 = q0 + (m > 1) * hd, *q2 = q0 + (m > 2) * 2 * hd;
-            const float *q3 = q0 + (m > 3) * 3 * hd;
-            vec a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
-            for (int64_t d = 0; d < hd; d += VW) {
-                vec kv = vload(k, d, e);
-                a0 = VFMA(VLOADF(q0 + d), kv, a0);
-                a1 = VFMA(VLOADF(q1 + d), kv, a1);
-                a2 = VFMA(VLOADF(q2 + d), kv, a2);
-                a3 = VFMA(VLOADF(q3 + d), kv, a3);
-            }
-            float sums[4] = {vsum(a0), vsum(a1), vsum(a2), vsum(a3)};
-            for (int64_t t = 0; t < m; t++) s[(g + t) * n] = sums[t];
+    if (hd % VW == 0) {
+        for (; g + 4 <= G; g += 4) scores_tile(q + g * hd, k, hd, n, s + g * n, 4, e);
+        switch (G - g) { /* the last tile's width, as a constant */
+            case 3: scores_tile(q + g * hd, k, hd, n, s + g * n, 3, e); break;
+            case 2: scores_tile(q + g * hd, k, hd, n, s + g * n, 2, e); break;
+            case 1: scores_tile(q + g * hd, k, hd, n, s + g * n, 1, e); break;
         }
+        return;
+    }
 #endif
     for (; g < G; g++) {
         float sum = 0.0f;
@@ -292,34 +311,56 @@ INLINE void scores_row(const float *__restrict q, const void *__restrict k, int6
  * g < G, the rows v_p of positions [lo, len) found through the block table (``row``: bytes
  * from one slot's row to the next; v0: this KV head's row in slot 0). Each VW-value column
  * chunk is summed over every position in registers, four query heads at a time. */
+/* Tile of M (<= 4, a constant where inlined) query heads, VW columns from d: out[t] =
+ * rnd(sum_p w[t * n + p] * v_p[d .. d + VW)). */
+INLINE void values_tile(const float *__restrict w, const char *__restrict v0,
+                        const int64_t *table, int64_t lo, int64_t len, int64_t bs, int64_t row,
+                        int64_t hd, int64_t n, int64_t d, void *out, int M, int e) {
+#if VW
+    vec a[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
+    for (int64_t p = lo; p < len;) {
+        int64_t blk = p / bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
+        const char *v = v0 + (table[blk] * bs + p - blk * bs) * row;
+        for (; p < end; p++, v += row) {
+            vec vv = vload(v, d, e);
+            for (int t = 0; t < M; t++) a[t] = VFMA(VSET1(w[t * n + p - lo]), vv, a[t]);
+        }
+    }
+    float buf[VW];
+    for (int t = 0; t < M; t++) {
+        VSTORE(buf, a[t]);
+        for (int64_t l = 0; l < VW; l++) st(out, t * hd + d + l, e, buf[l]);
+    }
+#else
+    (void)w, (void)v0, (void)table, (void)lo, (void)len, (void)bs, (void)row, (void)hd;
+    (void)n, (void)d, (void)out, (void)M, (void)e;
+#endif
+}
+
+/* The weighted sum of the context's value rows: out[g] = rnd(sum_p w[g * n + p] * v_p) for
+ * g < G, the rows v_p of positions [lo, len) found through the block table (``row``: bytes
+ * from one slot's row to the next; v0: this KV head's row in slot 0). Each VW-value column
+ * chunk is summed over every position in registers, four query heads at a time. */
 INLINE void weighted_values(const float *__restrict w, const char *__restrict v0,
                             const int64_t *table, int64_t lo, int64_t len, int64_t bs,
                             int64_t row, int64_t G, int64_t hd, int64_t n, void *out, int e) {
     int64_t d = 0;
 #if VW
-    for (; d + VW <= hd; d += VW)
-        for (int64_t g = 0; g < G; g += 4) {
-            int64_t m = G - g < 4 ? G - g : 4;
-            const float *w0 = w + g * n, *w1 = w0 + (m > 1) * n, *w2 = w0 + (m > 2) * 2 * n;
-            const float *w3 = w0 + (m > 3) * 3 * n;
-            vec a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
-            for (int64_t p = lo; p < len;) {
-                int64_t blk = p / bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
-                const char *v = v0 + (table[blk] * bs + p - blk * bs) * row;
-                for (; p < end; p++, v += row) {
-                    vec vv = vload(v, d, e);
-                    int64_t i = p - lo;
-                    a0 = VFMA(VSET1(w0[i]), vv, a0);
-                    a1 = VFMA(VSET1(w1[i]), vv, a1);
-                    a2 = VFMA(VSET1(w2[i]), vv, a2);
-                    a3 = VFMA(VSET1(w3[i]), vv, a3);
-                }
-            }
-            float buf[4][VW];
-            VSTORE(buf[0], a0), VSTORE(buf[1], a1), VSTORE(buf[2], a2), VSTORE(buf[3], a3);
-            for (int64_t t = 0; t < m; t++)
-                for (int64_t l = 0; l < VW; l++) st(out, (g + t) * hd + d + l, e, buf[t][l]);
+    int esz = e == F32 ? 4 : 2;
+    for (; d + VW <= hd; d += VW) {
+        int64_t g = 0;
+        for (; g + 4 <= G; g += 4)
+            values_tile(w + g * n, v0, table, lo, len, bs, row, hd, n, d,
+                        (char *)out + g * hd * esz, 4, e);
+        switch (G - g) {
+            case 3: values_tile(w + g * n, v0, table, lo, len, bs, row, hd, n, d,
+                                (char *)out + g * hd * esz, 3, e); break;
+            case 2: values_tile(w + g * n, v0, table, lo, len, bs, row, hd, n, d,
+                                (char *)out + g * hd * esz, 2, e); break;
+            case 1: values_tile(w + g * n, v0, table, lo, len, bs, row, hd, n, d,
+                                (char *)out + g * hd * esz, 1, e); break;
         }
+    }
 #endif
     for (; d < hd; d++)
         for (int64_t g = 0; g < G; g++) {

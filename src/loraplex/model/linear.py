@@ -179,9 +179,7 @@ def _panel_choice(
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
     ours, theirs = make(w, None), PackedCPULinear(w, None)
     times = {
-        t: (_time(ours, x), _time(theirs, x))
-        for t in PROBE_ROWS
-        for x in [torch.randn(t, k, generator=g).to(dtype)]
+        t: _time_pair(ours, theirs, torch.randn(t, k, generator=g).to(dtype)) for t in PROBE_ROWS
     }
     decode = sum(times[t][0] for t in PROBE_ROWS[:2]) < sum(times[t][1] for t in PROBE_ROWS[:2])
     prefill_ok = times[PROBE_ROWS[-1]][0] <= PREFILL_SLOWDOWN * times[PROBE_ROWS[-1]][1]
@@ -195,12 +193,14 @@ def _panel_choice(
     return make if chosen else None
 
 
-def _time(lin: Linear, x: torch.Tensor, reps: int = 5) -> float:
-    """Median seconds of ``lin(x)`` after a warm-up call."""
-    lin(x)
-    runs = []
+def _time_pair(a: Linear, b: Linear, x: torch.Tensor, reps: int = 9) -> tuple[float, float]:
+    """Median seconds of ``a(x)`` and of ``b(x)``, the calls alternated (a machine's drift
+    reaches both alike) after a warm-up call of each."""
+    a(x), b(x)
+    runs: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
-        t0 = time.perf_counter()
-        lin(x)
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
+        for lin, out in ((a, runs[0]), (b, runs[1])):
+            t0 = time.perf_counter()
+            lin(x)
+            out.append(time.perf_counter() - t0)
+    return statistics.median(runs[0]), statistics.median(runs[1])
