@@ -9,7 +9,9 @@ Builds an engine on a model directory (default: the demo model SmolLM2-135M-Inst
 
 in float32 and bfloat16. For each it prints ms per step (plain steps, nothing instrumented), the
 byte floor (bytes a decode step reads: weights + needed adapter rows + KV context, over the
-measured read bandwidth) and a per-step breakdown into base GEMMs, LoRA ops, attention, KV
+measured read bandwidth), the compute floor (every weight times 16 rows at the arithmetic peak
+``loraplex.bench.cpu_peak`` measures: on a CPU without AMX the larger of the two) and a
+per-step breakdown into base GEMMs, LoRA ops, attention, KV
 writes/gathers, the rest of the layer stack (norms, rope, activation, residuals), logits,
 sampler, batch preparation (incl. the LoRA plan) and Python/other (scheduler, engine loop).
 
@@ -267,7 +269,12 @@ def run(args: argparse.Namespace) -> None:
                 f"\n{dtype}  (linear: {engine.model.linear_impl}, lora ops: "
                 f"{_ops_name(engine)}, layer ops: {ops.name})"
             )
-            _print_table(results, rbw)
+            _print_table(
+                results,
+                rbw,
+                _peak_gflops(dtype),
+                torch.empty((), dtype=getattr(torch, dtype)).element_size(),
+            )
             if args.torch_profile:
                 print("\ntorch.profiler self-CPU ms/step by scope (profiling inflates small ops):")
                 _print_rows({k: r["profiler"] for k, r in results.items()})
@@ -315,7 +322,29 @@ def _print_rows(rows: dict[str, dict[str, float]]) -> None:
     print(f"{'sum':<18}" + "".join(f"{sum(r.values()):>14.2f}" for r in rows.values()))
 
 
-def _print_table(results: dict[str, dict[str, Any]], bw_gbs: float) -> None:
+def _peak_gflops(dtype: str) -> float | None:
+    """The arithmetic peak of this dtype's GEMM product here (bf16 dot products, else float32
+    FMAs), None where it cannot be measured."""
+    from loraplex.bench.cpu_peak import peak_gflops
+    from loraplex.lora.cpu_ops import KernelBuildError
+
+    try:
+        got = peak_gflops("bf16-dot") if dtype == "bfloat16" else None
+        return got or peak_gflops("fp32-fma")
+    except (KernelBuildError, OSError):
+        return None
+
+
+def _print_table(
+    results: dict[str, dict[str, Any]],
+    bw_gbs: float,
+    peak_gflops: float | None = None,
+    itemsize: int = 4,
+) -> None:
+    """The breakdown, plain step times and bytes of each mix, with the byte floor and, given
+    the arithmetic peak, the compute floor (``2 * sequences * weights`` flops: every weight
+    times every decoding row); the step against the larger of the two ("floor"), the mixes'
+    ratios against their byte floors."""
     _print_rows({k: r["breakdown"] for k, r in results.items()})
     print(f"{'plain step (med)':<18}" + "".join(f"{r['ms']:>14.2f}" for r in results.values()))
     print(f"{'plain step (min)':<18}" + "".join(f"{r['ms_min']:>14.2f}" for r in results.values()))
@@ -326,8 +355,17 @@ def _print_table(results: dict[str, dict[str, Any]], bw_gbs: float) -> None:
         k: (r["weights"] + r["lora"] + r["kv"]) / (bw_gbs * 1e9) * 1e3 for k, r in results.items()
     }
     print(f"{'byte floor ms':<18}" + "".join(f"{f:>14.2f}" for f in floors.values()))
+    limits = floors
+    if peak_gflops:
+        compute = {
+            k: 2 * N_SEQS * r["weights"] / itemsize / (peak_gflops * 1e9) * 1e3
+            for k, r in results.items()
+        }
+        print(f"{'compute floor ms':<18}" + "".join(f"{f:>14.2f}" for f in compute.values()))
+        print(f"({peak_gflops:.0f} GFLOP/s peak of this dtype's product, {N_SEQS} rows a step)")
+        limits = {k: max(floors[k], compute[k]) for k in floors}
     print(
-        f"{'step / floor':<18}" + "".join(f"{results[k]['ms'] / floors[k]:>14.2f}" for k in results)
+        f"{'step / floor':<18}" + "".join(f"{results[k]['ms'] / limits[k]:>14.2f}" for k in results)
     )
     base, one, many = (results[k]["ms"] for k in SCENARIOS)
     fb, f1, f16 = (floors[k] for k in SCENARIOS)

@@ -1,0 +1,19 @@
+"""``python -m loraplex.bench.cpu_peak``: the arithmetic peak the benchmarks quote as the
+compute floor of a decode step's GEMMs."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.bench import cpu_peak
+
+
+def test_peaks_are_measured_and_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    fma = cpu_peak.peak_gflops("fp32-fma", threads=1, rounds=1)
+    assert fma is not None and fma > 1.0  # every x86 build has FMA vectors (AVX2 or AVX-512)
+    dot = cpu_peak.peak_gflops("bf16-dot", threads=1, rounds=1)
+    # None: this build (an AVX2 one) has no AVX512-BF16 dot products
+    assert dot is None or dot > 0.0
+    assert cpu_peak.main(["--threads", "1", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fp32-fma  1 threads:" in out and "bf16-dot  1 threads:" in out
