@@ -85,9 +85,7 @@ def test_strided_input_and_the_merger_reads_the_weight(kernel):
 def test_the_choice_is_timed_against_onednn_and_logged(monkeypatch, caplog):
     linear._panel_choice.cache_clear()
     with caplog.at_level(logging.INFO, logger="loraplex.model.linear"):
-        name, _ = linear.select_linear_factory(
-            torch.device("cpu"), torch.float32, probe=(96, 64)
-        )
+        name, _ = linear.select_linear_factory(torch.device("cpu"), torch.float32, probe=(96, 64))
     assert name in ("panel", "onednn-packed")
     if linear._packed_works(torch.float32) and torch.float32 in load_panel_kernel().dtypes:
         assert "panel vs oneDNN us 1 rows" in caplog.text  # the times behind the choice

@@ -12,15 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.lora.cpu_ops import AVX2_CPU_FLAGS, cpu_flags
+from loraplex.lora.cpu_ops import AVX2_CPU_FLAGS, KernelBuildError, cpu_flags
 from loraplex.model.quant.cpu_kernel import load_qgemm
 from loraplex.model.quant.kernels import (
     CKernelLinear,
     DequantLinear,
     FP8Linear,
+    KernelChoice,
+    PanelInt4Linear,
     TorchInt4Linear,
     TorchInt8Linear,
     W8A8Int8Linear,
+    build_quant_linear,
     choose_kernel,
     quantize_activation,
 )
@@ -103,6 +106,42 @@ def test_torch_int4(case: tuple) -> None:  # its layout needs out_features % 16 
     _check(lin(x), x, qw, torch.bfloat16)
     assert torch.allclose(lin.dequantize(torch.float32), qw.dequantize(torch.float32), atol=0.05)
     assert lin.nbytes < qw.in_features * qw.out_features  # half a byte a weight + scales
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if c[2] == 4],
+    ids=lambda c: f"{c[0]}x{c[1]}-g{c[3]}-zp{c[4]}-ao{c[5]}",
+)
+def test_panel_int4(case: tuple) -> None:
+    """The panel kernel's 4-bit path (bf16 x, where this CPU has AVX512-BF16): rows around its
+    block of four, a short last group, act order; the weight read back exactly from its
+    panels and kept only there."""
+    from loraplex.model.panel_gemm import load_panel_kernel
+
+    kernel = load_panel_kernel()
+    if torch.bfloat16 not in kernel.dtypes:
+        pytest.skip("no AVX512-BF16 in this CPU's panel build")
+    qw = _weight(*case)
+    lin = PanelInt4Linear(qw, torch.bfloat16, kernel)
+    panels, groups = -(-qw.out_features // kernel.panel), qw.scales.shape[1]
+    # half a byte a weight, a float32 scale and offset per column and group, columns padded
+    # to whole panels
+    want_bytes = panels * kernel.panel * (qw.in_features // 2 + 8 * groups)
+    assert lin.quant is None and lin.packed.nbytes == want_bytes
+    assert torch.equal(lin.dequantize(torch.float64), qw.dequantize(torch.float64))
+    for rows in (1, 4, 5, 9, 16):
+        x = torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(rows))
+        x = x.to(torch.bfloat16)
+        _check(lin(x), x, qw, torch.bfloat16)
+    built = build_quant_linear(
+        qw, torch.bfloat16, torch.device("cpu"), KernelChoice("panel-int4", {}), None
+    )
+    assert isinstance(built, PanelInt4Linear)  # what the start-up choice builds by name
+    with pytest.raises(KernelBuildError):
+        PanelInt4Linear(qw, torch.float32, kernel)  # bf16 x only
+    with pytest.raises(KernelBuildError):
+        PanelInt4Linear(_weight(9, 96, 8, None, False, False), torch.bfloat16, kernel)
 
 
 def test_torch_int4_refuses_what_its_layout_cannot_hold() -> None:

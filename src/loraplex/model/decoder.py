@@ -544,16 +544,25 @@ class DecoderForCausalLM:
 
 
 def pre_norm_stack(
-    model: DecoderForCausalLM, h: torch.Tensor, step: LayerStep, ffns: list[FeedForward]
+    model: DecoderForCausalLM,
+    h: torch.Tensor,
+    step: LayerStep,
+    ffns: list[FeedForward],
+    post: tuple[str, str] | None = None,
 ) -> torch.Tensor:
     """Pre-norm wiring: ``h += attn(ln1(h)); h += ffn_i(ln2(h))`` per layer ``i``, each residual
-    add fused with the norm after it (``LayerOps.add_norm``; the last add has none):
-    h: [T, D] -> [T, D] (the embedding output, updated in place)."""
+    add fused with the norm after it (``LayerOps.add_norm``; the last add has none); ``post``:
+    the layer's norms of the attention and feed-forward outputs by attribute (Gemma's
+    ``post_attn``, ``post_mlp``) applied before each add. h: [T, D] -> [T, D] (the embedding
+    output, updated in place)."""
     ops, attn, layers = model.ops, model.attn, model.layers
     h, x = ops.add_norm(h, None, layers[0].ln1)
     for i, (L, ffn) in enumerate(zip(layers, ffns, strict=True)):
-        h, x = ops.add_norm(h, attn(L, i, x, step), L.ln2)
+        a = attn(L, i, x, step)
+        h, x = ops.add_norm(h, a if post is None else getattr(L, post[0])(a), L.ln2)
         m = ffn(L, i, x, step)
+        if post is not None:
+            m = getattr(L, post[1])(m)
         if i + 1 == len(layers):
             return h + m
         h, x = ops.add_norm(h, m, layers[i + 1].ln1)

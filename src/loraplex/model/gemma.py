@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from loraplex.lora.plan import LoRABatchPlan
-from loraplex.model.decoder import LLAMA_LAYER_WEIGHTS, DecoderForCausalLM
+from loraplex.model.decoder import LLAMA_LAYER_WEIGHTS, DecoderForCausalLM, pre_norm_stack
 from loraplex.model.layers import (
     ROPE_TYPES,
     GemmaRMSNorm,
@@ -155,15 +155,8 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Scale the embeddings (their LoRA included), then each layer's post-normed
         attention and MLP outputs join the residual: h: [T, D] -> [T, D]."""
-        attn, mlp, ops, layers = self.attn, self.mlp, self.ops, self.layers
-        h, x = ops.add_norm(h * self.embed_scale, None, layers[0].ln1)  # [T, D]
-        for i, L in enumerate(layers):
-            h, x = ops.add_norm(h, L.post_attn(attn(L, i, x, step)), L.ln2)
-            m = L.post_mlp(mlp(L, i, x, step))
-            if i + 1 == len(layers):
-                return h + m
-            h, x = ops.add_norm(h, m, layers[i + 1].ln1)
-        return h
+        ffns = [self.mlp] * len(self.layers)
+        return pre_norm_stack(self, h * self.embed_scale, step, ffns, ("post_attn", "post_mlp"))
 
     @torch.inference_mode()
     def compute_logits(

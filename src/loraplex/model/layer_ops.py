@@ -292,6 +292,8 @@ class CLayerOps:
             or not out.is_contiguous()
             or table.dtype != torch.int64
             or not table.is_contiguous()
+            or lens.dtype != torch.int64
+            or not (meta.decode_all or meta.decode_tokens.dtype == torch.int64)
         ):
             return self.fallback.decode_attention(
                 q, out, layer, cache, meta, scale, masks, attend, softcap

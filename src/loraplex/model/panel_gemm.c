@@ -62,6 +62,13 @@ typedef __m256 vec;
 #endif
 #define NR (2 * VW)
 
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -224,4 +231,142 @@ int loraplex_panel_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const 
         }
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- 4-bit weights, bf16 x
+ *
+ * Semantics (G groups of gs input columns, the last one possibly shorter; gs and K even):
+ *
+ *     W[n, k]  = scales[n, k / gs] * (q[n, k] - zeros[n, k / gs])     (zeros NULL: 0)
+ *     y[t, n]  = rnd(bias[n] + sum_k x[t, k] * W[n, k])
+ *
+ * Layout (loraplex_panel_q4_pack, from the QuantWeight layout of qgemm.c): per panel of NR
+ * columns and pair kk of input columns, NR bytes, byte c = q[n, 2 kk] | q[n, 2 kk + 1] << 4;
+ * per panel and group, NR float32 scales and NR float32 offsets 128 + zero. A byte becomes the
+ * bf16 pair (128 + q_even, 128 + q_odd) by OR-ing its nibbles into 0x4300 (bf16 128: the
+ * nibble is its low mantissa bits), exact, so the pair dot products sum x * (128 + q) exactly
+ * per product; each group's sums then take off (128 + z) * sum_group(x) and scale:
+ * y += s * (sum x (128 + q) - (128 + z) sum x). Rows go four at a time (a group's partial
+ * sums beside the running ones: 16 registers). */
+
+#define MRQ 4
+
+int64_t loraplex_panel_q4_bytes(int64_t N, int64_t K, int64_t G) {
+    int64_t panels = (N + NR - 1) / NR;
+    return panels * (K / 2) * NR + panels * G * NR * 2 * 4;
+}
+
+/* P from q (uint8 [N, K / 2], qgemm.c's 32-column blocks), scales float32 [N, G], zeros int8
+ * [N, G] or NULL: the nibbles, then the scales and offsets (see above). */
+void loraplex_panel_q4_pack(const uint8_t *q, const float *scales, const int8_t *zeros,
+                            int64_t N, int64_t K, int64_t G, void *p) {
+    int64_t panels = (N + NR - 1) / NR, K2 = K / 2;
+    uint8_t *nib = (uint8_t *)p;
+    float *sz = (float *)(nib + panels * K2 * NR);
+    for (int64_t pi = 0; pi < panels; pi++)
+        for (int64_t c = 0; c < NR; c++) {
+            int64_t n = pi * NR + c;
+            for (int64_t kk = 0; kk < K2; kk++) {
+                uint8_t v[2] = {0, 0};
+                for (int h = 0; h < 2 && n < N; h++) {
+                    int64_t k = 2 * kk + h, b = k / 32, i = k % 32;
+                    uint8_t byte = q[n * (K / 2) + 16 * b + (i < 16 ? i : i - 16)];
+                    v[h] = i < 16 ? byte & 15 : byte >> 4;
+                }
+                nib[(pi * K2 + kk) * NR + c] = (uint8_t)(v[0] | v[1] << 4);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *row = sz + ((pi * G + g) * 2) * NR;
+                row[c] = n < N ? scales[n * G + g] : 0.0f;
+                row[NR + c] = 128.0f + (n < N && zeros ? (float)zeros[n * G + g] : 0.0f);
+            }
+        }
+}
+
+#if HAVE_DPBF16
+/* the bf16 pairs (128 + q_even, 128 + q_odd) of 16 columns' bytes */
+static inline __m512bh q4_pairs(const uint8_t *bytes) {
+    __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    __m512i u = _mm512_or_si512(t, _mm512_slli_epi32(t, 12));
+    /* (u & 0x000F000F) | 0x43004300 */
+    return (__m512bh)_mm512_ternarylogic_epi32(u, _mm512_set1_epi32(0x000F000F),
+                                               _mm512_set1_epi32(0x43004300), 0xEA);
+}
+
+static inline void q4_block(const uint16_t *x, int64_t ldx, int64_t t0, int mr,
+                            const uint8_t *nib, const float *sz, const float *xs, int64_t K,
+                            int64_t gs, int64_t G, float *out) {
+    __m512 a[MRQ][2], s[MRQ][2];
+    for (int r = 0; r < MRQ; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    const uint16_t *xr[MRQ];
+    for (int r = 0; r < MRQ; r++) xr[r] = x + (t0 + (r < mr ? r : 0)) * ldx;
+    for (int64_t g = 0; g < G; g++) {
+        int64_t k0 = g * gs, k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
+        for (int r = 0; r < MRQ; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        for (int64_t kk = k0 / 2; kk < k1 / 2; kk++) {
+            __m512bh w0 = q4_pairs(nib + kk * NR), w1 = q4_pairs(nib + kk * NR + 16);
+#pragma GCC unroll 4
+            for (int r = 0; r < MRQ; r++) {
+                if (r < mr) {
+                    int32_t pair;
+                    memcpy(&pair, xr[r] + 2 * kk, sizeof pair);
+                    __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+                    s[r][0] = _mm512_dpbf16_ps(s[r][0], b, w0);
+                    s[r][1] = _mm512_dpbf16_ps(s[r][1], b, w1);
+                }
+            }
+        }
+        const float *sc = sz + g * 2 * NR, *off = sc + NR;
+        for (int r = 0; r < mr; r++) {
+            __m512 xsum = _mm512_set1_ps(xs[(t0 + r) * G + g]);
+            for (int h = 0; h < 2; h++) {
+                __m512 d = _mm512_fnmadd_ps(_mm512_loadu_ps(off + 16 * h), xsum, s[r][h]);
+                a[r][h] = _mm512_fmadd_ps(_mm512_loadu_ps(sc + 16 * h), d, a[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(out + r * NR, a[r][0]);
+        _mm512_storeu_ps(out + r * NR + 16, a[r][1]);
+    }
+}
+#endif
+
+/* y [T, N] = x [T, K] (bf16) @ W.T + bias for the 4-bit W packed in p; -1 without AVX512-BF16
+ * (or an odd K or group size), -2 if its scratch cannot be allocated. */
+int loraplex_panel_q4_gemm(const uint16_t *x, int64_t ldx, int64_t T, int64_t K, const void *p,
+                           int64_t N, int64_t gs, int64_t G, const float *bias, void *y,
+                           int64_t ldy, int e, int threads) {
+#if HAVE_DPBF16
+    if ((K & 1) || (gs & 1) || e != BF16) return -1;
+    float *xs = (float *)malloc((size_t)(T * G) * sizeof(float)); /* each row's group sums */
+    if (!xs) return -2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < G; g++) {
+            int64_t k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
+            float sum = 0.0f;
+            for (int64_t k = g * gs; k < k1; k++) sum += bf16_to_f32(x[t * ldx + k]);
+            xs[t * G + g] = sum;
+        }
+    int64_t panels = (N + NR - 1) / NR, K2 = K / 2;
+    const uint8_t *nib = (const uint8_t *)p;
+    const float *sz = (const float *)(nib + panels * K2 * NR);
+#pragma omp parallel for num_threads(threads) if (threads > 1 && panels > 1) schedule(static)
+    for (int64_t pi = 0; pi < panels; pi++) {
+        float out[MRQ * NR];
+        for (int64_t t0 = 0; t0 < T; t0 += MRQ) {
+            int mr = T - t0 < MRQ ? (int)(T - t0) : MRQ;
+            q4_block(x, ldx, t0, mr, nib + pi * K2 * NR, sz + pi * G * 2 * NR, xs, K, gs, G,
+                     out);
+            for (int r = 0; r < mr; r++)
+                store_row(out + r * NR, bias, pi * NR, N, y, ldy, t0 + r, BF16);
+        }
+    }
+    free(xs);
+    return 0;
+#else
+    (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bias;
+    (void)y, (void)ldy, (void)e, (void)threads;
+    return -1;
+#endif
 }

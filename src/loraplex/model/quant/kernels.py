@@ -2,7 +2,9 @@
 choice among them.
 
 Candidates for an integer weight (:class:`QuantWeight`) on CPU: loraplex's C kernel
-(``qgemm.c``, any rows, float32 or bfloat16 x), torch's packed int4 and int8 CPU kernels
+(``qgemm.c``, any rows, float32 or bfloat16 x), the panel GEMM kernel's 4-bit path
+(``model/panel_gemm.c``: bfloat16 x with AVX512-BF16, weights repacked into column panels whose
+sums stay in registers), torch's packed int4 and int8 CPU kernels
 (bfloat16 / float16 x only: for float32 x they run ten times slower than the float GEMM), and
 dequantizing into a float buffer for a plain GEMM (prompt chunks of many rows). Each is checked
 against the dequantized reference on the real weight's first rows when it is built, and
@@ -106,6 +108,59 @@ class CKernelLinear(QuantLinearBase):
             return self.via_dequant(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         return self.kernel.gemm(x, q.q, q.bits, q.scales, q.zeros, q.group_size, self.bias32, out)
+
+
+class PanelInt4Linear(QuantLinearBase):
+    """4-bit weights on the panel GEMM kernel (``panel_gemm.c``: bf16 x with AVX512-BF16, the
+    nibbles OR'd into bf16 pairs of 128 + q, each group's offset and scale applied to its
+    float32 sums); the weight is repacked into its panels (ours is dropped)."""
+
+    name = "panel-int4"
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: object) -> None:
+        super().__init__(weight)
+        if (
+            weight.bits != 4
+            or weight.act is not None
+            or dtype != torch.bfloat16
+            or dtype not in getattr(kernel, "dtypes", ())
+            or weight.in_features % 2
+            or weight.group_size % 2
+        ):
+            raise KernelBuildError("the panel 4-bit kernel: bf16 x, even sizes, AVX512-BF16")
+        self.kernel = kernel
+        self.packed = kernel.pack_q4(weight.q, weight.scales, weight.zeros, weight.in_features)
+        self.group_size, self.groups = weight.group_size, weight.scales.shape[1]
+        self.bias32 = None if weight.bias is None else weight.bias.float().contiguous()
+        self._nbytes = self.packed.nbytes
+        self.quant = None  # type: ignore[assignment]  # only the panels are kept
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes + (self.perm.nbytes if self.perm is not None else 0)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [N, K] read back from the panels (checkpoint column order)."""
+        n, k, w, g = self.out_features, self.in_features, self.kernel.panel, self.groups
+        panels = -(-n // w)
+        nib = self.packed[: panels * (k // 2) * w].view(panels, k // 2, w).long()
+        q = torch.stack((nib & 15, nib >> 4), dim=-1)  # [panels, K/2, NR, 2]
+        q = q.permute(0, 2, 1, 3).reshape(panels * w, k).double()
+        sz = self.packed[panels * (k // 2) * w :].view(torch.float32).view(panels, g, 2, w)
+        scales = sz[:, :, 0].permute(0, 2, 1).reshape(panels * w, g).double()
+        zeros = sz[:, :, 1].permute(0, 2, 1).reshape(panels * w, g).double() - 128.0
+        cols = torch.arange(k) // self.group_size
+        wt = (scales[:, cols] * (q - zeros[:, cols]))[:n]
+        if self.perm is not None:
+            wt = wt[:, torch.argsort(self.perm)]
+        return wt.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._gather(x).contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        return self.kernel.gemm_q4(
+            x, self.packed, self.out_features, self.group_size, self.groups, self.bias32, out
+        )
 
 
 class TorchInt4Linear(QuantLinearBase):
@@ -282,12 +337,31 @@ def _candidates(
     out: list[QuantLinearBase] = []
     if kernel is not None:
         out.append(CKernelLinear(weight, kernel))
+    panel = _panel_kernel()
+    if panel is not None:
+        try:
+            out.append(PanelInt4Linear(weight, dtype, panel))
+        except KernelBuildError:
+            pass  # not a 4-bit weight, not bf16 x, or no AVX512-BF16 here
     for cls in (TorchInt4Linear, TorchInt8Linear):
         try:
             out.append(cls(weight, dtype))
         except (KernelBuildError, RuntimeError):
             continue  # this kernel does not take this weight or dtype
     return out
+
+
+def _panel_kernel() -> object | None:
+    """The panel GEMM kernel (loaded once per process), or None where it cannot be built."""
+    from loraplex.config import layer_cpu_kernel_enabled
+    from loraplex.model.panel_gemm import load_panel_kernel
+
+    if not layer_cpu_kernel_enabled():
+        return None
+    try:
+        return load_panel_kernel()
+    except KernelBuildError:
+        return None
 
 
 def _time_ms(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -377,6 +451,8 @@ def build_quant_linear(
         return lin
     if name == "torch-int4":
         return TorchInt4Linear(weight, dtype)
+    if name == "panel-int4":
+        return PanelInt4Linear(weight, dtype, _panel_kernel())
     if name == "torch-int8":
         return TorchInt8Linear(weight, dtype)
     return DequantLinear(weight)
