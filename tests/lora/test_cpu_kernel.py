@@ -33,25 +33,15 @@ from loraplex.lora.cpu_ops import (
 )
 from loraplex.lora.ops import NATIVE_RUN_TOKENS, TorchLoRAOps, TorchReferenceOps
 from loraplex.lora.plan import plan_lora_batch
+from loraplex.testing.kernels import runnable_build
 
 LOWP = (torch.bfloat16, torch.float16)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
 def _runnable_kernel(isa: str) -> cpu_ops.LoRAKernel:
-    """The verified kernel built for ``isa``; skipped where this CPU cannot run that build or
-    the compiler cannot target it (``native`` and ``portable`` must build everywhere)."""
-    if isa == "avx2":
-        flags = cpu_flags()
-        if flags is None or not flags.issuperset(AVX2_CPU_FLAGS):
-            pytest.skip(f"this CPU cannot run an AVX2 build (needs {', '.join(AVX2_CPU_FLAGS)})")
-        try:
-            return load_kernel(isa=isa)
-        except KernelBuildError as e:
-            if "cannot compile" not in str(e):
-                raise  # built but failed to load or verify: a real failure
-            pytest.skip(f"the compiler cannot target AVX2: {e}")
-    return load_kernel(isa=isa)
+    """The verified kernel built for ``isa`` (skipped where this CPU cannot run that build)."""
+    return runnable_build(load_kernel, isa)
 
 
 @pytest.fixture(scope="module", params=list(KERNEL_ISAS))

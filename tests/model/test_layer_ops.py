@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from loraplex.kv.cache import PagedKVCache
-from loraplex.lora.cpu_ops import AVX2_CPU_FLAGS, KERNEL_ISAS, KernelBuildError, cpu_flags
+from loraplex.lora.cpu_ops import KERNEL_ISAS, KernelBuildError
 from loraplex.model import layer_ops
 from loraplex.model.attention import (
     AttentionMetadata,
@@ -35,6 +35,7 @@ from loraplex.model.layer_ops import (
     select_layer_ops,
 )
 from loraplex.model.layers import GemmaRMSNorm, RMSNorm
+from loraplex.testing.kernels import runnable_build
 
 DTYPES = (torch.float32, torch.bfloat16)
 F32_EPS = torch.finfo(torch.float32).eps
@@ -45,18 +46,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module", params=list(KERNEL_ISAS))
 def ops(request: pytest.FixtureRequest) -> CLayerOps:
     """The C ops of each build this CPU can run (each test runs once per build)."""
-    isa = request.param
-    if isa == "avx2":
-        flags = cpu_flags()
-        if flags is None or not flags.issuperset(AVX2_CPU_FLAGS):
-            pytest.skip(f"this CPU cannot run an AVX2 build (needs {', '.join(AVX2_CPU_FLAGS)})")
-        try:
-            return CLayerOps(load_layer_ops(isa=isa))
-        except KernelBuildError as e:
-            if "cannot compile" not in str(e):
-                raise  # built but failed its self-check: a real failure
-            pytest.skip(f"the compiler cannot target AVX2: {e}")
-    return CLayerOps(load_layer_ops(isa=isa))
+    return CLayerOps(runnable_build(load_layer_ops, request.param))
 
 
 REF = TorchLayerOps()

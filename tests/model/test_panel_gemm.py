@@ -18,9 +18,9 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.engine.merge import dense_weight
-from loraplex.lora.cpu_ops import AVX2_CPU_FLAGS, KernelBuildError, cpu_flags
 from loraplex.model import linear
 from loraplex.model.panel_gemm import PanelKernel, PanelLinear, load_panel_kernel
+from loraplex.testing.kernels import runnable_build
 
 F32_EPS = torch.finfo(torch.float32).eps
 BF16_HALF_ULP = 2.0**-8
@@ -29,18 +29,7 @@ BF16_HALF_ULP = 2.0**-8
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def kernel(request: pytest.FixtureRequest) -> PanelKernel:
     """Each vector build this CPU can run (the portable build computes nothing)."""
-    isa = request.param
-    if isa == "avx2":
-        flags = cpu_flags()
-        if flags is None or not flags.issuperset(AVX2_CPU_FLAGS):
-            pytest.skip(f"this CPU cannot run an AVX2 build (needs {', '.join(AVX2_CPU_FLAGS)})")
-        try:
-            return load_panel_kernel(isa=isa)
-        except KernelBuildError as e:
-            if "cannot compile" not in str(e):
-                raise
-            pytest.skip(f"the compiler cannot target AVX2: {e}")
-    k = load_panel_kernel(isa=isa)
+    k = runnable_build(load_panel_kernel, request.param)
     if not k.dtypes:
         pytest.skip("this build computes no dtype with vectors")
     return k

@@ -38,6 +38,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -298,25 +299,64 @@ def _openmp_runtimes() -> frozenset[str] | None:
     )
 
 
+def open_kernel(library: Path, *symbols: str) -> tuple[ctypes.CDLL, list[Any], bool]:
+    """Load a built kernel: ``(library, its functions named by symbols, shared_threads)``;
+    ``KernelBuildError`` if it cannot be loaded or lacks a symbol. ``shared_threads``: the
+    library's OpenMP runtime is torch's (loading mapped no new one), so its parallel regions may
+    use torch's thread count; a second runtime would keep a second team spinning on the same
+    cores, so a kernel runs on one thread then."""
+    before = _openmp_runtimes()
+    try:
+        lib = ctypes.CDLL(str(library))
+        fns = [getattr(lib, name) for name in symbols]
+    except (OSError, AttributeError) as e:
+        raise KernelBuildError(f"cannot load {library}: {e}") from e
+    after = _openmp_runtimes()
+    return lib, fns, before is not None and after is not None and after <= before
+
+
+KernelT = TypeVar("KernelT")
+
+
+def load_checked(
+    make: Callable[[Path], KernelT],
+    check: Callable[[KernelT], None],
+    source: Path,
+    stem: str,
+    cache_dir: Path | None,
+    isa: str | None,
+) -> KernelT:
+    """Build ``source`` (once per cache key, :func:`build_kernel`), load it with ``make`` and
+    run ``check`` on it (raising ``KernelBuildError`` on a mismatch); memoised per process,
+    source and instruction set (default ``default_kernel_isa()``)."""
+    return _load_checked(make, check, source, stem, cache_dir, isa or default_kernel_isa())
+
+
+@functools.cache
+def _load_checked(
+    make: Callable[[Path], Any],
+    check: Callable[[Any], None],
+    source: Path,
+    stem: str,
+    cache_dir: Path | None,
+    isa: str,
+) -> Any:
+    kernel = make(build_kernel(cache_dir, isa=isa, source=source, stem=stem))
+    check(kernel)
+    return kernel
+
+
 class LoRAKernel:
     """The loaded C function with its argument types (ctypes releases the GIL while it runs)."""
 
     def __init__(self, library: Path) -> None:
-        before = _openmp_runtimes()
-        try:
-            lib = ctypes.CDLL(str(library))
-            fn = getattr(lib, KERNEL_SYMBOL)
-            features = getattr(lib, FEATURES_SYMBOL)
-        except (OSError, AttributeError) as e:
-            raise KernelBuildError(f"cannot load {library}: {e}") from e
+        lib, (fn, features), self.shared_threads = open_kernel(
+            library, KERNEL_SYMBOL, FEATURES_SYMBOL
+        )
         features.argtypes, features.restype = [], ctypes.c_int
         bits = features()
         # what the library was compiled for (``FEATURE_BITS`` names)
         self.features = frozenset(name for name, bit in FEATURE_BITS.items() if bits & bit)
-        # Threads only when the library's OpenMP runtime is torch's (nothing new was mapped):
-        # a second runtime would keep a second team spinning on the same cores.
-        after = _openmp_runtimes()
-        self.shared_threads = before is not None and after is not None and after <= before
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         fn.argtypes = [
             ptr, i64, i32, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, i64, i32, ptr, i64, i32

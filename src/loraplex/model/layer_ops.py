@@ -29,13 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.config import layer_cpu_kernel_enabled
-from loraplex.lora.cpu_ops import (
-    ELEMENT_TYPES,
-    KernelBuildError,
-    _openmp_runtimes,
-    build_kernel,
-    default_kernel_isa,
-)
+from loraplex.lora.cpu_ops import ELEMENT_TYPES, KernelBuildError, load_checked, open_kernel
 from loraplex.model.rotary import apply_rotary
 
 if TYPE_CHECKING:
@@ -155,16 +149,10 @@ class LayerOpsKernel:
     while they run)."""
 
     def __init__(self, library: Path) -> None:
-        before = _openmp_runtimes()
-        try:
-            lib = ctypes.CDLL(str(library))
-            norm, rot = lib.loraplex_add_rms_norm, lib.loraplex_rotary
-            act, attn = lib.loraplex_gated_act, lib.loraplex_decode_attention
-        except (OSError, AttributeError) as e:
-            raise KernelBuildError(f"cannot load {library}: {e}") from e
-        after = _openmp_runtimes()
-        # threads only on torch's own OpenMP runtime (see LoRAKernel)
-        self.shared_threads = before is not None and after is not None and after <= before
+        lib, (norm, rot, act, attn), self.shared_threads = open_kernel(
+            library, "loraplex_add_rms_norm", "loraplex_rotary", "loraplex_gated_act",
+            "loraplex_decode_attention",
+        )  # fmt: skip
         i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32, i32]
         rot.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i32, i32]
@@ -314,14 +302,11 @@ class CLayerOps:
 def load_layer_ops(cache_dir: Path | None = None, *, isa: str | None = None) -> LayerOpsKernel:
     """Build (once per cache key), load and check the kernel; ``KernelBuildError`` if any step
     fails. Memoised per process and instruction set."""
-    return _load(cache_dir, default_kernel_isa() if isa is None else isa)
+    return load_checked(LayerOpsKernel, _check_kernel, SOURCE, "layer_ops", cache_dir, isa)
 
 
-@functools.cache
-def _load(cache_dir: Path | None, isa: str) -> LayerOpsKernel:
-    kernel = LayerOpsKernel(build_kernel(cache_dir, isa=isa, source=SOURCE, stem="layer_ops"))
+def _check_kernel(kernel: LayerOpsKernel) -> None:
     self_check(CLayerOps(kernel))
-    return kernel
 
 
 def select_layer_ops(dtype: torch.dtype, device: torch.device) -> LayerOps:

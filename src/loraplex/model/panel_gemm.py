@@ -15,18 +15,11 @@ the merger (:meth:`PanelLinear.dense_weight`).
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from loraplex.lora.cpu_ops import (
-    ELEMENT_TYPES,
-    KernelBuildError,
-    _openmp_runtimes,
-    build_kernel,
-    default_kernel_isa,
-)
+from loraplex.lora.cpu_ops import ELEMENT_TYPES, KernelBuildError, load_checked, open_kernel
 
 SOURCE = Path(__file__).with_name("panel_gemm.c")
 
@@ -35,18 +28,12 @@ class PanelKernel:
     """The loaded ``loraplex_panel_*`` functions (ctypes releases the GIL while they run)."""
 
     def __init__(self, library: Path) -> None:
-        before = _openmp_runtimes()
-        try:
-            lib = ctypes.CDLL(str(library))
-            gemm, pack = lib.loraplex_panel_gemm, lib.loraplex_panel_pack
-            size, width, features = (
-                lib.loraplex_panel_bytes, lib.loraplex_panel_width, lib.loraplex_panel_features
-            )  # fmt: skip
-        except (OSError, AttributeError) as e:
-            raise KernelBuildError(f"cannot load {library}: {e}") from e
-        after = _openmp_runtimes()
-        # threads only on torch's own OpenMP runtime (see LoRAKernel)
-        self.shared_threads = before is not None and after is not None and after <= before
+        lib, fns, self.shared_threads = open_kernel(
+            library, "loraplex_panel_gemm", "loraplex_panel_pack", "loraplex_panel_bytes",
+            "loraplex_panel_width", "loraplex_panel_features", "loraplex_panel_q4_bytes",
+            "loraplex_panel_q4_pack", "loraplex_panel_q4_gemm",
+        )  # fmt: skip
+        gemm, pack, size, width, features, q4size, q4pack, q4gemm = fns
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
         gemm.restype = i32
@@ -54,9 +41,6 @@ class PanelKernel:
         size.argtypes, size.restype = [i64, i64, i32], i64
         width.argtypes, width.restype = [], i32
         features.argtypes, features.restype = [], i32
-        q4size, q4pack, q4gemm = (
-            lib.loraplex_panel_q4_bytes, lib.loraplex_panel_q4_pack, lib.loraplex_panel_q4_gemm
-        )  # fmt: skip
         q4size.argtypes, q4size.restype = [i64, i64, i64], i64
         q4pack.argtypes, q4pack.restype = [ptr, ptr, ptr, i64, i64, i64, ptr], None
         q4gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32]
@@ -168,14 +152,7 @@ class PanelLinear:
 def load_panel_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> PanelKernel:
     """Build (once per cache key), load and check the kernel; ``KernelBuildError`` if any step
     fails. Memoised per process and instruction set."""
-    return _load(cache_dir, default_kernel_isa() if isa is None else isa)
-
-
-@functools.cache
-def _load(cache_dir: Path | None, isa: str) -> PanelKernel:
-    kernel = PanelKernel(build_kernel(cache_dir, isa=isa, source=SOURCE, stem="panel_gemm"))
-    self_check(kernel)
-    return kernel
+    return load_checked(PanelKernel, self_check, SOURCE, "panel_gemm", cache_dir, isa)
 
 
 def self_check(kernel: PanelKernel) -> None:

@@ -11,18 +11,11 @@ own int4/int8 CPU kernels are slow for float32 activations and for more than a f
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from loraplex.lora.cpu_ops import (
-    ELEMENT_TYPES,
-    KernelBuildError,
-    _openmp_runtimes,
-    build_kernel,
-    default_kernel_isa,
-)
+from loraplex.lora.cpu_ops import ELEMENT_TYPES, KernelBuildError, load_checked, open_kernel
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 
@@ -31,16 +24,9 @@ class QGemmKernel:
     """The loaded ``loraplex_qgemm`` / ``loraplex_qdequant`` (ctypes releases the GIL)."""
 
     def __init__(self, library: Path) -> None:
-        before = _openmp_runtimes()
-        try:
-            lib = ctypes.CDLL(str(library))
-            gemm, deq = lib.loraplex_qgemm, lib.loraplex_qdequant
-            features = lib.loraplex_qgemm_features
-        except (OSError, AttributeError) as e:
-            raise KernelBuildError(f"cannot load {library}: {e}") from e
-        after = _openmp_runtimes()
-        # threads only on torch's own OpenMP runtime (see LoRAKernel)
-        self.shared_threads = before is not None and after is not None and after <= before
+        lib, (gemm, deq, features), self.shared_threads = open_kernel(
+            library, "loraplex_qgemm", "loraplex_qdequant", "loraplex_qgemm_features"
+        )
         features.argtypes, features.restype = [], ctypes.c_int
         bits = features()
         self.avx512, self.bf16_dot = bool(bits & 1), bool(bits & 2)
@@ -104,14 +90,7 @@ class QGemmKernel:
 def load_qgemm(cache_dir: Path | None = None, *, isa: str | None = None) -> QGemmKernel:
     """Build (once per cache key), load and check the kernel; ``KernelBuildError`` if any step
     fails. Memoised per process and instruction set."""
-    return _load(cache_dir, default_kernel_isa() if isa is None else isa)
-
-
-@functools.cache
-def _load(cache_dir: Path | None, isa: str) -> QGemmKernel:
-    kernel = QGemmKernel(build_kernel(cache_dir, isa=isa, source=SOURCE, stem="qgemm_cpu"))
-    _self_check(kernel)
-    return kernel
+    return load_checked(QGemmKernel, _self_check, SOURCE, "qgemm_cpu", cache_dir, isa)
 
 
 def _self_check(kernel: QGemmKernel) -> None:
