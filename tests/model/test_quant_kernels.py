@@ -125,9 +125,9 @@ def test_panel_int4(case: tuple) -> None:
     qw = _weight(*case)
     lin = PanelInt4Linear(qw, torch.bfloat16, kernel)
     panels, groups = -(-qw.out_features // kernel.panel), qw.scales.shape[1]
-    # half a byte a weight, a float32 scale and offset per column and group, columns padded
-    # to whole panels
-    want_bytes = panels * kernel.panel * (qw.in_features // 2 + 8 * groups)
+    # half a byte a weight, a float32 scale and an int8 zero point per column and group,
+    # columns padded to whole panels
+    want_bytes = panels * kernel.panel * (qw.in_features // 2 + 5 * groups)
     assert lin.quant is None and lin.packed.nbytes == want_bytes
     assert torch.equal(lin.dequantize(torch.float64), qw.dequantize(torch.float64))
     for rows in (1, 4, 5, 9, 16):

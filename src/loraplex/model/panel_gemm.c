@@ -242,7 +242,8 @@ int loraplex_panel_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const 
  *
  * Layout (loraplex_panel_q4_pack, from the QuantWeight layout of qgemm.c): per panel of NR
  * columns and pair kk of input columns, NR bytes, byte c = q[n, 2 kk] | q[n, 2 kk + 1] << 4;
- * per panel and group, NR float32 scales and NR float32 offsets 128 + zero. A byte becomes the
+ * then per panel and group NR float32 scales, then per panel and group NR int8 zero points
+ * (the bytes of QuantWeight's layout: half a byte a weight, five bytes a column and group). A byte becomes the
  * bf16 pair (128 + q_even, 128 + q_odd) by OR-ing its nibbles into 0x4300 (bf16 128: the
  * nibble is its low mantissa bits), exact, so the pair dot products sum x * (128 + q) exactly
  * per product; each group's sums then take off (128 + z) * sum_group(x) and scale:
@@ -253,7 +254,7 @@ int loraplex_panel_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const 
 
 int64_t loraplex_panel_q4_bytes(int64_t N, int64_t K, int64_t G) {
     int64_t panels = (N + NR - 1) / NR;
-    return panels * (K / 2) * NR + panels * G * NR * 2 * 4;
+    return panels * (K / 2) * NR + panels * G * NR * 4 + panels * G * NR;
 }
 
 /* P from q (uint8 [N, K / 2], qgemm.c's 32-column blocks), scales float32 [N, G], zeros int8
@@ -262,7 +263,8 @@ void loraplex_panel_q4_pack(const uint8_t *q, const float *scales, const int8_t 
                             int64_t N, int64_t K, int64_t G, void *p) {
     int64_t panels = (N + NR - 1) / NR, K2 = K / 2;
     uint8_t *nib = (uint8_t *)p;
-    float *sz = (float *)(nib + panels * K2 * NR);
+    float *sc = (float *)(nib + panels * K2 * NR);
+    int8_t *zp = (int8_t *)(sc + panels * G * NR);
     for (int64_t pi = 0; pi < panels; pi++)
         for (int64_t c = 0; c < NR; c++) {
             int64_t n = pi * NR + c;
@@ -276,9 +278,8 @@ void loraplex_panel_q4_pack(const uint8_t *q, const float *scales, const int8_t 
                 nib[(pi * K2 + kk) * NR + c] = (uint8_t)(v[0] | v[1] << 4);
             }
             for (int64_t g = 0; g < G; g++) {
-                float *row = sz + ((pi * G + g) * 2) * NR;
-                row[c] = n < N ? scales[n * G + g] : 0.0f;
-                row[NR + c] = 128.0f + (n < N && zeros ? (float)zeros[n * G + g] : 0.0f);
+                sc[(pi * G + g) * NR + c] = n < N ? scales[n * G + g] : 0.0f;
+                zp[(pi * G + g) * NR + c] = (int8_t)(n < N && zeros ? zeros[n * G + g] : 0);
             }
         }
 }
@@ -293,9 +294,13 @@ static inline __m512bh q4_pairs(const uint8_t *bytes) {
                                                _mm512_set1_epi32(0x43004300), 0xEA);
 }
 
+/* Rows t0 .. t0 + mr (mr <= MRQ) times one panel: its nibbles unpacked as they are read, or
+ * (pairs not NULL) the panel's bf16 pairs unpacked once into pairs[K / 2][NR] for every
+ * block of rows. */
 static inline void q4_block(const uint16_t *x, int64_t ldx, int64_t t0, int mr,
-                            const uint8_t *nib, const float *sz, const float *xs, int64_t K,
-                            int64_t gs, int64_t G, float *out) {
+                            const uint8_t *nib, const uint32_t *pairs, const float *sc,
+                            const int8_t *zp, const float *xs, int64_t K, int64_t gs, int64_t G,
+                            float *out) {
     __m512 a[MRQ][2], s[MRQ][2];
     for (int r = 0; r < MRQ; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
     const uint16_t *xr[MRQ];
@@ -304,7 +309,13 @@ static inline void q4_block(const uint16_t *x, int64_t ldx, int64_t t0, int mr,
         int64_t k0 = g * gs, k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
         for (int r = 0; r < MRQ; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
         for (int64_t kk = k0 / 2; kk < k1 / 2; kk++) {
-            __m512bh w0 = q4_pairs(nib + kk * NR), w1 = q4_pairs(nib + kk * NR + 16);
+            __m512bh w0, w1;
+            if (pairs) {
+                w0 = (__m512bh)_mm512_loadu_si512((const void *)(pairs + kk * NR));
+                w1 = (__m512bh)_mm512_loadu_si512((const void *)(pairs + kk * NR + 16));
+            } else {
+                w0 = q4_pairs(nib + kk * NR), w1 = q4_pairs(nib + kk * NR + 16);
+            }
 #pragma GCC unroll 4
             for (int r = 0; r < MRQ; r++) {
                 if (r < mr) {
@@ -316,12 +327,18 @@ static inline void q4_block(const uint16_t *x, int64_t ldx, int64_t t0, int mr,
                 }
             }
         }
-        const float *sc = sz + g * 2 * NR, *off = sc + NR;
+        __m512 off[2], scale[2]; /* 128 + zero, and the scale, of the group's 32 columns */
+        for (int h = 0; h < 2; h++) {
+            __m128i z = _mm_loadu_si128((const __m128i *)(zp + g * NR + 16 * h));
+            off[h] = _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(z)),
+                                   _mm512_set1_ps(128.0f));
+            scale[h] = _mm512_loadu_ps(sc + g * NR + 16 * h);
+        }
         for (int r = 0; r < mr; r++) {
             __m512 xsum = _mm512_set1_ps(xs[(t0 + r) * G + g]);
             for (int h = 0; h < 2; h++) {
-                __m512 d = _mm512_fnmadd_ps(_mm512_loadu_ps(off + 16 * h), xsum, s[r][h]);
-                a[r][h] = _mm512_fmadd_ps(_mm512_loadu_ps(sc + 16 * h), d, a[r][h]);
+                __m512 d = _mm512_fnmadd_ps(off[h], xsum, s[r][h]);
+                a[r][h] = _mm512_fmadd_ps(scale[h], d, a[r][h]);
             }
         }
     }
@@ -350,20 +367,37 @@ int loraplex_panel_q4_gemm(const uint16_t *x, int64_t ldx, int64_t T, int64_t K,
         }
     int64_t panels = (N + NR - 1) / NR, K2 = K / 2;
     const uint8_t *nib = (const uint8_t *)p;
-    const float *sz = (const float *)(nib + panels * K2 * NR);
-#pragma omp parallel for num_threads(threads) if (threads > 1 && panels > 1) schedule(static)
-    for (int64_t pi = 0; pi < panels; pi++) {
-        float out[MRQ * NR];
-        for (int64_t t0 = 0; t0 < T; t0 += MRQ) {
-            int mr = T - t0 < MRQ ? (int)(T - t0) : MRQ;
-            q4_block(x, ldx, t0, mr, nib + pi * K2 * NR, sz + pi * G * 2 * NR, xs, K, gs, G,
-                     out);
-            for (int r = 0; r < mr; r++)
-                store_row(out + r * NR, bias, pi * NR, N, y, ldy, t0 + r, BF16);
+    const float *sc = (const float *)(nib + panels * K2 * NR);
+    const int8_t *zp = (const int8_t *)(sc + panels * G * NR);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && panels > 1)
+    {
+        /* more than one block of rows: unpack each panel once (K / 2 * NR pairs, in cache) */
+        uint32_t *pairs = T > MRQ ? (uint32_t *)malloc((size_t)(K2 * NR) * sizeof(uint32_t)) : NULL;
+        if (T > MRQ && !pairs) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < panels; pi++) {
+            if (T > MRQ && !pairs) continue;
+            const uint8_t *pn = nib + pi * K2 * NR;
+            if (pairs)
+                for (int64_t i = 0; i < K2 * NR; i += 16)
+                    _mm512_storeu_si512((void *)(pairs + i), (__m512i)q4_pairs(pn + i));
+            float out[MRQ * NR];
+            for (int64_t t0 = 0; t0 < T; t0 += MRQ) {
+                int mr = T - t0 < MRQ ? (int)(T - t0) : MRQ;
+                q4_block(x, ldx, t0, mr, pn, pairs, sc + pi * G * NR, zp + pi * G * NR, xs, K,
+                         gs, G, out);
+                for (int r = 0; r < mr; r++)
+                    store_row(out + r * NR, bias, pi * NR, N, y, ldy, t0 + r, BF16);
+            }
+        }
+        free(pairs);
     }
     free(xs);
-    return 0;
+    return failed ? -2 : 0;
 #else
     (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bias;
     (void)y, (void)ldy, (void)e, (void)threads;

@@ -146,9 +146,11 @@ class PanelInt4Linear(QuantLinearBase):
         nib = self.packed[: panels * (k // 2) * w].view(panels, k // 2, w).long()
         q = torch.stack((nib & 15, nib >> 4), dim=-1)  # [panels, K/2, NR, 2]
         q = q.permute(0, 2, 1, 3).reshape(panels * w, k).double()
-        sz = self.packed[panels * (k // 2) * w :].view(torch.float32).view(panels, g, 2, w)
-        scales = sz[:, :, 0].permute(0, 2, 1).reshape(panels * w, g).double()
-        zeros = sz[:, :, 1].permute(0, 2, 1).reshape(panels * w, g).double() - 128.0
+        at = panels * (k // 2) * w
+        sc = self.packed[at : at + panels * g * w * 4].view(torch.float32).view(panels, g, w)
+        zp = self.packed[at + panels * g * w * 4 :].view(torch.int8).view(panels, g, w)
+        scales = sc.permute(0, 2, 1).reshape(panels * w, g).double()
+        zeros = zp.permute(0, 2, 1).reshape(panels * w, g).double()
         cols = torch.arange(k) // self.group_size
         wt = (scales[:, cols] * (q - zeros[:, cols]))[:n]
         if self.perm is not None:
