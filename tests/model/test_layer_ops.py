@@ -160,10 +160,9 @@ def test_decode_attention_reads_the_blocks(ops, dtype, window, cap):
     if window is not None:
         masks = WindowMasks(decode=decode_mask(lens, 4 * bs, window), size=window)
     attend = sdpa_attend if cap is None else functools.partial(softcap_attend, cap=cap)
-    got = torch.full_like(q, 7.0)  # rows that are not decode rows keep what they had
-    want = torch.full_like(q, 7.0)
-    ops.decode_attention(q, got, 0, cache, meta, 0.2, masks, attend, cap)
-    REF.decode_attention(q, want, 0, cache, meta, 0.2, masks, attend, cap)
+    # rows that are not decode rows keep what they had
+    got = ops.decode_attention(q, torch.full_like(q, 7.0), 0, cache, meta, 0.2, masks, attend, cap)
+    want = REF.decode_attention(q, torch.full_like(q, 7.0), 0, cache, meta, 0.2, masks, attend, cap)
     rows = meta.decode_tokens
     assert bool((got[[1, 4]] == 7.0).all())
     exact = _float64_attention(q[rows], cache, lens, blocks, bs, 0.2, window, cap)
@@ -191,9 +190,12 @@ def test_decode_attention_all_rows_and_single_position(ops):
         decode_lens=torch.tensor([1, 1]),
     )
     q = torch.randn(2, 4, 64, generator=g)
-    out = torch.empty_like(q)
-    ops.decode_attention(q, out, 0, cache, meta, 0.125, None, sdpa_attend, None)
-    torch.testing.assert_close(out, cache.v[0][[32, 48]].expand(2, 4, 64), rtol=0, atol=0)
+    want = cache.v[0][[32, 48]].expand(2, 4, 64)  # [2, 4 query heads on 1 KV head, 64]
+    for impl in (ops, REF):
+        out = impl.decode_attention(
+            q, torch.empty_like(q), 0, cache, meta, 0.125, None, sdpa_attend, None
+        )
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 def test_what_the_kernel_does_not_read_goes_to_torch(ops):
@@ -214,9 +216,10 @@ def test_what_the_kernel_does_not_read_goes_to_torch(ops):
     assert torch.equal(ops.gated(gu, 2, "silu"), REF.gated(gu, 2, "silu"))
     cache, meta, q, *_ = _attention_case(torch.float32, g)
     meta.decode_lens = None
-    got, want = torch.zeros_like(q), torch.zeros_like(q)
-    ops.decode_attention(q, got, 0, cache, meta, 0.2, None, sdpa_attend, None)
-    REF.decode_attention(q, want, 0, cache, meta, 0.2, None, sdpa_attend, None)
+    got = ops.decode_attention(q, torch.zeros_like(q), 0, cache, meta, 0.2, None, sdpa_attend, None)
+    want = REF.decode_attention(
+        q, torch.zeros_like(q), 0, cache, meta, 0.2, None, sdpa_attend, None
+    )
     assert torch.equal(got, want)
 
 

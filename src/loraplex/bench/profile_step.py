@@ -258,6 +258,7 @@ def run(args: argparse.Namespace) -> None:
             "16 distinct": reqs[:N_SEQS],
         }
         chosen = engine.model.ops
+        peak, itemsize = _peak_gflops(dtype), engine.model.dtype.itemsize
         steps: dict[str, float] = {}
         for ops in _layer_ops_runs(chosen, args.layer_ops):
             engine.model.use_layer_ops(ops)
@@ -269,12 +270,7 @@ def run(args: argparse.Namespace) -> None:
                 f"\n{dtype}  (linear: {engine.model.linear_impl}, lora ops: "
                 f"{_ops_name(engine)}, layer ops: {ops.name})"
             )
-            _print_table(
-                results,
-                rbw,
-                _peak_gflops(dtype),
-                torch.empty((), dtype=getattr(torch, dtype)).element_size(),
-            )
+            _print_table(results, rbw, peak, itemsize)
             if args.torch_profile:
                 print("\ntorch.profiler self-CPU ms/step by scope (profiling inflates small ops):")
                 _print_rows({k: r["profiler"] for k, r in results.items()})

@@ -45,10 +45,10 @@ DecodeAttendFn = Callable[
         AttendFn,
         "float | None",
     ],
-    None,
+    torch.Tensor,
 ]
-"""``decode(q, out, layer, cache, meta, scale, masks, attend, softcap)``: the decode rows'
-attention into ``out`` (``LayerOps.decode_attention`` states it)."""
+"""``decode(q, out, layer, cache, meta, scale, masks, attend, softcap)``: the step's attention
+output with its decode rows filled (``LayerOps.decode_attention`` states it)."""
 
 
 def sdpa_attend(
@@ -181,7 +181,7 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gqa = q.shape[1] != k.shape[1]
     if meta.decode_block_table is not None:
-        decode(q, out, layer, cache, meta, scale, masks, attend, softcap)
+        out = decode(q, out, layer, cache, meta, scale, masks, attend, softcap)
     for j, span in enumerate(meta.prefills):
         s, e = span.tok_start, span.tok_end
         qs = q[s:e].transpose(0, 1)  # [H, Lq, hd]

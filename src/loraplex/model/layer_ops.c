@@ -103,7 +103,6 @@ INLINE float tanh_f32(float x) {
     return x < 0.0f ? -t : t;
 }
 
-int loraplex_layer_ops_version(void) { return 1; }
 
 /* ----------------------------------------------------------------------- residual + norm */
 

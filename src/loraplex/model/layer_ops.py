@@ -86,11 +86,13 @@ class LayerOps(Protocol):
         masks: WindowMasks | None,
         attend: AttendFn,
         softcap: float | None,
-    ) -> None:
-        """The decode rows' attention into ``out`` (q, out: [T, H, hd]; the step's K/V already
-        written): each decode row over its context in the cache, under the layer's window
-        masks (``masks``, None: global), scores soft-capped at ``softcap`` if given. ``attend``
-        is the block's attention function (what the gathered path calls)."""
+    ) -> torch.Tensor:
+        """The step's attention output [T, H, hd] with its decode rows filled (q: [T, H, hd];
+        the step's K/V already written): each decode row over its context in the cache, under
+        the layer's window masks (``masks``, None: global), scores soft-capped at ``softcap``
+        if given. Written into ``out`` ([T, H, hd], the caller fills the other rows) and
+        returned, or, when every token is a decode row, returned in a tensor of its own (no
+        copy). ``attend`` is the block's attention function (what the gathered path calls)."""
         ...
 
 
@@ -124,7 +126,7 @@ class TorchLayerOps:
         masks: WindowMasks | None,
         attend: AttendFn,
         softcap: float | None,
-    ) -> None:
+    ) -> torch.Tensor:
         qd = q if meta.decode_all else q[meta.decode_tokens]  # [Bd, H, hd]
         kc, vc = cache.gather_blocks(layer, meta.decode_block_table)  # [Bd, L, KVH, hd]
         bd, kvh = qd.shape[0], kc.shape[2]
@@ -139,9 +141,9 @@ class TorchLayerOps:
             False,
         ).reshape(bd, -1, qd.shape[-1])  # [Bd, H, hd]
         if meta.decode_all:
-            out.copy_(od)
-        else:
-            out[meta.decode_tokens] = od
+            return od
+        out[meta.decode_tokens] = od
+        return out
 
 
 class LayerOpsKernel:
@@ -263,7 +265,7 @@ class CLayerOps:
         masks: WindowMasks | None,
         attend: AttendFn,
         softcap: float | None,
-    ) -> None:
+    ) -> torch.Tensor:
         kc, vc = cache.k[layer], cache.v[layer]  # [slots, KVH, hd]
         e = ELEMENT_TYPES.get(q.dtype)
         lens, table = meta.decode_lens, meta.decode_block_table
@@ -297,6 +299,7 @@ class CLayerOps:
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode attention kernel: cannot allocate its scratch")
+        return out
 
 
 def load_layer_ops(cache_dir: Path | None = None, *, isa: str | None = None) -> LayerOpsKernel:
@@ -393,8 +396,11 @@ def self_check(ops: CLayerOps) -> None:
         cache.v.copy_(torch.randn(cache.v.shape, generator=g))
         q = torch.randn(5, 6, hd, generator=g).to(dtype)
         for masks, attend, cap in attends:
-            got, want = torch.zeros_like(q), torch.zeros_like(q)
-            ops.decode_attention(q, got, 0, cache, meta, 0.3, masks, attend, cap)
-            ref.decode_attention(q, want, 0, cache, meta, 0.3, masks, attend, cap)
+            got = ops.decode_attention(
+                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap
+            )
+            want = ref.decode_attention(
+                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap
+            )
             size = None if masks is None else masks.size
             check(f"decode attention (window {size}, cap {cap})", got, want, dtype)

@@ -25,6 +25,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from loraplex.model.panel_gemm import PanelLinear, usable_panel_kernel
+
 log = logging.getLogger(__name__)
 
 
@@ -159,18 +161,8 @@ def _panel_choice(
     """The panel kernel's factory if it builds, computes ``dtype`` with vectors and beats
     oneDNN on an ``[n, k]`` weight at decode sizes (timed once per process and shape), else
     None; the times go to the log."""
-    from loraplex.config import layer_cpu_kernel_enabled
-    from loraplex.lora.cpu_ops import KernelBuildError
-    from loraplex.model.panel_gemm import PanelLinear, load_panel_kernel
-
-    if not layer_cpu_kernel_enabled():
-        return None
-    try:
-        kernel = load_panel_kernel()
-    except KernelBuildError as e:
-        log.warning("panel GEMM kernel unavailable (%s); oneDNN GEMMs", e)
-        return None
-    if dtype not in kernel.dtypes:
+    kernel = usable_panel_kernel()
+    if kernel is None or dtype not in kernel.dtypes:
         return None
     make = functools.partial(PanelLinear, kernel)
     if not packed:

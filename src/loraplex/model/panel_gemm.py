@@ -15,11 +15,16 @@ the merger (:meth:`PanelLinear.dense_weight`).
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 from pathlib import Path
 
 import torch
 
+from loraplex.config import layer_cpu_kernel_enabled
 from loraplex.lora.cpu_ops import ELEMENT_TYPES, KernelBuildError, load_checked, open_kernel
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("panel_gemm.c")
 
@@ -147,6 +152,23 @@ class PanelLinear:
             p = self.packed.view(torch.bfloat16).view(panels, k2, w, 2)
             full = p.permute(0, 2, 1, 3).reshape(panels * w, 2 * k2)
         return full[:n, :k].contiguous()
+
+
+def usable_panel_kernel() -> PanelKernel | None:
+    """The kernel where it may run (``$LORAPLEX_LAYER_CPU_KERNEL`` is not ``0``) and builds
+    and checks here, else None (with one warning naming why it did not build)."""
+    if not layer_cpu_kernel_enabled():
+        return None
+    try:
+        return load_panel_kernel()
+    except KernelBuildError as e:
+        _warn_once(str(e))
+        return None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning("panel GEMM kernel unavailable (%s); oneDNN / torch kernels instead", reason)
 
 
 def load_panel_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> PanelKernel:

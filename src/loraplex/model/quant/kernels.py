@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.lora.cpu_ops import KernelBuildError
+from loraplex.model.panel_gemm import PanelKernel, usable_panel_kernel
 from loraplex.model.quant.linear import QuantLinearBase
 from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
 
@@ -117,13 +118,14 @@ class PanelInt4Linear(QuantLinearBase):
 
     name = "panel-int4"
 
-    def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: object) -> None:
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: PanelKernel | None) -> None:
         super().__init__(weight)
         if (
-            weight.bits != 4
+            kernel is None
+            or weight.bits != 4
             or weight.act is not None
             or dtype != torch.bfloat16
-            or dtype not in getattr(kernel, "dtypes", ())
+            or dtype not in kernel.dtypes
             or weight.in_features % 2
             or weight.group_size % 2
         ):
@@ -339,7 +341,7 @@ def _candidates(
     out: list[QuantLinearBase] = []
     if kernel is not None:
         out.append(CKernelLinear(weight, kernel))
-    panel = _panel_kernel()
+    panel = usable_panel_kernel()
     if panel is not None:
         try:
             out.append(PanelInt4Linear(weight, dtype, panel))
@@ -351,19 +353,6 @@ def _candidates(
         except (KernelBuildError, RuntimeError):
             continue  # this kernel does not take this weight or dtype
     return out
-
-
-def _panel_kernel() -> object | None:
-    """The panel GEMM kernel (loaded once per process), or None where it cannot be built."""
-    from loraplex.config import layer_cpu_kernel_enabled
-    from loraplex.model.panel_gemm import load_panel_kernel
-
-    if not layer_cpu_kernel_enabled():
-        return None
-    try:
-        return load_panel_kernel()
-    except KernelBuildError:
-        return None
 
 
 def _time_ms(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -454,7 +443,7 @@ def build_quant_linear(
     if name == "torch-int4":
         return TorchInt4Linear(weight, dtype)
     if name == "panel-int4":
-        return PanelInt4Linear(weight, dtype, _panel_kernel())
+        return PanelInt4Linear(weight, dtype, usable_panel_kernel())
     if name == "torch-int8":
         return TorchInt8Linear(weight, dtype)
     return DequantLinear(weight)
