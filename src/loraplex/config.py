@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 
 from loraplex.settings import FieldError, check_fields, human_int, seconds, setting, stripped
@@ -342,6 +343,29 @@ def lora_modules_from_value(value: object) -> list[LoRAModule]:
 
 
 @dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet (torch.distributed's TCP store) and which ranks this node runs."""
+
+    size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port, picked by rank 0 (one node only)
+    first_rank: int = 0  # this node's first rank (0 on the node that serves)
+    local_ranks: int = 0  # ranks on this node (0: all of ``size``)
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
+
+    def with_port(self) -> Rendezvous:
+        """A copy with a concrete port (a free one on loopback when none was given)."""
+        if self.master_port:
+            return self
+        with socket.socket() as s:
+            s.bind((self.master_addr, 0))
+            return replace(self, master_port=s.getsockname()[1])
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine; names follow vLLM's so users recognise them. Frozen: derive a
     changed one with ``dataclasses.replace``."""
@@ -449,6 +473,62 @@ class EngineConfig:
     )
     seed: int = field(
         default=0, metadata=setting("--seed", help="random seed (default: {default})")
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=setting(
+            "--tensor-parallel-size",
+            "-tp",
+            ge=1,
+            help="ranks the model is sharded over (Megatron-style, one process each, on CPU "
+            "over gloo; the cores shared out unless --num-threads) (default: {default})",
+        ),
+    )
+    fully_sharded_loras: bool = field(
+        default=False,
+        metadata=setting(
+            "--fully-sharded-loras",
+            help="with --tensor-parallel-size > 1, cut LoRA's A and B both over the ranks "
+            "(1/N of each per rank, one small all-reduce per projection group) instead of "
+            "replicating one of them, as vLLM's flag (default: {default})",
+        ),
+    )
+    nnodes: int = field(
+        default=1,
+        metadata=setting(
+            "--nnodes",
+            "-n",
+            ge=1,
+            help="nodes the tensor-parallel ranks run on, as torchrun's flag; each runs "
+            "tensor_parallel_size / nnodes of them (default: {default})",
+        ),
+    )
+    node_rank: int = field(
+        default=0,
+        metadata=setting(
+            "--node-rank",
+            "-r",
+            ge=0,
+            help="this node's index among --nnodes; every node but 0 runs its ranks headless "
+            "(default: {default})",
+        ),
+    )
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata=setting(
+            "--master-addr",
+            help="node 0's address the ranks rendezvous at (torch.distributed's TCP store) "
+            "(default: {default})",
+        ),
+    )
+    master_port: int = field(
+        default=0,
+        metadata=setting(
+            "--master-port",
+            ge=0,
+            le=65535,
+            help="the rendezvous port (0: a free one; one node only) (default: {default})",
+        ),
     )
     # LoRA
     enable_lora: bool = field(
@@ -782,6 +862,17 @@ class EngineConfig:
             )
         return budget
 
+    def rendezvous(self) -> Rendezvous:
+        """Where this node's tensor-parallel ranks meet the others, and which are its own."""
+        local = self.tensor_parallel_size // self.nnodes
+        return Rendezvous(
+            self.tensor_parallel_size,
+            self.master_addr,
+            self.master_port,
+            self.node_rank * local,
+            local,
+        )
+
     def validate(self) -> None:
         """Raise FieldError (a ValueError) naming the first invalid field."""
         check_fields(self)  # the declared syntax, choices and bounds of every field
@@ -839,6 +930,25 @@ class EngineConfig:
             )
         if self.disk_cache_bytes is not None and self.disk_cache_dir is None:
             raise FieldError(self, "disk_cache_bytes", lambda n: f"needs {n('disk_cache_dir')}")
+        tp = self.tensor_parallel_size
+        if tp % self.nnodes:
+            raise FieldError(
+                self,
+                "tensor_parallel_size",
+                lambda n: f"{tp} ranks do not split evenly over {n('nnodes')} ({self.nnodes})",
+            )
+        if self.node_rank >= self.nnodes:
+            raise FieldError(
+                self, "node_rank", lambda n: f"must be < {n('nnodes')} ({self.nnodes})"
+            )
+        if self.nnodes > 1 and not self.master_port:
+            raise FieldError(self, "master_port", lambda n: f"must be set with {n('nnodes')} > 1")
+        if tp > 1 and self.device.startswith("cuda"):
+            raise FieldError(
+                self,
+                "tensor_parallel_size",
+                lambda n: f"{tp} runs on CPU (gloo) in this version; on CUDA use 1",
+            )
 
 
 @dataclass(frozen=True)

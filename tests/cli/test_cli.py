@@ -96,7 +96,7 @@ def test_serve_lora_without_enable_lora_exit_2(
 
 def test_serve_unknown_flag_exit_2(tiny_model: Path) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["serve", str(tiny_model), "--tensor-parallel-size", "2"])
+        main(["serve", str(tiny_model), "--pipeline-parallel-size", "2"])
     assert e.value.code == 2
 
 

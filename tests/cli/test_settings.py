@@ -191,8 +191,15 @@ SERVE_SAMPLES = {  # settings whose values have a syntax of their own: one valid
     "lora_rank_slot_budgets": "8:4,64:2",
     "max_cpu_loras": "40",  # at least --max-loras (8)
     "structured_outputs_whitespace": "compact",
+    "tensor_parallel_size": "2",
+    "nnodes": "2",
+    "node_rank": "1",
+    "master_addr": "10.0.0.2",
+    "master_port": "29500",
 }
 SERVE_NEEDS = {  # cross-field rules: what else a setting needs to be valid
+    "nnodes": ["--tensor-parallel-size", "2", "--master-port", "29500"],
+    "node_rank": ["--nnodes", "2", "--tensor-parallel-size", "2", "--master-port", "29500"],
     "enable_auto_tool_choice": ["--tool-call-parser", "hermes"],
     "ssl_keyfile": ["--ssl-certfile", "KEY"],
     "ssl_certfile": ["--ssl-keyfile", "KEY"],

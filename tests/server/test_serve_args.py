@@ -274,7 +274,7 @@ def test_bad_allowed_root(model_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--tensor-parallel-size", "2"],  # a vLLM flag loraplex supports with value 1 only
+        ["--pipeline-parallel-size", "2"],  # a vLLM flag loraplex supports with value 1 only
         ["--kv-cache-dtype", "fp8"],  # a vLLM flag loraplex does not support
         ["--quantization", "bitsandbytes"],  # a method loraplex does not serve
         ["--gpu-memory-utilization", "most"],
@@ -414,9 +414,9 @@ def test_unknown_config_key(model_dir: Path, tmp_path: Path) -> None:
     cfg_file = write(tmp_path / "c.yaml", "max-lora: 3\n")
     msg = error_of([model_dir, "--config", cfg_file])
     assert "unknown key 'max-lora'" in msg and str(cfg_file) in msg and "max-loras" in msg
-    cfg_file = write(tmp_path / "c.toml", "tensor-parallel-size = 2\n")
+    cfg_file = write(tmp_path / "c.toml", "pipeline-parallel-size = 2\n")
     msg = error_of([model_dir, "--config", cfg_file])
-    assert "'tensor-parallel-size'" in msg and str(cfg_file) in msg
+    assert "'pipeline-parallel-size'" in msg and str(cfg_file) in msg
 
 
 @pytest.mark.parametrize(

@@ -89,8 +89,8 @@ def test_no_enable_log_requests_is_disable_log_requests(model_dir: Path) -> None
 @pytest.mark.parametrize(
     ("argv", "want"),
     [
-        (["--tensor-parallel-size", "2"], "not supported: --tensor-parallel-size 2 (only '1'"),
-        (["-tp", "4"], "not supported: -tp 4"),
+        (["--pipeline-parallel-size", "2"], "not supported: --pipeline-parallel-size 2 (only '1'"),
+        (["-pp", "4"], "not supported: -pp 4"),
         (["--qlora-adapter-name-or-path", "x"], "serve the QLoRA adapter with --lora-modules"),
         (
             ["--quantization-param-path", "x"],
@@ -240,8 +240,8 @@ def test_vllm_keys_in_a_config_file(model_dir: Path, tmp_path: Path) -> None:
                  "max_model_len: 64\n")  # fmt: skip
     cfg = parse([model_dir, "--config", f])
     assert cfg.disable_log_requests and cfg.engine.max_model_len == 64
-    f.write_text("tensor-parallel-size: 2\n")
-    with pytest.raises(ServeConfigError, match=r"key 'tensor-parallel-size' .*not supported: "):
+    f.write_text("pipeline-parallel-size: 2\n")
+    with pytest.raises(ServeConfigError, match=r"key 'pipeline-parallel-size' .*not supported: "):
         parse([model_dir, "--config", f])
     f.write_text("kv-cache-dtype: fp8\n")
     with pytest.raises(ServeConfigError, match=r"not supported: kv-cache-dtype: fp8"):

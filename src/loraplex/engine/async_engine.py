@@ -251,10 +251,13 @@ class AsyncEngine:
             self._thread = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        """The loop runs and can step (false once a tensor-parallel rank has died)."""
+        alive = self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        return alive and self.engine.failure is None
 
     # -- requests --------------------------------------------------------------------------------
     @property
@@ -381,6 +384,8 @@ class AsyncEngine:
                     self._fail_all(e)
                 except Exception:
                     log.exception("failing the requests in flight failed too")
+                if eng.failure is not None:  # a tensor-parallel rank is gone: no step can run
+                    break
         self._close()
 
     def _step(self) -> None:

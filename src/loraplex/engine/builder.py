@@ -7,8 +7,9 @@ memory budget that sizes the slot bank, the KV cache and ``max_model_len``.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,16 +21,27 @@ from loraplex.cache.adapters import TieredAdapterCache
 from loraplex.config import DTYPES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
+from loraplex.engine.tensor_parallel import (
+    DriverModel,
+    MirroredSlotBank,
+    Rendezvous,
+    TPWorkers,
+    WorkerLayout,
+    agree,
+    rank_threads,
+)
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.adapter import BaseModelSpec
 from loraplex.lora.backends import select_lora_ops
-from loraplex.lora.peft_format import VOCAB_LAYER, vocab_module_shapes
+from loraplex.lora.ops import LoRAOps
+from loraplex.lora.peft_format import LM_HEAD, VOCAB_LAYER, vocab_module_shapes
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import cpu_has_fast_bf16
 from loraplex.model.lora_binding import LoRABinding
+from loraplex.model.parallel import FullyShardedLoRABinding, ShardLayout, TensorParallel
 from loraplex.model.quant.formats import parse_quantization
 from loraplex.model.registry import load_model
 from loraplex.types import ModelLoadError
@@ -187,11 +199,18 @@ class LoRAParts:
     merger: AdapterMerger | None  # one adapter merged into the base (lora_merge_after_steps)
 
 
-def wire_lora(config: EngineConfig, model: DecoderForCausalLM, budget: MemoryBudget) -> LoRAParts:
-    """Bind a slot bank (on the backend chosen once, here) to ``model`` and build the tiered
-    adapter cache over it; the cache is told the bank's slot count, which the memory budget may
-    have capped below ``--max-loras``."""
-    mc, device = budget.model_config, budget.device
+def slot_bank(
+    config: EngineConfig,
+    model: DecoderForCausalLM,
+    budget: MemoryBudget,
+    slots: int | None = None,
+    bank_class: type[LoRASlotBank] = LoRASlotBank,
+) -> LoRASlotBank:
+    """Bind a slot bank (on the backend chosen once, here) to ``model``: ``slots`` of them, or
+    as many as ``--max-loras`` and the memory budget allow. Its tables have the shapes of
+    ``model.cfg`` (a tensor-parallel rank's: its cut of every module, which it keeps of each
+    adapter written; the embedding's A is whole on every rank)."""
+    mc, device = model.cfg, budget.device
     vocab_shapes = vocab_module_shapes(mc.vocab_size, mc.hidden_size)
     shapes = {
         (layer, proj): dims
@@ -199,26 +218,69 @@ def wire_lora(config: EngineConfig, model: DecoderForCausalLM, budget: MemoryBud
         for proj, dims in mc.layer_module_shapes(layer).items()
     }
     experts = {key: n for key in shapes if (n := mc.module_experts(key[1]))}  # a MoE's experts
+    shard = None
+    binding: Callable[[LoRASlotBank, LoRAOps], LoRABinding] = LoRABinding
+    if model.tp is not None:
+        tp, full = model.tp, model.full_cfg
+        lo, hi = tp.layout.vocab_rows
+        vocab_shapes[LM_HEAD] = (mc.hidden_size, hi - lo)  # the rank's vocabulary rows
+        shapes = {key: tp.lora_shape(key[1], dims, full) for key, dims in shapes.items()}
+
+        def shard(key: tuple[int, str], a: torch.Tensor, b: torch.Tensor) -> tuple:
+            return tp.shard_lora(key[1], a, b, full)
+
+        if tp.fully_sharded:
+            binding = functools.partial(FullyShardedLoRABinding, tp=tp, cfg=full)
+
     # embed_tokens / lm_head rows for every slot, as vLLM: an adapter may target them whenever
     # it arrives, and the bank's tables are fixed for its life (counted by lora_slots and
     # kv_blocks like the projections' rows)
     shapes.update({(VOCAB_LAYER, name): dims for name, dims in vocab_shapes.items()})
     ops = select_lora_ops(device)
     table_dtype = ops.table_dtype(budget.dtype)
-    slots = budget.lora_slots(shapes, table_dtype, experts)  # --max-lora-device-fraction
-    bank = LoRASlotBank(shapes, slots, config.max_lora_rank, table_dtype, device, experts)
-    model.lora = LoRABinding(bank, ops)
+    if slots is None:
+        slots = budget.lora_slots(shapes, table_dtype, experts)  # --max-lora-device-fraction
+    bank = bank_class(
+        shapes, slots, config.max_lora_rank, table_dtype, device, experts, shard=shard
+    )
+    model.lora = binding(bank, ops)
+    return bank
+
+
+def wire_lora(
+    config: EngineConfig,
+    model: DecoderForCausalLM,
+    budget: MemoryBudget,
+    workers: TPWorkers | None = None,
+) -> LoRAParts:
+    """Bind a slot bank to ``model`` and build the tiered adapter cache over it; the cache is
+    told the bank's slot count, which the memory budget may have capped below ``--max-loras``.
+    ``workers``: a tensor-parallel group whose banks repeat this one's every write."""
+    if workers is None:
+        bank = slot_bank(config, model, budget)
+    else:
+        bank = slot_bank(config, model, budget, bank_class=MirroredSlotBank)
+        bank.workers = workers  # type: ignore[attr-defined]
+    mc = model.full_cfg  # adapters are checked against the whole model's shapes
+    slots = bank.max_loras
     text_only = isinstance(mc.raw.get("text_config"), dict)  # a multimodal checkpoint's text
     spec = BaseModelSpec(
-        mc.num_layers, mc.module_shapes, mc.model_type, vocab_shapes, text_only, mc.moe_spec()
+        mc.num_layers,
+        mc.module_shapes,
+        mc.model_type,
+        vocab_module_shapes(mc.vocab_size, mc.hidden_size),
+        text_only,
+        mc.moe_spec(),
     )
     cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
-    adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=table_dtype)
+    adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=bank.dtype)
     merger = None
     if config.lora_merge_after_steps and model.quant is not None:
         # merging would write a float copy of each targeted projection: more bytes than the
         # quantized base holds, and not the weights the adapter runs against elsewhere
         log.info("lora merge fast path off: the base is quantized (%s)", model.quant.label)
+    elif config.lora_merge_after_steps and model.tp is not None:
+        log.info("lora merge fast path off: tensor parallel (each rank would merge its cut)")
     elif config.lora_merge_after_steps:
         assert model.make_linear is not None
         merger = AdapterMerger(model, model.make_linear, config.lora_merge_after_steps)
@@ -239,26 +301,99 @@ class EngineParts:
     cache: PagedKVCache
     pool: BlockPool
     max_model_len: int
+    workers: TPWorkers | None = None  # the tensor-parallel group (rank 0's handle), if any
 
 
-def build_parts(config: EngineConfig) -> EngineParts:
-    """Load the model (and tokenizer), wire LoRA and size the KV cache for ``config``."""
-    if config.num_threads and torch.get_num_threads() != config.num_threads:
+def _set_threads(n: int | None) -> None:
+    if n and torch.get_num_threads() != n:
         # only when it changes: resizing the OpenMP team while another engine in this process
         # (a test's, a second LLM) is inside a parallel region is unsafe in the OpenMP runtime
-        torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(n)
+
+
+def _load(
+    config: EngineConfig, tp_group: Any = None, rank: int = 0
+) -> tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]:
+    """Parse the config and load the model (a tensor-parallel rank's shard with ``tp_group``)."""
     model_dir = Path(config.model)
     mc = load_model_config(model_dir, config.generation_config, config.generation_overrides)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, mc, device)
-    tokenizer = None
-    if not config.skip_tokenizer_init:
-        tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
-        tokenizer = load_tokenizer(tok_dir, config.trust_remote_code)
     quant = parse_quantization(
         mc.raw.get("quantization_config"), config.quantization, config.quantization_group_size
     )
-    model = load_model(model_dir, mc, dtype, device, quant)  # the class of mc.architecture
+    tp = None
+    if tp_group is not None:
+        layout = ShardLayout.of(mc, rank, config.tensor_parallel_size)
+        tp = TensorParallel(layout, tp_group, config.fully_sharded_loras)
+        tp.check_lora_split(mc)
+    model = load_model(model_dir, mc, dtype, device, quant, tp)  # the class of mc.architecture
+    return mc, device, dtype, model
+
+
+def _loaded_on_every_rank(
+    config: EngineConfig, group: Any, rank: int
+) -> tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]:
+    """``_load`` as tensor-parallel ``rank``; every rank learns whether all loaded (and
+    raises the first failure's reason if one did not)."""
+    try:
+        got = _load(config, group, rank)
+    except Exception as e:
+        agree(f"{type(e).__name__}: {e}", group)
+        raise
+    agree(None, group)
+    return got
+
+
+def worker_parts(
+    config: EngineConfig, rv: Rendezvous, rank: int, group: Any
+) -> tuple[DecoderForCausalLM, PagedKVCache, LoRASlotBank | None]:
+    """A tensor-parallel worker's shard, KV cache and slot bank, sized as rank 0 decided."""
+    _set_threads(rank_threads(config, rv.local_ranks or rv.size))
+    _, device, dtype, model = _loaded_on_every_rank(config, group, rank)
+    msg: list[Any] = [None]
+    torch.distributed.broadcast_object_list(msg, src=0, group=group)
+    layout: WorkerLayout = msg[0]
+    mc = model.cfg
+    budget = MemoryBudget(config, mc, device, dtype)
+    bank = slot_bank(config, model, budget, layout.lora_slots) if layout.lora_slots else None
+    cache = PagedKVCache(
+        mc.num_layers, layout.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+        dtype, device,
+    )  # fmt: skip
+    return model, cache, bank
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    """Load the model (and tokenizer), wire LoRA and size the KV cache for ``config``; with
+    ``tensor_parallel_size > 1`` this process is rank 0 and starts the workers first (they
+    load their shards meanwhile)."""
+    workers = None
+    if config.tensor_parallel_size > 1:
+        rv = config.rendezvous()
+        _set_threads(rank_threads(config, rv.local_ranks or rv.size))
+        workers = TPWorkers.start(config, rv)
+        try:
+            return _build(config, workers)
+        except BaseException:
+            workers.failure = workers.failure or "start-up failed"
+            workers.close()
+            raise
+    _set_threads(config.num_threads)
+    return _build(config, None)
+
+
+def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
+    model_dir = Path(config.model)
+    tokenizer = None
+    if not config.skip_tokenizer_init:  # first: its errors name it before a weight is read
+        tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
+        tokenizer = load_tokenizer(tok_dir, config.trust_remote_code)
+    if workers is None:
+        mc, device, dtype, model = _load(config)
+    else:
+        mc, device, dtype, model = _loaded_on_every_rank(config, workers.step_group, 0)
+    quant = model.quant
     if quant is not None:
         release_freed_memory()  # the float copies quantized at load, back to the OS
         log.info("quantized base (%s): %s", quant.label, model.linear_impl)
@@ -272,12 +407,18 @@ def build_parts(config: EngineConfig) -> EngineParts:
     eos = set(mc.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    budget = MemoryBudget(config, mc, device, dtype)
-    lora = wire_lora(config, model, budget) if config.enable_lora else None
+    local = model.cfg  # a tensor-parallel rank's heads: its KV cache and slot tables
+    budget = MemoryBudget(config, local, device, dtype)
+    lora = wire_lora(config, model, budget, workers) if config.enable_lora else None
     num_blocks = budget.kv_blocks(lora.adapters.bank.nbytes if lora is not None else 0)
+    if workers is not None:  # every rank builds the same number of blocks and slots
+        layout = WorkerLayout(num_blocks, lora.adapters.bank.max_loras if lora else 0)
+        workers.send(workers.step_group, layout)
+        model = DriverModel(model, workers)  # type: ignore[assignment]
     cache = PagedKVCache(
-        mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device
-    )
+        local.num_layers, num_blocks, config.block_size, local.num_kv_heads, local.head_dim,
+        dtype, device,
+    )  # fmt: skip
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     return EngineParts(
         model_config=mc,
@@ -290,4 +431,5 @@ def build_parts(config: EngineConfig) -> EngineParts:
         cache=cache,
         pool=pool,
         max_model_len=budget.max_model_len(num_blocks),
+        workers=workers,
     )

@@ -20,6 +20,7 @@ live in :mod:`~loraplex.engine.postprocess`.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,9 @@ class LLMEngine:
         self.merger = lora.merger if lora is not None else None
         self.cache, self.pool = parts.cache, parts.pool
         self.max_model_len = parts.max_model_len
+        self.workers = parts.workers  # the tensor-parallel group (None: one process)
+        if self.workers is not None:  # the workers go when this engine does, at the latest
+            weakref.finalize(self, self.workers.close)
         policy = make_policy(config.scheduling_policy)
         rules = PriorityRules.from_config(config, policy)
         self.scheduler = Scheduler(
@@ -111,6 +115,16 @@ class LLMEngine:
         self.requests: dict[str, EngineRequest] = {}
         self.num_steps = 0
         self.last_step = StepStats()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; nothing to do otherwise)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can no longer step (a tensor-parallel rank died), else None."""
+        return self.workers.failure if self.workers is not None else None
 
     # -- requests (intake: any thread) -----------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

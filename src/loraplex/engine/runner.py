@@ -243,7 +243,7 @@ class ModelRunner:
         h = self.model.hidden_states(fb, self.cache)  # [T, D]
         for job in prompt_rows:
             self._prompt_logprobs(h, job, fb.lora_plan)
-        return self.model.compute_logits(h[fb.logits_indices], fb.logits_lora_plan), samplers
+        return self.model.logits_at(h, fb.logits_indices, fb.logits_lora_plan), samplers
 
     @torch.inference_mode()
     def _prompt_logprobs(
@@ -262,7 +262,7 @@ class ModelRunner:
             first = job.first + c
             targets = torch.tensor(prompt[first : first + len(rows)], device=self.device)
             idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(h[idx], _head_plan(plan, rows))  # [r, V]
+            logits = self.model.logits_at(h, idx, _head_plan(plan, rows))  # [r, V]
             lp = torch.log_softmax(logits, dim=-1)
             chosen = lp.gather(1, targets[:, None])[:, 0].cpu().tolist()  # [r]
             top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())

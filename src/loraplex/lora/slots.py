@@ -31,7 +31,9 @@ slot targets are recorded at the write (the engine never scans rows for them).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -81,6 +83,19 @@ def _split(view: torch.Tensor) -> list[torch.Tensor]:
         step = max(1, (_GRAIN - 1) // max(1, cols))
         return [view] if rows <= step else list(view.split(step))
     return list(view.split(max(1, (_GRAIN - 1) // rows), dim=-1))
+
+
+ModuleShard = Callable[[ModuleKey, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``shard(key, a, b) -> (a_r, b_r)``: one tensor-parallel rank's part of a module's LoRA."""
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """One module's LoRA as a tensor-parallel rank holds it."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
 
 
 class _Prepared:
@@ -172,8 +187,11 @@ class LoRASlotBank:
         dtype: torch.dtype,
         device: torch.device | str,
         module_experts: Mapping[ModuleKey, int] | None = None,
+        shard: ModuleShard | None = None,
     ) -> None:
         """``module_shapes``: ``(layer, proj) -> (d_in, d_out)`` of every adaptable module;
+        ``shard``: this tensor-parallel rank's cut of a module's whole (A, B), applied to every
+        adapter written (``module_shapes`` are then the cut's);
         ``module_experts``: the expert projections of a MoE base -> their expert count (their
         shapes are one expert's). An expert module's tables hold every expert's rows, expert
         ``e`` at ``[e * capacity, (e + 1) * capacity)`` with the slots' one row layout inside::
@@ -215,6 +233,10 @@ class LoRASlotBank:
         self._targets_cache: dict[tuple, _Targets] = {}
         self.layout_version = 0
         self._lock = threading.RLock()
+        self._shard = shard
+        self._shards: weakref.WeakKeyDictionary[SlotSource, SlotSource] = (
+            weakref.WeakKeyDictionary()
+        )  # a host copy's cut, built once (as its SlotSource's lists are)
 
     # ----------------------------------------------------------------------------- queries
 
@@ -312,6 +334,8 @@ class LoRASlotBank:
         replacing: bool = False,
     ) -> None:
         source = weights if isinstance(weights, SlotSource) else SlotSource(weights)
+        if self._shard is not None:
+            source = self._cut(source)
         rows = 0
         for key, w in source.weights.items():
             rows = max(rows, self._check_module(key, w))
@@ -438,6 +462,15 @@ class LoRASlotBank:
                 self._compact()
 
     # ----------------------------------------------------------------------------- internals
+
+    def _cut(self, source: SlotSource) -> SlotSource:
+        """``source``'s weights as this rank holds them (see ``shard``)."""
+        got = self._shards.get(source)
+        if got is None:
+            assert self._shard is not None
+            cut = {k: _Cut(*self._shard(k, w.a, w.b), w.scale) for k, w in source.weights.items()}
+            got = self._shards[source] = SlotSource(cut)
+        return got
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.max_loras:

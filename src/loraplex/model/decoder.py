@@ -35,11 +35,14 @@ from loraplex.model.layers import (
     ProjectionGroup,
     RMSNorm,
     RotaryEmbedding,
+    attention_groups,
     make_rotary,
+    mlp_groups,
 )
 from loraplex.model.linear import Linear, LinearFactory, select_linear_factory
 from loraplex.model.loader import iter_checkpoint
 from loraplex.model.lora_binding import LoRABinding
+from loraplex.model.parallel import TensorParallel, VocabShard
 from loraplex.model.quant.formats import QuantSpec, is_quantized_tensor, unpack_projection
 from loraplex.model.quant.kernels import QuantKernels
 from loraplex.model.quant.weights import FP8Weight, QuantizedEmbedding, QuantWeight
@@ -103,6 +106,8 @@ class DecoderForCausalLM:
     """Per-head RMSNorm of q and k before RoPE (``q_norm`` and ``k_norm`` slots)."""
     supports_quantization: ClassVar[bool] = True
     """Whether quantized projections load (a MoE's experts have no quantized path yet)."""
+    supports_tensor_parallel: ClassVar[bool] = True
+    """Whether the weights shard over tensor-parallel ranks (a MoE's experts do not yet)."""
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -146,6 +151,8 @@ class DecoderForCausalLM:
         columns ``(proj, lo, hi)``: the one map of projections to fused weights (LoRA groups,
         merging)."""
         self._group_parts = tuple(parts for _, _, parts in self.projection_groups)
+        self._load_groups = self.projection_groups  # the checkpoint's shapes (whole under TP)
+        self._load_offsets: dict[str, int] = {}  # a projection's first column in its slot
         self.embed_tokens: torch.Tensor  # [V, D]
         self.norm: RMSNorm
         self.head: Linear
@@ -156,6 +163,11 @@ class DecoderForCausalLM:
         self.quant: QuantSpec | None = None
         """The base's quantization (a checkpoint format, or int8/int4 at load); None: float."""
         self.quant_kernels: QuantKernels | None = None
+        self.tp: TensorParallel | None = None
+        """This rank's shard plan and process group (None: the whole model on one device);
+        ``cfg`` then holds the rank's heads and MLP width, ``full_cfg`` the checkpoint's."""
+        self.full_cfg = cfg
+        self._gather_logits: Callable[[torch.Tensor], torch.Tensor] = _same
 
     # -- what an architecture may change -----------------------------------------------------
     def layer_rotaries(self) -> list[RotaryEmbedding]:
@@ -239,20 +251,62 @@ class DecoderForCausalLM:
         dtype: torch.dtype,
         device: torch.device,
         quant: QuantSpec | None = None,
+        tp: TensorParallel | None = None,
     ) -> DecoderForCausalLM:
         """Load weights tensor by tensor into their final buffers (fusing q/k/v and gate/up);
         missing, unexpected or misshapen tensors raise ModelLoadError naming the tensor.
-        ``quant``: the checkpoint's quantization format, or int8/int4 to quantize at load."""
+        ``quant``: the checkpoint's quantization format, or int8/int4 to quantize at load.
+        ``tp``: load only this rank's shard (each tensor checked whole, then cut)."""
         if quant is not None and not cls.supports_quantization:
             raise ModelLoadError(
                 f"{cfg.architecture}: quantized bases are not supported for this architecture "
                 f"({quant.label}); serve its float checkpoint"
             )
-        model = cls(cfg, dtype, device)
+        if tp is None:
+            model = cls(cfg, dtype, device)
+        else:
+            model = cls._sharded(cfg, dtype, device, tp, quant)
         model.quant = quant
         top, layers = model._read_checkpoint(Path(model_dir))
         model._build(top, layers)
         return model
+
+    @classmethod
+    def _sharded(
+        cls,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel,
+        quant: QuantSpec | None,
+    ) -> DecoderForCausalLM:
+        """An empty model of rank ``tp.rank``'s shard (its blocks sum their row-parallel
+        outputs over the ranks; its logits are gathered on rank 0)."""
+        where = f"--tensor-parallel-size {tp.size}"
+        if not cls.supports_tensor_parallel:
+            raise ModelLoadError(f"{where}: {cfg.architecture} does not shard yet; use 1")
+        if quant is not None:
+            raise ModelLoadError(
+                f"{where}: quantized bases ({quant.label}) do not shard yet; serve the float "
+                "checkpoint, or --tensor-parallel-size 1"
+            )
+        model = cls(tp.layout.local_config(cfg), dtype, device)
+        model.tp, model.full_cfg = tp, cfg
+        model.attn.reduce = model.mlp.reduce = tp.all_reduce
+        model._gather_logits = functools.partial(tp.gather_vocab, vocab=cfg.vocab_size)
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        model._load_groups = (
+            *attention_groups(cfg.hidden_size, q, kv),
+            *mlp_groups(cfg.hidden_size, cfg.intermediate_size),
+        )
+        model._load_offsets = {p: lo for _, _, parts in model._load_groups for p, lo, _ in parts}
+        return model
+
+    def _shard_slot(self, slot: str, kind: str, t: Any) -> Any:
+        """This rank's part of a fused slot's full tensor (as it is on one device)."""
+        if self.tp is None or slot not in LINEAR_SLOTS:
+            return t
+        return self.tp.shard_slot(slot, kind, t, self.full_cfg, self._load_offsets)
 
     def _read_checkpoint(
         self, model_dir: Path
@@ -280,7 +334,10 @@ class DecoderForCausalLM:
                 continue
             if key in TOP_WEIGHTS:
                 self._check_shape(st.entries[name].shape, self._top_shape(key), name, model_dir)
-                top[TOP_WEIGHTS[key]] = st.read(name, dtype, device)
+                t = st.read(name, dtype, device)
+                if self.tp is not None and key != "model.norm.weight":
+                    t = self.tp.shard_vocab(t)  # the rank's vocabulary rows
+                top[TOP_WEIGHTS[key]] = t
                 continue
             m = _LAYER_KEY.fullmatch(key)
             entry = self.layer_weights_of(int(m.group(1))).get(m.group(2)) if m else None
@@ -299,12 +356,15 @@ class DecoderForCausalLM:
             self._check_shape(st.entries[name].shape, want, name, model_dir)
             t = st.read(name, dtype, device)
             if nparts[slot] == 1:
+                t = self._shard_slot(slot, kind, t)
                 layers[idx][f"{slot}.{kind}"] = self._quantize_at_load(t, slot, kind, name)
                 continue
             got = pending.setdefault((idx, f"{slot}.{kind}"), {})
             got[part] = t
             if len(got) == nparts[slot]:
-                fused = torch.cat([got[p] for p in range(nparts[slot])])
+                fused = self._shard_slot(
+                    slot, kind, torch.cat([got[p] for p in range(nparts[slot])])
+                )
                 layers[idx][f"{slot}.{kind}"] = self._quantize_at_load(fused, slot, kind, name)
                 del pending[(idx, f"{slot}.{kind}")]
         if packed is not None:
@@ -375,14 +435,14 @@ class DecoderForCausalLM:
             layers[idx][f"{slot}.weight"] = fused  # type: ignore[assignment]
 
     def _top_shape(self, key: str) -> tuple[int, ...]:
-        c = self.cfg
+        c = self.full_cfg
         return (c.hidden_size,) if key == "model.norm.weight" else (c.vocab_size, c.hidden_size)
 
     def _layer_shape(
         self, slot: str, part: int, nparts: int, kind: str, name: str, src: object
     ) -> tuple[int, ...]:
         """The shape config.json implies for part ``part`` of ``slot`` (``nparts`` parts)."""
-        group = next((g for g in self.projection_groups if g[0] == slot), None)
+        group = next((g for g in self._load_groups if g[0] == slot), None)
         if group is None:  # a norm: a weight of its width, never a bias
             if kind != "weight":
                 raise ModelLoadError(f"{src}: unexpected tensor {name!r}")
@@ -453,6 +513,8 @@ class DecoderForCausalLM:
             self.head = make(top.get("lm_head", self.embed_tokens), None)
         if self.quant_kernels is not None:
             self.linear_impl = f"{self.quant.label}: {self.quant_kernels.summary() or 'dequant'}"
+        if self.tp is not None:  # looked up masked and summed over the ranks
+            self.embed_tokens = VocabShard(self.embed_tokens, self.tp)  # type: ignore[assignment]
 
     def _quantize_vocab(self, top: dict[str, torch.Tensor]) -> None:
         """``--quantization int8/int4``: the embedding and the LM head as int8, one scale per
@@ -499,10 +561,17 @@ class DecoderForCausalLM:
         ``lora_plan`` (over the N rows, ``plan_rows`` of the step's): the head's LoRA, added to
         the float32 logits before anything else is done to them."""
         x = self.norm(h)  # [N, D]
-        logits = self.head(x).float()  # [N, V]
+        logits = self.head(x).float()  # [N, V] (this rank's vocabulary rows under TP)
         if lora_plan is not None and self.lora is not None:
             self.lora.add_logits(x, logits, lora_plan)
-        return logits
+        return self._gather_logits(logits)
+
+    def logits_at(
+        self, h: torch.Tensor, rows: torch.Tensor, lora_plan: LoRABatchPlan | None = None
+    ) -> torch.Tensor:
+        """``compute_logits(h[rows], lora_plan)``: the step's logits of hidden-state ``rows``
+        (one call for every rank of a tensor-parallel model, which all index alike)."""
+        return self.compute_logits(h[rows], lora_plan)
 
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -533,7 +602,8 @@ class DecoderForCausalLM:
     @property
     def nbytes(self) -> int:
         """Bytes of the weights as loaded (embedding, norms, projections, head)."""
-        shared = getattr(self.head, "weight", None) is self.embed_tokens  # tied and unpacked
+        table = getattr(self.embed_tokens, "table", self.embed_tokens)  # a rank's VocabShard
+        shared = getattr(self.head, "weight", None) is table  # tied and unpacked
         if isinstance(self.embed_tokens, QuantizedEmbedding):  # tied: one int8 matrix
             head_q = getattr(getattr(self.head, "quant", None), "q", None)
             shared = (
@@ -541,6 +611,10 @@ class DecoderForCausalLM:
             )
         total = self.embed_tokens.nbytes + self.norm.nbytes + (0 if shared else self.head.nbytes)
         return total + sum(L.nbytes for L in self.layers)
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def pre_norm_stack(

@@ -87,6 +87,29 @@ FeedForward = Callable[[DecoderLayer, int, torch.Tensor, LayerStep], torch.Tenso
 """A layer's feed-forward block: ``ffn(L, i, x, step)`` for normed input x [T, D] -> [T, D]."""
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def attention_groups(
+    hidden_size: int, q_size: int, kv_size: int
+) -> tuple[ProjectionGroup, ProjectionGroup]:
+    """The attention block's fused Linears: q/k/v (columns q, k, v) and o."""
+    qs, kvs, d = q_size, kv_size, hidden_size
+    return (
+        ("qkv", d, (("q_proj", 0, qs), ("k_proj", qs, qs + kvs), ("v_proj", qs + kvs, qs + 2 * kvs))),
+        ("o", qs, (("o_proj", 0, d),)),
+    )  # fmt: skip
+
+
+def mlp_groups(hidden_size: int, inter: int) -> tuple[ProjectionGroup, ProjectionGroup]:
+    """The gated MLP's fused Linears: gate/up (columns gate, up) and down."""
+    return (
+        ("gate_up", hidden_size, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
+        ("down", inter, (("down_proj", 0, hidden_size),)),
+    )
+
+
 # -------------------------------------------------------------------------------- attention
 
 
@@ -123,15 +146,9 @@ class Attention:
         self.attend: AttendFn = (
             sdpa_attend if softcap is None else functools.partial(softcap_attend, cap=softcap)
         )
-        qs, kvs, d = self.q_size, self.kv_size, hidden_size
-        self.groups: tuple[ProjectionGroup, ProjectionGroup] = (
-            (
-                "qkv",
-                d,
-                (("q_proj", 0, qs), ("k_proj", qs, qs + kvs), ("v_proj", qs + kvs, qs + 2 * kvs)),
-            ),
-            ("o", qs, (("o_proj", 0, d),)),
-        )
+        self.groups = attention_groups(hidden_size, self.q_size, self.kv_size)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _same
+        """Sum of a row-parallel output over tensor-parallel ranks (one rank: as it is)."""
         self.qkv_parts, self.o_parts = (g[2] for g in self.groups)
 
     def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
@@ -154,7 +171,7 @@ class Attention:
         o = L.o(a)  # [T, D]
         if step.lora_o:
             step.lora.add(i, self.o_parts, a, o, step.plan)
-        return o
+        return self.reduce(o)
 
 
 # -------------------------------------------------------------------------------------- MLP
@@ -171,11 +188,9 @@ class GatedMLP:
         self.inter = intermediate_size
         self.hidden_act = hidden_act
         self.ops = ops
-        inter, d = intermediate_size, hidden_size
-        self.groups: tuple[ProjectionGroup, ProjectionGroup] = (
-            ("gate_up", d, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))),
-            ("down", inter, (("down_proj", 0, d),)),
-        )
+        self.groups = mlp_groups(hidden_size, intermediate_size)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _same
+        """Sum of a row-parallel output over tensor-parallel ranks (one rank: as it is)."""
         self.gate_up_parts, self.down_parts = (g[2] for g in self.groups)
 
     def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
@@ -187,4 +202,4 @@ class GatedMLP:
         d = L.down(act)  # [T, D]
         if step.lora_down:
             step.lora.add(i, self.down_parts, act, d, step.plan)
-        return d
+        return self.reduce(d)

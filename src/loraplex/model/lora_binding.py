@@ -63,6 +63,15 @@ class LoRABinding:
         are skipped. ``parts``: the same groups every step (the first name keys the cache).
         ``rows_plan``: the rows of ``x`` are not the step's tokens but a MoE layer's (token,
         expert) pairs, planned by ``plan_expert_rows`` (``plan`` still says which modules)."""
+        modules = self.modules_of(layer, parts, plan)
+        if modules:
+            self.ops.apply_many(x, out, modules, plan if rows_plan is None else rows_plan)
+
+    def modules_of(
+        self, layer: int, parts: Sequence[tuple[str, int, int]], plan: LoRABatchPlan
+    ) -> tuple:
+        """``(a, bt, lo, hi)`` of each projection of ``parts`` in ``layer`` that an adapter of
+        the step targets (the same tuple object while the step's modules stay the same)."""
         if plan is not self._plan:
             self._switch(plan)
         key = (layer, parts[0][0])
@@ -74,8 +83,7 @@ class LoRABinding:
                 for proj, lo, hi in parts
                 if wanted is None or (layer, proj) in wanted
             )
-        if modules:
-            self.ops.apply_many(x, out, modules, plan if rows_plan is None else rows_plan)
+        return modules
 
     def experts_used(self, layer: int, plan: LoRABatchPlan) -> bool:
         """Whether an adapter of the step targets one of ``layer``'s expert projections."""

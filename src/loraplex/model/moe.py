@@ -265,6 +265,7 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
     config_class = MoEConfig
     cfg: MoEConfig
     supports_quantization = False  # expert weights have no quantized path yet
+    supports_tensor_parallel = False  # experts are not sharded yet
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(cfg, dtype, device)

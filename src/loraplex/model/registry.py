@@ -18,6 +18,7 @@ from loraplex.model.gemma import (
 )
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from loraplex.model.mixtral import MixtralForCausalLM
+from loraplex.model.parallel import TensorParallel
 from loraplex.model.phi3 import Phi3ForCausalLM
 from loraplex.model.quant.formats import QuantSpec
 from loraplex.model.qwen3 import Qwen3ForCausalLM
@@ -49,7 +50,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     quant: QuantSpec | None = None,
+    tp: TensorParallel | None = None,
 ) -> DecoderForCausalLM:
     """The decoder of ``cfg.architecture`` (parsed by ``parse_model_config``, which refused
-    any other) with the checkpoint's weights, quantized as ``quant`` says."""
-    return ARCHITECTURES[cfg.architecture].from_pretrained(model_dir, cfg, dtype, device, quant)
+    any other) with the checkpoint's weights, quantized as ``quant`` says; ``tp``: only this
+    tensor-parallel rank's shard."""
+    cls = ARCHITECTURES[cfg.architecture]
+    return cls.from_pretrained(model_dir, cfg, dtype, device, quant, tp)

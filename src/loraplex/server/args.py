@@ -65,7 +65,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     if parser.epilog is None:
         parser.epilog = (
             "Every other flag of `vllm serve` is accepted where its value is what loraplex "
-            "does anyway (--tensor-parallel-size 1, --enforce-eager, --kv-cache-dtype auto, "
+            "does anyway (--pipeline-parallel-size 1, --enforce-eager, --kv-cache-dtype auto, "
             "...) and otherwise refused with 'not supported: FLAG'. Underscore spellings "
             "(--max_model_len) work as in vLLM."
         )

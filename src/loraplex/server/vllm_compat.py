@@ -1,5 +1,5 @@
 """The ``vllm serve`` flags loraplex has no setting of its own for: each is either accepted
-because its value is what loraplex does anyway (``--tensor-parallel-size 1``,
+because its value is what loraplex does anyway (``--pipeline-parallel-size 1``,
 ``--kv-cache-dtype auto``, ``--enforce-eager``), or refused with one clear line,
 ``not supported: --quantization awq (loraplex serves unquantized weights ...)``, instead of
 argparse's generic "unrecognized arguments".
@@ -51,7 +51,6 @@ _QUANT_CONFIG = "loraplex reads quantization from the checkpoint's config.json (
 # (spellings, takes, accepted values, why) -- groups share their reason
 _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     # parallelism: one device
-    ("--tensor-parallel-size -tp", "one", ("1",), _ONE_DEVICE),
     ("--pipeline-parallel-size -pp", "one", ("1",), _ONE_DEVICE),
     ("--data-parallel-size -dp", "one", ("1",), _ONE_DEVICE),
     ("--decode-context-parallel-size -dcp", "one", ("1",), _ONE_DEVICE),
@@ -77,7 +76,6 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--task", "one", ("auto", "generate"), "loraplex serves text generation only"),
     ("--enable-chunked-prefill", "bool", ("true",), "loraplex always chunks long prompts"),
     ("--lora-dtype", "one", ("auto",), "adapters take the model's dtype"),
-    ("--fully-sharded-loras", "bool", ("false",), _ONE_DEVICE),
     ("--max-logprobs", "one", ("20",), "loraplex returns at most 20 logprobs per token"),
     ("--response-role", "one", ("assistant",), "loraplex answers as 'assistant'"),
     ("--chat-template-content-format", "one", ("auto",), "content format is detected"),
@@ -175,7 +173,8 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--prefix-caching-hash-algo --prefix-cache-retention-interval", "one", (), ""),
     ("--num-gpu-blocks", "one", (), "use --num-gpu-blocks-override"),
     # serving front end
-    ("--headless --grpc", "true", (), _ONE_DEVICE),
+    ("--headless", "bool", ANY, "every node but --node-rank 0 runs its ranks headless"),
+    ("--grpc", "true", (), _ONE_DEVICE),
     ("--grpc-port --uds --middleware --ssl-ciphers --h11-max-incomplete-event-size", "one", (), ""),
     ("--h11-max-header-count --disable-access-log-for-endpoints", "one", (), ""),
     ("--ssl-cert-reqs", "one", ("0",), "client certificates are not checked"),
@@ -221,7 +220,7 @@ _REST: dict[str, str] = {
         "--safetensors-load-strategy --safetensors-prefetch-num-threads "
         "--safetensors-prefetch-block-size --model-loader-extra-config --pt-load-map-location "
         "--mamba-ssu-algorithm --mamba-cache-philox-rounds --reasoning-parser-plugin "
-        "--master-addr --master-port --nnodes -n --node-rank -r --distributed-timeout-seconds "
+        "--distributed-timeout-seconds "
         "--cpu-distributed-timeout-seconds --device-ids --dcp-comm-backend "
         "--dcp-kv-cache-interleave-size --cp-kv-cache-interleave-size --data-parallel-rank -dpn "
         "--data-parallel-start-rank -dpr --data-parallel-size-local -dpl --data-parallel-address "

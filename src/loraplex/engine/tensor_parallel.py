@@ -1,0 +1,449 @@
+"""Tensor-parallel execution: one engine core on rank 0, workers that only execute.
+
+Rank 0 (the serving process) owns the scheduler, the adapter cache, sampling and its own
+shard of the model; ranks 1.. are worker processes holding the other shards. They form one
+``torch.distributed`` process group (gloo on CPU) with two communicators::
+
+    step group   rank 0 broadcasts each model call (the step's ForwardBatch: token ids,
+                 positions, slot mapping, block tables, LoRA plan); every rank runs its shard,
+                 the layers' all-reduces and the logits' gather ride on the same group
+    slot group   every slot-bank mutation (fill, reset, compaction) in rank 0's order, each
+                 answered by every worker with its resulting layout before rank 0's returns
+
+so a slot write has finished on all ranks before the engine can schedule a step that reads it
+(rank 0's write returns only then), and the row layouts of all ranks stay equal (checked on
+every mutation). Host, disk and store tiers exist once, on rank 0: it loads and verifies an
+adapter, and each worker receives the whole weights through the slot group and keeps only its
+cut of them (``TensorParallel.shard_lora``). Workers never decide anything.
+
+A worker that dies breaks the group: rank 0's next collective raises (gloo sees the closed
+connection, or the group's timeout expires) and the step fails with that error; the engine
+marks itself dead (``TPWorkers.failure``) and every later step fails at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from loraplex.config import Rendezvous
+from loraplex.lora.slots import LoRAModuleWeightsLike, LoRASlotBank, ModuleKey, SlotSource
+
+if TYPE_CHECKING:
+    from loraplex.config import EngineConfig
+    from loraplex.kv.cache import PagedKVCache
+    from loraplex.model.decoder import DecoderForCausalLM
+
+log = logging.getLogger(__name__)
+
+GROUP_TIMEOUT_S = 120.0
+"""How long a collective waits for a silent peer before the group counts as broken (a long
+prompt chunk on a slow rank must fit in it)."""
+
+
+WATCH_INTERVAL_S = 0.25
+"""How often rank 0 looks for exited worker processes."""
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group failed (a worker died or disagreed); the engine cannot step."""
+
+
+def join_group(rv: Rendezvous, rank: int) -> tuple[Any, Any]:
+    """Join the process group as ``rank``; returns (step group, slot group)."""
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    dist.init_process_group(
+        "gloo", init_method=rv.init_method, rank=rank, world_size=rv.size, timeout=timeout
+    )
+    return dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout)
+
+
+def rank_threads(config: EngineConfig, ranks_here: int) -> int:
+    """Intra-op threads of one rank: ``--num-threads``, else this node's cores shared out."""
+    return config.num_threads or max(1, (os.cpu_count() or 1) // max(1, ranks_here))
+
+
+def agree(ok: str | None, group: Any) -> None:
+    """Every rank reports its start-up outcome (None: fine, else why not); all raise if any
+    failed, so no rank waits on a peer that is gone."""
+    got: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, ok, group=group)
+    bad = [f"rank {r}: {why}" for r, why in enumerate(got) if why is not None]
+    if bad:
+        raise TensorParallelError("tensor-parallel start failed: " + "; ".join(bad))
+
+
+# -- rank 0 ----------------------------------------------------------------------------------
+
+
+class TPWorkers:
+    """Rank 0's handle on the group: the worker processes, the two communicators, the
+    channel every model call and slot mutation goes through, and whether the group broke."""
+
+    def __init__(self, rv: Rendezvous, step_group: Any, slot_group: Any) -> None:
+        self.rv = rv
+        self.step_group, self.slot_group = step_group, slot_group
+        self.procs: list[Any] = []
+        self.failure: str | None = None
+        self._closed = False
+
+    @classmethod
+    def start(cls, config: EngineConfig, rv: Rendezvous) -> TPWorkers:
+        """Start this node's workers (the node's ranks after its first) and join the group as
+        its first rank; a worker that exits before the group forms fails the start at once,
+        with its last output."""
+        if dist.is_initialized():
+            raise TensorParallelError(
+                "this process already runs a tensor-parallel engine (one process group each)"
+            )
+        rv = rv.with_port()
+        here = rv.local_ranks or rv.size
+        procs = [WorkerProcess.spawn(config, rv, rv.first_rank + i) for i in range(1, here)]
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["groups"] = join_group(rv, rv.first_rank)
+            except BaseException as e:  # handed to the starting thread
+                joined["error"] = e
+
+        t = threading.Thread(target=join, name="tp-join", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+            gone = [p for p in procs if not p.is_alive()]
+            if gone and t.is_alive():
+                for p in procs:
+                    p.kill()
+                raise TensorParallelError(
+                    f"tensor-parallel worker {gone[0].name} exited before the group formed: "
+                    f"{gone[0].last_words()}"
+                )
+        if "error" in joined:
+            for p in procs:
+                p.kill()
+            raise joined["error"]
+        workers = cls(rv, *joined["groups"])
+        workers.procs = procs
+        threading.Thread(target=workers._watch, name="tp-watch", daemon=True).start()
+        return workers
+
+    def _watch(self) -> None:
+        """Notice a worker that exits, even while no step runs (health checks read
+        ``failure``): one log line, and the group counts as broken."""
+        while not self._closed and self.failure is None:
+            dead = self.dead_workers()
+            if dead:
+                self.failure = f"tensor-parallel worker {', '.join(dead)} exited"
+                log.error("%s; this engine stops serving", self.failure)
+                return
+            time.sleep(WATCH_INTERVAL_S)
+
+    def send(self, group: Any, msg: Any) -> None:
+        """Broadcast ``msg`` from rank 0 on ``group``; a broken group fails for good."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        try:
+            dist.broadcast_object_list([msg], src=0, group=group)
+        except RuntimeError as e:
+            self.fail(e)
+
+    def answers(self, group: Any) -> list[Any]:
+        """Each worker's answer to the last message on ``group`` (rank order, rank 0's None)."""
+        got: list[Any] = [None] * self.rv.size
+        try:
+            dist.gather_object(None, got, dst=0, group=group)
+        except RuntimeError as e:
+            self.fail(e)
+        return got[1:]
+
+    def fail(self, e: BaseException) -> None:
+        """Mark the group broken (one log line), then raise."""
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        why = f"tensor-parallel group broken ({', '.join(dead) or 'a rank'} gone): {e}"
+        if self.failure is None:
+            log.error("%s", why)
+            self.failure = why
+        raise TensorParallelError(why) from e
+
+    def dead_workers(self) -> list[str]:
+        """Names of this node's worker processes that have exited."""
+        return [p.name for p in self.procs if not p.is_alive()]
+
+    def close(self) -> None:
+        """Tell the workers to exit and wait for them a little; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.failure is None:  # the step loop returns and the worker exits, slot thread and all
+            with contextlib.suppress(TensorParallelError):
+                self.send(self.step_group, ("stop",))
+        for p in self.procs:
+            p.join(5.0)
+            p.kill()
+            with contextlib.suppress(OSError):
+                os.unlink(p.log_path)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DriverModel:
+    """Rank 0's model for the runner: each call is broadcast to the workers first (so every
+    rank runs it on its shard), then run here. Everything else reads through to the shard."""
+
+    def __init__(self, model: DecoderForCausalLM, workers: TPWorkers) -> None:
+        self._model = model
+        self._workers = workers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def _cast(self, *msg: Any) -> None:
+        self._workers.send(self._workers.step_group, msg)
+
+    def forward(self, batch: Any, cache: PagedKVCache) -> torch.Tensor:
+        self._cast("forward", batch)
+        return self._guard(self._model.forward, batch, cache)
+
+    def hidden_states(self, batch: Any, cache: PagedKVCache) -> torch.Tensor:
+        self._cast("hidden", batch)
+        return self._guard(self._model.hidden_states, batch, cache)
+
+    def logits_at(self, h: torch.Tensor, rows: torch.Tensor, plan: Any = None) -> torch.Tensor:
+        self._cast("logits", rows, plan)
+        return self._guard(self._model.logits_at, h, rows, plan)
+
+    def _guard(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """``fn(*args)``. Any error inside breaks the group for good: the workers may sit in
+        a collective rank 0 never reaches, so no later call could line up with theirs."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self._workers.fail(e)
+            raise  # unreachable: fail raises
+
+
+def _plain(weights: Mapping[ModuleKey, LoRAModuleWeightsLike] | SlotSource) -> dict:
+    """An adapter's whole weights as picklable tuples ``key -> (A, B, scale)``."""
+    items = weights.weights if isinstance(weights, SlotSource) else weights
+    return {k: (w.a, w.b, float(w.scale)) for k, w in items.items()}
+
+
+@dataclass(frozen=True)
+class _Weights:
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+class MirroredSlotBank(LoRASlotBank):
+    """Rank 0's slot bank: every mutation is repeated by every worker's bank (through the slot
+    group, under this bank's lock, so in this bank's order) before it returns, and the
+    workers' layouts must come out equal to this one's."""
+
+    workers: TPWorkers
+
+    def set_lora(self, slot: int, weights: Any, *, compact: bool = True) -> None:
+        with self._lock:
+            self._mirrored("set_lora", super().set_lora, slot, weights, compact)
+
+    def replace_lora(self, slot: int, weights: Any, *, compact: bool = True) -> None:
+        with self._lock:
+            self._mirrored("replace_lora", super().replace_lora, slot, weights, compact)
+
+    def reset_lora(self, slot: int) -> None:
+        with self._lock:
+            self._mirrored("reset_lora", super().reset_lora, slot)
+
+    def compact(self) -> None:
+        with self._lock:
+            self._mirrored("compact", super().compact)
+
+    def _mirrored(self, op: str, here: Callable[..., None], *args: Any) -> None:
+        """Run ``op`` here, then on every worker with the same arguments (whole weights);
+        the same outcome (error class, row layout) is required of all."""
+        err: BaseException | None = None
+        try:
+            if op in ("set_lora", "replace_lora"):
+                slot, weights, compact = args
+                here(slot, weights, compact=compact)
+            else:
+                here(*args)
+        except Exception as e:  # the same error is expected of the workers
+            err = e
+        sent = args
+        if op in ("set_lora", "replace_lora"):
+            sent = (args[0], _plain(args[1]), args[2])
+        ws = self.workers
+        ws.send(ws.slot_group, (op, *sent))
+        mine = _outcome(self, err)
+        for rank, theirs in enumerate(ws.answers(ws.slot_group), start=1):
+            if theirs != mine:
+                ws.fail(TensorParallelError(f"rank {rank} slot bank diverged: {theirs} != {mine}"))
+        if err is not None:
+            raise err
+
+
+def _outcome(bank: LoRASlotBank, err: BaseException | None) -> tuple:
+    """What a mutation left: its error's class and the row layout (every rank must agree)."""
+    rows = tuple(sorted((s, bank.slot_rows(s)) for s in bank.occupied_slots))
+    return (type(err).__name__ if err is not None else None, rows)
+
+
+# -- workers ---------------------------------------------------------------------------------
+
+
+class WorkerProcess:
+    """One worker rank as a child process (``python -m loraplex.engine.tensor_parallel``; its
+    config arrives pickled on stdin): a fresh interpreter, so neither the parent's threads nor
+    its ``__main__`` module are inherited (a script calling ``LLM(tensor_parallel_size=2)``
+    needs no ``if __name__ == "__main__"`` guard)."""
+
+    def __init__(self, proc: subprocess.Popen, rank: int, log_path: str) -> None:
+        self.proc, self.rank, self.log_path = proc, rank, log_path
+        self.name = f"loraplex-tp-{rank}"
+
+    @classmethod
+    def spawn(cls, config: EngineConfig, rv: Rendezvous, rank: int) -> WorkerProcess:
+        fd, path = tempfile.mkstemp(prefix=f"loraplex-tp-{rank}-", suffix=".log")
+        with os.fdopen(fd, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "loraplex.engine.tensor_parallel"],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps((config, rv, rank)))
+        proc.stdin.close()
+        return cls(proc, rank, path)
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.proc.kill()
+
+    def join(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+
+    def last_words(self, limit: int = 2000) -> str:
+        """The tail of the worker's output (its log file), for the error that reports it."""
+        try:
+            with open(self.log_path, "rb") as f:
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return "(no output)"
+        return text[-limit:].strip() or f"(no output; exit code {self.proc.returncode})"
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    """What rank 0 decides at start and every worker builds the same way."""
+
+    num_blocks: int
+    lora_slots: int  # 0: no LoRA
+
+
+def worker_main(config: EngineConfig, rv: Rendezvous, rank: int) -> None:
+    """A worker process: join, load its shard, build its KV cache and slot bank as rank 0
+    says, then execute what rank 0 broadcasts until told to stop or the group breaks."""
+    from loraplex.engine.builder import worker_parts  # the builder imports this module
+
+    logging.basicConfig(level=logging.WARNING, format=f"tp-{rank} %(levelname)s %(message)s")
+    step_group, slot_group = join_group(rv, rank)
+    try:
+        model, cache, bank = worker_parts(config, rv, rank, step_group)
+    except Exception:
+        return  # worker_parts has reported the failure to every rank
+    if bank is not None:
+        threading.Thread(
+            target=_slot_loop, args=(bank, slot_group), name="tp-slots", daemon=True
+        ).start()
+    try:
+        _step_loop(model, cache, step_group)
+    except RuntimeError as e:  # the group broke: rank 0 is gone
+        log.warning("tensor-parallel rank %d stops: %s", rank, e)
+    os._exit(0)  # daemon threads may sit in a collective; nothing is left to flush
+
+
+def _step_loop(model: DecoderForCausalLM, cache: PagedKVCache, group: Any) -> None:
+    h: torch.Tensor | None = None
+    while True:
+        msg: list[Any] = [None]
+        dist.broadcast_object_list(msg, src=0, group=group)
+        op, *args = msg[0]
+        if op == "forward":
+            model.forward(args[0], cache)
+        elif op == "hidden":
+            h = model.hidden_states(args[0], cache)
+        elif op == "logits":
+            assert h is not None
+            model.logits_at(h, *args)
+        elif op == "stop":
+            return
+
+
+def _slot_loop(bank: LoRASlotBank, group: Any) -> None:
+    """Repeat rank 0's slot-bank mutations in its order; answer each with the outcome."""
+    try:
+        while True:
+            msg: list[Any] = [None]
+            dist.broadcast_object_list(msg, src=0, group=group)
+            op, *args = msg[0]
+            err: BaseException | None = None
+            try:
+                if op in ("set_lora", "replace_lora"):
+                    slot, plain, compact = args
+                    weights = {k: _Weights(*v) for k, v in plain.items()}
+                    getattr(bank, op)(slot, weights, compact=compact)
+                else:
+                    getattr(bank, op)(*args)
+            except Exception as e:
+                err = e
+            dist.gather_object(_outcome(bank, err), None, dst=0, group=group)
+    except RuntimeError:
+        return  # the group broke; the step loop sees it too
+
+
+def run_headless(config: EngineConfig) -> int:
+    """A node after the first (``--node-rank > 0``): run its ranks (the first in this process,
+    the others as child processes) until rank 0 stops the group or it breaks; no HTTP."""
+    rv = config.rendezvous()
+    here = rv.local_ranks or rv.size
+    log.warning(
+        "headless node %d: ranks %d..%d of %d, rendezvous at %s:%d",
+        config.node_rank, rv.first_rank, rv.first_rank + here - 1, rv.size,
+        rv.master_addr, rv.master_port,
+    )  # fmt: skip
+    for i in range(1, here):
+        WorkerProcess.spawn(config, rv, rv.first_rank + i)
+    worker_main(config, rv, rv.first_rank)  # exits the process when the group ends
+    return 0
+
+
+def _main() -> None:
+    """Entry of a worker process: its (config, rendezvous, rank) come pickled on stdin from
+    rank 0's process (a trusted parent; nothing else writes that pipe)."""
+    config, rv, rank = pickle.loads(sys.stdin.buffer.read())
+    worker_main(config, rv, rank)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,299 @@
+"""Tensor parallelism (Megatron-style) over a ``torch.distributed`` process group.
+
+Each of ``size`` ranks holds one shard of every weight::
+
+    q/k/v, gate/up  column-parallel: the rank's output rows (its heads, its MLP columns)
+    o, down         row-parallel:    the rank's input columns; outputs all-reduced (SUM)
+    embed_tokens    vocab-parallel:  the rank's vocabulary rows; looked up masked, all-reduced
+    lm_head         vocab-parallel:  the rank's vocabulary rows; logits gathered on rank 0
+
+KV heads are split over ranks, or replicated when ``num_kv_heads < size`` (rank ``r`` keeps KV
+head ``r // (size / num_kv_heads)``, the one its query heads read). A row-parallel bias is
+added by rank 0 only (before the all-reduce, so once).
+
+LoRA follows the same split (:meth:`TensorParallel.shard_lora`), in vLLM's two modes:
+
+- default: on a column-parallel module A is whole and B keeps the rank's output rows; on a
+  row-parallel module A keeps the rank's input columns and B is whole, and the delta of the
+  partial shrink is added to the rank's partial output before the layer's all-reduce. The sum
+  over ranks of ``(x_r A_r^T) B^T`` is ``(x A^T) B^T``: the shrink's all-reduce rides on the
+  layer's own, no collective of its own;
+- ``fully_sharded`` (``--fully-sharded-loras``): A and B both cut, 1/size of each per rank.
+  A keeps the rank's input columns (of the hidden size on a column-parallel module, whose
+  input every rank holds whole), B the rank's output rows (of the hidden size on a
+  row-parallel one); the partial shrinks ``[T, rank rows]`` of a projection group are summed
+  in one all-reduce (far smaller than the ``[T, hidden]`` one), then each rank expands into
+  its own output columns (:class:`FullyShardedLoRABinding`).
+
+The embedding's A is whole on every rank (its delta is added after the lookup's all-reduce);
+the head's B keeps the rank's vocabulary rows.
+
+``TensorParallel`` is passed explicitly (no module state); ``size == 1`` is never built: a
+single device has no shard plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from loraplex.lora.ops import LoRAOps
+from loraplex.lora.peft_format import EMBED_TOKENS, LM_HEAD
+from loraplex.lora.plan import LoRABatchPlan
+from loraplex.lora.slots import LoRASlotBank
+from loraplex.model.lora_binding import LoRABinding
+from loraplex.types import ModelLoadError
+
+if TYPE_CHECKING:
+    from loraplex.model.spec import ModelConfig
+
+COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+SLOT_PROJECTIONS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "gate_up": ("gate_proj", "up_proj"),
+    "o": ("o_proj",),
+    "down": ("down_proj",),
+}
+"""A fused Linear slot's projections in column order (``decoder.LINEAR_SLOTS``)."""
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which heads and columns one rank holds of a model of ``cfg``'s shape."""
+
+    rank: int
+    size: int
+    num_heads: int  # query heads per rank
+    num_kv_heads: int  # KV heads per rank (1 when replicated)
+    first_kv_head: int
+    intermediate: int  # MLP columns per rank
+    vocab_rows: tuple[int, int]  # [lo, hi) of the vocabulary this rank holds
+    vocab_pad: int  # rows per rank of the gathered logits (the last rank's may be fewer)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
+        """The rank's shard of ``cfg``; ModelLoadError naming the field that does not split."""
+        h, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        where = f"--tensor-parallel-size {size}"
+        if h % size:
+            raise ModelLoadError(f"{where}: num_attention_heads={h} is not a multiple of {size}")
+        if kv % size and size % kv:
+            raise ModelLoadError(
+                f"{where}: num_key_value_heads={kv} neither divides nor is a multiple of {size}"
+            )
+        if inter % size:
+            raise ModelLoadError(f"{where}: intermediate_size={inter} is not a multiple of {size}")
+        kv_local = max(1, kv // size)
+        first_kv = rank * kv_local if kv >= size else rank // (size // kv)
+        per = -(-cfg.vocab_size // size)
+        lo = min(rank * per, cfg.vocab_size)
+        return cls(
+            rank,
+            size,
+            h // size,
+            kv_local,
+            first_kv,
+            inter // size,
+            (lo, min(lo + per, cfg.vocab_size)),
+            per,
+        )
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """``cfg`` with this rank's heads and MLP width (its blocks, KV cache and slot tables
+        are built from it); the vocabulary stays whole (sampling and intake read it)."""
+        return replace(
+            cfg,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate,
+        )
+
+    # -- index sets ----------------------------------------------------------------------------
+    def proj_rows(self, proj: str, cfg: ModelConfig) -> torch.Tensor:
+        """The full output rows of column-parallel ``proj`` this rank keeps (also the input
+        columns of a row-parallel one: o_proj's are q_proj's, down_proj's are up_proj's)."""
+        hd = cfg.head_dim
+        if proj in ("q_proj", "o_proj"):
+            first, n = self.rank * self.num_heads, self.num_heads
+        elif proj in ("k_proj", "v_proj"):
+            first, n = self.first_kv_head, self.num_kv_heads
+        else:  # gate_proj, up_proj, down_proj
+            lo = self.rank * self.intermediate
+            return torch.arange(lo, lo + self.intermediate)
+        return torch.arange(first * hd, (first + n) * hd)
+
+    def slot_rows(self, slot: str, cfg: ModelConfig, offsets: dict[str, int]) -> torch.Tensor:
+        """Rows of a fused column-parallel slot's weight this rank keeps: each projection's
+        rows, shifted by its first column in the full fused layout (``offsets``)."""
+        return torch.cat([self.proj_rows(p, cfg) + offsets[p] for p in SLOT_PROJECTIONS[slot]])
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One rank of a tensor-parallel model: its shard layout and the process group its
+    collectives run on (the engine's step group)."""
+
+    layout: ShardLayout
+    group: Any = field(default=None, compare=False)  # a torch.distributed ProcessGroup
+    fully_sharded: bool = False  # --fully-sharded-loras: LoRA's A and B both cut
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``sum over ranks of x`` on every rank (in place; x: a row-parallel partial output)."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
+        """The full logits [N, vocab] on rank 0 from each rank's [N, its rows]; other ranks get
+        their own shard back (nothing reads it: sampling runs once, on rank 0)."""
+        pad = self.layout.vocab_pad
+        n = logits.shape[0]
+        if logits.shape[1] < pad:  # the last rank's shard is shorter: pad to one shape
+            logits = torch.cat([logits, logits.new_zeros(n, pad - logits.shape[1])], dim=1)
+        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(logits.contiguous(), parts, dst=0, group=self.group)
+        if parts is None:
+            return logits
+        return torch.cat(parts, dim=1)[:, :vocab]  # [N, vocab]
+
+    # -- weights -------------------------------------------------------------------------------
+    def shard_slot(
+        self,
+        slot: str,
+        kind: str,
+        t: torch.Tensor,
+        cfg: ModelConfig,
+        offsets: dict[str, int],
+    ) -> torch.Tensor | None:
+        """This rank's part of fused slot ``slot``'s full ``kind`` ("weight" or "bias") tensor
+        (None: a row-parallel bias on a rank other than 0, which adds none)."""
+        lay = self.layout
+        if slot in ("qkv", "gate_up"):  # column-parallel: output rows
+            return t.index_select(0, lay.slot_rows(slot, cfg, offsets)).contiguous()
+        if kind == "bias":  # row-parallel: added once, by rank 0
+            return t if lay.rank == 0 else None
+        cols = lay.proj_rows(SLOT_PROJECTIONS[slot][0], cfg)
+        return t.index_select(1, cols).contiguous()
+
+    def shard_vocab(self, t: torch.Tensor) -> torch.Tensor:
+        """The rank's vocabulary rows of an embedding or head weight [V, D]."""
+        lo, hi = self.layout.vocab_rows
+        return t[lo:hi].contiguous()
+
+    def embed(self, table: Any, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: rows of this rank's ids, zeros for the others, summed over
+        ranks. ``table``: the rank's [V_r, D] rows (anything indexable by ids)."""
+        lo, hi = self.layout.vocab_rows
+        local = input_ids - lo
+        outside = (local < 0) | (local >= hi - lo)  # [T]
+        h = table[local.clamp(0, max(hi - lo - 1, 0))]  # [T, D]
+        h[outside] = 0
+        return self.all_reduce(h)
+
+    def hidden_cols(self, cfg: ModelConfig) -> tuple[int, int]:
+        """``[lo, hi)`` of the hidden size this rank's fully sharded LoRA holds."""
+        per = cfg.hidden_size // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    def lora_shape(self, proj: str, dims: tuple[int, int], cfg: ModelConfig) -> tuple[int, int]:
+        """The rank's ``(d_in, d_out)`` of module ``proj`` whose heads-and-MLP cut is ``dims``
+        (``fully_sharded`` cuts the hidden side too)."""
+        if not self.fully_sharded:
+            return dims
+        part = cfg.hidden_size // self.size
+        if proj in COLUMN_PARALLEL:
+            return part, dims[1]
+        if proj in ROW_PARALLEL:
+            return dims[0], part
+        return dims
+
+    def check_lora_split(self, cfg: ModelConfig) -> None:
+        """ModelLoadError unless ``--fully-sharded-loras`` can cut the hidden size evenly."""
+        if self.fully_sharded and cfg.hidden_size % self.size:
+            raise ModelLoadError(
+                f"--fully-sharded-loras: hidden_size={cfg.hidden_size} is not a multiple of "
+                f"--tensor-parallel-size {self.size}"
+            )
+
+    def shard_lora(self, proj: str, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig) -> tuple:
+        """This rank's (A [r, d_in_r], B [d_out_r, r]) of a LoRA module of ``proj`` (full A
+        [r, d_in], B [d_out, r]); see the module docstring for the split."""
+        lay = self.layout
+        if proj in COLUMN_PARALLEL:
+            if self.fully_sharded:
+                a = a[:, slice(*self.hidden_cols(cfg))]
+            return a, b.index_select(0, lay.proj_rows(proj, cfg))
+        if proj in ROW_PARALLEL:
+            if self.fully_sharded:
+                b = b[slice(*self.hidden_cols(cfg))]
+            return a.index_select(1, lay.proj_rows(proj, cfg)), b
+        if proj == LM_HEAD:
+            lo, hi = lay.vocab_rows
+            return a, b[lo:hi]
+        if proj == EMBED_TOKENS:
+            return a, b
+        raise ModelLoadError(f"--tensor-parallel-size {lay.size}: LoRA on {proj} has no split")
+
+
+class VocabShard:
+    """A rank's rows of a vocab-parallel embedding, indexed like the whole table:
+    ``shard[input_ids]`` is the [T, D] lookup summed over the ranks."""
+
+    def __init__(self, table: torch.Tensor, tp: TensorParallel) -> None:
+        self.table = table  # [V_r, D]
+        self.tp = tp
+        self.nbytes = table.nbytes
+
+    def __getitem__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.embed(self.table, input_ids)
+
+
+class FullyShardedLoRABinding(LoRABinding):
+    """LoRA in ``--fully-sharded-loras`` mode (see the module docstring)::
+
+    y_r = shrink(x_r, A_r)            # x_r: the rank's input columns of x
+    y = all_reduce(y_r)               # [T, rank rows] per module, one collective a group
+    out[:, cols_r] += expand(y, B_r)  # cols_r: the rank's output columns
+    """
+
+    def __init__(
+        self, bank: LoRASlotBank, ops: LoRAOps, tp: TensorParallel, cfg: ModelConfig
+    ) -> None:
+        super().__init__(bank, ops)
+        self.tp = tp
+        self.hidden = tp.hidden_cols(cfg)
+
+    def add(
+        self,
+        layer: int,
+        parts: Any,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        plan: LoRABatchPlan,
+        rows_plan: LoRABatchPlan | None = None,
+    ) -> None:
+        modules = self.modules_of(layer, parts, plan)
+        if not modules:
+            return
+        lo, hi = self.hidden
+        column = parts[0][0] in COLUMN_PARALLEL
+        x_in = x[:, lo:hi].contiguous() if column else x  # [T, D / size] or the rank's own
+        ys = [self.ops.shrink(x_in, a, plan) for a, _, _, _ in modules]  # [T, rows] each
+        y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
+        self.tp.all_reduce(y)
+        rows = ys[0].shape[1]
+        for i, (_, bt, c0, c1) in enumerate(modules):
+            dest = out[:, c0:c1] if column else out[:, lo:hi]  # row-parallel: its D columns
+            self.ops.expand(y[:, i * rows : (i + 1) * rows].contiguous(), bt, dest, plan)

@@ -1,0 +1,258 @@
+"""Tensor parallelism on CPU over gloo, 2 ranks (rank 0 here, one worker process): TP=2 gives
+TP=1's greedy tokens in float32 and its logprobs within float32 summation-order error, for
+mixed batches of adapters of different ranks on all seven projections (and on lm_head and
+embed_tokens), with GQA where ``num_kv_heads < tp`` and a vocabulary that does not split
+evenly, on several architecture families; the prefix cache, hot swaps, slot eviction and
+staging hold under TP; a worker killed mid-stream fails the step with a clear error, and the
+engine stops serving (no hang)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.config import EngineConfig, ServerConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.server.app import create_app
+from loraplex.testing import make_random_adapter, make_random_model
+from loraplex.testing.server import free_port, serve_in_thread
+from loraplex.testing.sync import EVENT_TIMEOUT_S, wait_until
+
+# family -> tiny model: each hits what TP splits differently
+FAMILIES: dict[str, dict] = {
+    # one KV head for two ranks (replicated), untied head, odd vocabulary (uneven shards)
+    "llama_gqa": dict(arch="llama", num_kv_heads=1, tie_word_embeddings=False, vocab=389),
+    # q/k norms per head, tied head (the head is the vocab-parallel embedding's rows)
+    "qwen3": dict(arch="qwen3", num_kv_heads=2, head_dim=24, tie_word_embeddings=True),
+    # fused checkpoint projections (qkv_proj, gate_up_proj): cut after the fused read
+    "phi3": dict(arch="phi3", num_kv_heads=2, tie_word_embeddings=False),
+    # post-norms after the all-reduce, soft-capped attention and logits, scaled embedding
+    "gemma2": dict(
+        arch="gemma2",
+        num_kv_heads=2,
+        attn_logit_softcapping=30.0,
+        final_logit_softcapping=20.0,
+        query_pre_attn_scalar=16,
+    ),
+}
+VOCAB_PROJ = {
+    "phi3": ["qkv_proj", "o_proj", "lm_head", "embed_tokens"],
+}
+PROMPTS = [[1, 5, 9, 13, 7, 2, 11], [3, 4, 5], [8, 8, 8, 8, 2, 1, 17, 30, 31], [20, 21], [6] * 5]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+LOGPROB_ATOL = 2e-4
+"""float32 keeps 24 bits (eps 1.2e-7); a TP rank sums each row-parallel dot product in two
+halves whose partial sums are added in the all-reduce: a different rounding order over
+K <= 128 terms per dot, compounded over two layers' residual stream and a log-softmax over the
+vocabulary, stays around 1e-6 relative of O(10) logits; 2e-4 leaves two orders of margin."""
+
+
+def _family(root: Path, name: str) -> tuple[Path, list[Path]]:
+    spec = dict(FAMILIES[name])
+    vocab = spec.pop("vocab", None)
+    model = make_random_model(
+        root / "model",
+        spec.pop("arch"),
+        num_layers=2,
+        seed=5,
+        with_tokenizer=vocab is None,
+        vocab_size=vocab,
+        **spec,
+    )
+    proj = VOCAB_PROJ.get(name, ["q_proj", "v_proj", "o_proj", "lm_head", "embed_tokens"])
+    adapters = [
+        make_random_adapter(model, root / "r4", r=4, seed=1),  # all-linear: seven projections
+        make_random_adapter(model, root / "r16", r=16, seed=2, std=0.08),
+        make_random_adapter(model, root / "vocab", r=8, target_modules=proj, std=0.1, seed=3),
+    ]
+    return model, adapters
+
+
+def _run(model: Path, adapters: list[Path], tp: int, **kw: object) -> list:
+    llm = LLM(
+        str(model),
+        tensor_parallel_size=tp,
+        dtype="float32",
+        num_threads=1,
+        max_loras=4,
+        skip_tokenizer_init=True,
+        **kw,
+    )
+    try:
+        loras = [None, *(LoRARequest(p.name, str(p)) for p in adapters), None]
+        outs = llm.generate(PROMPTS, GREEDY, loras[: len(PROMPTS)])
+        assert llm.engine.is_idle()
+        bank = llm.engine.adapters.bank
+        hidden = llm.engine.model_config.hidden_size
+        q_in, _ = bank.module_shapes[(0, "q_proj")]
+        _, o_out = bank.module_shapes[(0, "o_proj")]
+        cut = tp if kw.get("fully_sharded_loras") else 1  # each rank's bank holds its cut only
+        assert (q_in, o_out) == (hidden // cut, hidden // cut)
+        return [o.outputs[0] for o in outs]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_tp2_equals_tp1(name: str, tmp_path: Path) -> None:
+    model, adapters = _family(tmp_path, name)
+    one = _run(model, adapters, 1)
+    two = _run(model, adapters, 2)
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
+            for tok in la.top.keys() & lb.top.keys():  # a near tie may swap the last one
+                assert math.isclose(la.top[tok], lb.top[tok], abs_tol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3"])
+def test_fully_sharded_loras_equal_tp1(name: str, tmp_path: Path) -> None:
+    """``--fully-sharded-loras``: A and B both cut; the same tokens and logprobs."""
+    model, adapters = _family(tmp_path, name)
+    one = _run(model, adapters, 1)
+    two = _run(model, adapters, 2, fully_sharded_loras=True)
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
+
+
+def _generate(e: LLMEngine, rid: str, prompt: list[int], lora: LoRARequest | None):  # type: ignore[no-untyped-def]
+    e.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora)
+    while True:
+        for out in e.step():
+            if out.finished:
+                return out
+
+
+def test_prefix_cache_hot_swap_and_slot_eviction_under_tp(tmp_path: Path) -> None:
+    """One device slot for three adapters (every request evicts and stages another), the
+    prefix cache within an adapter only, a hot swap that never reuses the old KV: each
+    answer equal to the one-rank engine's."""
+    model, adapters = _family(tmp_path, "llama_gqa")
+    prompt = list(range(3, 40))
+    swap = tmp_path / "swap"
+    rev2 = make_random_adapter(model, tmp_path / "rev2", r=8, std=0.2, seed=9)
+
+    def script(tp: int) -> list:
+        e = LLMEngine(
+            EngineConfig(
+                model=str(model),
+                tensor_parallel_size=tp,
+                dtype="float32",
+                num_threads=1,
+                max_loras=1,
+                block_size=4,
+                skip_tokenizer_init=True,
+            )
+        )
+        try:
+            got = []
+            for i, p in enumerate([*adapters, adapters[0], adapters[1]]):
+                out = _generate(e, f"{i}", prompt, LoRARequest(p.name, str(p)))
+                got.append((out.outputs[0].token_ids, out.num_cached_tokens))
+            shutil.rmtree(swap, ignore_errors=True)
+            shutil.copytree(adapters[0], swap)
+            out = _generate(e, "s1", prompt, LoRARequest("x", str(swap)))
+            got.append((out.outputs[0].token_ids, out.num_cached_tokens))
+            shutil.rmtree(swap)
+            shutil.copytree(rev2, swap)  # same name and path, new weights
+            out = _generate(e, "s2", prompt, LoRARequest("x", str(swap)))
+            got.append((out.outputs[0].token_ids, out.num_cached_tokens))
+            assert e.adapters is not None and e.adapters.stats.slot_evictions > 0
+            assert e.is_idle()
+            return got
+        finally:
+            e.shutdown()
+
+    one, two = script(1), script(2)
+    assert one == two
+    cached = [c for _, c in two]
+    assert cached[:3] == [0, 0, 0]  # other adapters: no sharing
+    assert cached[3] > 0 and cached[4] > 0  # the same adapter again: its prefix is reused
+    assert cached[5] > 0  # adapters[0]'s weights under another name: the same digest
+    assert cached[6] == 0 and two[6][0] != two[5][0]  # the hot swap: new digest, no old KV
+
+
+def test_a_killed_worker_fails_the_stream_clearly(tmp_path: Path) -> None:
+    """A worker killed while a stream runs: the stream ends with an error naming the broken
+    group, /health fails, new requests are refused; nothing hangs."""
+    model = make_random_model(tmp_path / "model", "qwen3", num_kv_heads=2, num_layers=2)
+    config = ServerConfig(
+        EngineConfig(model=str(model), tensor_parallel_size=2, dtype="float32", num_threads=1),
+        served_model_name=["tiny"],
+        log_level="warning",
+    )
+    app = create_app(config)
+    state = app.state.loraplex
+    with serve_in_thread(app) as url:
+        assert httpx.get(f"{url}/health", timeout=EVENT_TIMEOUT_S).status_code == 200
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        text = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=EVENT_TIMEOUT_S) as r:
+            assert r.status_code == 200
+            for i, line in enumerate(r.iter_lines()):
+                text.append(line)
+                if i == 6:  # a few tokens out: the worker goes
+                    state.engine.workers.procs[0].kill()
+        stream = "\n".join(text)
+        assert "tensor-parallel" in stream and '"finish_reason":"length"' not in stream
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=EVENT_TIMEOUT_S).status_code != 200)
+        r = httpx.post(
+            f"{url}/v1/completions", json={**body, "stream": False}, timeout=EVENT_TIMEOUT_S
+        )
+        assert r.status_code >= 500 and "error" in r.json()
+    assert state.engine.failure is not None and "tensor-parallel" in state.engine.failure
+
+
+def test_two_nodes_rendezvous_on_loopback(tmp_path: Path) -> None:
+    """``--nnodes 2``: node 1 is a headless ``loraplex serve`` process (its rank only), node 0
+    the engine here; they meet at node 0's TCP store and answer as one rank does."""
+    model, adapters = _family(tmp_path, "llama_gqa")
+    one = _run(model, adapters, 1)
+    port = free_port()
+    flags = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--dtype", "float32", "--num-threads", "1",
+             "--max-loras", "4", "--skip-tokenizer-init"]  # fmt: skip
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "loraplex", "serve", str(model), *flags, "--node-rank", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        two = _run(model, adapters, 2, nnodes=2, node_rank=0, master_port=port)
+        assert [o.token_ids for o in one] == [o.token_ids for o in two]
+        assert node1.wait(EVENT_TIMEOUT_S) == 0  # stopped by node 0's shutdown
+        out = node1.stdout.read().decode() if node1.stdout else ""
+        assert "headless node 1: ranks 1..1 of 2" in out
+    finally:
+        node1.kill()
+
+
+def test_shapes_that_do_not_split_are_refused(tmp_path: Path) -> None:
+    model = make_random_model(tmp_path / "m", num_heads=3, num_kv_heads=1, hidden_size=48)
+    with pytest.raises(Exception, match="num_attention_heads=3 is not a multiple of 2"):
+        LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=2, num_threads=1))
+
+
+@pytest.mark.parametrize(
+    ("fields", "want"),
+    [
+        (dict(tensor_parallel_size=3, nnodes=2), "3 ranks do not split evenly over nnodes"),
+        (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1), "node_rank: must"),
+        (dict(tensor_parallel_size=2, nnodes=2), "master_port: must be set"),
+        (dict(tensor_parallel_size=2, device="cuda"), "runs on CPU \\(gloo\\)"),
+    ],
+)
+def test_rendezvous_settings_are_checked(fields: dict, want: str) -> None:
+    with pytest.raises(ValueError, match=want):
+        EngineConfig(model="m", **fields).validate()
