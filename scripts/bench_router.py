@@ -6,10 +6,13 @@ decision code (``loraplex.router.fleet_sim``: the same ``Picker`` and ``Replica`
 ``loraplex route``, simulated LRU replicas), printing the cold-start rate per policy per shape
 next to the partition bound (the cold starts of a static partition of the adapters over the
 fleet's memory: compulsory misses when the working set fits, else every request outside the
-fleet-memory most popular adapters). Seconds, no servers:
+fleet-memory most popular adapters), and whether home's cold starts are at most 1/3 of
+round-robin's (``check``: ``ok``, ``MISS``, or ``bound>1/3`` where the partition bound itself
+is above that; ``--check`` exits 1 on a ``MISS``). Seconds, no servers:
 
     .venv/bin/python scripts/bench_router.py --simulate
     .venv/bin/python scripts/bench_router.py --simulate --shape '2x1/4@1=uniform:n=8'
+    .venv/bin/python scripts/bench_router.py --simulate --requests 160 --warmup 0  # from empty
 
 Without ``--simulate``, real replicas: starts N ``loraplex serve`` replicas (subprocesses) of
 one small model, each with few adapter slots (``--max-loras``) and a small host tier
@@ -79,12 +82,25 @@ def with_keys(workload: str, **keys: object) -> str:
     return f"{workload}{',' if ':' in workload else ':'}{extra}"
 
 
+TARGET = 1 / 3  # home's cold starts against round-robin's, at most
+
+
+def verdict(home: float, rr: float, bound: float) -> str:
+    """``ok``: home <= TARGET x round-robin; ``MISS``: not, though the partition bound is under
+    the target; ``bound>1/3``: the partition bound itself is above the target (too few requests
+    per adapter, or the working set over the fleet's memory), so no partition meets it."""
+    if home <= TARGET * rr + 1e-12:
+        return "ok"
+    return "bound>1/3" if bound > TARGET * rr else "MISS"
+
+
 def simulate_sweep(shapes: list[str], requests: int, warmup: int, seeds: int) -> list[dict]:
     """Every shape through every policy (same traces), cold-start rates averaged over seeds."""
     rows = []
     print(f"{'fleet (replicas x slots/memory)':<32}{'conc':>5}  {'workload':<22}{'set/mem':>8}"
           + "".join(f"{p:>14}" for p in POLICIES)
-          + f"{'partition':>11}{'home/rr':>9}{'homes/adapter':>15}{'time home/rr':>14}")  # fmt: skip
+          + f"{'partition':>11}{'home/rr':>9}{'bound/rr':>9}{'home/bound':>11}  {'check':<10}"
+          + f"{'homes/adapter':>14}{'time home/rr':>14}")  # fmt: skip
     for text in shapes:
         shape, conc, spec = parse_shape(text)
         cold = {p: 0.0 for p in POLICIES}
@@ -103,14 +119,19 @@ def simulate_sweep(shapes: list[str], requests: int, warmup: int, seeds: int) ->
                     spread += res.replicas_per_adapter / seeds
             bound += partition_bound(trace, shape.fleet_memory, warmup) / requests / seeds
         fleet = f"{shape.replicas} x {shape.device_slots}/{shape.memory}"
-        ratio = cold["home"] / cold["round-robin"] if cold["round-robin"] else float("nan")
+        rr = cold["round-robin"]
+        ratio = cold["home"] / rr if rr else float("nan")
+        check = verdict(cold["home"], rr, bound)
         print(f"{fleet:<32}{conc:>5}  {spec:<22}{f'{working}/{shape.fleet_memory}':>8}"
               + "".join(f"{cold[p]:>14.3f}" for p in POLICIES)
-              + f"{bound:>11.3f}{ratio:>9.2f}{spread:>15.2f}"
-              + f"{span['home'] / span['round-robin']:>14.2f}", flush=True)  # fmt: skip
+              + f"{bound:>11.3f}{ratio:>9.2f}{bound / rr if rr else float('nan'):>9.2f}"
+              + (f"{cold['home'] / bound:>11.2f}" if bound else f"{'-':>11}") + f"  {check:<10}"
+              + f"{spread:>14.2f}{span['home'] / span['round-robin']:>14.2f}",
+              flush=True)  # fmt: skip
         rows.append({"shape": text, "cold_rate": cold, "partition_bound": bound,
                      "working_set": working, "fleet_memory": shape.fleet_memory,
-                     "home_replicas_per_adapter": spread, "makespan_s": span})  # fmt: skip
+                     "home_replicas_per_adapter": spread, "makespan_s": span,
+                     "check": check})  # fmt: skip
     return rows
 
 
@@ -242,6 +263,12 @@ def main() -> int:
         "the built-in sweep)",
     )
     ap.add_argument("--seeds", type=int, default=3, help="simulated traces per shape")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="simulated: exit 1 if a shape misses home <= 1/3 x round-robin's cold starts "
+        "while its partition bound is under that target",
+    )
     ap.add_argument("--work-dir", default=None, help="keep the model and adapters here")
     ap.add_argument("--json", help="write the summaries here")
     args = ap.parse_args()
@@ -254,7 +281,11 @@ def main() -> int:
               f"{time.monotonic() - t0:.0f} s")  # fmt: skip
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
-        return 0
+        missed = [r["shape"] for r in rows if r["check"] == "MISS"]
+        if missed:
+            print(f"home > 1/3 x round-robin's cold starts, partition bound under it: "
+                  f"{', '.join(missed)}")  # fmt: skip
+        return 1 if missed and args.check else 0
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     if not set(policies) <= set(POLICIES) or not policies:
         raise SystemExit(f"--policies: choose from {', '.join(POLICIES)}")
@@ -396,9 +427,11 @@ def main() -> int:
     print(f"{'partition':<14}{bound:>16.3f}   (static partition of the adapters over the "
           f"fleet's {fleet_memory} adapters of memory, same requests)")  # fmt: skip
     if "home" in policies and "round-robin" in policies:
-        cold_ratio = best("home", "cold_rate") / max(best("round-robin", "cold_rate"), 1e-9)
+        rr = max(best("round-robin", "cold_rate"), 1e-9)
+        cold_ratio = best("home", "cold_rate") / rr
         print(f"cold-start rate home / round-robin: {cold_ratio:.2f} (target <= 0.33: "
-              f"{'met' if cold_ratio <= 1 / 3 else 'NOT met'})")  # fmt: skip
+              f"{verdict(best('home', 'cold_rate'), rr, bound)}; partition bound / "
+              f"round-robin {bound / rr:.2f})")  # fmt: skip
     if "home" in policies and "least-loaded" in policies:
         p99_ratio = best("home", "ttft_p99") / best("least-loaded", "ttft_p99")
         print(f"p99 TTFT home / least-loaded: {p99_ratio:.2f} (target <= 1: "

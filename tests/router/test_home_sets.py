@@ -227,3 +227,101 @@ def test_home_is_the_default_policy_and_its_flags() -> None:
     assert c.homes == HomeSettings(spread=2.0, window=500, balance=0.5, rebalance_every=8)
     with pytest.raises(RouteConfigError, match="spread: must be > 0"):
         parse_route_args(["--replica", "http://a:1", "--home-spread", "0"])
+
+
+# -- issue 33, item 4: home sets that converge from empty caches --------------------------------
+def uniform_trace(n: int, requests: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    names = [f"a{i}" for i in range(n)]
+    return [rng.choice(names) for _ in range(requests)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_from_empty_caches_two_by_eight_makes_only_the_compulsory_misses(seed: int) -> None:
+    # the issue's fleet, no warm-up: 160 sequential requests, cold starts counted over all of
+    # them; the fleet's memory holds all 8 adapters, so a partition misses each once
+    trace = uniform_trace(8, 160, seed)
+    shape = FleetShape(replicas=2, device_slots=1, memory=4)
+    home = simulate_routing(trace, shape, policy="home")
+    rr = simulate_routing(trace, shape, policy="round-robin")
+    assert partition_bound(trace, shape.fleet_memory) == 8
+    assert home.cold == 8  # placed once, on the replica that first answered, never moved
+    assert home.replicas_per_adapter == 1.0
+    assert home.cold <= rr.cold / 3
+
+
+def test_from_empty_caches_above_memory_every_adapter_keeps_one_home() -> None:
+    # 12 adapters, memory for 8: the overflow is cold by any partition; nobody moves
+    shape = FleetShape(replicas=2, device_slots=1, memory=4)
+    home_cold = bound = 0
+    for seed in range(5):
+        trace = uniform_trace(12, 160, seed)
+        home = simulate_routing(trace, shape, policy="home")
+        assert home.replicas_per_adapter == 1.0
+        home_cold += home.cold
+        bound += partition_bound(trace, shape.fleet_memory)
+    assert home_cold <= 1.25 * bound
+
+
+def test_from_empty_caches_concurrent_fleet_sits_on_the_bound() -> None:
+    # 8 replicas x (2 slots, memory 8), 48 adapters, 8 clients at once from empty caches
+    shape = FleetShape(replicas=8, device_slots=2, memory=8)
+    home_cold = bound = 0
+    for seed in range(3):
+        trace = uniform_trace(48, 160, seed)
+        home = simulate_routing(trace, shape, policy="home", concurrency=8)
+        home_cold += home.cold
+        bound += partition_bound(trace, shape.fleet_memory)
+    assert home_cold <= 1.06 * bound
+
+
+def test_first_answer_places_the_adapter_where_it_was_served() -> None:
+    hm = HomeMap()
+    vs = views(URLS[:2], memory=4)
+    (first,) = hm.home("x", vs)  # never answered: where it would go, taking no room
+    assert hm.homes == {}
+    other = vs[1 - first].url
+    hm.observe("x", other)  # another replica answered it (a spill): warm there, home there
+    assert hm.homes["x"] == (other,)
+    assert hm.home("x", vs) == [1 - first]
+
+
+def test_rebalances_keep_homes_that_still_fit() -> None:
+    # 8 adapters over 2 x 4 slots, placed as they arrive; later traffic is skewed 3:1 among
+    # them, and the rebalances (every 16 requests) move nobody: a move costs a cold start
+    hm = HomeMap(HomeSettings(rebalance_every=16))
+    vs = views(URLS[:2], memory=4)
+    names = [f"a{i}" for i in range(8)]
+    for a in names:
+        i = hm.home(a, vs)[0]
+        hm.observe(a, vs[i].url)
+    placed = dict(hm.homes)
+    assert sorted(sum(h == (u.url,) for h in placed.values()) for u in vs) == [4, 4]
+    rng = random.Random(3)
+    for _ in range(600):
+        a = rng.choice(names[:3] * 3 + names[3:])
+        i = hm.home(a, vs)[0]
+        hm.observe(a, vs[i].url)
+    assert hm.rebalances > 30 and hm.homes == placed
+
+
+def test_a_replica_that_joins_takes_about_its_share() -> None:
+    hm = uniform_map(HomeSettings(balance=100.0))  # no load bound: rendezvous alone
+    before = {a: hm.home(a, views())[0] for a in NAMES}
+    grown = [*URLS, "http://r5:8000"]
+    after = {a: hm.home(a, views(grown))[0] for a in NAMES}
+    moved = {a for a in NAMES if before[a] != after[a]}
+    assert moved and all(after[a] == 5 for a in moved)  # only onto the new replica
+    assert moved == {a for a in NAMES if max(grown, key=lambda u: rendezvous(a, u)) == grown[5]}
+
+
+def test_masses_need_evidence_before_they_tell_adapters_apart() -> None:
+    s = TrafficShares(window=1000)
+    for a in ["a", "b", "b", "b"]:
+        s.observe(a)
+    assert s.fraction("a") / s.fraction("b") > 0.95  # 1 vs 3 requests: noise
+    assert s.fraction("a") + s.fraction("b") == pytest.approx(1.0)
+    for _ in range(300):
+        for a in ["a", "b", "b", "b"]:
+            s.observe(a)
+    assert s.fraction("a") / s.fraction("b") == pytest.approx(1 / 3, rel=0.01)

@@ -220,7 +220,7 @@ class Router:
         self.metrics.arrivals.labels(state=state).inc()
         if adapter is not None and 200 <= resp.status_code < 300:
             rep.note_served(adapter, time.monotonic())
-            self.picker.note_answered(adapter)  # traffic for the home sets
+            self.picker.note_answered(adapter, rep.url)  # traffic for the home sets
 
     def check_status_key(self, request: Request) -> Response | None:
         """None if the caller holds the status key; else the error to answer (404 while no

@@ -166,7 +166,7 @@ def simulate_routing(
             if done <= next_poll:
                 _, _, i, name, pending = heapq.heappop(answers)
                 reps[i].note_served(name, done)  # a 2xx with its adapter state
-                picker.note_answered(name)
+                picker.note_answered(name, reps[i].url)
                 reps[i].note_done(pending)
             else:
                 poll(next_poll)

@@ -10,11 +10,17 @@ home set, a warm one first; outside it only when every member is saturated or do
     share(a)  = count(a) / max(total count, window / 4)      (little evidence: small shares)
     k(a)      = clamp(ceil(share(a) * live replicas * spread), 1, live)
                 (grows at once, shrinks only below 0.75 * (k - 1): hysteresis)
-    bucket(a) = round(log2(count(a) / total)), moved only once 2x away from it (hysteresis);
-                mass(a) = 2 ** bucket(a), the quantised traffic share
+    mass(a)   = count(a) / total, the evidence missing below window / 4 requests spread evenly
+                over the tracked adapters (a few requests' noise does not tell equally popular
+                adapters apart)
     order     = by k desc, then first seen (newcomers never displace others; which adapters a
                 replica keeps in memory is its own cache's choice, the order only balances)
-    for a in order: walk the live replicas by rendezvous h(a, r) desc and take k(a) of them,
+    keep:  for a in order: each current home of a, while it has a free memory slot and room
+           for a under the mass bound x 1.1, or x 1.6 (2x the fair share) while the total count
+           is still below window / 4 (geometric in between): a move costs a cold start, so only
+           a clear imbalance, or a replica gone, moves an adapter
+    place: for a in order, its remaining k(a) - kept homes: walk its current homes, then the
+           live replicas by rendezvous h(a, r) desc, and take
         1. each with a free memory slot (adapters assigned < its memory) and room under the
            mass bound (assigned mass + mass(a) / k(a) <= (1 + balance) * total mass / live),
         2. then those with a free memory slot, 3. then any (the working set exceeds the fleet's
@@ -22,10 +28,14 @@ home set, a warm one first; outside it only when every member is saturated or do
 
 The assignment is recomputed every ``rebalance_every`` requests (at least a quarter of the
 tracked adapters' count apart, so the cost per request stays bounded) and whenever the live fleet
-(URLs, memory sizes) changes; a new adapter in between is placed at once against the current
-fill. Everything is a deterministic function of the requests seen and the replica views, so
-removing one of N replicas moves only the adapters it was home to (and those the capacity bounds
-pushed off their first choice), and adding one moves about 1/N of them.
+(URLs, memory sizes) changes. An adapter is placed when a replica first answers for it, on that
+replica if it has a free memory slot (its copy is warm there; until then its requests go where
+it would be placed, taking no room), so from empty caches the homes fill the fleet's memory in
+the order adapters arrive and the rebalances that follow keep them: a partition, with only the
+compulsory misses. Everything is a deterministic function of the answers seen and the replica
+views; removing one of N replicas moves only the adapters it was home to, and a replica that
+joins (or comes back) takes the adapters whose rendezvous order ranks it above their current
+homes, about 1/N of them.
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ from loraplex.router.scoring import (
 from loraplex.settings import check_fields, setting
 
 _SHRINK = 0.75  # k shrinks once the raw size is below _SHRINK * (k - 1)
-_BUCKET_HYSTERESIS = 1.0  # a bucket moves once log2(share) is this far from it (2x)
+_KEEP_SLACK = 2.0  # with little evidence a warm home stays up to 2x its replica's fair share
+_KEEP_OVER = 1.1  # with enough, up to 1.1x the mass bound (share noise near it moves nobody)
 _PRUNE_BELOW = 0.05  # decayed counts below this are forgotten (about 3 windows unseen)
 
 
@@ -134,8 +145,14 @@ class TrafficShares:
         return self.counts.get(adapter, 0.0) / max(self.total, self.window / 4, 1.0)
 
     def fraction(self, adapter: str) -> float:
-        """Fraction of the requests counted now (no evidence floor)."""
-        return self.counts.get(adapter, 0.0) / self.total if self.total > 0 else 0.0
+        """Fraction of the requests counted now, the evidence missing below ``window / 4``
+        requests spread evenly over the tracked adapters (a few requests' noise does not make
+        equally popular adapters look 3x apart)."""
+        missing = max(0.0, self.window / 4 - self.total)
+        if not self.counts:
+            return 0.0
+        prior = missing / len(self.counts)
+        return (self.counts.get(adapter, 0.0) + prior) / (self.total + missing)
 
 
 @dataclass(frozen=True)
@@ -150,11 +167,17 @@ class Placer:
     """Places adapters one after another: k homes each, by rendezvous order, under the
     memory-slot and traffic-mass bounds (the three passes of the module docstring)."""
 
-    def __init__(self, members: Sequence[Member], total_mass: float, balance: float) -> None:
+    def __init__(
+        self, members: Sequence[Member], total_mass: float, balance: float, keep: float = 1.0
+    ) -> None:
         self.members = list(members)
         self.count = {m.url: 0 for m in members}
         self.mass = {m.url: 0.0 for m in members}
-        self.bound = (1.0 + balance) * total_mass / max(len(members), 1)
+        self.balance = balance
+        self.keep_over = keep  # kept homes may carry this x the mass bound
+        self.total = 0.0
+        self.fair = self.bound = 0.0
+        self.grow(total_mass)
         self._memory = {m.url: m.memory for m in members}
         self._with_room = {m.url for m in members if m.memory is None or m.memory > 0}
 
@@ -163,39 +186,84 @@ class Placer:
         urls = [m.url for m in self.members]
         return sorted(urls, key=lambda u: rendezvous(adapter, u), reverse=True)
 
+    def grow(self, mass: float) -> None:
+        """Count ``mass`` more traffic in the fair share (an adapter placed between
+        rebalances)."""
+        self.total += mass
+        self.fair = self.total / max(len(self.members), 1)
+        self.bound = (1.0 + self.balance) * self.fair
+
+    def keep(self, k: int, mass: float, homes: Sequence[str], *, bounded: bool = True) -> list[str]:
+        """Of an adapter's current ``homes`` (best first), keep up to ``k`` that still have a
+        free memory slot and, if ``bounded``, room for it under ``keep_over`` x the mass bound
+        (or no mass yet); commits the kept ones. A move costs a cold start, so while the
+        masses rest on little evidence only a clear imbalance is worth one."""
+        share = mass / max(k, 1)
+        limit = self.keep_over * self.bound + 1e-12
+        kept = []
+        for u in homes:
+            if len(kept) == k:
+                break
+            if u not in self.count:
+                continue
+            cap = self._memory[u]
+            if cap is not None and self.count[u] >= cap:
+                continue
+            if not bounded or self.mass[u] <= 0 or self.mass[u] + share <= limit:
+                kept.append(u)
+        self._commit(kept, share)
+        return kept
+
     def place(
-        self, adapter: str, k: int, mass: float, order: Sequence[str], *, commit: bool = True
+        self,
+        adapter: str,
+        k: int,
+        mass: float,
+        order: Sequence[str],
+        *,
+        commit: bool = True,
+        have: Sequence[str] = (),
+        prefer: Sequence[str] = (),
     ) -> tuple[str, ...]:
-        """Take ``k`` replicas for ``adapter`` from ``order`` (its rendezvous ranking);
+        """Take ``k`` replicas for ``adapter`` (``have`` of them already kept) from ``order``
+        (its rendezvous ranking), trying ``prefer`` first (where it already lives);
         ``commit=False``: only say where, taking no room."""
         k = max(1, min(k, len(order)))
         share = mass / k
-        if not self._with_room:  # every replica's memory is taken: rendezvous alone
-            chosen = list(order[:k])
-        else:
-            chosen = []
-            count, memory, load = self.count, self._memory, self.mass
-            free = [u for u in order if (m := memory[u]) is None or count[u] < m]
-            for u in free:  # 1. a free memory slot and room under the mass bound
-                if load[u] + share <= self.bound + 1e-12:
+        chosen = list(have[:k])
+        cands = [u for u in dict.fromkeys([*prefer, *order]) if u in self.count]
+        if not self._with_room:  # every replica's memory is taken: where it is, or rendezvous
+            for u in cands:
+                if len(chosen) == k:
+                    break
+                if u not in chosen:
                     chosen.append(u)
-                    if len(chosen) == k:
-                        break
-            for group in (free, order):  # 2. a free memory slot, 3. any
+        else:
+            count, memory, load = self.count, self._memory, self.mass
+            free = [u for u in cands if (m := memory[u]) is None or count[u] < m]
+            for u in free:  # 1. a free memory slot and room under the mass bound
+                if len(chosen) == k:
+                    break
+                if u not in chosen and load[u] + share <= self.bound + 1e-12:
+                    chosen.append(u)
+            for group in (free, cands):  # 2. a free memory slot, 3. any
                 for u in group:
                     if len(chosen) == k:
                         break
                     if u not in chosen:
                         chosen.append(u)
         if commit:
-            for u in chosen:
-                self.count[u] += 1
-                self.mass[u] += share
-                cap = self._memory[u]
-                if cap is not None and self.count[u] == cap:
-                    self._with_room.discard(u)
+            self._commit(chosen[len(have) :], share)
         # preference order within the set: the adapter's rendezvous order
         return tuple(u for u in order if u in chosen)
+
+    def _commit(self, urls: Iterable[str], share: float) -> None:
+        for u in urls:
+            self.count[u] += 1
+            self.mass[u] += share
+            cap = self._memory[u]
+            if cap is not None and self.count[u] >= cap:
+                self._with_room.discard(u)
 
 
 def assign_homes(
@@ -221,7 +289,6 @@ class HomeMap:
         self.settings = settings or HomeSettings()
         self.shares = TrafficShares(self.settings.window)
         self.k: dict[str, int] = {}
-        self.bucket: dict[str, int] = {}
         self.homes: dict[str, tuple[str, ...]] = {}
         self.rebalances = 0
         self._fleet: tuple[Member, ...] | None = None
@@ -229,9 +296,15 @@ class HomeMap:
         self._ranks: dict[str, list[str]] = {}  # adapter -> rendezvous order over the fleet
         self._since = 0  # requests observed since the last rebalance
 
-    def observe(self, adapter: str) -> None:
+    def observe(self, adapter: str, replica: str | None = None) -> None:
+        """One answered request for ``adapter`` (by ``replica``, its URL, if known). An adapter
+        answered for the first time is placed now, on the replica that answered if it has
+        room: its copy is warm there, and a placement made later, against a fill that other
+        newcomers have changed meanwhile, would move it."""
         self.shares.observe(adapter)
         self._since += 1
+        if adapter not in self.homes and self._placer is not None:
+            self._place_new(adapter, commit=True, served=replica)
 
     def home(self, adapter: str, views: Sequence[ReplicaView]) -> list[int]:
         fleet = tuple(
@@ -263,13 +336,8 @@ class HomeMap:
         return new
 
     def _mass(self, adapter: str) -> float:
-        f = self.shares.fraction(adapter)
-        x = math.log2(f) if f > 0 else -64.0
-        old = self.bucket.get(adapter)
-        if old is None or abs(x - old) > _BUCKET_HYSTERESIS:
-            old = round(x)
-            self.bucket[adapter] = old
-        return 2.0**old
+        """The adapter's traffic share, for the mass bound (``TrafficShares.fraction``)."""
+        return self.shares.fraction(adapter)
 
     def _rank(self, adapter: str, placer: Placer) -> list[str]:
         r = self._ranks.get(adapter)
@@ -278,7 +346,9 @@ class HomeMap:
         return r
 
     def rebalance(self, fleet: tuple[Member, ...]) -> None:
-        """Recompute every tracked adapter's size, bucket and home set over ``fleet``."""
+        """Recompute every tracked adapter's size, mass and home set over ``fleet``, keeping
+        the homes it has where they still fit (module docstring)."""
+        joined = {m.url for m in fleet} - {m.url for m in self._fleet or ()}
         if fleet != self._fleet:
             self._ranks = {}
         self._fleet = fleet
@@ -288,26 +358,49 @@ class HomeMap:
         names = list(self.shares.counts)
         for gone in set(self.k) - set(names):
             self.k.pop(gone, None)
-            self.bucket.pop(gone, None)
             self._ranks.pop(gone, None)
         n = len(fleet)
         info = {a: (self._size(a, n), self._mass(a)) for a in names}
         seniority = {a: i for i, a in enumerate(names)}
         order = sorted(names, key=lambda a: (-info[a][0], seniority[a]))
-        placer = Placer(fleet, sum(m for _, m in info.values()), self.settings.balance)
-        self.homes = {a: placer.place(a, *info[a], self._rank(a, placer)) for a in order}
+        # kept homes: up to 2x the fair share while the shares rest on few requests, 1.1x the
+        # mass bound from window / 4 requests on
+        balance = self.settings.balance
+        evidence = min(1.0, self.shares.total / max(self.settings.window / 4, 1.0))
+        loose = max(_KEEP_OVER, _KEEP_SLACK / (1.0 + balance))
+        keep = max(_KEEP_OVER, loose ** (1.0 - evidence) * _KEEP_OVER**evidence)
+        placer = Placer(fleet, sum(m for _, m in info.values()), balance, keep)
+        old: dict[str, list[str]] = {}
+        for a in order:  # the current homes still live, less those a newcomer outranks
+            rank = self._rank(a, placer)
+            homes = [u for u in self.homes.get(a, ()) if u in placer.count]
+            if homes and joined:
+                pos = {u: i for i, u in enumerate(rank)}
+                top = min(pos[u] for u in joined)
+                homes = [u for u in homes if pos[u] < top]
+            old[a] = homes
+        kept = {a: placer.keep(info[a][0], info[a][1], old[a]) for a in order}
+        self.homes = {
+            a: placer.place(a, *info[a], self._rank(a, placer), have=kept[a], prefer=old[a])
+            for a in order
+        }
         self._placer = placer
 
-    def _place_new(self, adapter: str, *, commit: bool) -> tuple[str, ...]:
-        """Place an adapter first answered since the last rebalance against the current fill
-        (``commit=False``: one never answered; nothing about it is kept)."""
+    def _place_new(
+        self, adapter: str, *, commit: bool, served: str | None = None
+    ) -> tuple[str, ...]:
+        """Place an adapter first answered since the last rebalance against the current fill,
+        ``served`` (the replica that answered it) first (``commit=False``: one never answered;
+        nothing about it is kept)."""
         placer = self._placer
         assert placer is not None
         if not commit:
             return placer.place(adapter, 1, 0.0, placer.rank(adapter), commit=False)
         assert self._fleet is not None
         k, mass = self._size(adapter, len(self._fleet)), self._mass(adapter)
-        homes = placer.place(adapter, k, mass, self._rank(adapter, placer))
+        placer.grow(mass)
+        kept = placer.keep(k, mass, [served] if served is not None else [], bounded=False)
+        homes = placer.place(adapter, k, mass, self._rank(adapter, placer), have=kept)
         self.homes[adapter] = homes
         return homes
 
@@ -333,11 +426,11 @@ class Picker:
         """Every tracked adapter's home URLs, best first (``GET /v1/replicas``)."""
         return {a: list(h) for a, h in sorted(self.homes.homes.items())}
 
-    def note_answered(self, adapter: str) -> None:
-        """A replica answered a request for ``adapter`` (2xx with its adapter state): one
-        request of traffic for the home sets."""
+    def note_answered(self, adapter: str, replica: str | None = None) -> None:
+        """``replica`` (its URL) answered a request for ``adapter`` (2xx with its adapter
+        state): one request of traffic for the home sets."""
         if self.policy == "home":
-            self.homes.observe(adapter)
+            self.homes.observe(adapter, replica)
 
     def pick(
         self,
