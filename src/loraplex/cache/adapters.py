@@ -611,6 +611,24 @@ class TieredAdapterCache:
         with self._lock:
             return self.tiers.tier_counters()
 
+    def loaded(self) -> list[tuple[str, str, bool, int]]:
+        """``(digest, tier, pinned, rank)`` of the adapters in a device slot, then of those
+        only in host memory: at most slots + host copies rows (a snapshot under the lock)."""
+        tiers = self.tiers
+        with self._lock:  # the indexes are not thread-safe alone; this takes microseconds
+            host = tiers.host.entries() if tiers.host is not None else {}
+            rows = [
+                (d, tiers.device_name, e.pinned, e.info.rank)
+                for d, e in tiers.device.entries().items()
+                if d in tiers.slot_of
+            ]
+            rows += [
+                (d, tiers.host_name, e.pinned, e.info.rank)
+                for d, e in host.items()
+                if d not in tiers.slot_of
+            ]
+        return rows
+
     def residency(self) -> list[AdapterResidency]:
         """A snapshot of every adapter loaded since start-up, most recently used first."""
         with self._lock:

@@ -14,9 +14,9 @@ adapter cache, and offers what a server needs:
     gauges     num_waiting, num_running, kv_cache_usage, waiting / device adapter digests,
                step observers
     adapters   lora_enabled, max_loras, max_cpu_loras, policy_name, check_loadable,
-               pin / unpin / evict / has_copy / prewarm, tier_of, residency, resident_bytes,
-               tier_counters, tier_budgets, cache_stats, set_tenant_budget, is_local_source,
-               staged_source, load observers
+               pin / unpin / evict / has_copy / prewarm, tier_of, residency, loaded_adapters,
+               resident_bytes, tier_counters, tier_budgets, cache_stats, set_tenant_budget,
+               is_local_source, staged_source, load observers
 
 The loop's semantics are :class:`AsyncEngine`'s (read its docstring): nothing slow reaches the
 loop, a request leaves the engine when its iterator is closed, a failing step fails only the
@@ -37,6 +37,7 @@ import logging
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ __all__ = [
     "EngineDeadError",
     "EngineStepError",
     "LLMEngine",
+    "LoadedAdapter",
     "PrepareTimeoutError",
     "PreparedRequest",
     "RequestStream",
@@ -77,6 +79,17 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """One adapter resident in a device slot or in host memory (a snapshot): what a router
+    needs to tell warm replicas from cold ones."""
+
+    digest: str
+    tier: str  # "device" (in a slot; its host copy too: residency is inclusive) or "host" only
+    pinned: bool  # pinned in that tier (a host-only pin leaves a slotted adapter's slot evictable)
+    rank: int  # the largest rank of its modules (what its slot holds)
 
 
 class EngineClient:
@@ -396,6 +409,12 @@ class EngineClient:
     def residency(self) -> list[AdapterResidency]:
         """A snapshot of every adapter loaded since start-up, most recently used first."""
         return self._adapters.residency()
+
+    def loaded_adapters(self) -> list[LoadedAdapter]:
+        """The adapters in a device slot, then those only in host memory (a snapshot taken
+        under the cache's lock): at most slots + host copies rows, whatever the registry holds
+        (unlike :meth:`residency`, which lists every adapter loaded since start-up)."""
+        return [LoadedAdapter(*row) for row in self._adapters.loaded()]
 
     def resident_bytes(self) -> dict[str, tuple[int, int]]:
         """tier -> (count, bytes) for every tier (``disk`` only when configured)."""

@@ -12,10 +12,18 @@ twin at once (:class:`Twin`). The engine loop's step observer feeds the token co
 (``vllm:prompt_tokens``, ``vllm:generation_tokens``: every step, as vLLM counts them, so rates
 show while requests run) and the per-token and per-phase times (inter-token latency, queue,
 prefill, decode: :class:`SequenceTimes`).
-Adapter names appear as label values only inside ``vllm:lora_requests_info``, each list bounded
-by :data:`MAX_ADAPTER_LABELS` names (the waiting ones: those with the most waiting sequences).
-``model_name`` is the served base model's name (vLLM labels LoRA requests with it too). Who may
-read them is the route's business (:mod:`~loraplex.server.auth`).
+Adapter names appear as label values in two places. ``vllm:lora_requests_info`` has lists of at
+most :data:`MAX_ADAPTER_LABELS` names (the waiting ones: those with the most waiting sequences).
+The residency gauges llm-d's ``lora-load-state-scorer`` reads (vLLM PRs #51433/#54830:
+``vllm:lora_adapter_loaded``, ``vllm:num_gpu_loaded_lora_adapters``,
+``vllm:num_cpu_loaded_lora_adapters``, ``vllm:max_gpu_lora_adapters``) have one series per
+served name of each adapter in a device slot or host memory: their number is bounded by the host
+copies (slotted adapters keep theirs) times :data:`MAX_NAMES_PER_ADAPTER`, never by the
+registry's size (:meth:`_EngineCollector._residency`). ``vllm:lora_adapter_load_seconds`` times
+the two transitions that scorer prices (:class:`_Transitions`).
+``model_name`` is the served base model's name (vLLM labels LoRA requests with it too; llm-d
+reads it to recognise base-model requests). Who may read them is the route's business
+(:mod:`~loraplex.server.auth`: operators and the metrics key, never a tenant key).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from prometheus_client.registry import Collector
 from loraplex.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from loraplex.engine.client import EngineClient, PreparedRequest, StepStats
+    from loraplex.engine.client import EngineClient, LoadedAdapter, PreparedRequest, StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -67,6 +75,9 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 _LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 MAX_ADAPTER_LABELS = 64
 """Most adapter names listed in one label value (device-resident or waiting): top-K."""
+MAX_NAMES_PER_ADAPTER = 8
+"""Most served names (``adapter_name`` series) one resident adapter gets in
+``vllm:lora_adapter_loaded`` (its current names first, sorted): bounds the series by host copies."""
 
 
 VLLM_LABELS = ("model_name", "engine")
@@ -148,6 +159,8 @@ class _EngineCollector(Collector):
                 time.time(),
             )
         yield info
+        if lora:
+            yield from self._residency(client.loaded_adapters(), client.max_loras)
         yield CounterMetricFamily(
             "loraplex_streams_stalled",
             "Requests aborted because their client stopped reading the stream.",
@@ -214,6 +227,96 @@ class _EngineCollector(Collector):
         yield count
         yield nbytes
         yield GaugeMetricFamily("loraplex_max_loras", "Device LoRA slots.", value=client.max_loras)
+
+    def _residency(self, loaded: list[LoadedAdapter], max_loras: int) -> Iterable[Metric]:
+        """The residency gauges of llm-d's ``lora-load-state-scorer`` (vLLM PRs #51433/#54830),
+        read by its metrics extractor as follows, so they are written to match:
+
+        - ``vllm:lora_adapter_loaded{adapter_name, level, pinned, rank}`` is 1 for each served
+          name of a resident adapter; a name that is not resident has no series (the extractor
+          also skips series at 0). ``level="gpu"``: in a device slot, ready to serve (the
+          device tier, also on CPU builds); ``level="cpu"``: in host memory only. ``pinned`` is
+          ``"true"``/``"false"``: pinned in that tier (a host pin alone leaves a slot
+          evictable, which is what the scorer asks). ``rank``: the adapter's rank. A name
+          served by several resident digests (a canary) gets one series, merged as the
+          extractor merges: gpu over cpu, pinned if any is, the largest rank.
+        - ``vllm:num_gpu_loaded_lora_adapters``: adapters in device slots (digests, not names:
+          free slots are ``vllm:max_gpu_lora_adapters`` minus it). Present whenever LoRA is on,
+          even at 0, which tells the extractor "nothing loaded" from "not reported"; its
+          ``model_name`` is how it knows a base-model request.
+        - ``vllm:num_cpu_loaded_lora_adapters``: adapters in host memory, the slotted ones
+          included (their host copy stays, as in vLLM's CPU cache).
+        """
+        g = GaugeMetricFamily
+        names: dict[str, tuple[bool, bool, int]] = {}  # served name -> (gpu, pinned, rank)
+        for row in loaded:  # device rows first: a name's first row sets its level
+            gpu = row.tier == "device"
+            for name in self._names(row.digest)[:MAX_NAMES_PER_ADAPTER]:
+                was = names.get(name)
+                if was is None:
+                    names[name] = (gpu, row.pinned, row.rank)
+                elif was[0] == gpu:  # another digest of the name at the same level
+                    names[name] = (gpu, row.pinned or was[1], max(row.rank, was[2]))
+        series = g(
+            "vllm:lora_adapter_loaded",
+            "1 per served name of each adapter in a device slot (level=gpu) or only in host "
+            "memory (level=cpu); no series once it leaves both.",
+            labels=[*VLLM_LABELS, "adapter_name", "level", "pinned", "rank"],
+        )
+        for name, (gpu, pinned, rank) in names.items():
+            level = "gpu" if gpu else "cpu"
+            series.add_metric(
+                [self._model, ENGINE, name, level, "true" if pinned else "false", str(rank)], 1
+            )
+        yield series
+        on_device = sum(row.tier == "device" for row in loaded)
+        yield self._vllm(
+            g, "vllm:num_gpu_loaded_lora_adapters", "Adapters in device slots.", on_device
+        )
+        yield self._vllm(
+            g,
+            "vllm:num_cpu_loaded_lora_adapters",
+            "Adapters in host memory (those in device slots included).",
+            len(loaded),
+        )
+        yield self._vllm(g, "vllm:max_gpu_lora_adapters", "Device LoRA slots.", max_loras)
+
+
+class _Transitions:
+    """``vllm:lora_adapter_load_seconds{transition}`` from the cache's load stages, one
+    observation per transition as llm-d's scorer prices them (the mean of each):
+
+    - ``load``: an adapter made a verified host copy, from its local directory, the disk tier
+      or the object store: ``disk_load`` (the verified read), plus the ``remote_download``
+      just before it on the same thread when it came from the object store (the loader
+      reports the two back to back). ``resolve`` is not a transition: it times every lookup,
+      host hits and waits on another request's load included.
+    - ``activate``: a host copy written into a device slot (``h2d`` on CUDA, ``activation``
+      elsewhere).
+    """
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        h = Histogram(
+            "vllm:lora_adapter_load_seconds",
+            "Seconds per adapter transition: load (store or disk -> host memory), activate "
+            "(host memory -> device slot).",
+            [*labels, "transition"],
+            buckets=_LOAD_BUCKETS,
+            registry=registry,
+        )
+        self.load = h.labels(**labels, transition="load")
+        self.activate = h.labels(**labels, transition="activate")
+        self._pending = threading.local()  # remote_download seconds waiting for its disk_load
+
+    def on_stage(self, stage: str, seconds: float) -> None:
+        """Fold one load stage (:meth:`EngineClient.add_load_observer`) into the transitions."""
+        if stage == "remote_download":
+            self._pending.seconds = seconds
+        elif stage == "disk_load":
+            self.load.observe(getattr(self._pending, "seconds", 0.0) + seconds)
+            self._pending.seconds = 0.0
+        elif stage in ("h2d", "activation"):
+            self.activate.observe(seconds)
 
 
 class Twin:
@@ -494,6 +597,7 @@ class ServerMetrics:
             registry=r,
         ).labels(**fixed)
         self.sequences = SequenceTimes(r, fixed)
+        self.transitions = _Transitions(r, fixed) if client.lora_enabled else None
         r.register(_EngineCollector(client, adapter_names, model_name, cache_info or {}))
         client.add_step_observer(self._on_step)
         client.add_load_observer(self._on_load)
@@ -509,6 +613,8 @@ class ServerMetrics:
 
     def _on_load(self, stage: str, seconds: float) -> None:
         self.load_seconds.labels(stage=stage).observe(seconds)
+        if self.transitions is not None:
+            self.transitions.on_stage(stage, seconds)
 
     def total(self, name: str, **labels: str) -> float:
         """The current value of one of our counters (``loraplex_prompt_tokens``), summed over
