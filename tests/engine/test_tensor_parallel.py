@@ -21,9 +21,11 @@ from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.config import EngineConfig, ServerConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.server.app import create_app
-from loraplex.testing import make_random_adapter, make_random_model
+from loraplex.testing import make_per_expert_adapter, make_random_adapter, make_random_model
 from loraplex.testing.server import free_port, serve_in_thread
 from loraplex.testing.sync import EVENT_TIMEOUT_S, wait_until
+from tests.engine.test_moe_experts import FAMILIES as MOE_FAMILIES
+from tests.engine.test_moe_experts import adapters_for
 
 # family -> tiny model: each hits what TP splits differently
 FAMILIES: dict[str, dict] = {
@@ -111,6 +113,25 @@ def test_tp2_equals_tp1(name: str, tmp_path: Path) -> None:
             assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
             for tok in la.top.keys() & lb.top.keys():  # a near tie may swap the last one
                 assert math.isclose(la.top[tok], lb.top[tok], abs_tol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_dense_layer", "mixtral"])
+def test_moe_tp2_equals_tp1(name: str, tmp_path: Path) -> None:
+    """A MoE base: each expert's columns cut as the dense MLP's (the sparse block's output
+    all-reduced), the router whole; expert, router and attention LoRA in one mixed batch."""
+    spec = dict(MOE_FAMILIES[name])
+    experts = spec.pop("experts")
+    model = make_random_model(tmp_path / "model", spec.pop("arch"), num_layers=2, seed=5, **spec)
+    adapters = []
+    for a, (kind, kw) in adapters_for(experts).items():
+        make = make_random_adapter if kind == "peft" else make_per_expert_adapter
+        adapters.append(make(model, tmp_path / a, **kw))
+    one = _run(model, adapters[:3], 1, max_lora_rank=16)
+    two = _run(model, adapters[:3], 2, max_lora_rank=16)
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen3"])

@@ -7,6 +7,7 @@ memory budget that sizes the slot bank, the KV cache and ``max_model_len``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from loraplex.engine.tensor_parallel import (
     DriverModel,
     MirroredSlotBank,
     Rendezvous,
+    TensorParallelError,
     TPWorkers,
     WorkerLayout,
     agree,
@@ -311,35 +313,44 @@ def _set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-def _load(
-    config: EngineConfig, tp_group: Any = None, rank: int = 0
-) -> tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]:
-    """Parse the config and load the model (a tensor-parallel rank's shard with ``tp_group``)."""
-    model_dir = Path(config.model)
-    mc = load_model_config(model_dir, config.generation_config, config.generation_overrides)
+def _parse(config: EngineConfig) -> tuple[ModelConfig, torch.device, torch.dtype, Any]:
+    """The model's config, device, dtype and quantization (no weights read yet)."""
+    mc = load_model_config(
+        Path(config.model), config.generation_config, config.generation_overrides
+    )
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, mc, device)
     quant = parse_quantization(
         mc.raw.get("quantization_config"), config.quantization, config.quantization_group_size
     )
+    return mc, device, dtype, quant
+
+
+def _load(
+    config: EngineConfig, parsed: tuple | None = None, tp_group: Any = None, rank: int = 0
+) -> tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]:
+    """Load the model (a tensor-parallel rank's shard with ``tp_group``); ``parsed``: what
+    :func:`_parse` returned, if the caller has it."""
+    mc, device, dtype, quant = parsed or _parse(config)
     tp = None
     if tp_group is not None:
         layout = ShardLayout.of(mc, rank, config.tensor_parallel_size)
         tp = TensorParallel(layout, tp_group, config.fully_sharded_loras)
         tp.check_lora_split(mc)
-    model = load_model(model_dir, mc, dtype, device, quant, tp)  # the class of mc.architecture
+    model = load_model(Path(config.model), mc, dtype, device, quant, tp)  # mc.architecture's
     return mc, device, dtype, model
 
 
 def _loaded_on_every_rank(
-    config: EngineConfig, group: Any, rank: int
+    config: EngineConfig, group: Any, rank: int, parsed: tuple | None = None
 ) -> tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]:
     """``_load`` as tensor-parallel ``rank``; every rank learns whether all loaded (and
     raises the first failure's reason if one did not)."""
     try:
-        got = _load(config, group, rank)
-    except Exception as e:
-        agree(f"{type(e).__name__}: {e}", group)
+        got = _load(config, parsed, group, rank)
+    except Exception as e:  # this rank's own error is the one to raise
+        with contextlib.suppress(TensorParallelError):
+            agree(f"{type(e).__name__}: {e}", group)
         raise
     agree(None, group)
     return got
@@ -385,14 +396,21 @@ def build_parts(config: EngineConfig) -> EngineParts:
 
 def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
     model_dir = Path(config.model)
-    tokenizer = None
-    if not config.skip_tokenizer_init:  # first: its errors name it before a weight is read
-        tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
-        tokenizer = load_tokenizer(tok_dir, config.trust_remote_code)
+    try:
+        parsed = _parse(config)
+        tokenizer = None
+        if not config.skip_tokenizer_init:  # its errors name it before a weight is read
+            tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
+            tokenizer = load_tokenizer(tok_dir, config.trust_remote_code)
+    except Exception as e:
+        if workers is not None:  # the workers wait to hear whether every rank loaded
+            with contextlib.suppress(TensorParallelError):
+                agree(f"{type(e).__name__}: {e}", workers.step_group)
+        raise
     if workers is None:
-        mc, device, dtype, model = _load(config)
+        mc, device, dtype, model = _load(config, parsed)
     else:
-        mc, device, dtype, model = _loaded_on_every_rank(config, workers.step_group, 0)
+        mc, device, dtype, model = _loaded_on_every_rank(config, workers.step_group, 0, parsed)
     quant = model.quant
     if quant is not None:
         release_freed_memory()  # the float copies quantized at load, back to the OS

@@ -308,7 +308,7 @@ def _outcome(bank: LoRASlotBank, err: BaseException | None) -> tuple:
 
 
 class WorkerProcess:
-    """One worker rank as a child process (``python -m loraplex.engine.tensor_parallel``; its
+    """One worker rank as a child process (``python -m loraplex.engine.tp_worker``; its
     config arrives pickled on stdin): a fresh interpreter, so neither the parent's threads nor
     its ``__main__`` module are inherited (a script calling ``LLM(tensor_parallel_size=2)``
     needs no ``if __name__ == "__main__"`` guard)."""
@@ -322,7 +322,7 @@ class WorkerProcess:
         fd, path = tempfile.mkstemp(prefix=f"loraplex-tp-{rank}-", suffix=".log")
         with os.fdopen(fd, "wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "loraplex.engine.tensor_parallel"],
+                [sys.executable, "-m", "loraplex.engine.tp_worker"],
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -361,29 +361,7 @@ class WorkerLayout:
     lora_slots: int  # 0: no LoRA
 
 
-def worker_main(config: EngineConfig, rv: Rendezvous, rank: int) -> None:
-    """A worker process: join, load its shard, build its KV cache and slot bank as rank 0
-    says, then execute what rank 0 broadcasts until told to stop or the group breaks."""
-    from loraplex.engine.builder import worker_parts  # the builder imports this module
-
-    logging.basicConfig(level=logging.WARNING, format=f"tp-{rank} %(levelname)s %(message)s")
-    step_group, slot_group = join_group(rv, rank)
-    try:
-        model, cache, bank = worker_parts(config, rv, rank, step_group)
-    except Exception:
-        return  # worker_parts has reported the failure to every rank
-    if bank is not None:
-        threading.Thread(
-            target=_slot_loop, args=(bank, slot_group), name="tp-slots", daemon=True
-        ).start()
-    try:
-        _step_loop(model, cache, step_group)
-    except RuntimeError as e:  # the group broke: rank 0 is gone
-        log.warning("tensor-parallel rank %d stops: %s", rank, e)
-    os._exit(0)  # daemon threads may sit in a collective; nothing is left to flush
-
-
-def _step_loop(model: DecoderForCausalLM, cache: PagedKVCache, group: Any) -> None:
+def step_loop(model: DecoderForCausalLM, cache: PagedKVCache, group: Any) -> None:
     h: torch.Tensor | None = None
     while True:
         msg: list[Any] = [None]
@@ -400,7 +378,7 @@ def _step_loop(model: DecoderForCausalLM, cache: PagedKVCache, group: Any) -> No
             return
 
 
-def _slot_loop(bank: LoRASlotBank, group: Any) -> None:
+def slot_loop(bank: LoRASlotBank, group: Any) -> None:
     """Repeat rank 0's slot-bank mutations in its order; answer each with the outcome."""
     try:
         while True:
@@ -420,30 +398,3 @@ def _slot_loop(bank: LoRASlotBank, group: Any) -> None:
             dist.gather_object(_outcome(bank, err), None, dst=0, group=group)
     except RuntimeError:
         return  # the group broke; the step loop sees it too
-
-
-def run_headless(config: EngineConfig) -> int:
-    """A node after the first (``--node-rank > 0``): run its ranks (the first in this process,
-    the others as child processes) until rank 0 stops the group or it breaks; no HTTP."""
-    rv = config.rendezvous()
-    here = rv.local_ranks or rv.size
-    log.warning(
-        "headless node %d: ranks %d..%d of %d, rendezvous at %s:%d",
-        config.node_rank, rv.first_rank, rv.first_rank + here - 1, rv.size,
-        rv.master_addr, rv.master_port,
-    )  # fmt: skip
-    for i in range(1, here):
-        WorkerProcess.spawn(config, rv, rv.first_rank + i)
-    worker_main(config, rv, rv.first_rank)  # exits the process when the group ends
-    return 0
-
-
-def _main() -> None:
-    """Entry of a worker process: its (config, rendezvous, rank) come pickled on stdin from
-    rank 0's process (a trusted parent; nothing else writes that pipe)."""
-    config, rv, rank = pickle.loads(sys.stdin.buffer.read())
-    worker_main(config, rv, rank)
-
-
-if __name__ == "__main__":
-    _main()

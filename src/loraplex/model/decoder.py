@@ -292,7 +292,8 @@ class DecoderForCausalLM:
             )
         model = cls(tp.layout.local_config(cfg), dtype, device)
         model.tp, model.full_cfg = tp, cfg
-        model.attn.reduce = model.mlp.reduce = tp.all_reduce
+        for block in model.row_parallel_blocks():
+            block.reduce = tp.all_reduce
         model._gather_logits = functools.partial(tp.gather_vocab, vocab=cfg.vocab_size)
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         model._load_groups = (
@@ -301,6 +302,10 @@ class DecoderForCausalLM:
         )
         model._load_offsets = {p: lo for _, _, parts in model._load_groups for p, lo, _ in parts}
         return model
+
+    def row_parallel_blocks(self) -> tuple[Any, ...]:
+        """The blocks whose outputs are summed over tensor-parallel ranks (their ``reduce``)."""
+        return (self.attn, self.mlp)
 
     def _shard_slot(self, slot: str, kind: str, t: Any) -> Any:
         """This rank's part of a fused slot's full tensor (as it is on one device)."""

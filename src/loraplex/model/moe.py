@@ -174,6 +174,10 @@ def select_grouped_experts(device: torch.device) -> GroupedExperts:
 # ------------------------------------------------------------------------------ the block
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class SparseMoE:
     """The sparse block of a MoE layer (module docstring). Reads ``L.router`` (a Linear
     ``[E, D]``), ``L.w_gate_up [E, 2 I, D]`` (gate rows, then up rows) and ``L.w_down
@@ -195,6 +199,8 @@ class SparseMoE:
         self.gate_up_parts = (("experts.gate_proj", 0, i), ("experts.up_proj", i, 2 * i))
         self.down_parts = (("experts.down_proj", 0, d),)
         self.router_parts = ((ROUTER, 0, cfg.num_experts),)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _same
+        """Sum over tensor-parallel ranks, each of which ran its columns of every expert."""
         self.last_counts: list[int] | None = None
         """Rows per expert of the last call (what the grouped GEMMs read; for tests and
         profiling)."""
@@ -241,7 +247,7 @@ class SparseMoE:
             lora.add(i, self.down_parts, act, h, plan, lora_plan)
         h = h * w.reshape(-1)[order, None]  # [N, D] (float32 weights promote, as in HF)
         out = torch.zeros_like(x)  # [T, D]
-        return out.index_add_(0, tok, h.to(x.dtype))
+        return self.reduce(out.index_add_(0, tok, h.to(x.dtype)))
 
 
 # ------------------------------------------------------------------------------ the decoder
@@ -265,7 +271,6 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
     config_class = MoEConfig
     cfg: MoEConfig
     supports_quantization = False  # expert weights have no quantized path yet
-    supports_tensor_parallel = False  # experts are not sharded yet
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(cfg, dtype, device)
@@ -287,7 +292,7 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
         m = _MOE_TENSOR.fullmatch(key)
         if m is None or int(m["layer"]) not in self.cfg.sparse_layers:
             return False
-        c, layer = self.cfg, int(m["layer"])
+        c, layer = self.full_cfg, int(m["layer"])  # the checkpoint's (whole) experts
         E, inter, D = c.num_experts, c.moe_intermediate_size, c.hidden_size
         if m["router"]:
             self._check(key, shape, (E, D))
@@ -345,9 +350,17 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
         for layer in self.cfg.sparse_layers:
             L = self.layers[layer]
             L.router = make(self._moe_parts.pop((layer, "router")), None)  # [E, D]
-            L.w_gate_up = self._moe_parts.pop((layer, "w_gate_up"))  # [E, 2 I, D]
-            L.w_down = self._moe_parts.pop((layer, "w_down"))  # [E, D, I]
+            L.w_gate_up = self._experts(layer, "w_gate_up")  # [E, 2 I, D]
+            L.w_down = self._experts(layer, "w_down")  # [E, D, I]
         self._moe_seen.clear()
+
+    def _experts(self, layer: int, slot: str) -> torch.Tensor:
+        """A layer's expert weights as this rank holds them (all of them on one device)."""
+        t = self._moe_parts.pop((layer, slot))
+        return t if self.tp is None else self.tp.shard_experts(slot, t, self.full_cfg)
+
+    def row_parallel_blocks(self) -> tuple[Any, ...]:
+        return (*super().row_parallel_blocks(), self.moe)
 
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Llama's pre-norm wiring with each layer's own feed-forward block."""

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from loraplex.lora.ops import LoRAOps
-from loraplex.lora.peft_format import EMBED_TOKENS, LM_HEAD
+from loraplex.lora.peft_format import EMBED_TOKENS, EXPERT_PROJ_NAMES, LM_HEAD, ROUTER
 from loraplex.lora.plan import LoRABatchPlan
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.lora_binding import LoRABinding
@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+EXPERT_COLUMN = frozenset({"experts.gate_proj", "experts.up_proj"})
+"""A MoE's experts are tensor-parallel as the dense MLP is (each expert's columns cut); the
+router is whole on every rank."""
 SLOT_PROJECTIONS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "gate_up": ("gate_proj", "up_proj"),
@@ -71,6 +74,7 @@ class ShardLayout:
     num_kv_heads: int  # KV heads per rank (1 when replicated)
     first_kv_head: int
     intermediate: int  # MLP columns per rank
+    moe_intermediate: int  # each expert's MLP columns per rank (0: a dense model)
     vocab_rows: tuple[int, int]  # [lo, hi) of the vocabulary this rank holds
     vocab_pad: int  # rows per rank of the gathered logits (the last rank's may be fewer)
 
@@ -87,6 +91,11 @@ class ShardLayout:
             )
         if inter % size:
             raise ModelLoadError(f"{where}: intermediate_size={inter} is not a multiple of {size}")
+        moe = int(getattr(cfg, "moe_intermediate_size", 0) or 0)
+        if moe % size:
+            raise ModelLoadError(
+                f"{where}: moe_intermediate_size={moe} is not a multiple of {size}"
+            )
         kv_local = max(1, kv // size)
         first_kv = rank * kv_local if kv >= size else rank // (size // kv)
         per = -(-cfg.vocab_size // size)
@@ -98,6 +107,7 @@ class ShardLayout:
             kv_local,
             first_kv,
             inter // size,
+            moe // size,
             (lo, min(lo + per, cfg.vocab_size)),
             per,
         )
@@ -105,11 +115,13 @@ class ShardLayout:
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """``cfg`` with this rank's heads and MLP width (its blocks, KV cache and slot tables
         are built from it); the vocabulary stays whole (sampling and intake read it)."""
+        moe = {"moe_intermediate_size": self.moe_intermediate} if self.moe_intermediate else {}
         return replace(
             cfg,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             intermediate_size=self.intermediate,
+            **moe,
         )
 
     # -- index sets ----------------------------------------------------------------------------
@@ -121,6 +133,9 @@ class ShardLayout:
             first, n = self.rank * self.num_heads, self.num_heads
         elif proj in ("k_proj", "v_proj"):
             first, n = self.first_kv_head, self.num_kv_heads
+        elif proj in EXPERT_PROJ_NAMES:  # each expert's columns, as the dense MLP's
+            lo = self.rank * self.moe_intermediate
+            return torch.arange(lo, lo + self.moe_intermediate)
         else:  # gate_proj, up_proj, down_proj
             lo = self.rank * self.intermediate
             return torch.arange(lo, lo + self.intermediate)
@@ -187,6 +202,15 @@ class TensorParallel:
         cols = lay.proj_rows(SLOT_PROJECTIONS[slot][0], cfg)
         return t.index_select(1, cols).contiguous()
 
+    def shard_experts(self, slot: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """The rank's columns of every expert: ``w_gate_up [E, 2 I, D]`` (gate rows, then up
+        rows) or ``w_down [E, D, I]``."""
+        cols = self.layout.proj_rows("experts.gate_proj", cfg)
+        if slot == "w_down":
+            return t.index_select(2, cols).contiguous()
+        inter = int(cfg.moe_intermediate_size)  # type: ignore[attr-defined]
+        return t.index_select(1, torch.cat([cols, cols + inter])).contiguous()
+
     def shard_vocab(self, t: torch.Tensor) -> torch.Tensor:
         """The rank's vocabulary rows of an embedding or head weight [V, D]."""
         lo, hi = self.layout.vocab_rows
@@ -242,7 +266,11 @@ class TensorParallel:
         if proj == LM_HEAD:
             lo, hi = lay.vocab_rows
             return a, b[lo:hi]
-        if proj == EMBED_TOKENS:
+        if proj in EXPERT_COLUMN:  # A [E, r, D] whole, B [E, I, r] the rank's columns
+            return a, b.index_select(1, lay.proj_rows(proj, cfg))
+        if proj == "experts.down_proj":  # A [E, r, I] the rank's columns, B [E, D, r] whole
+            return a.index_select(2, lay.proj_rows(proj, cfg)), b
+        if proj in (EMBED_TOKENS, ROUTER):
             return a, b
         raise ModelLoadError(f"--tensor-parallel-size {lay.size}: LoRA on {proj} has no split")
 
@@ -284,6 +312,10 @@ class FullyShardedLoRABinding(LoRABinding):
         plan: LoRABatchPlan,
         rows_plan: LoRABatchPlan | None = None,
     ) -> None:
+        if rows_plan is not None or parts[0][0] not in COLUMN_PARALLEL | ROW_PARALLEL:
+            # a MoE's experts and router keep the default split
+            super().add(layer, parts, x, out, plan, rows_plan)
+            return
         modules = self.modules_of(layer, parts, plan)
         if not modules:
             return
