@@ -51,6 +51,10 @@ ENV_HOME = "LORAPLEX_HOME"  # the registry's SQLite file, the base-model digest 
 ENV_CACHE_DIR = "LORAPLEX_CACHE_DIR"  # the demo model, built CPU kernels
 ENV_LORA_CPU_KERNEL = "LORAPLEX_LORA_CPU_KERNEL"  # "0": never the native CPU LoRA kernel
 ENV_LAYER_CPU_KERNEL = "LORAPLEX_LAYER_CPU_KERNEL"  # "0": never the C layer ops (norms, attention)
+ENV_TP_SHM = "LORAPLEX_TP_SHM"  # "1": one host's tensor-parallel step traffic via shared memory
+# vLLM's own switch of /v1/load_lora_adapter and /v1/unload_lora_adapter (KubeAI sets it):
+# --allow-runtime-lora-updating
+ENV_ALLOW_RUNTIME_LORA_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 ENVIRONMENT = (
     *ENV_API_KEYS,
     ENV_ADMIN_API_KEY,
@@ -60,6 +64,8 @@ ENVIRONMENT = (
     ENV_CACHE_DIR,
     ENV_LORA_CPU_KERNEL,
     ENV_LAYER_CPU_KERNEL,
+    ENV_TP_SHM,
+    ENV_ALLOW_RUNTIME_LORA_UPDATING,
 )
 """The environment variables above (``loraplex route``'s status key is its setting's ``env=``,
 in ``loraplex.router.config``)."""
@@ -260,6 +266,29 @@ def parse_json_list(text: str) -> str:
     if not isinstance(obj, list) or not all(isinstance(x, str) for x in obj):
         raise ValueError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
     return text
+
+
+def parse_vllm_env_flag(text: str) -> bool:
+    """A vLLM boolean environment variable: on for '1' or 'true' (any case, spaces around),
+    off for anything else, as ``vllm.envs`` reads ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``."""
+    return text.strip().lower() in ("1", "true")
+
+
+def parse_endpoint_list(text: str) -> str:
+    """vLLM's ``--disable-access-log-for-endpoints``: comma-separated paths ('/health,/metrics'),
+    kept as given; each path must start with '/'."""
+    paths = endpoint_paths(text)
+    if not paths:
+        raise ValueError(f"expected comma-separated paths such as /health,/metrics, got {text!r}")
+    bad = [p for p in paths if not p.startswith("/")]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a path (paths start with '/')")
+    return text.strip()
+
+
+def endpoint_paths(text: str | None) -> list[str]:
+    """The paths of a ``--disable-access-log-for-endpoints`` value (blanks dropped)."""
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
 
 
 def parse_log_format(text: str) -> str:
@@ -718,6 +747,7 @@ class EngineConfig:
         default=2048,
         metadata=setting(
             "--max-num-batched-tokens",
+            "--max-num-batched-token",  # KubeAI's model catalog spelling (an argparse prefix)
             parse=human_int,
             ge=1,
             help="tokens per step (default: {default})",
@@ -1032,6 +1062,19 @@ class ServerConfig:
             help="directories that runtime-loaded adapters must lie under",
         ),
     )
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # without an admin key while the server has no key at all (an admin key, once set, is
+    # always required; inference keys never load)
+    allow_runtime_lora_updating: bool = field(
+        default=False,
+        metadata=setting(
+            "--allow-runtime-lora-updating",
+            parse=parse_vllm_env_flag,
+            env=(ENV_ALLOW_RUNTIME_LORA_UPDATING,),
+            help="vLLM's runtime load/unload routes on a server without keys, as vLLM "
+            "(default: {env} = 1 or true; with --admin-api-key they need that key anyway)",
+        ),
+    )
     max_waiting: int = field(  # waiting sequences above which new calls get 503 + Retry-After
         default=0,  # vLLM queues every request: no cap unless asked for
         metadata=setting(
@@ -1271,6 +1314,27 @@ class ServerConfig:
             "--disable-uvicorn-access-log", help="no HTTP access log (default: {default})"
         ),
     )
+    disable_access_log_for_endpoints: str | None = field(  # vLLM's comma-separated form
+        default=None,
+        metadata=setting(
+            "--disable-access-log-for-endpoints",
+            parse=parse_endpoint_list,
+            metavar="PATHS",
+            help="no access-log line for these paths, comma-separated, e.g. "
+            "/health,/metrics,/ping (query strings ignored)",
+        ),
+    )
+    shutdown_timeout_s: float | None = field(  # None: wait for every open request
+        default=None,
+        metadata=setting(
+            "--shutdown-timeout",
+            parse=seconds,
+            ge=0,
+            metavar="SECONDS",
+            help="on SIGTERM, seconds in-flight requests may take to finish before they are "
+            "cancelled; 0: at once (default: wait for them)",
+        ),
+    )
     # -- HTTP (uvicorn / FastAPI) ----------------------------------------------------------------
     root_path: str | None = field(
         default=None,
@@ -1287,6 +1351,14 @@ class ServerConfig:
     ssl_ca_certs: str | None = field(
         default=None,
         metadata=setting("--ssl-ca-certs", metavar="FILE", help="CA certificates (client certs)"),
+    )
+    enable_ssl_refresh: bool = field(
+        default=False,
+        metadata=setting(
+            "--enable-ssl-refresh",
+            help="reload the certificate, key and CA files when they change, without a "
+            "restart (default: {default})",
+        ),
     )
     allowed_origins: str | None = field(  # JSON list; None: no CORS headers
         default=None,
@@ -1370,6 +1442,12 @@ class ServerConfig:
                 self,
                 "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile",
                 lambda n: f"{n('ssl_keyfile')} and {n('ssl_certfile')} go together",
+            )
+        if self.enable_ssl_refresh and self.ssl_certfile is None:
+            raise FieldError(
+                self,
+                "enable_ssl_refresh",
+                lambda n: f"needs {n('ssl_certfile')} and {n('ssl_keyfile')}",
             )
         if self.require_signatures and not self.trusted_keys:
             raise FieldError(

@@ -24,28 +24,21 @@ from loraplex.server.app import create_app
 from loraplex.testing import make_per_expert_adapter, make_random_adapter, make_random_model
 from loraplex.testing.server import free_port, serve_in_thread
 from loraplex.testing.sync import EVENT_TIMEOUT_S, wait_until
+from tests.engine.test_mixed_batch_architectures import FAMILIES as ONE_DEVICE
 from tests.engine.test_moe_experts import FAMILIES as MOE_FAMILIES
 from tests.engine.test_moe_experts import adapters_for
 
-# family -> tiny model: each hits what TP splits differently
+# family -> tiny model: each hits what TP splits differently (the one-device suite's families,
+# tests/engine/test_mixed_batch_architectures.py, with KV heads that split over two ranks)
 FAMILIES: dict[str, dict] = {
     # one KV head for two ranks (replicated), untied head, odd vocabulary (uneven shards)
-    "llama_gqa": dict(arch="llama", num_kv_heads=1, tie_word_embeddings=False, vocab=389),
+    "llama_gqa": {**ONE_DEVICE["llama"], "num_kv_heads": 1, "vocab": 389},
     # q/k norms per head, tied head (the head is the vocab-parallel embedding's rows)
-    "qwen3": dict(arch="qwen3", num_kv_heads=2, head_dim=24, tie_word_embeddings=True),
+    "qwen3": {**ONE_DEVICE["qwen3"], "num_kv_heads": 2},
     # fused checkpoint projections (qkv_proj, gate_up_proj): cut after the fused read
-    "phi3": dict(arch="phi3", num_kv_heads=2, tie_word_embeddings=False),
-    # post-norms after the all-reduce, soft-capped attention and logits, scaled embedding
-    "gemma2": dict(
-        arch="gemma2",
-        num_kv_heads=2,
-        attn_logit_softcapping=30.0,
-        final_logit_softcapping=20.0,
-        query_pre_attn_scalar=16,
-    ),
-}
-VOCAB_PROJ = {
-    "phi3": ["qkv_proj", "o_proj", "lm_head", "embed_tokens"],
+    "phi3": {**ONE_DEVICE["phi3"], "num_kv_heads": 2},
+    # post-norms after the all-reduce, a sliding layer, soft-capped attention and logits
+    "gemma2": {**ONE_DEVICE["gemma2"], "num_kv_heads": 2},
 }
 PROMPTS = [[1, 5, 9, 13, 7, 2, 11], [3, 4, 5], [8, 8, 8, 8, 2, 1, 17, 30, 31], [20, 21], [6] * 5]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
@@ -59,6 +52,7 @@ vocabulary, stays around 1e-6 relative of O(10) logits; 2e-4 leaves two orders o
 def _family(root: Path, name: str) -> tuple[Path, list[Path]]:
     spec = dict(FAMILIES[name])
     vocab = spec.pop("vocab", None)
+    attn = spec.pop("proj", {}).get("attn", ["q_proj", "v_proj", "o_proj"])
     model = make_random_model(
         root / "model",
         spec.pop("arch"),
@@ -68,7 +62,7 @@ def _family(root: Path, name: str) -> tuple[Path, list[Path]]:
         vocab_size=vocab,
         **spec,
     )
-    proj = VOCAB_PROJ.get(name, ["q_proj", "v_proj", "o_proj", "lm_head", "embed_tokens"])
+    proj = [*attn, "lm_head", "embed_tokens"]
     adapters = [
         make_random_adapter(model, root / "r4", r=4, seed=1),  # all-linear: seven projections
         make_random_adapter(model, root / "r16", r=16, seed=2, std=0.08),
@@ -102,8 +96,14 @@ def _run(model: Path, adapters: list[Path], tp: int, **kw: object) -> list:
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_tp2_equals_tp1(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "shm"), [*((name, "0") for name in FAMILIES), ("llama_gqa", "1"), ("qwen3", "1")]
+)
+def test_tp2_equals_tp1(
+    name: str, shm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through gloo, and for two families through the shared-memory step traffic too."""
+    monkeypatch.setenv("LORAPLEX_TP_SHM", shm)
     model, adapters = _family(tmp_path, name)
     one = _run(model, adapters, 1)
     two = _run(model, adapters, 2)
@@ -203,9 +203,14 @@ def test_prefix_cache_hot_swap_and_slot_eviction_under_tp(tmp_path: Path) -> Non
     assert cached[6] == 0 and two[6][0] != two[5][0]  # the hot swap: new digest, no old KV
 
 
-def test_a_killed_worker_fails_the_stream_clearly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_killed_worker_fails_the_stream_clearly(
+    shm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker killed while a stream runs: the stream ends with an error naming the broken
-    group, /health fails, new requests are refused; nothing hangs."""
+    group, /health fails, new requests are refused; nothing hangs (gloo's step traffic, and
+    the shared-memory one's, whose waits watch the worker process)."""
+    monkeypatch.setenv("LORAPLEX_TP_SHM", shm)
     model = make_random_model(tmp_path / "model", "qwen3", num_kv_heads=2, num_layers=2)
     config = ServerConfig(
         EngineConfig(model=str(model), tensor_parallel_size=2, dtype="float32", num_threads=1),

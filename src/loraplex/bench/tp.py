@@ -7,7 +7,8 @@ For each setting (``tp1`` then ``tp2``, or as ``--order`` says, in fresh process
 model with 16 distinct rank-16 adapters on all seven projections and reports decode tok/s for
 16 sequences x 16 adapters, 16 base sequences and one sequence with one adapter; for TP=2 also
 rank 0's time per step inside the collectives (the row-parallel all-reduces, the embedding's,
-the logits' gather; it includes waiting for the other rank) and the slot writes' time (each
+the logits' gather; it includes waiting for the other rank), through gloo and through shared
+memory (``2s``, ``LORAPLEX_TP_SHM=1``), and the slot writes' time (each
 adapter's whole weights sent to the worker through the process group, and its cut written on
 both ranks) against TP=1's plain slot write.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,35 +98,42 @@ e.shutdown()
 """
 
 
-def run(model: Path, adapters: list[Path], tp: int, dtype: str, new_tokens: int) -> dict:
+def run(model: Path, adapters: list[Path], setting: str, dtype: str, new_tokens: int) -> dict:
+    """One setting in a fresh process: ``"1"``, ``"2"`` (gloo) or ``"2s"`` (shared memory)."""
+    tp = int(setting.rstrip("s"))
     args = [str(model), str(tp), dtype, str(new_tokens), json.dumps([str(a) for a in adapters])]
-    out = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True)
+    env = {**os.environ, "LORAPLEX_TP_SHM": "1" if setting.endswith("s") else "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", _RUN, *args], capture_output=True, text=True, env=env
+    )
     if out.returncode != 0:
-        raise RuntimeError(f"tp={tp}: {out.stderr.strip()[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"tp={setting}: {out.stderr.strip()[-3000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["comm"] = "" if tp == 1 else ("shm" if setting.endswith("s") else "gloo")
+    return res
 
 
 def report(shape: str, dtype: str, rows: list[dict]) -> None:
     one = next(r for r in rows if r["tp"] == 1)
     print(f"\n{shape} {dtype}: decode (tok/s | ms per step | ms per step in collectives)")
-    print(f"{'setting':<22}{'16 seqs x 16 adapters':>26}{'16 base':>24}{'1 seq 1 adapter':>24}"
+    print(f"{'setting':<27}{'16 seqs x 16 adapters':>26}{'16 base':>24}{'1 seq 1 adapter':>24}"
           f"{'slot write ms':>15}")  # fmt: skip
     for r in rows:
         cells = ""
         for key in ("16_adapters", "16_base", "1_adapter"):
             c = r[key]
             cells += f"{c['tok_s']:>9.1f} {c['step_ms']:>6.1f} {c['collective_ms']:>6.2f}  "
-        name = f"TP={r['tp']} x {r['threads']} thread(s)"
-        print(f"{name:<22}{cells}{r['slot_write_ms']:>13.1f}")
+        name = f"TP={r['tp']} x {r['threads']} thread(s) {r['comm']}"
+        print(f"{name:<27}{cells}{r['slot_write_ms']:>13.1f}")
     for r in rows:
         if r["tp"] > 1:
             for key in ("16_adapters", "16_base", "1_adapter"):
-                print(f"  TP={r['tp']} / TP=1 tok/s {key}: "
+                print(f"  TP={r['tp']} {r['comm']} / TP=1 tok/s {key}: "
                       f"{r[key]['tok_s'] / one[key]['tok_s']:.2f}x; collectives "
                       f"{r[key]['collective_ms']:.2f} ms of {r[key]['step_ms']:.1f} ms per step "
                       f"({r[key]['calls']:.0f} calls; the logits' gather "
                       f"{r[key]['gather_ms']:.2f} ms)")  # fmt: skip
-            print(f"  slot write (whole weights to the worker + both cuts): "
+            print(f"  {r['comm']}: slot write (whole weights to the worker + both cuts): "
                   f"{r['slot_write_ms']:.1f} ms vs {one['slot_write_ms']:.1f} ms at TP=1")  # fmt: skip
     print(f"  kernels: {one['kernels'][:200]}")
 
@@ -134,12 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=list(SHAPES), default="llama-1b")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--order", default="1,2", help="TP sizes in run order (default: 1,2)")
+    ap.add_argument(
+        "--order",
+        default="1,2,2s",
+        help="settings in run order: a TP size, 's' after it for the shared-memory step "
+        "traffic instead of gloo's (default: 1,2,2s)",
+    )
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/loraplex-bench-quant"))
     args = ap.parse_args(argv)
     model, adapters = build(args.cache_dir, args.shape)
     rows = [
-        run(model, adapters, int(tp), args.dtype, args.new_tokens) for tp in args.order.split(",")
+        run(model, adapters, setting, args.dtype, args.new_tokens)
+        for setting in args.order.split(",")
     ]
     report(args.shape, args.dtype, rows)
     return 0

@@ -24,6 +24,7 @@ from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
 from loraplex.engine.tensor_parallel import (
     DriverModel,
+    Group,
     MirroredSlotBank,
     Rendezvous,
     TensorParallelError,
@@ -327,22 +328,22 @@ def _parse(config: EngineConfig) -> tuple[ModelConfig, torch.device, torch.dtype
 
 
 def _load(
-    config: EngineConfig, parsed: tuple | None = None, tp_group: Any = None, rank: int = 0
+    config: EngineConfig, parsed: tuple | None = None, group: Group | None = None, rank: int = 0
 ) -> tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]:
-    """Load the model (a tensor-parallel rank's shard with ``tp_group``); ``parsed``: what
+    """Load the model (a tensor-parallel rank's shard with ``group``); ``parsed``: what
     :func:`_parse` returned, if the caller has it."""
     mc, device, dtype, quant = parsed or _parse(config)
     tp = None
-    if tp_group is not None:
+    if group is not None:
         layout = ShardLayout.of(mc, rank, config.tensor_parallel_size)
-        tp = TensorParallel(layout, tp_group, config.fully_sharded_loras)
+        tp = TensorParallel(layout, group.step, config.fully_sharded_loras, group.comm)
         tp.check_lora_split(mc)
     model = load_model(Path(config.model), mc, dtype, device, quant, tp)  # mc.architecture's
     return mc, device, dtype, model
 
 
 def _loaded_on_every_rank(
-    config: EngineConfig, group: Any, rank: int, parsed: tuple | None = None
+    config: EngineConfig, group: Group, rank: int, parsed: tuple | None = None
 ) -> tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]:
     """``_load`` as tensor-parallel ``rank``; every rank learns whether all loaded (and
     raises the first failure's reason if one did not)."""
@@ -350,21 +351,19 @@ def _loaded_on_every_rank(
         got = _load(config, parsed, group, rank)
     except Exception as e:  # this rank's own error is the one to raise
         with contextlib.suppress(TensorParallelError):
-            agree(f"{type(e).__name__}: {e}", group)
+            agree(f"{type(e).__name__}: {e}", group.step)
         raise
-    agree(None, group)
+    agree(None, group.step)
     return got
 
 
 def worker_parts(
-    config: EngineConfig, rv: Rendezvous, rank: int, group: Any
+    config: EngineConfig, rv: Rendezvous, rank: int, group: Group
 ) -> tuple[DecoderForCausalLM, PagedKVCache, LoRASlotBank | None]:
     """A tensor-parallel worker's shard, KV cache and slot bank, sized as rank 0 decided."""
     _set_threads(rank_threads(config, rv.local_ranks or rv.size))
     _, device, dtype, model = _loaded_on_every_rank(config, group, rank)
-    msg: list[Any] = [None]
-    torch.distributed.broadcast_object_list(msg, src=0, group=group)
-    layout: WorkerLayout = msg[0]
+    layout: WorkerLayout = group.comm.broadcast()
     mc = model.cfg
     budget = MemoryBudget(config, mc, device, dtype)
     bank = slot_bank(config, model, budget, layout.lora_slots) if layout.lora_slots else None
@@ -410,7 +409,7 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
     if workers is None:
         mc, device, dtype, model = _load(config, parsed)
     else:
-        mc, device, dtype, model = _loaded_on_every_rank(config, workers.step_group, 0, parsed)
+        mc, device, dtype, model = _loaded_on_every_rank(config, workers.group, 0, parsed)
     quant = model.quant
     if quant is not None:
         release_freed_memory()  # the float copies quantized at load, back to the OS
@@ -431,7 +430,7 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
     num_blocks = budget.kv_blocks(lora.adapters.bank.nbytes if lora is not None else 0)
     if workers is not None:  # every rank builds the same number of blocks and slots
         layout = WorkerLayout(num_blocks, lora.adapters.bank.max_loras if lora else 0)
-        workers.send(workers.step_group, layout)
+        workers.cast(layout)
         model = DriverModel(model, workers)  # type: ignore[assignment]
     cache = PagedKVCache(
         local.num_layers, num_blocks, config.block_size, local.num_kv_heads, local.head_dim,

@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from loraplex.config import Rendezvous
+from loraplex.config import ENV_TP_SHM, Rendezvous, env_value
 from loraplex.lora.slots import LoRAModuleWeightsLike, LoRASlotBank, ModuleKey, SlotSource
+from loraplex.model.collectives import Collectives, GlooCollectives, ShmCollectives
 
 if TYPE_CHECKING:
     from loraplex.config import EngineConfig
@@ -63,13 +64,40 @@ class TensorParallelError(RuntimeError):
     """The tensor-parallel group failed (a worker died or disagreed); the engine cannot step."""
 
 
-def join_group(rv: Rendezvous, rank: int) -> tuple[Any, Any]:
-    """Join the process group as ``rank``; returns (step group, slot group)."""
+SHM_SLOT_BYTES = 4 << 20
+"""Largest tensor the shared-memory all-reduce takes (a decode step's [tokens, hidden] and
+prompt chunks up to ~1k tokens of a 2k-wide model); larger ones go through gloo."""
+
+
+@dataclass
+class Group:
+    """A rank's communicators: the step group (gloo), the slot group (slot-bank writes, from
+    the staging thread) and the step traffic's collectives (model calls, all-reduces, the
+    logits' gather): the step group's, or with ``LORAPLEX_TP_SHM=1`` and every rank on this
+    host shared memory (``model.collectives``; opt-in: docs/benchmarks.md has the figures)."""
+
+    step: Any
+    slots: Any
+    comm: Collectives
+
+
+def join_group(rv: Rendezvous, rank: int, alive: Callable[[], bool]) -> Group:
+    """Join the process group as ``rank``; ``alive()``: whether the rest of the group can
+    still answer (a waiting all-reduce gives up once it says no)."""
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
     dist.init_process_group(
         "gloo", init_method=rv.init_method, rank=rank, world_size=rv.size, timeout=timeout
     )
-    return dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout)
+    step, slots = dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout)
+    comm: Collectives = GlooCollectives(step, rank, rv.size)
+    if rv.size == (rv.local_ranks or rv.size) and env_value(ENV_TP_SHM) == "1":
+        path = [ShmCollectives.create(rv.size, SHM_SLOT_BYTES) if rank == 0 else None]
+        dist.broadcast_object_list(path, src=0, group=step)
+        comm = ShmCollectives(path[0], rank, rv.size, SHM_SLOT_BYTES, step, alive, GROUP_TIMEOUT_S)
+        dist.barrier(group=step)  # every rank has it mapped: the name can go
+        if rank == 0:
+            os.unlink(path[0])
+    return Group(step, slots, comm)
 
 
 def rank_threads(config: EngineConfig, ranks_here: int) -> int:
@@ -94,9 +122,10 @@ class TPWorkers:
     """Rank 0's handle on the group: the worker processes, the two communicators, the
     channel every model call and slot mutation goes through, and whether the group broke."""
 
-    def __init__(self, rv: Rendezvous, step_group: Any, slot_group: Any) -> None:
+    def __init__(self, rv: Rendezvous, group: Group) -> None:
         self.rv = rv
-        self.step_group, self.slot_group = step_group, slot_group
+        self.group = group
+        self.step_group, self.slot_group = group.step, group.slots
         self.procs: list[Any] = []
         self.failure: str | None = None
         self._closed = False
@@ -114,10 +143,14 @@ class TPWorkers:
         here = rv.local_ranks or rv.size
         procs = [WorkerProcess.spawn(config, rv, rv.first_rank + i) for i in range(1, here)]
         joined: dict[str, Any] = {}
+        holder: list[TPWorkers] = []
+
+        def alive() -> bool:  # read by a waiting all-reduce, once the workers exist
+            return not holder or (holder[0].failure is None and not holder[0].dead_workers())
 
         def join() -> None:
             try:
-                joined["groups"] = join_group(rv, rv.first_rank)
+                joined["groups"] = join_group(rv, rv.first_rank, alive)
             except BaseException as e:  # handed to the starting thread
                 joined["error"] = e
 
@@ -137,8 +170,9 @@ class TPWorkers:
             for p in procs:
                 p.kill()
             raise joined["error"]
-        workers = cls(rv, *joined["groups"])
+        workers = cls(rv, joined["groups"])
         workers.procs = procs
+        holder.append(workers)
         threading.Thread(target=workers._watch, name="tp-watch", daemon=True).start()
         return workers
 
@@ -152,6 +186,15 @@ class TPWorkers:
                 log.error("%s; this engine stops serving", self.failure)
                 return
             time.sleep(WATCH_INTERVAL_S)
+
+    def cast(self, msg: Any) -> None:
+        """Send ``msg`` to every worker's step loop; a broken group fails for good."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        try:
+            self.group.comm.broadcast(msg)
+        except RuntimeError as e:
+            self.fail(e)
 
     def send(self, group: Any, msg: Any) -> None:
         """Broadcast ``msg`` from rank 0 on ``group``; a broken group fails for good."""
@@ -191,7 +234,7 @@ class TPWorkers:
         self._closed = True
         if self.failure is None:  # the step loop returns and the worker exits, slot thread and all
             with contextlib.suppress(TensorParallelError):
-                self.send(self.step_group, ("stop",))
+                self.cast(("stop",))
         for p in self.procs:
             p.join(5.0)
             p.kill()
@@ -213,7 +256,7 @@ class DriverModel:
         return getattr(self._model, name)
 
     def _cast(self, *msg: Any) -> None:
-        self._workers.send(self._workers.step_group, msg)
+        self._workers.cast(msg)
 
     def forward(self, batch: Any, cache: PagedKVCache) -> torch.Tensor:
         self._cast("forward", batch)
@@ -361,12 +404,11 @@ class WorkerLayout:
     lora_slots: int  # 0: no LoRA
 
 
-def step_loop(model: DecoderForCausalLM, cache: PagedKVCache, group: Any) -> None:
+def step_loop(model: DecoderForCausalLM, cache: PagedKVCache, comm: Collectives) -> None:
+    """Run what rank 0 casts, call by call, until it says stop."""
     h: torch.Tensor | None = None
     while True:
-        msg: list[Any] = [None]
-        dist.broadcast_object_list(msg, src=0, group=group)
-        op, *args = msg[0]
+        op, *args = comm.broadcast()
         if op == "forward":
             model.forward(args[0], cache)
         elif op == "hidden":

@@ -21,17 +21,18 @@ def worker_main(config: EngineConfig, rv: Rendezvous, rank: int) -> None:
     """A worker process: join, load its shard, build its KV cache and slot bank as rank 0
     says, then execute what rank 0 broadcasts until told to stop or the group breaks."""
     logging.basicConfig(level=logging.WARNING, format=f"tp-{rank} %(levelname)s %(message)s")
-    step_group, slot_group = join_group(rv, rank)
+    parent = os.getppid()
+    group = join_group(rv, rank, lambda: os.getppid() == parent)  # rank 0 is this one's parent
     try:
-        model, cache, bank = worker_parts(config, rv, rank, step_group)
+        model, cache, bank = worker_parts(config, rv, rank, group)
     except Exception:
         return  # worker_parts has reported the failure to every rank
     if bank is not None:
         threading.Thread(
-            target=slot_loop, args=(bank, slot_group), name="tp-slots", daemon=True
+            target=slot_loop, args=(bank, group.slots), name="tp-slots", daemon=True
         ).start()
     try:
-        step_loop(model, cache, step_group)
+        step_loop(model, cache, group.comm)
     except RuntimeError as e:  # the group broke: rank 0 is gone
         log.warning("tensor-parallel rank %d stops: %s", rank, e)
     os._exit(0)  # daemon threads may sit in a collective; nothing is left to flush

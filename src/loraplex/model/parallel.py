@@ -38,12 +38,12 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from loraplex.lora.ops import LoRAOps
 from loraplex.lora.peft_format import EMBED_TOKENS, EXPERT_PROJ_NAMES, LM_HEAD, ROUTER
 from loraplex.lora.plan import LoRABatchPlan
 from loraplex.lora.slots import LoRASlotBank
+from loraplex.model.collectives import GlooCollectives
 from loraplex.model.lora_binding import LoRABinding
 from loraplex.types import ModelLoadError
 
@@ -155,6 +155,13 @@ class TensorParallel:
     layout: ShardLayout
     group: Any = field(default=None, compare=False)  # a torch.distributed ProcessGroup
     fully_sharded: bool = False  # --fully-sharded-loras: LoRA's A and B both cut
+    comm: Any = field(default=None, compare=False)
+    """The step traffic's collectives (``model.collectives``: shared memory on one host, else
+    the group's); None: ``GlooCollectives`` over ``group``."""
+
+    def __post_init__(self) -> None:
+        if self.comm is None:
+            object.__setattr__(self, "comm", GlooCollectives(self.group, self.rank, self.size))
 
     @property
     def rank(self) -> int:
@@ -167,8 +174,7 @@ class TensorParallel:
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """``sum over ranks of x`` on every rank (in place; x: a row-parallel partial output)."""
-        dist.all_reduce(x, group=self.group)
-        return x
+        return self.comm.all_reduce(x)
 
     def gather_vocab(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
         """The full logits [N, vocab] on rank 0 from each rank's [N, its rows]; other ranks get
@@ -177,8 +183,7 @@ class TensorParallel:
         n = logits.shape[0]
         if logits.shape[1] < pad:  # the last rank's shard is shorter: pad to one shape
             logits = torch.cat([logits, logits.new_zeros(n, pad - logits.shape[1])], dim=1)
-        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(logits.contiguous(), parts, dst=0, group=self.group)
+        parts = self.comm.gather(logits.contiguous())
         if parts is None:
             return logits
         return torch.cat(parts, dim=1)[:, :vocab]  # [N, vocab]
