@@ -196,6 +196,7 @@ SERVE_SAMPLES = {  # settings whose values have a syntax of their own: one valid
     "node_rank": "1",
     "master_addr": "10.0.0.2",
     "master_port": "29500",
+    "disable_access_log_for_endpoints": "/health,/metrics,/ping",
 }
 SERVE_NEEDS = {  # cross-field rules: what else a setting needs to be valid
     "nnodes": ["--tensor-parallel-size", "2", "--master-port", "29500"],
@@ -207,6 +208,7 @@ SERVE_NEEDS = {  # cross-field rules: what else a setting needs to be valid
     "disk_cache_bytes": ["--disk-cache-dir", "DIR"],
     "lora_modules": ["--enable-lora"],
     "require_signatures": ["--trusted-key", "KEY"],
+    "enable_ssl_refresh": ["--ssl-certfile", "KEY", "--ssl-keyfile", "KEY"],
 }
 ROUTE_SAMPLES = {
     "replicas": "http://r9:8000",

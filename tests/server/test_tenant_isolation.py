@@ -40,13 +40,17 @@ def test_tenant_totals_models_and_paths_show_only_what_the_tenant_sees(
             assert host["count"] == 1 and host["bytes"] == rows[own]["bytes"], view["tiers"]
             assert view["tiers"]["device"]["count"] <= 1
 
-        for key in (acme, bravo, ADMIN):
+        for key in (acme, bravo):  # tenants never see a server path
             r = live.get("/v1/models", key)
             assert r.status_code == 200
             assert str(tmp_path) not in r.text and str(tiny_model) not in r.text
             for m in r.json()["data"]:
                 want = BASE if m["parent"] is None else f"{m['id']}@{m['revision']}"
                 assert m["root"] == want, m
+        # operators get vLLM's model cards: root = the model path, the adapter's source
+        cards = {m["id"]: m for m in live.get("/v1/models", ADMIN).json()["data"]}
+        assert cards[BASE]["root"] == str(tiny_model)
+        assert {n: cards[n]["root"] for n in served} == {n: str(p) for n, p in served.items()}
 
 
 def test_error_bodies_carry_no_server_paths(

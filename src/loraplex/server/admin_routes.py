@@ -4,7 +4,8 @@ health policy, rollback, disable; ``/v1/admin/audit``); and the one release rout
 inference keys, ``POST /v1/adapters/{name}/feedback`` (a user's score of a canary's response).
 
 Each route needs an admin scope: ``admin:load``, ``admin:pin``, ``admin:register`` or
-``admin:promote`` (reading needs any admin scope). ``--admin-api-key`` holds them all; registry
+``admin:promote`` (reading needs any admin scope); vLLM's load and unload also follow
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (:func:`~loraplex.server.auth.check_runtime_lora_auth`). ``--admin-api-key`` holds them all; registry
 keys hold the scopes they were created with, and a tenant-bound admin key acts only on its
 tenant's adapters. Every change is in the registry's audit log with the caller's key id.
 """
@@ -20,7 +21,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from loraplex.registry import CanaryPolicy, Principal, RegistryError
 from loraplex.server.adapters import check_allowed_path
-from loraplex.server.auth import admin_principal, inference_principal
+from loraplex.server.auth import admin_principal, inference_principal, runtime_lora_principal
 from loraplex.server.catalog import ADMIN_KEY, Servable
 from loraplex.server.errors import APIError, registry_api_error, scrub
 from loraplex.server.protocol import (
@@ -43,7 +44,7 @@ log = logging.getLogger("loraplex.server.app")  # the server's log lines keep on
 
 router = APIRouter()
 
-load_auth, pin_auth = admin_principal("admin:load"), admin_principal("admin:pin")
+pin_auth = admin_principal("admin:pin")
 any_admin = admin_principal("admin:")  # reading the registry: any admin scope
 register_auth, promote_auth = admin_principal("admin:register"), admin_principal("admin:promote")
 
@@ -88,11 +89,14 @@ def _owned_name(state: ServerState, name: str, principal: Principal) -> None:
 @router.post("/v1/load_lora_adapter")
 def load_lora_adapter(
     body: LoadLoRAAdapterRequest,
-    principal: Principal = Depends(load_auth),
+    principal: Principal = Depends(runtime_lora_principal),
     state: ServerState = Depends(get_state),
 ) -> Response:
     """vLLM's runtime load: register the directory as a new revision (validated against the
-    served base), load and verify it, then make it the active revision of ``lora_name``."""
+    served base), load and verify it, then make it the active revision of ``lora_name``.
+    ``load_inplace`` replaces a loaded name's weights (a new revision, so the next request
+    uses the new digest); without it a loaded name is vLLM's 400. Who may call it:
+    :func:`~loraplex.server.auth.check_runtime_lora_auth`."""
     _lora_enabled(state)
     name = body.lora_name
     if name in state.base_names:
@@ -100,13 +104,21 @@ def load_lora_adapter(
     if state.catalog.lookup(name, ADMIN_KEY) is not None and not body.load_inplace:
         raise APIError(
             400,
-            f"The lora adapter '{name}' has already been loaded. "
-            "Unload it first or pass load_inplace=true.",
+            f"The lora adapter '{name}' has already been loaded. If you want to load the "
+            "adapter in place, set 'load_inplace' to True.",
+            "InvalidUserInput",
             param="lora_name",
         )
     try:
         path = check_allowed_path(body.lora_path, state.config.allowed_lora_roots)
     except AdapterError as e:
+        if isinstance(e.__cause__, FileNotFoundError) or "is not a directory" in str(e):
+            raise APIError(  # vLLM's LoRAAdapterNotFoundError (the path itself scrubbed)
+                404,
+                f"Loading lora {name} failed: No adapter found for {scrub(body.lora_path)}",
+                "NotFoundError",
+                param="lora_path",
+            ) from e
         raise APIError(400, scrub(str(e)), param="lora_path") from e
     try:
         manifest = state.registry.register(
@@ -128,7 +140,7 @@ def load_lora_adapter(
 @router.post("/v1/unload_lora_adapter")
 def unload_lora_adapter(
     body: UnloadLoRAAdapterRequest,
-    principal: Principal = Depends(load_auth),
+    principal: Principal = Depends(runtime_lora_principal),
     state: ServerState = Depends(get_state),
 ) -> Response:
     """Disable the active revision: new requests get 404, requests in flight finish on it."""

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -34,7 +35,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import loraplex
-from loraplex.config import EngineConfig, ServerConfig
+from loraplex.config import EngineConfig, ServerConfig, endpoint_paths
 from loraplex.engine.client import EngineClient, LLMEngine, StreamBounds
 from loraplex.logs import StatsLogger, StatsSource, configure_logging, startup_summary
 from loraplex.registry import Registry
@@ -48,6 +49,7 @@ from loraplex.server import (
 )
 from loraplex.server.errors import APIError, as_api_error, validation_api_error
 from loraplex.server.gate import RequestGate
+from loraplex.server.listener import ACCESS_LOGGER, AccessLogFilter, CertRefresher
 from loraplex.server.state import ServerState, open_registry, retire_loop
 from loraplex.types import LoraplexError
 
@@ -291,16 +293,23 @@ async def _stats_loop(stats: StatsLogger, interval_s: float) -> None:
 
 
 def run_server(config: ServerConfig, *, on_ready: Callable[[], None] | None = None) -> None:
-    """Configure logging (``--log-level``, ``--log-format``), build the app and serve it with
-    uvicorn until interrupted."""
+    """Configure logging (``--log-level``, ``--log-format``, ``--disable-access-log-for-
+    endpoints``), build the app and serve it with uvicorn until interrupted; on SIGTERM open
+    requests get ``--shutdown-timeout`` seconds (default: as long as they take); with
+    ``--enable-ssl-refresh`` rotated TLS files are reloaded while serving."""
     import uvicorn
+    from uvicorn.main import STARTUP_FAILURE
 
     setup = configure_logging(
         config.log_level, config.log_format, access_log=not config.disable_uvicorn_access_log
     )
+    quiet = AccessLogFilter(endpoint_paths(config.disable_access_log_for_endpoints))
+    access = logging.getLogger(ACCESS_LOGGER)
+    access.addFilter(quiet)
+    refresher: CertRefresher | None = None
     try:
         app = create_app(config, on_ready=on_ready)
-        uvicorn.run(
+        uv = uvicorn.Config(
             app,
             # h11 bounds a request's header block (httptools, uvicorn's "auto" pick when
             # installed, does not); the event loop is uvloop when installed ("auto")
@@ -314,6 +323,23 @@ def run_server(config: ServerConfig, *, on_ready: Callable[[], None] | None = No
             ssl_keyfile=config.ssl_keyfile,
             ssl_certfile=config.ssl_certfile,
             ssl_ca_certs=config.ssl_ca_certs,
+            timeout_graceful_shutdown=(
+                None if config.shutdown_timeout_s is None else math.ceil(config.shutdown_timeout_s)
+            ),
         )
+        uv.load()  # builds the SSL context the refresher reloads in place
+        if config.enable_ssl_refresh and uv.ssl is not None and config.ssl_certfile:
+            refresher = CertRefresher(
+                uv.ssl, config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs
+            )
+            refresher.start()
+        server = uvicorn.Server(uv)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        if not server.started:  # as uvicorn.run: the socket could not be bound
+            raise SystemExit(STARTUP_FAILURE)
     finally:
+        if refresher is not None:
+            refresher.stop()
+        access.removeFilter(quiet)
         setup.close()

@@ -1,6 +1,7 @@
 """Who is calling: bearer keys to :class:`Principal` s, and the FastAPI dependencies of the
-inference routes (:func:`inference_principal`), the admin routes (:func:`admin_principal`) and
-``/metrics`` (:func:`metrics_principal`).
+inference routes (:func:`inference_principal`), the admin routes (:func:`admin_principal`),
+vLLM's runtime load/unload (:func:`runtime_lora_principal`) and ``/metrics``
+(:func:`metrics_principal`).
 
 Keys are ``--api-key`` (operator inference keys), ``--admin-api-key`` (every admin scope),
 ``--metrics-api-key`` (``/metrics`` only) and the registry's keys (a tenant, scopes). Without
@@ -138,6 +139,37 @@ def check_admin_auth(state: ServerState, request: Request, scope: str) -> Princi
     raise _unauthorized(bearer(request), "admin API key")
 
 
+def check_runtime_lora_auth(state: ServerState, request: Request) -> Principal:
+    """The caller of vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+
+    With an admin key (``--admin-api-key`` or a registry admin key) they are admin routes
+    (``admin:load``), whatever ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` says. Without one they
+    answer 404 as vLLM does while that variable is off; with it on they are open as in vLLM,
+    but only while the server has no key at all: once inference keys exist they fail closed
+    (403: no inference key may load; 401 for a missing or unknown key)."""
+    config = state.config
+    if config.admin_api_key or state.catalog.has_admin_keys():
+        return check_admin_auth(state, request, "admin:load")
+    if not config.allow_runtime_lora_updating:
+        raise APIError(
+            404,
+            "runtime LoRA loading is disabled; set VLLM_ALLOW_RUNTIME_LORA_UPDATING=true (or "
+            "--allow-runtime-lora-updating) on a server without keys, or start it with "
+            "--admin-api-key",
+            "NotFoundError",
+            code="admin_api_disabled",
+        )
+    if not auth_required(state):  # no key anywhere: open, as vLLM with the variable on
+        return ANONYMOUS
+    p = principal_of(state, request)
+    if p is None:
+        raise _unauthorized(bearer(request))
+    raise _forbidden(
+        "runtime LoRA loading needs an admin key on a server with API keys; start it with "
+        "--admin-api-key (inference keys never load adapters)"
+    )
+
+
 def check_metrics_auth(state: ServerState, request: Request) -> Principal:
     """The caller of ``/metrics``: the metrics key or an operator key; 403 for a tenant key
     (the metrics name every tenant's adapters); open only while the server is open and no
@@ -160,6 +192,11 @@ def inference_principal(request: Request) -> Principal:
 def metrics_principal(request: Request) -> Principal:
     """Dependency of ``/metrics``: the caller (as :func:`check_metrics_auth`)."""
     return check_metrics_auth(request.app.state.loraplex, request)
+
+
+def runtime_lora_principal(request: Request) -> Principal:
+    """Dependency of vLLM's load/unload routes (as :func:`check_runtime_lora_auth`)."""
+    return check_runtime_lora_auth(request.app.state.loraplex, request)
 
 
 def admin_principal(scope: str) -> Callable[[Request], Principal]:

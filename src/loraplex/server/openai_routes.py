@@ -86,36 +86,69 @@ def list_models(
     principal: Principal = Depends(inference_principal),
     state: ServerState = Depends(get_state),
 ) -> dict[str, Any]:
-    """The base model's names, then every adapter the caller may use (registration order)."""
+    """The base model's names, then every adapter the caller may use (registration order),
+    as vLLM's model cards: the base with ``parent`` null and ``root`` the model path, each
+    adapter with ``parent`` its base model's served name (``base_model_name`` of its
+    ``--lora-modules`` entry when that is a served name, else the first) and ``root`` its
+    path or URI. Tenant keys never see server paths: for them ``root`` is the base's served
+    name and ``name@revision`` for adapters."""
+    operator = principal.tenant is None
     max_len = state.client.max_model_len
+    first = state.base_names[0]
+    parents = {
+        m.name: m.base_model_name
+        for m in state.config.lora_modules
+        if m.base_model_name in state.base_names
+    }
     data = [
         {
             "id": name,
             "object": "model",
             "created": state.started,
             "owned_by": "loraplex",
-            "root": state.base_names[0],
+            "root": state.config.engine.model if operator else first,
             "parent": None,
             "max_model_len": max_len,
+            "permission": [_permission(state.started)],
         }
         for name in state.base_names
     ]
     for sv in sorted(state.catalog.visible(principal), key=registration_order):
         m = sv.active
+        created = int(m.activated_at or m.created_at)
         data.append(
             {
                 "id": sv.name,
                 "object": "model",
-                "created": int(m.activated_at or m.created_at),
+                "created": created,
                 "owned_by": m.tenant or "loraplex",
-                "root": f"{sv.name}@{m.revision}",
-                "parent": state.base_names[0],
+                "root": m.source_uri if operator else f"{sv.name}@{m.revision}",
+                "parent": parents.get(sv.name, first),
                 "max_model_len": max_len,
+                "permission": [_permission(created)],
                 "revision": m.revision,
                 "sha256": m.sha256,
             }
         )
     return {"object": "list", "data": data}
+
+
+def _permission(created: int) -> dict[str, Any]:
+    """vLLM's ``ModelPermission`` entry of a model card (its defaults)."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 def _usage_chunk(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

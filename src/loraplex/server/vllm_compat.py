@@ -90,7 +90,6 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--tokenizer-pool-size", "one", ("0",), "tokenization runs in the --prepare-workers pool"),
     ("--code-revision", "one", ANY, ""),  # loraplex runs no model code from the hub
     ("--stream-interval", "one", ("1",), "loraplex streams one chunk per token"),
-    ("--shutdown-timeout", "one", ("0",), "loraplex stops at once"),
     ("--disable-sliding-window", "bool", ("false",), "sliding windows come from config.json"),
     ("--aggregate-engine-logging", "true", ANY, ""),  # one engine
     ("--fail-on-environ-validation", "bool", ("false",), ""),
@@ -176,9 +175,9 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--headless", "bool", ANY, "every node but --node-rank 0 runs its ranks headless"),
     ("--grpc", "true", (), _ONE_DEVICE),
     ("--grpc-port --uds --middleware --ssl-ciphers --h11-max-incomplete-event-size", "one", (), ""),
-    ("--h11-max-header-count --disable-access-log-for-endpoints", "one", (), ""),
+    ("--h11-max-header-count", "one", (), ""),
     ("--ssl-cert-reqs", "one", ("0",), "client certificates are not checked"),
-    ("--enable-ssl-refresh --enable-offline-docs", "bool", ("false",), ""),
+    ("--enable-offline-docs", "bool", ("false",), ""),
     ("--logging-config --log-config-file", "one", (), "use --log-level and --log-format"),
     ("--otlp-traces-endpoint --show-hidden-metrics-for-version", "one", (), "no tracing"),
     ("--collect-detailed-traces", "many", (), "no tracing"),
