@@ -78,6 +78,8 @@ ALLOWED: dict[str, set[str]] = {
         "model",
     },
     "__main__": {"cli"},
+    # on top too: other serving systems' entry points (Ray Serve) over a whole loraplex server
+    "integrations": BASE | {"server", "registry", "testing"},
 }
 
 TORCH_FREE_LORA = {"loraplex.lora.digest", "loraplex.lora.peft_format"}

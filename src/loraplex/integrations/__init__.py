@@ -1,0 +1,6 @@
+"""Integrations with other serving systems (the top layer: they may import ``server`` and
+``engine``; nothing in loraplex imports them).
+
+- :mod:`loraplex.integrations.ray_serve`: a Ray Serve application whose replicas are loraplex
+  engines behind an OpenAI-compatible ingress (``pip install loraplex[ray]``).
+"""

@@ -1,0 +1,409 @@
+"""The two Ray Serve deployments: ``LoraplexEngine`` replicas and the ``LoraplexIngress``.
+
+``LoraplexEngine``: one replica is one whole loraplex server, ``create_app(config)`` in the
+replica's process: its engine, tiered adapter cache, registry view, auth, metrics, every route.
+It answers :class:`~.asgi.ForwardedRequest` values (``forward``, a streaming method) by running
+them through that app, and reports its adapter residency to Ray (``record_routing_stats``: the
+adapters in its device slots and host memory, read through the engine client) for the
+residency router. With ``routing="multiplex"`` it also tells Ray's multiplexing which adapters
+it holds: after each successful adapter answer it calls its ``@serve.multiplexed`` function for
+that adapter, whose whole job is to have loraplex's cache load (or keep) it, never to load
+weights itself (``max_num_models_per_replica`` = the host tier's adapter count).
+
+``LoraplexIngress``: the OpenAI-compatible HTTP front (every path and method passes through).
+It reads the body (up to the server's ``--max-request-bytes``), takes the adapter from the JSON
+body's ``model`` (the base model's names route by load alone), and forwards the request to an
+engine replica through a handle whose multiplexed model id is that adapter, so the deployment's
+request router sees it. A replica lost before its answer began (actor or node death, a replica
+going away, back-pressure, loraplex's own 503) is retried on another replica with backoff, up
+to ``max_attempts`` within ``failover_timeout_s``; a stream cut after its first chunk ends with
+an OpenAI error event instead (its tokens were already sent). Per-replica admin calls (runtime
+load/unload, pins, evictions) are refused: behind a load balancer they would reach one replica
+at random; adapters come from ``--lora-modules`` or a shared ``--registry-url``.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from ray import serve
+from ray.exceptions import (
+    LocalRayletDiedError,
+    NodeDiedError,
+    ObjectLostError,
+    OwnerDiedError,
+    RayActorError,
+    WorkerCrashedError,
+)
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from loraplex.config import ServerConfig
+from loraplex.integrations.ray_serve.asgi import (
+    ForwardedRequest,
+    InProcessASGI,
+    ResponseStart,
+    end_to_end,
+    error_start,
+)
+
+__all__ = ["IngressSettings", "LoraplexEngine", "LoraplexIngress"]
+
+log = logging.getLogger("loraplex.integrations.ray_serve")
+
+ROUTINGS = ("residency", "multiplex", "default")
+"""``residency``: :class:`~.router.ResidencyRequestRouter`; ``multiplex``: Ray's default router
+with its model multiplexing; ``default``: Ray's default router, no adapter information."""
+
+RETRYABLE: tuple[type[BaseException], ...] = (
+    RayActorError,  # ActorDiedError, ActorUnavailableError
+    WorkerCrashedError,
+    NodeDiedError,
+    LocalRayletDiedError,
+    ObjectLostError,
+    OwnerDiedError,
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
+"""Failures that mean no replica produced an answer: the request may go to another one."""
+
+PER_REPLICA_ROUTES = frozenset(
+    {
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/v1/pin_lora_adapter",
+        "/v1/unpin_lora_adapter",
+        "/v1/evict_lora_adapter",
+    }
+)
+"""Admin calls that change one replica's cache: refused behind the ingress."""
+
+ADAPTER_HEADER = "x-loraplex-adapter"
+REPLICA_HEADER = b"x-loraplex-replica"
+ATTEMPTS_HEADER = b"x-loraplex-attempts"
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What the multiplexed function returns: the adapter's name (loraplex's cache holds the
+    weights and decides their eviction; Ray dropping this drops nothing)."""
+
+    name: str
+
+
+@serve.deployment(name="LoraplexEngine", max_ongoing_requests=64)
+class LoraplexEngine:
+    """One loraplex server per replica (see the module docstring)."""
+
+    async def __init__(self, config: ServerConfig, routing: str = "residency") -> None:
+        from loraplex.server.app import create_app
+
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+        self.routing = routing
+        app = await asyncio.to_thread(create_app, config)
+        self._state = app.state.loraplex
+        self._asgi = InProcessASGI(app)
+        await self._asgi.startup()
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._mark: Any = None
+        self._marking: set[asyncio.Task[Any]] = set()
+        self._serving: Counter[str] = Counter()  # adapter name -> requests in flight here
+        if routing == "multiplex":
+            client = self._state.client
+            n = max(1, client.max_cpu_loras) if client.lora_enabled else 1
+
+            async def _loraplex_adapter_loader(name: str) -> _Held:
+                return await self._have_loaded(name)
+
+            self._mark = serve.multiplexed(max_num_models_per_replica=n)(_loraplex_adapter_loader)
+
+    async def forward(self, req: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """Run ``req`` through this replica's app: a :class:`ResponseStart`, then chunks."""
+        adapter = serve.get_multiplexed_model_id()
+        if adapter:
+            self._serving[adapter] += 1
+        try:
+            async for part in self._asgi.request(req):
+                if isinstance(part, ResponseStart):
+                    part = replace(
+                        part, headers=[*part.headers, (REPLICA_HEADER, self.replica_id.encode())]
+                    )
+                    if self._mark is not None and part.status < 300 and part.header(ADAPTER_HEADER):
+                        self._note_served(adapter)
+                yield part
+        finally:
+            if adapter:
+                self._serving[adapter] -= 1
+                if self._serving[adapter] <= 0:
+                    del self._serving[adapter]
+
+    def _note_served(self, name: str) -> None:
+        """Tell Ray's multiplexing this replica holds ``name`` (in the background)."""
+        if not name:
+            return
+        task = asyncio.ensure_future(self._mark(name))
+        self._marking.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._marking.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("multiplexed load of %r failed: %s", name, t.exception())
+
+        task.add_done_callback(done)
+
+    async def _have_loaded(self, name: str) -> _Held:
+        """The ``@serve.multiplexed`` function: loraplex's cache loads (or keeps) ``name``'s
+        active revision through the engine client, the same verified load a request makes."""
+        state = self._state
+
+        def load() -> None:
+            s = state.catalog.servables().get(name)
+            if s is None:
+                raise LookupError(f"no adapter {name!r}")
+            state.client.check_loadable(state.adapter_spec(s.active))
+
+        await asyncio.to_thread(load)
+        return _Held(name)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Residency for the router: adapter name -> ``device`` | ``host`` for every adapter
+        this replica holds (``serving`` for one only a request in flight here holds so far: it
+        is being loaded), its host tier's adapter capacity, and when this was read."""
+        client, catalog = self._state.client, self._state.catalog
+        adapters: dict[str, str] = {}
+        if client.lora_enabled:
+            for a in client.loaded_adapters():  # device rows first
+                for name in catalog.names_of(a.digest):
+                    adapters.setdefault(name, a.tier)
+            for name in list(self._serving):
+                adapters.setdefault(name, "serving")
+        return {
+            "adapters": adapters,
+            "host_capacity": client.max_cpu_loras if client.lora_enabled else 0,
+            "device_capacity": client.max_loras if client.lora_enabled else 0,
+            "time": time.time(),
+        }
+
+    def check_health(self) -> None:
+        """Ray's health check: the engine loop must be running."""
+        if not self._state.client.is_running:
+            raise RuntimeError("the loraplex engine loop is not running")
+
+    async def __del__(self) -> None:
+        for task in list(getattr(self, "_marking", ())):
+            task.cancel()
+        asgi = getattr(self, "_asgi", None)
+        if asgi is not None:
+            await asgi.shutdown()
+
+
+@dataclass(frozen=True)
+class IngressSettings:
+    """How the ingress forwards (see :func:`~.builder.build_app` for where each comes from)."""
+
+    routing: str = "residency"
+    base_names: tuple[str, ...] = ()
+    max_request_bytes: int = 8 << 20
+    max_attempts: int = 5
+    failover_timeout_s: float = 60.0
+    overload_retries: int = 2  # loraplex 503s retried elsewhere before one is passed on
+
+
+async def _relay(stream: DeploymentResponseGenerator, start: ResponseStart) -> AsyncIterator[bytes]:
+    """The rest of a streamed answer; a replica lost mid-stream ends it with an error event."""
+    finished = False
+    try:
+        async for chunk in stream:
+            yield chunk
+        finished = True
+    except RETRYABLE as e:
+        finished = True
+        log.warning("a stream's replica was lost mid-stream (%s)", type(e).__name__)
+        err = {
+            "error": {
+                "message": "the replica serving this stream was lost",
+                "type": "server_error",
+                "param": None,
+                "code": "replica_failed",
+            }
+        }
+        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        if not finished:
+            stream.cancel()
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The whole body, or None once it passes ``limit`` bytes (read no further)."""
+    declared = request.headers.get("content-length")
+    with contextlib.suppress(ValueError):
+        if declared is not None and int(declared) > limit:
+            return None
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _too_large(limit: int) -> ResponseStart:
+    return error_start(
+        413,
+        f"the request body is larger than this server accepts ({limit} bytes, --max-request-bytes)",
+        "invalid_request_error",
+        "request_too_large",
+    )
+
+
+def _response(
+    start: ResponseStart, attempts: int, stream: AsyncIterator[bytes] | None = None
+) -> Response:
+    """The HTTP answer for ``start`` (its headers end to end, plus the attempts made)."""
+    headers = end_to_end(start.headers)
+    if stream is not None:
+        headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+        resp: Response = StreamingResponse(stream, status_code=start.status)
+    else:
+        resp = Response(content=start.body, status_code=start.status)
+        if not any(k.lower() == b"content-length" for k, _ in headers):
+            headers.append((b"content-length", str(len(start.body)).encode()))
+    headers.append((ATTEMPTS_HEADER, str(attempts).encode()))
+    resp.raw_headers = headers
+    return resp
+
+
+# The ingress's FastAPI app is frozen (pickled by value) when ``@serve.ingress`` runs, so
+# everything its route uses must be defined above it.
+ingress_api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+@serve.deployment(name="LoraplexIngress", max_ongoing_requests=1024)
+@serve.ingress(ingress_api)
+class LoraplexIngress:
+    """The OpenAI-compatible front (see the module docstring)."""
+
+    def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+
+    @ingress_api.api_route("/{path:path}", methods=_METHODS)
+    async def proxy(self, path: str, request: Request) -> Response:
+        route = "/" + path
+        if route in PER_REPLICA_ROUTES:
+            return _response(
+                error_start(
+                    400,
+                    f"{route} changes one replica's adapter cache; behind Ray Serve adapters come "
+                    "from --lora-modules or a shared --registry-url (every replica serves them)",
+                    "invalid_request_error",
+                    "per_replica_route",
+                ),
+                0,
+            )
+        body = await _read_body(request, self.settings.max_request_bytes)
+        if body is None:
+            return _response(_too_large(self.settings.max_request_bytes), 0)
+        req = ForwardedRequest(
+            method=request.method,
+            path=route,
+            query=request.url.query.encode(),
+            headers=list(request.headers.raw),
+            body=body,
+            client=(request.client.host, request.client.port) if request.client else None,
+        )
+        start, stream, attempts = await self._send(req, self._adapter_of(req))
+        if stream is None:
+            return _response(start, attempts)
+        return _response(start, attempts, _relay(stream, start))
+
+    def _adapter_of(self, req: ForwardedRequest) -> str:
+        """The adapter a request names (its JSON body's ``model``), or ``""``."""
+        if req.method != "POST" or not req.body.lstrip().startswith(b"{"):
+            return ""
+        try:
+            model = json.loads(req.body).get("model")
+        except (ValueError, AttributeError):
+            return ""  # the replica answers the malformed body
+        if not isinstance(model, str) or model in self.settings.base_names:
+            return ""
+        return model
+
+    async def _send(
+        self, req: ForwardedRequest, adapter: str
+    ) -> tuple[ResponseStart, DeploymentResponseGenerator | None, int]:
+        """Forward ``req``, failing over until an answer starts: (its start, the rest of a
+        stream or None, attempts made)."""
+        s = self.settings
+        handle = self.engine.options(stream=True)
+        if adapter and s.routing != "default":
+            handle = handle.options(multiplexed_model_id=adapter)
+        deadline = time.monotonic() + s.failover_timeout_s
+        delay, attempt, overloaded = 0.05, 0, 0
+        last = ""
+        while True:
+            attempt += 1
+            gen: DeploymentResponseGenerator = handle.forward.remote(req)
+            try:
+                first = await gen.__anext__()
+            except StopAsyncIteration:
+                first = error_start(
+                    502, "the replica ended without an answer", "server_error", "replica_failed"
+                )
+                return first, None, attempt
+            except RETRYABLE as e:
+                gen.cancel()
+                last = type(e).__name__
+                log.warning(
+                    "attempt %d of %s %s failed (%s); retrying", attempt, req.method, req.path, last
+                )
+            except asyncio.CancelledError:
+                gen.cancel()
+                raise
+            except Exception as e:  # the replica's own code raised: another try would too
+                log.exception("%s %s failed on its replica", req.method, req.path)
+                return (
+                    error_start(
+                        500,
+                        f"the engine replica failed ({type(e).__name__})",
+                        "server_error",
+                        "replica_error",
+                    ),
+                    None,
+                    attempt,
+                )
+            else:
+                if first.status != 503 or overloaded >= s.overload_retries:
+                    return first, (gen if first.streaming else None), attempt
+                overloaded += 1  # loraplex refused it for load: try another replica first
+                gen.cancel()
+                last = "503"
+            if attempt >= s.max_attempts or time.monotonic() + delay > deadline:
+                return (
+                    error_start(
+                        503,
+                        f"no engine replica could answer after {attempt} attempts (last: {last})",
+                        "server_error",
+                        "replicas_unavailable",
+                    ),
+                    None,
+                    attempt,
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
