@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -173,8 +174,9 @@ def test_only_answered_requests_count_and_unknown_names_take_no_room() -> None:
     p.note_answered("x")
     d = p.pick(vs, "x")
     assert d is not None and p.home_sets() == {"x": [vs[d.index].url]}
-    for i in range(20):  # a flood of unknown names leaves x's home and the fill alone
+    for i in range(20):  # a flood of unknown names (each answered 404) leaves the fill alone
         p.pick(vs, f"bogus-{i}")
+        p.note_unanswered(f"bogus-{i}")
     p.note_answered("y")
     p.pick(vs, "y")
     homes = p.home_sets()
@@ -275,10 +277,31 @@ def test_from_empty_caches_concurrent_fleet_sits_on_the_bound() -> None:
     assert home_cold <= 1.06 * bound
 
 
+def test_concurrent_newcomers_hold_a_slot_until_answered() -> None:
+    """First requests for new adapters sent before any answers (concurrent clients): each
+    holds a memory slot where it goes, so the next newcomer goes elsewhere instead of
+    overfilling one replica; the answer places it there, and a request that fails frees the
+    slot."""
+    hm = HomeMap()
+    vs = views(URLS[:4], memory=2)
+    names = [f"n{i}" for i in range(8)]  # exactly the fleet's memory
+    first = {a: hm.home(a, vs)[0] for a in names}
+    assert sorted(Counter(first.values()).values()) == [2, 2, 2, 2]
+    assert all(hm.home(a, vs) == [first[a]] for a in names)  # sticky until answered
+    for a in names:
+        hm.observe(a, vs[first[a]].url)
+    assert {a: hm.homes[a] for a in names} == {a: (vs[first[a]].url,) for a in names}
+    late = HomeMap()
+    (where,) = late.home("gone", vs)
+    late.unanswered("gone")  # its request failed: the slot is free for the next newcomer
+    assert late._tentative == {} and sum(late._placer.count.values()) == 0  # type: ignore[union-attr]
+    assert where in range(4)
+
+
 def test_first_answer_places_the_adapter_where_it_was_served() -> None:
     hm = HomeMap()
     vs = views(URLS[:2], memory=4)
-    (first,) = hm.home("x", vs)  # never answered: where it would go, taking no room
+    (first,) = hm.home("x", vs)  # never answered: where it would go (a slot held there)
     assert hm.homes == {}
     other = vs[1 - first].url
     hm.observe("x", other)  # another replica answered it (a spill): warm there, home there

@@ -215,10 +215,13 @@ class Router:
         served ``adapter`` (the name clients route by) from a device slot; nothing else
         (errors, answers without the header) changes the view."""
         state = resp.headers.get("x-loraplex-adapter-state")
+        served = state in ("warm", "cold") and 200 <= resp.status_code < 300
+        if adapter is not None and not served:
+            self.picker.note_unanswered(adapter)  # a slot held for its first answer is free
         if state not in ("warm", "cold"):
             return
         self.metrics.arrivals.labels(state=state).inc()
-        if adapter is not None and 200 <= resp.status_code < 300:
+        if adapter is not None and served:
             rep.note_served(adapter, time.monotonic())
             self.picker.note_answered(adapter, rep.url)  # traffic for the home sets
 

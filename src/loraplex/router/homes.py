@@ -30,7 +30,9 @@ The assignment is recomputed every ``rebalance_every`` requests (at least a quar
 tracked adapters' count apart, so the cost per request stays bounded) and whenever the live fleet
 (URLs, memory sizes) changes. An adapter is placed when a replica first answers for it, on that
 replica if it has a free memory slot (its copy is warm there; until then its requests go where
-it would be placed, taking no room), so from empty caches the homes fill the fleet's memory in
+it would be placed, holding one memory slot there until the answer, or the next rebalance,
+so that concurrent newcomers fill the fleet instead of one replica), so from empty caches the
+homes fill the fleet's memory in
 the order adapters arrive and the rebalances that follow keep them: a partition, with only the
 compulsory misses. Everything is a deterministic function of the answers seen and the replica
 views; removing one of N replicas moves only the adapters it was home to, and a replica that
@@ -58,6 +60,7 @@ _SHRINK = 0.75  # k shrinks once the raw size is below _SHRINK * (k - 1)
 _KEEP_SLACK = 2.0  # with little evidence a warm home stays up to 2x its replica's fair share
 _KEEP_OVER = 1.1  # with enough, up to 1.1x the mass bound (share noise near it moves nobody)
 _PRUNE_BELOW = 0.05  # decayed counts below this are forgotten (about 3 windows unseen)
+_TENTATIVE_MAX = 64  # newcomers' held slots (first request sent, not answered yet)
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,22 @@ class Placer:
             if cap is not None and self.count[u] >= cap:
                 self._with_room.discard(u)
 
+    def reserve(self, url: str) -> bool:
+        """Hold one free memory slot of ``url`` for an adapter whose first request is on its
+        way there (no traffic mass yet); False when it has none free."""
+        if url not in self._with_room:
+            return False
+        self._commit([url], 0.0)
+        return True
+
+    def release(self, url: str) -> None:
+        """Give back a slot :meth:`reserve` held."""
+        if url in self.count and self.count[url] > 0:
+            self.count[url] -= 1
+            cap = self._memory[url]
+            if cap is None or self.count[url] < cap:
+                self._with_room.add(url)
+
 
 def assign_homes(
     adapters: Iterable[tuple[str, int, float]], members: Sequence[Member], balance: float
@@ -295,6 +314,11 @@ class HomeMap:
         self._placer: Placer | None = None
         self._ranks: dict[str, list[str]] = {}  # adapter -> rendezvous order over the fleet
         self._since = 0  # requests observed since the last rebalance
+        # adapter -> the replica its first request went to, a memory slot held there until it
+        # is answered (so concurrent newcomers fill the fleet instead of one replica); oldest
+        # first, at most _TENTATIVE_MAX, all dropped at a rebalance (names never answered
+        # hold nothing for long)
+        self._tentative: dict[str, str] = {}
 
     def observe(self, adapter: str, replica: str | None = None) -> None:
         """One answered request for ``adapter`` (by ``replica``, its URL, if known). An adapter
@@ -303,6 +327,7 @@ class HomeMap:
         newcomers have changed meanwhile, would move it."""
         self.shares.observe(adapter)
         self._since += 1
+        self.unanswered(adapter)  # its held slot, if any: placed for real below
         if adapter not in self.homes and self._placer is not None:
             self._place_new(adapter, commit=True, served=replica)
 
@@ -319,7 +344,13 @@ class HomeMap:
             self.rebalance(fleet)
         homes = self.homes.get(adapter)
         if homes is None:
-            homes = self._place_new(adapter, commit=adapter in self.shares.counts)
+            held = self._tentative.get(adapter)
+            if held is not None and held in self._placer.count:  # type: ignore[union-attr]
+                homes = (held,)
+            else:
+                homes = self._place_new(adapter, commit=adapter in self.shares.counts)
+                if adapter not in self.homes and homes:  # never answered: hold its slot
+                    self._hold(adapter, homes[0])
         where = {v.url: i for i, v in enumerate(views)}
         return [where[u] for u in homes if u in where]
 
@@ -345,9 +376,25 @@ class HomeMap:
             r = self._ranks[adapter] = placer.rank(adapter)
         return r
 
+    def _hold(self, adapter: str, url: str) -> None:
+        placer = self._placer
+        assert placer is not None
+        if len(self._tentative) >= _TENTATIVE_MAX:
+            self.unanswered(next(iter(self._tentative)))
+        if placer.reserve(url):
+            self._tentative[adapter] = url
+
+    def unanswered(self, adapter: str) -> None:
+        """A request for ``adapter`` ended without a success (a bogus name, a refusal): a slot
+        held for its first answer is given back."""
+        held = self._tentative.pop(adapter, None)
+        if held is not None and self._placer is not None:
+            self._placer.release(held)
+
     def rebalance(self, fleet: tuple[Member, ...]) -> None:
         """Recompute every tracked adapter's size, mass and home set over ``fleet``, keeping
         the homes it has where they still fit (module docstring)."""
+        self._tentative = {}  # a fresh placer: the held slots go with the old one
         joined = {m.url for m in fleet} - {m.url for m in self._fleet or ()}
         if fleet != self._fleet:
             self._ranks = {}
@@ -431,6 +478,12 @@ class Picker:
         state): one request of traffic for the home sets."""
         if self.policy == "home":
             self.homes.observe(adapter, replica)
+
+    def note_unanswered(self, adapter: str) -> None:
+        """A request for ``adapter`` got an answer that was not a success: it counts for
+        nothing, and a memory slot held for its first answer is free again."""
+        if self.policy == "home":
+            self.homes.unanswered(adapter)
 
     def pick(
         self,
