@@ -20,6 +20,7 @@ import pytest
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.config import EngineConfig, ServerConfig
 from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.tensor_parallel import SharedWeights
 from loraplex.server.app import create_app
 from loraplex.testing import make_per_expert_adapter, make_random_adapter, make_random_model
 from loraplex.testing.server import free_port, serve_in_thread
@@ -154,10 +155,26 @@ def _generate(e: LLMEngine, rid: str, prompt: list[int], lora: LoRARequest | Non
                 return out
 
 
-def test_prefix_cache_hot_swap_and_slot_eviction_under_tp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transfer", ["shm", "group"])
+def test_prefix_cache_hot_swap_and_slot_eviction_under_tp(
+    transfer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One device slot for three adapters (every request evicts and stages another), the
     prefix cache within an adapter only, a hot swap that never reuses the old KV: each
-    answer equal to the one-rank engine's."""
+    answer equal to the one-rank engine's. The slot writes' weights reach the worker through
+    shared memory (each file gone once the write returns), or, when /dev/shm cannot take
+    them, through the process group."""
+    written: list[str] = []
+    write = SharedWeights.write.__func__  # type: ignore[attr-defined]
+
+    def tracked(cls: type[SharedWeights], plain: dict) -> SharedWeights:
+        if transfer == "group":
+            raise OSError(28, "No space left on device")
+        shared = write(cls, plain)
+        written.append(shared.path)
+        return shared
+
+    monkeypatch.setattr(SharedWeights, "write", classmethod(tracked))
     model, adapters = _family(tmp_path, "llama_gqa")
     prompt = list(range(3, 40))
     swap = tmp_path / "swap"
@@ -196,11 +213,43 @@ def test_prefix_cache_hot_swap_and_slot_eviction_under_tp(tmp_path: Path) -> Non
 
     one, two = script(1), script(2)
     assert one == two
+    assert len(written) >= (6 if transfer == "shm" else 0), written  # every slot write
+    assert not [p for p in written if Path(p).exists()]
     cached = [c for _, c in two]
     assert cached[:3] == [0, 0, 0]  # other adapters: no sharing
     assert cached[3] > 0 and cached[4] > 0  # the same adapter again: its prefix is reused
     assert cached[5] > 0  # adapters[0]'s weights under another name: the same digest
     assert cached[6] == 0 and two[6][0] != two[5][0]  # the hot swap: new digest, no old KV
+
+
+def test_shared_weights_round_trip(tmp_path: Path) -> None:
+    """A slot write's file: each tensor back bit for bit in its dtype and shape, every one on
+    a 64-byte boundary, the file private to this user and gone after ``remove``."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    plain = {
+        (0, "q_proj"): (torch.randn(3, 5, generator=g), torch.randn(7, 3, generator=g), 0.5),
+        (1, "down_proj"): (
+            torch.randn(4, 9, generator=g).bfloat16(),
+            torch.randn(11, 4, generator=g).bfloat16(),
+            2.0,
+        ),
+        (-1, "lm_head"): (torch.randn(2, 1, generator=g), torch.randn(1, 2, generator=g), 1.0),
+    }
+    shared = SharedWeights.write(plain)
+    try:
+        assert Path(shared.path).stat().st_mode & 0o077 == 0
+        got = shared.read()
+        for key, (a, b, scale) in plain.items():
+            w = got[key]
+            assert w.a.dtype == a.dtype and torch.equal(w.a, a) and torch.equal(w.b, b)
+            assert w.scale == scale
+            for off in (shared.layout[key][0], shared.layout[key][2]):
+                assert off % 64 == 0
+    finally:
+        shared.remove()
+    assert not Path(shared.path).exists()
 
 
 @pytest.mark.parametrize("shm", ["0", "1"])

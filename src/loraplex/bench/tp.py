@@ -9,8 +9,8 @@ model with 16 distinct rank-16 adapters on all seven projections and reports dec
 rank 0's time per step inside the collectives (the row-parallel all-reduces, the embedding's,
 the logits' gather; it includes waiting for the other rank), through gloo and through shared
 memory (``2s``, ``LORAPLEX_TP_SHM=1``), and the slot writes' time (each
-adapter's whole weights sent to the worker through the process group, and its cut written on
-both ranks) against TP=1's plain slot write.
+adapter's whole weights handed to the worker, through shared memory or with ``2g`` pickled
+through the process group, and its cut written on both ranks) against TP=1's plain slot write.
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ from loraplex import LLM, LoRARequest, SamplingParams
 
 model, tp, dtype, new_tokens, adapters = (sys.argv[1], int(sys.argv[2]), sys.argv[3],
                                           int(sys.argv[4]), json.loads(sys.argv[5]))
+if sys.argv[6] == "group":  # slot writes' weights pickled through the process group
+    from loraplex.engine.tensor_parallel import SharedWeights
+
+    def no_shm(cls, plain):
+        raise OSError("the benchmark's process-group setting")
+
+    SharedWeights.write = classmethod(no_shm)
 threads = 2 // tp
 llm = LLM(model, dtype=dtype, tensor_parallel_size=tp, num_threads=threads, enable_lora=True,
           max_loras=16, max_lora_rank=16, max_num_seqs=16, skip_tokenizer_init=True,
@@ -99,17 +106,22 @@ e.shutdown()
 
 
 def run(model: Path, adapters: list[Path], setting: str, dtype: str, new_tokens: int) -> dict:
-    """One setting in a fresh process: ``"1"``, ``"2"`` (gloo) or ``"2s"`` (shared memory)."""
-    tp = int(setting.rstrip("s"))
-    args = [str(model), str(tp), dtype, str(new_tokens), json.dumps([str(a) for a in adapters])]
-    env = {**os.environ, "LORAPLEX_TP_SHM": "1" if setting.endswith("s") else "0"}
+    """One setting in a fresh process: ``"1"``, ``"2"`` (gloo step traffic), ``"2s"`` (shared
+    memory step traffic); a ``g`` after either: slot writes' weights through the process group
+    instead of shared memory."""
+    tp = int(setting.rstrip("sg"))
+    step_shm, slot_group = "s" in setting, "g" in setting
+    args = [str(model), str(tp), dtype, str(new_tokens), json.dumps([str(a) for a in adapters]),
+            "group" if slot_group else "shm"]  # fmt: skip
+    env = {**os.environ, "LORAPLEX_TP_SHM": "1" if step_shm else "0"}
     out = subprocess.run(
         [sys.executable, "-c", _RUN, *args], capture_output=True, text=True, env=env
     )
     if out.returncode != 0:
         raise RuntimeError(f"tp={setting}: {out.stderr.strip()[-3000:]}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    res["comm"] = "" if tp == 1 else ("shm" if setting.endswith("s") else "gloo")
+    res["comm"] = "" if tp == 1 else ("shm" if step_shm else "gloo")
+    res["slots"] = "" if tp == 1 else ("group" if slot_group else "shm")
     return res
 
 
@@ -123,7 +135,9 @@ def report(shape: str, dtype: str, rows: list[dict]) -> None:
         for key in ("16_adapters", "16_base", "1_adapter"):
             c = r[key]
             cells += f"{c['tok_s']:>9.1f} {c['step_ms']:>6.1f} {c['collective_ms']:>6.2f}  "
-        name = f"TP={r['tp']} x {r['threads']} thread(s) {r['comm']}"
+        name = f"TP={r['tp']} x {r['threads']} {r['comm']}" + (
+            f", slots {r['slots']}" if r["slots"] else ""
+        )
         print(f"{name:<27}{cells}{r['slot_write_ms']:>13.1f}")
     for r in rows:
         if r["tp"] > 1:
@@ -133,8 +147,9 @@ def report(shape: str, dtype: str, rows: list[dict]) -> None:
                       f"{r[key]['collective_ms']:.2f} ms of {r[key]['step_ms']:.1f} ms per step "
                       f"({r[key]['calls']:.0f} calls; the logits' gather "
                       f"{r[key]['gather_ms']:.2f} ms)")  # fmt: skip
-            print(f"  {r['comm']}: slot write (whole weights to the worker + both cuts): "
-                  f"{r['slot_write_ms']:.1f} ms vs {one['slot_write_ms']:.1f} ms at TP=1")  # fmt: skip
+            print(f"  {r['comm']}, weights via {r['slots']}: slot write (whole weights to the "
+                  f"worker + both cuts): {r['slot_write_ms']:.1f} ms vs "
+                  f"{one['slot_write_ms']:.1f} ms at TP=1")  # fmt: skip
     print(f"  kernels: {one['kernels'][:200]}")
 
 
@@ -145,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument(
         "--order",
-        default="1,2,2s",
+        default="1,2g,2,2s",
         help="settings in run order: a TP size, 's' after it for the shared-memory step "
-        "traffic instead of gloo's (default: 1,2,2s)",
+        "traffic instead of gloo's, 'g' for slot writes' weights through the process group "
+        "instead of shared memory (default: 1,2g,2,2s)",
     )
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/loraplex-bench-quant"))
     args = ap.parse_args(argv)

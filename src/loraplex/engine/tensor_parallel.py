@@ -13,8 +13,11 @@ shard of the model; ranks 1.. are worker processes holding the other shards. The
 so a slot write has finished on all ranks before the engine can schedule a step that reads it
 (rank 0's write returns only then), and the row layouts of all ranks stay equal (checked on
 every mutation). Host, disk and store tiers exist once, on rank 0: it loads and verifies an
-adapter, and each worker receives the whole weights through the slot group and keeps only its
-cut of them (``TensorParallel.shard_lora``). Workers never decide anything.
+adapter, and each worker takes its cut of the whole weights (``TensorParallel.shard_lora``).
+When every rank is on this host the weights travel through shared memory: rank 0 writes them
+once into a private file in ``/dev/shm`` and the slot group carries only where each tensor
+lies in it (:class:`SharedWeights`); ranks on other hosts receive them pickled through the
+slot group. Workers never decide anything.
 
 A worker that dies breaks the group: rank 0's next collective raises (gloo sees the closed
 connection, or the group's timeout expires) and the step fails with that error; the engine
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import pickle
 import subprocess
@@ -79,6 +83,7 @@ class Group:
     step: Any
     slots: Any
     comm: Collectives
+    local: bool = False  # every rank on this host: slot writes' weights through shared memory
 
 
 def join_group(rv: Rendezvous, rank: int, alive: Callable[[], bool]) -> Group:
@@ -90,14 +95,15 @@ def join_group(rv: Rendezvous, rank: int, alive: Callable[[], bool]) -> Group:
     )
     step, slots = dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout)
     comm: Collectives = GlooCollectives(step, rank, rv.size)
-    if rv.size == (rv.local_ranks or rv.size) and env_value(ENV_TP_SHM) == "1":
+    local = rv.size == (rv.local_ranks or rv.size)
+    if local and env_value(ENV_TP_SHM) == "1":
         path = [ShmCollectives.create(rv.size, SHM_SLOT_BYTES) if rank == 0 else None]
         dist.broadcast_object_list(path, src=0, group=step)
         comm = ShmCollectives(path[0], rank, rv.size, SHM_SLOT_BYTES, step, alive, GROUP_TIMEOUT_S)
         dist.barrier(group=step)  # every rank has it mapped: the name can go
         if rank == 0:
             os.unlink(path[0])
-    return Group(step, slots, comm)
+    return Group(step, slots, comm, local)
 
 
 def rank_threads(config: EngineConfig, ranks_here: int) -> int:
@@ -293,6 +299,73 @@ class _Weights:
     scale: float
 
 
+_ALIGN = 64  # bytes: every tensor in a shared file starts on a cache line (any dtype's view)
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """An adapter's whole weights in a shared-memory file (one slot write's): ``layout`` maps
+    each module key to (A's and B's byte offset, shape, dtype name, scale). Rank 0 writes it
+    and removes the file once every worker has answered; a worker maps it, cuts its shard and
+    drops the mapping, so the bytes cross processes once, unpickled."""
+
+    path: str
+    nbytes: int
+    layout: dict[Any, tuple[int, tuple[int, ...], int, tuple[int, ...], str, float]]
+
+    @classmethod
+    def write(cls, plain: Mapping[Any, tuple[torch.Tensor, torch.Tensor, float]]) -> SharedWeights:
+        """``plain`` (``key -> (A, B, scale)``, one dtype per pair) into a new file readable by
+        this user only (in /dev/shm where there is one); OSError when it cannot be written
+        (the caller falls back to the process group)."""
+        layout, end = {}, 0
+        for key, (a, b, scale) in plain.items():
+            a_off = end
+            b_off = -(-(a_off + a.numel() * a.element_size()) // _ALIGN) * _ALIGN
+            end = -(-(b_off + b.numel() * b.element_size()) // _ALIGN) * _ALIGN
+            dtype = str(a.dtype).removeprefix("torch.")
+            layout[key] = (a_off, tuple(a.shape), b_off, tuple(b.shape), dtype, float(scale))
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="loraplex-slot-", suffix=".shm", dir=root)
+        try:
+            os.ftruncate(fd, max(end, 1))
+            os.close(fd)
+            shared = cls(path, max(end, 1), layout)
+            views = shared.read()
+            for key, (a, b, _) in plain.items():
+                views[key].a.copy_(a)
+                views[key].b.copy_(b)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        return shared
+
+    def read(self) -> dict[Any, _Weights]:
+        """The weights as views of the mapped file (kept mapped while a view lives)."""
+        buf = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+        out = {}
+        for key, (a_off, a_shape, b_off, b_shape, dtype, scale) in self.layout.items():
+            dt = getattr(torch, dtype)
+            out[key] = _Weights(
+                _view(buf, a_off, a_shape, dt), _view(buf, b_off, b_shape, dt), scale
+            )
+        return out
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def _view(
+    buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    n = math.prod(shape) * dtype.itemsize
+    return buf[offset : offset + n].view(dtype).view(shape)
+
+
 class MirroredSlotBank(LoRASlotBank):
     """Rank 0's slot bank: every mutation is repeated by every worker's bank (through the slot
     group, under this bank's lock, so in this bank's order) before it returns, and the
@@ -328,15 +401,28 @@ class MirroredSlotBank(LoRASlotBank):
                 here(*args)
         except Exception as e:  # the same error is expected of the workers
             err = e
-        sent = args
-        if op in ("set_lora", "replace_lora"):
-            sent = (args[0], _plain(args[1]), args[2])
+        sent: tuple = args
+        shared: SharedWeights | None = None
         ws = self.workers
-        ws.send(ws.slot_group, (op, *sent))
-        mine = _outcome(self, err)
-        for rank, theirs in enumerate(ws.answers(ws.slot_group), start=1):
-            if theirs != mine:
-                ws.fail(TensorParallelError(f"rank {rank} slot bank diverged: {theirs} != {mine}"))
+        if op in ("set_lora", "replace_lora"):
+            plain = _plain(args[1])
+            if ws.group.local:
+                try:
+                    shared = SharedWeights.write(plain)
+                except OSError as e:  # /dev/shm full or missing: the process group carries it
+                    log.warning("slot write through the process group (shared memory: %s)", e)
+            sent = (args[0], shared if shared is not None else plain, args[2])
+        try:
+            ws.send(ws.slot_group, (op, *sent))
+            mine = _outcome(self, err)
+            for rank, theirs in enumerate(ws.answers(ws.slot_group), start=1):
+                if theirs != mine:
+                    ws.fail(
+                        TensorParallelError(f"rank {rank} slot bank diverged: {theirs} != {mine}")
+                    )
+        finally:
+            if shared is not None:
+                shared.remove()
         if err is not None:
             raise err
 
@@ -430,9 +516,13 @@ def slot_loop(bank: LoRASlotBank, group: Any) -> None:
             err: BaseException | None = None
             try:
                 if op in ("set_lora", "replace_lora"):
-                    slot, plain, compact = args
-                    weights = {k: _Weights(*v) for k, v in plain.items()}
+                    slot, sent, compact = args
+                    if isinstance(sent, SharedWeights):
+                        weights = sent.read()  # views of rank 0's file; the bank copies its cut
+                    else:
+                        weights = {k: _Weights(*v) for k, v in sent.items()}
                     getattr(bank, op)(slot, weights, compact=compact)
+                    del weights
                 else:
                     getattr(bank, op)(*args)
             except Exception as e:
