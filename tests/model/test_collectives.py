@@ -36,7 +36,14 @@ _RANK = textwrap.dedent(
                 assert all(torch.equal(u, v) for u, v in zip(got, want))
     for msg in ({"op": "forward", "ids": list(range(10))}, {"big": list(range(500))}):
         assert shm.broadcast(msg if rank == 0 else None) == msg
-    print("ok", rank)
+    print("ok", rank, flush=True)
+    # as TPWorkers.close does: no reference to the group left when it is destroyed (a group
+    # object alive into the interpreter's teardown may abort the process there: "terminate
+    # called without an active exception")
+    shm.release()
+    ref.release()
+    dist.barrier()
+    dist.destroy_process_group()
     """
 )
 

@@ -336,7 +336,7 @@ def _load(
     tp = None
     if group is not None:
         layout = ShardLayout.of(mc, rank, config.tensor_parallel_size)
-        tp = TensorParallel(layout, group.step, config.fully_sharded_loras, group.comm)
+        tp = TensorParallel(layout, None, config.fully_sharded_loras, group.comm)  # comm: the group
         tp.check_lora_split(mc)
     model = load_model(Path(config.model), mc, dtype, device, quant, tp)  # mc.architecture's
     return mc, device, dtype, model

@@ -85,6 +85,11 @@ class Group:
     comm: Collectives
     local: bool = False  # every rank on this host: slot writes' weights through shared memory
 
+    def release(self) -> None:
+        """Drop every reference this rank holds to its process groups (then destroy them)."""
+        self.comm.release()
+        self.step = self.slots = None
+
 
 def join_group(rv: Rendezvous, rank: int, alive: Callable[[], bool]) -> Group:
     """Join the process group as ``rank``; ``alive()``: whether the rest of the group can
@@ -197,6 +202,8 @@ class TPWorkers:
         """Send ``msg`` to every worker's step loop; a broken group fails for good."""
         if self.failure is not None:
             raise TensorParallelError(self.failure)
+        if self.group.step is None:
+            raise TensorParallelError("the tensor-parallel group is closed")
         try:
             self.group.comm.broadcast(msg)
         except RuntimeError as e:
@@ -206,6 +213,8 @@ class TPWorkers:
         """Broadcast ``msg`` from rank 0 on ``group``; a broken group fails for good."""
         if self.failure is not None:
             raise TensorParallelError(self.failure)
+        if group is None:
+            raise TensorParallelError("the tensor-parallel group is closed")
         try:
             dist.broadcast_object_list([msg], src=0, group=group)
         except RuntimeError as e:
@@ -246,6 +255,8 @@ class TPWorkers:
             p.kill()
             with contextlib.suppress(OSError):
                 os.unlink(p.log_path)
+        self.group.release()  # before the destroy: the groups' objects go with it
+        self.step_group = self.slot_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
 

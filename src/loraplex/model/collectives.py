@@ -144,6 +144,10 @@ class ShmCollectives:
             return box[0]
         return pickle.loads(data)
 
+    def release(self) -> None:
+        """Drop the process group (see :meth:`GlooCollectives.release`)."""
+        self.group = None
+
     # -- internals ---------------------------------------------------------------------------
     def _begin(self) -> tuple[int, int]:
         """The next call's number and parity, once every rank has read that parity's last
@@ -203,6 +207,12 @@ class GlooCollectives:
         box = [msg]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def release(self) -> None:
+        """Drop this reference to the process group, so that once the group is destroyed its
+        C++ object (and gloo's threads) go now, not in the interpreter's teardown, where they
+        can abort the process ("terminate called without an active exception")."""
+        self.group = None
 
 
 Collectives = ShmCollectives | GlooCollectives
