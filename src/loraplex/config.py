@@ -51,7 +51,7 @@ ENV_HOME = "LORAPLEX_HOME"  # the registry's SQLite file, the base-model digest 
 ENV_CACHE_DIR = "LORAPLEX_CACHE_DIR"  # the demo model, built CPU kernels
 ENV_LORA_CPU_KERNEL = "LORAPLEX_LORA_CPU_KERNEL"  # "0": never the native CPU LoRA kernel
 ENV_LAYER_CPU_KERNEL = "LORAPLEX_LAYER_CPU_KERNEL"  # "0": never the C layer ops (norms, attention)
-ENV_TP_SHM = "LORAPLEX_TP_SHM"  # "1": one host's tensor-parallel step traffic via shared memory
+ENV_TP_SHM = "LORAPLEX_TP_SHM"  # "0": one host's tensor-parallel step traffic via gloo, not shm
 # vLLM's own switch of /v1/load_lora_adapter and /v1/unload_lora_adapter (KubeAI sets it):
 # --allow-runtime-lora-updating
 ENV_ALLOW_RUNTIME_LORA_UPDATING = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"

@@ -77,8 +77,8 @@ prompt chunks up to ~1k tokens of a 2k-wide model); larger ones go through gloo.
 class Group:
     """A rank's communicators: the step group (gloo), the slot group (slot-bank writes, from
     the staging thread) and the step traffic's collectives (model calls, all-reduces, the
-    logits' gather): the step group's, or with ``LORAPLEX_TP_SHM=1`` and every rank on this
-    host shared memory (``model.collectives``; opt-in: docs/benchmarks.md has the figures)."""
+    logits' gather): shared memory when every rank is on this host (``model.collectives``;
+    ``LORAPLEX_TP_SHM=0``: the step group's), else the step group's."""
 
     step: Any
     slots: Any
@@ -101,7 +101,7 @@ def join_group(rv: Rendezvous, rank: int, alive: Callable[[], bool]) -> Group:
     step, slots = dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout)
     comm: Collectives = GlooCollectives(step, rank, rv.size)
     local = rv.size == (rv.local_ranks or rv.size)
-    if local and env_value(ENV_TP_SHM) == "1":
+    if local and env_value(ENV_TP_SHM) != "0":
         path = [ShmCollectives.create(rv.size, SHM_SLOT_BYTES) if rank == 0 else None]
         dist.broadcast_object_list(path, src=0, group=step)
         comm = ShmCollectives(path[0], rank, rv.size, SHM_SLOT_BYTES, step, alive, GROUP_TIMEOUT_S)
@@ -401,17 +401,8 @@ class MirroredSlotBank(LoRASlotBank):
             self._mirrored("compact", super().compact)
 
     def _mirrored(self, op: str, here: Callable[..., None], *args: Any) -> None:
-        """Run ``op`` here, then on every worker with the same arguments (whole weights);
-        the same outcome (error class, row layout) is required of all."""
-        err: BaseException | None = None
-        try:
-            if op in ("set_lora", "replace_lora"):
-                slot, weights, compact = args
-                here(slot, weights, compact=compact)
-            else:
-                here(*args)
-        except Exception as e:  # the same error is expected of the workers
-            err = e
+        """Send ``op`` to every worker with the same arguments (whole weights), run it here
+        while they do, then require the same outcome (error class, row layout) of all."""
         sent: tuple = args
         shared: SharedWeights | None = None
         ws = self.workers
@@ -425,6 +416,15 @@ class MirroredSlotBank(LoRASlotBank):
             sent = (args[0], shared if shared is not None else plain, args[2])
         try:
             ws.send(ws.slot_group, (op, *sent))
+            err: BaseException | None = None
+            try:
+                if op in ("set_lora", "replace_lora"):
+                    slot, weights, compact = args
+                    here(slot, weights, compact=compact)
+                else:
+                    here(*args)
+            except Exception as e:  # the same error is expected of the workers
+                err = e
             mine = _outcome(self, err)
             for rank, theirs in enumerate(ws.answers(ws.slot_group), start=1):
                 if theirs != mine:
