@@ -23,7 +23,6 @@ and reports lost requests (none expected) and failed-over ones.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from loraplex.integrations.ray_serve.local_cluster import (
 )
 from loraplex.integrations.ray_serve.testbed import TinyFleet, make_tiny_fleet
 from loraplex.router.fleet_sim import partition_bound
+from loraplex.sim.workloads import generate_workload
 from loraplex.testing.server import free_port
 
 ROUTINGS = ("residency", "multiplex", "default")
@@ -64,12 +64,12 @@ class Answer:
 
 
 def make_trace(kind: str, adapters: list[str], n: int, s: float, seed: int) -> list[str]:
-    """``cycle``: adapters in turn; ``zipf``: seeded Zipf(s) draws (rank i has weight 1/i**s)."""
+    """``cycle``: adapters in turn; ``zipf``: the simulator's seeded Zipf(s) workload over
+    ``adapters`` (its i-th most popular name is ``adapters[i]``)."""
     if kind == "cycle":
         return [adapters[i % len(adapters)] for i in range(n)]
-    rng = random.Random(seed)
-    weights = [1.0 / (i + 1) ** s for i in range(len(adapters))]
-    return rng.choices(adapters, weights=weights, k=n)
+    work = generate_workload(f"zipf:s={s},n={len(adapters)},requests={n},seed={seed}")
+    return [adapters[int(r.adapter[1:])] for r in work.requests]
 
 
 def send(
@@ -110,7 +110,7 @@ def send(
         return list(pool.map(one, trace))
 
 
-def options(routing: str, args: argparse.Namespace) -> RayServeOptions:
+def options(routing: str) -> RayServeOptions:
     return RayServeOptions(
         routing=routing,
         num_replicas=2,
@@ -147,7 +147,7 @@ def run_failover(
     url: str, cluster: LocalRayCluster, second: RayNode, fleet: TinyFleet, args: argparse.Namespace
 ) -> None:
     trace = make_trace("cycle", sorted(fleet.adapters)[: 2 * args.max_cpu_loras], 96, 1.0, 0)
-    deploy(build_app(fleet.server_config(**tiers(args)), options("residency", args)))
+    deploy(build_app(fleet.server_config(**tiers(args)), options("residency")))
     quarter = threading.Semaphore(0)
     answers: list[Answer] = []
     t = threading.Thread(
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             pool = names[:fleet_memory] if kind == "cycle" else names
             trace = make_trace(kind, pool, args.requests, args.zipf_s, args.seed)
             for routing in routings:
-                deploy(build_app(fleet.server_config(**tiers(args)), options(routing, args)))
+                deploy(build_app(fleet.server_config(**tiers(args)), options(routing)))
                 answers = send(url, trace, args.concurrency, args.max_tokens)
                 serve.delete("loraplex")
                 rows.append((kind, routing, summary(trace, answers, fleet_memory)))

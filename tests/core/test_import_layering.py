@@ -79,7 +79,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "__main__": {"cli"},
     # on top too: other serving systems' entry points (Ray Serve) over a whole loraplex server
-    "integrations": BASE | {"server", "registry", "testing"},
+    "integrations": BASE | {"server", "registry", "router", "testing"},
 }
 
 TORCH_FREE_LORA = {"loraplex.lora.digest", "loraplex.lora.peft_format"}

@@ -136,10 +136,17 @@ class TPWorkers:
     def __init__(self, rv: Rendezvous, group: Group) -> None:
         self.rv = rv
         self.group = group
-        self.step_group, self.slot_group = group.step, group.slots
         self.procs: list[Any] = []
         self.failure: str | None = None
         self._closed = False
+
+    @property
+    def step_group(self) -> Any:
+        return self.group.step  # None once closed
+
+    @property
+    def slot_group(self) -> Any:
+        return self.group.slots
 
     @classmethod
     def start(cls, config: EngineConfig, rv: Rendezvous) -> TPWorkers:
@@ -202,7 +209,7 @@ class TPWorkers:
         """Send ``msg`` to every worker's step loop; a broken group fails for good."""
         if self.failure is not None:
             raise TensorParallelError(self.failure)
-        if self.group.step is None:
+        if self.step_group is None:
             raise TensorParallelError("the tensor-parallel group is closed")
         try:
             self.group.comm.broadcast(msg)
@@ -256,7 +263,6 @@ class TPWorkers:
             with contextlib.suppress(OSError):
                 os.unlink(p.log_path)
         self.group.release()  # before the destroy: the groups' objects go with it
-        self.step_group = self.slot_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -338,19 +344,18 @@ class SharedWeights:
             layout[key] = (a_off, tuple(a.shape), b_off, tuple(b.shape), dtype, float(scale))
         root = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, path = tempfile.mkstemp(prefix="loraplex-slot-", suffix=".shm", dir=root)
+        shared = cls(path, max(end, 1), layout)
         try:
-            os.ftruncate(fd, max(end, 1))
-            os.close(fd)
-            shared = cls(path, max(end, 1), layout)
+            try:
+                os.ftruncate(fd, shared.nbytes)
+            finally:
+                os.close(fd)
             views = shared.read()
             for key, (a, b, _) in plain.items():
                 views[key].a.copy_(a)
                 views[key].b.copy_(b)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            shared.remove()
             raise
         return shared
 

@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.router.config import RouterConfig
 from loraplex.router.homes import Picker
+from loraplex.router.relay import read_body, sse_error
 from loraplex.router.replicas import Replica, ReplicaSet
 
 log = logging.getLogger(__name__)
@@ -70,11 +71,6 @@ def _error(
 ) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": None, "code": code or status}}
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _sse_error(message: str, code: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\n".encode() + b"data: [DONE]\n\n"
 
 
 class RouterMetrics:
@@ -248,24 +244,8 @@ class Router:
             headers={"WWW-Authenticate": "Bearer"},
         )
 
-    async def _read_body(self, request: Request) -> bytes | None:
-        """The request body, or None once it exceeds ``max_request_bytes`` (counted while
-        reading, so an oversized body is never held whole)."""
-        limit = self.config.max_request_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            return None
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def forward(self, request: Request, path: str) -> Response:
-        raw = await self._read_body(request)
+        raw = await read_body(request, self.config.max_request_bytes)
         if raw is None:
             self.metrics.requests.labels(status="413").inc()
             return _error(
@@ -420,7 +400,7 @@ class Router:
             if not isinstance(e, httpx.TimeoutException):
                 self.replicas.mark_failed(rep, f"stream: {e}")
             log.warning("stream from %s cut: %s", rep.url, e)
-            yield _sse_error(
+            yield sse_error(
                 f"the replica serving this stream failed ({type(e).__name__}: {e}); "
                 "the output above is incomplete",
                 "replica_failed",

@@ -30,11 +30,10 @@ The assignment is recomputed every ``rebalance_every`` requests (at least a quar
 tracked adapters' count apart, so the cost per request stays bounded) and whenever the live fleet
 (URLs, memory sizes) changes. An adapter is placed when a replica first answers for it, on that
 replica if it has a free memory slot (its copy is warm there; until then its requests go where
-it would be placed, holding one memory slot there until the answer, or the next rebalance,
-so that concurrent newcomers fill the fleet instead of one replica), so from empty caches the
-homes fill the fleet's memory in
-the order adapters arrive and the rebalances that follow keep them: a partition, with only the
-compulsory misses. Everything is a deterministic function of the answers seen and the replica
+it would be placed, holding one memory slot there until the answer or the next rebalance, so
+concurrent newcomers fill the fleet instead of one replica), so from empty caches the homes
+fill the fleet's memory in the order adapters arrive and the rebalances that follow keep them:
+a partition, with only the compulsory misses. Everything is a deterministic function of the answers seen and the replica
 views; removing one of N replicas moves only the adapters it was home to, and a replica that
 joins (or comes back) takes the adapters whose rendezvous order ranks it above their current
 homes, about 1/N of them.
@@ -345,7 +344,7 @@ class HomeMap:
         homes = self.homes.get(adapter)
         if homes is None:
             held = self._tentative.get(adapter)
-            if held is not None and held in self._placer.count:  # type: ignore[union-attr]
+            if held is not None:  # its placer's, on a live replica (a rebalance drops holds)
                 homes = (held,)
             else:
                 homes = self._place_new(adapter, commit=adapter in self.shares.counts)

@@ -240,23 +240,13 @@ async def _answer(
         if ended:
             return
     if start is None:
-        yield ResponseStart(500, [(b"content-type", b"application/json")], _NO_ANSWER)
+        yield error_start(
+            500, "the server ended the request without an answer", "server_error", "no_response"
+        )
     elif not streaming:
         yield ResponseStart(start["status"], list(start.get("headers", [])), b"".join(body))
     elif not started:  # a stream that ended before its first body message
         yield ResponseStart(start["status"], list(start.get("headers", [])), b"", True)
-
-
-_NO_ANSWER = json.dumps(
-    {
-        "error": {
-            "message": "the server ended the request without an answer",
-            "type": "server_error",
-            "param": None,
-            "code": "no_response",
-        }
-    }
-).encode()
 
 
 def _is_stream(headers: Headers) -> bool:

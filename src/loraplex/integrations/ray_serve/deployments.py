@@ -23,7 +23,6 @@ at random; adapters come from ``--lora-modules`` or a shared ``--registry-url``.
 """
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -58,6 +57,7 @@ from loraplex.integrations.ray_serve.asgi import (
     end_to_end,
     error_start,
 )
+from loraplex.router.relay import read_body, sse_error
 
 __all__ = ["IngressSettings", "LoraplexEngine", "LoraplexIngress"]
 
@@ -223,7 +223,7 @@ class IngressSettings:
     overload_retries: int = 2  # loraplex 503s retried elsewhere before one is passed on
 
 
-async def _relay(stream: DeploymentResponseGenerator, start: ResponseStart) -> AsyncIterator[bytes]:
+async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
     """The rest of a streamed answer; a replica lost mid-stream ends it with an error event."""
     finished = False
     try:
@@ -233,33 +233,10 @@ async def _relay(stream: DeploymentResponseGenerator, start: ResponseStart) -> A
     except RETRYABLE as e:
         finished = True
         log.warning("a stream's replica was lost mid-stream (%s)", type(e).__name__)
-        err = {
-            "error": {
-                "message": "the replica serving this stream was lost",
-                "type": "server_error",
-                "param": None,
-                "code": "replica_failed",
-            }
-        }
-        yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        yield sse_error("the replica serving this stream was lost", "replica_failed")
     finally:
         if not finished:
             stream.cancel()
-
-
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The whole body, or None once it passes ``limit`` bytes (read no further)."""
-    declared = request.headers.get("content-length")
-    with contextlib.suppress(ValueError):
-        if declared is not None and int(declared) > limit:
-            return None
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def _too_large(limit: int) -> ResponseStart:
@@ -317,7 +294,7 @@ class LoraplexIngress:
                 ),
                 0,
             )
-        body = await _read_body(request, self.settings.max_request_bytes)
+        body = await read_body(request, self.settings.max_request_bytes)
         if body is None:
             return _response(_too_large(self.settings.max_request_bytes), 0)
         req = ForwardedRequest(
@@ -331,7 +308,7 @@ class LoraplexIngress:
         start, stream, attempts = await self._send(req, self._adapter_of(req))
         if stream is None:
             return _response(start, attempts)
-        return _response(start, attempts, _relay(stream, start))
+        return _response(start, attempts, _relay(stream))
 
     def _adapter_of(self, req: ForwardedRequest) -> str:
         """The adapter a request names (its JSON body's ``model``), or ``""``."""
