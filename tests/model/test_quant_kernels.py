@@ -19,7 +19,7 @@ from loraplex.model.quant.kernels import (
     DequantLinear,
     FP8Linear,
     KernelChoice,
-    PanelInt4Linear,
+    PanelQuantLinear,
     TorchInt4Linear,
     TorchInt8Linear,
     W8A8Int8Linear,
@@ -110,38 +110,43 @@ def test_torch_int4(case: tuple) -> None:  # its layout needs out_features % 16 
 
 @pytest.mark.parametrize(
     "case",
-    [c for c in CASES if c[2] == 4],
-    ids=lambda c: f"{c[0]}x{c[1]}-g{c[3]}-zp{c[4]}-ao{c[5]}",
+    [*CASES, (40, 320, 8, None, True, False), (37, 384, 4, 256, True, False),
+     (12, 90, 8, None, False, False)],  # fmt: skip
+    ids=lambda c: f"{c[0]}x{c[1]}-int{c[2]}-g{c[3]}-zp{c[4]}-ao{c[5]}",
 )
-def test_panel_int4(case: tuple) -> None:
-    """The panel kernel's 4-bit path (bf16 x, where this CPU has AVX512-BF16): rows around its
-    block of four, a short last group, act order; the weight read back exactly from its
-    panels and kept only there."""
+def test_panel_quant(case: tuple) -> None:
+    """The panel kernel's 4- and 8-bit path (bf16 x, where this CPU has AVX512-BF16): rows
+    around its block of eight, several blocks, and prompt-sized batches that unpack each chunk
+    once into a buffer (PAIRS_FROM = 65 rows); groups longer than one chunk (64 pairs), a
+    short last group, an odd count of input pairs (8 bits), act order; every row's result the same bits
+    whatever the batch; the weight read back exactly from its panels and kept only there."""
     from loraplex.model.panel_gemm import load_panel_kernel
 
     kernel = load_panel_kernel()
     if torch.bfloat16 not in kernel.dtypes:
         pytest.skip("no AVX512-BF16 in this CPU's panel build")
     qw = _weight(*case)
-    lin = PanelInt4Linear(qw, torch.bfloat16, kernel)
+    lin = PanelQuantLinear(qw, torch.bfloat16, kernel)
+    assert lin.name == f"panel-int{qw.bits}"
     panels, groups = -(-qw.out_features // kernel.panel), qw.scales.shape[1]
-    # half a byte a weight, a float32 scale and an int8 zero point per column and group,
-    # columns padded to whole panels
-    want_bytes = panels * kernel.panel * (qw.in_features // 2 + 5 * groups)
+    # half a byte (4 bits) or a byte a weight, a float32 scale and an int8 zero point per
+    # column and group, columns padded to whole panels
+    value_bytes = qw.in_features // 2 if qw.bits == 4 else qw.in_features
+    want_bytes = panels * kernel.panel * (value_bytes + 5 * groups)
     assert lin.quant is None and lin.packed.nbytes == want_bytes
     assert torch.equal(lin.dequantize(torch.float64), qw.dequantize(torch.float64))
-    for rows in (1, 4, 5, 9, 16):
-        x = torch.randn(rows, qw.in_features, generator=torch.Generator().manual_seed(rows))
-        x = x.to(torch.bfloat16)
-        _check(lin(x), x, qw, torch.bfloat16)
+    x = torch.randn(70, qw.in_features, generator=torch.Generator().manual_seed(3))
+    x = x.to(torch.bfloat16)
+    whole = lin(x)
+    _check(whole, x, qw, torch.bfloat16)
+    for rows in (1, 4, 8, 9, 16, 64, 65):  # the same chain of sums for a row in any batch
+        assert torch.equal(lin(x[:rows]), whole[:rows])
     built = build_quant_linear(
-        qw, torch.bfloat16, torch.device("cpu"), KernelChoice("panel-int4", {}), None
+        qw, torch.bfloat16, torch.device("cpu"), KernelChoice(lin.name, {}), None
     )
-    assert isinstance(built, PanelInt4Linear)  # what the start-up choice builds by name
+    assert isinstance(built, PanelQuantLinear)  # what the start-up choice builds by name
     with pytest.raises(KernelBuildError):
-        PanelInt4Linear(qw, torch.float32, kernel)  # bf16 x only
-    with pytest.raises(KernelBuildError):
-        PanelInt4Linear(_weight(9, 96, 8, None, False, False), torch.bfloat16, kernel)
+        PanelQuantLinear(qw, torch.float32, kernel)  # bf16 x only
 
 
 def test_torch_int4_refuses_what_its_layout_cannot_hold() -> None:

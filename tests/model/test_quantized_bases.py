@@ -26,6 +26,7 @@ from loraplex.testing import (
 )
 from loraplex.testing.compressed import write_compressed_tensors
 from loraplex.testing.quant import write_awq, write_dequantized, write_fp8, write_gptq
+from loraplex.model.quant.weights import QuantWeight
 from loraplex.types import ModelLoadError
 from tests.engine.test_mixed_batch_architectures import PROMPTS, SAMPLE_TOL
 
@@ -180,7 +181,7 @@ def test_on_the_fly_tied_embedding_is_one_int8_matrix(tmp_path: Path) -> None:
         base, ref, tmp_path, quantization="int4", quantization_group_size=32
     )
     model = llm.engine.model
-    assert model.head.quant.q.data_ptr() == model.embed_tokens.weight.q.data_ptr()  # one matrix
+    assert model.head.quant.q.data_ptr() == model.embed_tokens.source.q.data_ptr()  # one matrix
     assert (
         model.nbytes
         < sum(lin.nbytes for lin in (model.head, model.embed_tokens))
@@ -189,6 +190,42 @@ def test_on_the_fly_tied_embedding_is_one_int8_matrix(tmp_path: Path) -> None:
     )  # counted once
     vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
     assert model.embed_tokens.nbytes == vocab * hidden + 4 * vocab  # int8 values + row scales
+
+
+def test_tied_pair_in_bf16_reads_the_heads_panels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 with the panel kernel, whose Linears keep a weight only in their own layout: a tied
+    embedding looks its rows up in the head's panels (bit for bit the int8 rows the logits
+    multiply by), so the pair is still one matrix, counted once."""
+    from safetensors.torch import load_file
+
+    from loraplex.model.panel_gemm import usable_panel_kernel
+    from loraplex.model.quant import kernels
+
+    kernel = usable_panel_kernel()
+    if kernel is None or torch.bfloat16 not in kernel.dtypes:
+        pytest.skip("no AVX512-BF16 panel kernel on this CPU")
+    # every weight on the panel kernel, whatever the start-up timing would pick on this machine
+    monkeypatch.setattr(
+        kernels, "choose_kernel", lambda w, d, k: kernels.KernelChoice(f"panel-int{w.bits}", {})
+    )
+    base = make_random_model(tmp_path / "tied", "llama", hidden_size=64, intermediate_size=128,
+                             tie_word_embeddings=True, dtype=torch.bfloat16)  # fmt: skip
+    llm = LLM(model=str(base), dtype="bfloat16", quantization="int4",
+              quantization_group_size=32, num_threads=2)  # fmt: skip
+    model = llm.engine.model
+    assert isinstance(model.head, kernels.PanelQuantLinear) and model.head.quant is None
+    assert model.embed_tokens.source is model.head
+    table = load_file(str(base / "model.safetensors"))["model.embed_tokens.weight"]
+    want = QuantWeight.quantize(table, 8, None)
+    ids = torch.tensor([0, 1, 31, 32, 33, model.cfg.vocab_size - 1, 7, 7])
+    assert torch.equal(model.embed_tokens[ids], want.rows(ids).to(torch.bfloat16))
+    assert torch.equal(model.head.dequantize(torch.float64), want.dequantize(torch.float64))
+    layers = sum(L.nbytes for L in model.layers)
+    assert model.nbytes == model.head.nbytes + layers + model.norm.nbytes  # counted once
+    out = llm.generate(["a b c"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 # ------------------------------------------------------------------ W8A8: quantized activations

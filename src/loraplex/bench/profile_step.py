@@ -249,8 +249,9 @@ def run(args: argparse.Namespace) -> None:
     )
     from loraplex import LoRARequest
 
-    for dtype in args.dtypes:
-        engine = LLMEngine(_config(model_dir, dtype, args.rank))
+    for spec in args.dtypes:
+        dtype, _, quant = spec.partition("+")
+        engine = LLMEngine(_config(model_dir, dtype, args.rank, quant or None))
         reqs = [LoRARequest(f"a{i}", str(p)) for i, p in enumerate(adapter_dirs)]
         mixes = {
             "base": [None] * N_SEQS,
@@ -259,6 +260,8 @@ def run(args: argparse.Namespace) -> None:
         }
         chosen = engine.model.ops
         peak, itemsize = _peak_gflops(dtype), engine.model.dtype.itemsize
+        if quant:  # the compute floor counts products, not the quantized bytes
+            itemsize = weight_bytes_per_step(engine) / _weight_params(engine)
         steps: dict[str, float] = {}
         for ops in _layer_ops_runs(chosen, args.layer_ops):
             engine.model.use_layer_ops(ops)
@@ -267,7 +270,7 @@ def run(args: argparse.Namespace) -> None:
             ) for name in SCENARIOS}  # fmt: skip
             steps[ops.name] = results["base"]["ms"]
             print(
-                f"\n{dtype}  (linear: {engine.model.linear_impl}, lora ops: "
+                f"\n{spec}  (linear: {engine.model.linear_impl}, lora ops: "
                 f"{_ops_name(engine)}, layer ops: {ops.name})"
             )
             _print_table(results, rbw, peak, itemsize)
@@ -278,7 +281,7 @@ def run(args: argparse.Namespace) -> None:
         if len(steps) == 2:
             (a, ta), (b, tb) = steps.items()
             print(
-                f"\n{dtype} base step: layer ops {a} {ta:.2f} ms -> {b} {tb:.2f} ms ({ta / tb:.2f}x)"
+                f"\n{spec} base step: layer ops {a} {ta:.2f} ms -> {b} {tb:.2f} ms ({ta / tb:.2f}x)"
             )
         engine.model.use_layer_ops(chosen)
         del engine
@@ -292,12 +295,22 @@ def _layer_ops_runs(chosen: LayerOps, which: str) -> list[LayerOps]:
     return [TorchLayerOps()] if which == "torch" else [TorchLayerOps(), chosen]
 
 
-def _config(model_dir: Path, dtype: str, rank: int) -> Any:
+def _weight_params(engine: LLMEngine) -> int:
+    """Products per row a step's GEMMs run: every projection's and the head's in x out."""
+    m = engine.model
+    linears = [m.head, *(v for L in m.layers for v in vars(L).values())]
+    return sum(
+        lin.in_features * lin.out_features for lin in linears if hasattr(lin, "in_features")
+    )
+
+
+def _config(model_dir: Path, dtype: str, rank: int, quantization: str | None = None) -> Any:
     from loraplex.config import EngineConfig
 
     return EngineConfig(
         model=str(model_dir),
         dtype=dtype,
+        quantization=quantization,
         enable_lora=True,
         max_loras=N_SEQS,
         max_lora_rank=max(rank, 8),
@@ -384,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model-dir", help="model directory (default: demo model, else h512)")
     ap.add_argument("--adapter-dir", help="where the random adapters live (made if missing)")
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"],
+        help="dtypes, each optionally with an on-the-fly quantization: bfloat16+int4",
+    )  # fmt: skip
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--targets", default="q_proj,v_proj", help="comma-separated projections")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per measurement")

@@ -532,6 +532,9 @@ class DecoderForCausalLM:
         self.embed_tokens = QuantizedEmbedding(emb, self.dtype)  # type: ignore[assignment]
         head = emb if "lm_head" not in top else QuantWeight.quantize(top.pop("lm_head"), 8, None)
         self.head = self.quant_kernels(head)
+        if head is emb and getattr(self.head, "quant", None) is None:
+            # the head's kernel keeps the matrix only in its own layout: look rows up there
+            self.embed_tokens = QuantizedEmbedding(self.head, self.dtype)  # type: ignore[assignment]
 
     def _quantized_factory(
         self, spec: QuantSpec, kernels: QuantKernels, make: Callable[..., Linear]
@@ -610,9 +613,11 @@ class DecoderForCausalLM:
         table = getattr(self.embed_tokens, "table", self.embed_tokens)  # a rank's VocabShard
         shared = getattr(self.head, "weight", None) is table  # tied and unpacked
         if isinstance(self.embed_tokens, QuantizedEmbedding):  # tied: one int8 matrix
-            head_q = getattr(getattr(self.head, "quant", None), "q", None)
-            shared = (
-                head_q is not None and head_q.data_ptr() == self.embed_tokens.weight.q.data_ptr()
+            source, head_q = self.embed_tokens.source, getattr(self.head, "quant", None)
+            shared = source is self.head or (
+                isinstance(source, QuantWeight)
+                and isinstance(head_q, QuantWeight)
+                and head_q.q.data_ptr() == source.q.data_ptr()
             )
         total = self.embed_tokens.nbytes + self.norm.nbytes + (0 if shared else self.head.nbytes)
         return total + sum(L.nbytes for L in self.layers)

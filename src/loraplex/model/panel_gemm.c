@@ -233,38 +233,63 @@ int loraplex_panel_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const 
     return 0;
 }
 
-/* ---------------------------------------------------------------- 4-bit weights, bf16 x
+/* ---------------------------------------------------------- 4- and 8-bit weights, bf16 x
  *
  * Semantics (G groups of gs input columns, the last one possibly shorter; gs and K even):
  *
  *     W[n, k]  = scales[n, k / gs] * (q[n, k] - zeros[n, k / gs])     (zeros NULL: 0)
- *     y[t, n]  = rnd(bias[n] + sum_k x[t, k] * W[n, k])
+ *     y[t, n]  = rnd(bias[n] + sum_g scales[n, g] * sum_{k in g} x[t, k] * (q[n, k] - z))
  *
- * Layout (loraplex_panel_q4_pack, from the QuantWeight layout of qgemm.c): per panel of NR
- * columns and pair kk of input columns, NR bytes, byte c = q[n, 2 kk] | q[n, 2 kk + 1] << 4;
+ * Layout (loraplex_panel_q_pack, from the QuantWeight layout of qgemm.c), per panel of NR
+ * columns, in halves of 16 columns (NR = 32 in the builds that compute it):
+ *   4 bits: per four inputs 4j .. 4j + 3 and half h, 32 bytes: byte 2c + s (column 16 h + c,
+ *     s = 0, 1) = q[n, 4j + s] | q[n, 4j + 2 + s] << 4 (inputs past K: 0);
+ *   8 bits: per pair kk of inputs, NR byte pairs (q[n, 2 kk], q[n, 2 kk + 1]) as int8;
  * then per panel and group NR float32 scales, then per panel and group NR int8 zero points
- * (the bytes of QuantWeight's layout: half a byte a weight, five bytes a column and group). A byte becomes the
- * bf16 pair (128 + q_even, 128 + q_odd) by OR-ing its nibbles into 0x4300 (bf16 128: the
- * nibble is its low mantissa bits), exact, so the pair dot products sum x * (128 + q) exactly
- * per product; each group's sums then take off (128 + z) * sum_group(x) and scale:
- * y += s * (sum x (128 + q) - (128 + z) sum x). Rows go four at a time (a group's partial
- * sums beside the running ones: 16 registers). */
+ * (the bytes of QuantWeight's layout plus the panels' padding). Every pair of inputs becomes
+ * an exact bf16 pair per column, the operand of AVX512-BF16's dot product, in a few
+ * instructions: 4 bits, 32 bytes widened to words hold both pairs' nibbles of 16 columns in
+ * place; masked (after a shift by 4 for the second pair) and OR'd into 0x4300 (bf16 128: the
+ * nibble is its low mantissa bits) they are (128 + q[n, 2 kk], 128 + q[n, 2 kk + 1]). 8 bits:
+ * two times 8 columns' pairs widened to float32 (|q| <= 128 has 8 significant bits) and
+ * rounded, exactly, into one vector of bf16 pairs. The pair dot products then sum x * (c + q)
+ * exactly per product in float32 (c = 128 for 4 bits, 0 for 8), and each group's sums take
+ * off (c + z) * sum_group(x) and scale: y += s * (sum x (c + q) - (c + z) sum x).
+ *
+ * Blocking: MRQ rows at a time keep a group's partial sums in registers over a chunk of CKK
+ * pairs (16 accumulators, as the dense kernel); the running sums of all rows wait in a small
+ * per-thread buffer and take each group's scaled partials at the group's end, so the blocks
+ * of rows need no second set of registers. Each block unpacks the weight as it reads it;
+ * from PAIRS_FROM rows (prompt chunks) each chunk of the panel is unpacked once into a
+ * buffer that stays in L1 and is read by every block. The result is bit-identical for any number of rows (each row's sums
+ * are the same chain of operations). */
 
-#define MRQ 4
+#define MRQ 8
+#define CKK 64 /* pairs of inputs per chunk: CKK * NR * 4 = 8 KiB of bf16 pairs */
+/* From how many rows a chunk is unpacked once into a buffer for every block (below, each
+ * block unpacks as it reads: a few instructions per 16 dot products, cheaper than the
+ * buffer's stores and loads; measured on [2048, 2048], docs/benchmarks.md) */
+#define PAIRS_FROM 65
 
-int64_t loraplex_panel_q4_bytes(int64_t N, int64_t K, int64_t G) {
-    int64_t panels = (N + NR - 1) / NR;
-    return panels * (K / 2) * NR + panels * G * NR * 4 + panels * G * NR;
+static int64_t q_nib_bytes(int64_t K, int bits) {
+    return bits == 4 ? (K + 3) / 4 * 2 * NR : K * NR;
 }
 
-/* P from q (uint8 [N, K / 2], qgemm.c's 32-column blocks), scales float32 [N, G], zeros int8
- * [N, G] or NULL: the nibbles, then the scales and offsets (see above). */
-void loraplex_panel_q4_pack(const uint8_t *q, const float *scales, const int8_t *zeros,
-                            int64_t N, int64_t K, int64_t G, void *p) {
+int64_t loraplex_panel_q_bytes(int64_t N, int64_t K, int64_t G, int bits) {
+    int64_t panels = (N + NR - 1) / NR;
+    return panels * q_nib_bytes(K, bits) + panels * G * NR * 4 + panels * G * NR;
+}
+
+/* P from q (4 bits: uint8 [N, K / 2] in qgemm.c's 32-column blocks; 8 bits: int8 [N, K]),
+ * scales float32 [N, G], zeros int8 [N, G] or NULL: the values, then the scales and zero
+ * points (see above). */
+void loraplex_panel_q_pack(const uint8_t *q, const float *scales, const int8_t *zeros,
+                           int64_t N, int64_t K, int64_t G, int bits, void *p) {
     int64_t panels = (N + NR - 1) / NR, K2 = K / 2;
-    uint8_t *nib = (uint8_t *)p;
-    float *sc = (float *)(nib + panels * K2 * NR);
+    uint8_t *val = (uint8_t *)p;
+    float *sc = (float *)(val + panels * q_nib_bytes(K, bits));
     int8_t *zp = (int8_t *)(sc + panels * G * NR);
+    memset(val, 0, (size_t)(panels * q_nib_bytes(K, bits)));
     for (int64_t pi = 0; pi < panels; pi++)
         for (int64_t c = 0; c < NR; c++) {
             int64_t n = pi * NR + c;
@@ -272,10 +297,23 @@ void loraplex_panel_q4_pack(const uint8_t *q, const float *scales, const int8_t 
                 uint8_t v[2] = {0, 0};
                 for (int h = 0; h < 2 && n < N; h++) {
                     int64_t k = 2 * kk + h, b = k / 32, i = k % 32;
+                    if (bits == 8) {
+                        v[h] = q[n * K + k];
+                        continue;
+                    }
                     uint8_t byte = q[n * (K / 2) + 16 * b + (i < 16 ? i : i - 16)];
                     v[h] = i < 16 ? byte & 15 : byte >> 4;
                 }
-                nib[(pi * K2 + kk) * NR + c] = (uint8_t)(v[0] | v[1] << 4);
+                if (bits == 4) { /* inputs 4j + 2 (kk & 1) + h, nibble kk & 1 of byte 2 c' + h */
+                    int64_t j = kk / 2, half = c / 16, cc = c % 16;
+                    uint8_t *b = val + pi * q_nib_bytes(K, 4) + j * 2 * NR + half * 32 + 2 * cc;
+                    int shift = (int)(kk & 1) * 4;
+                    b[0] = (uint8_t)(b[0] | v[0] << shift);
+                    b[1] = (uint8_t)(b[1] | v[1] << shift);
+                } else {
+                    val[((pi * K2 + kk) * NR + c) * 2] = v[0];
+                    val[((pi * K2 + kk) * NR + c) * 2 + 1] = v[1];
+                }
             }
             for (int64_t g = 0; g < G; g++) {
                 sc[(pi * G + g) * NR + c] = n < N ? scales[n * G + g] : 0.0f;
@@ -285,122 +323,184 @@ void loraplex_panel_q4_pack(const uint8_t *q, const float *scales, const int8_t 
 }
 
 #if HAVE_DPBF16
-/* the bf16 pairs (128 + q_even, 128 + q_odd) of 16 columns' bytes */
-static inline __m512bh q4_pairs(const uint8_t *bytes) {
-    __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
-    __m512i u = _mm512_or_si512(t, _mm512_slli_epi32(t, 12));
-    /* (u & 0x000F000F) | 0x43004300 */
-    return (__m512bh)_mm512_ternarylogic_epi32(u, _mm512_set1_epi32(0x000F000F),
+#define INLINE static inline __attribute__((always_inline))
+
+/* pair kk's bf16 pairs (128 + q[n, 2 kk], 128 + q[n, 2 kk + 1]) of one half's 16 columns,
+ * from that half's 32 bytes of four inputs (see the layout above) */
+INLINE __m512bh q4_pairs(const uint8_t *bytes, int64_t kk) {
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)bytes));
+    if (kk & 1) w = _mm512_srli_epi16(w, 4);
+    /* (w & 0x000F000F) | 0x43004300 */
+    return (__m512bh)_mm512_ternarylogic_epi32(w, _mm512_set1_epi32(0x000F000F),
                                                _mm512_set1_epi32(0x43004300), 0xEA);
 }
 
-/* Rows t0 .. t0 + mr (mr <= MRQ) times one panel: its nibbles unpacked as they are read, or
- * (pairs not NULL) the panel's bf16 pairs unpacked once into pairs[K / 2][NR] for every
- * block of rows. */
-static inline void q4_block(const uint16_t *x, int64_t ldx, int64_t t0, int mr,
-                            const uint8_t *nib, const uint32_t *pairs, const float *sc,
-                            const int8_t *zp, const float *xs, int64_t K, int64_t gs, int64_t G,
-                            float *out) {
-    __m512 a[MRQ][2], s[MRQ][2];
-    for (int r = 0; r < MRQ; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-    const uint16_t *xr[MRQ];
-    for (int r = 0; r < MRQ; r++) xr[r] = x + (t0 + (r < mr ? r : 0)) * ldx;
-    for (int64_t g = 0; g < G; g++) {
-        int64_t k0 = g * gs, k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
-        for (int r = 0; r < MRQ; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
-        for (int64_t kk = k0 / 2; kk < k1 / 2; kk++) {
-            __m512bh w0, w1;
-            if (pairs) {
-                w0 = (__m512bh)_mm512_loadu_si512((const void *)(pairs + kk * NR));
-                w1 = (__m512bh)_mm512_loadu_si512((const void *)(pairs + kk * NR + 16));
-            } else {
-                w0 = q4_pairs(nib + kk * NR), w1 = q4_pairs(nib + kk * NR + 16);
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < MRQ; r++) {
-                if (r < mr) {
-                    int32_t pair;
-                    memcpy(&pair, xr[r] + 2 * kk, sizeof pair);
-                    __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
-                    s[r][0] = _mm512_dpbf16_ps(s[r][0], b, w0);
-                    s[r][1] = _mm512_dpbf16_ps(s[r][1], b, w1);
-                }
-            }
+/* the bf16 pairs (q_even, q_odd) of 16 columns' int8 pairs: 8 columns' pairs per float32
+ * vector, rounded exactly (the low result words from the second operand) */
+INLINE __m512bh q8_pairs(const uint8_t *pairs) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)pairs)));
+    __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pairs + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* the pairs of columns 16 h .. 16 h + 16 at pair kk of one panel's values */
+INLINE __m512bh q_pairs(const uint8_t *val, int bits, int64_t kk, int h) {
+    return bits == 4 ? q4_pairs(val + (kk / 2) * 2 * NR + 32 * h, kk)
+                     : q8_pairs(val + (kk * NR + 16 * h) * 2);
+}
+
+/* sp[r] += the pair dot products of block row r (r < MR, a constant where this is inlined)
+ * with pairs kk0 .. kk1 of one panel: xp[kk][MRQ] the block's x pairs, the weight's from
+ * `pairs` (the chunk unpacked, pairs[kk - kk0][NR]) or unpacked here. */
+INLINE void q_dots_n(const int32_t *xp, const int MR_, const uint8_t *val, int bits,
+                     const uint32_t *pairs, int64_t kk0, int64_t kk1, float *sp /* [MR_][NR] */) {
+    __m512 s[MRQ][2];
+    for (int r = 0; r < MR_; r++) {
+        s[r][0] = _mm512_loadu_ps(sp + r * NR);
+        s[r][1] = _mm512_loadu_ps(sp + r * NR + 16);
+    }
+    for (int64_t kk = kk0; kk < kk1; kk++) {
+        __m512bh w0, w1;
+        if (pairs) {
+            w0 = (__m512bh)_mm512_loadu_si512((const void *)(pairs + (kk - kk0) * NR));
+            w1 = (__m512bh)_mm512_loadu_si512((const void *)(pairs + (kk - kk0) * NR + 16));
+        } else {
+            w0 = q_pairs(val, bits, kk, 0), w1 = q_pairs(val, bits, kk, 1);
         }
-        __m512 off[2], scale[2]; /* 128 + zero, and the scale, of the group's 32 columns */
-        for (int h = 0; h < 2; h++) {
-            __m128i z = _mm_loadu_si128((const __m128i *)(zp + g * NR + 16 * h));
-            off[h] = _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(z)),
-                                   _mm512_set1_ps(128.0f));
-            scale[h] = _mm512_loadu_ps(sc + g * NR + 16 * h);
-        }
-        for (int r = 0; r < mr; r++) {
-            __m512 xsum = _mm512_set1_ps(xs[(t0 + r) * G + g]);
-            for (int h = 0; h < 2; h++) {
-                __m512 d = _mm512_fnmadd_ps(off[h], xsum, s[r][h]);
-                a[r][h] = _mm512_fmadd_ps(scale[h], d, a[r][h]);
-            }
+        const int32_t *xk = xp + kk * MRQ;
+#pragma GCC unroll 8
+        for (int r = 0; r < MR_; r++) {
+            __m512bh b = (__m512bh)_mm512_set1_epi32(xk[r]);
+            s[r][0] = _mm512_dpbf16_ps(s[r][0], b, w0);
+            s[r][1] = _mm512_dpbf16_ps(s[r][1], b, w1);
         }
     }
-    for (int r = 0; r < mr; r++) {
-        _mm512_storeu_ps(out + r * NR, a[r][0]);
-        _mm512_storeu_ps(out + r * NR + 16, a[r][1]);
+    for (int r = 0; r < MR_; r++) {
+        _mm512_storeu_ps(sp + r * NR, s[r][0]);
+        _mm512_storeu_ps(sp + r * NR + 16, s[r][1]);
     }
 }
+
+/* q_dots_n for mr rows (1 .. MRQ), each count its own copy */
+INLINE void q_dots(const int32_t *xp, int mr, const uint8_t *val, int bits,
+                   const uint32_t *pairs, int64_t kk0, int64_t kk1, float *sp) {
+    switch (mr) {
+#define Q_CASE(m) \
+    case m: q_dots_n(xp, m, val, bits, pairs, kk0, kk1, sp); break;
+        Q_CASE(1) Q_CASE(2) Q_CASE(3) Q_CASE(4) Q_CASE(5) Q_CASE(6) Q_CASE(7) Q_CASE(8)
+#undef Q_CASE
+    }
+}
+
+/* acc[t][c] = row t's sums for the NR columns of one panel (pv its values, psc / pzp its
+ * scales and zero points); bits a constant where it is inlined. */
+INLINE void q_panel(const int32_t *xp, int64_t T, int64_t K, const uint8_t *pv,
+                    const float *psc, const int8_t *pzp, const float *xs, int64_t gs, int64_t G,
+                    int bits, uint32_t *pairs, float *acc /* [2][T][NR] */) {
+    const float c0 = bits == 4 ? 128.0f : 0.0f;
+    float *sp = acc + T * NR;
+    memset(acc, 0, (size_t)(T * NR) * sizeof(float));
+    for (int64_t g = 0; g < G; g++) {
+        int64_t kk0 = g * gs / 2, kk1 = ((g + 1) * gs < K ? (g + 1) * gs : K) / 2;
+        memset(sp, 0, (size_t)(T * NR) * sizeof(float));
+        for (int64_t c = kk0; c < kk1; c += CKK) {
+            int64_t ce = c + CKK < kk1 ? c + CKK : kk1;
+            if (pairs)
+                for (int64_t kk = c; kk < ce; kk++)
+                    for (int h = 0; h < 2; h++)
+                        _mm512_storeu_si512((void *)(pairs + (kk - c) * NR + 16 * h),
+                                            (__m512i)q_pairs(pv, bits, kk, h));
+            for (int64_t t0 = 0; t0 < T; t0 += MRQ) {
+                int mr = T - t0 < MRQ ? (int)(T - t0) : MRQ;
+                const int32_t *xb = xp + t0 * (K / 2); /* the block's [K / 2][MRQ] pairs */
+                if (pairs) /* two copies: with the buffer, and unpacking as it reads */
+                    q_dots(xb, mr, pv, bits, pairs, c, ce, sp + t0 * NR);
+                else
+                    q_dots(xb, mr, pv, bits, NULL, c, ce, sp + t0 * NR);
+            }
+        }
+        __m512 off[2], scale[2]; /* c0 + zero, and the scale, of the group's columns */
+        for (int h = 0; h < 2; h++) {
+            __m128i z = _mm_loadu_si128((const __m128i *)(pzp + g * NR + 16 * h));
+            off[h] = _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(z)),
+                                   _mm512_set1_ps(c0));
+            scale[h] = _mm512_loadu_ps(psc + g * NR + 16 * h);
+        }
+        for (int64_t t = 0; t < T; t++) {
+            __m512 xsum = _mm512_set1_ps(xs[t * G + g]);
+            for (int h = 0; h < 2; h++) {
+                float *a = acc + t * NR + 16 * h;
+                __m512 d = _mm512_fnmadd_ps(off[h], xsum, _mm512_loadu_ps(sp + t * NR + 16 * h));
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(scale[h], d, _mm512_loadu_ps(a)));
+            }
+        }
+    }
+}
+
 #endif
 
-/* y [T, N] = x [T, K] (bf16) @ W.T + bias for the 4-bit W packed in p; -1 without AVX512-BF16
- * (or an odd K or group size), -2 if its scratch cannot be allocated. */
-int loraplex_panel_q4_gemm(const uint16_t *x, int64_t ldx, int64_t T, int64_t K, const void *p,
-                           int64_t N, int64_t gs, int64_t G, const float *bias, void *y,
-                           int64_t ldy, int e, int threads) {
+/* y [T, N] = x [T, K] (bf16) @ W.T + bias for the 4- or 8-bit W packed in p; -1 without
+ * AVX512-BF16 (or an odd K or group size, or other bits), -2 if its scratch cannot be
+ * allocated. */
+int loraplex_panel_q_gemm(const uint16_t *x, int64_t ldx, int64_t T, int64_t K, const void *p,
+                          int64_t N, int64_t gs, int64_t G, int bits, const float *bias,
+                          void *y, int64_t ldy, int e, int threads) {
 #if HAVE_DPBF16
-    if ((K & 1) || (gs & 1) || e != BF16) return -1;
+    if ((K & 1) || (gs & 1) || e != BF16 || (bits != 4 && bits != 8)) return -1;
+    int64_t K2 = K / 2, Tp = (T + MRQ - 1) / MRQ * MRQ;
     float *xs = (float *)malloc((size_t)(T * G) * sizeof(float)); /* each row's group sums */
-    if (!xs) return -2;
-    for (int64_t t = 0; t < T; t++)
+    /* x's pairs per block of MRQ rows: xp[block][kk][r], one pointer for a block's loads */
+    int32_t *xp = (int32_t *)malloc((size_t)(Tp * K2) * sizeof(int32_t));
+    if (!xs || !xp) {
+        free(xs), free(xp);
+        return -2;
+    }
+    for (int64_t t = 0; t < T; t++) {
         for (int64_t g = 0; g < G; g++) {
             int64_t k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
             float sum = 0.0f;
             for (int64_t k = g * gs; k < k1; k++) sum += bf16_to_f32(x[t * ldx + k]);
             xs[t * G + g] = sum;
         }
-    int64_t panels = (N + NR - 1) / NR, K2 = K / 2;
-    const uint8_t *nib = (const uint8_t *)p;
-    const float *sc = (const float *)(nib + panels * K2 * NR);
+        int32_t *xb = xp + (t / MRQ) * MRQ * K2;
+        for (int64_t kk = 0; kk < K2; kk++) memcpy(xb + kk * MRQ + t % MRQ, x + t * ldx + 2 * kk, 4);
+    }
+    int64_t panels = (N + NR - 1) / NR, vbytes = q_nib_bytes(K, bits);
+    const uint8_t *val = (const uint8_t *)p;
+    const float *sc = (const float *)(val + panels * vbytes);
     const int8_t *zp = (const int8_t *)(sc + panels * G * NR);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && panels > 1)
     {
-        /* more than one block of rows: unpack each panel once (K / 2 * NR pairs, in cache) */
-        uint32_t *pairs = T > MRQ ? (uint32_t *)malloc((size_t)(K2 * NR) * sizeof(uint32_t)) : NULL;
-        if (T > MRQ && !pairs) {
+        /* the rows' running and partial sums, and (more than one block) a chunk's pairs */
+        float *acc = (float *)malloc((size_t)(2 * T * NR) * sizeof(float));
+        uint32_t *pairs = T >= PAIRS_FROM ? (uint32_t *)malloc((size_t)(CKK * NR) * sizeof(uint32_t))
+                                  : NULL;
+        if (!acc || (T >= PAIRS_FROM && !pairs)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t pi = 0; pi < panels; pi++) {
-            if (T > MRQ && !pairs) continue;
-            const uint8_t *pn = nib + pi * K2 * NR;
-            if (pairs)
-                for (int64_t i = 0; i < K2 * NR; i += 16)
-                    _mm512_storeu_si512((void *)(pairs + i), (__m512i)q4_pairs(pn + i));
-            float out[MRQ * NR];
-            for (int64_t t0 = 0; t0 < T; t0 += MRQ) {
-                int mr = T - t0 < MRQ ? (int)(T - t0) : MRQ;
-                q4_block(x, ldx, t0, mr, pn, pairs, sc + pi * G * NR, zp + pi * G * NR, xs, K,
-                         gs, G, out);
-                for (int r = 0; r < mr; r++)
-                    store_row(out + r * NR, bias, pi * NR, N, y, ldy, t0 + r, BF16);
-            }
+            if (!acc || (T >= PAIRS_FROM && !pairs)) continue;
+            if (bits == 4)
+                q_panel(xp, T, K, val + pi * vbytes, sc + pi * G * NR, zp + pi * G * NR, xs,
+                        gs, G, 4, pairs, acc);
+            else
+                q_panel(xp, T, K, val + pi * vbytes, sc + pi * G * NR, zp + pi * G * NR, xs,
+                        gs, G, 8, pairs, acc);
+            for (int64_t t = 0; t < T; t++)
+                store_row(acc + t * NR, bias, pi * NR, N, y, ldy, t, BF16);
         }
         free(pairs);
+        free(acc);
     }
-    free(xs);
+    free(xs), free(xp);
     return failed ? -2 : 0;
 #else
-    (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bias;
-    (void)y, (void)ldy, (void)e, (void)threads;
+    (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bits;
+    (void)bias, (void)y, (void)ldy, (void)e, (void)threads;
     return -1;
 #endif
 }

@@ -35,10 +35,10 @@ class PanelKernel:
     def __init__(self, library: Path) -> None:
         lib, fns, self.shared_threads = open_kernel(
             library, "loraplex_panel_gemm", "loraplex_panel_pack", "loraplex_panel_bytes",
-            "loraplex_panel_width", "loraplex_panel_features", "loraplex_panel_q4_bytes",
-            "loraplex_panel_q4_pack", "loraplex_panel_q4_gemm",
+            "loraplex_panel_width", "loraplex_panel_features", "loraplex_panel_q_bytes",
+            "loraplex_panel_q_pack", "loraplex_panel_q_gemm",
         )  # fmt: skip
-        gemm, pack, size, width, features, q4size, q4pack, q4gemm = fns
+        gemm, pack, size, width, features, qsize, qpack, qgemm = fns
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
         gemm.restype = i32
@@ -46,11 +46,11 @@ class PanelKernel:
         size.argtypes, size.restype = [i64, i64, i32], i64
         width.argtypes, width.restype = [], i32
         features.argtypes, features.restype = [], i32
-        q4size.argtypes, q4size.restype = [i64, i64, i64], i64
-        q4pack.argtypes, q4pack.restype = [ptr, ptr, ptr, i64, i64, i64, ptr], None
-        q4gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32]
-        q4gemm.restype = i32
-        self._q4size, self._q4pack, self._q4gemm = q4size, q4pack, q4gemm
+        qsize.argtypes, qsize.restype = [i64, i64, i64, i32], i64
+        qpack.argtypes, qpack.restype = [ptr, ptr, ptr, i64, i64, i64, i32, ptr], None
+        qgemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i32, ptr, ptr, i64, i32, i32]
+        qgemm.restype = i32
+        self._qsize, self._qpack, self._qgemm = qsize, qpack, qgemm
         bits = features()
         self.dtypes = frozenset(
             d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if bits & bit
@@ -87,22 +87,24 @@ class PanelKernel:
             raise KernelBuildError(f"panel GEMM kernel: this build does not compute {x.dtype}")
         return out
 
-    def pack_q4(
-        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, k: int
+    def pack_q(
+        self, q: torch.Tensor, bits: int, scales: torch.Tensor, zeros: torch.Tensor | None, k: int
     ) -> torch.Tensor:
-        """The panel layout of a 4-bit weight stored as ``QuantWeight`` stores it (``q`` uint8
-        [N, K / 2] in 32-column blocks, ``scales`` float32 [N, G], ``zeros`` int8 [N, G])."""
+        """The panel layout of a 4- or 8-bit weight stored as ``QuantWeight`` stores it (``q``
+        uint8 [N, K / 2] in 32-column blocks or int8 [N, K], ``scales`` float32 [N, G],
+        ``zeros`` int8 [N, G])."""
         n, g = scales.shape
-        out = torch.empty(self._q4size(n, k, g), dtype=torch.uint8)
-        self._q4pack(q.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
-                     n, k, g, out.data_ptr())  # fmt: skip
+        out = torch.empty(self._qsize(n, k, g, bits), dtype=torch.uint8)
+        self._qpack(q.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
+                     n, k, g, bits, out.data_ptr())  # fmt: skip
         return out
 
-    def gemm_q4(
+    def gemm_q(
         self,
         x: torch.Tensor,  # bf16 [T, K] rows contiguous
         packed: torch.Tensor,
         n: int,
+        bits: int,
         group_size: int,
         groups: int,
         bias: torch.Tensor | None,  # float32 [N]
@@ -110,15 +112,17 @@ class PanelKernel:
     ) -> torch.Tensor:
         t, k = x.shape
         threads = torch.get_num_threads() if self.shared_threads else 1
-        rc = self._q4gemm(
-            x.data_ptr(), x.stride(0), t, k, packed.data_ptr(), n, group_size, groups,
+        rc = self._qgemm(
+            x.data_ptr(), x.stride(0), t, k, packed.data_ptr(), n, group_size, groups, bits,
             0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
             ELEMENT_TYPES[x.dtype], threads,
         )  # fmt: skip
         if rc == -2:
-            raise MemoryError("panel 4-bit GEMM kernel: cannot allocate its scratch")
+            raise MemoryError("panel quantized GEMM kernel: cannot allocate its scratch")
         if rc != 0:
-            raise KernelBuildError("panel 4-bit GEMM kernel: not for this build, dtype or shape")
+            raise KernelBuildError(
+                "panel quantized GEMM kernel: not for this build, dtype, bits or shape"
+            )
         return out
 
 

@@ -2,7 +2,7 @@
 choice among them.
 
 Candidates for an integer weight (:class:`QuantWeight`) on CPU: loraplex's C kernel
-(``qgemm.c``, any rows, float32 or bfloat16 x), the panel GEMM kernel's 4-bit path
+(``qgemm.c``, any rows, float32 or bfloat16 x), the panel GEMM kernel's 4- and 8-bit path
 (``model/panel_gemm.c``: bfloat16 x with AVX512-BF16, weights repacked into column panels whose
 sums stay in registers), torch's packed int4 and int8 CPU kernels
 (bfloat16 / float16 x only: for float32 x they run ten times slower than the float GEMM), and
@@ -111,27 +111,29 @@ class CKernelLinear(QuantLinearBase):
         return self.kernel.gemm(x, q.q, q.bits, q.scales, q.zeros, q.group_size, self.bias32, out)
 
 
-class PanelInt4Linear(QuantLinearBase):
-    """4-bit weights on the panel GEMM kernel (``panel_gemm.c``: bf16 x with AVX512-BF16, the
-    nibbles OR'd into bf16 pairs of 128 + q, each group's offset and scale applied to its
-    float32 sums); the weight is repacked into its panels (ours is dropped)."""
-
-    name = "panel-int4"
+class PanelQuantLinear(QuantLinearBase):
+    """4- and 8-bit weights on the panel GEMM kernel (``panel_gemm.c``: bf16 x with
+    AVX512-BF16; each pair of values made an exact bf16 pair, 4-bit nibbles OR'd into 128 + q,
+    each group's offset and scale applied to its float32 sums); the weight is repacked into
+    its panels (ours is dropped)."""
 
     def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: PanelKernel | None) -> None:
         super().__init__(weight)
         if (
             kernel is None
-            or weight.bits != 4
+            or weight.bits not in (4, 8)
             or weight.act is not None
             or dtype != torch.bfloat16
             or dtype not in kernel.dtypes
             or weight.in_features % 2
             or weight.group_size % 2
         ):
-            raise KernelBuildError("the panel 4-bit kernel: bf16 x, even sizes, AVX512-BF16")
-        self.kernel = kernel
-        self.packed = kernel.pack_q4(weight.q, weight.scales, weight.zeros, weight.in_features)
+            raise KernelBuildError("the panel quantized kernel: bf16 x, even sizes, AVX512-BF16")
+        self.kernel, self.bits = kernel, weight.bits
+        self.name = f"panel-int{weight.bits}"
+        self.packed = kernel.pack_q(
+            weight.q, weight.bits, weight.scales, weight.zeros, weight.in_features
+        )
         self.group_size, self.groups = weight.group_size, weight.scales.shape[1]
         self.bias32 = None if weight.bias is None else weight.bias.float().contiguous()
         self._nbytes = self.packed.nbytes
@@ -141,30 +143,47 @@ class PanelInt4Linear(QuantLinearBase):
     def nbytes(self) -> int:
         return self._nbytes + (self.perm.nbytes if self.perm is not None else 0)
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """W [N, K] read back from the panels (checkpoint column order)."""
+    def _columns(self, pi: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """float64 W rows of panel ``pi``'s column ``c`` (index tensors of one shape S), read
+        from the layout ``panel_gemm.c`` describes: [*S, K] in stored column order."""
         n, k, w, g = self.out_features, self.in_features, self.kernel.panel, self.groups
         panels = -(-n // w)
-        nib = self.packed[: panels * (k // 2) * w].view(panels, k // 2, w).long()
-        q = torch.stack((nib & 15, nib >> 4), dim=-1)  # [panels, K/2, NR, 2]
-        q = q.permute(0, 2, 1, 3).reshape(panels * w, k).double()
-        at = panels * (k // 2) * w
+        if self.bits == 4:  # [panels, four inputs j, half, column c, s]: q[4j + s] | q[4j+2+s] << 4
+            at = panels * -(-k // 4) * 2 * w
+            v = self.packed[:at].view(panels, -1, 2, 16, 2)[pi, :, c // 16, c % 16].long()
+            q = torch.stack((v & 15, v >> 4), dim=-1).transpose(-1, -2)  # [*S, J, nibble, s]
+        else:  # [panels, pair kk, column, 2]
+            at = panels * k * w
+            q = self.packed[:at].view(torch.int8).view(panels, k // 2, w, 2)[pi, :, c].long()
+        q = q.reshape(*pi.shape, -1)[..., :k].double()
         sc = self.packed[at : at + panels * g * w * 4].view(torch.float32).view(panels, g, w)
         zp = self.packed[at + panels * g * w * 4 :].view(torch.int8).view(panels, g, w)
-        scales = sc.permute(0, 2, 1).reshape(panels * w, g).double()
-        zeros = zp.permute(0, 2, 1).reshape(panels * w, g).double()
         cols = torch.arange(k) // self.group_size
-        wt = (scales[:, cols] * (q - zeros[:, cols]))[:n]
+        scale, zero = sc[pi, :, c].double()[..., cols], zp[pi, :, c].double()[..., cols]
+        return scale * (q - zero)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [N, K] read back from the panels (checkpoint column order)."""
+        ids = torch.arange(self.out_features)
+        wt = self._columns(ids // self.kernel.panel, ids % self.kernel.panel)
         if self.perm is not None:
             wt = wt[:, torch.argsort(self.perm)]
         return wt.to(dtype)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W in float32, only those unpacked (a tied embedding's lookup reads
+        the head's panels, so the pair stays one matrix)."""
+        if self.perm is not None:
+            raise ValueError("rows() reads a weight in its stored column order")
+        return self._columns(ids // self.kernel.panel, ids % self.kernel.panel).float()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = self._gather(x).contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        return self.kernel.gemm_q4(
-            x, self.packed, self.out_features, self.group_size, self.groups, self.bias32, out
-        )
+        return self.kernel.gemm_q(
+            x, self.packed, self.out_features, self.bits, self.group_size, self.groups,
+            self.bias32, out,
+        )  # fmt: skip
 
 
 class TorchInt4Linear(QuantLinearBase):
@@ -344,9 +363,9 @@ def _candidates(
     panel = usable_panel_kernel()
     if panel is not None:
         try:
-            out.append(PanelInt4Linear(weight, dtype, panel))
+            out.append(PanelQuantLinear(weight, dtype, panel))
         except KernelBuildError:
-            pass  # not a 4-bit weight, not bf16 x, or no AVX512-BF16 here
+            pass  # not a 4- or 8-bit weight, not bf16 x, or no AVX512-BF16 here
     for cls in (TorchInt4Linear, TorchInt8Linear):
         try:
             out.append(cls(weight, dtype))
@@ -442,8 +461,8 @@ def build_quant_linear(
         return lin
     if name == "torch-int4":
         return TorchInt4Linear(weight, dtype)
-    if name == "panel-int4":
-        return PanelInt4Linear(weight, dtype, usable_panel_kernel())
+    if name in ("panel-int4", "panel-int8"):
+        return PanelQuantLinear(weight, dtype, usable_panel_kernel())
     if name == "torch-int8":
         return TorchInt8Linear(weight, dtype)
     return DequantLinear(weight)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -104,6 +105,13 @@ class QuantWeight:
         if self.perm is not None:
             w = w[:, torch.argsort(self.perm)]
         return w.to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight in float32 (an embedding's lookup: only those rows are
+        unpacked); an int8 weight with one scale per row (QuantizedEmbedding's)."""
+        if self.bits != 8 or self.zeros is not None or self.perm is not None:
+            raise ValueError("rows() reads a symmetric int8 weight in its stored order")
+        return self.q[ids].float() * self.scales[ids, 0, None]
 
     @staticmethod
     def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -260,20 +268,22 @@ def _cat_bias(parts: Sequence[QuantWeight | FP8Weight]) -> torch.Tensor | None:
 
 
 class QuantizedEmbedding:
-    """An embedding matrix stored as a per-row int8 :class:`QuantWeight` (``--quantization
-    int8/int4`` with its LM head, tied or not): a lookup dequantizes only the gathered rows."""
+    """An embedding matrix stored as a per-row int8 weight (``--quantization int8/int4`` with
+    its LM head, tied or not): a lookup dequantizes only the gathered rows. ``source`` holds
+    the values: the :class:`QuantWeight`, or the tied head's Linear where its kernel keeps the
+    matrix only in its own layout (``rows(ids)`` reads them back there), so a tied pair is one
+    matrix in memory either way."""
 
-    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
-        if weight.bits != 8 or weight.group_size != weight.in_features or weight.zeros is not None:
+    def __init__(self, source: QuantWeight | Any, dtype: torch.dtype) -> None:
+        bits, gs = getattr(source, "bits", None), getattr(source, "group_size", None)
+        if bits != 8 or gs != source.in_features or getattr(source, "zeros", None) is not None:
             raise ValueError("a quantized embedding is int8 with one scale per row")
-        self.weight, self.dtype = weight, dtype
-        self.scale = weight.scales[:, 0]  # [V]
-        self.shape = (weight.out_features, weight.in_features)
+        self.source, self.dtype = source, dtype
+        self.shape = (source.out_features, source.in_features)
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.q[ids].float() * self.scale[ids, None]  # [T, D]
-        return rows.to(self.dtype)
+        return self.source.rows(ids).to(self.dtype)  # [T, D]
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes
+        return self.source.nbytes
