@@ -110,8 +110,12 @@ def test_torch_int4(case: tuple) -> None:  # its layout needs out_features % 16 
 
 @pytest.mark.parametrize(
     "case",
-    [*CASES, (40, 320, 8, None, True, False), (37, 384, 4, 256, True, False),
-     (12, 90, 8, None, False, False)],  # fmt: skip
+    [
+        *CASES,
+        (40, 320, 8, None, True, False),
+        (37, 384, 4, 256, True, False),
+        (12, 90, 8, None, False, False),
+    ],
     ids=lambda c: f"{c[0]}x{c[1]}-int{c[2]}-g{c[3]}-zp{c[4]}-ao{c[5]}",
 )
 def test_panel_quant(case: tuple) -> None:
@@ -147,6 +151,59 @@ def test_panel_quant(case: tuple) -> None:
     assert isinstance(built, PanelQuantLinear)  # what the start-up choice builds by name
     with pytest.raises(KernelBuildError):
         PanelQuantLinear(qw, torch.float32, kernel)  # bf16 x only
+
+
+W4A8_CASES = [  # 4-bit, K a multiple of 32, groups of a multiple of 8
+    (40, 256, 4, 128, False, False),
+    (33, 128, 4, 32, True, False),
+    (18, 128, 4, 32, True, True),  # act order: x gathered, the per-token scale unchanged
+    (5, 512, 4, None, False, False),  # one group per channel
+    (10, 96, 4, 64, True, False),  # a short last group
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case", W4A8_CASES, ids=lambda c: f"{c[0]}x{c[1]}-g{c[3]}-zp{c[4]}-ao{c[5]}"
+)
+def test_panel_w4a8(case: tuple, dtype: torch.dtype) -> None:
+    """W4A8 on the panel kernel (AVX512-VNNI): x quantized per token exactly as
+    ``quantize_activation`` does (the reference is that activation times the dequantized weight
+    in float64), exact int32 group sums; a zero row and an outlier row; every row the same bits
+    in any batch; the weight read back exactly; the start-up builds it for a W4A8 weight."""
+    from dataclasses import replace
+
+    from loraplex.model.panel_gemm import load_panel_kernel
+
+    kernel = load_panel_kernel()
+    if not kernel.w4a8:
+        pytest.skip("no AVX512-VNNI in this CPU's panel build")
+    qw = replace(_weight(*case), act=ActQuant("int8"))
+    lin = build_quant_linear(qw, dtype, torch.device("cpu"), None, None)
+    assert lin.name == "panel-w4a8" and lin.quant is None
+    panels, groups = -(-qw.out_features // kernel.panel), qw.scales.shape[1]
+    # half a byte a weight, a float32 scale and an int8 zero point a column and group
+    perm = qw.perm.nbytes if qw.perm is not None else 0
+    assert lin.nbytes == panels * kernel.panel * (qw.in_features // 2 + 5 * groups) + perm
+    assert torch.equal(lin.dequantize(torch.float64), qw.dequantize(torch.float64))
+    x = torch.randn(19, qw.in_features, generator=torch.Generator().manual_seed(5))
+    x[3] = 0.0  # absmax 0: the scale's floor, xq all zero
+    x[4, 7] = 300.0  # an outlier: the row's other entries round to few levels
+    x = x.to(dtype)
+    got = lin(x)
+    want_x = quantize_activation(x, ActQuant("int8")).double()
+    product = want_x @ qw.dequantize(torch.float64).T
+    bias = qw.bias.double()
+    want = product + bias
+    scale = max(product.abs().max().item(), bias.abs().max().item(), want.abs().max().item())
+    err = (got.double() - want).abs().max().item()
+    assert err <= TOL[dtype] * scale, f"max error {err:.3g} vs {TOL[dtype] * scale:.3g}"
+    assert torch.equal(got[3], bias.to(dtype))  # a zero row is the bias
+    for rows in (1, 8, 9, 16):
+        assert torch.equal(lin(x[:rows]), got[:rows])
+    # the emulated path (other CPUs, CUDA) computes the same product
+    emulated = DequantLinear(qw)(x)
+    assert (emulated.double() - want).abs().max().item() <= TOL[dtype] * scale
 
 
 def test_torch_int4_refuses_what_its_layout_cannot_hold() -> None:

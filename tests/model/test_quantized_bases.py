@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.model.quant.weights import QuantWeight
 from loraplex.testing import (
     load_merged_reference,
     make_random_adapter,
@@ -26,7 +27,6 @@ from loraplex.testing import (
 )
 from loraplex.testing.compressed import write_compressed_tensors
 from loraplex.testing.quant import write_awq, write_dequantized, write_fp8, write_gptq
-from loraplex.model.quant.weights import QuantWeight
 from loraplex.types import ModelLoadError
 from tests.engine.test_mixed_batch_architectures import PROMPTS, SAMPLE_TOL
 
@@ -289,6 +289,7 @@ FUSED_INPUTS = (
 
 W8A8 = {  # scheme -> writer: compressed-tensors (as llm-compressor), and quant_method fp8
     "W8A8": lambda f, q, r: write_compressed_tensors(f, q, r, "W8A8"),
+    "W4A8": lambda f, q, r: write_compressed_tensors(f, q, r, "W4A8", group_size=32),
     "FP8_DYNAMIC": lambda f, q, r: write_compressed_tensors(f, q, r, "FP8_DYNAMIC"),
     "FP8": lambda f, q, r: write_compressed_tensors(f, q, r, "FP8"),
     "fp8-dynamic": lambda f, q, r: write_fp8(f, q, r, activation_scheme="dynamic"),
@@ -298,13 +299,13 @@ W8A8 = {  # scheme -> writer: compressed-tensors (as llm-compressor), and quant_
 
 @pytest.mark.parametrize("scheme", list(W8A8))
 def test_w8a8_lora_reads_unquantized_activations(scheme: str, tmp_path: Path) -> None:
-    """A W8A8 base quantizes each projection's input for its own product; every adapter's
+    """A W8A8 (or W4A8) base quantizes each projection's input for its own product; every adapter's
     delta is computed from the unquantized input. The engine equals the reference that does so,
     and the reference that quantizes the adapter's input too is measurably different (so this
     test can tell them apart)."""
     base = make_random_model(tmp_path / "base", "llama", hidden_size=64, intermediate_size=128)
     qdir, ref = W8A8[scheme](base, tmp_path / "q", tmp_path / "ref")
-    kind = "int8" if scheme == "W8A8" else "fp8"
+    kind = "int8" if scheme in ("W8A8", "W4A8") else "fp8"
     # Engine and reference compute the projections' float32 inputs in other orders; a last-ulp
     # difference can carry an input across a rounding boundary of the activation format, which
     # moves it by one step: 1/127 of its row's absmax in int8, 2^-3 of itself in float8 e4m3.
@@ -318,8 +319,31 @@ def test_w8a8_lora_reads_unquantized_activations(scheme: str, tmp_path: Path) ->
         reference=lambda adapter: _activation_reference(ref, qdir, adapter, kind, False),
     )  # fmt: skip
     assert llm.engine.model.quant.activations == kind
+    if scheme == "W4A8":  # the VNNI kernel where this CPU has it, else the emulated product
+        from loraplex.model.panel_gemm import usable_panel_kernel
+
+        panel = usable_panel_kernel()
+        want = "panel-w4a8" if panel is not None and panel.w4a8 else "dequant"
+        assert llm.engine.model.layers[0].qkv.name == want
     separated = 0.0
     for adapter, ids, logprobs in checked.values():  # the wrong semantics, for contrast
         _, wrong = reference_greedy(_activation_reference(ref, qdir, adapter, kind, True), ids, 4)
         separated = max(separated, float((wrong - logprobs).abs().max()))
     assert separated > 10 * act_tol, f"quantizing the adapters' input changes little ({separated})"
+
+
+def test_w4a8_int4_values_out_of_range_refused(tmp_path: Path) -> None:
+    """A W4A8 checkpoint stores its int4 values in int8 tensors: one outside [-8, 7] would
+    wrap in the 4-bit storage, so the load is refused naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    base = make_random_model(tmp_path / "base", "llama", hidden_size=64, intermediate_size=128)
+    qdir, _ = write_compressed_tensors(base, tmp_path / "q", tmp_path / "ref", "W4A8",
+                                       group_size=32)  # fmt: skip
+    path = qdir / "model.safetensors"
+    tensors = load_file(str(path))
+    key = "model.layers.1.mlp.down_proj.weight"
+    tensors[key][3, 5] = 9
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"down_proj.*int4 values outside \[-8, 7\]"):
+        LLM(model=str(qdir), skip_tokenizer_init=True)

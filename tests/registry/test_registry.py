@@ -1185,6 +1185,16 @@ def test_quantized_base_is_recorded_and_takes_the_float_bases_adapters(
     at_load = base_model_info(tiny_model, "tiny", quantization="int4")
     assert quantized.quantization == "gptq w4 g32" and at_load.quantization == "int4"
     assert base_model_info(tiny_model, "tiny").quantization is None
+    from loraplex.testing.compressed import write_compressed_tensors
+
+    for scheme, want in (
+        ("W4A8", "compressed-tensors w4 g32 a8"),
+        ("W8A16", "compressed-tensors w8 g32"),
+    ):
+        ct, _ = write_compressed_tensors(
+            tiny_model, tmp_path / scheme, tmp_path / f"{scheme}-ref", scheme, group_size=32
+        )
+        assert base_model_info(ct, scheme).quantization == want
     assert at_load.digest == base_model_info(tiny_model, "tiny").digest  # the same files
     reg = open_reg(db_url, root)
     path = root / "all_r8"

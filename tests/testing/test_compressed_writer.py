@@ -36,6 +36,8 @@ EXPECTED = {
         "weight_shape": ("I64", [2]),
     }),
     "W8A8": ("int-quantized", {"weight": ("I8", [64, 64]), "weight_scale": ("F32", [64, 1])}),
+    # activations quantized: stored unpacked, the int4 values in int8, as W8A8
+    "W4A8": ("int-quantized", {"weight": ("I8", [64, 64]), "weight_scale": ("F32", [64, 2])}),
     "FP8_DYNAMIC": ("float-quantized", {
         "weight": ("F8_E4M3", [64, 64]), "weight_scale": ("F32", [64, 1]),
     }),

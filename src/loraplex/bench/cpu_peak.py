@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("fp32-fma", "bf16-dot", "int8-dot"):
         g = peak_gflops(kind, threads, args.rounds)
         unit = "GOP/s" if kind == "int8-dot" else "GFLOP/s"
-        print(f"{kind:<9} {threads} threads: " + ("not in this build" if g is None else f"{g:.0f} {unit}"))
+        print(
+            f"{kind:<9} {threads} threads: "
+            + ("not in this build" if g is None else f"{g:.0f} {unit}")
+        )
     return 0
 
 

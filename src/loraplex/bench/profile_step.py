@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> None:
         }
         chosen = engine.model.ops
         peak, itemsize = _peak_gflops(dtype), engine.model.dtype.itemsize
-        if quant:  # the compute floor counts products, not the quantized bytes
+        if engine.model.quant is not None:  # the compute floor counts products, not bytes
             itemsize = weight_bytes_per_step(engine) / _weight_params(engine)
         steps: dict[str, float] = {}
         for ops in _layer_ops_runs(chosen, args.layer_ops):
@@ -299,9 +299,7 @@ def _weight_params(engine: LLMEngine) -> int:
     """Products per row a step's GEMMs run: every projection's and the head's in x out."""
     m = engine.model
     linears = [m.head, *(v for L in m.layers for v in vars(L).values())]
-    return sum(
-        lin.in_features * lin.out_features for lin in linears if hasattr(lin, "in_features")
-    )
+    return sum(lin.in_features * lin.out_features for lin in linears if hasattr(lin, "in_features"))
 
 
 def _config(model_dir: Path, dtype: str, rank: int, quantization: str | None = None) -> Any:

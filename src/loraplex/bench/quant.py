@@ -34,7 +34,14 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                  intermediate_size=256, vocab_size=30100, tie_word_embeddings=True),  # its test
 }  # fmt: skip
-MODES = ("float32", "bfloat16", "bfloat16+int8", "bfloat16+int4", "float32+int8", "float32+int4")
+MODES = (
+    "float32", "bfloat16", "bfloat16+int8", "bfloat16+int4", "float32+int8", "float32+int4",
+    "bfloat16+W4A8",
+)  # fmt: skip
+CHECKPOINT_MODES = ("W4A8",)
+"""Modes served from a checkpoint written once from the float model (compressed-tensors'
+preset, as llm-compressor writes it, in groups of 128 or the largest of 64 / 32 that divides
+the widths) instead of quantized at load."""
 N_ADAPTERS = 16
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -71,6 +78,7 @@ def rss():
 
 model, mode, new_tokens, adapters = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 dtype, _, quant = mode.partition('+')
+quant = None if quant == 'W4A8' else quant  # a checkpoint's own quantization_config
 torch.set_num_threads(int(sys.argv[5]))
 before = rss()
 llm = LLM(model, dtype=dtype, quantization=quant or None, enable_lora=True, max_loras=16,
@@ -103,7 +111,28 @@ print(json.dumps(res))
 """
 
 
+def checkpoint(model: Path, scheme: str) -> Path:
+    """The ``scheme`` checkpoint of ``model`` (written once beside it; its float reference,
+    which the benchmark does not read, removed)."""
+    import shutil
+
+    from loraplex.testing.compressed import write_compressed_tensors
+
+    out = model.parent / f"model-{scheme.lower()}"
+    if not (out / "config.json").is_file():
+        cfg = json.loads((model / "config.json").read_text())
+        widths = (cfg["hidden_size"], cfg["intermediate_size"])
+        group = next(g for g in (128, 64, 32) if all(w % g == 0 for w in widths))
+        ref = model.parent / f"model-{scheme.lower()}-reference"
+        write_compressed_tensors(model, out, ref, scheme, group_size=group)
+        shutil.rmtree(ref, ignore_errors=True)
+    return out
+
+
 def run_mode(model: Path, adapters: list[Path], mode: str, new_tokens: int, threads: int) -> dict:
+    dtype, _, quant = mode.partition("+")
+    if quant in CHECKPOINT_MODES:
+        model, mode = checkpoint(model, quant), f"{dtype}+{quant}"
     args = [str(model), mode, str(new_tokens), json.dumps([str(a) for a in adapters]), str(threads)]
     out = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True)
     if out.returncode != 0:

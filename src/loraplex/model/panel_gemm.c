@@ -44,6 +44,11 @@ typedef __m512 vec;
 #else
 #define HAVE_DPBF16 0
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VW 8
@@ -55,10 +60,12 @@ typedef __m256 vec;
 #define VSET1(x) _mm256_set1_ps(x)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define HAVE_DPBF16 0
+#define HAVE_VNNI 0
 #else
 #define VW 8
 #define MR 4
 #define HAVE_DPBF16 0
+#define HAVE_VNNI 0
 #endif
 #define NR (2 * VW)
 
@@ -77,8 +84,8 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* bit 0: float32 computed with vectors; bit 1: bfloat16 (AVX512-BF16 dot products); the
- * vector width in floats from bit 8. */
+/* bit 0: float32 computed with vectors; bit 1: bfloat16 (AVX512-BF16 dot products); bit 2:
+ * 4-bit weights x int8 activations (AVX512-VNNI); the vector width in floats from bit 8. */
 int loraplex_panel_features(void) {
     int bits = 0;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -86,6 +93,9 @@ int loraplex_panel_features(void) {
 #endif
 #if HAVE_DPBF16
     bits |= 2;
+#endif
+#if HAVE_VNNI
+    bits |= 4;
 #endif
     return bits | (VW << 8);
 }
@@ -501,6 +511,211 @@ int loraplex_panel_q_gemm(const uint16_t *x, int64_t ldx, int64_t T, int64_t K, 
 #else
     (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bits;
     (void)bias, (void)y, (void)ldy, (void)e, (void)threads;
+    return -1;
+#endif
+}
+
+
+/* ------------------------------------------- 4-bit weights x int8 activations (W4A8, VNNI)
+ *
+ * Semantics (compressed-tensors' W4A8: int8 activations quantized per token, dynamically and
+ * symmetrically, as vLLM does; G groups of gs inputs, gs a multiple of 8, K of 32 as the
+ * 4-bit storage has it):
+ *
+ *     s_t      = max(max_k |x[t, k]| / 127, 1e-10)                         (float32)
+ *     xq[t, k] = clamp(rne(x[t, k] / s_t), -128, 127)
+ *     y[t, n]  = rnd(bias[n] + s_t * sum_g scales[n, g]
+ *                     * (sum_{k in g} xq[t, k] q[n, k] - zeros[n, g] sum_{k in g} xq[t, k]))
+ *
+ * with q in 0 .. 15 and zeros as QuantWeight stores them (W = scales (q - zeros)), x and y
+ * float32 or bf16. Each group's sums are exact int32 (AVX512-VNNI: 64 u8 x s8 products an
+ * instruction, twice the bf16 dot's rate where both run one a cycle), made float once per
+ * group. The LoRA delta never reads xq (kernels.py): only the base product is W4A8.
+ *
+ * Layout (loraplex_panel_w4a8_pack): per panel of NR = 32 columns, per block b of 8 inputs,
+ * per half h of 16 columns, 64 bytes: byte 4 c + i = q[n, 8 b + i] | q[n, 8 b + 4 + i] << 4
+ * (column 16 h + c, i < 4): masked they are VNNI's four bytes of inputs 8b .. 8b + 3 per
+ * column, shifted and masked those of 8b + 4 .. 8b + 7. Then per panel and group NR float32
+ * scales and NR int8 zero points, as the other quantized panels. */
+
+int64_t loraplex_panel_w4a8_bytes(int64_t N, int64_t K, int64_t G) {
+    int64_t panels = (N + NR - 1) / NR;
+    return panels * (K / 2) * NR + panels * G * NR * 5;
+}
+
+/* P from q (uint8 [N, K / 2] in qgemm.c's 32-column blocks), scales float32 [N, G], zeros
+ * int8 [N, G] or NULL (then 8, the symmetric 4-bit zero point). */
+void loraplex_panel_w4a8_pack(const uint8_t *q, const float *scales, const int8_t *zeros,
+                              int64_t N, int64_t K, int64_t G, void *p) {
+    int64_t panels = (N + NR - 1) / NR;
+    uint8_t *val = (uint8_t *)p;
+    float *sc = (float *)(val + panels * (K / 2) * NR);
+    int8_t *zp = (int8_t *)(sc + panels * G * NR);
+    memset(val, 0, (size_t)(panels * (K / 2) * NR));
+    for (int64_t pi = 0; pi < panels; pi++)
+        for (int64_t c = 0; c < NR; c++) {
+            int64_t n = pi * NR + c;
+            if (n < N)
+                for (int64_t k = 0; k < K; k++) {
+                    int64_t blk = k / 32, i = k % 32;
+                    uint8_t byte = q[n * (K / 2) + 16 * blk + (i < 16 ? i : i - 16)];
+                    uint8_t v = i < 16 ? byte & 15 : byte >> 4;
+                    int64_t b = k / 8, r = k % 8, h = c / 16, cc = c % 16;
+                    uint8_t *dst = val + pi * (K / 2) * NR + b * 2 * 64 + h * 64 + 4 * cc + r % 4;
+                    *dst = (uint8_t)(*dst | v << (r < 4 ? 0 : 4));
+                }
+            for (int64_t g = 0; g < G; g++) {
+                sc[(pi * G + g) * NR + c] = n < N ? scales[n * G + g] : 0.0f;
+                zp[(pi * G + g) * NR + c] = (int8_t)(n < N ? (zeros ? zeros[n * G + g] : 8) : 0);
+            }
+        }
+}
+
+#if HAVE_VNNI
+#ifndef INLINE
+#define INLINE static inline __attribute__((always_inline))
+#endif
+
+/* acc[r][h] (int32, exact) += xq . q of block rows r < MR_ over input blocks b0 .. b1 of one
+ * panel; xq4[b][2][MRQ]: each row's four int8 of inputs 8b .. 8b+3, then of 8b+4 .. 8b+7. */
+INLINE void w4a8_dots_n(const int32_t *xq4, const int MR_, const uint8_t *val, int64_t b0,
+                        int64_t b1, __m512i acc[MRQ][2]) {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < MR_; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *vb = val + b * 128;
+        __m512i v0 = _mm512_loadu_si512((const void *)vb);
+        __m512i v1 = _mm512_loadu_si512((const void *)(vb + 64));
+        __m512i w0a = _mm512_and_si512(v0, lo), w0b = _mm512_and_si512(_mm512_srli_epi16(v0, 4), lo);
+        __m512i w1a = _mm512_and_si512(v1, lo), w1b = _mm512_and_si512(_mm512_srli_epi16(v1, 4), lo);
+        const int32_t *xk = xq4 + b * 2 * MRQ;
+#pragma GCC unroll 8
+        for (int r = 0; r < MR_; r++) {
+            __m512i xa = _mm512_set1_epi32(xk[r]), xb = _mm512_set1_epi32(xk[MRQ + r]);
+            acc[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][0], w0a, xa), w0b, xb);
+            acc[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][1], w1a, xa), w1b, xb);
+        }
+    }
+}
+
+/* x[t, k .. k + 16] as float32 (element type e) */
+INLINE __m512 w4a8_load(const float *xf, const uint16_t *xh, int64_t k, int e) {
+    if (e == F32) return _mm512_loadu_ps(xf + k);
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xh + k))), 16));
+}
+
+/* one group's exact sums of block rows t0 .. t0 + mr into the float32 running sums sums[t] */
+INLINE void w4a8_group(const int32_t *xq4, int mr, const uint8_t *val, int64_t b0, int64_t b1,
+                       const float *gsc, const int8_t *gzp, const int32_t *xsum /* [mr] */,
+                       float *sums /* [mr][NR] */) {
+    __m512i acc[MRQ][2];
+    switch (mr) {
+#define W_CASE(m) \
+    case m: w4a8_dots_n(xq4, m, val, b0, b1, acc); break;
+        W_CASE(1) W_CASE(2) W_CASE(3) W_CASE(4) W_CASE(5) W_CASE(6) W_CASE(7) W_CASE(8)
+#undef W_CASE
+    }
+    for (int h = 0; h < 2; h++) {
+        __m512 z = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(gzp + 16 * h))));
+        __m512 scale = _mm512_loadu_ps(gsc + 16 * h);
+        for (int r = 0; r < mr; r++) {
+            __m512 d = _mm512_fnmadd_ps(z, _mm512_set1_ps((float)xsum[r]),
+                                        _mm512_cvtepi32_ps(acc[r][h]));
+            float *a = sums + r * NR + 16 * h;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(scale, d, _mm512_loadu_ps(a)));
+        }
+    }
+}
+#endif
+
+/* y [T, N] = x [T, K] (float32 or bf16, element type e) @ W.T + bias under W4A8 (above), W
+ * packed in p; -1 without AVX512-VNNI (or K not a multiple of 32, gs of 8), -2 if its scratch
+ * cannot be allocated. */
+int loraplex_panel_w4a8_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const void *p,
+                             int64_t N, int64_t gs, int64_t G, const float *bias, void *y,
+                             int64_t ldy, int e, int threads) {
+#if HAVE_VNNI
+    if ((K % 32) || (gs % 8) || (e != F32 && e != BF16)) return -1;
+    int64_t K4 = K / 4, Tp = (T + MRQ - 1) / MRQ * MRQ;
+    float *st = (float *)malloc((size_t)T * sizeof(float));          /* each row's scale */
+    int32_t *xsum = (int32_t *)malloc((size_t)(Tp * G) * sizeof(int32_t)); /* [G][Tp] */
+    /* xq4[block][b][2][MRQ]: four int8 per int32, one pointer a block of rows */
+    int32_t *xq4 = (int32_t *)calloc((size_t)(Tp * K4), sizeof(int32_t));
+    int8_t *row = (int8_t *)malloc((size_t)K);
+    if (!st || !xsum || !xq4 || !row) {
+        free(st), free(xsum), free(xq4), free(row);
+        return -2;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const float *xf = (const float *)x + t * ldx;
+        const uint16_t *xh = (const uint16_t *)x + t * ldx;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16)
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(w4a8_load(xf, xh, k, e)));
+        float s = _mm512_reduce_max_ps(amax) / 127.0f;
+        s = s < 1e-10f ? 1e-10f : s;
+        st[t] = s;
+        __m512 sv = _mm512_set1_ps(s);
+        for (int64_t k = 0; k < K; k += 16) { /* x / s, rounded half to even, clamped */
+            __m512i qv = _mm512_cvtps_epi32(_mm512_roundscale_ps(
+                _mm512_div_ps(w4a8_load(xf, xh, k, e), sv),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            qv = _mm512_max_epi32(_mm512_min_epi32(qv, _mm512_set1_epi32(127)),
+                                  _mm512_set1_epi32(-128));
+            _mm_storeu_si128((__m128i *)(row + k), _mm512_cvtepi32_epi8(qv));
+        }
+        for (int64_t g = 0; g < G; g++) {
+            int64_t k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
+            int32_t sum = 0;
+            for (int64_t k = g * gs; k < k1; k++) sum += row[k];
+            xsum[g * Tp + t] = sum;
+        }
+        int32_t *blk = xq4 + (t / MRQ) * MRQ * K4;
+        for (int64_t b = 0; b < K / 8; b++) {
+            memcpy(blk + (b * 2) * MRQ + t % MRQ, row + 8 * b, 4);
+            memcpy(blk + (b * 2 + 1) * MRQ + t % MRQ, row + 8 * b + 4, 4);
+        }
+    }
+    free(row);
+    int64_t panels = (N + NR - 1) / NR, vbytes = (K / 2) * NR;
+    const uint8_t *val = (const uint8_t *)p;
+    const float *sc = (const float *)(val + panels * vbytes);
+    const int8_t *zp = (const int8_t *)(sc + panels * G * NR);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && panels > 1)
+    {
+        float *sums = (float *)malloc((size_t)(T * NR) * sizeof(float));
+        if (!sums) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < panels; pi++) {
+            if (!sums) continue;
+            memset(sums, 0, (size_t)(T * NR) * sizeof(float));
+            const uint8_t *pv = val + pi * vbytes;
+            for (int64_t g = 0; g < G; g++) {
+                int64_t b0 = g * gs / 8, b1 = ((g + 1) * gs < K ? (g + 1) * gs : K) / 8;
+                for (int64_t t0 = 0; t0 < T; t0 += MRQ) {
+                    int mr = T - t0 < MRQ ? (int)(T - t0) : MRQ;
+                    w4a8_group(xq4 + t0 * K4, mr, pv, b0, b1, sc + (pi * G + g) * NR,
+                               zp + (pi * G + g) * NR, xsum + g * Tp + t0, sums + t0 * NR);
+                }
+            }
+            for (int64_t t = 0; t < T; t++) {
+                for (int64_t c = 0; c < NR; c++) sums[t * NR + c] *= st[t];
+                store_row(sums + t * NR, bias, pi * NR, N, y, ldy, t, e);
+            }
+        }
+        free(sums);
+    }
+    free(st), free(xsum), free(xq4);
+    return failed ? -2 : 0;
+#else
+    (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bias;
+    (void)y, (void)ldy, (void)e, (void)threads;
     return -1;
 #endif
 }

@@ -36,9 +36,10 @@ class PanelKernel:
         lib, fns, self.shared_threads = open_kernel(
             library, "loraplex_panel_gemm", "loraplex_panel_pack", "loraplex_panel_bytes",
             "loraplex_panel_width", "loraplex_panel_features", "loraplex_panel_q_bytes",
-            "loraplex_panel_q_pack", "loraplex_panel_q_gemm",
+            "loraplex_panel_q_pack", "loraplex_panel_q_gemm", "loraplex_panel_w4a8_bytes",
+            "loraplex_panel_w4a8_pack", "loraplex_panel_w4a8_gemm",
         )  # fmt: skip
-        gemm, pack, size, width, features, qsize, qpack, qgemm = fns
+        gemm, pack, size, width, features, qsize, qpack, qgemm, wsize, wpack, wgemm = fns
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
         gemm.restype = i32
@@ -51,11 +52,18 @@ class PanelKernel:
         qgemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i32, ptr, ptr, i64, i32, i32]
         qgemm.restype = i32
         self._qsize, self._qpack, self._qgemm = qsize, qpack, qgemm
+        wsize.argtypes, wsize.restype = [i64, i64, i64], i64
+        wpack.argtypes, wpack.restype = [ptr, ptr, ptr, i64, i64, i64, ptr], None
+        wgemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32]
+        wgemm.restype = i32
+        self._wsize, self._wpack, self._wgemm = wsize, wpack, wgemm
         bits = features()
         self.dtypes = frozenset(
             d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if bits & bit
         )
         """The dtypes this build computes with vectors (bf16: AVX512-BF16 dot products)."""
+        self.w4a8 = bool(bits & 4)
+        """Whether this build computes 4-bit weights x int8 activations (AVX512-VNNI)."""
         self.panel = width()
         self._lib, self._gemm, self._pack, self._size = lib, gemm, pack, size
         self.library = library
@@ -123,6 +131,39 @@ class PanelKernel:
             raise KernelBuildError(
                 "panel quantized GEMM kernel: not for this build, dtype, bits or shape"
             )
+        return out
+
+    def pack_w4a8(
+        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, k: int
+    ) -> torch.Tensor:
+        """The W4A8 panel layout of a 4-bit ``QuantWeight``'s ``q``, ``scales``, ``zeros``."""
+        n, g = scales.shape
+        out = torch.empty(self._wsize(n, k, g), dtype=torch.uint8)
+        self._wpack(q.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
+                    n, k, g, out.data_ptr())  # fmt: skip
+        return out
+
+    def gemm_w4a8(
+        self,
+        x: torch.Tensor,  # [T, K] float32 or bf16, rows contiguous
+        packed: torch.Tensor,
+        n: int,
+        group_size: int,
+        groups: int,
+        bias: torch.Tensor | None,  # float32 [N]
+        out: torch.Tensor,  # [T, N] x's dtype
+    ) -> torch.Tensor:
+        t, k = x.shape
+        threads = torch.get_num_threads() if self.shared_threads else 1
+        rc = self._wgemm(
+            x.data_ptr(), x.stride(0), t, k, packed.data_ptr(), n, group_size, groups,
+            0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            ELEMENT_TYPES[x.dtype], threads,
+        )  # fmt: skip
+        if rc == -2:
+            raise MemoryError("panel W4A8 kernel: cannot allocate its scratch")
+        if rc != 0:
+            raise KernelBuildError("panel W4A8 kernel: not for this build, dtype or shape")
         return out
 
 

@@ -61,17 +61,30 @@ class BaseModelInfo:
 def quantization_of(config: dict, requested: str | None = None) -> str | None:
     """The base's quantization as the registry records it: ``--quantization int8/int4``
     (quantized at load from these float files), else the checkpoint's
-    ``quantization_config.quant_method`` with its bits and group size (``gptq w4 g128``)."""
+    ``quantization_config.quant_method`` with its bits, group size and, where activations are
+    quantized too, their bits (``gptq w4 g128``, ``compressed-tensors w4 g128 a8``)."""
     if requested in ("int8", "int4"):
         return requested
     qc = config.get("quantization_config")
     if not isinstance(qc, dict) or not qc.get("quant_method"):
         return requested
     parts = [str(qc["quant_method"])]
-    if qc.get("bits"):
-        parts.append(f"w{qc['bits']}")
-    if qc.get("group_size") not in (None, -1):
-        parts.append(f"g{qc['group_size']}")
+    bits, group, acts = qc.get("bits"), qc.get("group_size"), None
+    groups = qc.get("config_groups")
+    if isinstance(groups, dict) and groups:  # compressed-tensors: its (first) scheme
+        scheme = next(iter(groups.values()))
+        w = scheme.get("weights") if isinstance(scheme, dict) else None
+        a = scheme.get("input_activations") if isinstance(scheme, dict) else None
+        if isinstance(w, dict):
+            bits, group = w.get("num_bits"), w.get("group_size")
+        if isinstance(a, dict) and a.get("num_bits"):
+            acts = f"a{a['num_bits']}"
+    if bits:
+        parts.append(f"w{bits}")
+    if group not in (None, -1):
+        parts.append(f"g{group}")
+    if acts:
+        parts.append(acts)
     return " ".join(parts)
 
 

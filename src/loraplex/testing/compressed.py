@@ -27,7 +27,7 @@ import torch
 if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8")
+SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W4A8", "FP8_DYNAMIC", "FP8")
 TARGETS = ["Linear"]
 IGNORE = ["lm_head"]
 TOKENIZER_FILES = (

@@ -15,7 +15,7 @@ Formats (``quant_method``), each as its writers lay it out:
   ``[N, K / (32 / bits)]`` packed along K, values offset by ``2^(bits - 1)``, ``weight_scale``
   ``[N, G]``, ``weight_zero_point`` where asymmetric, ``weight_g_idx`` with act order),
   ``int-quantized`` / ``naive-quantized`` (int8 ``weight`` ``[N, K]``: W8A8 with dynamic
-  per-token int8 activations, or W8A16), ``float-quantized`` (float8 ``weight``, per-tensor or
+  per-token int8 activations, or W8A16; W4A8 stores its int4 values so too, int8 ``[-8, 7]``), ``float-quantized`` (float8 ``weight``, per-tensor or
   per-channel ``weight_scale``, static ``input_scale`` or dynamic activations).
 - ``fp8`` (vLLM / transformers' FP8): float8 ``weight``, per-tensor ``weight_scale``,
   ``input_scale`` with ``activation_scheme: static``.
@@ -228,7 +228,7 @@ def _compressed(qc: Mapping[str, Any]) -> QuantSpec:
     actorder = w.get("actorder")
     if actorder not in (None, "group", "weight", False):
         raise _fail("weights.actorder", actorder, "group, weight or none")
-    if acts == "int8" and (bits != 8 or strategy != "channel" or not w.get("symmetric", True)):
+    if acts == "int8" and bits == 8 and (strategy != "channel" or not w.get("symmetric", True)):
         raise _fail("weights", f"int{bits} {strategy}", "int8 channel symmetric for W8A8")
     if acts == "fp8":
         raise _fail("input_activations", "float8 with int weights", "int8 with int8 weights")
@@ -409,6 +409,9 @@ def unpack_projection(
         w = _need(tensors, "weight", where)
         _check(w.shape, (n, k), "weight", where)
         values = w.to(torch.int64)
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        if values.numel() and (int(values.min()) < lo or int(values.max()) > hi):
+            raise ModelLoadError(f"{where}.weight: int{bits} values outside [{lo}, {hi}]")
     zeros = None
     zp = tensors.get("weight_zero_point")
     if zp is not None and not spec.symmetric:

@@ -186,6 +186,65 @@ class PanelQuantLinear(QuantLinearBase):
         )  # fmt: skip
 
 
+class PanelW4A8Linear(QuantLinearBase):
+    """W4A8 (compressed-tensors' preset): 4-bit weights, the base product's input quantized to
+    int8 per token (dynamic, symmetric, ``absmax / 127`` as vLLM and
+    :func:`quantize_activation`), exact int32 group sums on AVX512-VNNI in the panel kernel
+    (``panel_gemm.c``), float32 or bf16 x. LoRA reads the unquantized x (module docstring)."""
+
+    name = "panel-w4a8"
+
+    def __init__(self, weight: QuantWeight, kernel: PanelKernel | None) -> None:
+        super().__init__(weight)
+        if (
+            kernel is None
+            or not kernel.w4a8
+            or weight.bits != 4
+            or weight.act != ActQuant("int8")
+            or weight.in_features % 32
+            or weight.group_size % 8
+        ):
+            raise KernelBuildError("the W4A8 panel kernel: 4-bit weights, int8 x, AVX512-VNNI")
+        self.kernel = kernel
+        self.packed = kernel.pack_w4a8(weight.q, weight.scales, weight.zeros, weight.in_features)
+        self.group_size, self.groups = weight.group_size, weight.scales.shape[1]
+        self.bias32 = None if weight.bias is None else weight.bias.float().contiguous()
+        self.act = weight.act
+        self.quant = None  # type: ignore[assignment]  # only the panels are kept
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + (self.perm.nbytes if self.perm is not None else 0)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [N, K] read back from the panels (checkpoint column order)."""
+        n, k, w, g = self.out_features, self.in_features, self.kernel.panel, self.groups
+        panels = -(-n // w)
+        at = panels * (k // 2) * w
+        v = self.packed[:at].view(panels, k // 8, 2, 16, 4).long()  # [P, b, half, c, i]
+        q = torch.stack((v & 15, v >> 4), dim=-2)  # [P, b, half, c, nibble, i]: 8b + 4 nib + i
+        q = q.permute(0, 2, 3, 1, 4, 5).reshape(panels * w, k).double()
+        sc = self.packed[at : at + panels * g * w * 4].view(torch.float32).view(panels, g, w)
+        zp = self.packed[at + panels * g * w * 4 :].view(torch.int8).view(panels, g, w)
+        scales = sc.permute(0, 2, 1).reshape(panels * w, g).double()
+        zeros = zp.permute(0, 2, 1).reshape(panels * w, g).double()
+        cols = torch.arange(k) // self.group_size
+        wt = (scales[:, cols] * (q - zeros[:, cols]))[:n]
+        if self.perm is not None:
+            wt = wt[:, torch.argsort(self.perm)]
+        return wt.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._gather(x)
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        return self.kernel.gemm_w4a8(
+            x, self.packed, self.out_features, self.group_size, self.groups, self.bias32, out
+        )
+
+
 class TorchInt4Linear(QuantLinearBase):
     """torch's packed int4 CPU kernel (``_weight_int4pack_mm_for_cpu``: bfloat16 / float16 x,
     ``w = (q - 8) * scale + zero`` per group); our integer zero point z becomes the float zero
@@ -449,11 +508,15 @@ def build_quant_linear(
         return FP8Linear(weight)
     if weight.act is not None:
         if device.type == "cpu":
-            try:
-                return W8A8Int8Linear(weight, kernel)
-            except KernelBuildError:
-                pass
-        return DequantLinear(weight)
+            for make in (
+                lambda: W8A8Int8Linear(weight, kernel),
+                lambda: PanelW4A8Linear(weight, usable_panel_kernel()),
+            ):
+                try:
+                    return make()
+                except KernelBuildError:
+                    continue  # not its weight kind, or not this CPU
+        return DequantLinear(weight)  # the same product, emulated: every device and format
     name = choice.name if choice is not None else "dequant"
     if name == "c-kernel":
         lin = CKernelLinear(weight, kernel)
@@ -477,6 +540,7 @@ class QuantKernels:
         self.device, self.dtype, self.measure = device, dtype, measure
         self.kernel: object | None = None
         self.choices: dict[tuple[int, int, int, int, bool], KernelChoice] = {}
+        self.by_kind: dict[str, str] = {}  # weight kind -> the Linear built for it untimed
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             from loraplex.model.quant.cpu_kernel import load_qgemm
 
@@ -508,7 +572,10 @@ class QuantKernels:
                     name = "c-kernel" if self.kernel is not None else "dequant"
                     choice = KernelChoice(name, {})
                 self.choices[key] = choice
-        return build_quant_linear(weight, self.dtype, self.device, choice, self.kernel)
+        lin = build_quant_linear(weight, self.dtype, self.device, choice, self.kernel)
+        if choice is None:  # built by its kind (W8A8, W4A8, float8): no timing to report
+            self.by_kind[_kind(weight)] = lin.name
+        return lin
 
     def _triton(self, weight: QuantWeight) -> object | None:
         """The Triton kernel for ``weight`` on CUDA, or None (no Triton: the dequantizing
@@ -528,4 +595,14 @@ class QuantKernels:
             times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in c.times_ms.items())
             g = "channel" if gs == k else f"g{gs}"
             lines.append(f"int{bits} {g}{' zp' if zp else ''} [{n}, {k}]: {c.name} ({times})")
+        lines += [f"{kind}: {name}" for kind, name in self.by_kind.items()]
         return "; ".join(lines)
+
+
+def _kind(weight: QuantWeight | FP8Weight) -> str:
+    """A weight's kind as a summary names it: ``w4a8 g128``, ``w8a8 channel``, ``fp8``."""
+    if isinstance(weight, FP8Weight):
+        return "fp8" + ("" if weight.act is None else f" a{weight.act.kind}")
+    g = "channel" if weight.group_size == weight.in_features else f"g{weight.group_size}"
+    act = "16" if weight.act is None else "8"
+    return f"w{weight.bits}a{act} {g}"
