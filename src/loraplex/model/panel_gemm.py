@@ -18,6 +18,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -118,19 +119,32 @@ class PanelKernel:
         bias: torch.Tensor | None,  # float32 [N]
         out: torch.Tensor,  # bf16 [T, N]
     ) -> torch.Tensor:
+        return self._quantized(self._qgemm, "quantized GEMM", x, packed, n,
+                               (group_size, groups, bits), bias, out)  # fmt: skip
+
+    def _quantized(
+        self,
+        fn: Any,
+        what: str,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        layout: tuple[int, ...],  # the packed weight's group size, groups (and bits)
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one of the quantized GEMMs (same calling convention): y = x @ W.T + bias."""
         t, k = x.shape
         threads = torch.get_num_threads() if self.shared_threads else 1
-        rc = self._qgemm(
-            x.data_ptr(), x.stride(0), t, k, packed.data_ptr(), n, group_size, groups, bits,
+        rc = fn(
+            x.data_ptr(), x.stride(0), t, k, packed.data_ptr(), n, *layout,
             0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
             ELEMENT_TYPES[x.dtype], threads,
         )  # fmt: skip
         if rc == -2:
-            raise MemoryError("panel quantized GEMM kernel: cannot allocate its scratch")
+            raise MemoryError(f"panel {what} kernel: cannot allocate its scratch")
         if rc != 0:
-            raise KernelBuildError(
-                "panel quantized GEMM kernel: not for this build, dtype, bits or shape"
-            )
+            raise KernelBuildError(f"panel {what} kernel: not for this build, dtype or shape")
         return out
 
     def pack_w4a8(
@@ -153,18 +167,7 @@ class PanelKernel:
         bias: torch.Tensor | None,  # float32 [N]
         out: torch.Tensor,  # [T, N] x's dtype
     ) -> torch.Tensor:
-        t, k = x.shape
-        threads = torch.get_num_threads() if self.shared_threads else 1
-        rc = self._wgemm(
-            x.data_ptr(), x.stride(0), t, k, packed.data_ptr(), n, group_size, groups,
-            0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-            ELEMENT_TYPES[x.dtype], threads,
-        )  # fmt: skip
-        if rc == -2:
-            raise MemoryError("panel W4A8 kernel: cannot allocate its scratch")
-        if rc != 0:
-            raise KernelBuildError("panel W4A8 kernel: not for this build, dtype or shape")
-        return out
+        return self._quantized(self._wgemm, "W4A8", x, packed, n, (group_size, groups), bias, out)
 
 
 class PanelLinear:
