@@ -607,7 +607,7 @@ INLINE __m512 w4a8_load(const float *xf, const uint16_t *xh, int64_t k, int e) {
 
 /* one group's exact sums of block rows t0 .. t0 + mr into the float32 running sums sums[t] */
 INLINE void w4a8_group(const int32_t *xq4, int mr, const uint8_t *val, int64_t b0, int64_t b1,
-                       const float *gsc, const int8_t *gzp, const int32_t *xsum /* [mr] */,
+                       const float *gsc, const int8_t *gzp, const float *xsum /* [mr] */,
                        float *sums /* [mr][NR] */) {
     __m512i acc[MRQ][2];
     switch (mr) {
@@ -621,7 +621,7 @@ INLINE void w4a8_group(const int32_t *xq4, int mr, const uint8_t *val, int64_t b
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(gzp + 16 * h))));
         __m512 scale = _mm512_loadu_ps(gsc + 16 * h);
         for (int r = 0; r < mr; r++) {
-            __m512 d = _mm512_fnmadd_ps(z, _mm512_set1_ps((float)xsum[r]),
+            __m512 d = _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r]),
                                         _mm512_cvtepi32_ps(acc[r][h]));
             float *a = sums + r * NR + 16 * h;
             _mm512_storeu_ps(a, _mm512_fmadd_ps(scale, d, _mm512_loadu_ps(a)));
@@ -640,7 +640,8 @@ int loraplex_panel_w4a8_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, c
     if ((K % 32) || (gs % 8) || (e != F32 && e != BF16)) return -1;
     int64_t K4 = K / 4, Tp = (T + MRQ - 1) / MRQ * MRQ;
     float *st = (float *)malloc((size_t)T * sizeof(float));          /* each row's scale */
-    int32_t *xsum = (int32_t *)malloc((size_t)(Tp * G) * sizeof(int32_t)); /* [G][Tp] */
+    /* each row's group sums of xq, exact in float32 (|sum| <= 128 K < 2^24) [G][Tp] */
+    float *xsum = (float *)malloc((size_t)(Tp * G) * sizeof(float));
     /* xq4[block][b][2][MRQ]: four int8 per int32, one pointer a block of rows */
     int32_t *xq4 = (int32_t *)calloc((size_t)(Tp * K4), sizeof(int32_t));
     int8_t *row = (int8_t *)malloc((size_t)K);
@@ -670,7 +671,7 @@ int loraplex_panel_w4a8_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, c
             int64_t k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
             int32_t sum = 0;
             for (int64_t k = g * gs; k < k1; k++) sum += row[k];
-            xsum[g * Tp + t] = sum;
+            xsum[g * Tp + t] = (float)sum;
         }
         int32_t *blk = xq4 + (t / MRQ) * MRQ * K4;
         for (int64_t b = 0; b < K / 8; b++) {
