@@ -77,8 +77,8 @@ def rss():
         if line.startswith('VmRSS'): return int(line.split()[1]) * 1024
 
 model, mode, new_tokens, adapters = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-dtype, _, quant = mode.partition('+')
-quant = None if quant == 'W4A8' else quant  # a checkpoint's own quantization_config
+dtype = mode.partition('+')[0]
+quant = sys.argv[6] or None  # None: the checkpoint's own quantization_config
 torch.set_num_threads(int(sys.argv[5]))
 before = rss()
 llm = LLM(model, dtype=dtype, quantization=quant or None, enable_lora=True, max_loras=16,
@@ -130,10 +130,11 @@ def checkpoint(model: Path, scheme: str) -> Path:
 
 
 def run_mode(model: Path, adapters: list[Path], mode: str, new_tokens: int, threads: int) -> dict:
-    dtype, _, quant = mode.partition("+")
-    if quant in CHECKPOINT_MODES:
-        model, mode = checkpoint(model, quant), f"{dtype}+{quant}"
-    args = [str(model), mode, str(new_tokens), json.dumps([str(a) for a in adapters]), str(threads)]
+    quant = mode.partition("+")[2]
+    if quant in CHECKPOINT_MODES:  # served from its checkpoint, not quantized at load
+        model, quant = checkpoint(model, quant), ""
+    args = [str(model), mode, str(new_tokens), json.dumps([str(a) for a in adapters]),
+            str(threads), quant]  # fmt: skip
     out = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{mode}: {out.stderr.strip()[-2000:]}")

@@ -155,12 +155,9 @@ class PanelQuantLinear(QuantLinearBase):
         else:  # [panels, pair kk, column, 2]
             at = panels * k * w
             q = self.packed[:at].view(torch.int8).view(panels, k // 2, w, 2)[pi, :, c].long()
-        q = q.reshape(*pi.shape, -1)[..., :k].double()
-        sc = self.packed[at : at + panels * g * w * 4].view(torch.float32).view(panels, g, w)
-        zp = self.packed[at + panels * g * w * 4 :].view(torch.int8).view(panels, g, w)
-        cols = torch.arange(k) // self.group_size
-        scale, zero = sc[pi, :, c].double()[..., cols], zp[pi, :, c].double()[..., cols]
-        return scale * (q - zero)
+        q = q.reshape(*pi.shape, -1)[..., :k]
+        sc, zp = _panel_groups(self.packed, at, panels, g, w)
+        return _affine(q, sc[pi, :, c], zp[pi, :, c], self.group_size)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] read back from the panels (checkpoint column order)."""
@@ -184,6 +181,22 @@ class PanelQuantLinear(QuantLinearBase):
             x, self.packed, self.out_features, self.bits, self.group_size, self.groups,
             self.bias32, out,
         )  # fmt: skip
+
+
+def _panel_groups(
+    packed: torch.Tensor, at: int, panels: int, groups: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a quantized panel layout's scales (float32) and zero points (int8), both
+    [panels, G, NR], stored from byte ``at`` on (``panel_gemm.c``)."""
+    n = panels * groups * width
+    sc = packed[at : at + n * 4].view(torch.float32).view(panels, groups, width)
+    return sc, packed[at + n * 4 : at + n * 5].view(torch.int8).view(panels, groups, width)
+
+
+def _affine(q: torch.Tensor, sc: torch.Tensor, zp: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float64 ``W = scale * (q - zero)`` of rows q [..., K] from their groups' sc / zp [..., G]."""
+    cols = torch.arange(q.shape[-1]) // group_size
+    return sc.double()[..., cols] * (q.double() - zp.double()[..., cols])
 
 
 class PanelW4A8Linear(QuantLinearBase):
@@ -223,13 +236,12 @@ class PanelW4A8Linear(QuantLinearBase):
         at = panels * (k // 2) * w
         v = self.packed[:at].view(panels, k // 8, 2, 16, 4).long()  # [P, b, half, c, i]
         q = torch.stack((v & 15, v >> 4), dim=-2)  # [P, b, half, c, nibble, i]: 8b + 4 nib + i
-        q = q.permute(0, 2, 3, 1, 4, 5).reshape(panels * w, k).double()
-        sc = self.packed[at : at + panels * g * w * 4].view(torch.float32).view(panels, g, w)
-        zp = self.packed[at + panels * g * w * 4 :].view(torch.int8).view(panels, g, w)
-        scales = sc.permute(0, 2, 1).reshape(panels * w, g).double()
-        zeros = zp.permute(0, 2, 1).reshape(panels * w, g).double()
-        cols = torch.arange(k) // self.group_size
-        wt = (scales[:, cols] * (q - zeros[:, cols]))[:n]
+        q = q.permute(0, 2, 3, 1, 4, 5).reshape(panels * w, k)
+        sc, zp = (
+            t.transpose(1, 2).reshape(panels * w, g)
+            for t in _panel_groups(self.packed, at, panels, g, w)
+        )
+        wt = _affine(q, sc, zp, self.group_size)[:n]
         if self.perm is not None:
             wt = wt[:, torch.argsort(self.perm)]
         return wt.to(dtype)
