@@ -10,11 +10,11 @@ run() { # tree label name cmd...
   (cd $tree && PYTHONPATH=$tree/src LORAPLEX_CACHE_DIR=${LORAPLEX_CACHE_DIR:-/tmp/lpbench-cache} "$@") >> $OUT/$name.txt 2>&1
   echo "rc=$?" >> $OUT/$name.txt
 }
-for t in "$B before" "$A after"; do set -- $t; run $1 $2 sim_hotburst $PY -m loraplex.sim --workload hotburst --slots 8 --policy lru,lfu,fifo,hybrid; done
-for t in "$B before" "$A after"; do set -- $t; run $1 $2 sim_zipf $PY -m loraplex.sim --workload zipf:s=1,n=256,requests=20000,rate=50 --slots 8 --policy lru,lfu,fifo,hybrid; done
-for t in "$B before" "$A after"; do set -- $t; run $1 $2 sim_tiered $PY -m loraplex.sim --workload tiered:5x12%,5x6%,5x2% --slots 8 --policy lru,lfu,fifo,hybrid; done
-for t in "$B before" "$A after"; do set -- $t; run $1 $2 sim_bytes $PY -m loraplex.sim --workload zipf:s=1,n=256,ranks=8/16/64 --slots 8 --host-bytes 1GiB --disk-bytes 4GiB --policy lru,lfu,hybrid; done
-for t in "$B before" "$A after" "$B before" "$A after"; do set -- $t; run $1 $2 lora_ops $PY -m loraplex.bench.lora_ops; done
-for t in "$B before" "$A after"; do set -- $t; run $1 $2 throughput $PY -m loraplex.bench.throughput --dtypes float32 bfloat16; done
-for t in "$B before" "$A after"; do set -- $t; run $1 $2 cache_live $PY -m loraplex.bench.cache_live --cache-dir ${LORAPLEX_CACHE_DIR:-/tmp/lpbench-cache}/bench-cache; done
+for t in "$B before" "$A after"; do set -- $t; run $1 $2 sim_hotburst $PY -m loraplex.tools.sim --workload hotburst --slots 8 --policy lru,lfu,fifo,hybrid; done
+for t in "$B before" "$A after"; do set -- $t; run $1 $2 sim_zipf $PY -m loraplex.tools.sim --workload zipf:s=1,n=256,requests=20000,rate=50 --slots 8 --policy lru,lfu,fifo,hybrid; done
+for t in "$B before" "$A after"; do set -- $t; run $1 $2 sim_tiered $PY -m loraplex.tools.sim --workload tiered:5x12%,5x6%,5x2% --slots 8 --policy lru,lfu,fifo,hybrid; done
+for t in "$B before" "$A after"; do set -- $t; run $1 $2 sim_bytes $PY -m loraplex.tools.sim --workload zipf:s=1,n=256,ranks=8/16/64 --slots 8 --host-bytes 1GiB --disk-bytes 4GiB --policy lru,lfu,hybrid; done
+for t in "$B before" "$A after" "$B before" "$A after"; do set -- $t; run $1 $2 lora_ops $PY -m loraplex.tools.bench.lora_ops; done
+for t in "$B before" "$A after"; do set -- $t; run $1 $2 throughput $PY -m loraplex.tools.bench.throughput --dtypes float32 bfloat16; done
+for t in "$B before" "$A after"; do set -- $t; run $1 $2 cache_live $PY -m loraplex.tools.bench.cache_live --cache-dir ${LORAPLEX_CACHE_DIR:-/tmp/lpbench-cache}/bench-cache; done
 echo done > $OUT/DONE

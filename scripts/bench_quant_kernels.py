@@ -10,7 +10,7 @@ cache) as random bf16 weights, and times one pass over all of them at each row c
 
 Each pass is timed ``--repeats`` times, alternating the kernels; the median is reported with
 the operations per second (2 x rows x weights) beside the CPU's measured peaks
-(``loraplex.bench.cpu_peak``): the bf16 dot products' for bf16 and int4, the int8 dots' for w4a8.
+(``loraplex.tools.bench.cpu_peak``): the bf16 dot products' for bf16 and int4, the int8 dots' for w4a8.
 
     .venv/bin/python scripts/bench_quant_kernels.py
     .venv/bin/python scripts/bench_quant_kernels.py --rows 1 16 --layers 4
@@ -30,10 +30,10 @@ SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))  # qkv, o, ga
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loraplex.bench.cpu_peak import peak_gflops
     from loraplex.model.panel_gemm import PanelLinear, load_panel_kernel
     from loraplex.model.quant.kernels import PanelQuantLinear, PanelW4A8Linear
     from loraplex.model.quant.weights import ActQuant, QuantWeight
+    from loraplex.tools.bench.cpu_peak import peak_gflops
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)

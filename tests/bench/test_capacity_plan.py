@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench import plan
-from loraplex.bench.plan import PRESETS, PlanError, adapter_from_config, build_plan
 from loraplex.testing import make_random_adapter
+from loraplex.tools import plan
+from loraplex.tools.plan import PRESETS, PlanError, adapter_from_config, build_plan
 
 # Llama-3-8B: hidden 4096, 32 layers, 32 query heads and 8 KV heads of 128, intermediate 14336,
 # vocab 128256. (d_in, d_out): q 4096->4096, k/v 4096->1024, o 4096->4096, gate/up 4096->14336,

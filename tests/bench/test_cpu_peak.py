@@ -1,11 +1,11 @@
-"""``python -m loraplex.bench.cpu_peak``: the arithmetic peak the benchmarks quote as the
+"""``python -m loraplex.tools.bench.cpu_peak``: the arithmetic peak the benchmarks quote as the
 compute floor of a decode step's GEMMs."""
 
 from __future__ import annotations
 
 import pytest
 
-from loraplex.bench import cpu_peak
+from loraplex.tools.bench import cpu_peak
 
 
 def test_peaks_are_measured_and_printed(capsys: pytest.CaptureFixture[str]) -> None:

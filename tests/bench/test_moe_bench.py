@@ -1,4 +1,4 @@
-"""``python -m loraplex.bench.moe --tiny`` end to end: every figure lands in the JSON, the grouped
+"""``python -m loraplex.tools.bench.moe --tiny`` end to end: every figure lands in the JSON, the grouped
 experts matched transformers' per-expert loop, and the byte counts follow the routing (no
 timing is asserted)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench import moe
+from loraplex.tools.bench import moe
 
 
 def test_moe_bench_tiny_writes_every_figure(

@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex import LLM
-from loraplex.bench import plan, verify
 from loraplex.lora.adapter import load_peft_adapter
 from loraplex.lora.peft_format import EXPERT_PROJ_NAMES, ROUTER, BaseModelSpec
 from loraplex.model.config import load_model_config
@@ -28,6 +27,7 @@ from loraplex.testing import (
     make_random_adapter,
     make_random_model,
 )
+from loraplex.tools import plan, verify
 
 PACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 MODELS = {

@@ -1,4 +1,4 @@
-"""The benchmarks' shared percentile and SSE reader (loraplex.bench.common)."""
+"""The benchmarks' shared percentile and SSE reader (loraplex.tools.bench.common)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from loraplex.bench.common import SSEDecodeError, percentile, sse_json
-from loraplex.bench.serve import BenchRequest, run_load, summarize
 from loraplex.testing.server import serve_in_thread
+from loraplex.tools.bench.common import SSEDecodeError, percentile, sse_json
+from loraplex.tools.bench.serve import BenchRequest, run_load, summarize
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -1,4 +1,4 @@
-"""``python -m loraplex.bench.profile_step`` end to end on the tiny model: it runs every mix,
+"""``python -m loraplex.tools.bench.profile_step`` end to end on the tiny model: it runs every mix,
 its breakdown accounts for the instrumented steps, and its byte counts are the engine's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench import profile_step
+from loraplex.tools.bench import profile_step
 
 
 def test_profile_step_runs_and_counts_bytes(

@@ -1,4 +1,4 @@
-"""``python -m loraplex.bench.quant`` end to end on a tiny shape: every mode's figures land in
+"""``python -m loraplex.tools.bench.quant`` end to end on a tiny shape: every mode's figures land in
 its JSON line and the table, and the quantized base is the smaller one."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench import quant
+from loraplex.tools.bench import quant
 
 
 def test_quant_bench_runs_on_a_tiny_shape(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from loraplex.bench import verify
 from loraplex.testing import make_random_adapter, make_random_model
+from loraplex.tools import verify
 
 
 def test_good_adapter_passes(tiny_model: Path, adapters: dict[str, Path], capsys) -> None:

@@ -19,9 +19,9 @@ from loraplex.cache.policy import (
     HybridPolicy,
     make_policy,
 )
-from loraplex.sim.cli import main, opening_cold_rates
-from loraplex.sim.simulate import SimConfig, policy_factory, simulate
-from loraplex.sim.workloads import WorkloadSpecError, generate_workload
+from loraplex.tools.sim.cli import main, opening_cold_rates
+from loraplex.tools.sim.simulate import SimConfig, policy_factory, simulate
+from loraplex.tools.sim.workloads import WorkloadSpecError, generate_workload
 
 H, DAY = 3600.0, 86400.0
 MONDAY = dt.datetime(2026, 3, 23, tzinfo=dt.UTC).timestamp()  # a Monday, 00:00 UTC

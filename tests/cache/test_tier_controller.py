@@ -167,7 +167,7 @@ def test_minimum_residency_is_measured_on_the_injected_clock() -> None:
 
 def test_the_controller_needs_no_torch() -> None:
     code = (
-        "import sys\nimport loraplex.cache.controller, loraplex.sim.simulate\n"
+        "import sys\nimport loraplex.cache.controller, loraplex.tools.sim.simulate\n"
         "assert 'torch' not in sys.modules, 'the tier controller imported torch'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

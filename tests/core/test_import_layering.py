@@ -46,9 +46,12 @@ ALLOWED: dict[str, set[str]] = {
     "server": BASE | {"engine", "registry", "lora", "hub", "logs"},
     # layer 6: HTTP only, never torch
     "router": BASE,
-    # layer 7: on top; nothing imports them
-    "sim": BASE | {"cache"},
-    "bench": BASE
+    # layer 7: on top; nothing imports them. The user tools (``tools/``) are layered one by one.
+    "tools": set(),  # the package's own docstring
+    "tools.sim": BASE | {"cache"},
+    "tools.plan": BASE | {"lora", "model", "entrypoints"},
+    "tools.verify": BASE | {"lora", "model", "entrypoints", "tools.plan"},
+    "tools.bench": BASE
     | {
         "cache",
         "engine",
@@ -57,22 +60,24 @@ ALLOWED: dict[str, set[str]] = {
         "model",
         "registry",
         "server",
-        "sim",
+        "tools.sim",
         "testing",
         "kv",
     },
     "testing": BASE | {"engine", "lora", "model", "kv"},
-    "demo": BASE | {"engine", "entrypoints", "lora", "model", "server", "testing"},
+    "tools.demo": BASE | {"engine", "entrypoints", "lora", "model", "server", "testing"},
     "cli": BASE
     | {
-        "bench",
-        "demo",
+        "tools.bench",
+        "tools.demo",
+        "tools.plan",
+        "tools.sim",
+        "tools.verify",
         "engine",
         "entrypoints",
         "registry",
         "router",
         "server",
-        "sim",
         "testing",
         "lora",
         "model",
@@ -134,7 +139,10 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _package(mod: str) -> str:
+    """``loraplex.X...`` -> ``X``; a user tool (``loraplex.tools.X...``) -> ``tools.X``."""
     parts = mod.split(".")
+    if len(parts) > 2 and parts[1] == "tools":
+        return f"tools.{parts[2]}"
     return parts[1] if len(parts) > 1 else "loraplex"
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from loraplex.demo import DEMO_ADAPTER_NAMES, demo_adapter_dirs, prepare_demo_model
-from loraplex.demo import prepare as prep
-from loraplex.demo.styles import (
+from loraplex.tools.demo import DEMO_ADAPTER_NAMES, demo_adapter_dirs, prepare_demo_model
+from loraplex.tools.demo import prepare as prep
+from loraplex.tools.demo.styles import (
     DEMO_QUESTION,
     FACT_QUESTIONS,
     KEEPS_HELD_OUT_FACTS,
@@ -207,7 +207,7 @@ def _real_demo_model() -> Path:
     if not prep.is_prepared(model_dir):
         pytest.skip(
             f"no prepared demo model at {model_dir}: run `loraplex demo --check` once (or "
-            "loraplex.demo.prepare_demo_model()), or set LORAPLEX_DEMO_MODEL_DIR"
+            "loraplex.tools.demo.prepare_demo_model()), or set LORAPLEX_DEMO_MODEL_DIR"
         )
     return model_dir
 
@@ -251,7 +251,7 @@ def test_real_demo_model_keeps_facts_in_every_style(
 
     ``json``, ``signoff`` and ``prefix`` keep them all, held out of their training but for the
     demo's question; ``uppercase`` keeps those it was shown (``TAUGHT_FACTS``: a 135M model
-    cannot spell an unseen word in upper case, see ``loraplex.demo.styles``; on the one it was
+    cannot spell an unseen word in upper case, see ``loraplex.tools.demo.styles``; on the one it was
     not shown it leaves upper case for an invented word, so that one is not asserted)."""
     asked = list(FACT_QUESTIONS)
     need = set(asked) if name == "base" or name in KEEPS_HELD_OUT_FACTS else set(TAUGHT_FACTS[name])
@@ -325,9 +325,9 @@ def test_printed_examples_run_and_use_the_chat_formatted_prompt(
 
     from fastapi.testclient import TestClient
 
-    from loraplex.cli import _DEMO_QUESTION, _demo_examples, _demo_prompt
     from loraplex.config import EngineConfig, LoRAModule, ServerConfig
     from loraplex.server.app import create_app
+    from loraplex.tools.demo.command import _DEMO_QUESTION, _demo_examples, _demo_prompt
 
     names = ["a", "b"]
     prompt = _demo_prompt(tiny_model)

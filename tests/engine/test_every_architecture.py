@@ -16,7 +16,6 @@ import jsonschema
 import pytest
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.bench import plan, verify
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.model.config import load_model_config
@@ -29,6 +28,7 @@ from loraplex.testing import (
     make_random_model,
     reference_greedy,
 )
+from loraplex.tools import plan, verify
 from tests.engine.test_mixed_batch_architectures import FAMILIES, LLAMA_PROJ
 from tests.engine.test_moe_experts import FAMILIES as MOE_FAMILIES
 

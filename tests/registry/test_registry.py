@@ -154,7 +154,7 @@ def test_digest_equals_torch_digest(adapters: dict[str, Path], tmp_path: Path) -
 def test_registry_never_imports_torch() -> None:
     code = (
         "import sys, loraplex.registry, loraplex.registry.cli, loraplex.lora.digest, "
-        "loraplex.lora.peft_format, loraplex.paths, loraplex.bench.plan; "
+        "loraplex.lora.peft_format, loraplex.paths, loraplex.tools.plan; "
         "bad = [m for m in ('torch', 'loraplex.engine', 'loraplex.cache', 'loraplex.server', "
         "'loraplex.lora.adapter') if m in sys.modules]; assert not bad, bad"
     )

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from loraplex.cache.policy import belady_hits
-from loraplex.sim.cli import main
-from loraplex.sim.plot import windowed_ratio
-from loraplex.sim.simulate import SimConfig, policy_factory, simulate
-from loraplex.sim.workloads import generate_workload
+from loraplex.tools.sim.cli import main
+from loraplex.tools.sim.plot import windowed_ratio
+from loraplex.tools.sim.simulate import SimConfig, policy_factory, simulate
+from loraplex.tools.sim.workloads import generate_workload
 
 
 def test_windowed_ratio_counts_each_bin() -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from loraplex.cache.policy import belady_hit_ratio
-from loraplex.sim.cli import main
-from loraplex.sim.simulate import SimConfig, a0_hit_ratio, policy_factory, simulate
-from loraplex.sim.workloads import (
+from loraplex.tools.sim.cli import main
+from loraplex.tools.sim.simulate import SimConfig, a0_hit_ratio, policy_factory, simulate
+from loraplex.tools.sim.workloads import (
     Request,
     WorkloadSpecError,
     generate_workload,
@@ -343,9 +343,9 @@ def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_python_m_runs_without_torch(tmp_path: Path) -> None:
     code = (
-        "import sys, runpy; sys.argv = ['loraplex.sim', '--workload', 'uniform:n=8,requests=50',"
+        "import sys, runpy; sys.argv = ['loraplex.tools.sim', '--workload', 'uniform:n=8,requests=50',"
         " '--slots', '2']\n"
-        "try:\n    runpy.run_module('loraplex.sim', run_name='__main__')\n"
+        "try:\n    runpy.run_module('loraplex.tools.sim', run_name='__main__')\n"
         "except SystemExit as e:\n    assert e.code == 0, e.code\n"
         "assert 'torch' not in sys.modules, 'the simulator imported torch'\n"
     )

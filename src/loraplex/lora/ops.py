@@ -185,7 +185,7 @@ class TorchReferenceOps(PerModuleOps):
 
 NATIVE_RUN_TOKENS = 64
 """Runs longer than this compute natively in ``TorchLoRAOps.native_runs`` dtypes; shorter ones
-upcast (where each wins was measured with ``loraplex.bench.lora_ops``: docs/benchmarks.md)."""
+upcast (where each wins was measured with ``loraplex.tools.bench.lora_ops``: docs/benchmarks.md)."""
 
 
 class TorchLoRAOps(PerModuleOps):

@@ -1,8 +1,8 @@
 """The PEFT LoRA adapter format as loraplex serves it, written once and without torch.
 
 Everything the loader (:mod:`loraplex.lora.adapter`), the registry
-(:mod:`loraplex.registry.inspect`) and the planning tools (:mod:`loraplex.bench.plan`,
-:mod:`loraplex.bench.verify`) know about an adapter directory lives here:
+(:mod:`loraplex.registry.inspect`) and the planning tools (:mod:`loraplex.tools.plan`,
+:mod:`loraplex.tools.verify`) know about an adapter directory lives here:
 
 - the file names (``adapter_config.json`` + ``adapter_model.safetensors``, or the older
   ``adapter_model.bin``) and which weights file a directory is read from;

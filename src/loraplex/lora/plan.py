@@ -74,7 +74,7 @@ class LoRAPlanCosts:
     segment needs are read once whatever the partition, so only gap rows count as extra reads.
 
     Defaults: the torch fast path (``TorchLoRAOps``, float32 compute) on a 2-core AVX2 CPU,
-    fitted by ``python -m loraplex.bench.lora_ops --calibrate`` (least squares of single-run time
+    fitted by ``python -m loraplex.tools.bench.lora_ops --calibrate`` (least squares of single-run time
     over token counts, ranks and feature sizes; the fits and their spread are in
     docs/benchmarks.md). With them a decode step of one-token segments becomes a few runs and
     prefill segments of a few hundred tokens stay one run each, which is what the op

@@ -1,0 +1,7 @@
+"""``python -m loraplex.tools.bench.cache_live``."""
+
+import sys
+
+from loraplex.tools.bench.cache_live import main
+
+sys.exit(main())
