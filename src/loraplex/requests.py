@@ -1,14 +1,15 @@
-"""Request-side value types mirroring vLLM's offline API: SamplingParams, StructuredOutput and
-LoRARequest."""
+"""Request-side value types: SamplingParams, StructuredOutput and LoRARequest (vLLM's offline API),
+and GenerationRequest, the one request object every layer between a caller and the engine's
+intake passes on unchanged."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.types import InvalidRequestError
+from loraplex.types import AdapterSpec, InvalidRequestError
 
 _MAX_LOGPROBS = 20
 
@@ -240,3 +241,29 @@ class LoRARequest:
     @property
     def lora_path(self) -> str:
         return self.path
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request to prepare, as it travels unchanged from its caller (an HTTP route, the
+    offline API) through the engine client and the engine loop to the engine's intake, which
+    validates what needs the tokenizer or the engine and turns it into sequences.
+
+    ``prompt``: text, or token ids. ``adapter``: the adapter as a spec (from a catalog, e.g. the
+    server's registry view), an offline ``LoRARequest(name, path)`` that the engine's local
+    catalog turns into one, or None for the base model. ``arrival``: ``time.monotonic()`` when
+    the request arrived (None: when it is prepared). ``cache_salt`` (vLLM's field) salts its
+    prefix-cache keys: its KV blocks are shared only with requests of the same adapter digest
+    *and* the same salt (the server salts tenant traffic with the tenant), so a cache hit
+    reveals nothing across salts.
+
+    A new per-request field is one field here plus its consumers (whoever fills it, the intake
+    that uses it); no layer in between names it.
+    """
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: AdapterSpec | LoRARequest | None = None
+    arrival: float | None = None
+    cache_salt: str | None = None

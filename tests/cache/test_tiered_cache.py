@@ -27,7 +27,7 @@ from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.lora.adapter import LoRAAdapter
 from loraplex.lora.digest import digest_safetensors_dir
 from loraplex.lora.slots import LoRASlotBank
-from loraplex.requests import LoRARequest, SamplingParams
+from loraplex.requests import GenerationRequest, LoRARequest, SamplingParams
 from loraplex.testing.sync import EVENT_TIMEOUT_S, wait_until
 from loraplex.types import (
     AdapterCapacityError,
@@ -799,7 +799,7 @@ def test_slow_cold_load_does_not_delay_warm_adapters(
     aeng.start()
 
     async def run(rid: str, lora: LoRARequest) -> float:
-        prepared = await aeng.prepare(rid, [1, 2, 3, 4, 5], params, lora)
+        prepared = await aeng.prepare(GenerationRequest(rid, [1, 2, 3, 4, 5], params, lora))
         async for out in aeng.generate(prepared):
             if out.finished:
                 assert len(out.outputs[0].token_ids) == 8

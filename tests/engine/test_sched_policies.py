@@ -30,6 +30,7 @@ from loraplex.engine.scheduler import (
 from loraplex.engine.scheduling import POLICIES, SchedulerState, SchedulingPolicy, make_policy
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool
+from loraplex.requests import GenerationRequest
 from loraplex.types import InvalidRequestError
 
 GOLD, STANDARD, BATCH = -1, 0, 1  # priorities with the default classes gold=8,standard=4,batch=1
@@ -420,7 +421,7 @@ def test_lora_slot_count_arithmetic() -> None:
 def test_request_priority_and_class_sources(tiny_model: Path, adapters: dict[str, Path]) -> None:
     fcfs = _engine(tiny_model, num_kv_blocks=16)
     with pytest.raises(InvalidRequestError, match="scheduling-policy") as info:
-        fcfs.prepare_request("p", "Hi", dataclasses.replace(GREEDY, priority=1))
+        fcfs.prepare_request(GenerationRequest("p", "Hi", dataclasses.replace(GREEDY, priority=1)))
     assert info.value.param == "priority"
     e = _engine(tiny_model, num_kv_blocks=16, scheduling_policy="fair",
                 tenant_slo_classes="acme=batch")  # fmt: skip
@@ -429,7 +430,7 @@ def test_request_priority_and_class_sources(tiny_model: Path, adapters: dict[str
 
     def prio(params: SamplingParams = GREEDY, **spec_fields: object) -> tuple[int, str | None]:
         s = dataclasses.replace(spec, **spec_fields) if spec_fields else spec
-        p = e.prepare_request("p", "Hi", params, s)
+        p = e.prepare_request(GenerationRequest("p", "Hi", params, s))
         try:
             seq = p.request.seqs[0]
             return seq.priority, seq.tenant
@@ -443,7 +444,7 @@ def test_request_priority_and_class_sources(tiny_model: Path, adapters: dict[str
     assert prio(priority=2) == (-2, "a")  # manifest priority: higher is more important
     assert prio(slo_class="platinum", priority=1) == (-1, "a")  # unknown class: unset
     assert prio(dataclasses.replace(GREEDY, priority=5), slo_class="gold") == (5, "a")
-    p = e.prepare_request("base", "Hi", GREEDY)
+    p = e.prepare_request(GenerationRequest("base", "Hi", GREEDY))
     assert (p.request.seqs[0].priority, p.request.seqs[0].tenant) == (0, None)
     e.discard_prepared(p)
     assert e.adapters is not None and e.adapters.is_idle()

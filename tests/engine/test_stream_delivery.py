@@ -13,7 +13,7 @@ from typing import Any
 
 from loraplex.config import EngineConfig
 from loraplex.engine.client import EngineClient
-from loraplex.requests import SamplingParams
+from loraplex.requests import GenerationRequest, SamplingParams
 from loraplex.testing.sync import StepGate, wait_until
 
 
@@ -39,7 +39,8 @@ def test_one_wake_up_per_step_reaches_every_reader(tiny_model: Path) -> None:
         with StepGate(client.engine) as gate:
             gate.hold()
             prepared = [
-                await client.prepare(f"r{i}", [5, 6, 7, 8 + i], params, None) for i in range(n)
+                await client.prepare(GenerationRequest(f"r{i}", [5, 6, 7, 8 + i], params))
+                for i in range(n)
             ]
             streams = [client.generate(p) for p in prepared]
             await asyncio.to_thread(wait_until, lambda: client.engine.num_waiting == n)

@@ -25,7 +25,7 @@ import pytest
 from loraplex.config import EngineConfig, ServerConfig
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.requests import SamplingParams
+from loraplex.requests import GenerationRequest, SamplingParams
 from loraplex.server.app import ServerState, create_app
 from loraplex.testing import make_random_model
 from loraplex.testing.server import serve_in_thread
@@ -156,7 +156,7 @@ def test_an_unread_request_keeps_only_its_latest_output(long_model: Path) -> Non
     params = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0)
 
     async def main() -> tuple[int, int, int]:
-        prepared = await aeng.prepare("r", [1, 2, 3, 4], params)
+        prepared = await aeng.prepare(GenerationRequest("r", [1, 2, 3, 4], params))
         with StepGate(engine) as gate:
             gate.hold()
             stream = aeng.generate(prepared)

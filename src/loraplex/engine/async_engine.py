@@ -26,6 +26,7 @@ that raises is logged and counted, and no request notices.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -38,7 +39,7 @@ from typing import Any
 from loraplex.engine.intake import PreparedRequest
 from loraplex.engine.llm_engine import LLMEngine, StepStats
 from loraplex.outputs import RequestOutput
-from loraplex.requests import LoRARequest, SamplingParams
+from loraplex.requests import GenerationRequest, LoRARequest
 from loraplex.types import AdapterSpec, LoraplexError
 
 log = logging.getLogger(__name__)
@@ -269,37 +270,21 @@ class AsyncEngine:
         """Run ``fn(*args)`` in the preparation pool (tokenizing, templating)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def prepare(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        lora_request: AdapterSpec | LoRARequest | None = None,
-        arrival: float | None = None,
-        *,
-        cache_salt: str | None = None,
-    ) -> PreparedRequest:
-        """Validate, tokenize and resolve the adapter in a worker thread: the load pool when
-        the adapter is not in memory, else the preparation pool (``cache_salt``: the prefix-cache
-        salt, see :meth:`LLMEngine.prepare_request`)."""
-        fn = self.engine.prepare_request
-        return await self._prepare_in(
-            self._pool_for(lora_request),
-            lambda: fn(
-                request_id, prompt, params, lora_request, arrival=arrival, cache_salt=cache_salt
-            ),
-        )
+    async def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Validate, tokenize and resolve the adapter in a worker thread (see
+        :meth:`LLMEngine.prepare_request`): the load pool when the adapter is not in memory, else
+        the preparation pool."""
+        call = functools.partial(self.engine.prepare_request, request)
+        return await self._prepare_in(self._pool_for(request.adapter), call)
 
-    def _pool_for(self, lora_request: AdapterSpec | LoRARequest | None) -> ThreadPoolExecutor:
+    def _pool_for(self, adapter: AdapterSpec | LoRARequest | None) -> ThreadPoolExecutor:
         """The load pool for a request that may have to load its adapter (not in device or host
         memory, or an offline LoRARequest whose files are hashed first), else the preparation
         pool."""
         cache = self.engine.adapters
-        if lora_request is None or cache is None:
+        if adapter is None or cache is None:
             return self._pool
-        if isinstance(lora_request, AdapterSpec) and cache.tier_of(lora_request.sha256) in (
-            _IN_MEMORY
-        ):
+        if isinstance(adapter, AdapterSpec) and cache.tier_of(adapter.sha256) in _IN_MEMORY:
             return self._pool
         return self._load_pool
 

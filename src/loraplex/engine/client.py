@@ -57,7 +57,7 @@ from loraplex.engine.async_engine import (
 from loraplex.engine.intake import PreparedRequest
 from loraplex.engine.llm_engine import LLMEngine, StepStats
 from loraplex.engine.vocab import TokenVocab
-from loraplex.requests import SamplingParams
+from loraplex.requests import GenerationRequest
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec, InvalidRequestError
 
 __all__ = [
@@ -141,21 +141,10 @@ class EngineClient:
         return self.aengine.is_running
 
     # -- requests --------------------------------------------------------------------------------
-    async def prepare(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        adapter: AdapterSpec | None,
-        arrival: float | None = None,
-        *,
-        cache_salt: str | None = None,
-    ) -> PreparedRequest:
-        """Validate, tokenize and load ``adapter`` in a worker thread (never on the loop);
-        ``cache_salt`` salts its prefix-cache keys (KV shared only within one salt)."""
-        return await self.aengine.prepare(
-            request_id, prompt, params, adapter, arrival, cache_salt=cache_salt
-        )
+    async def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Validate, tokenize and load ``request.adapter`` in a worker thread (never on the
+        loop)."""
+        return await self.aengine.prepare(request)
 
     def reserve(self, n: int = 1) -> None:
         """Count ``n`` admitted requests as waiting before they are prepared (admission sees

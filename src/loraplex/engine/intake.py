@@ -22,7 +22,7 @@ from loraplex.engine.detokenizer import make_detokenizer
 from loraplex.engine.scheduling import SchedulingPolicy
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.structured import GrammarState, StructuredOutputBackend
-from loraplex.requests import LoRARequest, SamplingParams
+from loraplex.requests import GenerationRequest, LoRARequest, SamplingParams
 from loraplex.types import AdapterRef, AdapterSpec, InvalidRequestError
 
 
@@ -223,16 +223,16 @@ class RequestIntake:
         return max_tokens
 
     def _check_params(
-        self, params: SamplingParams, lora_request: AdapterSpec | LoRARequest | None
+        self, params: SamplingParams, adapter: AdapterSpec | LoRARequest | None
     ) -> None:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(
                 "stop strings need a tokenizer (skip_tokenizer_init=True was set); "
                 "use stop_token_ids"
             )
-        if lora_request is not None and self.adapters is None:
+        if adapter is not None and self.adapters is None:
             raise InvalidRequestError(
-                f"adapter {lora_request.name!r} requested but LoRA is disabled (enable_lora)"
+                f"adapter {adapter.name!r} requested but LoRA is disabled (enable_lora)"
             )
         vocab = self.vocab_size
         bad = next((t for t in params.stop_token_ids or () if t >= vocab), None)
@@ -247,61 +247,49 @@ class RequestIntake:
                 param="logit_bias",
             )
 
-    def adapter_spec(self, lora_request: AdapterSpec | LoRARequest | None) -> AdapterSpec | None:
+    def adapter_spec(self, adapter: AdapterSpec | LoRARequest | None) -> AdapterSpec | None:
         """The spec of an offline LoRARequest (the local catalog hashes its files), or the spec."""
-        if lora_request is None or isinstance(lora_request, AdapterSpec):
-            return lora_request
+        if adapter is None or isinstance(adapter, AdapterSpec):
+            return adapter
         assert self.catalog is not None
-        return self.catalog.spec(lora_request)
+        return self.catalog.spec(adapter)
 
     # -- preparing -----------------------------------------------------------------------------
-    def prepare(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        lora_request: AdapterSpec | LoRARequest | None = None,
-        *,
-        arrival: float | None = None,
-        cache_salt: str | None = None,
-    ) -> PreparedRequest:
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Everything that can fail or take time, done before the engine loop sees the request:
         validation, tokenization, the grammar, the adapter's host copy (one reference per
         completion). On error nothing is held.
 
-        ``cache_salt`` (vLLM's field) salts the request's prefix-cache keys: its KV blocks are
-        shared only with requests of the same adapter digest *and* the same salt (the server
-        salts tenant traffic with the tenant), so a cache hit reveals nothing across salts.
-
-        ``lora_request``: the adapter as a spec (from a catalog, e.g. the server's registry
-        view), or an offline ``LoRARequest(name, path)`` that the engine's local catalog turns
-        into one (its digest, memoised)."""
-        params = params or SamplingParams()
+        ``request.cache_salt`` salts the sequences' prefix-cache keys; ``request.adapter``, an
+        offline ``LoRARequest``, becomes a spec through the engine's local catalog (its digest,
+        memoised): see :class:`~loraplex.requests.GenerationRequest`."""
+        params = request.params
         params.validate()
+        prompt = request.prompt
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
         self.check_prompt(ids)
-        self._check_params(params, lora_request)
+        self._check_params(params, request.adapter)
         max_tokens = self.check_max_tokens(ids, params.max_tokens)
         compiled = None  # compiled on the backend's pool; this (worker) thread waits
         if params.structured is not None:
             compiled = self.structured_outputs.compile(params.structured)
-        spec = self.adapter_spec(lora_request)
+        spec = self.adapter_spec(request.adapter)
         priority = self.rules.priority(params, spec)
         tenant = (spec.tenant or spec.ref.name) if spec is not None else None
-        adapter, warm = None, True
+        host_copy, warm = None, True
         if spec is not None and self.adapters is not None:
-            adapter, warm = self.adapters.acquire(spec)
+            host_copy, warm = self.adapters.acquire(spec)
         # nothing below may leave a reference behind if it raises
-        held = 1 if adapter is not None else 0
+        held = 1 if host_copy is not None else 0
         eos_ids = tuple(self.eos_token_ids)
         seqs = []
         try:
-            for _ in range(params.num_seqs - 1 if adapter is not None else 0):
-                self.adapters.retain(adapter)  # type: ignore[union-attr, arg-type]
+            for _ in range(params.num_seqs - 1 if host_copy is not None else 0):
+                self.adapters.retain(host_copy)  # type: ignore[union-attr, arg-type]
                 held += 1  # one host reference per completion
             for i in range(params.num_seqs):
                 gen = None
@@ -311,16 +299,16 @@ class RequestIntake:
                 if self.tokenizer is not None:
                     detok = make_detokenizer(self.tokenizer, ids, params.skip_special_tokens)
                 seq = Sequence(
-                    request_id=request_id,
+                    request_id=request.request_id,
                     prompt=text,
                     prompt_token_ids=ids,
                     params=params,
                     max_tokens=max_tokens,
-                    adapter=adapter,
+                    adapter=host_copy,
                     generator=gen,
                     eos_token_ids=eos_ids,
                     detokenizer=detok,
-                    cache_salt=cache_salt,
+                    cache_salt=request.cache_salt,
                     priority=priority,
                     tenant=tenant,
                     grammar=GrammarState(compiled) if compiled is not None else None,
@@ -332,13 +320,12 @@ class RequestIntake:
                 seqs.append(seq)
         except BaseException:
             for _ in range(held):
-                self.adapters.release(adapter)  # type: ignore[union-attr, arg-type]
+                self.adapters.release(host_copy)  # type: ignore[union-attr, arg-type]
             raise
         # the ref reports the name (and revision) the request used; caches key on the digest only
         ref = spec.ref if spec is not None else None
-        req = EngineRequest(
-            request_id, text, ids, seqs, ref, arrival if arrival is not None else time.monotonic()
-        )
+        arrival = request.arrival if request.arrival is not None else time.monotonic()
+        req = EngineRequest(request.request_id, text, ids, seqs, ref, arrival)
         return PreparedRequest(req, adapter_warm=warm)
 
     def discard(self, prepared: PreparedRequest) -> None:

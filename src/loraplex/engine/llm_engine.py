@@ -35,7 +35,7 @@ from loraplex.engine.scheduling import make_policy
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.structured import StructuredOutputBackend
 from loraplex.outputs import RequestOutput
-from loraplex.requests import LoRARequest, SamplingParams
+from loraplex.requests import GenerationRequest, LoRARequest, SamplingParams
 from loraplex.types import AdapterSpec, FinishReason, InvalidRequestError
 
 _STAGING_WAIT_S = 0.05  # longest an engine with only loading sequences sleeps before rescheduling
@@ -140,22 +140,11 @@ class LLMEngine:
     def structured_outputs(self) -> StructuredOutputBackend:
         return self.intake.structured_outputs
 
-    def prepare_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        lora_request: AdapterSpec | LoRARequest | None = None,
-        *,
-        arrival: float | None = None,
-        cache_salt: str | None = None,
-    ) -> PreparedRequest:
+    def prepare_request(self, request: GenerationRequest) -> PreparedRequest:
         """Validate, tokenize and take the adapter's references, on any thread: see
         :meth:`RequestIntake.prepare`. The result must be passed to :meth:`add_prepared` or
         :meth:`discard_prepared` exactly once."""
-        return self.intake.prepare(
-            request_id, prompt, params, lora_request, arrival=arrival, cache_salt=cache_salt
-        )
+        return self.intake.prepare(request)
 
     def discard_prepared(self, prepared: PreparedRequest) -> None:
         """Give back the adapter references of a prepared request that will never run."""
@@ -168,9 +157,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         lora_request: AdapterSpec | LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request. Raises InvalidRequestError / AdapterError; on error
-        nothing is queued and no resource is held."""
-        self.add_prepared(self.prepare_request(request_id, prompt, params, lora_request))
+        """Validate and queue a request (vLLM's signature: the :class:`GenerationRequest` is
+        built here). Raises InvalidRequestError / AdapterError; on error nothing is queued and
+        no resource is held."""
+        params = params or SamplingParams()
+        request = GenerationRequest(request_id, prompt, params, adapter=lora_request)
+        self.add_prepared(self.prepare_request(request))
 
     # -- requests (loop thread) ------------------------------------------------------------------
     def add_prepared(self, prepared: PreparedRequest) -> None:

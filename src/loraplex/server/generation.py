@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -19,11 +19,10 @@ from fastapi import Request
 from loraplex.engine.client import EngineClient, PreparedRequest
 from loraplex.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from loraplex.registry import Principal
-from loraplex.requests import SamplingParams
+from loraplex.requests import GenerationRequest
 from loraplex.server.admission import Admission
 from loraplex.server.errors import APIError
 from loraplex.server.metrics import ServerMetrics
-from loraplex.server.state import ServedAdapter
 
 
 @dataclass
@@ -64,20 +63,14 @@ async def prepare_all(
     client: EngineClient,
     admission: Admission,
     prompts: list[str | list[int]],
-    params: SamplingParams,
-    lora: ServedAdapter | None,
-    arrival: float,
-    base_id: str,
-    *,
-    cache_salt: str | None = None,
+    template: GenerationRequest,
 ) -> list[PreparedRequest]:
-    """Prepare one engine request per prompt (ids ``{base_id}-{i}``) concurrently; if any
-    fails, the others are discarded and its error raised. They become ``admission.prepared``.
-    ``cache_salt``: the engine's prefix-cache salt (:func:`prefix_cache_salt`)."""
-    spec = lora.spec if lora is not None else None
+    """Prepare ``template`` once per prompt concurrently (each with its prompt and the engine id
+    ``{template.request_id}-{i}``; the template's own prompt is unused); if any fails, the others
+    are discarded and its error raised. They become ``admission.prepared``."""
     results = await asyncio.gather(
         *(
-            client.prepare(f"{base_id}-{i}", p, params, spec, arrival, cache_salt=cache_salt)
+            client.prepare(replace(template, request_id=f"{template.request_id}-{i}", prompt=p))
             for i, p in enumerate(prompts)
         ),
         return_exceptions=True,

@@ -31,7 +31,7 @@ from fastapi.responses import Response
 
 from loraplex.outputs import CompletionOutput, RequestOutput
 from loraplex.registry import Principal
-from loraplex.requests import SamplingParams
+from loraplex.requests import GenerationRequest, SamplingParams
 from loraplex.server.admission import Admission, UsageRecord, admit, owned
 from loraplex.server.auth import inference_principal
 from loraplex.server.catalog import registration_order
@@ -169,6 +169,27 @@ def _response_id(prefix: str, body: CompletionRequest | ChatCompletionRequest) -
     return f"{prefix}-{body.request_id if body.request_id else uuid.uuid4().hex}"
 
 
+def _engine_request(
+    prefix: str,
+    body: CompletionRequest | ChatCompletionRequest,
+    principal: Principal,
+    params: SamplingParams,
+    lora: ServedAdapter | None,
+    arrival: float,
+) -> GenerationRequest:
+    """What one call asks the engine for, but its prompts: :func:`prepare_all` gives each prompt
+    a copy with its own engine id ``{prefix}-{uuid}-{i}`` (ours, never the body's
+    ``request_id``). A per-request field the body carries is read here, once for both routes."""
+    return GenerationRequest(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        prompt="",  # each prompt's own (prepare_all)
+        params=params,
+        adapter=lora.spec if lora is not None else None,
+        arrival=arrival,
+        cache_salt=prefix_cache_salt(principal, body.cache_salt),
+    )
+
+
 async def _engine_prompts(
     state: ServerState, prompts: list[str | list[int]], add_special: bool, truncate: int | None
 ) -> list[str | list[int]]:
@@ -210,10 +231,9 @@ async def completions(
         state, len(prompts) * per_prompt, principal, requests=len(prompts), param=param, lora=lora
     )
     admission.usage = UsageRecord(body.model, principal, lora)
-    salt = prefix_cache_salt(principal, body.cache_salt)
+    template = _engine_request("cmpl", body, principal, params, lora, arrival)
     return await owned(
-        admission,
-        _completions(state, body, request, admission, lora, params, prompts, arrival, salt),
+        admission, _completions(state, body, request, admission, lora, template, prompts)
     )
 
 
@@ -223,20 +243,16 @@ async def _completions(
     request: Request,
     admission: Admission,
     lora: ServedAdapter | None,
-    params: SamplingParams,
+    template: GenerationRequest,
     prompts: list[str | list[int]],
-    arrival: float,
-    cache_salt: str | None,
 ) -> Response:
     rid = _response_id("cmpl", body)
+    params = template.params
     engine_prompts = await _engine_prompts(
         state, prompts, body.special_tokens, body.truncate_prompt_tokens
     )
     with _structured_errors_named(body):
-        prepared = await prepare_all(
-            state.client, admission, engine_prompts, params, lora, arrival,
-            f"cmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
-        )  # fmt: skip
+        prepared = await prepare_all(state.client, admission, engine_prompts, template)
     text_of = TokenText(state.client, as_ids=bool(body.return_tokens_as_token_ids))
     created = int(time.time())
     n = params.n
@@ -434,12 +450,10 @@ async def chat_completions(
     param = "best_of" if per_prompt > params.n else "n"
     admission = admit(state, per_prompt, principal, requests=1, param=param, lora=lora)
     admission.usage = UsageRecord(body.model, principal, lora)
-    salt = prefix_cache_salt(principal, body.cache_salt)
+    template = _engine_request("chatcmpl", body, principal, params, lora, arrival)
     return await owned(
         admission,
-        _chat_completions(
-            state, body, request, admission, lora, params, messages, mode, arrival, salt
-        ),
+        _chat_completions(state, body, request, admission, lora, template, messages, mode),
     )
 
 
@@ -449,12 +463,11 @@ async def _chat_completions(
     request: Request,
     admission: Admission,
     lora: ServedAdapter | None,
-    params: SamplingParams,
+    template: GenerationRequest,
     messages: list[dict[str, Any]],
     mode: _ToolMode,
-    arrival: float,
-    cache_salt: str | None,
 ) -> Response:
+    params = template.params
     ids = await state.client.chat_template(
         messages,
         body.generation_prompt,
@@ -469,10 +482,7 @@ async def _chat_completions(
         ids = ids[-body.truncate_prompt_tokens :]
     rid = _response_id("chatcmpl", body)
     with _structured_errors_named(body):
-        prepared = await prepare_all(
-            state.client, admission, [ids], params, lora, arrival,
-            f"chatcmpl-{uuid.uuid4().hex}", cache_salt=cache_salt,
-        )  # fmt: skip
+        prepared = await prepare_all(state.client, admission, [ids], template)
     text_of = TokenText(state.client, as_ids=bool(body.return_tokens_as_token_ids))
     created = int(time.time())
     headers = adapter_header(prepared, lora)
