@@ -11,7 +11,8 @@ import os
 import sys
 import time
 
-from loraplex.settings import FieldError, Settings
+from loraplex.config.fields import FieldError
+from loraplex.config.settings import Settings
 from loraplex.types import LoraplexError
 
 GENERATE_SETTINGS = (

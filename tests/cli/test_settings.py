@@ -1,6 +1,6 @@
-"""One declaration per setting (loraplex.settings): a field's metadata yields its flag, its
-config-file key, its bounds check and its place in the constructor call, for ``serve`` and
-``route`` alike, and both read config files with one loader."""
+"""One declaration per setting (loraplex.config.fields, read by loraplex.config.settings): a
+field's metadata yields its flag, its config-file key, its bounds check and its place in the
+constructor call, for ``serve`` and ``route`` alike, and both read config files with one loader."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 
 from loraplex.config import EngineConfig, ServerConfig
+from loraplex.config.fields import FieldError, Setting, check_fields, setting, setting_of
+from loraplex.config.settings import Settings
 from loraplex.router.cli import RouteConfigError, parse_route_args, route_settings
 from loraplex.router.config import RouterConfig
 from loraplex.router.homes import HomeSettings
 from loraplex.router.scoring import Thresholds, Weights
 from loraplex.server.args import ServeConfigError, parse_serve_args, serve_settings
-from loraplex.settings import FieldError, Setting, Settings, check_fields, setting, setting_of
 
 # --------------------------------------------------------------------------- a throwaway config
 
@@ -458,10 +459,14 @@ def test_every_environment_variable_is_declared() -> None:
 
 
 def test_settings_module_imports_nothing_of_loraplex() -> None:
-    """The config layer's base: loraplex.config and the router build on it, never the reverse."""
-    src = Path(__file__).resolve().parents[2] / "src" / "loraplex" / "settings.py"
-    tree = ast.parse(src.read_text())
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert not {m for m in imported if m.split(".")[0] == "loraplex"}
-    assert not imported & {"torch", "numpy", "fastapi", "httpx"}
+    """The config layer's base (the declarations and the command table): the config objects and
+    the router build on it, never the reverse."""
+    config = Path(__file__).resolve().parents[2] / "src" / "loraplex" / "config"
+    for src in (config / "fields.py", config / "settings.py"):
+        tree = ast.parse(src.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {m for m in imported if m.split(".")[0] == "loraplex"} - {
+            "loraplex.config.fields"
+        }
+        assert not imported & {"torch", "numpy", "fastapi", "httpx"}

@@ -16,18 +16,16 @@ import loraplex
 
 SRC = Path(loraplex.__file__).parent
 
-BASE = {"types", "config", "settings", "paths", "outputs", "requests", "cliargs", "workers", "warm"}
+BASE = {"types", "config", "paths", "outputs", "requests", "workers", "warm"}
 """The value types and configuration: importable from anywhere."""
 
 ALLOWED: dict[str, set[str]] = {
     # layer 1: no internal imports beyond each other
     "types": set(),
     "paths": {"config"},  # its environment variable is declared there
-    "config": {"settings", "warm"},
-    "settings": {"config"},
+    "config": {"warm"},  # the package: declarations, value lists, environment, config objects
     "outputs": {"types"},
     "requests": {"types"},
-    "cliargs": {"config", "settings"},
     "hub": set(),  # hub ids -> local snapshot directories (huggingface_hub only)
     "workers": set(),  # a background thread that exits when idle (threading only)
     "warm": set(),  # an adapter's warm policy or window schedule (the standard library only)

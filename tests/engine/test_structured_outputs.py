@@ -203,12 +203,12 @@ def ws_bias(llm: LLM) -> dict[int, float]:
 
 def test_whitespace_modes_and_bound() -> None:
     from loraplex.config import EngineConfig
+    from loraplex.config.fields import setting_of
     from loraplex.engine.structured import (
         MAX_JSON_WHITESPACE,
         WHITESPACE_MODES,
         json_schema_options,
     )
-    from loraplex.settings import setting_of
 
     flag = setting_of(EngineConfig.__dataclass_fields__["structured_outputs_whitespace"])
     assert flag is not None and flag.choices == WHITESPACE_MODES

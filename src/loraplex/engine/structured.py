@@ -35,13 +35,12 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from loraplex.config import WHITESPACE_MODES
 from loraplex.requests import StructuredOutput
 from loraplex.types import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-# How JSON grammars treat whitespace between tokens (the --structured-outputs-whitespace values)
-WHITESPACE_MODES = ("bounded", "any", "compact")
 # Whitespace characters per gap under "bounded": a newline plus the indentation of pretty JSON
 # up to depth 3 with indent 4 (13 characters) or depth 7 with indent 2 (15). An object of k
 # members has 4k gaps, so at most 4k * MAX_JSON_WHITESPACE whitespace characters.

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
-from loraplex.cliargs import byte_size, fraction, positive_int
+from loraplex.config.argtypes import byte_size, fraction, positive_int
 from loraplex.registry import signing
 from loraplex.registry.db import ADAPTER_STATUSES
 from loraplex.registry.errors import RegistryError, RegistryUnavailableError

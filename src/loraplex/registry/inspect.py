@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraplex.config import QUANTIZE_AT_LOAD
 from loraplex.lora.digest import (
     FLOAT_DTYPES,
     AdapterFiles,
@@ -63,7 +64,7 @@ def quantization_of(config: dict, requested: str | None = None) -> str | None:
     (quantized at load from these float files), else the checkpoint's
     ``quantization_config.quant_method`` with its bits, group size and, where activations are
     quantized too, their bits (``gptq w4 g128``, ``compressed-tensors w4 g128 a8``)."""
-    if requested in ("int8", "int4"):
+    if requested in QUANTIZE_AT_LOAD:
         return requested
     qc = config.get("quantization_config")
     if not isinstance(qc, dict) or not qc.get("quant_method"):

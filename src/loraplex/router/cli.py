@@ -1,8 +1,8 @@
 """``loraplex route``: flags and config file of the router (``main(argv) -> int``).
 
 Every flag, config key, bound and default is declared once, on the ``RouterConfig`` /
-``Thresholds`` / ``Weights`` field it sets (see :mod:`loraplex.settings`; ``serve`` reads its
-config file with the same loader). Precedence per setting: command-line flag > ``--config``
+``Thresholds`` / ``Weights`` field it sets (see :mod:`loraplex.config.fields`; ``serve`` reads
+its config file with the same loader). Precedence per setting: command-line flag > ``--config``
 file (YAML or TOML, the flag names with dashes or underscores, ``replicas`` as a list and
 ``weights`` as a mapping) > environment (the replica and status API keys only) > built-in
 default. Every problem prints ``loraplex route: error: ...`` and exits 2.
@@ -16,8 +16,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from loraplex.config.settings import FileWording, Settings
 from loraplex.router.config import RouterConfig
-from loraplex.settings import FileWording, Settings
 
 
 class RouteConfigError(ValueError):

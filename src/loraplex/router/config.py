@@ -1,16 +1,16 @@
 """``RouterConfig``: everything ``loraplex route`` can set, each field declaring its flag,
-config-file key, bounds and help once (:mod:`loraplex.settings`). Torch- and FastAPI-free, so
-the command line parses without the HTTP stack."""
+config-file key, bounds and help once (:mod:`loraplex.config.fields`). Torch- and FastAPI-free,
+so the command line parses without the HTTP stack."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from loraplex.config import LOG_LEVELS, parse_byte_size, parse_log_level
+from loraplex.config.fields import check_fields, setting
 from loraplex.router.homes import HomeSettings
 from loraplex.router.replicas import normalize_url
 from loraplex.router.scoring import POLICIES, Thresholds, Weights
-from loraplex.settings import check_fields, setting
 
 _HEALTH = "health and retries"  # an argparse group of `loraplex route --help`
 ENV_STATUS_API_KEY = "LORAPLEX_ROUTER_STATUS_API_KEY"
@@ -19,7 +19,7 @@ ENV_STATUS_API_KEY = "LORAPLEX_ROUTER_STATUS_API_KEY"
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything ``loraplex route`` can set; each field declares its flag, config-file key,
-    bounds and help once (``loraplex.settings``)."""
+    bounds and help once (``loraplex.config.fields``)."""
 
     replicas: list[str] = field(
         default_factory=list,

@@ -45,6 +45,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from loraplex.config.fields import check_fields, setting
 from loraplex.router.scoring import (
     Decision,
     ReplicaView,
@@ -53,7 +54,6 @@ from loraplex.router.scoring import (
     choose,
     rendezvous,
 )
-from loraplex.settings import check_fields, setting
 
 _SHRINK = 0.75  # k shrinks once the raw size is below _SHRINK * (k - 1)
 _KEEP_SLACK = 2.0  # with little evidence a warm home stays up to 2x its replica's fair share

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.settings import check_fields, setting
+from loraplex.config.fields import check_fields, setting
 
 TIERS = ("device", "host", "disk", "absent")
 """Where an adapter can sit on a replica, best first (the ``tier`` of ``/v1/adapters``)."""

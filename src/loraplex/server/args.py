@@ -2,8 +2,8 @@
 only changes the command name).
 
 Every flag, config key, environment fallback, bound and default is declared once, on the
-``EngineConfig``/``ServerConfig`` field it sets (see :mod:`loraplex.settings`); this module adds
-MODEL_DIR and the rules that need the file system or the command line as a whole.
+``EngineConfig``/``ServerConfig`` field it sets (see :mod:`loraplex.config.fields`); this module
+adds MODEL_DIR and the rules that need the file system or the command line as a whole.
 
 Precedence, per setting: explicit command-line flag > ``--config`` file > environment (API keys,
 registry URL) > built-in default. Built-in defaults are the dataclass defaults, except
@@ -22,10 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from loraplex.config import LoRAModule, ServerConfig, parse_byte_size
+from loraplex.config.fields import FieldError
+from loraplex.config.settings import Settings, Values
 from loraplex.hub import HubError, is_hub_id, resolve_hub_dir
 from loraplex.lora.peft_format import CONFIG_NAME
 from loraplex.server.vllm_compat import add_vllm_compat_arguments, file_key, normalize_argv
-from loraplex.settings import FieldError, Settings, Values
 
 __all__ = [
     "ServeConfigError",

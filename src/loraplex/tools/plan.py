@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.cliargs import byte_size, positive_int, positive_ints
+from loraplex.config.argtypes import byte_size, positive_int, positive_ints
 from loraplex.lora.digest import DigestError, TensorInfo, safetensors_header
 from loraplex.lora.peft_format import (
     ATTN_PROJ_NAMES,

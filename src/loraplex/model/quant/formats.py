@@ -1,7 +1,8 @@
 """Quantized checkpoint formats: recognise a ``quantization_config`` (as vLLM does), check it,
 and unpack each quantized projection's tensors into a :class:`QuantWeight` / :class:`FP8Weight`.
 
-Formats (``quant_method``), each as its writers lay it out:
+Formats (``quant_method``; their names are ``loraplex.config.QUANTIZED_CHECKPOINT_FORMATS``,
+the ``--quantization`` choices), each as its writers lay it out:
 
 - ``gptq`` (AutoGPTQ / GPTQModel): ``qweight`` int32 ``[K / (32 / bits), N]`` packed along K
   (value i of a word at bits ``bits * i``), ``qzeros`` int32 ``[G, N / (32 / bits)]`` packed
@@ -33,13 +34,10 @@ from typing import Any
 
 import torch
 
+from loraplex.config import QUANTIZATION_METHODS, QUANTIZE_AT_LOAD, QUANTIZED_CHECKPOINT_FORMATS
 from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
 from loraplex.types import ModelLoadError
 
-METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
-"""Checkpoint formats (``quantization_config.quant_method``)."""
-ON_THE_FLY = ("int8", "int4")
-"""``--quantization`` values that quantize a float checkpoint at load."""
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 _INT_SUFFIXES = {
@@ -62,7 +60,8 @@ _INT_SUFFIXES = {
 @dataclass(frozen=True)
 class QuantSpec:
     """What a model's base weights are: the checkpoint's format (``method`` one of
-    ``METHODS``) or a float checkpoint quantized at load (``int8`` / ``int4``)."""
+    ``QUANTIZED_CHECKPOINT_FORMATS``) or a float checkpoint quantized at load (``int8`` /
+    ``int4``)."""
 
     method: str
     bits: int | None = None
@@ -75,7 +74,7 @@ class QuantSpec:
 
     @property
     def on_the_fly(self) -> bool:
-        return self.method in ON_THE_FLY
+        return self.method in QUANTIZE_AT_LOAD
 
     @property
     def label(self) -> str:
@@ -119,7 +118,7 @@ def parse_quantization(
             "--quantization-group-size applies to --quantization int4 only (the group size "
             "of a quantized checkpoint is its quantization_config's)"
         )
-    if requested in ON_THE_FLY:
+    if requested in QUANTIZE_AT_LOAD:
         if qc:
             raise ModelLoadError(
                 f"--quantization {requested} quantizes a float checkpoint, but this one is "
@@ -134,10 +133,10 @@ def parse_quantization(
                 "multiple of 32)"
             )
         return QuantSpec("int4", 4, gs)
-    if requested is not None and requested not in METHODS:
+    if requested is not None and requested not in QUANTIZED_CHECKPOINT_FORMATS:
         raise ModelLoadError(
-            f"--quantization {requested} is not supported (supported: {', '.join(METHODS)}, "
-            f"{', '.join(ON_THE_FLY)})"
+            f"--quantization {requested} is not supported (supported: "
+            f"{', '.join(QUANTIZATION_METHODS)})"
         )
     if not qc:
         if requested is not None:
@@ -147,8 +146,8 @@ def parse_quantization(
             )
         return None
     method = str(qc.get("quant_method", "")).lower().replace("_", "-")
-    if method not in METHODS:
-        raise _fail("quant_method", qc.get("quant_method"), ", ".join(METHODS))
+    if method not in QUANTIZED_CHECKPOINT_FORMATS:
+        raise _fail("quant_method", qc.get("quant_method"), ", ".join(QUANTIZED_CHECKPOINT_FORMATS))
     if requested is not None and requested != method:
         raise ModelLoadError(
             f"--quantization {requested} does not match the checkpoint's quant_method {method}"

@@ -23,7 +23,7 @@ import sys
 from collections import Counter
 
 from loraplex.cache.policy import POLICIES, belady_hit_ratio, belady_hits
-from loraplex.cliargs import byte_size, nonneg_float, positive_int
+from loraplex.config.argtypes import byte_size, nonneg_float, positive_int
 from loraplex.tools.sim.plot import MISSING, plot_hit_ratio
 from loraplex.tools.sim.simulate import SimConfig, SimResult, a0_hit_ratio, policy_factory, simulate
 from loraplex.tools.sim.workloads import (

@@ -1,8 +1,8 @@
 """Value types for the commands' argparse parsers: one message per kind of bad value.
 
-Torch-free and importing only :mod:`loraplex.config`, so every command (the registry's and the
-router's included) can use them. Each raises ``argparse.ArgumentTypeError``, which argparse turns
-into ``<prog>: error: argument --flag: <message>`` and exit status 2.
+Torch-free and importing only the config layer's byte-size syntax, so every command (the
+registry's and the router's included) can use them. Each raises ``argparse.ArgumentTypeError``,
+which argparse turns into ``<prog>: error: argument --flag: <message>`` and exit status 2.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from loraplex.config import parse_byte_size
+from loraplex.config.values import parse_byte_size
 
 
 def byte_size(text: str) -> int:
