@@ -44,9 +44,10 @@ from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import cpu_has_fast_bf16
 from loraplex.model.lora_binding import LoRABinding
-from loraplex.model.parallel import FullyShardedLoRABinding, ShardLayout, TensorParallel
 from loraplex.model.quant.formats import parse_quantization
 from loraplex.model.registry import load_model
+from loraplex.model.tensor_parallel.lora_binding import FullyShardedLoRABinding
+from loraplex.model.tensor_parallel.sharding import ShardLayout, TensorParallel
 from loraplex.types import ModelLoadError
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,11 @@ import torch.distributed as dist
 
 from loraplex.config import ENV_TP_SHM, Rendezvous, env_value
 from loraplex.lora.slots import LoRAModuleWeightsLike, LoRASlotBank, ModuleKey, SlotSource
-from loraplex.model.collectives import Collectives, GlooCollectives, ShmCollectives
+from loraplex.model.tensor_parallel.collectives import (
+    Collectives,
+    GlooCollectives,
+    ShmCollectives,
+)
 
 if TYPE_CHECKING:
     from loraplex.config import EngineConfig
@@ -77,8 +81,9 @@ prompt chunks up to ~1k tokens of a 2k-wide model); larger ones go through gloo.
 class Group:
     """A rank's communicators: the step group (gloo), the slot group (slot-bank writes, from
     the staging thread) and the step traffic's collectives (model calls, all-reduces, the
-    logits' gather): shared memory when every rank is on this host (``model.collectives``;
-    ``LORAPLEX_TP_SHM=0``: the step group's), else the step group's."""
+    logits' gather): shared memory when every rank is on this host
+    (``model.tensor_parallel.collectives``; ``LORAPLEX_TP_SHM=0``: the step group's), else
+    the step group's."""
 
     step: Any
     slots: Any
