@@ -22,7 +22,7 @@ from loraplex.cache.adapters import TieredAdapterCache
 from loraplex.config import DTYPES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
-from loraplex.engine.tensor_parallel import (
+from loraplex.engine.tensor_parallel.driver import (
     DriverModel,
     Group,
     MirroredSlotBank,

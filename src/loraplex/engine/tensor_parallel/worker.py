@@ -1,5 +1,5 @@
-"""A tensor-parallel worker process: ``python -m loraplex.engine.tp_worker`` (started by rank 0's
-:class:`~loraplex.engine.tensor_parallel.WorkerProcess`, its config pickled on stdin), and a
+"""A tensor-parallel worker process: ``python -m loraplex.engine.tensor_parallel.worker`` (started by rank 0's
+:class:`~loraplex.engine.tensor_parallel.driver.WorkerProcess`, its config pickled on stdin), and a
 headless node's ranks (``loraplex serve ... --node-rank N`` for N > 0)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 
 from loraplex.config import EngineConfig, Rendezvous
 from loraplex.engine.builder import worker_parts
-from loraplex.engine.tensor_parallel import WorkerProcess, join_group, slot_loop, step_loop
+from loraplex.engine.tensor_parallel.driver import WorkerProcess, join_group, slot_loop, step_loop
 
 log = logging.getLogger(__name__)
 

@@ -458,7 +458,7 @@ def _outcome(bank: LoRASlotBank, err: BaseException | None) -> tuple:
 
 
 class WorkerProcess:
-    """One worker rank as a child process (``python -m loraplex.engine.tp_worker``; its
+    """One worker rank as a child process (``python -m loraplex.engine.tensor_parallel.worker``; its
     config arrives pickled on stdin): a fresh interpreter, so neither the parent's threads nor
     its ``__main__`` module are inherited (a script calling ``LLM(tensor_parallel_size=2)``
     needs no ``if __name__ == "__main__"`` guard)."""
@@ -472,7 +472,7 @@ class WorkerProcess:
         fd, path = tempfile.mkstemp(prefix=f"loraplex-tp-{rank}-", suffix=".log")
         with os.fdopen(fd, "wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "loraplex.engine.tp_worker"],
+                [sys.executable, "-m", "loraplex.engine.tensor_parallel.worker"],
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=subprocess.STDOUT,

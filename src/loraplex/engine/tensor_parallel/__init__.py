@@ -1,0 +1,2 @@
+"""Tensor-parallel execution: the process group, rank 0's side (``driver``) and a worker
+process (``worker``)."""
