@@ -19,16 +19,13 @@ import psutil
 import torch
 
 from loraplex.cache.adapters import TieredAdapterCache
-from loraplex.config import DTYPES, EngineConfig
+from loraplex.config import DTYPES, EngineConfig, Rendezvous
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
-from loraplex.engine.tensor_parallel.driver import (
-    DriverModel,
+from loraplex.engine.tensor_parallel.driver import DriverModel, TPWorkers
+from loraplex.engine.tensor_parallel.group import (
     Group,
-    MirroredSlotBank,
-    Rendezvous,
     TensorParallelError,
-    TPWorkers,
     WorkerLayout,
     agree,
     rank_threads,
@@ -40,6 +37,7 @@ from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.ops import LoRAOps
 from loraplex.lora.peft_format import LM_HEAD, VOCAB_LAYER, vocab_module_shapes
 from loraplex.lora.slots import LoRASlotBank
+from loraplex.lora.tensor_parallel import MirroredSlotBank
 from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import cpu_has_fast_bf16

@@ -1,6 +1,10 @@
-"""A tensor-parallel worker process: ``python -m loraplex.engine.tensor_parallel.worker`` (started by rank 0's
-:class:`~loraplex.engine.tensor_parallel.driver.WorkerProcess`, its config pickled on stdin), and a
-headless node's ranks (``loraplex serve ... --node-rank N`` for N > 0)."""
+"""A tensor-parallel worker process: ``python -m loraplex.engine.tensor_parallel.worker``
+(started by rank 0's :class:`~loraplex.engine.tensor_parallel.driver.WorkerProcess`, its config
+pickled on stdin), and a headless node's ranks (``loraplex serve ... --node-rank N`` for N > 0).
+
+A worker builds its shard, KV cache and slot bank as rank 0 says, then runs two loops until the
+group ends: the step loop (each model call rank 0 casts) and the slot loop (each slot-bank
+mutation, in rank 0's order, answered with its outcome)."""
 
 from __future__ import annotations
 
@@ -9,12 +13,49 @@ import os
 import pickle
 import sys
 import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from loraplex.config import EngineConfig, Rendezvous
 from loraplex.engine.builder import worker_parts
-from loraplex.engine.tensor_parallel.driver import WorkerProcess, join_group, slot_loop, step_loop
+from loraplex.engine.tensor_parallel.driver import WorkerProcess
+from loraplex.engine.tensor_parallel.group import join_group
+from loraplex.kv.cache import PagedKVCache
+from loraplex.lora.slots import LoRASlotBank
+from loraplex.lora.tensor_parallel import repeat
+from loraplex.model.decoder import DecoderForCausalLM
+from loraplex.model.tensor_parallel.collectives import Collectives
 
 log = logging.getLogger(__name__)
+
+
+def step_loop(model: DecoderForCausalLM, cache: PagedKVCache, comm: Collectives) -> None:
+    """Run what rank 0 casts, call by call, until it says stop."""
+    h: torch.Tensor | None = None
+    while True:
+        op, *args = comm.broadcast()
+        if op == "forward":
+            model.forward(args[0], cache)
+        elif op == "hidden":
+            h = model.hidden_states(args[0], cache)
+        elif op == "logits":
+            assert h is not None
+            model.logits_at(h, *args)
+        elif op == "stop":
+            return
+
+
+def slot_loop(bank: LoRASlotBank, group: Any) -> None:
+    """Repeat rank 0's slot-bank mutations in its order; answer each with the outcome."""
+    try:
+        while True:
+            msg: list[Any] = [None]
+            dist.broadcast_object_list(msg, src=0, group=group)
+            dist.gather_object(repeat(bank, msg[0]), None, dst=0, group=group)
+    except RuntimeError:
+        return  # the group broke; the step loop sees it too
 
 
 def worker_main(config: EngineConfig, rv: Rendezvous, rank: int) -> None:
