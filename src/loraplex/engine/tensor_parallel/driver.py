@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -111,6 +111,17 @@ class TPWorkers:
                 log.error("%s; this engine stops serving", self.failure)
                 return
             time.sleep(WATCH_INTERVAL_S)
+
+    @contextlib.contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """Rank 0's start-up after the group formed: if it raises, the group is closed (as
+        failed, so the workers are not told to stop in step) before the error goes on."""
+        try:
+            yield
+        except BaseException:
+            self.failure = self.failure or "start-up failed"
+            self.close()
+            raise
 
     def _check_open(self, group: Any) -> None:
         """TensorParallelError once the group broke or closed (``group`` is None then)."""

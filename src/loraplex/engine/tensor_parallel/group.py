@@ -3,11 +3,12 @@ loaded, how many threads each runs, which shard each holds, and the sizes rank 0
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
@@ -17,9 +18,13 @@ from loraplex.model.tensor_parallel.collectives import (
     GlooCollectives,
     ShmCollectives,
 )
+from loraplex.model.tensor_parallel.sharding import ShardLayout, TensorParallel
 
 if TYPE_CHECKING:
     from loraplex.config import EngineConfig
+    from loraplex.model.spec import ModelConfig
+
+T = TypeVar("T")
 
 GROUP_TIMEOUT_S = 120.0
 """How long a collective waits for a silent peer before the group counts as broken (a long
@@ -73,9 +78,19 @@ def join_group(rv: Rendezvous, rank: int, alive: Callable[[], bool]) -> Group:
     return Group(step, slots, comm, local)
 
 
-def rank_threads(config: EngineConfig, ranks_here: int) -> int:
+def rank_threads(config: EngineConfig, rv: Rendezvous) -> int:
     """Intra-op threads of one rank: ``--num-threads``, else this node's cores shared out."""
+    ranks_here = rv.local_ranks or rv.size
     return config.num_threads or max(1, (os.cpu_count() or 1) // max(1, ranks_here))
+
+
+def model_shard(config: EngineConfig, mc: ModelConfig, group: Group, rank: int) -> TensorParallel:
+    """``rank``'s shard plan of the model ``mc`` describes, its collectives on ``group``;
+    ModelLoadError when the model (or ``--fully-sharded-loras``) does not split."""
+    layout = ShardLayout.of(mc, rank, config.tensor_parallel_size)
+    tp = TensorParallel(layout, None, config.fully_sharded_loras, group.comm)  # comm: the group
+    tp.check_lora_split(mc)
+    return tp
 
 
 def agree(ok: str | None, group: Any) -> None:
@@ -86,6 +101,22 @@ def agree(ok: str | None, group: Any) -> None:
     bad = [f"rank {r}: {why}" for r, why in enumerate(got) if why is not None]
     if bad:
         raise TensorParallelError("tensor-parallel start failed: " + "; ".join(bad))
+
+
+def on_every_rank(load: Callable[[], T], group: Group | None) -> T:
+    """``load()`` as one rank of ``group`` (None: no group, just ``load()``); every rank
+    learns whether all loaded, and raises the first failure's reason if one did not (this
+    rank's own error if it failed)."""
+    if group is None:
+        return load()
+    try:
+        got = load()
+    except Exception as e:  # this rank's own error is the one to raise
+        with contextlib.suppress(TensorParallelError):
+            agree(f"{type(e).__name__}: {e}", group.step)
+        raise
+    agree(None, group.step)
+    return got
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,15 @@ import torch
 import torch.distributed as dist
 
 from loraplex.config import EngineConfig, Rendezvous
-from loraplex.engine.builder import worker_parts
+from loraplex.engine.builder import MemoryBudget, load_base, set_threads, slot_bank
 from loraplex.engine.tensor_parallel.driver import WorkerProcess
-from loraplex.engine.tensor_parallel.group import join_group
+from loraplex.engine.tensor_parallel.group import (
+    Group,
+    WorkerLayout,
+    join_group,
+    on_every_rank,
+    rank_threads,
+)
 from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.lora.tensor_parallel import repeat
@@ -29,6 +35,23 @@ from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.tensor_parallel.collectives import Collectives
 
 log = logging.getLogger(__name__)
+
+
+def worker_parts(
+    config: EngineConfig, rv: Rendezvous, rank: int, group: Group
+) -> tuple[DecoderForCausalLM, PagedKVCache, LoRASlotBank | None]:
+    """A tensor-parallel worker's shard, KV cache and slot bank, sized as rank 0 decided."""
+    set_threads(rank_threads(config, rv))
+    _, device, dtype, model = on_every_rank(lambda: load_base(config, None, group, rank), group)
+    layout: WorkerLayout = group.comm.broadcast()
+    mc = model.cfg
+    budget = MemoryBudget(config, mc, device, dtype)
+    bank = slot_bank(config, model, budget, layout.lora_slots) if layout.lora_slots else None
+    cache = PagedKVCache(
+        mc.num_layers, layout.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+        dtype, device,
+    )  # fmt: skip
+    return model, cache, bank
 
 
 def step_loop(model: DecoderForCausalLM, cache: PagedKVCache, comm: Collectives) -> None:
