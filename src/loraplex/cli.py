@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"loraplex serve: error: {e}", file=sys.stderr)
         return 2
     if config.engine.node_rank > 0:  # a tensor-parallel node after the first: ranks only
-        from loraplex.engine.tp_worker import run_headless
+        from loraplex.engine.tensor_parallel.worker import run_headless
 
         return run_headless(config.engine)
     run_server(config)

@@ -20,7 +20,7 @@ import pytest
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.config import EngineConfig, ServerConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.tensor_parallel import SharedWeights
+from loraplex.lora.tensor_parallel import SharedWeights
 from loraplex.server.app import create_app
 from loraplex.testing import make_per_expert_adapter, make_random_adapter, make_random_model
 from loraplex.testing.server import free_port, serve_in_thread

@@ -14,7 +14,7 @@ from loraplex.testing.sync import EVENT_TIMEOUT_S
 _RANK = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
-    from loraplex.model.collectives import GlooCollectives, ShmCollectives
+    from loraplex.model.tensor_parallel.collectives import GlooCollectives, ShmCollectives
     rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)

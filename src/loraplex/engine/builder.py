@@ -7,7 +7,6 @@ memory budget that sizes the slot bank, the KV cache and ``max_model_len``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -22,15 +21,12 @@ from loraplex.cache.adapters import TieredAdapterCache
 from loraplex.config import DTYPES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
-from loraplex.engine.tensor_parallel import (
-    DriverModel,
+from loraplex.engine.tensor_parallel.driver import DriverModel, TPWorkers
+from loraplex.engine.tensor_parallel.group import (
     Group,
-    MirroredSlotBank,
-    Rendezvous,
-    TensorParallelError,
-    TPWorkers,
     WorkerLayout,
-    agree,
+    model_shard,
+    on_every_rank,
     rank_threads,
 )
 from loraplex.kv.block_pool import BlockPool
@@ -40,13 +36,14 @@ from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.ops import LoRAOps
 from loraplex.lora.peft_format import LM_HEAD, VOCAB_LAYER, vocab_module_shapes
 from loraplex.lora.slots import LoRASlotBank
+from loraplex.lora.tensor_parallel import MirroredSlotBank
 from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import cpu_has_fast_bf16
 from loraplex.model.lora_binding import LoRABinding
-from loraplex.model.parallel import FullyShardedLoRABinding, ShardLayout, TensorParallel
 from loraplex.model.quant.formats import parse_quantization
 from loraplex.model.registry import load_model
+from loraplex.model.tensor_parallel.lora_binding import FullyShardedLoRABinding
 from loraplex.types import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -307,7 +304,7 @@ class EngineParts:
     workers: TPWorkers | None = None  # the tensor-parallel group (rank 0's handle), if any
 
 
-def _set_threads(n: int | None) -> None:
+def set_threads(n: int | None) -> None:
     if n and torch.get_num_threads() != n:
         # only when it changes: resizing the OpenMP team while another engine in this process
         # (a test's, a second LLM) is inside a parallel region is unsafe in the OpenMP runtime
@@ -327,89 +324,48 @@ def _parse(config: EngineConfig) -> tuple[ModelConfig, torch.device, torch.dtype
     return mc, device, dtype, quant
 
 
-def _load(
+def load_base(
     config: EngineConfig, parsed: tuple | None = None, group: Group | None = None, rank: int = 0
 ) -> tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]:
     """Load the model (a tensor-parallel rank's shard with ``group``); ``parsed``: what
     :func:`_parse` returned, if the caller has it."""
     mc, device, dtype, quant = parsed or _parse(config)
-    tp = None
-    if group is not None:
-        layout = ShardLayout.of(mc, rank, config.tensor_parallel_size)
-        tp = TensorParallel(layout, None, config.fully_sharded_loras, group.comm)  # comm: the group
-        tp.check_lora_split(mc)
+    tp = model_shard(config, mc, group, rank) if group is not None else None
     model = load_model(Path(config.model), mc, dtype, device, quant, tp)  # mc.architecture's
     return mc, device, dtype, model
 
 
-def _loaded_on_every_rank(
-    config: EngineConfig, group: Group, rank: int, parsed: tuple | None = None
-) -> tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]:
-    """``_load`` as tensor-parallel ``rank``; every rank learns whether all loaded (and
-    raises the first failure's reason if one did not)."""
-    try:
-        got = _load(config, parsed, group, rank)
-    except Exception as e:  # this rank's own error is the one to raise
-        with contextlib.suppress(TensorParallelError):
-            agree(f"{type(e).__name__}: {e}", group.step)
-        raise
-    agree(None, group.step)
-    return got
-
-
-def worker_parts(
-    config: EngineConfig, rv: Rendezvous, rank: int, group: Group
-) -> tuple[DecoderForCausalLM, PagedKVCache, LoRASlotBank | None]:
-    """A tensor-parallel worker's shard, KV cache and slot bank, sized as rank 0 decided."""
-    _set_threads(rank_threads(config, rv.local_ranks or rv.size))
-    _, device, dtype, model = _loaded_on_every_rank(config, group, rank)
-    layout: WorkerLayout = group.comm.broadcast()
-    mc = model.cfg
-    budget = MemoryBudget(config, mc, device, dtype)
-    bank = slot_bank(config, model, budget, layout.lora_slots) if layout.lora_slots else None
-    cache = PagedKVCache(
-        mc.num_layers, layout.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-        dtype, device,
-    )  # fmt: skip
-    return model, cache, bank
+def _read(
+    config: EngineConfig, group: Group | None
+) -> tuple[Any | None, tuple[ModelConfig, torch.device, torch.dtype, DecoderForCausalLM]]:
+    """The tokenizer (None with skip_tokenizer_init) and the model (rank 0's shard with
+    ``group``)."""
+    parsed = _parse(config)
+    tokenizer = None
+    if not config.skip_tokenizer_init:  # its errors name it before a weight is read
+        tok_dir = Path(config.tokenizer) if config.tokenizer else Path(config.model)
+        tokenizer = load_tokenizer(tok_dir, config.trust_remote_code)
+    return tokenizer, load_base(config, parsed, group)
 
 
 def build_parts(config: EngineConfig) -> EngineParts:
     """Load the model (and tokenizer), wire LoRA and size the KV cache for ``config``; with
     ``tensor_parallel_size > 1`` this process is rank 0 and starts the workers first (they
     load their shards meanwhile)."""
-    workers = None
     if config.tensor_parallel_size > 1:
         rv = config.rendezvous()
-        _set_threads(rank_threads(config, rv.local_ranks or rv.size))
+        set_threads(rank_threads(config, rv))
         workers = TPWorkers.start(config, rv)
-        try:
+        with workers.closed_on_error():
             return _build(config, workers)
-        except BaseException:
-            workers.failure = workers.failure or "start-up failed"
-            workers.close()
-            raise
-    _set_threads(config.num_threads)
+    set_threads(config.num_threads)
     return _build(config, None)
 
 
 def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
-    model_dir = Path(config.model)
-    try:
-        parsed = _parse(config)
-        tokenizer = None
-        if not config.skip_tokenizer_init:  # its errors name it before a weight is read
-            tok_dir = Path(config.tokenizer) if config.tokenizer else model_dir
-            tokenizer = load_tokenizer(tok_dir, config.trust_remote_code)
-    except Exception as e:
-        if workers is not None:  # the workers wait to hear whether every rank loaded
-            with contextlib.suppress(TensorParallelError):
-                agree(f"{type(e).__name__}: {e}", workers.step_group)
-        raise
-    if workers is None:
-        mc, device, dtype, model = _load(config, parsed)
-    else:
-        mc, device, dtype, model = _loaded_on_every_rank(config, workers.group, 0, parsed)
+    group = workers.group if workers is not None else None
+    # the workers wait to hear whether every rank loaded (a tensor-parallel group's)
+    tokenizer, (mc, device, dtype, model) = on_every_rank(lambda: _read(config, group), group)
     quant = model.quant
     if quant is not None:
         release_freed_memory()  # the float copies quantized at load, back to the OS

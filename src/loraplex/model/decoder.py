@@ -42,11 +42,11 @@ from loraplex.model.layers import (
 from loraplex.model.linear import Linear, LinearFactory, select_linear_factory
 from loraplex.model.loader import iter_checkpoint
 from loraplex.model.lora_binding import LoRABinding
-from loraplex.model.parallel import TensorParallel, VocabShard
 from loraplex.model.quant.formats import QuantSpec, is_quantized_tensor, unpack_projection
 from loraplex.model.quant.kernels import QuantKernels
 from loraplex.model.quant.weights import FP8Weight, QuantizedEmbedding, QuantWeight
 from loraplex.model.spec import ModelConfig
+from loraplex.model.tensor_parallel.sharding import TensorParallel, VocabShard
 from loraplex.types import ModelLoadError
 
 

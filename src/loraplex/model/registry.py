@@ -18,12 +18,12 @@ from loraplex.model.gemma import (
 )
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from loraplex.model.mixtral import MixtralForCausalLM
-from loraplex.model.parallel import TensorParallel
 from loraplex.model.phi3 import Phi3ForCausalLM
 from loraplex.model.quant.formats import QuantSpec
 from loraplex.model.qwen3 import Qwen3ForCausalLM
 from loraplex.model.qwen3_moe import Qwen3MoeForCausalLM
 from loraplex.model.spec import ModelConfig
+from loraplex.model.tensor_parallel.sharding import TensorParallel
 
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -32,7 +32,7 @@ from loraplex import LLM, LoRARequest, SamplingParams
 model, tp, dtype, new_tokens, adapters = (sys.argv[1], int(sys.argv[2]), sys.argv[3],
                                           int(sys.argv[4]), json.loads(sys.argv[5]))
 if sys.argv[6] == "group":  # slot writes' weights pickled through the process group
-    from loraplex.engine.tensor_parallel import SharedWeights
+    from loraplex.lora.tensor_parallel import SharedWeights
 
     def no_shm(cls, plain):
         raise OSError("the benchmark's process-group setting")

@@ -23,7 +23,7 @@ LoRA follows the same split (:meth:`TensorParallel.shard_lora`), in vLLM's two m
   input every rank holds whole), B the rank's output rows (of the hidden size on a
   row-parallel one); the partial shrinks ``[T, rank rows]`` of a projection group are summed
   in one all-reduce (far smaller than the ``[T, hidden]`` one), then each rank expands into
-  its own output columns (:class:`FullyShardedLoRABinding`).
+  its own output columns (``lora_binding.FullyShardedLoRABinding``).
 
 The embedding's A is whole on every rank (its delta is added after the lookup's all-reduce);
 the head's B keeps the rank's vocabulary rows.
@@ -39,12 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loraplex.lora.ops import LoRAOps
 from loraplex.lora.peft_format import EMBED_TOKENS, EXPERT_PROJ_NAMES, LM_HEAD, ROUTER
-from loraplex.lora.plan import LoRABatchPlan
-from loraplex.lora.slots import LoRASlotBank
-from loraplex.model.collectives import GlooCollectives
-from loraplex.model.lora_binding import LoRABinding
+from loraplex.model.tensor_parallel.collectives import GlooCollectives
 from loraplex.types import ModelLoadError
 
 if TYPE_CHECKING:
@@ -156,7 +152,7 @@ class TensorParallel:
     group: Any = field(default=None, compare=False)  # a torch.distributed ProcessGroup
     fully_sharded: bool = False  # --fully-sharded-loras: LoRA's A and B both cut
     comm: Any = field(default=None, compare=False)
-    """The step traffic's collectives (``model.collectives``: shared memory on one host, else
+    """The step traffic's collectives (``collectives``: shared memory on one host, else
     the group's); None: ``GlooCollectives`` over ``group``."""
 
     def __post_init__(self) -> None:
@@ -291,46 +287,3 @@ class VocabShard:
 
     def __getitem__(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.tp.embed(self.table, input_ids)
-
-
-class FullyShardedLoRABinding(LoRABinding):
-    """LoRA in ``--fully-sharded-loras`` mode (see the module docstring)::
-
-    y_r = shrink(x_r, A_r)            # x_r: the rank's input columns of x
-    y = all_reduce(y_r)               # [T, rank rows] per module, one collective a group
-    out[:, cols_r] += expand(y, B_r)  # cols_r: the rank's output columns
-    """
-
-    def __init__(
-        self, bank: LoRASlotBank, ops: LoRAOps, tp: TensorParallel, cfg: ModelConfig
-    ) -> None:
-        super().__init__(bank, ops)
-        self.tp = tp
-        self.hidden = tp.hidden_cols(cfg)
-
-    def add(
-        self,
-        layer: int,
-        parts: Any,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        plan: LoRABatchPlan,
-        rows_plan: LoRABatchPlan | None = None,
-    ) -> None:
-        if rows_plan is not None or parts[0][0] not in COLUMN_PARALLEL | ROW_PARALLEL:
-            # a MoE's experts and router keep the default split
-            super().add(layer, parts, x, out, plan, rows_plan)
-            return
-        modules = self.modules_of(layer, parts, plan)
-        if not modules:
-            return
-        lo, hi = self.hidden
-        column = parts[0][0] in COLUMN_PARALLEL
-        x_in = x[:, lo:hi].contiguous() if column else x  # [T, D / size] or the rank's own
-        ys = [self.ops.shrink(x_in, a, plan) for a, _, _, _ in modules]  # [T, rows] each
-        y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
-        self.tp.all_reduce(y)
-        rows = ys[0].shape[1]
-        for i, (_, bt, c0, c1) in enumerate(modules):
-            dest = out[:, c0:c1] if column else out[:, lo:hi]  # row-parallel: its D columns
-            self.ops.expand(y[:, i * rows : (i + 1) * rows].contiguous(), bt, dest, plan)
