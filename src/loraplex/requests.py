@@ -25,16 +25,17 @@ class StructuredOutput:
     ``json_schema``: a JSON Schema (OpenAI's ``json_object`` is ``{"type": "object"}``);
     ``regex``: a regular expression the whole output matches; ``choice``: the output is one of
     these strings; ``grammar``: an EBNF (GBNF) grammar whose ``root`` rule the output matches.
-    ``disable_any_whitespace`` (vLLM's): a JSON schema's output is one line with ``", "`` and
-    ``": "`` separators, whatever the engine's ``structured_outputs_whitespace``; it changes
-    nothing for the other kinds.
+    ``disable_any_whitespace`` (vLLM's), for a JSON schema only: True, one line with ``", "``
+    and ``": "`` separators; False, whitespace allowed (pretty printing: the engine's
+    ``structured_outputs_whitespace`` if it allows whitespace, else at most 16 characters per
+    gap); None, the engine's ``structured_outputs_whitespace`` (compact unless changed).
     """
 
     json_schema: dict[str, Any] | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
@@ -56,7 +57,9 @@ class StructuredOutput:
             or any(not isinstance(c, str) or not c for c in self.choice)
         ):
             raise InvalidRequestError("choice must be a list of non-empty strings", param=kind)
-        if not isinstance(self.disable_any_whitespace, bool):
+        if self.disable_any_whitespace is not None and not isinstance(
+            self.disable_any_whitespace, bool
+        ):
             raise InvalidRequestError(
                 "disable_any_whitespace must be true or false", param="disable_any_whitespace"
             )

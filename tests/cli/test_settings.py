@@ -191,7 +191,7 @@ SERVE_SAMPLES = {  # settings whose values have a syntax of their own: one valid
     "tenant_slo_classes": "acme=gold",
     "lora_rank_slot_budgets": "8:4,64:2",
     "max_cpu_loras": "40",  # at least --max-loras (8)
-    "structured_outputs_whitespace": "compact",
+    "structured_outputs_whitespace": "bounded",
     "tensor_parallel_size": "2",
     "nnodes": "2",
     "node_rank": "1",

@@ -46,7 +46,10 @@ def test_every_kind_constrains_a_mixed_batch(llm: LLM, adapters: dict[str, Path]
     choices = ('caf\u00e9 "au lait"', "tea\\milk", "water")
     specs = [
         StructuredOutput(json_schema=SCHEMA),
-        StructuredOutput(json_schema={"type": "object"}),  # OpenAI's json_object
+        # OpenAI's json_object, asking for whitespace: a free-form object has no length bound,
+        # and a random model closes it soonest when it may write whitespace (compact JSON is
+        # the schema's row above, bounded by its schema)
+        StructuredOutput(json_schema={"type": "object"}, disable_any_whitespace=False),
         StructuredOutput(regex=r"[a-c]{2}-\d{3}"),
         StructuredOutput(choice=choices),
         StructuredOutput(grammar='root ::= "x" ("y" | "z")+ "!"'),
@@ -162,13 +165,19 @@ def test_structured_outputs_need_a_tokenizer(tiny_model: Path) -> None:
     assert llm.engine.is_idle()
 
 
-# -- JSON whitespace: bounded by default, compact per request, unbounded only when asked ----------
+# -- JSON whitespace: compact by default, whitespace per request or flag, unbounded only when asked
 # A flat schema of booleans and enums: its longest compact text is known, so a bound on the
 # whitespace per gap bounds the whole output.
 FLAT = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
     "required": ["ok", "size"],
+    "additionalProperties": False,
+}
+OK_ONLY = {  # the issue's finding: {"ok": boolean} with max_tokens 40
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
     "additionalProperties": False,
 }
 
@@ -208,11 +217,12 @@ def test_whitespace_modes_and_bound() -> None:
         MAX_JSON_WHITESPACE,
         WHITESPACE_MODES,
         json_schema_options,
+        json_whitespace,
     )
 
     flag = setting_of(EngineConfig.__dataclass_fields__["structured_outputs_whitespace"])
-    assert flag is not None and flag.choices == WHITESPACE_MODES
-    assert EngineConfig(model="m").structured_outputs_whitespace == "bounded"
+    assert flag is not None and set(flag.choices) == set(WHITESPACE_MODES)
+    assert EngineConfig(model="m").structured_outputs_whitespace == "compact"
     assert f"at most {MAX_JSON_WHITESPACE} characters" in flag.help
     assert json_schema_options("bounded") == {
         "any_whitespace": True,
@@ -222,11 +232,20 @@ def test_whitespace_modes_and_bound() -> None:
     assert json_schema_options("compact") == {"any_whitespace": False}
     with pytest.raises(ValueError, match="bounded"):
         json_schema_options("pretty")
-    bounded, compact = (
+    unset, compact, spaced = (
         StructuredOutput(json_schema=FLAT),
         StructuredOutput(json_schema=FLAT, disable_any_whitespace=True),
+        StructuredOutput(json_schema=FLAT, disable_any_whitespace=False),
     )
-    keys = {grammar_key(bounded), grammar_key(compact), grammar_key(bounded, "any")}
+    # the request's choice against each server mode
+    for server, want in (("compact", ("compact", "compact", "bounded")),
+                         ("bounded", ("bounded", "compact", "bounded")),
+                         ("any", ("any", "compact", "any"))):  # fmt: skip
+        got = tuple(json_whitespace(so, server) for so in (unset, compact, spaced))
+        assert got == want, server
+    assert grammar_key(unset) == grammar_key(compact)  # compact by default
+    assert grammar_key(spaced) == grammar_key(unset, "bounded")
+    keys = {grammar_key(unset), grammar_key(spaced), grammar_key(unset, "any")}
     assert len(keys) == 3  # each mode is its own compiled grammar
     assert grammar_key(compact, "any") == grammar_key(compact)  # the request's compact wins
     regex = StructuredOutput(regex="a", disable_any_whitespace=True)
@@ -241,38 +260,62 @@ def _accepts(state: object, tok: object, text: str) -> bool:
 
 
 def test_bounded_grammar_keeps_pretty_json(llm: LLM) -> None:
-    """Pretty-printed JSON is legal (indent 4 three levels deep, indent 2 seven deep); a gap of
-    more than MAX_JSON_WHITESPACE characters is not; compact is one line."""
+    """By default JSON is one compact line; a request that asks for whitespace
+    (disable_any_whitespace false) gets the bounded grammar, where pretty-printed JSON is legal
+    (indent 4 three levels deep, indent 2 seven deep) and a gap of more than
+    MAX_JSON_WHITESPACE characters is not."""
     from loraplex.engine.structured import MAX_JSON_WHITESPACE
 
     tok, backend = llm.get_tokenizer(), llm.engine.structured_outputs
-    assert backend.whitespace == "bounded"
+    assert backend.whitespace == "compact"
     deep: dict = {"ok": True}
     for _ in range(6):
         deep = {"d": deep}
-    nested = StructuredOutput(json_schema={"type": "object"})
+    nested = StructuredOutput(json_schema={"type": "object"}, disable_any_whitespace=False)
     for indent, value in ((4, deep["d"]["d"]["d"]["d"]), (2, deep)):
         assert _accepts(backend.new_state(nested), tok, json.dumps(value, indent=indent))
     too_far = "{" + " " * (MAX_JSON_WHITESPACE + 1) + '"ok": true}'
     assert _accepts(backend.new_state(nested), tok, "{" + " " * MAX_JSON_WHITESPACE + '"a": 1}')
     assert not _accepts(backend.new_state(nested), tok, too_far)
-    compact = StructuredOutput(json_schema=FLAT, disable_any_whitespace=True)
-    assert _accepts(backend.new_state(compact), tok, '{"ok": true, "size": "small"}')
-    assert not _accepts(backend.new_state(compact), tok, '{"ok":true,"size":"small"}')
-    assert not _accepts(backend.new_state(compact), tok, '{\n"ok": true')
+    for compact in (
+        StructuredOutput(json_schema=FLAT),
+        StructuredOutput(json_schema=FLAT, disable_any_whitespace=True),
+    ):
+        assert _accepts(backend.new_state(compact), tok, '{"ok": true, "size": "small"}')
+        assert not _accepts(backend.new_state(compact), tok, '{"ok":true,"size":"small"}')
+        assert not _accepts(backend.new_state(compact), tok, '{\n"ok": true')
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 5), (1.0, 17)])
+def test_whitespace_loving_model_writes_compact_json_by_default(
+    llm: LLM, ws_bias: dict[int, float], temperature: float, seed: int | None
+) -> None:
+    """The issue's finding: a model pushed to whitespace, {"ok": boolean}, max_tokens 40. By
+    default the answer is the compact text itself: it parses, and its length is the compact
+    length (at most twice the shortest serialisation)."""
+    sp = _sp(StructuredOutput(json_schema=OK_ONLY), temperature=temperature, seed=seed,
+             max_tokens=40, logit_bias=ws_bias)  # fmt: skip
+    out = llm.generate(PROMPT, sp)[0].outputs[0]
+    assert out.finish_reason == "stop", out
+    value = json.loads(out.text)
+    jsonschema.validate(value, OK_ONLY)
+    assert out.text == json.dumps(value)  # one line, ", " and ": " separators
+    assert len(out.text) <= 2 * len(json.dumps(value, separators=(",", ":")))
+    assert len(out.token_ids) <= token_budget(OK_ONLY, 1)
 
 
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 5), (1.0, 17)])
 def test_whitespace_loving_model_closes_its_json_within_budget(
     llm: LLM, ws_bias: dict[int, float], temperature: float, seed: int | None
 ) -> None:
-    """The random model pushed to whitespace still closes the JSON: at most
-    MAX_JSON_WHITESPACE whitespace characters per gap leave it a derived token budget."""
+    """Asked for whitespace (disable_any_whitespace false: the bounded grammar), the random
+    model pushed to whitespace still closes the JSON: at most MAX_JSON_WHITESPACE whitespace
+    characters per gap leave it a derived token budget."""
     from loraplex.engine.structured import MAX_JSON_WHITESPACE
 
     budget = token_budget(FLAT, MAX_JSON_WHITESPACE)
-    sp = _sp(StructuredOutput(json_schema=FLAT), temperature=temperature, seed=seed,
-             max_tokens=budget, logit_bias=ws_bias)  # fmt: skip
+    spaced = StructuredOutput(json_schema=FLAT, disable_any_whitespace=False)
+    sp = _sp(spaced, temperature=temperature, seed=seed, max_tokens=budget, logit_bias=ws_bias)
     out = llm.generate(PROMPT, sp)[0].outputs[0]
     assert out.finish_reason == "stop", out
     assert len(out.token_ids) <= budget
@@ -314,8 +357,8 @@ def test_serve_flag_and_request_field(tiny_model: Path) -> None:
     from loraplex.server.args import parse_serve_args
     from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
 
-    for argv, want in (([], "bounded"), (["--structured-outputs-whitespace", "any"], "any"),
-                       (["--structured-outputs-whitespace", "compact"], "compact")):  # fmt: skip
+    for argv, want in (([], "compact"), (["--structured-outputs-whitespace", "any"], "any"),
+                       (["--structured-outputs-whitespace", "bounded"], "bounded")):  # fmt: skip
         cfg = parse_serve_args([str(tiny_model), *argv], environ={})
         assert cfg.engine.structured_outputs_whitespace == want
     msgs = [{"role": "user", "content": "x"}]
@@ -338,7 +381,12 @@ def test_serve_flag_and_request_field(tiny_model: Path) -> None:
     plain = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": msgs, "guided_json": FLAT}
     ).sampling_params()
-    assert plain.structured is not None and not plain.structured.disable_any_whitespace
+    assert plain.structured is not None and plain.structured.disable_any_whitespace is None
+    spaced = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": msgs, "response_format": {"type": "json_object"},
+         "structured_outputs": {"disable_any_whitespace": False}}
+    ).sampling_params()  # fmt: skip
+    assert spaced.structured is not None and spaced.structured.disable_any_whitespace is False
     regex = CompletionRequest.model_validate(
         {"model": "m", "prompt": "x", "structured_outputs": {"regex": "a+", **no_ws}}
     ).sampling_params()
@@ -351,9 +399,10 @@ def test_serve_flag_and_request_field(tiny_model: Path) -> None:
 
 
 def test_whitespace_over_http(tiny_model: Path) -> None:
-    """The finding, through the server: a json_schema chat request whose model favours
-    whitespace comes back as valid JSON within the derived budget; with
-    structured_outputs.disable_any_whitespace it is one compact line."""
+    """The finding, through the server: a json_schema chat request for {"ok": boolean} with
+    max_tokens 40 whose model favours whitespace comes back as compact, valid JSON by default
+    and with structured_outputs.disable_any_whitespace true; with it false (pretty printing
+    asked for) it writes whitespace and still closes within the bounded grammar's budget."""
     import httpx
 
     from loraplex.config import EngineConfig, ServerConfig
@@ -369,25 +418,30 @@ def test_whitespace_over_http(tiny_model: Path) -> None:
     app = create_app(config)
     tok = app.state.loraplex.engine.tokenizer
     bias = {str(t): 100 for t in whitespace_ids(tok)}
-    budget = token_budget(FLAT, MAX_JSON_WHITESPACE)
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Answer in JSON."}],
-        "max_tokens": budget,
+        "max_tokens": 40,
         "temperature": 0,
         "logit_bias": bias,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": FLAT}},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": OK_ONLY}},
     }
+    spaced_budget = token_budget(OK_ONLY, MAX_JSON_WHITESPACE)
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as h:
-        for extra in ({}, {"structured_outputs": {"disable_any_whitespace": True}}):
+        for whitespace in (None, True, False):
+            extra = {} if whitespace is None else {
+                "structured_outputs": {"disable_any_whitespace": whitespace},
+                "max_tokens": spaced_budget,
+            }  # fmt: skip
             r = h.post("/v1/chat/completions", json={**body, **extra})
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
             text = choice["message"]["content"]
             assert choice["finish_reason"] == "stop", choice
-            assert r.json()["usage"]["completion_tokens"] <= budget
-            jsonschema.validate(json.loads(text), FLAT)
-            if extra:
-                assert text == json.dumps(json.loads(text))
-            else:
+            jsonschema.validate(json.loads(text), OK_ONLY)
+            if whitespace is False:
                 assert "\n" in text or "  " in text  # bounded, not compact: it wrote whitespace
+                assert r.json()["usage"]["completion_tokens"] <= spaced_budget
+            else:
+                assert text == json.dumps(json.loads(text))
+                assert r.json()["usage"]["completion_tokens"] <= token_budget(OK_ONLY, 1)

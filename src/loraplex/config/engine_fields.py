@@ -441,17 +441,18 @@ class EngineFields:
         ),
     )
     structured_outputs_whitespace: str = field(
-        default="bounded",
+        default="compact",
         metadata=setting(
             "--structured-outputs-whitespace",
             choices=WHITESPACE_MODES,
             metavar="{" + ",".join(WHITESPACE_MODES) + "}",
             help="whitespace between the tokens of JSON structured outputs (json_schema, "
-            "json_object, guided_json, tool calls): bounded (any layout, at most 16 characters "
-            "per gap: pretty JSON stays legal, a model cannot pad until max_tokens), compact "
-            "(one line, ', ' and ': ' separators, as vLLM's disable_any_whitespace; a request "
-            "gets it with structured_outputs.disable_any_whitespace) or any (unbounded, "
-            "xgrammar's and vLLM's default) (default: {default})",
+            "json_object, guided_json, tool calls): compact (one line, ', ' and ': ' "
+            "separators, as vLLM's disable_any_whitespace: a model that favours whitespace "
+            "still writes parseable JSON of the compact length), bounded (any layout, at most "
+            "16 characters per gap: pretty JSON stays legal; a request gets it with "
+            "structured_outputs.disable_any_whitespace false) or any (unbounded, xgrammar's and "
+            "vLLM's default) (default: {default})",
         ),
     )
     skip_tokenizer_init: bool = field(

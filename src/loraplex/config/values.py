@@ -30,7 +30,7 @@ ADAPTER_EVICTION_POLICIES = ("hybrid", "hybrid-forecast", "lru", "lfu", "fifo")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 """Names of ``loraplex.engine.scheduling.POLICIES`` (checked by a test; config imports nothing
 of the engine)."""
-WHITESPACE_MODES = ("bounded", "any", "compact")
+WHITESPACE_MODES = ("compact", "bounded", "any")
 """``--structured-outputs-whitespace``: how JSON grammars treat whitespace between tokens
 (``loraplex.engine.structured``)."""
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")

@@ -11,15 +11,18 @@ row per constrained sequence and applies it to those rows of the logits only:
     allowed[t] = bit t of the row's mask;  logits[row, t] = -inf where not allowed[t]
 
 JSON grammars (``json_schema``: OpenAI's ``json_schema`` and ``json_object``, ``guided_json``,
-the tool-call schemas) bound the whitespace between JSON tokens (:data:`WHITESPACE_MODES`,
-``--structured-outputs-whitespace``). xgrammar's default allows any run of whitespace at every
-gap, so a weak model that favours whitespace writes it until ``max_tokens`` (unterminated JSON).
-``bounded``, the default, allows any layout with at most :data:`MAX_JSON_WHITESPACE` characters
-per gap (after ``{`` or ``[``, around ``:`` and ``,``, before ``}`` or ``]``): pretty-printed
-JSON stays legal and every gap ends. ``compact`` is one line with ``", "`` and ``": "``
-separators (vLLM's ``disable_any_whitespace``; a request asks for it with
-``StructuredOutput.disable_any_whitespace``). ``any`` is xgrammar's unbounded default.
-Whitespace inside a string is its content, bounded only by the schema (``maxLength``).
+the tool-call schemas) fix the whitespace between JSON tokens (:data:`WHITESPACE_MODES`,
+``--structured-outputs-whitespace``). ``compact``, the default, is one line with ``", "`` and
+``": "`` separators (vLLM's ``disable_any_whitespace``): a model that favours whitespace still
+writes exactly the compact text, so the output is parseable within a budget derived from the
+schema. ``bounded`` allows any layout with at most :data:`MAX_JSON_WHITESPACE` characters per
+gap (after ``{`` or ``[``, around ``:`` and ``,``, before ``}`` or ``]``): pretty-printed JSON
+stays legal and every gap ends, but one member may cost 4 x 16 whitespace characters more.
+``any`` is xgrammar's (and vLLM's) unbounded default, which a weak model can pad until
+``max_tokens``. A request picks for itself with ``StructuredOutput.disable_any_whitespace``:
+true is ``compact``, false asks for whitespace (pretty printing: the server's mode if it allows
+whitespace, else ``bounded``); unset follows the server. Whitespace inside a string is its
+content, bounded only by the schema (``maxLength``).
 """
 
 from __future__ import annotations
@@ -48,11 +51,19 @@ MAX_JSON_WHITESPACE = 16
 
 
 def json_whitespace(so: StructuredOutput, default: str) -> str:
-    """The whitespace mode of ``so``'s JSON grammar: ``compact`` where the request disables
-    any whitespace, else the server's ``default``; "" for the kinds that are not JSON."""
+    """The whitespace mode of ``so``'s JSON grammar ("" for the kinds that are not JSON):
+
+    disable_any_whitespace is True  -> "compact"
+    disable_any_whitespace is False -> default, or "bounded" where default is "compact"
+    disable_any_whitespace is None  -> default (the server's --structured-outputs-whitespace)
+    """
     if so.kind != "json_schema":
         return ""
-    return "compact" if so.disable_any_whitespace else default
+    if so.disable_any_whitespace is None:
+        return default
+    if so.disable_any_whitespace:
+        return "compact"
+    return "bounded" if default == "compact" else default
 
 
 def json_schema_options(
@@ -68,7 +79,7 @@ def json_schema_options(
     raise ValueError(f"whitespace must be one of {', '.join(WHITESPACE_MODES)}, got {whitespace!r}")
 
 
-def grammar_key(so: StructuredOutput, whitespace: str = "bounded") -> tuple[str, str, str]:
+def grammar_key(so: StructuredOutput, whitespace: str = "compact") -> tuple[str, str, str]:
     """Cache key of a spec: its kind, its JSON whitespace mode ("" for the other kinds; see
     :func:`json_whitespace`) and a canonical text of it (JSON keys sorted)."""
     kind = so.kind
@@ -111,7 +122,8 @@ class StructuredOutputBackend:
     ``vocab_size`` is the model's (its logits' width, which may exceed the tokenizer's);
     ``stop_token_ids`` end a completed grammar (the engine's EOS ids); ``whitespace`` is the
     JSON grammars' whitespace mode (:data:`WHITESPACE_MODES`, ``--structured-outputs-whitespace``)
-    unless a request asks for ``compact``, ``max_whitespace`` its ``bounded`` limit per gap.
+    unless a request picks its own (:func:`json_whitespace`), ``max_whitespace`` the ``bounded``
+    limit per gap.
     """
 
     def __init__(
@@ -123,7 +135,7 @@ class StructuredOutputBackend:
         max_workers: int = 2,
         cache_size: int = 256,
         compile_timeout_s: float = 60.0,
-        whitespace: str = "bounded",
+        whitespace: str = "compact",
         max_whitespace: int = MAX_JSON_WHITESPACE,
     ) -> None:
         json_schema_options(whitespace)  # raises ValueError for an unknown mode

@@ -144,8 +144,10 @@ class StructuredOutputsBody(_Body):
     json_object: bool | None = None
     structural_tag: Text | None = None
     disable_fallback: bool = False  # there is one grammar engine: nothing to fall back to
-    # JSON constraints of the request (whatever field names them) are one compact line
-    disable_any_whitespace: bool = False
+    # JSON constraints of the request (whatever field names them): true, one compact line;
+    # false, whitespace allowed (pretty printing); unset, the server's
+    # --structured-outputs-whitespace (compact unless changed)
+    disable_any_whitespace: bool | None = None
     disable_additional_properties: bool = False
     whitespace_pattern: Text | None = None
 
@@ -302,7 +304,7 @@ class _SamplingBody(_Body):
         if self.guided_whitespace_pattern is not None:
             refuse("guided_whitespace_pattern", "JSON whitespace follows the server's "
                    "--structured-outputs-whitespace (structured_outputs.disable_any_whitespace "
-                   "asks for compact JSON)")  # fmt: skip
+                   "true asks for compact JSON, false for whitespace)")  # fmt: skip
         so = self.structured_outputs
         if so is not None:
             if so.structural_tag is not None:
@@ -311,8 +313,8 @@ class _SamplingBody(_Body):
                 refuse("structured_outputs", "disable_additional_properties is not implemented")
             if so.whitespace_pattern is not None:
                 refuse("structured_outputs", "whitespace_pattern is not implemented (JSON "
-                       "whitespace is the server's --structured-outputs-whitespace, or compact "
-                       "with disable_any_whitespace)")  # fmt: skip
+                       "whitespace is the server's --structured-outputs-whitespace, or per "
+                       "request compact or not with disable_any_whitespace)")  # fmt: skip
         if self.response_format is not None and self.response_format.type == "structural_tag":
             refuse("response_format", "the 'structural_tag' type is not implemented")
         if self.stream_options is not None and not self.stream:
@@ -371,8 +373,8 @@ class _SamplingBody(_Body):
         self, extra: tuple[str, StructuredOutput] | None = None
     ) -> StructuredOutput | None:
         """The one structured-output constraint of the request (None: unconstrained); a JSON
-        one, from whichever field, is compact when ``structured_outputs.disable_any_whitespace``
-        is set (as vLLM merges it with ``response_format``)."""
+        one, from whichever field, takes ``structured_outputs.disable_any_whitespace`` where
+        the request gives it (as vLLM merges it with ``response_format``)."""
         sources = ([extra] if extra is not None else []) + list(self._structured_sources())
         if len(sources) > 1:
             names = ", ".join(dict.fromkeys(n for n, _ in sources))
@@ -384,8 +386,10 @@ class _SamplingBody(_Body):
             return None
         found = sources[0][1]
         so = self.structured_outputs
-        if so is not None and so.disable_any_whitespace and found.kind == "json_schema":
-            found = StructuredOutput(json_schema=found.json_schema, disable_any_whitespace=True)
+        if so is not None and so.disable_any_whitespace is not None and found.kind == "json_schema":
+            found = StructuredOutput(
+                json_schema=found.json_schema, disable_any_whitespace=so.disable_any_whitespace
+            )
         return found
 
     def _logit_bias(self) -> dict[int, float] | None:
