@@ -18,6 +18,11 @@ class Rendezvous:
     local_ranks: int = 0  # ranks on this node (0: all of ``size``)
 
     @property
+    def ranks_here(self) -> int:
+        """How many ranks this node runs."""
+        return self.local_ranks or self.size
+
+    @property
     def init_method(self) -> str:
         return f"tcp://{self.master_addr}:{self.master_port}"
 

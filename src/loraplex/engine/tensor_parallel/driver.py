@@ -65,7 +65,7 @@ class TPWorkers:
                 "this process already runs a tensor-parallel engine (one process group each)"
             )
         rv = rv.with_port()
-        here = rv.local_ranks or rv.size
+        here = rv.ranks_here
         procs = [WorkerProcess.spawn(config, rv, rv.first_rank + i) for i in range(1, here)]
         joined: dict[str, Any] = {}
         holder: list[TPWorkers] = []

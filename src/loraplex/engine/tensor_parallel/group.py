@@ -67,7 +67,7 @@ def join_group(rv: Rendezvous, rank: int, alive: Callable[[], bool]) -> Group:
     )
     step, slots = dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout)
     comm: Collectives = GlooCollectives(step, rank, rv.size)
-    local = rv.size == (rv.local_ranks or rv.size)
+    local = rv.size == rv.ranks_here
     if local and env_value(ENV_TP_SHM) != "0":
         path = [ShmCollectives.create(rv.size, SHM_SLOT_BYTES) if rank == 0 else None]
         dist.broadcast_object_list(path, src=0, group=step)
@@ -80,8 +80,7 @@ def join_group(rv: Rendezvous, rank: int, alive: Callable[[], bool]) -> Group:
 
 def rank_threads(config: EngineConfig, rv: Rendezvous) -> int:
     """Intra-op threads of one rank: ``--num-threads``, else this node's cores shared out."""
-    ranks_here = rv.local_ranks or rv.size
-    return config.num_threads or max(1, (os.cpu_count() or 1) // max(1, ranks_here))
+    return config.num_threads or max(1, (os.cpu_count() or 1) // max(1, rv.ranks_here))
 
 
 def model_shard(config: EngineConfig, mc: ModelConfig, group: Group, rank: int) -> TensorParallel:

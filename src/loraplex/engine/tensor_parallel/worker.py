@@ -106,7 +106,7 @@ def run_headless(config: EngineConfig) -> int:
     """A node after the first (``--node-rank > 0``): run its ranks (the first in this process,
     the others as child processes) until rank 0 stops the group or it breaks; no HTTP."""
     rv = config.rendezvous()
-    here = rv.local_ranks or rv.size
+    here = rv.ranks_here
     log.warning(
         "headless node %d: ranks %d..%d of %d, rendezvous at %s:%d",
         config.node_rank, rv.first_rank, rv.first_rank + here - 1, rv.size,
