@@ -4,7 +4,6 @@ tensor data read), and its parameters by part."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -34,7 +33,13 @@ from loraplex.lora.peft_format import (
     parse_lora_config,
     vocab_module_key,
 )
-from loraplex.tools.plan.model_shape import ALL_FUSED, PACKED_GATE_UP, ModelShape, PlanError
+from loraplex.tools.plan.model_shape import (
+    ALL_FUSED,
+    PACKED_GATE_UP,
+    ModelShape,
+    PlanError,
+    read_json_object,
+)
 
 PARTS = ("attention", "mlp", "router", "experts", "vocab")
 """An adapter's parts, as reported: attention projections, a dense MLP's, the router of a sparse
@@ -290,12 +295,7 @@ def adapter_from_path(spec: str, m: ModelShape) -> AdapterShape:
     cfg_path = p / CONFIG_NAME if p.is_dir() else p
     if not cfg_path.is_file():
         raise PlanError(f"--adapter {spec!r}: no such PEFT directory or JSON file")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise PlanError(f"cannot read {cfg_path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise PlanError(f"{cfg_path} is not a JSON object")
+    cfg = read_json_object(cfg_path)
     for key in ("adapter_config", "config"):
         if "r" not in cfg and "rank" not in cfg and isinstance(cfg.get(key), dict):
             cfg = cfg[key]

@@ -313,10 +313,16 @@ def load_model(spec: str) -> ModelShape:
             f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory "
             "or config.json"
         )
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise PlanError(f"cannot read {cfg_path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise PlanError(f"{cfg_path} is not a JSON object")
+    cfg = read_json_object(cfg_path)
     return model_from_config(cfg, p.name if p.is_dir() else p.parent.name or str(p))
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object (a config or a manifest); a :class:`PlanError` else."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"cannot read {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise PlanError(f"{path} is not a JSON object")
+    return cfg
