@@ -137,7 +137,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "adapters": ("loraplex.registry.cli", "adapter registry: register, list, promote, canary, ..."),
     "tenants": ("loraplex.registry.cli", "tenants and their API keys"),
     "bench": ("loraplex.tools.bench.cli", "load generator against any OpenAI-compatible server"),
-    "plan": ("loraplex.tools.plan", "capacity planner: adapter bytes, slots vs KV, decode bytes"),
+    "plan": (
+        "loraplex.tools.plan.cli",
+        "capacity planner: adapter bytes, slots vs KV, decode bytes",
+    ),
     "verify": ("loraplex.tools.verify", "check an adapter against a merged-weights reference"),
     "route": ("loraplex.router.cli", "residency-aware router over many replicas (no torch)"),
 }

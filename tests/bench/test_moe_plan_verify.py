@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from loraplex import LLM
 from loraplex.lora.adapter import load_peft_adapter
-from loraplex.lora.peft_format import EXPERT_PROJ_NAMES, ROUTER, BaseModelSpec
+from loraplex.lora.peft_format import EXPERT_PROJ_NAMES, PROJ_NAMES, ROUTER, BaseModelSpec
 from loraplex.model.config import load_model_config
 from loraplex.testing import (
     load_merged_reference,
@@ -185,7 +185,7 @@ def test_plan_dense_layer_and_all_linear(moe: dict[str, dict], tmp_path: Path) -
     (the packed experts, gate_up_proj at rank 2r), priced as saved."""
     case = moe["qwen_dense"]
     shape = plan.load_model(str(case["model"]))
-    assert shape.sparse == (0,) and shape.layer_projs(1) == plan.PROJ_NAMES
+    assert shape.sparse == (0,) and shape.layer_projs(1) == PROJ_NAMES
     a = plan.adapter_from_path(str(case["adapters"]["per_expert"]), shape)
     assert sorted(a.modules) == sorted([(0, "q_proj"), (1, "q_proj"), (1, "gate_proj"),
                                         (1, "up_proj"), (1, "down_proj"),
@@ -194,9 +194,9 @@ def test_plan_dense_layer_and_all_linear(moe: dict[str, dict], tmp_path: Path) -
     # all-linear from a config alone: attention, the dense MLP, the router and every expert,
     # with a note on what PEFT on transformers 5 trains instead
     lin = plan.adapter_from_config({"r": 8, "target_modules": "all-linear"}, shape, "lin")
-    assert {p for _, p in lin.modules} == {*plan.PROJ_NAMES, ROUTER, *EXPERT_PROJ_NAMES}
+    assert {p for _, p in lin.modules} == {*PROJ_NAMES, ROUTER, *EXPERT_PROJ_NAMES}
     assert {p for layer, p in lin.modules if layer == 0} == {
-        *plan.PROJ_NAMES[:4],
+        *PROJ_NAMES[:4],
         ROUTER,
         *EXPERT_PROJ_NAMES,
     }

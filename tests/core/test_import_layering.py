@@ -1,7 +1,8 @@
 """The package layering, checked on the source: no import cycle between modules, and no package
 importing one it may not (lower layers never import higher ones, the server never imports the
-cache, the router only the config layer). ``ALLOWED`` below is the layering itself, one entry
-per package of ``src/loraplex`` (``docs/architecture.md`` describes the packages).
+cache, the router only the config layer and the pages' shared head). ``ALLOWED`` below is the
+layering itself, one entry per package of ``src/loraplex`` (``docs/architecture.md`` describes
+the packages).
 
 Every ``import`` statement counts, also inside functions and under ``TYPE_CHECKING``: a lazy or
 type-only import upward is still a dependency a reader has to know about.
@@ -29,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "hub": set(),  # hub ids -> local snapshot directories (huggingface_hub only)
     "workers": set(),  # a background thread that exits when idle (threading only)
     "warm": set(),  # an adapter's warm policy or window schedule (the standard library only)
+    "pages": set(),  # what the server's and the router's HTML pages share (package data only)
     "logs": BASE,  # logging set-up, start-up summary, stats line (no server types)
     # layer 2
     "lora": BASE,
@@ -41,9 +43,9 @@ ALLOWED: dict[str, set[str]] = {
     "engine": BASE | {"kv", "lora", "model", "cache", "registry"},
     "entrypoints": BASE | {"engine", "lora", "model"},
     # layer 5: talks to the engine through its client interface, never to the cache
-    "server": BASE | {"engine", "registry", "lora", "hub", "logs"},
+    "server": BASE | {"engine", "registry", "lora", "hub", "logs", "pages"},
     # layer 6: HTTP only, never torch
-    "router": BASE,
+    "router": BASE | {"pages"},
     # layer 7: on top; nothing imports them. The user tools (``tools/``) are layered one by one.
     "tools": set(),  # the package's own docstring
     "tools.sim": BASE | {"cache"},

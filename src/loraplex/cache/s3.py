@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loraplex.cache.store import FetchResult, StoreBase, StoreEntry, fetch_files, local_files
+from loraplex.cache.store import FetchResult, StoreBase, StoreEntry, fetch_files, files_to_put
 from loraplex.lora.peft_format import (
     ADAPTER_FILES,
     BIN_NAME,
@@ -301,12 +301,9 @@ class S3Store(StoreBase):
 
     def put_dir(self, src: Path, uri: str) -> None:
         src = Path(src)
-        names = local_files(src)
-        if CONFIG_NAME not in names or len(names) < 2:
-            raise StoreError(f"{src} is not an adapter directory (needs config + weights)")
+        writes, stale = files_to_put(src)
         key_dir = self._key_dir(uri)
-        # Weights first, config last: a reader that sees the config also sees the weights.
-        for n in sorted(names, key=lambda n: n == CONFIG_NAME):
+        for n in writes:
             with open(src / n, "rb") as f:
                 self._call(
                     uri,
@@ -316,11 +313,10 @@ class S3Store(StoreBase):
                     Key=key_dir + n,
                     Body=f,
                 )
-        for n in ADAPTER_FILES:
-            if n not in names:
-                self._call(
-                    uri, "deleting", self._client.delete_object, Bucket=self.bucket, Key=key_dir + n
-                )
+        for n in stale:
+            self._call(
+                uri, "deleting", self._client.delete_object, Bucket=self.bucket, Key=key_dir + n
+            )
 
     def delete(self, uri: str) -> None:
         key_dir = self._key_dir(uri)

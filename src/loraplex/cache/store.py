@@ -113,6 +113,18 @@ def local_files(src: Path) -> list[str]:
     return [n for n in ADAPTER_FILES if (src / n).is_file()]
 
 
+def files_to_put(src: Path) -> tuple[list[str], list[str]]:
+    """What every backend's ``put_dir`` of ``src`` writes and then deletes: its adapter files,
+    weights first and the config last (a reader that sees the config also sees the weights),
+    and the known adapter files it lacks (a former upload's, never to be mixed with this one).
+    A :class:`StoreError` unless ``src`` holds a config and a weights file."""
+    names = local_files(src)
+    if CONFIG_NAME not in names or len(names) < 2:
+        raise StoreError(f"{src} is not an adapter directory (needs config + weights)")
+    writes = sorted(names, key=lambda n: n == CONFIG_NAME)
+    return writes, [n for n in ADAPTER_FILES if n not in names]
+
+
 def fetch_files(dest: Path, files: Sequence[str], copy_one: Callable[[str, Path], int]) -> int:
     """Copy every file of an adapter into ``dest`` with ``copy_one(name, target) -> bytes``; on
     any failure the files written so far (and ``dest``, if this call created it) are removed
@@ -273,23 +285,19 @@ class LocalDirStore(StoreBase):
 
     def put_dir(self, src: Path, uri: str) -> None:
         src = Path(src)
-        names = local_files(src)
-        if CONFIG_NAME not in names or len(names) < 2:
-            raise StoreError(f"{src} is not an adapter directory (needs config + weights)")
+        writes, stale = files_to_put(src)
         d = self._dir(uri)
         try:
             d.mkdir(parents=True, exist_ok=True)
-            # Weights first, config last: a reader never sees a config without its weights.
-            for n in sorted(names, key=lambda n: n == CONFIG_NAME):
+            for n in writes:  # each replaced whole: a reader sees the old file or the new one
                 tmp = d / f".{n}.{uuid.uuid4().hex}.tmp"
                 try:
                     shutil.copyfile(src / n, tmp)
                     os.replace(tmp, d / n)
                 finally:
                     tmp.unlink(missing_ok=True)
-            for n in ADAPTER_FILES:
-                if n not in names:
-                    (d / n).unlink(missing_ok=True)
+            for n in stale:
+                (d / n).unlink(missing_ok=True)
         except OSError as e:
             raise StoreError(
                 f"{self.describe()}: cannot write {uri!r}: {e}", store=self.describe(), uri=uri

@@ -36,7 +36,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from importlib import resources
 from typing import Any
 
 import httpx
@@ -45,6 +44,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.pages import read_page
 from loraplex.router.config import RouterConfig
 from loraplex.router.homes import Picker
 from loraplex.router.relay import read_body, sse_error
@@ -508,8 +508,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
         """The fleet page: it holds no data (open); it polls ``/v1/replicas`` (status key)."""
-        page = resources.files("loraplex.router").joinpath("static/dashboard.html")
-        return HTMLResponse(page.read_text(encoding="utf-8"), headers={"Cache-Control": "no-store"})
+        page = read_page("loraplex.router", "static/dashboard.html")
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     @app.get("/health")
     async def health() -> Response:

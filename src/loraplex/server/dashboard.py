@@ -24,12 +24,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse
 
+from loraplex.pages import read_page
 from loraplex.registry import Principal
 from loraplex.server.auth import inference_principal
 from loraplex.server.catalog import ADMIN_KEY, has_scope
@@ -296,12 +296,9 @@ async def sampler_loop(sampler: DashboardSampler) -> None:
 
 
 def dashboard_html() -> str:
-    """The page: one HTML file with its script and styles inline (package data)."""
-    return (
-        resources.files("loraplex.server")
-        .joinpath("static/dashboard.html")
-        .read_text(encoding="utf-8")
-    )
+    """The page: one HTML file with its script and styles inline (package data), the head it
+    shares with the router's page in place."""
+    return read_page("loraplex.server", "static/dashboard.html")
 
 
 @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
