@@ -19,6 +19,7 @@ import psutil
 import torch
 
 from loraplex.cache.adapters import TieredAdapterCache
+from loraplex.checkpoint.modules import LM_HEAD, VOCAB_LAYER, BaseModelSpec, vocab_module_shapes
 from loraplex.config import DTYPES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
@@ -35,10 +36,8 @@ from loraplex.engine.tensor_parallel import (
 )
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.cache import PagedKVCache
-from loraplex.lora.adapter import BaseModelSpec
 from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.ops import LoRAOps
-from loraplex.lora.peft_format import LM_HEAD, VOCAB_LAYER, vocab_module_shapes
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.decoder import DecoderForCausalLM

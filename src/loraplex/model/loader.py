@@ -1,6 +1,6 @@
 """Read HF safetensors checkpoints without holding two copies of the weights.
 
-The header is parsed by :func:`loraplex.lora.digest.read_safetensors_header` (loraplex's one
+The header is parsed by :func:`loraplex.checkpoint.safetensors.safetensors_header` (loraplex's one
 safetensors parser) and each tensor is ``readinto`` straight into its final buffer (no mmap,
 so file pages never count twice in resident memory); a tensor whose dtype changes costs one
 temporary of its own size only.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.lora.digest import DigestError, TensorInfo, safetensors_header
+from loraplex.checkpoint.safetensors import SafetensorsError, TensorInfo, safetensors_header
 from loraplex.types import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class SafetensorsFile:
         self.path = path
         try:
             header = safetensors_header(path)
-        except DigestError as e:  # the message names the file and what is wrong
+        except SafetensorsError as e:  # the message names the file and what is wrong
             raise ModelLoadError(f"corrupt safetensors file: {e}") from e
         for name, info in header.items():
             if info.dtype not in _DTYPES:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from loraplex.lora.peft_format import (
+from loraplex.checkpoint.modules import (
     ATTN_PROJ_NAMES,
     EXPERT_CHECKPOINT_NAMES,
     EXPERT_PROJ_NAMES,

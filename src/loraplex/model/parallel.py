@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loraplex.checkpoint.modules import EMBED_TOKENS, EXPERT_PROJ_NAMES, LM_HEAD, ROUTER
 from loraplex.lora.ops import LoRAOps
-from loraplex.lora.peft_format import EMBED_TOKENS, EXPERT_PROJ_NAMES, LM_HEAD, ROUTER
 from loraplex.lora.plan import LoRABatchPlan
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.collectives import GlooCollectives

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from loraplex.config import LoRAModule, ServerConfig, parse_byte_size
 from loraplex.hub import HubError, is_hub_id, resolve_hub_dir
-from loraplex.lora.peft_format import CONFIG_NAME
+from loraplex.lora.peft.files import CONFIG_NAME
 from loraplex.server.vllm_compat import add_vllm_compat_arguments, file_key, normalize_argv
 from loraplex.settings import FieldError, Settings, Values
 
