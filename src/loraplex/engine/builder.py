@@ -42,10 +42,10 @@ from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import cpu_has_fast_bf16
+from loraplex.model.loading import load_model
 from loraplex.model.lora_binding import LoRABinding
 from loraplex.model.parallel import FullyShardedLoRABinding, ShardLayout, TensorParallel
 from loraplex.model.quant.formats import parse_quantization
-from loraplex.model.registry import load_model
 from loraplex.types import ModelLoadError
 
 log = logging.getLogger(__name__)

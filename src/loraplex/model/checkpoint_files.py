@@ -1,9 +1,10 @@
-"""Read HF safetensors checkpoints without holding two copies of the weights.
+"""The files of an HF safetensors checkpoint, and reading a tensor out of them without
+holding two copies of the weights (what is done with the tensors: ``model/loading.py``).
 
-The header is parsed by :func:`loraplex.checkpoint.safetensors.safetensors_header` (loraplex's one
-safetensors parser) and each tensor is ``readinto`` straight into its final buffer (no mmap,
-so file pages never count twice in resident memory); a tensor whose dtype changes costs one
-temporary of its own size only.
+The header is parsed by :func:`loraplex.checkpoint.safetensors.safetensors_header` (loraplex's
+one safetensors parser) and each tensor is ``readinto`` straight into its final buffer (no
+mmap, so file pages never count twice in resident memory); a tensor whose dtype changes costs
+one temporary of its own size only.
 """
 
 from __future__ import annotations
