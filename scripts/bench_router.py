@@ -148,7 +148,7 @@ def build_model(root: Path, n_adapters: int, rank: int) -> tuple[Path, list[tupl
 
 def adapters_for(model_dir: Path, root: Path, n: int, rank: int) -> list[tuple[str, Path]]:
     """``n`` distinct random adapters for ``model_dir`` under ``root/adapters`` (built once)."""
-    from loraplex.lora.peft_format import CONFIG_NAME
+    from loraplex.lora.peft.files import CONFIG_NAME
     from loraplex.testing import make_random_adapter
 
     out = []

@@ -115,7 +115,7 @@ def make_adapters(model: Path, root: Path, n: int = N_ADAPTERS) -> list[Path]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from loraplex.lora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
+    from loraplex.lora.peft.files import CONFIG_NAME, SAFETENSORS_NAME
     from loraplex.testing import make_random_adapter
 
     template = root / "template"

@@ -25,7 +25,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraplex.lora.adapter import BaseModelSpec, compute_adapter_digest
+from loraplex.checkpoint.modules import BaseModelSpec
+from loraplex.lora.adapter import compute_adapter_digest
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 64, 2, 4, 2, 128
 TINY_SPEC = BaseModelSpec.from_hf_config(

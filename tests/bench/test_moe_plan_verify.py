@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex import LLM
+from loraplex.checkpoint.modules import EXPERT_PROJ_NAMES, PROJ_NAMES, ROUTER, BaseModelSpec
 from loraplex.lora.adapter import load_peft_adapter
-from loraplex.lora.peft_format import EXPERT_PROJ_NAMES, PROJ_NAMES, ROUTER, BaseModelSpec
 from loraplex.model.config import load_model_config
 from loraplex.testing import (
     load_merged_reference,

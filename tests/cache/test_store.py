@@ -18,8 +18,8 @@ from loraplex.cache.s3 import S3Store
 from loraplex.cache.store import LocalDirStore, ObjectStore
 from loraplex.cache.verify import fetch_verified
 from loraplex.lora import adapter as adapter_mod
-from loraplex.lora import peft_format
 from loraplex.lora.adapter import compute_adapter_digest, load_peft_adapter, read_adapter_files
+from loraplex.lora.peft import files as peft_files
 from loraplex.types import (
     AdapterIntegrityError,
     StoreError,
@@ -35,14 +35,14 @@ def digest_of(path: Path) -> str:
 
 
 def test_file_names_are_the_adapter_reader_s() -> None:
-    """The store moves exactly the files the reader reads: both take them from peft_format."""
-    assert store_mod.CONFIG_NAME is adapter_mod.CONFIG_NAME is peft_format.CONFIG_NAME
+    """The store moves exactly the files the reader reads: both take them from lora.peft.files."""
+    assert store_mod.CONFIG_NAME is adapter_mod.CONFIG_NAME is peft_files.CONFIG_NAME
     assert store_mod.SAFETENSORS_NAME is adapter_mod.SAFETENSORS_NAME
     assert store_mod.BIN_NAME is adapter_mod.BIN_NAME
     assert store_mod.ADAPTER_FILES == (
-        peft_format.CONFIG_NAME, peft_format.SAFETENSORS_NAME, peft_format.BIN_NAME
+        peft_files.CONFIG_NAME, peft_files.SAFETENSORS_NAME, peft_files.BIN_NAME
     )  # fmt: skip
-    assert store_mod.choose_adapter_files is peft_format.choose_adapter_files
+    assert store_mod.choose_adapter_files is peft_files.choose_adapter_files
 
 
 # -- open_store -----------------------------------------------------------------------------------

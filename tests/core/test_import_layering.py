@@ -32,15 +32,18 @@ ALLOWED: dict[str, set[str]] = {
     "warm": set(),  # an adapter's warm policy or window schedule (the standard library only)
     "pages": set(),  # what the server's and the router's HTML pages share (package data only)
     "logs": BASE,  # logging set-up, start-up summary, stats line (no server types)
-    # layer 2
-    "lora": BASE,
+    # layer 2: checkpoint facts (safetensors headers, module names and shapes) under both
+    # the adapter side and the model side, torch-free
+    "checkpoint": BASE,
+    "lora": BASE | {"checkpoint"},
     "kv": BASE,
-    "registry": BASE | {"lora"},  # the torch-free format and digest modules only (tested below)
-    # layer 3
-    "model": BASE | {"kv", "lora"},
-    "cache": BASE | {"lora", "registry"},
+    # the torch-free format and digest modules of lora only (tested below)
+    "registry": BASE | {"lora", "checkpoint"},
+    # layer 3: of lora, only the adapter binding's needs and the batch plan (tested below)
+    "model": BASE | {"kv", "lora", "checkpoint"},
+    "cache": BASE | {"lora", "registry", "checkpoint"},
     # layer 4
-    "engine": BASE | {"kv", "lora", "model", "cache", "registry"},
+    "engine": BASE | {"kv", "lora", "model", "cache", "registry", "checkpoint"},
     "entrypoints": BASE | {"engine", "lora", "model"},
     # layer 5: talks to the engine through its client interface, never to the cache
     "server": BASE | {"engine", "registry", "lora", "hub", "logs", "pages"},
@@ -49,8 +52,8 @@ ALLOWED: dict[str, set[str]] = {
     # layer 7: on top; nothing imports them. The user tools (``tools/``) are layered one by one.
     "tools": set(),  # the package's own docstring
     "tools.sim": BASE | {"cache"},
-    "tools.plan": BASE | {"lora", "model", "entrypoints"},
-    "tools.verify": BASE | {"lora", "model", "entrypoints", "tools.plan"},
+    "tools.plan": BASE | {"lora", "model", "entrypoints", "checkpoint"},
+    "tools.verify": BASE | {"lora", "model", "entrypoints", "tools.plan", "checkpoint"},
     "tools.bench": BASE
     | {
         "cache",
@@ -63,6 +66,7 @@ ALLOWED: dict[str, set[str]] = {
         "tools.sim",
         "testing",
         "kv",
+        "checkpoint",
     },
     "testing": BASE | {"engine", "lora", "model", "kv"},
     "tools.demo": BASE | {"engine", "entrypoints", "lora", "model", "server", "testing"},
@@ -87,8 +91,28 @@ ALLOWED: dict[str, set[str]] = {
     "integrations": BASE | {"server", "registry", "router", "testing"},
 }
 
-TORCH_FREE_LORA = {"loraplex.lora.digest", "loraplex.lora.peft_format"}
+TORCH_FREE_LORA = {
+    "loraplex.lora.digest",
+    "loraplex.lora.peft",
+    "loraplex.lora.peft.config",
+    "loraplex.lora.peft.errors",
+    "loraplex.lora.peft.experts",
+    "loraplex.lora.peft.files",
+    "loraplex.lora.peft.layout",
+    "loraplex.lora.peft.targets",
+    "loraplex.lora.peft.tensors",
+}
 """The modules of ``lora`` that the registry may import (they import no torch)."""
+
+MODEL_LORA = {
+    "loraplex.lora.plan",
+    "loraplex.lora.ops",
+    "loraplex.lora.slots",
+    "loraplex.lora.cpu_ops",  # the native-kernel build, until it has its own home (issue 45)
+}
+"""The modules of ``lora`` that ``model`` may import: the batch plan, and what the adapter
+binding reads (the slot bank and the op protocol). Facts about the base's checkpoint come from
+``checkpoint``, never from the adapter format."""
 
 
 def _module_name(path: Path) -> str:
@@ -183,6 +207,8 @@ def test_no_package_imports_upward() -> None:
                 bad.append(f"{mod} imports {dep} ({pkg} may import {sorted(ALLOWED[pkg])})")
             elif pkg == "registry" and dpkg == "lora" and dep not in TORCH_FREE_LORA:
                 bad.append(f"{mod} imports {dep} (the registry may use only {TORCH_FREE_LORA})")
+            elif pkg == "model" and dpkg == "lora" and dep not in MODEL_LORA:
+                bad.append(f"{mod} imports {dep} (the model may use only {MODEL_LORA})")
     assert not bad, "\n".join(bad)
 
 

@@ -194,8 +194,10 @@ def test_configure_logging_puts_the_loggers_back() -> None:
 
 
 def test_loading_progress_per_shard(tiny_model: Path, captured: io.StringIO) -> None:
-    from loraplex.model.loader import iter_checkpoint
+    from loraplex.model.checkpoint_files import iter_checkpoint
 
     assert list(iter_checkpoint(tiny_model))
-    msgs = [r["message"] for r in records(captured) if r["logger"] == "loraplex.model.loader"]
+    msgs = [
+        r["message"] for r in records(captured) if r["logger"] == "loraplex.model.checkpoint_files"
+    ]
     assert msgs and msgs[0].startswith("loading weights 1/")

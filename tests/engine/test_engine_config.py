@@ -37,7 +37,8 @@ def test_auto_dtype_end_to_end_on_each_kind_of_cpu(
     """A bfloat16 checkpoint under ``dtype="auto"``: the engine and its KV cache follow the
     capability probe, whatever CPU runs the test; the adapter slot tables and host copies
     follow the model's dtype (the CPU kernel reads bf16 rows as they are)."""
-    from loraplex.lora.adapter import BaseModelSpec, load_peft_adapter
+    from loraplex.checkpoint.modules import BaseModelSpec
+    from loraplex.lora.adapter import load_peft_adapter
     from loraplex.requests import LoRARequest
     from loraplex.testing import ALL_PROJ, make_random_adapter, make_random_model
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.lora.peft_format import EMBED_KEY, LM_HEAD_KEY
+from loraplex.checkpoint.modules import EMBED_KEY, LM_HEAD_KEY
 from loraplex.testing import (
     ALL_PROJ,
     ATTN_PROJ,

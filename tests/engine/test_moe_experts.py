@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.lora.peft_format import EXPERT_PROJ_NAMES
+from loraplex.checkpoint.modules import EXPERT_PROJ_NAMES
 from loraplex.model.layers import LayerStep
 from loraplex.model.moe import SparseMoE
 from loraplex.testing import (

@@ -12,7 +12,7 @@ import pytest
 from loraplex import LLM, InvalidRequestError, LoRARequest, SamplingParams
 from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.model.loader import SafetensorsFile
+from loraplex.model.checkpoint_files import SafetensorsFile
 from loraplex.types import ModelLoadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

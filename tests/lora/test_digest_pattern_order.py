@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.checkpoint.modules import BaseModelSpec
 from loraplex.entrypoints.llm import LLM
 from loraplex.lora.adapter import compute_adapter_digest, load_peft_adapter, read_adapter_files
 from loraplex.lora.digest import digest_safetensors_dir
-from loraplex.lora.peft_format import BaseModelSpec, LoraSettings
+from loraplex.lora.peft.targets import LoraSettings
 from loraplex.model.config import load_model_config
 from loraplex.registry import Registry, RegistryPolicy, ValidationError, base_model_info, signing
 from loraplex.requests import LoRARequest

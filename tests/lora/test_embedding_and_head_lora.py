@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from loraplex.checkpoint.modules import EMBED_KEY, LM_HEAD_KEY
 from loraplex.lora.ops import TorchLoRAOps, TorchReferenceOps
-from loraplex.lora.peft_format import EMBED_KEY, LM_HEAD_KEY
 from loraplex.lora.plan import LoRAPlanCosts, plan_lora_batch, plan_rows
 from loraplex.lora.slots import _GRAIN, LoRASlotBank, _split
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.lora.adapter import BaseModelSpec, load_peft_adapter, read_adapter_files
-from loraplex.lora.peft_format import unservable_targets
+from loraplex.checkpoint.modules import BaseModelSpec
+from loraplex.lora.adapter import load_peft_adapter, read_adapter_files
+from loraplex.lora.peft.config import unservable_targets
 from loraplex.registry.errors import ValidationError
 from loraplex.registry.inspect import BaseModelInfo, inspect_adapter
 from loraplex.testing import (

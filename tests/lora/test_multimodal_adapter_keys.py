@@ -10,13 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from loraplex.lora.peft_format import (
-    BaseModelSpec,
-    FormatError,
-    TensorMeta,
-    check_layout,
-    parse_lora_config,
-)
+from loraplex.checkpoint.modules import BaseModelSpec
+from loraplex.lora.peft.config import parse_lora_config
+from loraplex.lora.peft.errors import FormatError
+from loraplex.lora.peft.layout import check_layout
+from loraplex.lora.peft.tensors import TensorMeta
 
 TEXT = dict(
     hidden_size=32,

@@ -17,16 +17,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.lora.adapter import (
+from loraplex.checkpoint.modules import (
     PROJ_NAMES,
+    VOCAB_LAYER,
+    VOCAB_MODULES,
     BaseModelSpec,
+    block_of,
+    projection_shapes,
+)
+from loraplex.lora.adapter import (
     LoRAAdapter,
     compute_adapter_digest,
     load_peft_adapter,
-    projection_shapes,
     read_adapter_files,
 )
-from loraplex.lora.peft_format import UNSUPPORTED_FIELDS, VOCAB_LAYER, VOCAB_MODULES, block_of
+from loraplex.lora.peft.config import UNSUPPORTED_FIELDS
 from loraplex.testing import (
     ALL_PROJ,
     ATTN_PROJ,

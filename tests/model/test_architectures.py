@@ -14,7 +14,8 @@ from loraplex import LLM, ModelLoadError
 from loraplex.model.config import load_model_config, parse_model_config
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.layers import ACTIVATIONS, RMSNorm
-from loraplex.model.registry import ARCHITECTURES, load_model
+from loraplex.model.loading import load_model
+from loraplex.model.registry import ARCHITECTURES
 from loraplex.testing import ARCH_CONFIGS, make_random_model
 
 CPU = torch.device("cpu")

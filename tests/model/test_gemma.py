@@ -27,7 +27,7 @@ from loraplex.model.attention import (
 from loraplex.model.config import load_model_config, parse_model_config
 from loraplex.model.decoder import DecoderForCausalLM, ForwardBatch
 from loraplex.model.gemma import GemmaConfig
-from loraplex.model.registry import load_model
+from loraplex.model.loading import load_model
 from loraplex.testing import load_merged_reference, make_random_model
 
 CPU = torch.device("cpu")

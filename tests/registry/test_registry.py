@@ -154,7 +154,9 @@ def test_digest_equals_torch_digest(adapters: dict[str, Path], tmp_path: Path) -
 def test_registry_never_imports_torch() -> None:
     code = (
         "import sys, loraplex.registry, loraplex.registry.cli, loraplex.lora.digest, "
-        "loraplex.lora.peft_format, loraplex.paths, loraplex.tools.plan; "
+        "loraplex.lora.peft.layout, loraplex.lora.peft.config, loraplex.lora.peft.files, "
+        "loraplex.checkpoint.modules, loraplex.checkpoint.safetensors, loraplex.paths, "
+        "loraplex.tools.plan; "
         "bad = [m for m in ('torch', 'loraplex.engine', 'loraplex.cache', 'loraplex.server', "
         "'loraplex.lora.adapter') if m in sys.modules]; assert not bad, bad"
     )
@@ -413,7 +415,8 @@ def test_registry_refuses_what_the_loader_refuses(
 ) -> None:  # fmt: skip
     """One set of format rules: an adapter the engine's loader refuses cannot be registered,
     and both say why in the same words."""
-    from loraplex.lora.adapter import BaseModelSpec, load_peft_adapter
+    from loraplex.checkpoint.modules import BaseModelSpec
+    from loraplex.lora.adapter import load_peft_adapter
     from loraplex.registry.inspect import inspect_adapter
     from loraplex.types import AdapterError
 

@@ -126,7 +126,8 @@ def test_full_host_tier_is_a_503_then_recovers(
 
     The byte budget is computed at float32 and the server runs in float32 (``dtype="auto"``
     would pick bfloat16 on a CPU with AVX512-BF16, and then both adapters fit)."""
-    from loraplex.lora.adapter import BaseModelSpec, load_peft_adapter
+    from loraplex.checkpoint.modules import BaseModelSpec
+    from loraplex.lora.adapter import load_peft_adapter
     from loraplex.model.config import load_model_config
 
     mc = load_model_config(tiny_model)

@@ -30,8 +30,8 @@ import httpx
 import pytest
 import torch
 
+from loraplex.checkpoint.safetensors import safetensors_header
 from loraplex.config import EngineConfig, LoRAModule, ServerConfig
-from loraplex.lora.digest import safetensors_header
 from loraplex.server.app import ServerState, create_app
 from loraplex.testing.server import free_port, serve_in_thread
 from loraplex.testing.sync import wait_healthy, wait_idle

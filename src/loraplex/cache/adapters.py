@@ -61,7 +61,8 @@ from loraplex.cache.residency import PIN_WINDOW, NoRoomError
 from loraplex.cache.staging import SlotStager, StagingJob
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.cache.store import ObjectStore
-from loraplex.lora.adapter import BaseModelSpec, LoRAAdapter
+from loraplex.checkpoint.modules import BaseModelSpec
+from loraplex.lora.adapter import LoRAAdapter
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.types import (
     AdapterCapacityError,

@@ -43,7 +43,7 @@ import torch
 
 from loraplex.cache.verify import STAGE_DISK_LOAD, TIER_DISK, check_digest, verified_read
 from loraplex.lora.adapter import KnownFiles, read_known_adapter
-from loraplex.lora.peft_format import (
+from loraplex.lora.peft.files import (
     ADAPTER_FILES,
     BIN_NAME,
     CONFIG_NAME,

@@ -49,7 +49,8 @@ from loraplex.cache.policy import AdapterInfo
 from loraplex.cache.residency import NoRoomError
 from loraplex.cache.store import LocalDirStore, ObjectStore
 from loraplex.cache.verify import fetch_verified, mismatch_cause, verified_read
-from loraplex.lora.adapter import BaseModelSpec, LoRAAdapter, build_adapter
+from loraplex.checkpoint.modules import BaseModelSpec
+from loraplex.lora.adapter import LoRAAdapter, build_adapter
 from loraplex.paths import contained
 from loraplex.types import (
     AdapterCapacityError,

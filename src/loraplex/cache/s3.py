@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.cache.store import FetchResult, StoreBase, StoreEntry, fetch_files, files_to_put
-from loraplex.lora.peft_format import (
+from loraplex.lora.peft.files import (
     ADAPTER_FILES,
     BIN_NAME,
     CONFIG_NAME,

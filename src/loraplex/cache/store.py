@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
 
-from loraplex.lora.peft_format import (
+from loraplex.lora.peft.files import (
     ADAPTER_FILES,
     BIN_NAME,
     CONFIG_NAME,

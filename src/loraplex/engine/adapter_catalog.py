@@ -30,7 +30,7 @@ from loraplex.cache.store import ObjectStore
 from loraplex.cache.verify import fetch_verified
 from loraplex.lora.adapter import read_adapter
 from loraplex.lora.digest import DigestError, digest_safetensors_dir
-from loraplex.lora.peft_format import ADAPTER_FILES, SAFETENSORS_NAME
+from loraplex.lora.peft.files import ADAPTER_FILES, SAFETENSORS_NAME
 from loraplex.requests import LoRARequest
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec, StoreUnavailableError
 

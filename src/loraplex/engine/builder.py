@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from loraplex.cache.adapters import TieredAdapterCache
+from loraplex.checkpoint.modules import LM_HEAD, VOCAB_LAYER, BaseModelSpec, vocab_module_shapes
 from loraplex.config import DTYPES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
@@ -31,18 +32,16 @@ from loraplex.engine.tensor_parallel.group import (
 )
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.cache import PagedKVCache
-from loraplex.lora.adapter import BaseModelSpec
 from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.ops import LoRAOps
-from loraplex.lora.peft_format import LM_HEAD, VOCAB_LAYER, vocab_module_shapes
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.lora.tensor_parallel import MirroredSlotBank
 from loraplex.model.config import ModelConfig, load_model_config
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import cpu_has_fast_bf16
+from loraplex.model.loading import load_model
 from loraplex.model.lora_binding import LoRABinding
 from loraplex.model.quant.formats import parse_quantization
-from loraplex.model.registry import load_model
 from loraplex.model.tensor_parallel.lora_binding import FullyShardedLoRABinding
 from loraplex.types import ModelLoadError
 

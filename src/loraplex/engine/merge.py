@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.lora.peft_format import EXPERT_PROJ_NAMES, ROUTER, VOCAB_LAYER
+from loraplex.checkpoint.modules import EXPERT_PROJ_NAMES, ROUTER, VOCAB_LAYER
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import DenseLinear, Linear, LinearFactory, PackedCPULinear
 from loraplex.model.panel_gemm import PanelLinear

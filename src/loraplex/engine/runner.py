@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.checkpoint.modules import LM_HEAD_KEY
 from loraplex.engine.merge import AdapterMerger, vocab_modules
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
-from loraplex.lora.peft_format import LM_HEAD_KEY
 from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch, plan_rows
 from loraplex.model.attention import (
     AttentionMetadata,

@@ -12,7 +12,7 @@ per ``(layer, proj)`` the factors ``A: [r, d_in]``, ``B: [d_out, r]`` and the sc
 
 Everything we cannot serve exactly (DoRA, biases, modules_to_save, ...) is
 refused with an :class:`AdapterError` that names the adapter path and the offending field or
-tensor, never silently ignored; the rules themselves are :mod:`loraplex.lora.peft_format`'s
+tensor, never silently ignored; the rules themselves are :mod:`loraplex.lora.peft`'s
 (shared with the registry). The identity of an adapter is :func:`compute_adapter_digest`: a
 sha256 over the config fields that change the math and the raw tensor bytes
 (:mod:`loraplex.lora.digest` computes the same value without torch).
@@ -39,49 +39,36 @@ from typing import Any
 import torch
 from blake3 import blake3
 
+from loraplex.checkpoint.modules import BaseModelSpec
+from loraplex.checkpoint.safetensors import SAFETENSORS_DTYPES, TensorInfo
 from loraplex.lora.digest import (
     DIGEST_VERSION,
     LEGACY_DIGEST_VERSION,
-    SAFETENSORS_DTYPES,
     DigestError,
     SafetensorsAdapter,
-    TensorInfo,
     config_digest_line,
     read_owned,
     read_safetensors_adapter,
     tensor_header_line,
 )
 from loraplex.lora.filehash import SEGMENT, read_digest, segmented_digest
-from loraplex.lora.peft_format import (
-    BIN_NAME,
-    CONFIG_NAME,
-    PROJ_NAMES,
-    SAFETENSORS_NAME,
-    BaseModelSpec,
-    ExpertModuleLayout,
-    FormatError,
-    TensorMeta,
-    check_layout,
-    parse_lora_config,
-    projection_shapes,
-)
+from loraplex.lora.peft.config import parse_lora_config
+from loraplex.lora.peft.errors import FormatError
+from loraplex.lora.peft.experts import ExpertModuleLayout
+from loraplex.lora.peft.files import BIN_NAME, CONFIG_NAME, SAFETENSORS_NAME
+from loraplex.lora.peft.layout import check_layout
+from loraplex.lora.peft.tensors import TensorMeta
 from loraplex.lora.slots import SlotSource
 from loraplex.types import AdapterError, AdapterRef
 from loraplex.workers import IdleWorker
 
 __all__ = [
-    "BIN_NAME",
-    "CONFIG_NAME",
-    "PROJ_NAMES",
-    "SAFETENSORS_NAME",
     "AdapterRead",
-    "BaseModelSpec",
     "LoRAAdapter",
     "LoRAModuleWeights",
     "build_adapter",
     "compute_adapter_digest",
     "load_peft_adapter",
-    "projection_shapes",
     "read_adapter",
     "read_adapter_files",
 ]

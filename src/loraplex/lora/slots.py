@@ -39,7 +39,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from loraplex.lora.peft_format import EMBED_KEY
+from loraplex.checkpoint.modules import EMBED_KEY
 
 ModuleKey = tuple[int, str]
 """``(layer index, projection name)``, e.g. ``(3, "q_proj")``; ``(VOCAB_LAYER, "lm_head")`` and

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from loraplex.checkpoint.modules import EMBED_KEY, LM_HEAD_KEY
 from loraplex.lora.ops import LoRAOps
-from loraplex.lora.peft_format import EMBED_KEY, LM_HEAD_KEY
 from loraplex.lora.plan import LoRABatchPlan, token_segments
 from loraplex.lora.slots import LoRASlotBank, ModuleKey
 

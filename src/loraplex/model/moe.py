@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from loraplex.lora.peft_format import (
+from loraplex.checkpoint.modules import (
     ATTN_PROJ_NAMES,
     EXPERT_CHECKPOINT_NAMES,
     EXPERT_PROJ_NAMES,
@@ -343,8 +343,7 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
                         f"{src}: layer {layer} is missing {what}: {got} of {n} tensors found"
                     )
 
-    def _build(self, top: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]]) -> None:
-        super()._build(top, layers)
+    def build_own(self) -> None:
         make = self.make_linear
         assert make is not None
         for layer in self.cfg.sparse_layers:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from loraplex.lora.peft_format import MoESpec
+from loraplex.checkpoint.modules import MoESpec
 from loraplex.model.moe import MoEDecoderForCausalLM, moe_config_fields
 from loraplex.model.qwen3 import QWEN3_LAYER_WEIGHTS
 

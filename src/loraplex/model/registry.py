@@ -1,14 +1,11 @@
 """The supported architectures: HF ``architectures`` name -> decoder class, one line each.
 
 Adding an architecture is its file in ``model/`` (a ``DecoderForCausalLM`` subclass saying how
-it differs) and its line here; ``parse_model_config`` refuses every other name at start-up.
+it differs) and its line here; ``parse_model_config`` refuses every other name at start-up, and
+``load_model`` (``model/loading.py``) builds the class named here.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-
-import torch
 
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.gemma import (
@@ -19,11 +16,8 @@ from loraplex.model.gemma import (
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
-from loraplex.model.quant.formats import QuantSpec
 from loraplex.model.qwen3 import Qwen3ForCausalLM
 from loraplex.model.qwen3_moe import Qwen3MoeForCausalLM
-from loraplex.model.spec import ModelConfig
-from loraplex.model.tensor_parallel.sharding import TensorParallel
 
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -42,18 +36,3 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     name: cls.model_type for name, cls in ARCHITECTURES.items()
 }
 """Architecture name -> its ``model_type`` (what adapters are checked against)."""
-
-
-def load_model(
-    model_dir: str | Path,
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    quant: QuantSpec | None = None,
-    tp: TensorParallel | None = None,
-) -> DecoderForCausalLM:
-    """The decoder of ``cfg.architecture`` (parsed by ``parse_model_config``, which refused
-    any other) with the checkpoint's weights, quantized as ``quant`` says; ``tp``: only this
-    tensor-parallel rank's shard."""
-    cls = ARCHITECTURES[cfg.architecture]
-    return cls.from_pretrained(model_dir, cfg, dtype, device, quant, tp)

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.lora.adapter import projection_shapes
-from loraplex.lora.peft_format import MoESpec
+from loraplex.checkpoint.modules import MoESpec, projection_shapes
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 :func:`inspect_adapter` reads an adapter directory once (digest, file hashes, safetensors
 header) and checks it against a base model's ``config.json`` with the engine loader's own
-format rules (:mod:`loraplex.lora.peft_format`: supported config, tensor names of the seven
+format rules (:mod:`loraplex.lora.peft`: supported config, tensor names of the seven
 Llama projections, the embedding and the LM head, ``A: [r, d_in]`` / ``B: [d_out, r]`` shapes,
 targeted modules, rank limit).
 Each failure is a :class:`ValidationError` with a short ``reason`` code.
@@ -19,28 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.config import QUANTIZE_AT_LOAD
-from loraplex.lora.digest import (
-    FLOAT_DTYPES,
-    AdapterFiles,
-    DigestError,
-    read_adapter_dir,
-    read_json_object,
-)
-from loraplex.lora.peft_format import (
-    BIN_NAME,
+from loraplex.checkpoint.modules import (
     EXPERT_PROJ_NAMES,
     PROJ_NAMES,
     ROUTER,
-    SAFETENSORS_NAME,
     VOCAB_MODULES,
     BaseModelSpec,
-    FormatError,
-    TensorMeta,
-    check_layout,
-    parse_lora_config,
-    unservable_targets,
 )
+from loraplex.checkpoint.safetensors import FLOAT_DTYPES
+from loraplex.config import QUANTIZE_AT_LOAD
+from loraplex.lora.digest import AdapterFiles, DigestError, read_adapter_dir, read_json_object
+from loraplex.lora.peft.config import parse_lora_config, unservable_targets
+from loraplex.lora.peft.errors import FormatError
+from loraplex.lora.peft.files import BIN_NAME, SAFETENSORS_NAME
+from loraplex.lora.peft.layout import check_layout
+from loraplex.lora.peft.tensors import TensorMeta
 from loraplex.registry.db import loraplex_home
 from loraplex.registry.errors import RegistryError, ValidationError
 
@@ -183,7 +176,7 @@ def base_model_info(
 
 def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> AdapterInfo:
     """Read and validate the adapter in ``path`` for ``base`` with the loader's format rules
-    (:mod:`loraplex.lora.peft_format`), so a registered adapter is one the engine loads.
+    (:mod:`loraplex.lora.peft`), so a registered adapter is one the engine loads.
 
     ValidationError names the reason: ``unreadable``, ``unsupported_format`` (pickle weights),
     ``unsupported_config`` (also ``modules_to_save``, naming the module),

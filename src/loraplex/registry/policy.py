@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.lora.peft_format import ADAPTER_FILES
+from loraplex.lora.peft.files import ADAPTER_FILES
 from loraplex.paths import contained, first_outside
 from loraplex.registry.errors import RegistryError, ValidationError
 from loraplex.registry.signing import load_public_key

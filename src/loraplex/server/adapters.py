@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from loraplex.lora.peft_format import ADAPTER_FILES
+from loraplex.lora.peft.files import ADAPTER_FILES
 from loraplex.paths import contained, first_outside
 from loraplex.types import AdapterError
 

@@ -25,7 +25,7 @@ from loraplex.config import LoRAModule, ServerConfig, parse_byte_size
 from loraplex.config.fields import FieldError
 from loraplex.config.settings import Settings, Values
 from loraplex.hub import HubError, is_hub_id, resolve_hub_dir
-from loraplex.lora.peft_format import CONFIG_NAME
+from loraplex.lora.peft.files import CONFIG_NAME
 from loraplex.server.vllm_compat import add_vllm_compat_arguments, file_key, normalize_argv
 
 __all__ = [

@@ -308,7 +308,8 @@ def load_merged_reference(base_dir: str | Path, adapter_dir: str | Path | None) 
     head matrix (``merge_writes_tied_matrix``): the adapter means what it did in training."""
     from transformers import AutoModelForCausalLM
 
-    from loraplex.lora.peft_format import CONFIG_NAME, merge_writes_tied_matrix
+    from loraplex.lora.peft.config import merge_writes_tied_matrix
+    from loraplex.lora.peft.files import CONFIG_NAME
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     if adapter_dir is not None:

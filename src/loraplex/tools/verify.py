@@ -42,22 +42,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraplex.lora.digest import DigestError, safetensors_header
-from loraplex.lora.peft_format import (
+from loraplex.checkpoint.modules import (
     ATTN_PROJ_NAMES,
-    BIN_NAME,
-    CONFIG_NAME,
     EXPERT_CHECKPOINT_NAMES,
-    EXPERT_KEY_RE,
-    OTHER_TOWER_RE,
     PACKED_EXPERT_PARAMS,
-    PACKED_KEY_RE,
     ROUTER,
-    ROUTER_KEY_RE,
-    SAFETENSORS_NAME,
     VOCAB_LAYER,
     VOCAB_MODULES,
-    merge_writes_tied_matrix,
+)
+from loraplex.checkpoint.safetensors import SafetensorsError, safetensors_header
+from loraplex.lora.peft.config import merge_writes_tied_matrix
+from loraplex.lora.peft.files import BIN_NAME, CONFIG_NAME, SAFETENSORS_NAME
+from loraplex.lora.peft.tensors import (
+    EXPERT_KEY_RE,
+    OTHER_TOWER_RE,
+    PACKED_KEY_RE,
+    ROUTER_KEY_RE,
     parse_tensor_key,
 )
 from loraplex.tools.plan import (
@@ -124,7 +124,7 @@ def _tensor_shapes(adapter: Path) -> dict[str, list[int]]:
     if st.is_file():
         try:
             return {k: list(t.shape) for k, t in safetensors_header(st).items()}
-        except (OSError, DigestError) as e:
+        except (OSError, SafetensorsError) as e:
             raise PlanError(f"cannot read {st}: {e}") from None
     binf = adapter / BIN_NAME
     if binf.is_file():
@@ -313,8 +313,8 @@ def _load_served(adapter: Path, model_dir: Path, rank: int) -> LoRAAdapter:
     """The adapter as the engine's loader reads it (``AdapterError`` when it refuses it)."""
     import torch
 
+    from loraplex.checkpoint.modules import BaseModelSpec
     from loraplex.lora.adapter import load_peft_adapter
-    from loraplex.lora.peft_format import BaseModelSpec
 
     spec = BaseModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     return load_peft_adapter(adapter, spec, max_lora_rank=max(rank, 1), dtype=torch.float32)

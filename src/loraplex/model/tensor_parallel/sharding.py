@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loraplex.lora.peft_format import EMBED_TOKENS, EXPERT_PROJ_NAMES, LM_HEAD, ROUTER
+from loraplex.checkpoint.modules import EMBED_TOKENS, EXPERT_PROJ_NAMES, LM_HEAD, ROUTER
 from loraplex.model.tensor_parallel.collectives import GlooCollectives
 from loraplex.types import ModelLoadError
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from loraplex.lora.peft_format import CONFIG_NAME
+from loraplex.lora.peft.files import CONFIG_NAME
 from loraplex.tools.bench.step_bytes import read_bandwidth_gbs
 from loraplex.tools.bench.throughput import (
     _best_of,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loraplex.lora.adapter import projection_shapes
+from loraplex.checkpoint.modules import projection_shapes
 from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.ops import LoRAOps
 from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch

@@ -148,7 +148,7 @@ def _adapter(model: Path, out: Path, i: int) -> Path:
     spares loading the base model once per adapter."""
     from safetensors.torch import load_file, save_file
 
-    from loraplex.lora.peft_format import CONFIG_NAME
+    from loraplex.lora.peft.files import CONFIG_NAME
     from loraplex.testing import make_random_adapter
 
     weights = "adapter_model.safetensors"

@@ -16,7 +16,7 @@ from loraplex.engine.llm_engine import LLMEngine
 
 def make_adapters(model_dir: Path, root: Path, n: int, rank: int, targets: list[str]) -> list[Path]:
     """``n`` random PEFT adapters for ``model_dir`` under ``root`` (made once, then reused)."""
-    from loraplex.lora.peft_format import CONFIG_NAME
+    from loraplex.lora.peft.files import CONFIG_NAME
     from loraplex.testing import make_random_adapter
 
     out = []

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from loraplex.lora.peft_format import CONFIG_NAME
+from loraplex.lora.peft.files import CONFIG_NAME
 
 SHAPE = dict(
     hidden_size=512,

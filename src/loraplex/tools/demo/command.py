@@ -186,7 +186,7 @@ def cmd_demo_random(args: argparse.Namespace) -> int:
     """Build (once) a small random model of ``--arch`` and four PEFT adapters, then run one
     mixed batch and check it against transformers + PEFT."""
     from loraplex import LLM, LoRARequest, SamplingParams
-    from loraplex.lora.peft_format import CONFIG_NAME
+    from loraplex.lora.peft.files import CONFIG_NAME
     from loraplex.testing import (
         ARCH_CONFIGS,
         load_merged_reference,

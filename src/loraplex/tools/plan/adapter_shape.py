@@ -10,29 +10,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.lora.digest import DigestError, TensorInfo, safetensors_header
-from loraplex.lora.peft_format import (
+from loraplex.checkpoint.modules import (
     ATTN_PROJ_NAMES,
-    CONFIG_NAME,
     EMBED_TOKENS,
     EXPERT_CHECKPOINT_NAMES,
-    EXPERT_KEY_RE,
     EXPERT_PROJ_NAMES,
     FUSED_PROJ_NAMES,
-    OTHER_TOWER_RE,
     PACKED_EXPERT_PARAMS,
     PROJ_NAMES,
     ROUTER,
-    ROUTER_KEY_RE,
-    SAFETENSORS_NAME,
     VOCAB_LAYER,
     VOCAB_MODULES,
-    FormatError,
-    LoraSettings,
     module_key,
-    parse_lora_config,
     vocab_module_key,
 )
+from loraplex.checkpoint.safetensors import SafetensorsError, TensorInfo, safetensors_header
+from loraplex.lora.peft.config import parse_lora_config
+from loraplex.lora.peft.errors import FormatError
+from loraplex.lora.peft.files import CONFIG_NAME, SAFETENSORS_NAME
+from loraplex.lora.peft.targets import LoraSettings
+from loraplex.lora.peft.tensors import EXPERT_KEY_RE, OTHER_TOWER_RE, ROUTER_KEY_RE
 from loraplex.tools.plan.model_shape import (
     ALL_FUSED,
     PACKED_GATE_UP,
@@ -270,7 +267,7 @@ def _header_experts(header: dict[str, TensorInfo], m: ModelShape, a: AdapterShap
 def _read_header(path: Path) -> dict[str, TensorInfo]:
     try:
         return safetensors_header(path)
-    except (OSError, DigestError) as e:
+    except (OSError, SafetensorsError) as e:
         raise PlanError(f"cannot read the safetensors header of {path}: {e}") from None
 
 

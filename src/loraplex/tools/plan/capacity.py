@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from loraplex.lora.peft_format import (
+from loraplex.checkpoint.modules import (
     EXPERT_PROJ_NAMES,
     PROJ_NAMES,
     ROUTER,

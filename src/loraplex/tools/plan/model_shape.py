@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.lora.peft_format import (
+from loraplex.checkpoint.modules import (
     EXPERT_CHECKPOINT_NAMES,
     EXPERT_PROJ_NAMES,
     FUSED_BY_MODEL_TYPE,

@@ -9,8 +9,8 @@ import random
 import shutil
 from pathlib import Path
 
-from loraplex.lora.peft_format import CONFIG_NAME as CONFIG_FILE
-from loraplex.lora.peft_format import SAFETENSORS_NAME as WEIGHTS_FILE
+from loraplex.lora.peft.files import CONFIG_NAME as CONFIG_FILE
+from loraplex.lora.peft.files import SAFETENSORS_NAME as WEIGHTS_FILE
 from loraplex.tools.bench.throughput import SHAPE as H512_SHAPE
 
 SHAPES: dict[str, dict[str, int]] = {

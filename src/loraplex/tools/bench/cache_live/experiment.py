@@ -15,8 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loraplex.lora.peft_format import CONFIG_NAME as CONFIG_FILE
-from loraplex.lora.peft_format import SAFETENSORS_NAME as WEIGHTS_FILE
+from loraplex.lora.peft.files import CONFIG_NAME as CONFIG_FILE
+from loraplex.lora.peft.files import SAFETENSORS_NAME as WEIGHTS_FILE
 from loraplex.tools.bench.cache_live.assets import (
     BASE_NAME,
     RANKS,

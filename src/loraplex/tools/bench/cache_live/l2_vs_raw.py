@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from loraplex.lora.peft_format import CONFIG_NAME as CONFIG_FILE
-from loraplex.lora.peft_format import SAFETENSORS_NAME as WEIGHTS_FILE
+from loraplex.lora.peft.files import CONFIG_NAME as CONFIG_FILE
+from loraplex.lora.peft.files import SAFETENSORS_NAME as WEIGHTS_FILE
 
 
 def _drop_pages(paths: Sequence[Path]) -> None:

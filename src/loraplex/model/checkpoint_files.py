@@ -1,9 +1,10 @@
-"""Read HF safetensors checkpoints without holding two copies of the weights.
+"""The files of an HF safetensors checkpoint, and reading a tensor out of them without
+holding two copies of the weights (what is done with the tensors: ``model/loading.py``).
 
-The header is parsed by :func:`loraplex.lora.digest.read_safetensors_header` (loraplex's one
-safetensors parser) and each tensor is ``readinto`` straight into its final buffer (no mmap,
-so file pages never count twice in resident memory); a tensor whose dtype changes costs one
-temporary of its own size only.
+The header is parsed by :func:`loraplex.checkpoint.safetensors.safetensors_header` (loraplex's
+one safetensors parser) and each tensor is ``readinto`` straight into its final buffer (no
+mmap, so file pages never count twice in resident memory); a tensor whose dtype changes costs
+one temporary of its own size only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.lora.digest import DigestError, TensorInfo, safetensors_header
+from loraplex.checkpoint.safetensors import SafetensorsError, TensorInfo, safetensors_header
 from loraplex.types import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class SafetensorsFile:
         self.path = path
         try:
             header = safetensors_header(path)
-        except DigestError as e:  # the message names the file and what is wrong
+        except SafetensorsError as e:  # the message names the file and what is wrong
             raise ModelLoadError(f"corrupt safetensors file: {e}") from e
         for name, info in header.items():
             if info.dtype not in _DTYPES:

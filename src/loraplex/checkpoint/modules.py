@@ -1,0 +1,252 @@
+"""What a base model's adaptable modules are called and their shapes, by architecture family.
+
+- the seven projections of a Llama-family decoder layer (:data:`PROJ_NAMES`: attention, then
+  MLP) under ``model.layers.N.{self_attn,mlp}`` and their ``(d_in, d_out)``
+  (:func:`projection_shapes`); the fused modules of checkpoints that concatenate some of them
+  (Phi-3's ``qkv_proj`` / ``gate_up_proj``: :data:`FUSED_PROJ_NAMES`, by ``model_type``);
+- the two modules outside the layers, the token embedding and the LM head, keyed
+  ``(VOCAB_LAYER, name)`` (:data:`EMBED_KEY`, :data:`LM_HEAD_KEY`) wherever modules are keyed
+  ``(layer, name)`` (adapters, slot tables, merging);
+- a mixture-of-experts block: its router (:data:`ROUTER`), its experts as loraplex keys them
+  (:data:`EXPERT_PROJ_NAMES`) and as checkpoints name them (:data:`EXPERT_CHECKPOINT_NAMES`,
+  transformers 5's packed parameters :data:`PACKED_EXPERT_PARAMS`);
+- :class:`BaseModelSpec` / :class:`MoESpec`: all of it for one base, from its ``config.json``.
+
+The model (building and loading a decoder) and the adapter side (checking an adapter against
+the base it is served on) both read these facts here. No torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Llama-family projections an adapter may target (attention first, then MLP)."""
+FUSED_PROJ_NAMES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+"""A checkpoint module that is several projections in one (Phi-3's ``qkv_proj`` ``[q + 2 kv,
+D]``, ``gate_up_proj`` ``[2 I, D]``) -> its parts in row order. An adapter on it has one
+``A [r, d_in]`` and one ``B`` over the fused rows; the layout check splits it into its parts
+(``A`` shared, ``B`` by rows), so slots, kernels and the merger see the seven projections."""
+FUSED_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {"phi3": ("qkv_proj", "gate_up_proj")}
+"""``model_type`` -> the fused modules its checkpoints (and so its adapters) have."""
+ATTN_PROJ_NAMES = frozenset((*PROJ_NAMES[:4], "qkv_proj"))
+MLP_PROJ_NAMES = frozenset((*PROJ_NAMES[4:], "gate_up_proj"))
+
+
+def block_of(proj: str) -> str:
+    """The submodule of a decoder layer that holds ``proj``: ``self_attn`` or ``mlp``."""
+    return "self_attn" if proj in ATTN_PROJ_NAMES else "mlp"
+
+
+def adapter_module_shapes(
+    module_shapes: Mapping[str, tuple[int, int]], fused: Iterable[str] = ()
+) -> dict[str, tuple[int, int]]:
+    """The modules an adapter names on a base -> (d_in, d_out): ``module_shapes`` (the seven
+    projections) with each ``fused`` module in place of its parts (d_out: the parts' sum)."""
+    fused = tuple(fused)
+    part_of = {part: f for f in fused for part in FUSED_PROJ_NAMES[f]}
+    out: dict[str, tuple[int, int]] = {}
+    for proj, (d_in, d_out) in module_shapes.items():
+        f = part_of.get(proj)
+        if f is None:
+            out[proj] = (d_in, d_out)
+        else:
+            out[f] = (d_in, out.get(f, (d_in, 0))[1] + d_out)
+    return out
+
+
+def module_key(layer: int, proj: str, prefix: str = "model.") -> str:
+    """The module name PEFT matches its patterns against: ``model.layers.3.mlp.up_proj``."""
+    return f"{prefix}layers.{layer}.{block_of(proj)}.{proj}"
+
+
+def projection_shapes(
+    hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int
+) -> dict[str, tuple[int, int]]:
+    """proj name -> (d_in, d_out) of the seven adaptable projections of a Llama-family layer."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
+
+
+EMBED_TOKENS = "embed_tokens"
+LM_HEAD = "lm_head"
+VOCAB_MODULES = (EMBED_TOKENS, LM_HEAD)
+"""The adaptable modules outside the decoder layers: the token embedding (PEFT's
+``lora_embedding_A [r, vocab]`` / ``lora_embedding_B [hidden, r]``) and the LM head (an ordinary
+``lora_A [r, hidden]`` / ``lora_B [vocab, r]``)."""
+VOCAB_LAYER = -1
+"""The layer index of :data:`VOCAB_MODULES` in ``(layer, name)`` module keys."""
+EMBED_KEY = (VOCAB_LAYER, EMBED_TOKENS)
+LM_HEAD_KEY = (VOCAB_LAYER, LM_HEAD)
+
+
+def vocab_module_shapes(vocab_size: int, hidden: int) -> dict[str, tuple[int, int]]:
+    """name -> (d_in, d_out) of the two vocabulary-wide modules: the embedding maps a token
+    (one of ``vocab_size``) to ``hidden`` features, the head the other way round."""
+    return {EMBED_TOKENS: (vocab_size, hidden), LM_HEAD: (hidden, vocab_size)}
+
+
+def vocab_module_key(name: str, prefix: str = "model.") -> str:
+    """The module name PEFT matches its patterns against: ``model.embed_tokens``, ``lm_head``
+    (the head sits beside the decoder, outside ``prefix``)."""
+    return f"{prefix}{name}" if name == EMBED_TOKENS else name
+
+
+# -- mixture-of-experts layers -------------------------------------------------------------------
+
+ROUTER = "gate"
+"""The router linear of a sparse MoE block (``mlp.gate``: ``[num_experts, hidden]``), adaptable as
+any linear (PEFT's ``target_modules=["gate"]`` on older transformers, ``target_parameters=
+["mlp.gate.weight"]`` on transformers 5: both save ``...mlp.gate.lora_A/B.weight``)."""
+EXPERT_PROJ_NAMES = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+"""The experts' projections as loraplex keys them (one module per layer, all experts in it):
+``gate`` / ``up`` ``[I, hidden]`` and ``down`` ``[hidden, I]`` of each expert."""
+EXPERT_CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
+    "mlp": {"gate_proj": "experts.gate_proj", "up_proj": "experts.up_proj",
+            "down_proj": "experts.down_proj"},
+    "block_sparse_moe": {"w1": "experts.gate_proj", "w3": "experts.up_proj",
+                         "w2": "experts.down_proj"},
+}  # fmt: skip
+"""The sparse block's name in checkpoints and adapters -> its per-expert module names ->
+loraplex's (Qwen-MoE's ``mlp.experts.{e}.gate_proj``; Mixtral's ``block_sparse_moe.experts.{e}.w1``
+with ``w1`` gate, ``w3`` up, ``w2`` down)."""
+PACKED_EXPERT_PARAMS: dict[str, tuple[str, ...]] = {
+    "gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
+    "down_proj": ("experts.down_proj",),
+}
+"""transformers 5's packed 3-D expert parameters (``mlp.experts.gate_up_proj [E, 2 I, hidden]``,
+gate rows then up rows; ``mlp.experts.down_proj [E, hidden, I]``), PEFT's ``target_parameters``
+-> the expert projections they hold."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The sparse blocks of a mixture-of-experts base, as adapters are checked against them."""
+
+    num_experts: int
+    layers: tuple[int, ...]
+    """The layers whose MLP is a sparse block (the others are dense: ``mlp_only_layers``,
+    ``decoder_sparse_step``)."""
+    hidden: int
+    intermediate: int  # of one expert (``moe_intermediate_size``; Mixtral's ``intermediate_size``)
+    block: str = "mlp"
+    """The sparse block's module name in checkpoints and older adapters (``block_sparse_moe``
+    for Mixtral); transformers 5 names it ``mlp`` for every MoE model."""
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """The router's and each expert projection's ``(d_in, d_out)`` (per expert)."""
+        h, i = self.hidden, self.intermediate
+        return {
+            ROUTER: (h, self.num_experts),
+            "experts.gate_proj": (h, i),
+            "experts.up_proj": (h, i),
+            "experts.down_proj": (i, h),
+        }
+
+    @classmethod
+    def from_hf_config(cls, raw: Mapping[str, Any]) -> MoESpec | None:
+        """The sparse blocks of a Qwen2/3-MoE or Mixtral ``config.json`` (None for a dense one):
+        ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``, ``decoder_sparse_step``
+        and ``mlp_only_layers`` as transformers reads them."""
+        mtype = str(raw.get("model_type", ""))
+        if mtype == "mixtral":
+            n = int(raw.get("num_local_experts") or 8)
+            layers = tuple(range(int(raw["num_hidden_layers"])))
+            inter = int(raw["intermediate_size"])
+            return cls(n, layers, int(raw["hidden_size"]), inter, "block_sparse_moe")
+        if mtype not in ("qwen3_moe", "qwen2_moe"):
+            return None
+        n = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        step = int(raw.get("decoder_sparse_step") or 1)
+        dense = set(raw.get("mlp_only_layers") or [])
+        layers = tuple(
+            i
+            for i in range(int(raw["num_hidden_layers"]))
+            if n > 0 and i not in dense and (i + 1) % step == 0
+        )
+        inter = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
+        return cls(n, layers, int(raw["hidden_size"]), inter)
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """What an adapter is validated against, built from the base model's config."""
+
+    num_layers: int
+    module_shapes: dict[str, tuple[int, int]]  # proj name -> (d_in, d_out)
+    model_type: str = "llama"
+    vocab_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """``embed_tokens`` / ``lm_head`` -> (d_in, d_out) (:func:`vocab_module_shapes`); empty
+    when the base does not serve LoRA on them (such adapters are then refused)."""
+    text_only: bool = False
+    """The base is the language model of a multimodal checkpoint (Gemma 3's
+    ``Gemma3ForConditionalGeneration``): LoRA applies to the text backbone only, and an
+    adapter's tensors on the other towers (``lora.peft.tensors.OTHER_TOWER_RE``) are skipped,
+    as vLLM does; they never touch a text-only forward."""
+    moe: MoESpec | None = None
+    """The sparse blocks of a mixture-of-experts base (None: dense): in its ``moe.layers`` an
+    adapter names the router and the experts instead of the dense MLP's projections."""
+
+    @property
+    def fused(self) -> tuple[str, ...]:
+        """The fused modules of this base's checkpoints (``FUSED_BY_MODEL_TYPE``; Phi-3's
+        ``qkv_proj``, ``gate_up_proj``): its adapters name these, never their parts."""
+        return FUSED_BY_MODEL_TYPE.get(self.model_type, ())
+
+    @property
+    def adapter_shapes(self) -> dict[str, tuple[int, int]]:
+        """The modules an adapter for this base names in a layer -> (d_in, d_out)."""
+        return adapter_module_shapes(self.module_shapes, self.fused)
+
+    def fused_rows(self, proj: str) -> tuple[tuple[str, int, int], ...]:
+        """``(part, first row, end row)`` of fused module ``proj``'s output (q, then k, then v
+        under GQA; gate, then up)."""
+        rows, lo = [], 0
+        for part in FUSED_PROJ_NAMES[proj]:
+            hi = lo + self.module_shapes[part][1]
+            rows.append((part, lo, hi))
+            lo = hi
+        return tuple(rows)
+
+    @classmethod
+    def from_hf_config(cls, raw: Mapping[str, Any]) -> BaseModelSpec:
+        """Spec from a Llama-family HF ``config.json`` dict (a multimodal one's ``text_config``
+        for the language model); ``KeyError`` / ``TypeError`` / ``ValueError`` /
+        ``ZeroDivisionError`` when it is not one."""
+        model_type = str(raw.get("model_type", "llama"))
+        text_only = isinstance(raw.get("text_config"), Mapping)
+        if text_only:
+            raw = raw["text_config"]
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        inter = int(raw["intermediate_size"])
+        shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
+        vocab = raw.get("vocab_size")
+        vocab_shapes = vocab_module_shapes(int(vocab), hidden) if vocab else {}
+        moe = MoESpec.from_hf_config(raw)
+        return cls(int(raw["num_hidden_layers"]), shapes, model_type, vocab_shapes, text_only, moe)
+
+    def layer_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
+        """The modules an adapter may name in ``layer`` -> (d_in, d_out) (an expert
+        projection's are one expert's): attention, then the dense MLP or the sparse block."""
+        shapes = self.adapter_shapes
+        if self.moe is None or layer not in self.moe.layers:
+            return shapes
+        attn = {p: d for p, d in shapes.items() if p in ATTN_PROJ_NAMES}
+        return {**attn, **self.moe.shapes}
