@@ -32,12 +32,15 @@ ALLOWED: dict[str, set[str]] = {
     "workers": set(),  # a background thread that exits when idle (threading only)
     "warm": set(),  # an adapter's warm policy or window schedule (the standard library only)
     "logs": BASE,  # logging set-up, start-up summary, stats line (no server types)
+    # the C kernels and their build (torch and ctypes, no loraplex layer above the base):
+    # below both ``lora`` and ``model``, so neither reads the other's internals for it
+    "native": BASE,
     # layer 2
-    "lora": BASE,
+    "lora": BASE | {"native"},
     "kv": BASE,
     "registry": BASE | {"lora"},  # the torch-free format and digest modules only (tested below)
     # layer 3
-    "model": BASE | {"kv", "lora"},
+    "model": BASE | {"kv", "lora", "native"},
     "cache": BASE | {"lora", "registry"},
     # layer 4
     "engine": BASE | {"kv", "lora", "model", "cache", "registry"},
@@ -63,8 +66,9 @@ ALLOWED: dict[str, set[str]] = {
         "tools.sim",
         "testing",
         "kv",
+        "native",
     },
-    "testing": BASE | {"engine", "lora", "model", "kv"},
+    "testing": BASE | {"engine", "lora", "model", "kv", "native"},
     "tools.demo": BASE | {"engine", "entrypoints", "lora", "model", "server", "testing"},
     "cli": BASE
     | {

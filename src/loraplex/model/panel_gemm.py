@@ -1,4 +1,4 @@
-"""Base-model GEMMs on CPU from weights packed in column panels (``panel_gemm.c``).
+"""Base-model GEMMs on CPU from weights packed in column panels (``native/panel_gemm.c``).
 
 At decode sizes (a few to a few dozen rows) oneDNN's bf16 kernels on a CPU with AVX512-BF16
 but no AMX reach about 40% of the dot-product peak: its small-batch blocking reloads
@@ -7,7 +7,7 @@ arithmetic. The panel kernel keeps a block of rows' sums in registers for the wh
 streams each weight panel once per block of rows (semantics and layout in ``panel_gemm.c``);
 measured side by side with oneDNN in docs/benchmarks.md ("The rest of the step").
 
-Built, cached and checked like the other C kernels (:func:`loraplex.lora.cpu_ops.build_kernel`);
+Built, cached and checked like the other C kernels (:mod:`loraplex.native.build`);
 ``PanelLinear`` holds only the packed weight (the original is not kept) and reads it back for
 the merger (:meth:`PanelLinear.dense_weight`).
 """
@@ -23,11 +23,17 @@ from typing import Any
 import torch
 
 from loraplex.config import layer_cpu_kernel_enabled
-from loraplex.lora.cpu_ops import ELEMENT_TYPES, KernelBuildError, load_checked, open_kernel
+from loraplex.native.build import (
+    ELEMENT_TYPES,
+    SOURCE_DIR,
+    KernelBuildError,
+    load_checked,
+    open_kernel,
+)
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("panel_gemm.c")
+SOURCE = SOURCE_DIR / "panel_gemm.c"
 
 
 class PanelKernel:

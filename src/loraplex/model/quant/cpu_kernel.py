@@ -1,6 +1,6 @@
-"""loraplex's weight-quantized GEMM on CPU (``qgemm.c``), loaded through ctypes.
+"""loraplex's weight-quantized GEMM on CPU (``native/quant_gemm.c``), loaded through ctypes.
 
-Built and cached like the LoRA kernel (:func:`loraplex.lora.cpu_ops.build_kernel`: once per
+Built and cached like every C kernel (:mod:`loraplex.native.build`: once per
 source, compiler, instruction set and CPU, into a private directory) and checked against a
 float64 reference of every bit width and activation dtype before first use. It reads the
 :class:`~loraplex.model.quant.weights.QuantWeight` layout as it is stored (int4 nibbles or int8,
@@ -15,9 +15,15 @@ from pathlib import Path
 
 import torch
 
-from loraplex.lora.cpu_ops import ELEMENT_TYPES, KernelBuildError, load_checked, open_kernel
+from loraplex.native.build import (
+    ELEMENT_TYPES,
+    SOURCE_DIR,
+    KernelBuildError,
+    load_checked,
+    open_kernel,
+)
 
-SOURCE = Path(__file__).with_name("qgemm.c")
+SOURCE = SOURCE_DIR / "quant_gemm.c"
 
 
 class QGemmKernel:
@@ -53,7 +59,8 @@ class QGemmKernel:
         bias: torch.Tensor | None,  # float32 [N]
         out: torch.Tensor,  # [T, N], x's dtype, rows contiguous
     ) -> torch.Tensor:
-        """``out = x @ W.T + bias`` for the quantized ``W`` (semantics in ``qgemm.c``)."""
+        """``out = x @ W.T + bias`` for the quantized ``W`` (semantics in
+        ``native/quant_gemm.c``)."""
         T, K = x.shape
         rc = self._gemm(
             x.data_ptr(), x.stride(0), ELEMENT_TYPES[x.dtype], T, K, q.data_ptr(), bits,

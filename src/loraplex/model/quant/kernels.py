@@ -2,9 +2,9 @@
 choice among them.
 
 Candidates for an integer weight (:class:`QuantWeight`) on CPU: loraplex's C kernel
-(``qgemm.c``, any rows, float32 or bfloat16 x), the panel GEMM kernel's 4- and 8-bit path
-(``model/panel_gemm.c``: bfloat16 x with AVX512-BF16, weights repacked into column panels whose
-sums stay in registers), torch's packed int4 and int8 CPU kernels
+(``native/quant_gemm.c``, any rows, float32 or bfloat16 x), the panel GEMM kernel's 4- and
+8-bit path (``native/panel_gemm.c``: bfloat16 x with AVX512-BF16, weights repacked into column
+panels whose sums stay in registers), torch's packed int4 and int8 CPU kernels
 (bfloat16 / float16 x only: for float32 x they run ten times slower than the float GEMM), and
 dequantizing into a float buffer for a plain GEMM (prompt chunks of many rows). Each is checked
 against the dequantized reference on the real weight's first rows when it is built, and
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loraplex.lora.cpu_ops import KernelBuildError
 from loraplex.model.panel_gemm import PanelKernel, usable_panel_kernel
 from loraplex.model.quant.linear import QuantLinearBase
 from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
+from loraplex.native.build import KernelBuildError
 
 log = logging.getLogger(__name__)
 

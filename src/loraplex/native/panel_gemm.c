@@ -250,7 +250,7 @@ int loraplex_panel_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const 
  *     W[n, k]  = scales[n, k / gs] * (q[n, k] - zeros[n, k / gs])     (zeros NULL: 0)
  *     y[t, n]  = rnd(bias[n] + sum_g scales[n, g] * sum_{k in g} x[t, k] * (q[n, k] - z))
  *
- * Layout (loraplex_panel_q_pack, from the QuantWeight layout of qgemm.c), per panel of NR
+ * Layout (loraplex_panel_q_pack, from the QuantWeight layout of quant_gemm.c), per panel of NR
  * columns, in halves of 16 columns (NR = 32 in the builds that compute it):
  *   4 bits: per four inputs 4j .. 4j + 3 and half h, 32 bytes: byte 2c + s (column 16 h + c,
  *     s = 0, 1) = q[n, 4j + s] | q[n, 4j + 2 + s] << 4 (inputs past K: 0);
@@ -290,7 +290,7 @@ int64_t loraplex_panel_q_bytes(int64_t N, int64_t K, int64_t G, int bits) {
     return panels * q_nib_bytes(K, bits) + panels * G * NR * 4 + panels * G * NR;
 }
 
-/* P from q (4 bits: uint8 [N, K / 2] in qgemm.c's 32-column blocks; 8 bits: int8 [N, K]),
+/* P from q (4 bits: uint8 [N, K / 2] in quant_gemm.c's 32-column blocks; 8 bits: int8 [N, K]),
  * scales float32 [N, G], zeros int8 [N, G] or NULL: the values, then the scales and zero
  * points (see above). */
 void loraplex_panel_q_pack(const uint8_t *q, const float *scales, const int8_t *zeros,
@@ -543,7 +543,7 @@ int64_t loraplex_panel_w4a8_bytes(int64_t N, int64_t K, int64_t G) {
     return panels * (K / 2) * NR + panels * G * NR * 5;
 }
 
-/* P from q (uint8 [N, K / 2] in qgemm.c's 32-column blocks), scales float32 [N, G], zeros
+/* P from q (uint8 [N, K / 2] in quant_gemm.c's 32-column blocks), scales float32 [N, G], zeros
  * int8 [N, G] or NULL (then 8, the symmetric 4-bit zero point). */
 void loraplex_panel_w4a8_pack(const uint8_t *q, const float *scales, const int8_t *zeros,
                               int64_t N, int64_t K, int64_t G, void *p) {
