@@ -15,10 +15,12 @@ source             what it computes                                  loaded by
 ``cpu_peak.c``     the CPU's arithmetic peak (a benchmark)           ``tools/bench/cpu_peak.py``
 =================  ================================================  ==========================
 
-A new kernel is one more ``.c`` here that exports plain C functions named ``loraplex_*`` (no
-torch headers), and one Python class that opens it (:func:`open_kernel`) and a self-check
-against a float64 or torch reference, loaded with :func:`load_checked` (pyproject.toml's
-package-data ships ``native/*.c`` and ``native/*.h``).
+What the kernels share (element types, bf16 <-> float32, the instruction sets a build has, the
+float32 vector macros) is in ``kernels.h``. A new kernel is one more ``.c`` here that includes
+``kernels.h`` and exports plain C functions named ``loraplex_*`` (no torch headers), and one
+Python class that opens it (:func:`open_kernel`) with a self-check against a float64 or torch
+reference, loaded with :func:`load_checked` (pyproject.toml's package-data ships
+``native/*.c`` and ``native/*.h``).
 
 How a kernel is built: with the system compiler (:func:`find_compiler`), once per source (its
 bytes and those of every header it includes), compiler, instruction set (``KERNEL_ISAS``) and

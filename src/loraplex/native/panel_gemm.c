@@ -23,72 +23,23 @@
  * checks shapes, strides and dtypes and that this build computes its dtype
  * (loraplex_panel_features).
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "kernels.h"
 
-enum { F32 = 0, BF16 = 1 };
-
+/* rows of x per block: the block's 2 * MR accumulators stay in registers */
 #if defined(__AVX512F__)
-#include <immintrin.h>
-#define VW 16
 #define MR 8
-typedef __m512 vec;
-#define VZERO() _mm512_setzero_ps()
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define VSET1(x) _mm512_set1_ps(x)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAVE_DPBF16 1
-#else
-#define HAVE_DPBF16 0
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define HAVE_VNNI 1
-#else
-#define HAVE_VNNI 0
-#endif
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VW 8
+#elif HAVE_VEC
 #define MR 6
-typedef __m256 vec;
-#define VZERO() _mm256_setzero_ps()
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VSTORE(p, v) _mm256_storeu_ps(p, v)
-#define VSET1(x) _mm256_set1_ps(x)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define HAVE_DPBF16 0
-#define HAVE_VNNI 0
 #else
-#define VW 8
 #define MR 4
-#define HAVE_DPBF16 0
-#define HAVE_VNNI 0
 #endif
 #define NR (2 * VW)
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* bit 0: float32 computed with vectors; bit 1: bfloat16 (AVX512-BF16 dot products); bit 2:
  * 4-bit weights x int8 activations (AVX512-VNNI); the vector width in floats from bit 8. */
 int loraplex_panel_features(void) {
     int bits = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if HAVE_VEC
     bits |= 1;
 #endif
 #if HAVE_DPBF16
@@ -148,7 +99,7 @@ static inline void store_row(const float *acc, const float *bias, int64_t n0, in
     }
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if HAVE_VEC
 /* Rows t0 .. t0 + mr (mr <= MR) of x times panel pi, float32. */
 static inline void block_f32(const float *x, int64_t ldx, int64_t t0, int mr, const float *pp,
                              int64_t K, float *out /* [MR][NR] */) {
@@ -227,7 +178,7 @@ int loraplex_panel_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const 
         float out[MR * NR];
         for (int64_t t0 = 0; t0 < T; t0 += MR) {
             int mr = T - t0 < MR ? (int)(T - t0) : MR;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if HAVE_VEC
             if (e == F32)
                 block_f32((const float *)x, ldx, t0, mr, (const float *)p + pi * pstride, K, out);
 #endif
@@ -333,8 +284,6 @@ void loraplex_panel_q_pack(const uint8_t *q, const float *scales, const int8_t *
 }
 
 #if HAVE_DPBF16
-#define INLINE static inline __attribute__((always_inline))
-
 /* pair kk's bf16 pairs (128 + q[n, 2 kk], 128 + q[n, 2 kk + 1]) of one half's 16 columns,
  * from that half's 32 bytes of four inputs (see the layout above) */
 INLINE __m512bh q4_pairs(const uint8_t *bytes, int64_t kk) {
@@ -572,9 +521,6 @@ void loraplex_panel_w4a8_pack(const uint8_t *q, const float *scales, const int8_
 }
 
 #if HAVE_VNNI
-#ifndef INLINE
-#define INLINE static inline __attribute__((always_inline))
-#endif
 
 /* acc[r][h] (int32, exact) += xq . q of block rows r < MR_ over input blocks b0 .. b1 of one
  * panel; xq4[b][2][MRQ]: each row's four int8 of inputs 8b .. 8b+3, then of 8b+4 .. 8b+7. */
@@ -596,13 +542,6 @@ INLINE void w4a8_dots_n(const int32_t *xq4, const int MR_, const uint8_t *val, i
             acc[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][1], w1a, xa), w1b, xb);
         }
     }
-}
-
-/* x[t, k .. k + 16] as float32 (element type e) */
-INLINE __m512 w4a8_load(const float *xf, const uint16_t *xh, int64_t k, int e) {
-    if (e == F32) return _mm512_loadu_ps(xf + k);
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xh + k))), 16));
 }
 
 /* one group's exact sums of block rows t0 .. t0 + mr into the float32 running sums sums[t] */
@@ -650,18 +589,18 @@ int loraplex_panel_w4a8_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, c
         return -2;
     }
     for (int64_t t = 0; t < T; t++) {
-        const float *xf = (const float *)x + t * ldx;
-        const uint16_t *xh = (const uint16_t *)x + t * ldx;
+        const void *xt = e == F32 ? (const void *)((const float *)x + t * ldx)
+                                  : (const void *)((const uint16_t *)x + t * ldx); /* row t */
         __m512 amax = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 16)
-            amax = _mm512_max_ps(amax, _mm512_abs_ps(w4a8_load(xf, xh, k, e)));
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(vload(xt, k, e)));
         float s = _mm512_reduce_max_ps(amax) / 127.0f;
         s = s < 1e-10f ? 1e-10f : s;
         st[t] = s;
         __m512 sv = _mm512_set1_ps(s);
         for (int64_t k = 0; k < K; k += 16) { /* x / s, rounded half to even, clamped */
             __m512i qv = _mm512_cvtps_epi32(_mm512_roundscale_ps(
-                _mm512_div_ps(w4a8_load(xf, xh, k, e), sv),
+                _mm512_div_ps(vload(xt, k, e), sv),
                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             qv = _mm512_max_epi32(_mm512_min_epi32(qv, _mm512_set1_epi32(127)),
                                   _mm512_set1_epi32(-128));

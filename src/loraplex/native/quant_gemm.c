@@ -22,36 +22,10 @@
  * Plain C, no torch headers; element types 0 = float32, 1 = bfloat16. The caller checks
  * shapes, strides and dtypes.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAVE_DPBF16 1
-#else
-#define HAVE_DPBF16 0
-#endif
+#include "kernels.h"
 
-#define LANES 16
 #define ROWS 4
 #define CHUNK 256 /* columns unpacked at a time (a group of at most this many is one chunk) */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* w[i] = q[n, k0 + i] - z for i < m, as float (4 bits: k0 and m multiples of 32). */
 static inline void unpack(const void *q, int bits, int64_t K, int64_t n, int64_t k0, int64_t m,
@@ -98,12 +72,6 @@ static inline void dot4(const float *x, const float *w, int64_t m, float *d) {
     }
     d[0] = t0, d[1] = t1, d[2] = t2, d[3] = t3;
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
 
 #if HAVE_AVX512
 /* The AVX-512 path: weights unpacked through a 16-entry table of (v - z) per row and group
@@ -280,20 +248,18 @@ int loraplex_qgemm(const void *x, int64_t x_stride, int x_type, int64_t T, int64
                    int64_t N, const float *bias, void *y, int64_t y_stride, int y_type,
                    int threads) {
     const int64_t ch = chunk_of(gs);
-    int vec = 0; /* the AVX-512 path: chunks of whole 32-column blocks, a kind of x it reads */
+    int wide = 0; /* the AVX-512 path: chunks of whole 32-column blocks, a kind of x it reads */
 #if HAVE_AVX512
-    vec = ch % 32 == 0 && K % 32 == 0 && (x_type == 0 || HAVE_DPBF16);
+    wide = ch % 32 == 0 && K % 32 == 0 && (x_type == 0 || HAVE_DPBF16);
 #endif
     float *xf = NULL; /* x as float32 rows for the generic path */
     const float *xs = (const float *)x;
     int64_t xs_stride = x_stride;
-    if (x_type == 1 && !vec) {
+    if (x_type == 1 && !wide) {
         xf = (float *)malloc((size_t)(T * K) * sizeof(float));
         if (!xf) return 1;
-        for (int64_t t = 0; t < T; t++) {
-            const uint16_t *src = (const uint16_t *)x + t * x_stride;
-            for (int64_t k = 0; k < K; k++) xf[t * K + k] = bf16_to_f32(src[k]);
-        }
+        for (int64_t t = 0; t < T; t++)
+            row_to_f32((const uint16_t *)x + t * x_stride, BF16, K, xf + t * K);
         xs = xf, xs_stride = K;
     }
     uint16_t *xp = NULL; /* the bf16 4-bit fast path's x and group sums (gemm_block_avx512) */
@@ -301,7 +267,7 @@ int loraplex_qgemm(const void *x, int64_t x_stride, int x_type, int64_t T, int64
     (void)ch;
 #if HAVE_DPBF16
     const int64_t C = (K + ch - 1) / ch;
-    if (vec && x_type == 1 && bits == 4 && ch % 64 == 0) {
+    if (wide && x_type == 1 && bits == 4 && ch % 64 == 0) {
         xp = (uint16_t *)malloc((size_t)(T * K) * sizeof(uint16_t));
         xsum = (float *)malloc((size_t)(T * C) * sizeof(float));
         if (!xp || !xsum) {
@@ -342,7 +308,7 @@ int loraplex_qgemm(const void *x, int64_t x_stride, int x_type, int64_t T, int64
             for (int64_t t = 0; t < T; t++) {
                 if (t == 0) {
 #if HAVE_AVX512
-                    if (vec)
+                    if (wide)
                         gemm_block_avx512(x, x_stride, x_type, T, K, q, bits, scales, zeros, gs,
                                           n0, rows, (__m512 *)acc, w, xp, xsum, corr);
                     else
@@ -352,7 +318,7 @@ int loraplex_qgemm(const void *x, int64_t x_stride, int x_type, int64_t T, int64
                 }
                 for (int r = 0; r < rows; r++) {
 #if HAVE_AVX512
-                    if (vec) {
+                    if (wide) {
                         out[r] = _mm512_reduce_add_ps(((__m512 *)acc)[r * T + t]) -
                                  (xp ? corr[r * T + t] : 0.0f);
                         continue;
