@@ -124,10 +124,8 @@ def test_panel_quant(case: tuple) -> None:
     once into a buffer (PAIRS_FROM = 65 rows); groups longer than one chunk (64 pairs), a
     short last group, an odd count of input pairs (8 bits), act order; every row's result the same bits
     whatever the batch; the weight read back exactly from its panels and kept only there."""
-    from loraplex.model.panel_gemm import load_panel_kernel
-
-    kernel = load_panel_kernel()
-    if torch.bfloat16 not in kernel.dtypes:
+    kernel = load_qgemm()
+    if not kernel.bf16_dot:
         pytest.skip("no AVX512-BF16 in this CPU's panel build")
     qw = _weight(*case)
     lin = PanelQuantLinear(qw, torch.bfloat16, kernel)
@@ -173,9 +171,7 @@ def test_panel_w4a8(case: tuple, dtype: torch.dtype) -> None:
     in any batch; the weight read back exactly; the start-up builds it for a W4A8 weight."""
     from dataclasses import replace
 
-    from loraplex.model.panel_gemm import load_panel_kernel
-
-    kernel = load_panel_kernel()
+    kernel = load_qgemm()
     if not kernel.w4a8:
         pytest.skip("no AVX512-VNNI in this CPU's panel build")
     qw = replace(_weight(*case), act=ActQuant("int8"))

@@ -9,14 +9,16 @@ source             what it computes                                  loaded by
 =================  ================================================  ==========================
 ``lora.c``         the fused LoRA shrink + expand                    ``lora/cpu_ops.py``
 ``panel_gemm.c``   dense GEMMs over weights packed in column panels  ``model/panel_gemm.py``
-``quant_gemm.c``   GEMMs over 4- and 8-bit weights                   ``model/quant/cpu_kernel.py``
+``quant_gemm.c``   every quantized GEMM: 4/8-bit weights as stored   ``model/quant/cpu_kernel.py``
+                   and in column panels, W4A8
 ``layer_ops.c``    a decoder layer's norms, rotary, activation,      ``model/layer_ops.py``
                    decode attention
 ``cpu_peak.c``     the CPU's arithmetic peak (a benchmark)           ``tools/bench/cpu_peak.py``
 =================  ================================================  ==========================
 
 What the kernels share (element types, bf16 <-> float32, the instruction sets a build has, the
-float32 vector macros) is in ``kernels.h``. A new kernel is one more ``.c`` here that includes
+float32 vector macros) is in ``kernels.h``; the column-panel layout the dense and the quantized
+panel GEMMs share is in ``panel.h``. A new kernel is one more ``.c`` here that includes
 ``kernels.h`` and exports plain C functions named ``loraplex_*`` (no torch headers), and one
 Python class that opens it (:func:`open_kernel`) with a self-check against a float64 or torch
 reference, loaded with :func:`load_checked` (pyproject.toml's package-data ships
