@@ -5,8 +5,8 @@ fused gate/up, down: the weights a decode step streams from memory, more than th
 cache) as random bf16 weights, and times one pass over all of them at each row count for:
 
 - ``bf16``: the panel GEMM kernel on the bf16 weights;
-- ``int4``: the panel kernel's 4-bit path (W4A16: bf16 x, groups of ``--group-size``);
-- ``w4a8``: the panel kernel's W4A8 path (int8 x per token, AVX512-VNNI), where the CPU has it.
+- ``int4``: the quantized GEMM kernel's 4-bit panels (W4A16: bf16 x, groups of ``--group-size``);
+- ``w4a8``: its W4A8 panels (int8 x per token, AVX512-VNNI), where the CPU has it.
 
 Each pass is timed ``--repeats`` times, alternating the kernels; the median is reported with
 the operations per second (2 x rows x weights) beside the CPU's measured peaks
@@ -31,6 +31,7 @@ SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))  # qkv, o, ga
 
 def main(argv: list[str] | None = None) -> int:
     from loraplex.model.panel_gemm import PanelLinear, load_panel_kernel
+    from loraplex.model.quant.cpu_kernel import load_qgemm
     from loraplex.model.quant.kernels import PanelQuantLinear, PanelW4A8Linear
     from loraplex.model.quant.weights import ActQuant, QuantWeight
     from loraplex.tools.bench.cpu_peak import peak_gflops
@@ -44,12 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    kernel = load_panel_kernel()
+    kernel, quant = load_panel_kernel(), load_qgemm()
     if torch.bfloat16 not in kernel.dtypes:
         print("the panel kernel has no AVX512-BF16 path on this CPU: nothing to compare")
         return 1
     kinds: dict[str, list[tuple[object, int]]] = {"bf16": [], "int4": []}
-    if kernel.w4a8:
+    if quant.w4a8:
         kinds["w4a8"] = []
     g = torch.Generator().manual_seed(0)
     for _ in range(args.layers):
@@ -57,11 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
             qw = QuantWeight.quantize(w.float(), 4, args.group_size)
             kinds["bf16"].append((PanelLinear(kernel, w, None), k))
-            kinds["int4"].append((PanelQuantLinear(qw, torch.bfloat16, kernel), k))
-            if kernel.w4a8:
-                kinds["w4a8"].append(
-                    (PanelW4A8Linear(replace(qw, act=ActQuant("int8")), kernel), k)
-                )
+            kinds["int4"].append((PanelQuantLinear(qw, torch.bfloat16, quant), k))
+            if quant.w4a8:
+                kinds["w4a8"].append((PanelW4A8Linear(replace(qw, act=ActQuant("int8")), quant), k))
     ops_per_row = 2 * args.layers * sum(n * k for n, k in SHAPES)
     peaks = {"bf16-dot": peak_gflops("bf16-dot"), "int8-dot": peak_gflops("int8-dot")}
     print(

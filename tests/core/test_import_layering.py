@@ -32,15 +32,18 @@ ALLOWED: dict[str, set[str]] = {
     "warm": set(),  # an adapter's warm policy or window schedule (the standard library only)
     "pages": set(),  # what the server's and the router's HTML pages share (package data only)
     "logs": BASE,  # logging set-up, start-up summary, stats line (no server types)
+    # the C kernels and their build (torch and ctypes, no loraplex layer above the base):
+    # below both ``lora`` and ``model``, so neither reads the other's internals for it
+    "native": BASE,
     # layer 2: checkpoint facts (safetensors headers, module names and shapes) under both
     # the adapter side and the model side, torch-free
     "checkpoint": BASE,
-    "lora": BASE | {"checkpoint"},
+    "lora": BASE | {"checkpoint", "native"},
     "kv": BASE,
     # the torch-free format and digest modules of lora only (tested below)
     "registry": BASE | {"lora", "checkpoint"},
     # layer 3: of lora, only the adapter binding's needs and the batch plan (tested below)
-    "model": BASE | {"kv", "lora", "checkpoint"},
+    "model": BASE | {"kv", "lora", "checkpoint", "native"},
     "cache": BASE | {"lora", "registry", "checkpoint"},
     # layer 4
     "engine": BASE | {"kv", "lora", "model", "cache", "registry", "checkpoint"},
@@ -67,8 +70,9 @@ ALLOWED: dict[str, set[str]] = {
         "testing",
         "kv",
         "checkpoint",
+        "native",
     },
-    "testing": BASE | {"engine", "lora", "model", "kv"},
+    "testing": BASE | {"engine", "lora", "model", "kv", "native"},
     "tools.demo": BASE | {"engine", "entrypoints", "lora", "model", "server", "testing"},
     "cli": BASE
     | {
@@ -108,7 +112,6 @@ MODEL_LORA = {
     "loraplex.lora.plan",
     "loraplex.lora.ops",
     "loraplex.lora.slots",
-    "loraplex.lora.cpu_ops",  # the native-kernel build, until it has its own home (issue 45)
 }
 """The modules of ``lora`` that ``model`` may import: the batch plan, and what the adapter
 binding reads (the slot bank and the op protocol). Facts about the base's checkpoint come from

@@ -1,5 +1,6 @@
 """The C LoRA kernel for CPU: against the float64 reference, its thread split, its rounding,
-what it refuses, and how it is built and loaded (``loraplex.lora.cpu_ops``).
+what it refuses, and how it is built and loaded (``loraplex.lora.cpu_ops`` over
+``loraplex.native.build``).
 
 Every numeric test runs on each build this CPU can run (``KERNEL_ISAS``): ``native``
 (``-march=native``: on an AVX512-BF16 CPU the dot-product shrink, else the plain loops at this
@@ -20,19 +21,22 @@ import torch
 from loraplex.lora import cpu_ops
 from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.cpu_ops import (
-    AVX2_CPU_FLAGS,
-    KERNEL_ISAS,
     CPUKernelLoRAOps,
-    KernelBuildError,
     KernelSegments,
     PreparedModules,
     build_kernel,
-    cpu_flags,
-    default_kernel_isa,
     load_kernel,
 )
 from loraplex.lora.ops import NATIVE_RUN_TOKENS, TorchLoRAOps, TorchReferenceOps
 from loraplex.lora.plan import plan_lora_batch
+from loraplex.native import build
+from loraplex.native.build import (
+    AVX2_CPU_FLAGS,
+    KERNEL_ISAS,
+    KernelBuildError,
+    cpu_flags,
+    default_kernel_isa,
+)
 from loraplex.testing.kernels import runnable_build
 
 LOWP = (torch.bfloat16, torch.float16)
@@ -56,7 +60,7 @@ def ops(isa: str) -> CPUKernelLoRAOps:
 
 
 def _compiler_accepts(flag: str) -> bool:
-    cc = cpu_ops.find_compiler()
+    cc = build.find_compiler()
     if cc is None:
         return False
     done = subprocess.run(
@@ -317,12 +321,12 @@ def test_a_wrong_kernel_fails_its_self_check(monkeypatch: pytest.MonkeyPatch):
 def test_old_builds_are_pruned(tmp_path: Path):
     kernels = tmp_path / "kernels"
     kernels.mkdir(mode=0o700)
-    for i in range(cpu_ops.KEEP_BUILDS + 3):
+    for i in range(build.KEEP_BUILDS + 3):
         old = kernels / f"lora_cpu-old{i:02d}.so"
         old.write_bytes(b"")
         os.utime(old, (1_000_000 + i, 1_000_000 + i))
     os.chmod(kernels, 0o700)
     got = build_kernel(tmp_path)
     left = sorted(p.name for p in kernels.glob("lora_cpu-*.so"))
-    assert got.name in left and len(left) == cpu_ops.KEEP_BUILDS
+    assert got.name in left and len(left) == build.KEEP_BUILDS
     assert "lora_cpu-old00.so" not in left  # the oldest went first

@@ -21,14 +21,15 @@ import sys
 
 import pytest
 
-from loraplex.lora.cpu_ops import AVX2_CPU_FLAGS, cpu_flags
+from loraplex.native.build import AVX2_CPU_FLAGS, cpu_flags
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 _PROBE = """
 import json, torch
 from loraplex.lora.backends import cpu_slow_matmul_dtypes
-from loraplex.lora.cpu_ops import default_kernel_isa, load_kernel
+from loraplex.lora.cpu_ops import load_kernel
+from loraplex.native.build import default_kernel_isa
 from loraplex.model.linear import cpu_has_fast_bf16, select_linear_factory
 print(json.dumps({
     "torch": torch.backends.cpu.get_cpu_capability(),

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from loraplex.kv.cache import PagedKVCache
-from loraplex.lora.cpu_ops import KERNEL_ISAS, KernelBuildError
 from loraplex.model import layer_ops
 from loraplex.model.attention import (
     AttentionMetadata,
@@ -35,6 +34,7 @@ from loraplex.model.layer_ops import (
     select_layer_ops,
 )
 from loraplex.model.layers import GemmaRMSNorm, RMSNorm
+from loraplex.native.build import KERNEL_ISAS, KernelBuildError
 from loraplex.testing.kernels import runnable_build
 
 DTYPES = (torch.float32, torch.bfloat16)

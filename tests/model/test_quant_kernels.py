@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.lora.cpu_ops import AVX2_CPU_FLAGS, KernelBuildError, cpu_flags
 from loraplex.model.quant.cpu_kernel import load_qgemm
 from loraplex.model.quant.kernels import (
     CKernelLinear,
@@ -28,6 +27,7 @@ from loraplex.model.quant.kernels import (
     quantize_activation,
 )
 from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
+from loraplex.native.build import AVX2_CPU_FLAGS, KernelBuildError, cpu_flags
 
 # bf16: up to four roundings of 2**-9 each (a bf16 scale, the product, the bias, their sum),
 # with a factor 2 of margin
@@ -124,10 +124,8 @@ def test_panel_quant(case: tuple) -> None:
     once into a buffer (PAIRS_FROM = 65 rows); groups longer than one chunk (64 pairs), a
     short last group, an odd count of input pairs (8 bits), act order; every row's result the same bits
     whatever the batch; the weight read back exactly from its panels and kept only there."""
-    from loraplex.model.panel_gemm import load_panel_kernel
-
-    kernel = load_panel_kernel()
-    if torch.bfloat16 not in kernel.dtypes:
+    kernel = load_qgemm()
+    if not kernel.bf16_dot:
         pytest.skip("no AVX512-BF16 in this CPU's panel build")
     qw = _weight(*case)
     lin = PanelQuantLinear(qw, torch.bfloat16, kernel)
@@ -173,9 +171,7 @@ def test_panel_w4a8(case: tuple, dtype: torch.dtype) -> None:
     in any batch; the weight read back exactly; the start-up builds it for a W4A8 weight."""
     from dataclasses import replace
 
-    from loraplex.model.panel_gemm import load_panel_kernel
-
-    kernel = load_panel_kernel()
+    kernel = load_qgemm()
     if not kernel.w4a8:
         pytest.skip("no AVX512-VNNI in this CPU's panel build")
     qw = replace(_weight(*case), act=ActQuant("int8"))
@@ -207,7 +203,7 @@ def test_panel_w4a8(case: tuple, dtype: torch.dtype) -> None:
 
 
 def test_torch_int4_refuses_what_its_layout_cannot_hold() -> None:
-    from loraplex.lora.cpu_ops import KernelBuildError
+    from loraplex.native.build import KernelBuildError
 
     for case in ((7, 64, 4, 32, True, False), (16, 512, 4, None, False, False)):
         with pytest.raises(KernelBuildError):
@@ -219,7 +215,7 @@ def test_torch_int8_per_channel_only() -> None:
     lin = TorchInt8Linear(qw, torch.bfloat16)
     x = torch.randn(4, 96, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     _check(lin(x), x, qw, torch.bfloat16)
-    from loraplex.lora.cpu_ops import KernelBuildError
+    from loraplex.native.build import KernelBuildError
 
     with pytest.raises(KernelBuildError):  # grouped: not this kernel's layout
         TorchInt8Linear(_weight(13, 64, 8, 32, True, False), torch.bfloat16)

@@ -200,11 +200,11 @@ def test_tied_pair_in_bf16_reads_the_heads_panels(
     multiply by), so the pair is still one matrix, counted once."""
     from safetensors.torch import load_file
 
-    from loraplex.model.panel_gemm import usable_panel_kernel
     from loraplex.model.quant import kernels
+    from loraplex.model.quant.cpu_kernel import usable_quant_panels
 
-    kernel = usable_panel_kernel()
-    if kernel is None or torch.bfloat16 not in kernel.dtypes:
+    kernel = usable_quant_panels()
+    if kernel is None or not kernel.bf16_dot:
         pytest.skip("no AVX512-BF16 panel kernel on this CPU")
     # every weight on the panel kernel, whatever the start-up timing would pick on this machine
     monkeypatch.setattr(
@@ -320,9 +320,9 @@ def test_w8a8_lora_reads_unquantized_activations(scheme: str, tmp_path: Path) ->
     )  # fmt: skip
     assert llm.engine.model.quant.activations == kind
     if scheme == "W4A8":  # the VNNI kernel where this CPU has it, else the emulated product
-        from loraplex.model.panel_gemm import usable_panel_kernel
+        from loraplex.model.quant.cpu_kernel import usable_quant_panels
 
-        panel = usable_panel_kernel()
+        panel = usable_quant_panels()
         want = "panel-w4a8" if panel is not None and panel.w4a8 else "dequant"
         assert llm.engine.model.layers[0].qkv.name == want
     separated = 0.0

@@ -86,7 +86,8 @@ def _create_triton_ops(device: torch.device) -> LoRAOps:
 def _create_cpu_kernel_ops(device: torch.device) -> LoRAOps:
     """The C kernel for short segments over the torch path, after its build and self-check;
     if either fails (no compiler, say), the torch path alone (with a warning)."""
-    from loraplex.lora.cpu_ops import CPUKernelLoRAOps, KernelBuildError, load_kernel
+    from loraplex.lora.cpu_ops import CPUKernelLoRAOps, load_kernel
+    from loraplex.native.build import KernelBuildError
 
     fallback = _create_torch_ops(device)
     try:

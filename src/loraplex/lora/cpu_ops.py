@@ -1,4 +1,4 @@
-"""Fused LoRA on CPU: one C call per layer for the projections sharing an input (``cpu_kernel.c``).
+"""Fused LoRA on CPU: one C call per layer for the projections sharing an input (``native/lora.c``).
 
 At decode sizes the torch path is about nine small ops per module and run (a conversion, a
 shrink and an expand GEMM, a mask, an add), each paying dispatch and an OpenMP barrier; on a thin
@@ -10,232 +10,45 @@ are (half the bytes of float32 ones; docs/benchmarks.md, "A C kernel for LoRA on
 measurements). Segments of more than ``NATIVE_RUN_TOKENS`` tokens (prefill) keep the torch
 path, whose GEMMs win there.
 
-The kernel is plain C (no torch headers), built once per source, compiler, instruction set
-(``KERNEL_ISAS``) and CPU with the system compiler into ``$LORAPLEX_CACHE_DIR/kernels`` (a
-private directory: a shared library is code, so one found in a directory others can write is
-never loaded; the build then goes to a fresh temporary directory), and checked against a
-float64 reference before use. Without a compiler, ``select_lora_ops`` falls back to the torch
-path with a warning.
-
-Which instruction set: ``-march=native`` (with AVX512-BF16 the bf16 x bf16 shrink uses its dot
-products), except where torch's own CPU kernels run at AVX2 (an AVX2-only CPU, or
-``ATEN_CPU_CAPABILITY=avx2`` on a bigger one): there the kernel is built for AVX2 + FMA + F16C
-with no ``-march=native``, the build an AVX-512 machine's tests also make and check
-(``build_kernel(isa="avx2")``), so the code an AVX2-only CPU runs is tested everywhere.
+The kernel is plain C (``native/lora.c``), built, cached, loaded and checked against a float64
+reference before use by :mod:`loraplex.native.build` (which also chooses its instruction set:
+``native``, or ``avx2`` where torch's own CPU kernels run at AVX2). Without a compiler,
+``select_lora_ops`` falls back to the torch path with a warning.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import stat
-import subprocess
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from loraplex.lora.ops import NATIVE_RUN_TOKENS, LoRAOps, ModuleTables, TorchReferenceOps
 from loraplex.lora.plan import LoRABatchPlan, LoRARun, plan_lora_batch
-from loraplex.paths import default_cache_dir
+from loraplex.native.build import (
+    ELEMENT_TYPES,
+    SOURCE_DIR,
+    KernelBuildError,
+    build_library,
+    load_checked,
+    open_kernel,
+)
 
-KERNEL_SOURCE = Path(__file__).with_name("cpu_kernel.c")
+KERNEL_SOURCE = SOURCE_DIR / "lora.c"
+KERNEL_STEM = "lora_cpu"
+"""The name of the kernel's builds in the cache (``lora_cpu-<key>.so``)."""
 KERNEL_SYMBOL = "loraplex_lora_apply"
 FEATURES_SYMBOL = "loraplex_lora_features"
 FEATURE_BITS = {"avx2": 1, "fma": 2, "f16c": 4, "avx512f": 8, "avx512bf16-dot": 16}
 """What ``loraplex_lora_features()`` reports a build was compiled for (its bits)."""
-ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
-"""Element types the kernel reads and writes (its ``*_type`` codes)."""
-_AVX2 = ("-O3", "-mavx2", "-mfma", "-mf16c")
-KERNEL_ISAS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "native": (
-        ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"),
-        ("-O3", "-march=native", "-fopenmp"),
-        ("-O3", "-march=native"),
-        ("-O3",),
-    ),
-    "avx2": ((*_AVX2, "-fopenmp"), _AVX2),
-    "portable": (("-O3", "-fopenmp"), ("-O3",)),
-}
-"""Compiler flag sets per instruction set the kernel can be built for, tried in order: the
-first set the compiler accepts builds it. ``native``: this CPU's (``-march=native``; plain
-``-O3`` for a compiler without it); ``avx2``: AVX2, FMA and F16C and nothing above (no
-AVX-512), the code an AVX2-only x86 CPU runs, whichever CPU builds it (a compiler that cannot
-target it fails the build: there is no fallback to another instruction set); ``portable``: the
-compiler's default target (what ``native`` falls back to)."""
-AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
-"""``/proc/cpuinfo`` flags a CPU needs to run an ``avx2`` build."""
 
 
-class KernelBuildError(RuntimeError):
-    """The C kernel could not be built, loaded or verified here."""
-
-
-def find_compiler() -> str | None:
-    """``$CC``, else the first of cc, gcc, clang on ``PATH``."""
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-def _private(path: Path, is_kind: Callable[[int], bool]) -> bool:
-    """Of kind ``is_kind`` (``stat.S_ISDIR``, ``stat.S_ISREG``; a symlink is neither), owned by
-    this user and writable by nobody else (so nobody else chose what is in it)."""
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
-    return is_kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
-def cpu_flags() -> frozenset[str] | None:
-    """This CPU's feature flags from ``/proc/cpuinfo`` (None where it cannot say)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in info.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return None
-
-
-def default_kernel_isa() -> str:
-    """The ``KERNEL_ISAS`` entry the engine builds: ``avx2`` on an x86 CPU where torch's own
-    CPU kernels run at AVX2 (``torch.backends.cpu.get_cpu_capability()``: an AVX2-only CPU, or
-    ``ATEN_CPU_CAPABILITY=avx2`` on a bigger one), else ``native``."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "native"
-    try:
-        capability = torch.backends.cpu.get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        return "native"
-    flags = cpu_flags()
-    if capability == "AVX2" and flags is not None and flags.issuperset(AVX2_CPU_FLAGS):
-        return "avx2"
-    return "native"
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags: a kernel built with ``-march=native`` runs only there."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [
-        line.split(":", 1)[1].strip()
-        for line in info.splitlines()
-        if line.startswith(("model name", "flags", "Features", "CPU part"))
-    ]
-    return "\n".join(dict.fromkeys(keep))  # one line per distinct value
-
-
-def _compile(cc: str, src: Path, dst: Path, flag_sets: Sequence[Sequence[str]]) -> None:
-    """Compile ``src`` into the shared library ``dst`` with the first flag set that works."""
-    errors = []
-    for flags in flag_sets:
-        cmd = [cc, *flags, "-shared", "-fPIC", "-o", str(dst), str(src)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            errors.append(f"{' '.join(cmd)}: {e}")
-            continue
-        if done.returncode == 0:
-            return
-        errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-400:]}")
-    raise KernelBuildError(f"cannot compile {src.name}:\n" + "\n".join(errors))
-
-
-KEEP_BUILDS = 8
-"""Builds kept in the cache directory (other sources, compilers or CPUs sharing it)."""
-
-
-def _prune(root: Path, keep: Path, stem: str) -> None:
-    """Drop all but the ``KEEP_BUILDS`` newest builds of ``stem`` (a process still using one
-    keeps its mapping; a later start rebuilds it)."""
-    try:
-        builds = sorted(root.glob(f"{stem}-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
-    except OSError:
-        return
-    for old in builds[KEEP_BUILDS:]:
-        if old != keep:
-            with contextlib.suppress(OSError):
-                old.unlink()
-
-
-def build_kernel(
-    cache_dir: Path | None = None,
-    *,
-    isa: str | None = None,
-    source: Path = KERNEL_SOURCE,
-    stem: str = "lora_cpu",
-) -> Path:
-    """Path of the shared library for this source (default: the LoRA kernel; ``stem`` names
-    its builds), compiler, instruction set (a ``KERNEL_ISAS`` key; default
-    ``default_kernel_isa()``) and CPU; built if missing."""
-    isa = default_kernel_isa() if isa is None else isa
-    flag_sets = KERNEL_ISAS.get(isa)
-    if flag_sets is None:
-        raise ValueError(f"unknown kernel instruction set {isa!r} (one of {sorted(KERNEL_ISAS)})")
-    cc = find_compiler()
-    if cc is None:
-        raise KernelBuildError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
-    code = source.read_bytes()
-    try:
-        version = subprocess.run(
-            [cc, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelBuildError(f"cannot run the C compiler {cc}: {e}") from e
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                code,
-                cc.encode(),
-                version.encode(),
-                isa.encode(),
-                repr(flag_sets).encode(),
-                _cpu_signature().encode(),
-            ]
-        )
-    ).hexdigest()[:20]
-    root = (cache_dir if cache_dir is not None else default_cache_dir()) / "kernels"
-    target = root / f"{stem}-{key}.so"
-    try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError:
-        pass
-    if _private(root, stat.S_ISDIR):
-        if _private(target, stat.S_ISREG):
-            return target
-        fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
-        os.close(fd)
-        try:
-            _compile(cc, source, Path(tmp), flag_sets)
-            os.chmod(tmp, 0o700)
-            os.replace(tmp, target)  # atomic: a concurrent build of the same key is identical
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        _prune(root, target, stem)
-        return target
-    # A shared or foreign cache directory: build where only this process writes.
-    private = Path(tempfile.mkdtemp(prefix="loraplex-kernel-"))
-    _compile(cc, source, private / f"{stem}.so", flag_sets)
-    return private / f"{stem}.so"
+def build_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> Path:
+    """Path of the LoRA kernel's shared library for instruction set ``isa`` (default
+    ``default_kernel_isa()``), built if missing (:func:`loraplex.native.build.build_library`)."""
+    return build_library(KERNEL_SOURCE, KERNEL_STEM, cache_dir, isa=isa)
 
 
 class PreparedModules:
@@ -285,67 +98,6 @@ class KernelCannotRead(Exception):
     """These tensors are outside what the kernel reads (the caller uses the torch path)."""
 
 
-def _openmp_runtimes() -> frozenset[str] | None:
-    """Paths of the OpenMP runtimes mapped into this process (None where /proc cannot say)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    names = ("libgomp", "libiomp", "libomp")
-    return frozenset(
-        line.split()[-1]
-        for line in maps.splitlines()
-        if any(n in line.rsplit("/", 1)[-1] for n in names)
-    )
-
-
-def open_kernel(library: Path, *symbols: str) -> tuple[ctypes.CDLL, list[Any], bool]:
-    """Load a built kernel: ``(library, its functions named by symbols, shared_threads)``;
-    ``KernelBuildError`` if it cannot be loaded or lacks a symbol. ``shared_threads``: the
-    library's OpenMP runtime is torch's (loading mapped no new one), so its parallel regions may
-    use torch's thread count; a second runtime would keep a second team spinning on the same
-    cores, so a kernel runs on one thread then."""
-    before = _openmp_runtimes()
-    try:
-        lib = ctypes.CDLL(str(library))
-        fns = [getattr(lib, name) for name in symbols]
-    except (OSError, AttributeError) as e:
-        raise KernelBuildError(f"cannot load {library}: {e}") from e
-    after = _openmp_runtimes()
-    return lib, fns, before is not None and after is not None and after <= before
-
-
-KernelT = TypeVar("KernelT")
-
-
-def load_checked(
-    make: Callable[[Path], KernelT],
-    check: Callable[[KernelT], None],
-    source: Path,
-    stem: str,
-    cache_dir: Path | None,
-    isa: str | None,
-) -> KernelT:
-    """Build ``source`` (once per cache key, :func:`build_kernel`), load it with ``make`` and
-    run ``check`` on it (raising ``KernelBuildError`` on a mismatch); memoised per process,
-    source and instruction set (default ``default_kernel_isa()``)."""
-    return _load_checked(make, check, source, stem, cache_dir, isa or default_kernel_isa())
-
-
-@functools.cache
-def _load_checked(
-    make: Callable[[Path], Any],
-    check: Callable[[Any], None],
-    source: Path,
-    stem: str,
-    cache_dir: Path | None,
-    isa: str,
-) -> Any:
-    kernel = make(build_kernel(cache_dir, isa=isa, source=source, stem=stem))
-    check(kernel)
-    return kernel
-
-
 class LoRAKernel:
     """The loaded C function with its argument types (ctypes releases the GIL while it runs)."""
 
@@ -387,14 +139,7 @@ def load_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> LoR
     (default ``default_kernel_isa()``); ``KernelBuildError`` if any step fails. Memoised per
     process and instruction set: every engine of the process shares one loaded library. The
     caller makes sure this CPU can run ``isa`` (``native`` and ``portable`` always can)."""
-    return _load_kernel(cache_dir, default_kernel_isa() if isa is None else isa)
-
-
-@functools.cache
-def _load_kernel(cache_dir: Path | None, isa: str) -> LoRAKernel:
-    kernel = LoRAKernel(build_kernel(cache_dir, isa=isa))
-    _self_check(kernel)
-    return kernel
+    return load_checked(LoRAKernel, _self_check, KERNEL_SOURCE, KERNEL_STEM, cache_dir, isa)
 
 
 def _self_check(kernel: LoRAKernel) -> None:

@@ -5,7 +5,7 @@ At decode sizes these are many torch ops of a few microseconds of arithmetic and
 dispatch each (a bf16 RMSNorm alone is a conversion, the norm, a cast and a multiply), plus the
 decode attention's gather of every context block into a padded copy before SDPA. On a thin
 model whose GEMMs read a few MiB per layer they cost as much as the GEMMs (docs/benchmarks.md,
-"The rest of the step"). ``CLayerOps`` does each in one C call (``layer_ops.c``: semantics
+"The rest of the step"). ``CLayerOps`` does each in one C call (``native/layer_ops.c``: semantics
 there, HF's rounding steps kept in bf16) and attends straight from the cache's blocks;
 ``TorchLayerOps`` is the same arithmetic in torch ops, for every other device and dtype, and
 the reference the C ops are checked against at load.
@@ -29,8 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.config import layer_cpu_kernel_enabled
-from loraplex.lora.cpu_ops import ELEMENT_TYPES, KernelBuildError, load_checked, open_kernel
 from loraplex.model.rotary import apply_rotary
+from loraplex.native.build import (
+    ELEMENT_TYPES,
+    SOURCE_DIR,
+    KernelBuildError,
+    load_checked,
+    open_kernel,
+)
 
 if TYPE_CHECKING:
     from loraplex.kv.cache import PagedKVCache
@@ -39,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("layer_ops.c")
+SOURCE = SOURCE_DIR / "layer_ops.c"
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -1,5 +1,5 @@
 """The RMSNorms of the decoders: Llama's (scale in the model dtype) and Gemma's (``1 + w`` in
-float32); each names its mode of the C layer ops (``layer_ops.c``)."""
+float32); each names its mode of the C layer ops (``native/layer_ops.c``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class RMSNorm:
     and name the subclass in their decoder's ``norm_class``."""
 
     kernel_mode: ClassVar[int | None] = 0
-    """The C layer ops' ``mode`` for this norm (``layer_ops.c``; None: torch only)."""
+    """The C layer ops' ``mode`` for this norm (``native/layer_ops.c``; None: torch only)."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         self.weight = weight

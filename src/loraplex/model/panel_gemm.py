@@ -1,4 +1,4 @@
-"""Base-model GEMMs on CPU from weights packed in column panels (``panel_gemm.c``).
+"""Base-model GEMMs on CPU from weights packed in column panels (``native/panel_gemm.c``).
 
 At decode sizes (a few to a few dozen rows) oneDNN's bf16 kernels on a CPU with AVX512-BF16
 but no AMX reach about 40% of the dot-product peak: its small-batch blocking reloads
@@ -7,9 +7,10 @@ arithmetic. The panel kernel keeps a block of rows' sums in registers for the wh
 streams each weight panel once per block of rows (semantics and layout in ``panel_gemm.c``);
 measured side by side with oneDNN in docs/benchmarks.md ("The rest of the step").
 
-Built, cached and checked like the other C kernels (:func:`loraplex.lora.cpu_ops.build_kernel`);
+Built, cached and checked like the other C kernels (:mod:`loraplex.native.build`);
 ``PanelLinear`` holds only the packed weight (the original is not kept) and reads it back for
-the merger (:meth:`PanelLinear.dense_weight`).
+the merger (:meth:`PanelLinear.dense_weight`). Quantized weights in the same column panels
+(``native/panel.h``) are the quantized GEMM kernel's (``model/quant/cpu_kernel.py``).
 """
 
 from __future__ import annotations
@@ -18,16 +19,21 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from loraplex.config import layer_cpu_kernel_enabled
-from loraplex.lora.cpu_ops import ELEMENT_TYPES, KernelBuildError, load_checked, open_kernel
+from loraplex.native.build import (
+    ELEMENT_TYPES,
+    SOURCE_DIR,
+    KernelBuildError,
+    load_checked,
+    open_kernel,
+)
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("panel_gemm.c")
+SOURCE = SOURCE_DIR / "panel_gemm.c"
 
 
 class PanelKernel:
@@ -36,11 +42,9 @@ class PanelKernel:
     def __init__(self, library: Path) -> None:
         lib, fns, self.shared_threads = open_kernel(
             library, "loraplex_panel_gemm", "loraplex_panel_pack", "loraplex_panel_bytes",
-            "loraplex_panel_width", "loraplex_panel_features", "loraplex_panel_q_bytes",
-            "loraplex_panel_q_pack", "loraplex_panel_q_gemm", "loraplex_panel_w4a8_bytes",
-            "loraplex_panel_w4a8_pack", "loraplex_panel_w4a8_gemm",
+            "loraplex_panel_width", "loraplex_panel_features",
         )  # fmt: skip
-        gemm, pack, size, width, features, qsize, qpack, qgemm, wsize, wpack, wgemm = fns
+        gemm, pack, size, width, features = fns
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
         gemm.restype = i32
@@ -48,23 +52,11 @@ class PanelKernel:
         size.argtypes, size.restype = [i64, i64, i32], i64
         width.argtypes, width.restype = [], i32
         features.argtypes, features.restype = [], i32
-        qsize.argtypes, qsize.restype = [i64, i64, i64, i32], i64
-        qpack.argtypes, qpack.restype = [ptr, ptr, ptr, i64, i64, i64, i32, ptr], None
-        qgemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i32, ptr, ptr, i64, i32, i32]
-        qgemm.restype = i32
-        self._qsize, self._qpack, self._qgemm = qsize, qpack, qgemm
-        wsize.argtypes, wsize.restype = [i64, i64, i64], i64
-        wpack.argtypes, wpack.restype = [ptr, ptr, ptr, i64, i64, i64, ptr], None
-        wgemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32]
-        wgemm.restype = i32
-        self._wsize, self._wpack, self._wgemm = wsize, wpack, wgemm
         bits = features()
         self.dtypes = frozenset(
             d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if bits & bit
         )
         """The dtypes this build computes with vectors (bf16: AVX512-BF16 dot products)."""
-        self.w4a8 = bool(bits & 4)
-        """Whether this build computes 4-bit weights x int8 activations (AVX512-VNNI)."""
         self.panel = width()
         self._lib, self._gemm, self._pack, self._size = lib, gemm, pack, size
         self.library = library
@@ -95,79 +87,6 @@ class PanelKernel:
         if rc != 0:
             raise KernelBuildError(f"panel GEMM kernel: this build does not compute {x.dtype}")
         return out
-
-    def pack_q(
-        self, q: torch.Tensor, bits: int, scales: torch.Tensor, zeros: torch.Tensor | None, k: int
-    ) -> torch.Tensor:
-        """The panel layout of a 4- or 8-bit weight stored as ``QuantWeight`` stores it (``q``
-        uint8 [N, K / 2] in 32-column blocks or int8 [N, K], ``scales`` float32 [N, G],
-        ``zeros`` int8 [N, G])."""
-        n, g = scales.shape
-        out = torch.empty(self._qsize(n, k, g, bits), dtype=torch.uint8)
-        self._qpack(q.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
-                     n, k, g, bits, out.data_ptr())  # fmt: skip
-        return out
-
-    def gemm_q(
-        self,
-        x: torch.Tensor,  # bf16 [T, K] rows contiguous
-        packed: torch.Tensor,
-        n: int,
-        bits: int,
-        group_size: int,
-        groups: int,
-        bias: torch.Tensor | None,  # float32 [N]
-        out: torch.Tensor,  # bf16 [T, N]
-    ) -> torch.Tensor:
-        return self._quantized(self._qgemm, "quantized GEMM", x, packed, n,
-                               (group_size, groups, bits), bias, out)  # fmt: skip
-
-    def _quantized(
-        self,
-        fn: Any,
-        what: str,
-        x: torch.Tensor,
-        packed: torch.Tensor,
-        n: int,
-        layout: tuple[int, ...],  # the packed weight's group size, groups (and bits)
-        bias: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run one of the quantized GEMMs (same calling convention): y = x @ W.T + bias."""
-        t, k = x.shape
-        threads = torch.get_num_threads() if self.shared_threads else 1
-        rc = fn(
-            x.data_ptr(), x.stride(0), t, k, packed.data_ptr(), n, *layout,
-            0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-            ELEMENT_TYPES[x.dtype], threads,
-        )  # fmt: skip
-        if rc == -2:
-            raise MemoryError(f"panel {what} kernel: cannot allocate its scratch")
-        if rc != 0:
-            raise KernelBuildError(f"panel {what} kernel: not for this build, dtype or shape")
-        return out
-
-    def pack_w4a8(
-        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, k: int
-    ) -> torch.Tensor:
-        """The W4A8 panel layout of a 4-bit ``QuantWeight``'s ``q``, ``scales``, ``zeros``."""
-        n, g = scales.shape
-        out = torch.empty(self._wsize(n, k, g), dtype=torch.uint8)
-        self._wpack(q.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
-                    n, k, g, out.data_ptr())  # fmt: skip
-        return out
-
-    def gemm_w4a8(
-        self,
-        x: torch.Tensor,  # [T, K] float32 or bf16, rows contiguous
-        packed: torch.Tensor,
-        n: int,
-        group_size: int,
-        groups: int,
-        bias: torch.Tensor | None,  # float32 [N]
-        out: torch.Tensor,  # [T, N] x's dtype
-    ) -> torch.Tensor:
-        return self._quantized(self._wgemm, "W4A8", x, packed, n, (group_size, groups), bias, out)
 
 
 class PanelLinear:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from loraplex.lora.cpu_ops import AVX2_CPU_FLAGS, KernelBuildError, cpu_flags
+from loraplex.native.build import AVX2_CPU_FLAGS, KernelBuildError, cpu_flags
 
 K = TypeVar("K")
 

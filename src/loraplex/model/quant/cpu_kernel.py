@@ -1,42 +1,74 @@
-"""loraplex's weight-quantized GEMM on CPU (``qgemm.c``), loaded through ctypes.
+"""loraplex's weight-quantized GEMMs on CPU (``native/quant_gemm.c``), loaded through ctypes.
 
-Built and cached like the LoRA kernel (:func:`loraplex.lora.cpu_ops.build_kernel`: once per
-source, compiler, instruction set and CPU, into a private directory) and checked against a
-float64 reference of every bit width and activation dtype before first use. It reads the
+Built and cached like every C kernel (:mod:`loraplex.native.build`: once per source, compiler,
+instruction set and CPU, into a private directory) and checked against a float64 reference of
+every bit width and activation dtype before first use. Its GEMM reads the
 :class:`~loraplex.model.quant.weights.QuantWeight` layout as it is stored (int4 nibbles or int8,
 float32 scales, int8 zero points), for any number of rows of x in float32 or bfloat16 (torch's
-own int4/int8 CPU kernels are slow for float32 activations and for more than a few rows).
+own int4/int8 CPU kernels are slow for float32 activations and for more than a few rows). Its
+panel GEMMs read the same weights repacked into column panels (the dense panel kernel's layout,
+``native/panel.h``): 4- and 8-bit weights with bf16 x (AVX512-BF16), and W4A8 (AVX512-VNNI);
+the Linears over them are ``PanelQuantLinear`` and ``PanelW4A8Linear`` (``kernels.py``), which
+check them on each weight they are built for.
 """
 
 from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from loraplex.lora.cpu_ops import ELEMENT_TYPES, KernelBuildError, load_checked, open_kernel
+from loraplex.config import layer_cpu_kernel_enabled
+from loraplex.native.build import (
+    ELEMENT_TYPES,
+    SOURCE_DIR,
+    KernelBuildError,
+    load_checked,
+    open_kernel,
+)
 
-SOURCE = Path(__file__).with_name("qgemm.c")
+SOURCE = SOURCE_DIR / "quant_gemm.c"
 
 
 class QGemmKernel:
-    """The loaded ``loraplex_qgemm`` / ``loraplex_qdequant`` (ctypes releases the GIL)."""
+    """The loaded ``loraplex_qgemm`` / ``loraplex_qdequant`` over the stored layout, and the
+    quantized panel GEMMs ``loraplex_panel_q_*`` / ``loraplex_panel_w4a8_*`` over weights
+    repacked into column panels (ctypes releases the GIL while they run)."""
 
     def __init__(self, library: Path) -> None:
-        lib, (gemm, deq, features), self.shared_threads = open_kernel(
-            library, "loraplex_qgemm", "loraplex_qdequant", "loraplex_qgemm_features"
-        )
+        lib, fns, self.shared_threads = open_kernel(
+            library, "loraplex_qgemm", "loraplex_qdequant", "loraplex_qgemm_features",
+            "loraplex_panel_q_bytes", "loraplex_panel_q_pack", "loraplex_panel_q_gemm",
+            "loraplex_panel_w4a8_bytes", "loraplex_panel_w4a8_pack", "loraplex_panel_w4a8_gemm",
+        )  # fmt: skip
+        gemm, deq, features, qsize, qpack, qgemm, wsize, wpack, wgemm = fns
         features.argtypes, features.restype = [], ctypes.c_int
         bits = features()
         self.avx512, self.bf16_dot = bool(bits & 1), bool(bits & 2)
+        """The AVX-512 path; AVX512-BF16 dot products (bf16 x, and the 4- and 8-bit panels)."""
+        self.w4a8 = bool(bits & 4)
+        """Whether this build computes 4-bit weights x int8 activations (AVX512-VNNI)."""
+        self.panel = bits >> 8
+        """The quantized panels' width in output columns."""
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         gemm.argtypes = [
             ptr, i64, i32, i64, i64, ptr, i32, ptr, ptr, i64, i64, ptr, ptr, i64, i32, i32
         ]  # fmt: skip
         deq.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32, i32]
         gemm.restype = deq.restype = i32
+        qsize.argtypes, qsize.restype = [i64, i64, i64, i32], i64
+        qpack.argtypes, qpack.restype = [ptr, ptr, ptr, i64, i64, i64, i32, ptr], None
+        qgemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, i32, ptr, ptr, i64, i32, i32]
+        qgemm.restype = i32
+        wsize.argtypes, wsize.restype = [i64, i64, i64], i64
+        wpack.argtypes, wpack.restype = [ptr, ptr, ptr, i64, i64, i64, ptr], None
+        wgemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32]
+        wgemm.restype = i32
         self._lib, self._gemm, self._deq = lib, gemm, deq
+        self._qsize, self._qpack, self._qgemm = qsize, qpack, qgemm
+        self._wsize, self._wpack, self._wgemm = wsize, wpack, wgemm
         self.library = library
 
     def _threads(self) -> int:
@@ -53,7 +85,8 @@ class QGemmKernel:
         bias: torch.Tensor | None,  # float32 [N]
         out: torch.Tensor,  # [T, N], x's dtype, rows contiguous
     ) -> torch.Tensor:
-        """``out = x @ W.T + bias`` for the quantized ``W`` (semantics in ``qgemm.c``)."""
+        """``out = x @ W.T + bias`` for the quantized ``W`` (semantics in
+        ``native/quant_gemm.c``)."""
         T, K = x.shape
         rc = self._gemm(
             x.data_ptr(), x.stride(0), ELEMENT_TYPES[x.dtype], T, K, q.data_ptr(), bits,
@@ -85,6 +118,90 @@ class QGemmKernel:
         if rc != 0:
             raise MemoryError("quantized dequantization kernel: cannot allocate its scratch")
         return out
+
+    def pack_q(
+        self, q: torch.Tensor, bits: int, scales: torch.Tensor, zeros: torch.Tensor | None, k: int
+    ) -> torch.Tensor:
+        """The panel layout of a 4- or 8-bit weight stored as ``QuantWeight`` stores it (``q``
+        uint8 [N, K / 2] in 32-column blocks or int8 [N, K], ``scales`` float32 [N, G],
+        ``zeros`` int8 [N, G])."""
+        n, g = scales.shape
+        out = torch.empty(self._qsize(n, k, g, bits), dtype=torch.uint8)
+        self._qpack(q.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
+                     n, k, g, bits, out.data_ptr())  # fmt: skip
+        return out
+
+    def gemm_q(
+        self,
+        x: torch.Tensor,  # bf16 [T, K] rows contiguous
+        packed: torch.Tensor,
+        n: int,
+        bits: int,
+        group_size: int,
+        groups: int,
+        bias: torch.Tensor | None,  # float32 [N]
+        out: torch.Tensor,  # bf16 [T, N]
+    ) -> torch.Tensor:
+        return self._quantized(self._qgemm, "quantized GEMM", x, packed, n,
+                               (group_size, groups, bits), bias, out)  # fmt: skip
+
+    def _quantized(
+        self,
+        fn: Any,
+        what: str,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        layout: tuple[int, ...],  # the packed weight's group size, groups (and bits)
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one of the quantized GEMMs (same calling convention): y = x @ W.T + bias."""
+        t, k = x.shape
+        rc = fn(
+            x.data_ptr(), x.stride(0), t, k, packed.data_ptr(), n, *layout,
+            0 if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            ELEMENT_TYPES[x.dtype], self._threads(),
+        )  # fmt: skip
+        if rc == -2:
+            raise MemoryError(f"panel {what} kernel: cannot allocate its scratch")
+        if rc != 0:
+            raise KernelBuildError(f"panel {what} kernel: not for this build, dtype or shape")
+        return out
+
+    def pack_w4a8(
+        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, k: int
+    ) -> torch.Tensor:
+        """The W4A8 panel layout of a 4-bit ``QuantWeight``'s ``q``, ``scales``, ``zeros``."""
+        n, g = scales.shape
+        out = torch.empty(self._wsize(n, k, g), dtype=torch.uint8)
+        self._wpack(q.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(),
+                    n, k, g, out.data_ptr())  # fmt: skip
+        return out
+
+    def gemm_w4a8(
+        self,
+        x: torch.Tensor,  # [T, K] float32 or bf16, rows contiguous
+        packed: torch.Tensor,
+        n: int,
+        group_size: int,
+        groups: int,
+        bias: torch.Tensor | None,  # float32 [N]
+        out: torch.Tensor,  # [T, N] x's dtype
+    ) -> torch.Tensor:
+        return self._quantized(self._wgemm, "W4A8", x, packed, n, (group_size, groups), bias, out)
+
+
+def usable_quant_panels() -> QGemmKernel | None:
+    """The kernel for its panel GEMMs where they may run (``$LORAPLEX_LAYER_CPU_KERNEL`` is not
+    ``0``, as for the dense panels) and it builds and checks here, else None (``QuantKernels``
+    warns once why it did not build)."""
+    if not layer_cpu_kernel_enabled():
+        return None
+    try:
+        return load_qgemm()
+    except KernelBuildError:
+        return None
 
 
 def load_qgemm(cache_dir: Path | None = None, *, isa: str | None = None) -> QGemmKernel:

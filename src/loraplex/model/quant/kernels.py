@@ -2,9 +2,9 @@
 choice among them.
 
 Candidates for an integer weight (:class:`QuantWeight`) on CPU: loraplex's C kernel
-(``qgemm.c``, any rows, float32 or bfloat16 x), the panel GEMM kernel's 4- and 8-bit path
-(``model/panel_gemm.c``: bfloat16 x with AVX512-BF16, weights repacked into column panels whose
-sums stay in registers), torch's packed int4 and int8 CPU kernels
+(``native/quant_gemm.c``, any rows, float32 or bfloat16 x), the same kernel's 4- and 8-bit panel
+path (bfloat16 x with AVX512-BF16, weights repacked into the dense panel kernel's column panels,
+whose sums stay in registers), torch's packed int4 and int8 CPU kernels
 (bfloat16 / float16 x only: for float32 x they run ten times slower than the float GEMM), and
 dequantizing into a float buffer for a plain GEMM (prompt chunks of many rows). Each is checked
 against the dequantized reference on the real weight's first rows when it is built, and
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loraplex.lora.cpu_ops import KernelBuildError
-from loraplex.model.panel_gemm import PanelKernel, usable_panel_kernel
+from loraplex.model.quant.cpu_kernel import QGemmKernel, load_qgemm, usable_quant_panels
 from loraplex.model.quant.linear import QuantLinearBase
 from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
+from loraplex.native.build import KernelBuildError
 
 log = logging.getLogger(__name__)
 
@@ -112,19 +112,19 @@ class CKernelLinear(QuantLinearBase):
 
 
 class PanelQuantLinear(QuantLinearBase):
-    """4- and 8-bit weights on the panel GEMM kernel (``panel_gemm.c``: bf16 x with
+    """4- and 8-bit weights on the quantized panel GEMM (``native/quant_gemm.c``: bf16 x with
     AVX512-BF16; each pair of values made an exact bf16 pair, 4-bit nibbles OR'd into 128 + q,
     each group's offset and scale applied to its float32 sums); the weight is repacked into
     its panels (ours is dropped)."""
 
-    def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: PanelKernel | None) -> None:
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: QGemmKernel | None) -> None:
         super().__init__(weight)
         if (
             kernel is None
             or weight.bits not in (4, 8)
             or weight.act is not None
             or dtype != torch.bfloat16
-            or dtype not in kernel.dtypes
+            or not kernel.bf16_dot
             or weight.in_features % 2
             or weight.group_size % 2
         ):
@@ -145,7 +145,7 @@ class PanelQuantLinear(QuantLinearBase):
 
     def _columns(self, pi: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """float64 W rows of panel ``pi``'s column ``c`` (index tensors of one shape S), read
-        from the layout ``panel_gemm.c`` describes: [*S, K] in stored column order."""
+        from the layout ``native/quant_gemm.c`` describes: [*S, K] in stored column order."""
         n, k, w, g = self.out_features, self.in_features, self.kernel.panel, self.groups
         panels = -(-n // w)
         if self.bits == 4:  # [panels, four inputs j, half, column c, s]: q[4j + s] | q[4j+2+s] << 4
@@ -187,7 +187,7 @@ def _panel_groups(
     packed: torch.Tensor, at: int, panels: int, groups: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of a quantized panel layout's scales (float32) and zero points (int8), both
-    [panels, G, NR], stored from byte ``at`` on (``panel_gemm.c``)."""
+    [panels, G, NR], stored from byte ``at`` on (``native/quant_gemm.c``)."""
     n = panels * groups * width
     sc = packed[at : at + n * 4].view(torch.float32).view(panels, groups, width)
     return sc, packed[at + n * 4 : at + n * 5].view(torch.int8).view(panels, groups, width)
@@ -202,12 +202,12 @@ def _affine(q: torch.Tensor, sc: torch.Tensor, zp: torch.Tensor, group_size: int
 class PanelW4A8Linear(QuantLinearBase):
     """W4A8 (compressed-tensors' preset): 4-bit weights, the base product's input quantized to
     int8 per token (dynamic, symmetric, ``absmax / 127`` as vLLM and
-    :func:`quantize_activation`), exact int32 group sums on AVX512-VNNI in the panel kernel
-    (``panel_gemm.c``), float32 or bf16 x. LoRA reads the unquantized x (module docstring)."""
+    :func:`quantize_activation`), exact int32 group sums on AVX512-VNNI in the quantized panel
+    GEMM (``native/quant_gemm.c``), float32 or bf16 x. LoRA reads the unquantized x (module docstring)."""
 
     name = "panel-w4a8"
 
-    def __init__(self, weight: QuantWeight, kernel: PanelKernel | None) -> None:
+    def __init__(self, weight: QuantWeight, kernel: QGemmKernel | None) -> None:
         super().__init__(weight)
         if (
             kernel is None
@@ -431,7 +431,7 @@ def _candidates(
     out: list[QuantLinearBase] = []
     if kernel is not None:
         out.append(CKernelLinear(weight, kernel))
-    panel = usable_panel_kernel()
+    panel = usable_quant_panels()
     if panel is not None:
         try:
             out.append(PanelQuantLinear(weight, dtype, panel))
@@ -522,7 +522,7 @@ def build_quant_linear(
         if device.type == "cpu":
             for make in (
                 lambda: W8A8Int8Linear(weight, kernel),
-                lambda: PanelW4A8Linear(weight, usable_panel_kernel()),
+                lambda: PanelW4A8Linear(weight, usable_quant_panels()),
             ):
                 try:
                     return make()
@@ -537,7 +537,7 @@ def build_quant_linear(
     if name == "torch-int4":
         return TorchInt4Linear(weight, dtype)
     if name in ("panel-int4", "panel-int8"):
-        return PanelQuantLinear(weight, dtype, usable_panel_kernel())
+        return PanelQuantLinear(weight, dtype, usable_quant_panels())
     if name == "torch-int8":
         return TorchInt8Linear(weight, dtype)
     return DequantLinear(weight)
@@ -554,8 +554,6 @@ class QuantKernels:
         self.choices: dict[tuple[int, int, int, int, bool], KernelChoice] = {}
         self.by_kind: dict[str, str] = {}  # weight kind -> the Linear built for it untimed
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            from loraplex.model.quant.cpu_kernel import load_qgemm
-
             try:
                 self.kernel = load_qgemm()
             except KernelBuildError as e:

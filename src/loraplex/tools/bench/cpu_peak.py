@@ -2,7 +2,7 @@
 
 A 16-sequence decode step multiplies every weight by 16 rows: ``2 * 16 * params`` flops. On a
 CPU without AMX that arithmetic, not the weights' bytes, can be the binding limit, so the
-benchmarks quote this compute floor beside the byte floor. Measured with ``cpu_peak.c``
+benchmarks quote this compute floor beside the byte floor. Measured with ``native/cpu_peak.c``
 (built like the engine's kernels): float32 FMAs, AVX512-BF16 pair dot products and
 AVX512-VNNI int8 quad dot products (the arithmetic a W4A8 kernel would trade the bf16 dots
 for: it only lowers the compute floor where its rate is above bf16's) on twelve independent
@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import sys
-from pathlib import Path
 
 import torch
 
-from loraplex.lora.cpu_ops import build_kernel
+from loraplex.native.build import SOURCE_DIR, build_library
 
-SOURCE = Path(__file__).with_name("cpu_peak.c")
+SOURCE = SOURCE_DIR / "cpu_peak.c"
 ACC = 12
 
 
@@ -28,7 +27,7 @@ def peak_gflops(kind: str, threads: int | None = None, rounds: int = 3) -> float
     """G multiply-or-add operations per second of ``kind`` ("fp32-fma", "bf16-dot" or
     "int8-dot") over ``threads`` threads (default torch's), None where this CPU's build lacks
     the instruction."""
-    lib = ctypes.CDLL(str(build_kernel(source=SOURCE, stem="cpu_peak")))
+    lib = ctypes.CDLL(str(build_library(SOURCE, "cpu_peak")))
     fn = lib.loraplex_cpu_peak
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_double

@@ -332,7 +332,7 @@ def _print_rows(rows: dict[str, dict[str, float]]) -> None:
 def _peak_gflops(dtype: str) -> float | None:
     """The arithmetic peak of this dtype's GEMM product here (bf16 dot products, else float32
     FMAs), None where it cannot be measured."""
-    from loraplex.lora.cpu_ops import KernelBuildError
+    from loraplex.native.build import KernelBuildError
     from loraplex.tools.bench.cpu_peak import peak_gflops
 
     try:

@@ -1,257 +1,428 @@
-/* Dense GEMM for CPU over weights packed in column panels (loraplex.model.panel_gemm).
+/* Every weight-quantized GEMM on CPU (loraplex.model.quant.cpu_kernel): first the GEMM and
+ * dequantization over QuantWeight's layout as it is stored (loraplex_qgemm, loraplex_qdequant),
+ * then the GEMMs over the same weights repacked into column panels (panel.h): 4- and 8-bit
+ * weights with bf16 x (loraplex_panel_q_*) and 4-bit weights with int8 x (W4A8,
+ * loraplex_panel_w4a8_*), each section with its semantics.
  *
- * Semantics, for t < T and n < N:
+ * Semantics of loraplex_qgemm, for t < T and n < N, with G = ceil(K / gs) groups of gs input columns (the last
+ * one may be shorter, as GPTQ writes a width that is not a multiple of the group size):
  *
- *     y[t, n] = rnd(bias[n] + sum_k x[t, k] * W[n, k])       (float32 sums; bias NULL: 0)
+ *     W[n, k]  = scales[n, k / gs] * (q[n, k] - zeros[n, k / gs])      (zeros NULL: 0)
+ *     y[t, n]  = bias[n] + sum_k x[t, k] * W[n, k]                     (float32, rounded once)
  *
- * rounded once to y's element type (0 float32, 1 bfloat16); x and W are of the same type.
+ * q: bits 4: uint8 [N, K / 2] in blocks of 32 columns: column 32 b + i is the low nibble of
+ *    byte 16 b + i for i < 16, the high nibble of byte 16 b + i - 16 otherwise (values 0..15;
+ *    K a multiple of 32), so a block unpacks into two contiguous vectors;
+ *    bits 8: int8 [N, K] (values -128..127). zeros: int8 [N, G] (integer zero points, as every
+ *    checkpoint format stores them). scales: float32 [N, G]. bias: float32 [N] or NULL.
  *
- * Layout: W is packed once (loraplex_panel_pack) into panels of NR = 2 * VW output columns
- * (VW: the vector width in floats, 16 with AVX-512 and 8 with AVX2): float32 weights as
- * P[panel][k][NR] and bfloat16 weights as P[panel][k / 2][NR][2] (a pair of consecutive k per
- * column, the operand layout of AVX512-BF16's dot product), zero past N (and past K for an odd
- * K in bf16). A block of up to MR rows of x times one panel keeps its 2 * MR accumulators in
- * registers for all of K: each step loads two vectors of the panel and broadcasts one value
- * (float32) or pair (bf16) of each row, so the weights stream from cache once per block of
- * rows with no horizontal sums. Panels are split over the threads.
+ * Computed as y[t, n] = bias[n] + sum_g scales[n, g] * dot(x[t, group g], q[n, g] - zeros[n, g]):
+ * each weight is unpacked once per call to the exact float (q - z) (a small integer) and used by
+ * every row of x, four weight rows at a time over LANES partial sums (a fixed summation order,
+ * vectorisable without fast-math). With AVX512-BF16 and bf16 x, the dot products use its bf16
+ * pairs: (q - z) is an integer of at most 9 bits, exact in bf16, and each product is exact in
+ * float32, so only the summation order differs from the float32 path.
  *
- * The weight-stationary blocking oneDNN uses for small batches reloads its accumulators; at
- * decode sizes (a few to a few dozen rows) this is what keeps a thin model's step compute
- * bound instead of load bound (docs/benchmarks.md, "The rest of the step").
- *
- * Plain C with AVX-512 / AVX2 intrinsics (a build with neither computes nothing); the caller
- * checks shapes, strides and dtypes and that this build computes its dtype
- * (loraplex_panel_features).
+ * Plain C, no torch headers; element types 0 = float32, 1 = bfloat16. The caller checks
+ * shapes, strides and dtypes.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "panel.h"
 
-enum { F32 = 0, BF16 = 1 };
+#define ROWS 4
+#define CHUNK 256 /* columns unpacked at a time (a group of at most this many is one chunk) */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define VW 16
-#define MR 8
-typedef __m512 vec;
-#define VZERO() _mm512_setzero_ps()
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define VSET1(x) _mm512_set1_ps(x)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAVE_DPBF16 1
-#else
-#define HAVE_DPBF16 0
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define HAVE_VNNI 1
-#else
-#define HAVE_VNNI 0
-#endif
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VW 8
-#define MR 6
-typedef __m256 vec;
-#define VZERO() _mm256_setzero_ps()
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VSTORE(p, v) _mm256_storeu_ps(p, v)
-#define VSET1(x) _mm256_set1_ps(x)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define HAVE_DPBF16 0
-#define HAVE_VNNI 0
-#else
-#define VW 8
-#define MR 4
-#define HAVE_DPBF16 0
-#define HAVE_VNNI 0
-#endif
-#define NR (2 * VW)
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* bit 0: float32 computed with vectors; bit 1: bfloat16 (AVX512-BF16 dot products); bit 2:
- * 4-bit weights x int8 activations (AVX512-VNNI); the vector width in floats from bit 8. */
-int loraplex_panel_features(void) {
-    int bits = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    bits |= 1;
-#endif
-#if HAVE_DPBF16
-    bits |= 2;
-#endif
-#if HAVE_VNNI
-    bits |= 4;
-#endif
-    return bits | (VW << 8);
-}
-
-int loraplex_panel_width(void) { return NR; }
-
-/* Bytes of the packed layout of an [N, K] weight of element type e. */
-int64_t loraplex_panel_bytes(int64_t N, int64_t K, int e) {
-    int64_t panels = (N + NR - 1) / NR;
-    return e == F32 ? panels * K * NR * 4 : panels * ((K + 1) / 2) * NR * 2 * 2;
-}
-
-/* P = W [N, K] (row stride ldw) in the panel layout described above. */
-void loraplex_panel_pack(const void *w, int64_t ldw, int64_t N, int64_t K, int e, void *p) {
-    int64_t panels = (N + NR - 1) / NR;
-    if (e == F32) {
-        const float *src = (const float *)w;
-        float *dst = (float *)p;
-        for (int64_t pi = 0; pi < panels; pi++)
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t c = 0; c < NR; c++) {
-                    int64_t n = pi * NR + c;
-                    dst[(pi * K + k) * NR + c] = n < N ? src[n * ldw + k] : 0.0f;
-                }
+/* w[i] = q[n, k0 + i] - z for i < m, as float (4 bits: k0 and m multiples of 32). */
+static inline void unpack(const void *q, int bits, int64_t K, int64_t n, int64_t k0, int64_t m,
+                          float z, float *w) {
+    if (bits == 4) {
+        const uint8_t *row = (const uint8_t *)q + n * (K / 2) + k0 / 2;
+        for (int64_t b = 0; b < m / 32; b++) {
+            const uint8_t *src = row + 16 * b;
+            float *dst = w + 32 * b;
+            for (int i = 0; i < 16; i++) {
+                dst[i] = (float)(src[i] & 15) - z;
+                dst[16 + i] = (float)(src[i] >> 4) - z;
+            }
+        }
     } else {
-        const uint16_t *src = (const uint16_t *)w;
-        uint16_t *dst = (uint16_t *)p;
-        int64_t K2 = (K + 1) / 2;
-        for (int64_t pi = 0; pi < panels; pi++)
-            for (int64_t kk = 0; kk < K2; kk++)
-                for (int64_t c = 0; c < NR; c++)
-                    for (int64_t h = 0; h < 2; h++) {
-                        int64_t n = pi * NR + c, k = 2 * kk + h;
-                        dst[((pi * K2 + kk) * NR + c) * 2 + h] =
-                            n < N && k < K ? src[n * ldw + k] : 0;
+        const int8_t *row = (const int8_t *)q + n * K;
+        for (int64_t i = 0; i < m; i++) w[i] = (float)row[k0 + i] - z;
+    }
+}
+
+/* The chunk width for groups of gs columns: one group per chunk where it fits, else CHUNK. */
+static inline int64_t chunk_of(int64_t gs) { return gs <= CHUNK ? gs : CHUNK; }
+
+/* d[r] = sum_i x[i] * w[r][i] for r < ROWS, i < m. */
+static inline void dot4(const float *x, const float *w, int64_t m, float *d) {
+    float s0[LANES] = {0}, s1[LANES] = {0}, s2[LANES] = {0}, s3[LANES] = {0};
+    const float *w0 = w, *w1 = w + CHUNK, *w2 = w + 2 * CHUNK, *w3 = w + 3 * CHUNK;
+    int64_t i = 0;
+    for (; i + LANES <= m; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float xv = x[i + l];
+            s0[l] += xv * w0[i + l];
+            s1[l] += xv * w1[i + l];
+            s2[l] += xv * w2[i + l];
+            s3[l] += xv * w3[i + l];
+        }
+    float t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+    for (int l = 0; l < LANES; l++) t0 += s0[l], t1 += s1[l], t2 += s2[l], t3 += s3[l];
+    for (; i < m; i++) {
+        t0 += x[i] * w0[i];
+        t1 += x[i] * w1[i];
+        t2 += x[i] * w2[i];
+        t3 += x[i] * w3[i];
+    }
+    d[0] = t0, d[1] = t1, d[2] = t2, d[3] = t3;
+}
+
+#if HAVE_AVX512
+/* The AVX-512 path: weights unpacked through a 16-entry table of (v - z) per row and group
+ * (4 bits: the nibble indexes it; 8 bits: converted), products accumulated in vectors across
+ * the whole row (one horizontal sum per output). float32 x: FMA; bfloat16 x with AVX512-BF16:
+ * pair dot products over the exact bf16 (q - z). */
+
+/* The 32 weights of block b of row n at columns k0.. as two float32 vectors. */
+static inline void block_f32(const void *q, int bits, int64_t K, int64_t n, int64_t k0,
+                             __m512 tbl, __m512 zv, __m512 *lo, __m512 *hi) {
+    if (bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + n * (K / 2) + k0 / 2));
+        const __m512i i = _mm512_cvtepu8_epi32(v);
+        *lo = _mm512_permutexvar_ps(_mm512_and_si512(i, _mm512_set1_epi32(15)), tbl);
+        *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(i, 4), tbl);
+    } else {
+        const int8_t *src = (const int8_t *)q + n * K + k0;
+        *lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src))), zv);
+        *hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16)))), zv);
+    }
+}
+
+/* The bf16 4-bit fast path reads x as ``xp``: each 64 columns reordered [0..15, 32..47, 16..31,
+ * 48..63], the order in which two packed blocks widen into 16-bit lanes (low nibbles of 32
+ * bytes, then high ones). A nibble v becomes the bf16 bit pattern 0x4300 | v, which is exactly
+ * 128 + v (one OR, no table), and the 128 + z it is too large by is taken off once per chunk
+ * (which lies within one group): dot(x, v - z) = dot(x, 128 + v) - (128 + z) * sum(x over the
+ * chunk), in float32. */
+static void permute_x64(const uint16_t *x, int64_t K, uint16_t *xp) {
+    for (int64_t b = 0; b + 64 <= K; b += 64) {
+        memcpy(xp + b, x + b, 16 * sizeof(uint16_t));
+        memcpy(xp + b + 16, x + b + 32, 16 * sizeof(uint16_t));
+        memcpy(xp + b + 32, x + b + 16, 16 * sizeof(uint16_t));
+        memcpy(xp + b + 48, x + b + 48, 16 * sizeof(uint16_t));
+    }
+    for (int64_t b = K - K % 64; b < K; b++) xp[b] = x[b];
+}
+
+static void gemm_block_avx512(const void *x, int64_t x_stride, int x_type, int64_t T, int64_t K,
+                              const void *q, int bits, const float *scales, const int8_t *zeros,
+                              int64_t gs, int64_t n0, int rows, __m512 *acc, float *wf,
+                              const uint16_t *xp, const float *xsum, float *corr) {
+    const int64_t G = (K + gs - 1) / gs, ch = chunk_of(gs);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t i = 0; i < ROWS * T; i++) acc[i] = _mm512_setzero_ps(), corr[i] = 0.0f;
+#if HAVE_DPBF16
+    const int dp = x_type == 1;
+#else
+    const int dp = 0;
+#endif
+    for (int64_t k0 = 0; k0 < K; k0 += ch) {
+        const int64_t m = K - k0 < ch ? K - k0 : ch, g = k0 / gs;
+        const int offset = xp != NULL && m % 64 == 0; /* the fast path (above) */
+        __m512 sc[ROWS];
+        float off[ROWS]; /* (128 + z) * scale of each row, for the group correction */
+        for (int r = 0; r < ROWS; r++) { /* unpack this chunk of each row once */
+            const int64_t n = n0 + (r < rows ? r : 0); /* padding rows: scale 0 */
+            const float z = zeros ? (float)zeros[n * G + g] : 0.0f;
+            const __m512 zv = _mm512_set1_ps(z), tbl = _mm512_sub_ps(iota, zv);
+            const float scale = r < rows ? scales[n * G + g] : 0.0f;
+            sc[r] = _mm512_set1_ps(scale);
+            off[r] = (128.0f + z) * scale;
+            float *dst = wf + r * CHUNK;
+#if HAVE_DPBF16
+            if (offset) {
+                const uint8_t *src = (const uint8_t *)q + n * (K / 2) + k0 / 2;
+                const __m512i m4 = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
+                for (int64_t b = 0; b < m; b += 64) {
+                    const __m512i v =
+                        _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + b / 2)));
+                    /* (v & 15) | 0x4300: ternary-logic truth table 0xEA = (A & B) | C */
+                    const __m512i lo = _mm512_ternarylogic_epi32(v, m4, bias, 0xEA);
+                    const __m512i hi =
+                        _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m4, bias, 0xEA);
+                    _mm512_storeu_si512((void *)((uint16_t *)dst + b), lo);
+                    _mm512_storeu_si512((void *)((uint16_t *)dst + b + 32), hi);
+                }
+                continue;
+            }
+            if (dp && bits == 4) { /* nibbles index a table of the 16 bf16 values (q - z) */
+                const __m512i tb = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(tbl));
+                const uint8_t *src = (const uint8_t *)q + n * (K / 2) + k0 / 2;
+                for (int64_t b = 0; b < m; b += 32) {
+                    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + b / 2)));
+                    const __m256i m4 = _mm256_set1_epi16(15);
+                    const __m512i idx = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_and_si256(v, m4)), _mm256_srli_epi16(v, 4), 1);
+                    _mm512_storeu_si512((void *)((uint16_t *)dst + b), _mm512_permutexvar_epi16(idx, tb));
+                }
+                continue;
+            }
+#endif
+            for (int64_t b = 0; b < m; b += 32) {
+                __m512 lo, hi;
+                block_f32(q, bits, K, n, k0 + b, tbl, zv, &lo, &hi);
+#if HAVE_DPBF16
+                if (dp) {
+                    _mm512_storeu_si512((void *)((uint16_t *)dst + b),
+                                        (__m512i)_mm512_cvtne2ps_pbh(hi, lo)); /* exact */
+                    continue;
+                }
+#endif
+                _mm512_storeu_ps(dst + b, lo);
+                _mm512_storeu_ps(dst + b + 16, hi);
+            }
+        }
+        for (int64_t t = 0; t < T; t++) {
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+#if HAVE_DPBF16
+            if (dp) {
+                const uint16_t *xr = offset ? xp + t * K + k0 : (const uint16_t *)x + t * x_stride + k0;
+                const uint16_t *w0 = (const uint16_t *)wf, *w1 = (const uint16_t *)(wf + CHUNK);
+                const uint16_t *w2 = (const uint16_t *)(wf + 2 * CHUNK);
+                const uint16_t *w3 = (const uint16_t *)(wf + 3 * CHUNK);
+                for (int64_t b = 0; b < m; b += 32) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xr + b));
+                    s0 = _mm512_dpbf16_ps(s0, xv, (__m512bh)_mm512_loadu_si512((const void *)(w0 + b)));
+                    s1 = _mm512_dpbf16_ps(s1, xv, (__m512bh)_mm512_loadu_si512((const void *)(w1 + b)));
+                    s2 = _mm512_dpbf16_ps(s2, xv, (__m512bh)_mm512_loadu_si512((const void *)(w2 + b)));
+                    s3 = _mm512_dpbf16_ps(s3, xv, (__m512bh)_mm512_loadu_si512((const void *)(w3 + b)));
+                }
+            } else
+#endif
+            {
+                const float *xr = (const float *)x + t * x_stride + k0;
+                for (int64_t b = 0; b < m; b += 16) {
+                    const __m512 xv = _mm512_loadu_ps(xr + b);
+                    s0 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wf + b), s0);
+                    s1 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wf + CHUNK + b), s1);
+                    s2 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wf + 2 * CHUNK + b), s2);
+                    s3 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wf + 3 * CHUNK + b), s3);
+                }
+            }
+            __m512 *a = acc + t;
+            a[0] = _mm512_fmadd_ps(sc[0], s0, a[0]);
+            a[T] = _mm512_fmadd_ps(sc[1], s1, a[T]);
+            a[2 * T] = _mm512_fmadd_ps(sc[2], s2, a[2 * T]);
+            a[3 * T] = _mm512_fmadd_ps(sc[3], s3, a[3 * T]);
+            if (offset)
+                for (int r = 0; r < ROWS; r++)
+                    corr[r * T + t] += off[r] * xsum[t * ((K + ch - 1) / ch) + k0 / ch];
+        }
+    }
+}
+#endif
+
+/* bit 0: the AVX-512 path; bit 1: AVX512-BF16 dot products (bf16 x here, and the 4- and 8-bit
+ * panels below); bit 2: the W4A8 panels below (AVX512-VNNI); the panels' width NR from bit 8. */
+int loraplex_qgemm_features(void) {
+    return HAVE_AVX512 | (HAVE_DPBF16 << 1) | (HAVE_VNNI << 2) | (NR << 8);
+}
+
+/* The generic path for rows n0.. (any instruction set): acc[r * T + t] = y[t, n0 + r]. */
+static void gemm_block_generic(const float *xs, int64_t xs_stride, int64_t T, int64_t K,
+                               const void *q, int bits, const float *scales,
+                               const int8_t *zeros, int64_t gs, int64_t n0, int rows,
+                               float *acc, float *w) {
+    const int64_t G = (K + gs - 1) / gs, ch = chunk_of(gs);
+    memset(acc, 0, (size_t)(ROWS * T) * sizeof(float));
+    for (int64_t k0 = 0; k0 < K; k0 += ch) {
+        const int64_t m = K - k0 < ch ? K - k0 : ch, g = k0 / gs;
+        float sc[ROWS], d[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            const int64_t n = n0 + (r < rows ? r : 0); /* padding rows: scale 0 */
+            const float z = zeros ? (float)zeros[n * G + g] : 0.0f;
+            unpack(q, bits, K, n, k0, m, z, w + r * CHUNK);
+            sc[r] = r < rows ? scales[n * G + g] : 0.0f;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            dot4(xs + t * xs_stride + k0, w, m, d);
+            for (int r = 0; r < ROWS; r++) acc[r * T + t] += sc[r] * d[r];
+        }
+    }
+}
+
+int loraplex_qgemm(const void *x, int64_t x_stride, int x_type, int64_t T, int64_t K,
+                   const void *q, int bits, const float *scales, const int8_t *zeros, int64_t gs,
+                   int64_t N, const float *bias, void *y, int64_t y_stride, int y_type,
+                   int threads) {
+    const int64_t ch = chunk_of(gs);
+    int wide = 0; /* the AVX-512 path: chunks of whole 32-column blocks, a kind of x it reads */
+#if HAVE_AVX512
+    wide = ch % 32 == 0 && K % 32 == 0 && (x_type == 0 || HAVE_DPBF16);
+#endif
+    float *xf = NULL; /* x as float32 rows for the generic path */
+    const float *xs = (const float *)x;
+    int64_t xs_stride = x_stride;
+    if (x_type == 1 && !wide) {
+        xf = (float *)malloc((size_t)(T * K) * sizeof(float));
+        if (!xf) return 1;
+        for (int64_t t = 0; t < T; t++)
+            row_to_f32((const uint16_t *)x + t * x_stride, BF16, K, xf + t * K);
+        xs = xf, xs_stride = K;
+    }
+    uint16_t *xp = NULL; /* the bf16 4-bit fast path's x and group sums (gemm_block_avx512) */
+    float *xsum = NULL;
+    (void)ch;
+#if HAVE_DPBF16
+    const int64_t C = (K + ch - 1) / ch;
+    if (wide && x_type == 1 && bits == 4 && ch % 64 == 0) {
+        xp = (uint16_t *)malloc((size_t)(T * K) * sizeof(uint16_t));
+        xsum = (float *)malloc((size_t)(T * C) * sizeof(float));
+        if (!xp || !xsum) {
+            free(xp), free(xsum), free(xf);
+            return 1;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            const uint16_t *row = (const uint16_t *)x + t * x_stride;
+            permute_x64(row, K, xp + t * K);
+            for (int64_t c = 0; c < C; c++) { /* per unpacked chunk: within one group */
+                float sum = 0.0f;
+                const int64_t end = (c + 1) * ch < K ? (c + 1) * ch : K;
+                for (int64_t k = c * ch; k < end; k++) sum += bf16_to_f32(row[k]);
+                xsum[t * C + c] = sum;
+            }
+        }
+    }
+#endif
+    const int64_t blocks = (N + ROWS - 1) / ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* accumulators: ROWS * T floats (generic) or vectors (AVX-512); unpacked weights;
+         * the fast path's per-output corrections */
+        float *acc = (float *)aligned_alloc(64, (size_t)(ROWS * T) * 64);
+        float *w = (float *)aligned_alloc(64, (size_t)(ROWS * CHUNK) * sizeof(float));
+        float *corr = (float *)malloc((size_t)(ROWS * T) * sizeof(float));
+        if (!acc || !w || !corr) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (failed) continue;
+            const int64_t n0 = b * ROWS;
+            const int rows = (int)(N - n0 < ROWS ? N - n0 : ROWS);
+            float out[ROWS];
+            for (int64_t t = 0; t < T; t++) {
+                if (t == 0) {
+#if HAVE_AVX512
+                    if (wide)
+                        gemm_block_avx512(x, x_stride, x_type, T, K, q, bits, scales, zeros, gs,
+                                          n0, rows, (__m512 *)acc, w, xp, xsum, corr);
+                    else
+#endif
+                        gemm_block_generic(xs, xs_stride, T, K, q, bits, scales, zeros, gs, n0,
+                                           rows, acc, w);
+                }
+                for (int r = 0; r < rows; r++) {
+#if HAVE_AVX512
+                    if (wide) {
+                        out[r] = _mm512_reduce_add_ps(((__m512 *)acc)[r * T + t]) -
+                                 (xp ? corr[r * T + t] : 0.0f);
+                        continue;
                     }
-    }
-}
-
-/* Store one row's NR sums of panel pi (columns n0 .. n0 + NR, the valid ones only). */
-static inline void store_row(const float *acc, const float *bias, int64_t n0, int64_t N,
-                             void *y, int64_t ldy, int64_t t, int e) {
-    int64_t m = N - n0 < NR ? N - n0 : NR;
-    for (int64_t c = 0; c < m; c++) {
-        float v = acc[c] + (bias ? bias[n0 + c] : 0.0f);
-        if (e == F32)
-            ((float *)y)[t * ldy + n0 + c] = v;
-        else
-            ((uint16_t *)y)[t * ldy + n0 + c] = f32_to_bf16(v);
-    }
-}
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-/* Rows t0 .. t0 + mr (mr <= MR) of x times panel pi, float32. */
-static inline void block_f32(const float *x, int64_t ldx, int64_t t0, int mr, const float *pp,
-                             int64_t K, float *out /* [MR][NR] */) {
-    vec a[MR][2];
-    for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = VZERO();
-    const float *xr[MR];
-    for (int r = 0; r < MR; r++) xr[r] = x + (t0 + (r < mr ? r : 0)) * ldx;
-    for (int64_t k = 0; k < K; k++) {
-        vec w0 = VLOAD(pp + k * NR), w1 = VLOAD(pp + k * NR + VW);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) {
-            if (r < mr) {
-                vec b = VSET1(xr[r][k]);
-                a[r][0] = VFMA(b, w0, a[r][0]);
-                a[r][1] = VFMA(b, w1, a[r][1]);
+#endif
+                    out[r] = acc[r * T + t];
+                }
+                for (int r = 0; r < rows; r++) {
+                    const int64_t n = n0 + r;
+                    const float v = out[r] + (bias ? bias[n] : 0.0f);
+                    if (y_type == 0)
+                        ((float *)y)[t * y_stride + n] = v;
+                    else
+                        ((uint16_t *)y)[t * y_stride + n] = f32_to_bf16(v);
+                }
             }
         }
+        free(acc);
+        free(w);
+        free(corr);
     }
-    for (int r = 0; r < mr; r++) {
-        VSTORE(out + r * NR, a[r][0]);
-        VSTORE(out + r * NR + VW, a[r][1]);
-    }
+    free(xf);
+    free(xp);
+    free(xsum);
+    return failed;
 }
-#endif
 
+/* out[n - n0, k] = W[n, k] (as defined above) for n0 <= n < n1, in out's element type. */
+int loraplex_qdequant(const void *q, int bits, const float *scales, const int8_t *zeros,
+                      int64_t gs, int64_t N, int64_t K, int64_t n0, int64_t n1, void *out,
+                      int out_type, int threads) {
+    const int64_t G = (K + gs - 1) / gs;
+    (void)N;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *w = (float *)malloc((size_t)K * sizeof(float));
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = n0; n < n1; n++) {
+            if (failed) continue;
+#if HAVE_AVX512
+            if (gs % 32 == 0 && K % 32 == 0) { /* the table path of the GEMM, scaled */
+                const __m512 iota =
+                    _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+                for (int64_t g = 0; g < G; g++) {
+                    const float z = zeros ? (float)zeros[n * G + g] : 0.0f;
+                    const __m512 zv = _mm512_set1_ps(z), sv = _mm512_set1_ps(scales[n * G + g]);
+                    const __m512 tbl = _mm512_sub_ps(iota, zv);
+                    const int64_t k0 = g * gs, m = K - k0 < gs ? K - k0 : gs;
+                    for (int64_t b = 0; b < m; b += 32) {
+                        __m512 lo, hi;
+                        block_f32(q, bits, K, n, k0 + b, tbl, zv, &lo, &hi);
+                        _mm512_storeu_ps(w + k0 + b, _mm512_mul_ps(lo, sv));
+                        _mm512_storeu_ps(w + k0 + b + 16, _mm512_mul_ps(hi, sv));
+                    }
+                }
+            } else
+#endif
+            for (int64_t g = 0; g < G; g++) {
+                const float z = zeros ? (float)zeros[n * G + g] : 0.0f, s = scales[n * G + g];
+                const int64_t k0 = g * gs, m = K - k0 < gs ? K - k0 : gs;
+                unpack(q, bits, K, n, k0, m, z, w + k0);
+                for (int64_t i = k0; i < k0 + m; i++) w[i] *= s;
+            }
+            if (out_type == 0)
+                memcpy((float *)out + (n - n0) * K, w, (size_t)K * sizeof(float));
+            else {
+                uint16_t *dst = (uint16_t *)out + (n - n0) * K;
+                int64_t k = 0;
 #if HAVE_DPBF16
-/* Rows t0 .. t0 + mr of bf16 x times bf16 panel pi (pairs of k per AVX512-BF16 dot). */
-static inline void block_bf16(const uint16_t *x, int64_t ldx, int64_t t0, int mr,
-                              const uint16_t *pp, int64_t K, float *out) {
-    __m512 a[MR][2];
-    for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-    const uint16_t *xr[MR];
-    for (int r = 0; r < MR; r++) xr[r] = x + (t0 + (r < mr ? r : 0)) * ldx;
-    int64_t K2 = K / 2;
-    for (int64_t kk = 0; kk < K2; kk++) {
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(pp + kk * 2 * NR));
-        __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(pp + kk * 2 * NR + NR));
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) {
-            if (r < mr) {
-                int32_t pair;
-                memcpy(&pair, xr[r] + 2 * kk, sizeof pair);
-                __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
-                a[r][0] = _mm512_dpbf16_ps(a[r][0], b, w0);
-                a[r][1] = _mm512_dpbf16_ps(a[r][1], b, w1);
+                for (; k + 16 <= K; k += 16) /* rounds to nearest even, as f32_to_bf16 */
+                    _mm256_storeu_si256((__m256i *)(dst + k),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w + k)));
+#endif
+                for (; k < K; k++) dst[k] = f32_to_bf16(w[k]);
             }
         }
+        free(w);
     }
-    if (K & 1) { /* the last k pairs with the packed zero */
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(pp + K2 * 2 * NR));
-        __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(pp + K2 * 2 * NR + NR));
-        for (int r = 0; r < mr; r++) {
-            int32_t pair = (int32_t)xr[r][K - 1];
-            __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
-            a[r][0] = _mm512_dpbf16_ps(a[r][0], b, w0);
-            a[r][1] = _mm512_dpbf16_ps(a[r][1], b, w1);
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        _mm512_storeu_ps(out + r * NR, a[r][0]);
-        _mm512_storeu_ps(out + r * NR + 16, a[r][1]);
-    }
-}
-#endif
-
-/* y [T, N] (row stride ldy) = x [T, K] (row stride ldx) @ W.T + bias, W packed in p; -1 if
- * this build does not compute element type e (loraplex_panel_features). */
-int loraplex_panel_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const void *p,
-                        int64_t N, const float *bias, void *y, int64_t ldy, int e, int threads) {
-    if (!(loraplex_panel_features() & (e == F32 ? 1 : 2))) return -1;
-    int64_t panels = (N + NR - 1) / NR;
-    int64_t pstride = e == F32 ? K * NR : ((K + 1) / 2) * NR * 2; /* elements per panel */
-    (void)pstride; /* unused in a build without vectors */
-#pragma omp parallel for num_threads(threads) if (threads > 1 && panels > 1) schedule(static)
-    for (int64_t pi = 0; pi < panels; pi++) {
-        float out[MR * NR];
-        for (int64_t t0 = 0; t0 < T; t0 += MR) {
-            int mr = T - t0 < MR ? (int)(T - t0) : MR;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-            if (e == F32)
-                block_f32((const float *)x, ldx, t0, mr, (const float *)p + pi * pstride, K, out);
-#endif
-#if HAVE_DPBF16
-            if (e == BF16)
-                block_bf16((const uint16_t *)x, ldx, t0, mr, (const uint16_t *)p + pi * pstride,
-                           K, out);
-#endif
-            for (int r = 0; r < mr; r++)
-                store_row(out + r * NR, bias, pi * NR, N, y, ldy, t0 + r, e);
-        }
-    }
-    return 0;
+    return failed;
 }
 
-/* ---------------------------------------------------------- 4- and 8-bit weights, bf16 x
+
+/* ------------------------------------- panels of 4- and 8-bit weights, bf16 x (panel.h)
  *
  * Semantics (G groups of gs input columns, the last one possibly shorter; gs and K even):
  *
  *     W[n, k]  = scales[n, k / gs] * (q[n, k] - zeros[n, k / gs])     (zeros NULL: 0)
  *     y[t, n]  = rnd(bias[n] + sum_g scales[n, g] * sum_{k in g} x[t, k] * (q[n, k] - z))
  *
- * Layout (loraplex_panel_q_pack, from the QuantWeight layout of qgemm.c), per panel of NR
- * columns, in halves of 16 columns (NR = 32 in the builds that compute it):
+ * Layout (loraplex_panel_q_pack, from the QuantWeight layout above), per panel of NR columns
+ * (panel.h), in halves of 16 columns (NR = 32 in the builds that compute it):
  *   4 bits: per four inputs 4j .. 4j + 3 and half h, 32 bytes: byte 2c + s (column 16 h + c,
  *     s = 0, 1) = q[n, 4j + s] | q[n, 4j + 2 + s] << 4 (inputs past K: 0);
  *   8 bits: per pair kk of inputs, NR byte pairs (q[n, 2 kk], q[n, 2 kk + 1]) as int8;
@@ -267,12 +438,12 @@ int loraplex_panel_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const 
  * off (c + z) * sum_group(x) and scale: y += s * (sum x (c + q) - (c + z) sum x).
  *
  * Blocking: MRQ rows at a time keep a group's partial sums in registers over a chunk of CKK
- * pairs (16 accumulators, as the dense kernel); the running sums of all rows wait in a small
+ * pairs (16 accumulators, as the dense panels of panel_gemm.c); the running sums of all rows wait in a small
  * per-thread buffer and take each group's scaled partials at the group's end, so the blocks
  * of rows need no second set of registers. Each block unpacks the weight as it reads it;
  * from PAIRS_FROM rows (prompt chunks) each chunk of the panel is unpacked once into a
- * buffer that stays in L1 and is read by every block. The result is bit-identical for any number of rows (each row's sums
- * are the same chain of operations). */
+ * buffer that stays in L1 and is read by every block. The result is bit-identical for any
+ * number of rows (each row's sums are the same chain of operations). */
 
 #define MRQ 8
 #define CKK 64 /* pairs of inputs per chunk: CKK * NR * 4 = 8 KiB of bf16 pairs */
@@ -290,7 +461,7 @@ int64_t loraplex_panel_q_bytes(int64_t N, int64_t K, int64_t G, int bits) {
     return panels * q_nib_bytes(K, bits) + panels * G * NR * 4 + panels * G * NR;
 }
 
-/* P from q (4 bits: uint8 [N, K / 2] in qgemm.c's 32-column blocks; 8 bits: int8 [N, K]),
+/* P from q (4 bits: uint8 [N, K / 2] in the 32-column blocks above; 8 bits: int8 [N, K]),
  * scales float32 [N, G], zeros int8 [N, G] or NULL: the values, then the scales and zero
  * points (see above). */
 void loraplex_panel_q_pack(const uint8_t *q, const float *scales, const int8_t *zeros,
@@ -333,8 +504,6 @@ void loraplex_panel_q_pack(const uint8_t *q, const float *scales, const int8_t *
 }
 
 #if HAVE_DPBF16
-#define INLINE static inline __attribute__((always_inline))
-
 /* pair kk's bf16 pairs (128 + q[n, 2 kk], 128 + q[n, 2 kk + 1]) of one half's 16 columns,
  * from that half's 32 bytes of four inputs (see the layout above) */
 INLINE __m512bh q4_pairs(const uint8_t *bytes, int64_t kk) {
@@ -543,7 +712,7 @@ int64_t loraplex_panel_w4a8_bytes(int64_t N, int64_t K, int64_t G) {
     return panels * (K / 2) * NR + panels * G * NR * 5;
 }
 
-/* P from q (uint8 [N, K / 2] in qgemm.c's 32-column blocks), scales float32 [N, G], zeros
+/* P from q (uint8 [N, K / 2] in the 32-column blocks above), scales float32 [N, G], zeros
  * int8 [N, G] or NULL (then 8, the symmetric 4-bit zero point). */
 void loraplex_panel_w4a8_pack(const uint8_t *q, const float *scales, const int8_t *zeros,
                               int64_t N, int64_t K, int64_t G, void *p) {
@@ -572,9 +741,6 @@ void loraplex_panel_w4a8_pack(const uint8_t *q, const float *scales, const int8_
 }
 
 #if HAVE_VNNI
-#ifndef INLINE
-#define INLINE static inline __attribute__((always_inline))
-#endif
 
 /* acc[r][h] (int32, exact) += xq . q of block rows r < MR_ over input blocks b0 .. b1 of one
  * panel; xq4[b][2][MRQ]: each row's four int8 of inputs 8b .. 8b+3, then of 8b+4 .. 8b+7. */
@@ -596,13 +762,6 @@ INLINE void w4a8_dots_n(const int32_t *xq4, const int MR_, const uint8_t *val, i
             acc[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][1], w1a, xa), w1b, xb);
         }
     }
-}
-
-/* x[t, k .. k + 16] as float32 (element type e) */
-INLINE __m512 w4a8_load(const float *xf, const uint16_t *xh, int64_t k, int e) {
-    if (e == F32) return _mm512_loadu_ps(xf + k);
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xh + k))), 16));
 }
 
 /* one group's exact sums of block rows t0 .. t0 + mr into the float32 running sums sums[t] */
@@ -650,18 +809,18 @@ int loraplex_panel_w4a8_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, c
         return -2;
     }
     for (int64_t t = 0; t < T; t++) {
-        const float *xf = (const float *)x + t * ldx;
-        const uint16_t *xh = (const uint16_t *)x + t * ldx;
+        const void *xt = e == F32 ? (const void *)((const float *)x + t * ldx)
+                                  : (const void *)((const uint16_t *)x + t * ldx); /* row t */
         __m512 amax = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 16)
-            amax = _mm512_max_ps(amax, _mm512_abs_ps(w4a8_load(xf, xh, k, e)));
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(vload(xt, k, e)));
         float s = _mm512_reduce_max_ps(amax) / 127.0f;
         s = s < 1e-10f ? 1e-10f : s;
         st[t] = s;
         __m512 sv = _mm512_set1_ps(s);
         for (int64_t k = 0; k < K; k += 16) { /* x / s, rounded half to even, clamped */
             __m512i qv = _mm512_cvtps_epi32(_mm512_roundscale_ps(
-                _mm512_div_ps(w4a8_load(xf, xh, k, e), sv),
+                _mm512_div_ps(vload(xt, k, e), sv),
                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             qv = _mm512_max_epi32(_mm512_min_epi32(qv, _mm512_set1_epi32(127)),
                                   _mm512_set1_epi32(-128));

@@ -15,41 +15,7 @@
  * 1 = bfloat16 (bf16 -> f32 is exact; f32 -> bf16 rounds to nearest even, as torch does).
  * The caller checks shapes, strides and bounds.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define HAVE_DPBF16 1
-#else
-#define HAVE_DPBF16 0
-#endif
-
-#define LANES 16
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static void row_to_f32(const void *src, int type, int64_t n, float *dst) {
-    if (type == 0) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-    }
-}
+#include "kernels.h"
 
 /* Loads of one table element as float32: the kernels below are written once over these. */
 static inline float load_f32(const void *p, int64_t i) { return ((const float *)p)[i]; }

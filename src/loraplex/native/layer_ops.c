@@ -33,27 +33,8 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 #include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-enum { F32 = 0, BF16 = 1 };
-#define LANES 16
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : r); /* NaN: quiet */
-}
+#include "kernels.h"
 
 INLINE float ld(const void *p, int64_t i, int e) {
     return e == F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
@@ -63,10 +44,10 @@ INLINE void st(void *p, int64_t i, int e, float v) {
     if (e == F32)
         ((float *)p)[i] = v;
     else
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
+        ((uint16_t *)p)[i] = f32_to_bf16_select(v);
 }
 
-INLINE float rnd(float v, int e) { return e == F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
+INLINE float rnd(float v, int e) { return e == F32 ? v : bf16_to_f32(f32_to_bf16_select(v)); }
 
 /* exp(x) for float32, branch-free so loops of it vectorise: x = n ln2 + r, |r| <= ln2 / 2 (n
  * rounded to nearest by the 1.5 * 2^23 shift, no floorf: GCC vectorises that only with
@@ -219,22 +200,9 @@ int loraplex_gated_act(const void *gu, int64_t gu_stride, int64_t T, int64_t I, 
 
 /* ----------------------------------------------------------------------- decode attention */
 
-/* Vectors of float32 for the attention's dot products and sums: AVX-512 or AVX2 where the
- * build has them (16 or 8 values), else scalar loops. */
+/* Vectors of float32 for the attention's dot products and sums (kernels.h: AVX-512 or AVX2
+ * where the build has them, 16 or 8 values), else scalar loops. */
 #if defined(__AVX512F__)
-#include <immintrin.h>
-#define VW 16
-typedef __m512 vec;
-INLINE vec vload(const void *p, int64_t i, int e) {
-    if (e == F32) return _mm512_loadu_ps((const float *)p + i);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#define VZERO() _mm512_setzero_ps()
-#define VSET1(x) _mm512_set1_ps(x)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define VLOADF(p) _mm512_loadu_ps(p)
 /* the four sums of a0 .. a3 into out[0 .. 3], in one reduction tree */
 INLINE void vsum4(vec a0, vec a1, vec a2, vec a3, float *out) {
     __m256 t0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
@@ -244,26 +212,11 @@ INLINE void vsum4(vec a0, vec a1, vec a2, vec a3, float *out) {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VW 8
-typedef __m256 vec;
-INLINE vec vload(const void *p, int64_t i, int e) {
-    if (e == F32) return _mm256_loadu_ps((const float *)p + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#define VZERO() _mm256_setzero_ps()
-#define VSET1(x) _mm256_set1_ps(x)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VSTORE(p, v) _mm256_storeu_ps(p, v)
-#define VLOADF(p) _mm256_loadu_ps(p)
+#elif HAVE_VEC
 INLINE void vsum4(vec a0, vec a1, vec a2, vec a3, float *out) {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
-#else
-#define VW 0
 #endif
 
 /* The G scores of one key row: s[g * n] = dot(q[g], k) for g < G (q float32 [G, hd], k of
@@ -271,11 +224,11 @@ INLINE void vsum4(vec a0, vec a1, vec a2, vec a3, float *out) {
 /* The scores of query heads q[0 .. M) (M <= 4, a constant where it is inlined) against k. */
 INLINE void scores_tile(const float *__restrict q, const void *__restrict k, int64_t hd,
                         int64_t n, float *__restrict s, int M, int e) {
-#if VW
+#if HAVE_VEC
     vec a[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
     for (int64_t d = 0; d < hd; d += VW) {
         vec kv = vload(k, d, e);
-        for (int t = 0; t < M; t++) a[t] = VFMA(VLOADF(q + t * hd + d), kv, a[t]);
+        for (int t = 0; t < M; t++) a[t] = VFMA(VLOAD(q + t * hd + d), kv, a[t]);
     }
     float sums[4];
     vsum4(a[0], a[1], a[2], a[3], sums);
@@ -288,7 +241,7 @@ INLINE void scores_tile(const float *__restrict q, const void *__restrict k, int
 INLINE void scores_row(const float *__restrict q, const void *__restrict k, int64_t G,
                        int64_t hd, int64_t n, float *__restrict s, int e) {
     int64_t g = 0;
-#if VW
+#if HAVE_VEC
     if (hd % VW == 0) {
         for (; g + 4 <= G; g += 4) scores_tile(q + g * hd, k, hd, n, s + g * n, 4, e);
         switch (G - g) { /* the last tile's width, as a constant */
@@ -315,7 +268,7 @@ INLINE void scores_row(const float *__restrict q, const void *__restrict k, int6
 INLINE void values_tile(const float *__restrict w, const char *__restrict v0,
                         const int64_t *table, int64_t lo, int64_t len, int64_t bs, int64_t row,
                         int64_t hd, int64_t n, int64_t d, void *out, int M, int e) {
-#if VW
+#if HAVE_VEC
     vec a[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
     for (int64_t p = lo; p < len;) {
         int64_t blk = p / bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
@@ -344,7 +297,7 @@ INLINE void weighted_values(const float *__restrict w, const char *__restrict v0
                             const int64_t *table, int64_t lo, int64_t len, int64_t bs,
                             int64_t row, int64_t G, int64_t hd, int64_t n, void *out, int e) {
     int64_t d = 0;
-#if VW
+#if HAVE_VEC
     int esz = e == F32 ? 4 : 2;
     for (; d + VW <= hd; d += VW) {
         int64_t g = 0;
