@@ -42,7 +42,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     probability ``probs[t] / probs.sum()`` and a zero-probability token never.
 
     Not ``torch.multinomial``: for one sample it races V exponential variates, a large share of
-    a CPU decode step for a 49k-token vocabulary (docs/benchmarks.md)."""
+    a CPU decode step for a 49k-token vocabulary (docs/benchmarks-history.md)."""
     cdf = probs.double().cumsum(0)  # [V], non-decreasing
     u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]  # [0, total)
     # the first token whose running sum exceeds u: a zero-probability token repeats its

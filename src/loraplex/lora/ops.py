@@ -185,7 +185,7 @@ class TorchReferenceOps(PerModuleOps):
 
 NATIVE_RUN_TOKENS = 64
 """Runs longer than this compute natively in ``TorchLoRAOps.native_runs`` dtypes; shorter ones
-upcast (where each wins was measured with ``loraplex.tools.bench.lora_ops``: docs/benchmarks.md)."""
+upcast (where each wins was measured with ``loraplex.tools.bench.lora_ops``: docs/benchmarks-history.md)."""
 
 
 class TorchLoRAOps(PerModuleOps):
@@ -202,7 +202,7 @@ class TorchLoRAOps(PerModuleOps):
 
     ``native_runs``: upcast dtypes the device has fast native GEMMs for. A run of more than
     ``NATIVE_RUN_TOKENS`` tokens (prefill) computes in ``x``'s dtype with its table rows
-    converted, where the native GEMM wins. (Figures: docs/benchmarks.md.)
+    converted, where the native GEMM wins. (Figures: docs/benchmarks-history.md.)
     """
 
     def __init__(

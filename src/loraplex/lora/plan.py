@@ -76,7 +76,7 @@ class LoRAPlanCosts:
     Defaults: the torch fast path (``TorchLoRAOps``, float32 compute) on a 2-core AVX2 CPU,
     fitted by ``python -m loraplex.tools.bench.lora_ops --calibrate`` (least squares of single-run time
     over token counts, ranks and feature sizes; the fits and their spread are in
-    docs/benchmarks.md). With them a decode step of one-token segments becomes a few runs and
+    docs/benchmarks-history.md). With them a decode step of one-token segments becomes a few runs and
     prefill segments of a few hundred tokens stay one run each, which is what the op
     microbenchmark found fastest. On a GPU the dispatch is relatively dearer and the MACs
     cheaper, so coalescing pays more; pass costs measured there.

@@ -9,7 +9,7 @@ in float32 from the bfloat16 weights (:class:`UpcastCPULinear`; the weights stay
 memory). Where loraplex's panel GEMM kernel (``panel_gemm.py``) computes the dtype with vectors,
 it is timed against oneDNN on one of the model's weight shapes at start-up and used if it is
 faster at decode sizes (and not much slower on a prompt chunk). The model never branches on
-which one it got. (Figures: docs/benchmarks.md.)
+which one it got. (Figures: docs/benchmarks-history.md.)
 """
 
 from __future__ import annotations
