@@ -144,6 +144,15 @@ def test_on_the_fly_quantization(mode: str, float_model: Path, tmp_path: Path) -
     assert llm.engine.merger is None  # never merged into quantized weights
 
 
+def test_every_checkpoint_format_has_a_reader() -> None:
+    """A format's name is declared once (config); its reader and its tensors' names are here."""
+    from loraplex.config import QUANTIZED_CHECKPOINT_FORMATS
+    from loraplex.model.quant.formats import _INT_SUFFIXES, READERS
+
+    assert set(READERS) == set(QUANTIZED_CHECKPOINT_FORMATS)
+    assert set(_INT_SUFFIXES) == set(QUANTIZED_CHECKPOINT_FORMATS)
+
+
 def test_quantization_refusals(float_model: Path, tmp_path: Path) -> None:
     qdir, _ = write_gptq(float_model, tmp_path / "q", tmp_path / "ref", bits=4, group_size=32)
     with pytest.raises(ModelLoadError, match="does not match the checkpoint's quant_method gptq"):

@@ -28,7 +28,7 @@ one line naming the field and what is supported.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +152,7 @@ def parse_quantization(
         raise ModelLoadError(
             f"--quantization {requested} does not match the checkpoint's quant_method {method}"
         )
-    return {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8}[method](qc)
+    return READERS[method](qc)
 
 
 def _gptq(qc: Mapping[str, Any]) -> QuantSpec:
@@ -247,6 +247,16 @@ def _fp8(qc: Mapping[str, Any]) -> QuantSpec:
 
 
 # ------------------------------------------------------------------------ tensor unpacking
+
+
+READERS: dict[str, Callable[[Mapping[str, Any]], QuantSpec]] = {
+    "gptq": _gptq,
+    "awq": _awq,
+    "compressed-tensors": _compressed,
+    "fp8": _fp8,
+}
+"""Each checkpoint format's ``quantization_config`` reader, by the format's name (one per name
+in ``QUANTIZED_CHECKPOINT_FORMATS``: a test keeps them equal, as ``_INT_SUFFIXES``)."""
 
 
 def is_quantized_tensor(spec: QuantSpec, suffix: str, dtype: str) -> bool:
