@@ -74,6 +74,21 @@ def test_huge_seed_is_accepted_and_reproducible(tiny_model: Path) -> None:
     assert e.is_idle()
 
 
+@pytest.mark.parametrize("adapter", ["all_r8", {"name": "a"}, 3])
+def test_adapter_of_the_wrong_type_is_a_clear_error(
+    tiny_model: Path, adapters: dict[str, Path], adapter: object
+) -> None:
+    """Not a LoRARequest (a name, a dict): InvalidRequestError naming lora_request, nothing
+    held, and the engine still serves."""
+    e = _engine(tiny_model, max_loras=2)
+    with pytest.raises(InvalidRequestError, match="lora_request must be a LoRARequest") as err:
+        e.add_request("r", "Hello", GREEDY, adapter)  # type: ignore[arg-type]
+    assert err.value.param == "lora_request"
+    assert not e.scheduler.waiting and "r" not in e.requests and e.is_idle()
+    e.add_request("ok", "Hello", GREEDY, LoRARequest("a", adapters["all_r8"]))
+    assert _run(e)["ok"].finished
+
+
 def test_failed_add_request_leaves_nothing_behind(
     tiny_model: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -230,6 +230,11 @@ class RequestIntake:
                 "stop strings need a tokenizer (skip_tokenizer_init=True was set); "
                 "use stop_token_ids"
             )
+        if adapter is not None and not isinstance(adapter, (AdapterSpec, LoRARequest)):
+            raise InvalidRequestError(
+                f"lora_request must be a LoRARequest (or None), got {type(adapter).__name__}",
+                param="lora_request",
+            )
         if adapter is not None and self.adapters is None:
             raise InvalidRequestError(
                 f"adapter {adapter.name!r} requested but LoRA is disabled (enable_lora)"
