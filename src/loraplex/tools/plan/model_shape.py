@@ -3,7 +3,6 @@ architecture's own parse where there is one) or a preset, and the parameters of 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from loraplex.checkpoint.modules import (
     projection_shapes,
     vocab_module_shapes,
 )
+from loraplex.lora import digest
 
 PACKED_GATE_UP = "experts.gate_up_proj"
 """PEFT's ``target_parameters`` LoRA on the packed ``mlp.experts.gate_up_proj`` as the planner
@@ -318,11 +318,11 @@ def load_model(spec: str) -> ModelShape:
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON file holding an object (a config or a manifest); a :class:`PlanError` else."""
+    """A JSON file holding an object (a config or a manifest: ``lora.digest``'s reader); a
+    :class:`PlanError` else."""
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        return digest.read_json_object(path, str(path))[1]
+    except OSError as e:
         raise PlanError(f"cannot read {path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise PlanError(f"{path} is not a JSON object")
-    return cfg
+    except digest.DigestError as e:
+        raise PlanError(str(e)) from None
