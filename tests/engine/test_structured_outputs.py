@@ -291,8 +291,8 @@ def test_whitespace_loving_model_writes_compact_json_by_default(
     llm: LLM, ws_bias: dict[int, float], temperature: float, seed: int | None
 ) -> None:
     """The issue's finding: a model pushed to whitespace, {"ok": boolean}, max_tokens 40. By
-    default the answer is the compact text itself: it parses, and its length is the compact
-    length (at most twice the shortest serialisation)."""
+    default the answer is the compact text itself (it parses, one line), within the token
+    budget of at most one whitespace character per gap."""
     sp = _sp(StructuredOutput(json_schema=OK_ONLY), temperature=temperature, seed=seed,
              max_tokens=40, logit_bias=ws_bias)  # fmt: skip
     out = llm.generate(PROMPT, sp)[0].outputs[0]
@@ -300,7 +300,6 @@ def test_whitespace_loving_model_writes_compact_json_by_default(
     value = json.loads(out.text)
     jsonschema.validate(value, OK_ONLY)
     assert out.text == json.dumps(value)  # one line, ", " and ": " separators
-    assert len(out.text) <= 2 * len(json.dumps(value, separators=(",", ":")))
     assert len(out.token_ids) <= token_budget(OK_ONLY, 1)
 
 
