@@ -51,12 +51,20 @@ def random_case(
     max_rank: int = 64,
     with_gaps: bool = True,
 ) -> tuple[int, list[tuple[int, int, int, int]], int]:
-    """Sorted segments with random ranks, empty segments, base tokens and gap rows.
+    """Sorted segments with random ranks, empty segments, base tokens, gap rows, and (with
+    gaps) repeats of the previous segment's rows after base tokens (an activated LoRA's rows
+    before its activation point, in a step with several of its sequences).
 
     Returns (num_tokens, segments, table rows).
     """
     segs, t, r = [], 0, 0
     for _ in range(n_segments):
+        if with_gaps and segs and rng.random() < 0.25:
+            t += rng.randint(1, 3)  # the same adapter again, after base tokens
+            n = rng.randint(*tokens)
+            segs.append((t, t + n, segs[-1][2], segs[-1][3]))
+            t += n
+            continue
         if with_gaps and rng.random() < 0.4:
             t += rng.randint(1, 3)  # base-model tokens before / between segments
         if with_gaps and rng.random() < 0.3:

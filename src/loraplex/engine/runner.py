@@ -88,7 +88,7 @@ class ModelRunner:
         assert self.merger is not None
         digests = {s.adapter.ref.sha256 if s.adapter else None for s, _ in batch.items}
         seq = batch.items[0][0]
-        if len(digests) > 1 or seq.adapter is None:
+        if len(digests) > 1 or seq.adapter is None or seq.is_alora:  # aLoRA: never merged
             self.merger.before_step(None, None)
             self._merged_vocab = frozenset()
             return None
@@ -189,12 +189,16 @@ class ModelRunner:
                 logits_idx.append(t + n - 1)
                 samplers.append(seq)
             merged = seq.slot == self._merged_slot
-            if seq.slot is not None and (not merged or self._merged_vocab):
+            lo = seq.lora_start  # an aLoRA's rows before its activation point are base rows
+            if seq.slot is not None and lo is not None and (not merged or self._merged_vocab):
                 rs, re = slot_rows[seq.slot]
-                if segments and segments[-1][2] == rs and segments[-1][1] == t:
+                first = t + max(lo - start, 0)
+                if first >= t + n:
+                    pass  # the whole chunk lies before the activation point
+                elif segments and segments[-1][2] == rs and segments[-1][1] == first:
                     segments[-1] = (segments[-1][0], t + n, rs, re)
                 else:
-                    segments.append((t, t + n, rs, re))
+                    segments.append((first, t + n, rs, re))
             t += n
         dev = self.device
         attn = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), prefills=prefills)

@@ -32,7 +32,7 @@ from loraplex.engine.scheduling import (
     make_policy,
 )
 from loraplex.engine.sequence import Sequence, SequenceStatus
-from loraplex.kv.block_pool import BlockPool, hash_block, hash_prefix_blocks
+from loraplex.kv.block_pool import BlockPool, hash_prefix_blocks
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import LoRAAdapter
@@ -427,7 +427,7 @@ class Scheduler:
             ):
                 tokens = seq.all_token_ids
                 bs = self.pool.block_size
-                seq.block_hashes = hash_prefix_blocks(seq.namespace, tokens, bs)
+                seq.block_hashes = hash_prefix_blocks(seq.namespaces(bs), tokens, bs)
                 # at least one token must be computed to produce logits
                 hits = self.pool.lookup(seq.block_hashes[: (len(tokens) - 1) // bs])
             computed = len(hits) * self.pool.block_size
@@ -498,11 +498,10 @@ class Scheduler:
         if full <= seq.num_published_blocks:
             return
         if len(seq.block_hashes) < full:
-            tokens = seq.all_token_ids
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            for b in range(len(seq.block_hashes), full):
-                parent = hash_block(parent, seq.namespace, tokens[b * bs : (b + 1) * bs])
-                seq.block_hashes.append(parent)
+            tokens = seq.all_token_ids[: full * bs]
+            seq.block_hashes = hash_prefix_blocks(
+                seq.namespaces(bs), tokens, bs, seq.block_hashes
+            )
         for b in range(seq.num_published_blocks, full):
             self.pool.register(seq.block_ids[b], seq.block_hashes[b])
         seq.num_published_blocks = full

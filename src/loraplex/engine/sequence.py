@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.kv.block_pool import salted_namespace
+from loraplex.kv.block_pool import alora_namespace, salted_namespace
+from loraplex.lora.peft.activation import activation_start
 from loraplex.outputs import TokenLogprob
 from loraplex.requests import SamplingParams
 from loraplex.types import BASE_NAMESPACE
@@ -67,11 +69,42 @@ class Sequence:
     priority: int = 0
     tenant: str | None = None
     preempted_at_step: int | None = None  # the scheduler step that last preempted it
+    # the first position the adapter applies to (0: a standard LoRA; an aLoRA's activation
+    # point; None: no adapter, or an aLoRA whose invocation the prompt lacks: base throughout)
+    lora_start: int | None = field(init=False, default=None)
     _namespace: bytes = field(init=False, repr=False, default=b"")
+    _base_namespace: bytes = field(init=False, repr=False, default=b"")
 
     def __post_init__(self) -> None:
-        base = self.adapter.ref.namespace if self.adapter is not None else BASE_NAMESPACE
-        self._namespace = salted_namespace(base, self.cache_salt)
+        self._base_namespace = salted_namespace(BASE_NAMESPACE, self.cache_salt)
+        self._namespace = self._base_namespace
+        if self.adapter is None:
+            return
+        ns = self.adapter.ref.namespace
+        invocation = self.adapter.alora_invocation_tokens
+        if invocation is None:
+            self.lora_start = 0
+        else:
+            self.lora_start = activation_start(self.prompt_token_ids, invocation)
+            if self.lora_start is None:
+                return  # the base model throughout: base KV, base keys
+            ns = alora_namespace(ns, self.lora_start)
+        self._namespace = salted_namespace(ns, self.cache_salt)
+
+    @property
+    def is_alora(self) -> bool:
+        """Its adapter is an activated LoRA (applied from its invocation on, if found)."""
+        return self.adapter is not None and self.adapter.alora_invocation_tokens is not None
+
+    def namespaces(self, block_size: int) -> Callable[[int], bytes]:
+        """``block -> `` the prefix-cache namespace of that KV block: the base model's (salted)
+        when the adapter touches none of its tokens (a block wholly before an aLoRA's
+        activation point; every block of a request that runs the base model), else
+        :attr:`namespace`."""
+        start, base, own = self.lora_start, self._base_namespace, self._namespace
+        if start is None:
+            return lambda block: base
+        return lambda block: base if (block + 1) * block_size <= start else own
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -83,8 +116,9 @@ class Sequence:
 
     @property
     def namespace(self) -> bytes:
-        """Prefix-cache namespace: the adapter's digest (or the base's), salted with
-        ``cache_salt`` when there is one."""
+        """Prefix-cache namespace of the blocks the adapter shapes: the adapter's digest (with
+        an aLoRA's activation point), or the base's; salted with ``cache_salt`` when there is
+        one. Blocks the adapter leaves alone: :meth:`block_namespace`."""
         return self._namespace
 
     @property

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from loraplex.types import BASE_NAMESPACE
 
@@ -34,6 +34,17 @@ def salted_namespace(namespace: bytes, salt: str | None) -> bytes:
     return b"salt:" + h.digest()
 
 
+def alora_namespace(namespace: bytes, start: int) -> bytes:
+    """The namespace of the blocks an activated LoRA shapes when it starts at prompt position
+    ``start``: ``blake2b("loraplex-alora" || namespace || start)``. The KV of the block holding
+    the activation point depends on where in it the adapter starts, which the block's tokens
+    alone do not say (the last invocation may end in a later block)."""
+    h = hashlib.blake2b(digest_size=32, person=b"loraplex-alora")
+    h.update(namespace)
+    h.update(struct.pack("<q", start))
+    return b"alora:" + h.digest()
+
+
 def hash_block(parent: bytes | None, namespace: bytes, tokens: Sequence[int]) -> bytes:
     """h = blake2b(parent || namespace || tokens) — chained so a hit implies the whole prefix."""
     h = hashlib.blake2b(digest_size=16)
@@ -43,12 +54,20 @@ def hash_block(parent: bytes | None, namespace: bytes, tokens: Sequence[int]) ->
     return h.digest()
 
 
-def hash_prefix_blocks(namespace: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """Hashes of every *full* block of ``tokens``."""
-    out: list[bytes] = []
-    parent = None
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, namespace, tokens[start : start + block_size])
+def hash_prefix_blocks(
+    namespace: bytes | Callable[[int], bytes],
+    tokens: Sequence[int],
+    block_size: int,
+    known: Sequence[bytes] = (),
+) -> list[bytes]:
+    """Hashes of every *full* block of ``tokens``; ``namespace`` is one for all blocks or
+    ``namespace(b)`` per block index ``b``. ``known``: the hashes of the first blocks, already
+    computed (extended, not recomputed)."""
+    out = list(known)
+    parent = out[-1] if out else None
+    for b in range(len(out), len(tokens) // block_size):
+        ns = namespace if isinstance(namespace, bytes) else namespace(b)
+        parent = hash_block(parent, ns, tokens[b * block_size : (b + 1) * block_size])
         out.append(parent)
     return out
 

@@ -52,6 +52,7 @@ from loraplex.lora.digest import (
     tensor_header_line,
 )
 from loraplex.lora.filehash import SEGMENT, read_digest, segmented_digest
+from loraplex.lora.peft.activation import invocation_tokens
 from loraplex.lora.peft.config import parse_lora_config
 from loraplex.lora.peft.errors import FormatError
 from loraplex.lora.peft.experts import ExpertModuleLayout
@@ -110,6 +111,12 @@ class LoRAAdapter:
         """The weights as device-slot writes copy them (lists built on the first load, kept
         for the next ones)."""
         return SlotSource(self.weights)
+
+    @functools.cached_property
+    def alora_invocation_tokens(self) -> tuple[int, ...] | None:
+        """The invocation sequence of an activated LoRA (None: a standard LoRA, applied from
+        the first token); see :mod:`loraplex.lora.peft.activation`."""
+        return invocation_tokens(self.config)
 
     @property
     def rank(self) -> int:

@@ -5,7 +5,9 @@ Layout (see ``loraplex.lora.slots``): every module has tables ``a [capacity, d_i
 range of rank rows in all of them. The runner orders the step's tokens so each adapter's tokens
 are contiguous and adapters appear in increasing row order; a *segment*
 ``(tok_start, tok_end, row_start, row_end)`` says "these tokens use these rows". Tokens outside
-every segment use the base model only.
+every segment use the base model only. One adapter may have several segments in a row, with the
+same rows and base tokens between them: an activated LoRA's tokens before its activation point
+are base tokens inside that adapter's part of the step.
 
 ``plan_lora_batch`` turns segments into *runs*: one shrink GEMM + one expand GEMM each. Adjacent
 segments are coalesced into one run with a 0/1 mask (each token keeps only its own rows) when the
@@ -103,8 +105,9 @@ def plan_lora_batch(
 ) -> LoRABatchPlan:
     """Plan one step: group the sorted segments into runs minimising ``costs``' model.
 
-    ``segments`` must be sorted: token ranges and row ranges both increasing and disjoint.
-    Segments with no tokens or no rows are dropped. ``dtype``/``device``: the masks' (the
+    ``segments`` must be sorted: token ranges increasing and disjoint, row ranges increasing
+    and disjoint or equal to the previous segment's (one adapter's tokens with base tokens
+    between). Segments with no tokens or no rows are dropped. ``dtype``/``device``: the masks' (the
     ops' compute dtype is fine too; masks are exactly 0/1 in any float dtype). ``modules``:
     see ``LoRABatchPlan.modules``.
     """
@@ -124,7 +127,8 @@ def plan_lora_batch(
         best_j, used_rows = float("inf"), 0
         for i in range(j - 1, max(-1, j - 1 - costs.max_run_segments), -1):  # run = segs[i:j]
             ts, _, rs, r_end = segs[i]
-            used_rows += r_end - rs
+            if i == j - 1 or (rs, r_end) != segs[i + 1][2:]:  # rows a repeat reads once
+                used_rows += r_end - rs
             work = overhead + mac_us * (te - ts) * (re - rs)
             # work only grows as i decreases and best[] >= 0: no earlier start can do better.
             if work >= best_j:
@@ -219,17 +223,21 @@ def _check_segments(num_tokens: int, segments: Sequence[Segment]) -> list[Segmen
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     kept: list[Segment] = []
-    prev_te = prev_re = 0
+    prev_te = prev_rs = prev_re = 0
     for seg in segments:
         ts, te, rs, re = seg
         if not (0 <= ts <= te <= num_tokens and 0 <= rs <= re):
             raise ValueError(f"bad segment {seg} for {num_tokens} tokens")
         if ts == te or rs == re:
             continue
-        if ts < prev_te or rs < prev_re:
-            raise ValueError(f"segments must be sorted and disjoint in tokens and rows: {seg}")
+        repeat = kept and (rs, re) == (prev_rs, prev_re)
+        if ts < prev_te or (rs < prev_re and not repeat):
+            raise ValueError(
+                "segments must be sorted and disjoint in tokens, and in rows unless they "
+                f"repeat the previous segment's: {seg}"
+            )
         kept.append((int(ts), int(te), int(rs), int(re)))
-        prev_te, prev_re = te, re
+        prev_te, prev_rs, prev_re = te, rs, re
     return kept
 
 
@@ -238,11 +246,15 @@ def _make_run(segs: Sequence[Segment], dtype: torch.dtype, device: torch.device)
     t0, t1, r0, r1 = segs[0][0], segs[-1][1], segs[0][2], segs[-1][3]
     if len(segs) == 1:
         return LoRARun(t0, t1, r0, r1, None)
-    # Label every token and row with its segment index; base tokens -1, gap rows -2.
+    # Label every token and row with its row range's index (a repeated range keeps its
+    # predecessor's); base tokens -1, gap rows -2.
     # (numpy: a small numpy op costs a fraction of a small torch op's dispatch.)
     tok_labels = np.full(t1 - t0, -1)  # [T_run]
     row_labels = np.full(r1 - r0, -2)  # [R_run]
-    for k, (ts, te, rs, re) in enumerate(segs):
+    k = -1
+    for i, (ts, te, rs, re) in enumerate(segs):
+        if i == 0 or (rs, re) != segs[i - 1][2:]:
+            k += 1
         tok_labels[ts - t0 : te - t0] = k
         row_labels[rs - r0 : re - r0] = k
     mask = torch.from_numpy(tok_labels[:, None] == row_labels[None, :])  # [T_run, R_run]

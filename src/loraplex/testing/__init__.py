@@ -200,9 +200,11 @@ def make_random_adapter(
     std: float = 0.05,
     save_format: str = "safetensors",
     target_parameters: list[str] | None = None,
+    alora_invocation_tokens: list[int] | None = None,
 ) -> Path:
     """Create a PEFT LoRA adapter with random non-zero A and B for the model in ``base_dir``
-    (``target_parameters``: PEFT's LoRA on parameters, a MoE's packed experts and router)."""
+    (``target_parameters``: PEFT's LoRA on parameters, a MoE's packed experts and router;
+    ``alora_invocation_tokens``: an activated LoRA)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -216,6 +218,7 @@ def make_random_adapter(
         rank_pattern=rank_pattern or {},
         alpha_pattern=alpha_pattern or {},
         target_parameters=target_parameters,
+        alora_invocation_tokens=alora_invocation_tokens,
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -335,6 +338,28 @@ def reference_greedy(
         rows.append(torch.log_softmax(logits, dim=-1))
         ids.append(int(logits.argmax()))
     return ids[len(prompt_ids) :], torch.stack(rows)
+
+
+@torch.no_grad()
+def reference_greedy_alora(
+    model: Any, prompt_ids: list[int], max_new_tokens: int, start: int | None
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """:func:`reference_greedy` for a PEFT aLoRA model (unmerged) whose adapter starts at
+    prompt position ``start`` (None: not invoked, the base model throughout), passing PEFT's
+    ``alora_offsets`` explicitly (a plain forward applies no aLoRA at all in PEFT 0.21).
+    Returns (new tokens, their logprobs [n, vocab], prompt logprobs [len(prompt) - 1, vocab]:
+    row ``i`` is ``log p(prompt[i + 1] | prompt[: i + 1])``)."""
+    ids = list(prompt_ids)
+    rows, prompt_rows = [], None
+    for _ in range(max_new_tokens):
+        offsets = [None if start is None else len(ids) - start]
+        logits = model(torch.tensor([ids]), alora_offsets=offsets).logits[0].float()
+        if prompt_rows is None:
+            prompt_rows = torch.log_softmax(logits[:-1], dim=-1)
+        rows.append(torch.log_softmax(logits[-1], dim=-1))
+        ids.append(int(logits[-1].argmax()))
+    assert prompt_rows is not None
+    return ids[len(prompt_ids) :], torch.stack(rows), prompt_rows
 
 
 def write_json(path: str | Path, obj: Any) -> None:

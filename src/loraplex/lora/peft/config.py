@@ -18,6 +18,7 @@ from loraplex.checkpoint.modules import (
     VOCAB_MODULES,
     vocab_module_key,
 )
+from loraplex.lora.peft.activation import invocation_tokens
 from loraplex.lora.peft.errors import FormatError
 from loraplex.lora.peft.targets import LoraSettings, is_finite_number
 
@@ -29,7 +30,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "layer_replication": "layer_replication is not supported",
     "use_qalora": "QA-LoRA adapters are not supported",
     "trainable_token_indices": "trainable tokens (trainable_token_indices) are not supported",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
     "arrow_config": "Arrow routing (arrow_config) is not supported",
     "kasa_config": "KaSA adapters (kasa_config) are not supported",
@@ -143,7 +143,25 @@ def parse_lora_config(config: Mapping[str, Any]) -> LoraSettings:
             f"ensure_weight_tying=True with {' and '.join(tied)} targeted: one LoRA shared "
             "by a tied embedding and LM head is not supported"
         )
+    if invocation_tokens(config) is not None:
+        _check_alora_targets(settings)
     return settings
+
+
+def _check_alora_targets(settings: LoraSettings) -> None:
+    """PEFT applies aLoRA's activation mask on linear layers only: an aLoRA adapter on the
+    embedding (or on packed experts) would be adapted before its activation point there, which
+    no served path reproduces; refuse it."""
+    if settings.is_targeted(vocab_module_key("embed_tokens")):
+        raise _config_error(
+            "alora_invocation_tokens with embed_tokens targeted: activated LoRA applies to "
+            "linear layers only (PEFT's aLoRA variant); an embedding LoRA is not supported"
+        )
+    if settings.target_parameters:
+        raise _config_error(
+            f"alora_invocation_tokens with target_parameters={list(settings.target_parameters)}:"
+            " activated LoRA on packed experts or the router is not supported"
+        )
 
 
 def merge_writes_tied_matrix(config: Mapping[str, Any], base_config: Mapping[str, Any]) -> bool:
