@@ -98,6 +98,7 @@ ALLOWED: dict[str, set[str]] = {
 TORCH_FREE_LORA = {
     "loraplex.lora.digest",
     "loraplex.lora.peft",
+    "loraplex.lora.peft.activation",
     "loraplex.lora.peft.config",
     "loraplex.lora.peft.errors",
     "loraplex.lora.peft.experts",

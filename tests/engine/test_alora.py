@@ -154,9 +154,7 @@ def test_mixed_batch_equals_peft(family: dict, backend: str, chunk: int | None) 
     sp = SamplingParams(
         temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3, prompt_logprobs=3
     )
-    loras = [
-        LoRARequest(n, str(family["adapters"][n])) if n else None for n, _, _ in jobs
-    ]
+    loras = [LoRARequest(n, str(family["adapters"][n])) if n else None for n, _, _ in jobs]
     outs = llm.generate([{"prompt_token_ids": ids} for _, _, ids in jobs], sp, loras)
     for (name, case, ids), out in zip(jobs, outs, strict=True):
         want, ref_lp, ref_prompt = _reference(family, name, ids)
@@ -183,7 +181,9 @@ def test_mixed_batch_equals_peft(family: dict, backend: str, chunk: int | None) 
     for (name, case, ids), out, base in zip(jobs, outs, base_run, strict=True):
         if name is None:
             continue
-        start = 0 if not ADAPTERS[name].get("alora") else activation_start(ids, ADAPTERS[name]["alora"])
+        start = (
+            0 if not ADAPTERS[name].get("alora") else activation_start(ids, ADAPTERS[name]["alora"])
+        )
         if start is None:
             assert out.outputs[0].token_ids == base.outputs[0].token_ids, (name, case)
             continue
@@ -228,7 +228,7 @@ def test_blocks_before_the_activation_point_are_shared_with_the_base(llama: dict
     ads = llama["adapters"]
     ctx = _context(11, 26)  # 6 full blocks and 2 tokens
     question = [50, 51, 52]
-    base = _one(llm, ctx + [60, 61], None, ads)
+    base = _one(llm, [*ctx, 60, 61], None, ads)
     assert base.num_cached_tokens == 0
     # the activation point is at 26: the 6 blocks wholly before it come from the base's run
     a1 = _one(llm, ctx + INV_A + question, "al_all_r8", ads)
@@ -242,18 +242,20 @@ def test_blocks_before_the_activation_point_are_shared_with_the_base(llama: dict
     # a standard LoRA shapes every block from the first token: nothing to share
     assert _one(llm, ctx + INV_A + question, "std_r8", ads).num_cached_tokens == 0
     # an aLoRA whose invocation is absent runs the base model: base blocks, base tokens
-    absent = _one(llm, ctx + [60, 61], "al_mlp_r16", ads)
+    absent = _one(llm, [*ctx, 60, 61], "al_mlp_r16", ads)
     assert absent.num_cached_tokens == 24
     assert absent.outputs[0].token_ids == base.outputs[0].token_ids
     # the base model reads what an aLoRA request published before its activation point
     ctx2 = _context(12, 17)
     first = _one(llm, ctx2 + INV_B + question, "al_mlp_r16", ads)
     assert first.num_cached_tokens == 0
-    assert _one(llm, ctx2 + [60], None, ads).num_cached_tokens == 16
+    assert _one(llm, [*ctx2, 60], None, ads).num_cached_tokens == 16
     assert llm.engine.is_idle()
 
 
-def _seq(llm: LLM, ids: list[int], adapter: str | None, adapters: dict, salt: str | None) -> Sequence:
+def _seq(
+    llm: LLM, ids: list[int], adapter: str | None, adapters: dict, salt: str | None
+) -> Sequence:
     lr = LoRARequest(adapter, str(adapters[adapter])) if adapter else None
     req = GenerationRequest("x", ids, SamplingParams(max_tokens=1), adapter=lr, cache_salt=salt)
     prepared = llm.engine.prepare_request(req)

@@ -530,7 +530,15 @@ def test_refuses_missing_and_corrupt_files(
         ({"use_qalora": True}, "use_qalora"),
         ({"target_parameters": ["mlp.experts.down_proj"]}, "target_parameters"),
         ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
-        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+        ({"alora_invocation_tokens": []}, "alora_invocation_tokens must be a list"),
+        ({"alora_invocation_tokens": [5, -1]}, "alora_invocation_tokens must be a list"),
+        ({"alora_invocation_tokens": "5 6"}, "alora_invocation_tokens must be a list"),
+        ({"alora_invocation_tokens": [5, True]}, "alora_invocation_tokens must be a list"),
+        ({"alora_invocation_tokens": [5] * 1025}, "alora_invocation_tokens must be a list"),
+        (
+            {"alora_invocation_tokens": [5], "target_modules": ["q_proj", "embed_tokens"]},
+            "activated LoRA applies to linear layers only",
+        ),
         ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights"),
         ({"init_lora_weights": "loftq"}, "init_lora_weights"),
         ({"r": 0}, "r must"),
@@ -546,6 +554,18 @@ def test_refuses_config(
 ) -> None:
     path = write_adapter(tmp_path / "ad", hand_config(**overrides), hand_tensors(spec))
     assert_refused(path, spec, field)
+
+
+def test_activated_lora_loads_with_its_invocation(spec: BaseModelSpec, tmp_path: Path) -> None:
+    cfg = hand_config(alora_invocation_tokens=[5, 6, 7])
+    adapter = load_peft_adapter(write_adapter(tmp_path / "ad", cfg, hand_tensors(spec)), spec)
+    assert adapter.alora_invocation_tokens == (5, 6, 7)
+    plain = write_adapter(tmp_path / "plain", hand_config(), hand_tensors(spec))
+    assert load_peft_adapter(plain, spec).alora_invocation_tokens is None
+    # the invocation is part of the identity: another sequence, another digest
+    other = hand_config(alora_invocation_tokens=[5, 6])
+    moved = load_peft_adapter(write_adapter(tmp_path / "o", other, hand_tensors(spec)), spec)
+    assert moved.ref.sha256 != adapter.ref.sha256
 
 
 def test_hand_made_adapter_loads(spec: BaseModelSpec, tmp_path: Path) -> None:

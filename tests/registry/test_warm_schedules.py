@@ -104,7 +104,7 @@ def test_migration_0003_adds_the_column_to_a_0002_database(db_url: str) -> None:
     cols = {c["name"] for c in inspect(eng).get_columns("adapter_revisions")}
     assert "warm_schedule" not in cols and "max_concurrent_requests" in cols
     Registry.open(db_url).close()  # opening migrates to head
-    assert current_revision(eng) == head_revision() == "0003_warm_schedule"
+    assert current_revision(eng) == head_revision()
     cols = {c["name"] for c in inspect(eng).get_columns("adapter_revisions")}
     assert "warm_schedule" in cols
     with eng.begin() as conn:

@@ -499,9 +499,7 @@ class Scheduler:
             return
         if len(seq.block_hashes) < full:
             tokens = seq.all_token_ids[: full * bs]
-            seq.block_hashes = hash_prefix_blocks(
-                seq.namespaces(bs), tokens, bs, seq.block_hashes
-            )
+            seq.block_hashes = hash_prefix_blocks(seq.namespaces(bs), tokens, bs, seq.block_hashes)
         for b in range(seq.num_published_blocks, full):
             self.pool.register(seq.block_ids[b], seq.block_hashes[b])
         seq.num_published_blocks = full

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch

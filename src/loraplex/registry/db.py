@@ -126,6 +126,8 @@ class RevisionRow(Base):
     signed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)
     warm_schedule: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON object
+    # JSON list of token ids: an activated LoRA's invocation sequence (NULL: a standard LoRA)
+    alora_invocation_tokens: Mapped[str | None] = mapped_column(Text, nullable=True)
     __table_args__ = (
         UniqueConstraint("name", "revision", name="uq_revision"),
         CheckConstraint(_STATUS_CHECK, name="ck_status"),

@@ -29,6 +29,7 @@ from loraplex.checkpoint.modules import (
 from loraplex.checkpoint.safetensors import FLOAT_DTYPES
 from loraplex.config import QUANTIZE_AT_LOAD
 from loraplex.lora.digest import AdapterFiles, DigestError, read_adapter_dir, read_json_object
+from loraplex.lora.peft.activation import invocation_tokens
 from loraplex.lora.peft.config import parse_lora_config, unservable_targets
 from loraplex.lora.peft.errors import FormatError
 from loraplex.lora.peft.files import BIN_NAME, SAFETENSORS_NAME
@@ -92,6 +93,7 @@ class AdapterInfo:
     dtype: str  # e.g. "float16"; "mixed" when tensors differ
     target_modules: tuple[str, ...]  # modules adapted (embed_tokens, lm_head, then projections)
     nbytes: int
+    alora_invocation_tokens: tuple[int, ...] | None = None  # an activated LoRA's invocation
 
 
 def _file_sha256(path: Path) -> str:
@@ -226,4 +228,5 @@ def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> 
         dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
         target_modules=tuple(p for p in order if p in present),
         nbytes=files.nbytes,
+        alora_invocation_tokens=invocation_tokens(config),
     )

@@ -58,6 +58,9 @@ class Manifest:
     max_concurrent_requests: int | None = None  # calls in flight at once; None: no limit
     # warm windows (``{"device": "Mon-Fri 08:00-18:00", "tz": ...}``); None: ``warm_policy`` only
     warm_schedule: WarmSchedule | None = None
+    # an activated LoRA's invocation sequence, from its config (None: a standard LoRA); the
+    # config digest (hence ``sha256`` and a signature) covers it
+    alora_invocation_tokens: tuple[int, ...] | None = None
 
     @property
     def ref(self) -> AdapterRef:
@@ -73,6 +76,8 @@ class Manifest:
         d = asdict(self)
         d["target_modules"] = list(self.target_modules)
         d["warm_schedule"] = None if self.warm_schedule is None else self.warm_schedule.to_dict()
+        inv = self.alora_invocation_tokens
+        d["alora_invocation_tokens"] = None if inv is None else list(inv)
         return d
 
     def signed_payload(self) -> bytes:

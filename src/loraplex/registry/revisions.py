@@ -97,6 +97,7 @@ class Revisions:
             dtype=info.dtype,
             target_modules=info.target_modules,
             nbytes=info.nbytes,
+            alora_invocation_tokens=info.alora_invocation_tokens,
             source_uri=src,
             path=str(resolved),
         )

@@ -22,6 +22,8 @@ def manifest_of(row: RevisionRow) -> Manifest:
     values = {f: getattr(row, f) for f in _MANIFEST_FIELDS}
     values["target_modules"] = tuple(json.loads(row.target_modules))
     values["warm_schedule"] = _schedule_of(row.warm_schedule)
+    inv = row.alora_invocation_tokens
+    values["alora_invocation_tokens"] = None if inv is None else tuple(json.loads(inv))
     return Manifest(**values)
 
 
@@ -30,6 +32,8 @@ def revision_row_of(m: Manifest) -> RevisionRow:
     values["target_modules"] = json.dumps(list(m.target_modules))
     ws = m.warm_schedule
     values["warm_schedule"] = None if ws is None else json.dumps(ws.to_dict(), sort_keys=True)
+    inv = m.alora_invocation_tokens
+    values["alora_invocation_tokens"] = None if inv is None else json.dumps(list(inv))
     return RevisionRow(**values)
 
 

@@ -128,6 +128,10 @@ def list_models(
                 "permission": [_permission(created)],
                 "revision": m.revision,
                 "sha256": m.sha256,
+                # an activated LoRA applies from the last occurrence of these tokens on
+                "alora_invocation_tokens": (
+                    None if m.alora_invocation_tokens is None else list(m.alora_invocation_tokens)
+                ),
             }
         )
     return {"object": "list", "data": data}
