@@ -57,6 +57,7 @@ from loraplex.engine.async_engine import (
 from loraplex.engine.intake import PreparedRequest
 from loraplex.engine.llm_engine import LLMEngine, StepStats
 from loraplex.engine.vocab import TokenVocab
+from loraplex.kv.stats import SharingStats
 from loraplex.requests import GenerationRequest
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec, InvalidRequestError
 
@@ -290,6 +291,15 @@ class EngineClient:
         """(prompt tokens looked up in the prefix cache, tokens found) since start-up."""
         pool = self.engine.pool
         return pool.query_tokens, pool.hit_tokens
+
+    def sharing_stats(self) -> SharingStats:
+        """Per-adapter prefix-cache counters, base-aligned hits and aLoRA invocations (a
+        copy: read at scrape time off the loop thread)."""
+        s = self.engine.scheduler.sharing
+        return SharingStats(
+            Counter(s.queries), Counter(s.hits), s.base_aligned_hits,
+            s.alora_invoked, s.alora_not_invoked,
+        )  # fmt: skip
 
     def kv_cache_shape(self) -> tuple[int, int]:
         """(KV blocks, tokens per block)."""

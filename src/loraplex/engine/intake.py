@@ -48,6 +48,15 @@ class PreparedRequest:
     consumed: bool = False
 
     @property
+    def alora_invoked(self) -> bool | None:
+        """For an activated LoRA, whether the prompt holds its invocation (False: the base
+        model serves the request); None for a standard LoRA or the base model."""
+        seqs = self.request.seqs
+        if not seqs or not seqs[0].is_alora:
+            return None
+        return seqs[0].lora_start is not None
+
+    @property
     def request_id(self) -> str:
         return self.request.request_id
 

@@ -175,6 +175,8 @@ class LLMEngine:
             self.discard_prepared(prepared)
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         prepared.consumed = True
+        if req.seqs and req.seqs[0].is_alora:
+            self.scheduler.sharing.record_alora(req.seqs[0].lora_start is not None)
         for seq in req.seqs:
             self.scheduler.add(seq)
         self.requests[req.request_id] = req

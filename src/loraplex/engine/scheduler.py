@@ -33,6 +33,7 @@ from loraplex.engine.scheduling import (
 )
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool, hash_prefix_blocks
+from loraplex.kv.stats import SharingStats
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import LoRAAdapter
@@ -126,6 +127,7 @@ class Scheduler:
         self.loading: deque[Sequence] = deque()  # waiting for a device slot (or a rank budget)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.sharing = SharingStats()
         self.class_service: VirtualTokenCounter[int] = VirtualTokenCounter()
         self.tenant_service: VirtualTokenCounter[tuple[int, str | None]] = VirtualTokenCounter()
         self._caps: dict[int, int] | None = None  # this step's prefill caps per class
@@ -453,6 +455,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = computed
                 self.pool.record_query(len(seq.prompt_token_ids), computed)
+                self._record_sharing(seq, len(hits))
             seq.status = SequenceStatus.RUNNING
             if n > 1:
                 self._cap_used[self.class_of(seq)] += n
@@ -465,6 +468,17 @@ class Scheduler:
             if seq.slot is not None and self.adapters is not None:
                 self.adapters.release_slot(seq.slot)
                 seq.slot = None
+
+    def _record_sharing(self, seq: Sequence, hit_blocks: int) -> None:
+        """Count ``seq``'s prefix lookup by adapter, and its hits on base-keyed blocks."""
+        bs = self.pool.block_size
+        aligned = 0
+        if seq.adapter is not None:
+            start = seq.lora_start
+            base_blocks = hit_blocks if start is None else min(hit_blocks, start // bs)
+            aligned = base_blocks * bs
+        digest = seq.adapter.ref.sha256 if seq.adapter is not None else None
+        self.sharing.record_lookup(digest, len(seq.prompt_token_ids), hit_blocks * bs, aligned)
 
     def _rebuild_waiting(self, to_loading: set[int]) -> None:
         """The waiting queue without what left it this step (admitted, or moved to the loading

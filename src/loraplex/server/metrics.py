@@ -138,6 +138,7 @@ class _EngineCollector(Collector):
             c, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries
         )
         yield self._vllm(c, "vllm:prefix_cache_hits", "Prompt tokens found there.", hits)
+        yield from self._sharing(client.sharing_stats())
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "KV cache configuration.", labels=list(self._cache_info)
         )
@@ -227,6 +228,44 @@ class _EngineCollector(Collector):
         yield count
         yield nbytes
         yield GaugeMetricFamily("loraplex_max_loras", "Device LoRA slots.", value=client.max_loras)
+
+    def _sharing(self, s: Any) -> Iterable[Metric]:
+        """KV shared across adapters: per-adapter prefix-cache queries and hits (the top
+        :data:`MAX_ADAPTER_LABELS` adapters by queries, each under its first served name; the
+        base model under the served model name), tokens adapter requests took from base-keyed
+        blocks, and activated-LoRA requests by whether their invocation was found."""
+        q = CounterMetricFamily(
+            "loraplex_adapter_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache, per adapter (top-K by queries).",
+            labels=["adapter"],
+        )
+        h = CounterMetricFamily(
+            "loraplex_adapter_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache, per adapter (top-K by queries).",
+            labels=["adapter"],
+        )
+        for key, n in s.queries.most_common(MAX_ADAPTER_LABELS):
+            names = self._names(key) if key not in ("", "other") else []
+            label = self._model if key == "" else (names[0] if names else key[:16])
+            q.add_metric([label], n)
+            h.add_metric([label], s.hits[key])
+        yield q
+        yield h
+        yield CounterMetricFamily(
+            "loraplex_prefix_cache_base_aligned_hits",
+            "Prompt tokens of adapter requests served from base-keyed KV blocks (before an "
+            "activated LoRA's invocation, or of one whose invocation was absent).",
+            value=s.base_aligned_hits,
+        )
+        al = CounterMetricFamily(
+            "loraplex_alora_requests",
+            "Activated-LoRA requests, by whether the prompt held the adapter's invocation "
+            "(absent: the base model served it).",
+            labels=["invocation"],
+        )
+        al.add_metric(["found"], s.alora_invoked)
+        al.add_metric(["absent"], s.alora_not_invoked)
+        yield al
 
     def _residency(self, loaded: list[LoadedAdapter], max_loras: int) -> Iterable[Metric]:
         """The residency gauges of llm-d's ``lora-load-state-scorer`` (vLLM PRs #51433/#54830),

@@ -185,17 +185,23 @@ def prompt_logprobs_json(
 
 
 def adapter_header(outs: list[PreparedRequest], lora: ServedAdapter | None) -> dict[str, str]:
-    """Which adapter revision served the request, whether it was warm on arrival, and whether
-    it came through the active revision or a canary."""
+    """Which adapter revision served the request, whether it was warm on arrival, whether
+    it came through the active revision or a canary, and for an activated LoRA whether each
+    prompt held its invocation (``x-loraplex-alora: invoked``, ``not-invoked``: the base model
+    served it; a list in prompt order when the prompts differ)."""
     if lora is None:
         return {}
     ref = lora.spec.ref
     warm = all(p.adapter_warm for p in outs)
-    return {
+    headers = {
         "x-loraplex-adapter": f"{ref.name};revision={ref.revision};sha256={ref.sha256[:16]}",
         "x-loraplex-adapter-state": "warm" if warm else "cold",
         "x-loraplex-adapter-route": lora.route,
     }
+    invoked = ["invoked" if p.alora_invoked else "not-invoked" for p in outs]
+    if outs and outs[0].alora_invoked is not None:  # an activated LoRA: one value per prompt
+        headers["x-loraplex-alora"] = invoked[0] if len(set(invoked)) == 1 else ",".join(invoked)
+    return headers
 
 
 async def sse_events(
