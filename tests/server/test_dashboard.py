@@ -107,6 +107,7 @@ def test_page_shows_true_tiers_follows_eviction_and_pins(
         page.wait_for_selector("#occupancy .card[data-tier=device]")
         assert "/ 2 slots" in (page.text_content("#occupancy .card[data-tier=device]") or "")
         page.wait_for_selector("#chart-rps svg path")  # operator keys get the charts
+        page.wait_for_selector("#chart-prefix svg")
 
         # an eviction elsewhere: the page follows
         victim = "charlie"
@@ -233,9 +234,11 @@ def test_stats_shape_and_bounds(server: Server) -> None:
     )
     s = c.get("/v1/dashboard/stats", headers=ADMIN_H).json()["samples"][-1]
     for key in ("rps", "ttft", "distinct_adapters", "hit_ratio", "load_seconds", "evictions",
-                "thrash_ratio", "kv_usage"):  # fmt: skip
+                "thrash_ratio", "kv_usage", "prefix", "alora"):  # fmt: skip
         assert key in s, key
     assert set(s["ttft"]) == {"warm", "cold"}
+    assert set(s["prefix"]) == {"hit ratio", "base-aligned"}
+    assert set(s["alora"]) == {"invoked", "not invoked"}
 
 
 def test_sampler_memory_is_bounded(server: Server) -> None:
@@ -267,6 +270,10 @@ def test_a_sample_is_the_interval_difference(server: Server) -> None:
     ttft = [q["p50"] for q in s["ttft"].values() if q["p50"] is not None]
     assert ttft and all(v > 0 for v in ttft)
     assert s["hit_ratio"]["device"] is not None
+    assert s["prefix"]["hit ratio"] is not None and s["alora"] == {"invoked": 0, "not invoked": 0}
+    rows = c.get("/v1/dashboard/stats", headers=ADMIN_H).json()["prefix_by_adapter"]
+    alpha = next(r for r in rows if r["name"] == "alpha")
+    assert alpha["queries"] >= 3 and 0 <= alpha["hits"] <= alpha["queries"]
 
 
 def test_quantile_matches_bucket_interpolation() -> None:

@@ -41,6 +41,8 @@ router = APIRouter()
 
 TIER_RANK = {"absent": 0, "disk": 1, "host": 2, "device": 3}
 """Higher is closer to the GPU: moving up is a load, down an eviction."""
+TOP_PREFIX_ADAPTERS = 8
+"""Adapters listed in the dashboard's prefix-cache cards (the most looked-up ones)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,11 @@ class DashboardSampler:
             "load": {k: v[2] for k, v in _histograms(m.load_seconds, "stage").items()},
             "tiers": {},
         }
+        sh = client.sharing_stats()
+        out["sharing"] = (
+            sum(sh.queries.values()), sum(sh.hits.values()), sh.base_aligned_hits,
+            sh.alora_invoked, sh.alora_not_invoked,
+        )  # fmt: skip
         if client.lora_enabled:
             out["tiers"] = {
                 t: (c.hits, c.misses, c.evictions, c.thrash_ratio)
@@ -190,9 +197,36 @@ class DashboardSampler:
             "evictions": evictions,
             "thrash_ratio": thrash,
             "kv_usage": self.state.client.kv_cache_usage(),
+            **self._sharing_delta(a["sharing"], b["sharing"]),
             "running": self.state.client.num_running,
             "waiting": self.state.client.num_waiting,
         }
+
+    @staticmethod
+    def _sharing_delta(a: tuple[int, ...], b: tuple[int, ...]) -> dict[str, Any]:
+        """KV sharing over the interval: the prefix-cache hit ratio, the share of the prompt
+        tokens looked up that came from base-keyed blocks for adapter requests, and activated
+        LoRA requests with and without their invocation."""
+        q, h, aligned, found, absent = (y - x for x, y in zip(a, b, strict=True))
+        return {
+            "prefix": {
+                "hit ratio": h / q if q else None,
+                "base-aligned": aligned / q if q else None,
+            },
+            "alora": {"invoked": found, "not invoked": absent},
+        }
+
+    def _prefix_by_adapter(self) -> list[dict[str, Any]]:
+        """Prefix-cache queries and hits since start-up of the top adapters by queries (the
+        base model under its served name)."""
+        state = self.state
+        s = state.client.sharing_stats()
+        rows = []
+        for key, q in s.queries.most_common(TOP_PREFIX_ADAPTERS):
+            names = state.catalog.names_of(key) if key not in ("", "other") else []
+            name = state.base_names[0] if key == "" else (names[0] if names else key[:12])
+            rows.append({"name": name, "queries": q, "hits": s.hits[key]})
+        return rows
 
     def _diff(self, wall: float) -> list[Event]:
         """Events between the last snapshot and now (the first tick records, emits nothing)."""
@@ -282,6 +316,7 @@ class DashboardSampler:
             samples = list(self.samples) if operator else None
         out["events"] = [e.as_json() for e in reversed(events)]  # newest first
         out["samples"] = samples
+        out["prefix_by_adapter"] = self._prefix_by_adapter() if operator else None
         return out
 
 
