@@ -289,3 +289,30 @@ def test_quantized_base_bytes_hand_computed() -> None:
     assert int4["adapters"] == bf16["adapters"]  # adapters keep the activation dtype
     with pytest.raises(PlanError, match="unknown quantization 'int3'"):
         build_plan(L3, [a], quantization="int3")
+
+
+def test_pipeline_of_activated_loras_hand_computed(capsys: pytest.CaptureFixture) -> None:
+    """Four steps over a 2,000-token context with 40-token questions, 16-token blocks: a
+    standard LoRA step prefills 2,040 tokens; an aLoRA step finds the 125 base blocks (2,000
+    tokens) the base answer computed and prefills its 40 tokens."""
+    rc = plan.main(["--model", "llama-3-8b", "--rank", "16", "--targets", "all-linear",
+                    "--alora", "--pipeline-context", "2000", "--pipeline-question", "40",
+                    "--json"])  # fmt: skip
+    assert rc == 0
+    p = json.loads(capsys.readouterr().out)["pipeline"]
+    assert [s["tokens"] for s in p["steps"]] == [40] * 4
+    assert p["standard_prefill_tokens"] == 4 * 2040 and p["prefill_tokens"] == 160
+    assert p["prefill_ratio"] == pytest.approx(160 / 8160)
+    # Llama-3-8B KV: 2 x 32 layers x 8 heads x 128 x 2 bytes = 131072 bytes a token
+    assert p["kv_bytes"] == 160 * 131072
+    # a context that ends mid-block: that block is recomputed (2,008 = 125 blocks + 8)
+    rc = plan.main(["--model", "llama-3-8b", "--rank", "16", "--alora",
+                    "--pipeline-context", "2008", "--pipeline-question", "40", "--json"])  # fmt: skip
+    assert rc == 0
+    p = json.loads(capsys.readouterr().out)["pipeline"]
+    assert [s["tokens"] for s in p["steps"]] == [48] * 4
+    # standard LoRAs share nothing; the text report says so side by side
+    rc = plan.main(["--model", "llama-3-8b", "--rank", "16", "--pipeline-context", "2000"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "prefill tokens 8,256 of 8,256 (100.0%)" in text

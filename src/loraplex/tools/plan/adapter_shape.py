@@ -73,6 +73,9 @@ class AdapterShape:
     expert_ranks: dict[tuple[int, str], tuple[int, ...]] = field(default_factory=dict)
     packed: set[tuple[int, str]] = field(default_factory=set)
     """The expert modules of PEFT's ``target_parameters`` (the others: per-expert keys)."""
+    alora: bool = False
+    """An activated LoRA (``alora_invocation_tokens``): the KV before its invocation is the base
+    model's, shared (``loraplex.tools.plan.sharing``)."""
 
     @property
     def expert_layout(self) -> str | None:
@@ -208,7 +211,7 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
             f"{m.num_layers} layers"
         )
     settings = LoraSettings.of({**cfg, "r": r, "target_modules": targets or []})
-    a = AdapterShape(name, {})
+    a = AdapterShape(name, {}, alora=bool(cfg.get("alora_invocation_tokens")))
     sparse = set(m.sparse)
     try:
         for v in VOCAB_MODULES:

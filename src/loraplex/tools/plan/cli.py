@@ -12,6 +12,7 @@ from loraplex.tools.plan.adapter_shape import adapter_from_config, adapter_from_
 from loraplex.tools.plan.capacity import DEFAULT_DECODE_BATCH, DTYPE_BYTES, QUANT_BITS, build_plan
 from loraplex.tools.plan.model_shape import PRESETS, PlanError, load_model
 from loraplex.tools.plan.report import render_plan
+from loraplex.tools.plan.sharing import pipeline_estimate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-batch", type=positive_int, default=DEFAULT_DECODE_BATCH,
                    metavar="T", help="tokens of a full decode batch, for a MoE base's experts "
                    "read (default: %(default)s, the engine's --max-num-seqs)")  # fmt: skip
+    p.add_argument("--pipeline-context", type=positive_int, metavar="TOKENS",
+                   help="estimate a pipeline of the adapters over one context of this many "
+                   "tokens: the base answers, then each adapter adds --pipeline-question tokens "
+                   "(aLoRA adapters share the context's base blocks)")  # fmt: skip
+    p.add_argument("--pipeline-question", type=positive_int, default=64, metavar="TOKENS",
+                   help="tokens each pipeline step adds (invocation + question; default 64)")  # fmt: skip
+    p.add_argument("--pipeline-steps", type=positive_int, default=4, metavar="N",
+                   help="with --rank: how many steps the synthetic adapter runs (default 4)")  # fmt: skip
+    p.add_argument("--alora", action="store_true",
+                   help="with --rank: the synthetic adapter is an activated LoRA")  # fmt: skip
+    p.add_argument("--block-size", type=positive_int, default=16, help="KV block (default 16)")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -88,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             cfg: dict[str, Any] = {"r": args.rank, "target_modules": targets}
             if _csv(args.target_parameters):
                 cfg["target_parameters"] = _csv(args.target_parameters)
-            adapters.append(adapter_from_config(cfg, m, f"r{args.rank}"))
+            if args.alora:
+                cfg["alora_invocation_tokens"] = [0]  # which tokens does not change the bytes
+            synthetic = adapter_from_config(cfg, m, f"r{args.rank}")
+            copies = args.pipeline_steps if args.pipeline_context else 1
+            adapters += [synthetic] * copies
         plan = build_plan(
             m,
             adapters,
@@ -104,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
         )
+        if args.pipeline_context is not None:
+            plan["pipeline"] = pipeline_estimate(
+                adapters,
+                context=args.pipeline_context,
+                question=args.pipeline_question,
+                block_size=args.block_size,
+                kv_bytes_per_token=plan["device"]["kv_bytes_per_token"],
+                flops_per_token=2 * plan["model"].get("active_params", plan["model"]["params"]),
+            )
     except PlanError as e:
         print(f"loraplex plan: error: {e}", file=sys.stderr)
         return 2

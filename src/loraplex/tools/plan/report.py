@@ -32,6 +32,33 @@ def _parts_line(r: dict[str, Any]) -> str:
 
 
 def render_plan(plan: dict[str, Any]) -> str:
+    """The whole plan as text (the pipeline estimate last, when asked for)."""
+    text = _render_capacity(plan)
+    if "pipeline" in plan:
+        text += "\n\n" + _render_pipeline(plan["pipeline"])
+    return text
+
+
+def _render_pipeline(p: dict[str, Any]) -> str:
+    """A pipeline of adapters over one context: each step's prefill, standard vs as served."""
+    out = [
+        f"pipeline over one {p['context']}-token context (the base answers, then each step adds "
+        f"{p['question']} tokens; {p['block_size']}-token blocks):",
+        f"{'step':<24}{'kind':>8}{'standard LoRA':>15}{'as served':>11}",
+    ]
+    for s in p["steps"]:
+        kind = "aLoRA" if s["alora"] else "LoRA"
+        out.append(f"{s['name'][:24]:<24}{kind:>8}{s['standard_tokens']:>15,}{s['tokens']:>11,}")
+    out.append(
+        f"prefill tokens {p['prefill_tokens']:,} of {p['standard_prefill_tokens']:,} "
+        f"({100 * p['prefill_ratio']:.1f}%); prefill {p['prefill_flops'] / 1e12:.2f} of "
+        f"{p['standard_prefill_flops'] / 1e12:.2f} TFLOP; the steps' KV "
+        f"{_h(p['kv_bytes'])} of {_h(p['standard_kv_bytes'])}"
+    )
+    return "\n".join(out)
+
+
+def _render_capacity(plan: dict[str, Any]) -> str:
     m, d, s, dec = plan["model"], plan["device"], plan["storage"], plan["decode"]
     moe = m["num_experts"] > 0
     inter = f"intermediate {m['intermediate_size']}"
