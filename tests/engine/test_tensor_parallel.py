@@ -147,6 +147,31 @@ def test_fully_sharded_loras_equal_tp1(name: str, tmp_path: Path) -> None:
             assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
 
 
+def test_activated_lora_tp2_equals_tp1(tmp_path: Path) -> None:
+    """An aLoRA (invoked by ``[5, 9]``: in the first prompt, absent from others) beside a
+    standard LoRA and the base: the step's plan, with an aLoRA's rows before its activation
+    point left as base rows, reaches every rank; the same tokens and logprobs."""
+    model, _ = _family(tmp_path, "llama_gqa")
+    adapters = [
+        make_random_adapter(model, tmp_path / "al", r=8, seed=4, alora_invocation_tokens=[5, 9]),
+        make_random_adapter(model, tmp_path / "std", r=4, seed=5),
+    ]
+    llm_kw = dict(dtype="float32", num_threads=1, max_loras=2, skip_tokenizer_init=True)
+    loras = [LoRARequest("al", str(adapters[0]))] * 3 + [LoRARequest("std", str(adapters[1])), None]
+    prompts = [PROMPTS[0], PROMPTS[0][:1] + [5, 9] + PROMPTS[2], PROMPTS[2], *PROMPTS[3:]]
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(model), tensor_parallel_size=tp, **llm_kw)  # type: ignore[arg-type]
+        try:
+            runs.append([o.outputs[0] for o in llm.generate(prompts, GREEDY, loras)])
+        finally:
+            llm.engine.shutdown()
+    for a, b in zip(*runs, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
+
+
 def _generate(e: LLMEngine, rid: str, prompt: list[int], lora: LoRARequest | None):  # type: ignore[no-untyped-def]
     e.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora)
     while True:

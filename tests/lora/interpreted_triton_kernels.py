@@ -32,6 +32,8 @@ CASES = {
     "prefill": (70, [(3, 40, 0, 16), (40, 41, 16, 17), (45, 70, 64, 128)], 128),
     "base-only": (4, [], 32),
     "empty-segments": (8, [(0, 0, 0, 8), (2, 6, 8, 16), (6, 6, 16, 24)], 32),
+    # one adapter's rows twice, base tokens between (an aLoRA's rows before its activation)
+    "repeated-rows": (14, [(0, 3, 0, 8), (5, 9, 0, 8), (9, 12, 8, 24)], 32),
 }
 
 
@@ -195,3 +197,55 @@ def test_every_architecture_serves_a_mixed_batch_on_the_triton_path(
             for t, v in lp.top.items()
         )
         assert worst < SAMPLE_TOL, (family, name, worst)
+
+
+def test_activated_lora_in_a_mixed_batch_on_the_triton_path(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """An aLoRA beside a standard LoRA and the base, its rows before the activation point base
+    rows inside its part of the step: equal to PEFT's unmerged forward with ``alora_offsets``."""
+    from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex.lora.peft.activation import activation_start
+    from loraplex.testing import (
+        load_merged_reference,
+        make_random_adapter,
+        make_random_model,
+        reference_greedy,
+        reference_greedy_alora,
+    )
+    from tests.engine.test_mixed_batch_architectures import SAMPLE_TOL
+
+    root = tmp_path_factory.mktemp("alora-triton")
+    model = make_random_model(root / "model", "llama", num_layers=2, seed=9)
+    inv = [21, 22]
+    al = make_random_adapter(model, root / "al", r=8, seed=1, alora_invocation_tokens=inv)
+    std = make_random_adapter(model, root / "std", r=4, seed=2)
+    llm = LLM(str(model), max_loras=2, max_lora_rank=8, dtype="float32", block_size=4)
+    assert llm.engine.model.lora is not None
+    llm.engine.model.lora.ops = TritonLoRAOps()
+    ctx = [40 + 7 * i % 300 for i in range(14)]
+    jobs = [("al", ctx[:6] + inv + ctx[6:]), ("al", ctx[:9] + inv + ctx[9:12]), ("al", ctx),
+            ("std", ctx[:10]), (None, ctx[:8])]  # fmt: skip
+    loras = [LoRARequest(n, str({"al": al, "std": std}[n])) if n else None for n, _ in jobs]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": ids} for _, ids in jobs], sp, loras)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32), str(al)
+    ).eval()
+    for (name, ids), out in zip(jobs, outs, strict=True):
+        if name == "al":
+            want, ref_lp, _ = reference_greedy_alora(peft, ids, 4, activation_start(ids, inv))
+        else:
+            ref = load_merged_reference(model, std if name else None)
+            want, ref_lp = reference_greedy(ref, ids, 4)
+        got = out.outputs[0]
+        assert got.token_ids == want, (name, ids)
+        worst = max(
+            abs(v - float(ref_lp[i, t]))
+            for i, lp in enumerate(got.logprobs)
+            for t, v in lp.top.items()
+        )
+        assert worst < SAMPLE_TOL, (name, worst)

@@ -14,7 +14,7 @@ from tests.interpreted import run_interpreted
 
 
 def test_triton_kernels_match_the_torch_reference_under_the_interpreter() -> None:
-    # every case ran: 22 kernel cases, one served mixed batch per architecture family, and the
-    # two MoE architectures
-    want = 22 + len(FAMILIES) + 2
+    # every case ran: 26 kernel cases, one served mixed batch per architecture family, the
+    # two MoE architectures, and an activated LoRA's mixed batch
+    want = 26 + len(FAMILIES) + 2 + 1
     run_interpreted(Path(__file__).parent / "interpreted_triton_kernels.py", want)
