@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.config import EngineConfig
@@ -27,6 +28,7 @@ from loraplex.testing import (
     make_random_adapter,
     make_random_model,
     reference_greedy,
+    reference_greedy_alora,
 )
 from loraplex.tools import plan, verify
 from tests.engine.test_mixed_batch_architectures import FAMILIES, LLAMA_PROJ
@@ -74,8 +76,8 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return {"name": request.param, "model": model, "adapters": adapters, "root": root}
 
 
-def _generate(e: LLMEngine, rid: str, lora: LoRARequest | None):  # type: ignore[no-untyped-def]
-    e.add_request(rid, PROMPT, GREEDY, lora)
+def _generate(e: LLMEngine, rid: str, lora: LoRARequest | None, prompt: str | list[int] = PROMPT):  # type: ignore[no-untyped-def]
+    e.add_request(rid, prompt, GREEDY, lora)
     while True:
         for out in e.step():
             if out.finished:
@@ -108,6 +110,33 @@ def test_prefix_cache_is_keyed_by_the_adapters_digest(family: dict) -> None:
     assert swapped.num_cached_tokens == 0
     want, _ = reference_greedy(load_merged_reference(model, rev2), ids, 6)
     assert swapped.outputs[0].token_ids == want
+    assert e.is_idle()
+
+
+def test_activated_lora_shares_the_base_blocks_and_equals_peft(family: dict) -> None:
+    """An aLoRA on the attention projections: its request over a context the base model ran
+    finds the context's blocks (wholly before its invocation) in the prefix cache and equals
+    PEFT's unmerged forward with ``alora_offsets``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = family["model"]
+    attn = EVERY_FAMILY[family["name"]].get("proj", LLAMA_PROJ)["attn"]
+    inv = [21, 22]
+    path = make_random_adapter(model, family["root"] / "alora", r=8, target_modules=attn,
+                               std=0.1, seed=4, alora_invocation_tokens=inv)  # fmt: skip
+    e = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4))
+    ctx = e.tokenize(PROMPT)
+    base = _generate(e, "1", None, ctx)
+    ids = [*ctx, *inv, 50, 51, 52]
+    got = _generate(e, "2", LoRARequest("al", str(path)), ids)
+    assert base.num_cached_tokens == 0
+    assert got.num_cached_tokens == len(ctx) // 4 * 4 > 0
+    ref = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32), str(path)
+    ).eval()
+    want, _, _ = reference_greedy_alora(ref, ids, 6, len(ctx))
+    assert got.outputs[0].token_ids == want
     assert e.is_idle()
 
 
