@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import demo_model, machine, stop, wait_ready  # noqa: E402
+from compare_peers import demo_model, machine, stop, wait_ready
 
 CHECKS = ("answerability", "citations", "hallucination", "rewrite")
 RANK = 16
