@@ -127,7 +127,10 @@ class Client:
 
 
 async def conversation(
-    c: Client, ctx: list[int], names: dict[str, str], invocations: dict[str, list[int]],
+    c: Client,
+    ctx: list[int],
+    names: dict[str, str],
+    invocations: dict[str, list[int]],
     tokenizer: Any,
 ) -> dict[str, Any]:
     """The base answers, then the four checks at once; their records and the phase's time."""
@@ -155,8 +158,14 @@ async def warm(url: str, models: list[str]) -> None:
 
 
 async def run_workload(
-    url: str, model: str, names: dict[str, str], invocations: dict[str, list[int]],
-    tokenizer: Any, context: int, concurrency: int, seed: int,
+    url: str,
+    model: str,
+    names: dict[str, str],
+    invocations: dict[str, list[int]],
+    tokenizer: Any,
+    context: int,
+    concurrency: int,
+    seed: int,
 ) -> dict[str, Any]:
     c = Client(url, model)
     try:

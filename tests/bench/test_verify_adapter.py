@@ -29,6 +29,20 @@ def test_good_adapter_passes(tiny_model: Path, adapters: dict[str, Path], capsys
     assert doc["prompts"][0]["agree"] + doc["prompts"][0]["ties"] == 4
 
 
+def test_activated_lora_is_checked_after_its_invocation(
+    tiny_model: Path, tmp_path: Path, capsys
+) -> None:
+    """An aLoRA: each prompt ends with its invocation (else the base model would run and it
+    would look like a no-op), the reference is PEFT unmerged with ``alora_offsets``."""
+    path = make_random_adapter(tiny_model, tmp_path / "al", r=8, std=0.1, seed=3,
+                               alora_invocation_tokens=[21, 22])  # fmt: skip
+    rc = verify.main([str(path), "--model", str(tiny_model), "--json", "--max-tokens", "4",
+                      "--prompt", "Hello world"])  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["verdict"] == "ok", doc
+    assert doc["max_diff"] < 1e-3 and doc["effect"] > 1e-2
+
+
 def test_silent_no_op(tiny_model: Path, adapters: dict[str, Path], tmp_path: Path, capsys) -> None:
     # targets named for another architecture (GPT-2's c_attn): nothing in a Llama matches
     gpt2 = tmp_path / "gpt2-style"

@@ -287,3 +287,34 @@ def test_block_keys_follow_what_shaped_the_block(llama: dict) -> None:
     later = ids + INV_A
     assert keys("al_all_r8", tokens=later)[2] != al[2]
     assert keys("al_all_r8", tokens=later)[:2] == al[:2]
+
+
+def test_a_hot_swapped_alora_keeps_the_base_blocks_and_drops_its_own(
+    llama: dict, tmp_path: Path
+) -> None:
+    """A new revision at the same name and path: the context's base blocks still serve it (they
+    never depended on the adapter), the blocks the old weights shaped never do."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(llama["model"]), max_loras=2, max_lora_rank=16, dtype="float32", block_size=BLOCK)
+    path = tmp_path / "swap"
+    shutil.copytree(llama["adapters"]["al_all_r8"], path)
+    ids = [*_context(21, 20), *INV_A, 50, 51, 52, 53, 54, 55, 56]  # activation at 20
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    lr = LoRARequest("swap", str(path))
+    first = llm.generate({"prompt_token_ids": ids}, sp, lr)[0]
+    assert first.num_cached_tokens == 0
+    shutil.rmtree(path)
+    new = make_random_adapter(llama["model"], tmp_path / "rev2", r=8, std=0.2, seed=9,
+                              target_modules=ALL_PROJ, alora_invocation_tokens=INV_A)  # fmt: skip
+    shutil.copytree(new, path)
+    swapped = llm.generate({"prompt_token_ids": ids}, sp, lr)[0]
+    assert swapped.num_cached_tokens == 20  # the base blocks; none of the old adapter's
+    ref = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(llama["model"]), dtype=torch.float32), str(new)
+    ).eval()
+    assert swapped.outputs[0].token_ids == reference_greedy_alora(ref, ids, N_NEW, 20)[0]
+    assert llm.engine.is_idle()

@@ -424,9 +424,15 @@ def verify_adapter(
         )  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                 logprobs=TOP_K)  # fmt: skip
-        outs = llm.generate(prompts, params, lora_request=LoRARequest("verify", str(a_dir)))
         tok = llm.get_tokenizer()
-        prompt_ids = [tok(p).input_ids for p in prompts]
+        # an activated LoRA applies from its invocation on: each prompt ends with it
+        invocation = list(served.alora_invocation_tokens or ())
+        prompt_ids = [tok(p).input_ids + invocation for p in prompts]
+        outs = llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids],
+            params,
+            lora_request=LoRARequest("verify", str(a_dir)),
+        )
     except (LoraplexError, ValueError, RuntimeError) as e:
         report.verdict = "load_error"
         report.problems.append(f"the engine refused the adapter: {e}")
@@ -456,10 +462,12 @@ def verify_adapter(
     seqs = [ids + o.outputs[0].token_ids for ids, o in zip(prompt_ids, outs, strict=True)]
 
     @torch.no_grad()
-    def score(model: Any) -> list[torch.Tensor]:
+    def score(model: Any, alora: bool = False) -> list[torch.Tensor]:
         rows = []
         for ids, seq, o in zip(prompt_ids, seqs, outs, strict=True):
-            logits = model(torch.tensor([seq])).logits[0].float()
+            # PEFT's aLoRA: the last len(seq) - start positions adapted (start: the invocation)
+            kw = {"alora_offsets": [len(seq) - len(ids) + len(invocation)]} if alora else {}
+            logits = model(torch.tensor([seq]), **kw).logits[0].float()
             n = len(o.outputs[0].token_ids)
             rows.append(torch.log_softmax(logits[len(ids) - 1 : len(ids) - 1 + n], dim=-1))
         return rows
@@ -467,7 +475,9 @@ def verify_adapter(
     with peft.disable_adapter():
         base_lp = score(peft)
     adapter_cfg = json.loads((a_dir / CONFIG_NAME).read_text())
-    if merge_writes_tied_matrix(adapter_cfg, json.loads((m_dir / "config.json").read_text())):
+    if invocation:
+        ref_lp = score(peft, alora=True)  # an aLoRA is never merged
+    elif merge_writes_tied_matrix(adapter_cfg, json.loads((m_dir / "config.json").read_text())):
         ref_lp = score(peft)  # merging would write the tied matrix: the unmerged model is right
     else:
         ref_lp = score(peft.merge_and_unload().eval())
