@@ -340,6 +340,16 @@ def reference_greedy(
     return ids[len(prompt_ids) :], torch.stack(rows)
 
 
+def logprob_gap(logprobs: Any, ref: torch.Tensor) -> float:
+    """The largest ``|logprob - reference|`` over the engine's sampled steps and their top
+    tokens: ``logprobs[step].top`` ({token: logprob}) against ``ref [steps, vocab]``."""
+    return max(
+        abs(val - float(ref[step, tid]))
+        for step, lp in enumerate(logprobs)
+        for tid, val in lp.top.items()
+    )
+
+
 @torch.no_grad()
 def reference_greedy_alora(
     model: Any, prompt_ids: list[int], max_new_tokens: int, start: int | None
