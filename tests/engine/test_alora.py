@@ -315,3 +315,39 @@ def test_a_hot_swapped_alora_keeps_the_base_blocks_and_drops_its_own(
     ).eval()
     assert swapped.outputs[0].token_ids == reference_greedy_alora(ref, ids, N_NEW, 20)[0]
     assert llm.engine.is_idle()
+
+
+def test_an_invocation_spanning_two_prefill_chunks(llama: dict) -> None:
+    """Alone with an 8-token budget, the prompt prefills in chunks [0, 8) and [8, 16); the
+    invocation at positions 6-8 spans both (the activation point inside the first chunk)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(llama["model"]), max_loras=1, max_lora_rank=16, dtype="float32",
+              block_size=BLOCK, max_num_batched_tokens=8, max_num_seqs=1)  # fmt: skip
+    ids = prompts_for(INV_A)["middle"]
+    assert activation_start(ids, INV_A) == 6 and len(ids) > 16
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, prompt_logprobs=2)
+    lr = LoRARequest("al", str(llama["adapters"]["al_all_r8"]))
+    e = llm.engine
+    e.add_request("span", ids, sp, lr)
+    chunks, out = [], None
+    while out is None:
+        outs = e.step()
+        if e.last_step.num_tokens:  # a step that ran (not one spent loading the adapter)
+            chunks.append(e.last_step.num_tokens)
+        out = next((o for o in outs if o.finished), None)
+    assert chunks[:2] == [8, 8]  # the two prefill chunks the invocation spans
+    ref = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(llama["model"]), dtype=torch.float32),
+        str(llama["adapters"]["al_all_r8"]),
+    ).eval()
+    want, _, ref_prompt = reference_greedy_alora(ref, ids, N_NEW, 6)
+    assert out.outputs[0].token_ids == want
+    assert out.prompt_logprobs is not None
+    worst = max(
+        abs(v - float(ref_prompt[i, t]))
+        for i, entry in enumerate(out.prompt_logprobs[1:])
+        for t, v in entry.items()  # type: ignore[union-attr]
+    )
+    assert worst < PROMPT_TOL
