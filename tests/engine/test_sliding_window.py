@@ -1,7 +1,9 @@
 """Sliding-window layers through the engine, against transformers: prompts three windows long,
-prefills chunked across the window by a small token budget, decodes past it, and prefix-cache
-hits that reach beyond the window (windowed layers keep the full paged KV, so the cached blocks
-are the same as for global layers, and their masks hide what the window excludes).
+prefills chunked across the window by a small token budget, decodes past it, prefix-cache
+hits that reach beyond the window, and preemption. Windowed layers sit in KV-cache groups of
+their own (``loraplex.kv.groups``) that keep only the blocks inside the window: the blocks one
+long sequence holds there stay bounded by the window, and a prefix hit needs only the blocks
+the window still sees.
 
 Mistral's ``sliding_window`` (every layer) no longer caps the context: it is exact past it."""
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
+from loraplex.kv.groups import NULL_BLOCK, blocks_per_sequence
 from loraplex.testing import load_merged_reference, make_random_model, reference_greedy
 
 WINDOW = 8
@@ -21,6 +24,7 @@ N_NEW = 12  # decodes from 3 windows to 4.5 windows past the start
 SAMPLE_TOL = 2e-4  # float32 logprobs, as the Llama mixed-batch test
 PROMPT_TOL = 1e-4  # float32 prompt logprobs, as the Llama prompt-logprob test
 ALTERNATE = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+S, F = "sliding_attention", "full_attention"
 
 FAMILIES: dict[str, dict] = {
     "gemma2": dict(
@@ -32,23 +36,35 @@ FAMILIES: dict[str, dict] = {
     ),
     "gemma3_text": dict(arch="gemma3_text", layer_types=ALTERNATE, final_logit_softcapping=3.0),
     "gemma3": dict(arch="gemma3", layer_types=ALTERNATE),
-    "mistral": dict(arch="mistral"),  # every layer windowed
+    "mistral": dict(arch="mistral"),  # every layer windowed: one windowed group
+    # 5 sliding : 2 full layers -> groups of 2 layers, the last sliding group padded
+    "gemma3_5to2": dict(arch="gemma3_text", num_layers=7, layer_types=[S, S, S, F, S, S, F]),
+    # Qwen2: full layer 0, windowed from max_window_layers on -> 4 groups of one layer
+    "qwen2": dict(arch="qwen2", use_sliding_window=True, max_window_layers=1),
+}
+GROUPS = {
+    "gemma2": 2,
+    "gemma3_text": 2,
+    "gemma3": 2,
+    "mistral": 1,
+    "gemma3_5to2": 4,
+    "qwen2": 4,
 }
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     spec = dict(FAMILIES[request.param])
+    spec.setdefault("num_layers", 4)
     d = make_random_model(
         tmp_path_factory.mktemp(request.param),
         spec.pop("arch"),
-        num_layers=4,
         head_dim=16,
         sliding_window=WINDOW,
         seed=3,
         **spec,
     )
-    return {"dir": d, "ref": load_merged_reference(d, None)}
+    return {"dir": d, "ref": load_merged_reference(d, None), "name": request.param}
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -136,3 +152,71 @@ def test_mistral_window_shorter_than_the_context_is_exact(tmp_path: Path) -> Non
     sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
     (out,) = llm.generate([ids], sp)
     _check(out, ids, load_merged_reference(d, None), prompt_logprobs=False)
+
+
+def _windowed_live(tables: list[list[int]], groups: list) -> list[int]:
+    """Blocks held by each windowed group's table."""
+    return [
+        sum(b != NULL_BLOCK for b in t)
+        for t, g in zip(tables, groups, strict=True)
+        if g.window is not None
+    ]
+
+
+def test_windowed_groups_hold_only_the_window(family: dict) -> None:
+    """One sequence of 6.5 windows (prompt in chunks of 6, then decodes): between steps every
+    windowed group holds at most ``ceil((window - 1) / block) + 1`` blocks (those a query at
+    the next position sees) while the full groups hold the whole context, and the outputs
+    equal transformers'."""
+    chunk = 6
+    llm = LLM(
+        str(family["dir"]),
+        enable_lora=False,
+        dtype="float32",
+        block_size=BLOCK,
+        max_num_batched_tokens=chunk,
+    )
+    e = llm.engine
+    groups = e.cache.groups
+    assert len(groups) == GROUPS[family["name"]]
+    bound = -(-(WINDOW - 1) // BLOCK) + 1
+    ids = _ids(5 * WINDOW, seed=20)
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    e.add_request("long", ids, sp)
+    peak, out = 0, None
+    while e.has_unfinished_requests():
+        for seq in e.scheduler.running:  # what it holds between steps
+            peak = max(peak, *_windowed_live(seq.block_tables, groups))
+            assert len(seq.block_ids) == e.pool.num_blocks - e.pool.num_free
+            for t, g in zip(seq.block_tables, groups, strict=True):
+                if g.window is None:
+                    assert NULL_BLOCK not in t and len(t) == -(-seq.num_computed_tokens // BLOCK)
+        for o in e.step():
+            out = o if o.finished else out
+    assert 0 < peak <= bound < -(-(len(ids) + N_NEW) // BLOCK)
+    assert out is not None
+    _check(out, ids, family["ref"], prompt_logprobs=False)
+    assert e.is_idle()
+
+
+def test_preemption_with_windowed_groups(family: dict) -> None:
+    """Three sequences in a pool that holds about one and a half of them: preempted and
+    recomputed (their windowed tables rebuilt), every output still equals transformers'."""
+    prompts = [_ids(3 * WINDOW + k, seed=30 + k) for k in range(3)]
+    probe = LLM(str(family["dir"]), enable_lora=False, dtype="float32", block_size=BLOCK)
+    longest = max(map(len, prompts)) + N_NEW
+    per_seq = blocks_per_sequence(probe.engine.cache.groups, longest, BLOCK, chunk=6)
+    llm = LLM(
+        str(family["dir"]),
+        enable_lora=False,
+        dtype="float32",
+        block_size=BLOCK,
+        max_num_batched_tokens=6,
+        num_kv_blocks=per_seq * 3 // 2,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, sp)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for ids, out in zip(prompts, outs, strict=True):
+        _check(out, ids, family["ref"], prompt_logprobs=False)
+    assert llm.engine.is_idle()

@@ -33,6 +33,8 @@ from loraplex.engine.scheduling import (
 )
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool, hash_block, hash_prefix_blocks
+from loraplex.kv.groups import KVCacheGroup
+from loraplex.kv.manager import KVCacheManager
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import LoRAAdapter
@@ -95,6 +97,7 @@ class Scheduler:
         headroom_window: int = 256,
         preempt_cooldown: int = 64,
         seat_shares: bool = True,
+        kv_groups: list[KVCacheGroup] | None = None,
     ) -> None:
         """``policy``: a ``POLICIES`` name or a policy object (used by this scheduler only);
         ``class_weights[i]``: the share weight of SLO class ``i`` (0 the most important);
@@ -103,7 +106,8 @@ class Scheduler:
         which a class's peak concurrency sizes the seats kept for it (fair);
         ``preempt_cooldown``: steps after a preemption in which that sequence is not chosen
         again (fair and priority); ``seat_shares``: cap a lower class's running sequences
-        while a more important one is active (fair; see ``loraplex.engine.scheduling``)."""
+        while a more important one is active (fair; see ``loraplex.engine.scheduling``);
+        ``kv_groups``: the KV cache's groups of layers (None: one group)."""
         if isinstance(policy, str):
             policy = make_policy(policy)
         elif not isinstance(policy, SchedulingPolicy):
@@ -115,6 +119,7 @@ class Scheduler:
         if not 0 <= default_class < len(class_weights):
             raise ValueError(f"default class {default_class} is not one of {len(class_weights)}")
         self.pool = pool
+        self.kv = KVCacheManager(pool, kv_groups)
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -182,8 +187,8 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _free(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_ids)
-        seq.block_ids = []
+        self.kv.free(seq.block_tables)
+        seq.block_tables = []
         if seq.slot is not None and self.adapters is not None:
             self.adapters.release_slot(seq.slot)
         seq.slot = None
@@ -228,8 +233,7 @@ class Scheduler:
 
     def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
         """Additional blocks ``seq`` needs to hold ``num_tokens`` tokens in total."""
-        bs = self.pool.block_size
-        return max(0, -(-num_tokens // bs) - len(seq.block_ids))
+        return self.kv.blocks_needed(seq.block_tables, num_tokens)
 
     # -- seats (the policy's) --------------------------------------------------------------------
     def recent_peak(self, c: int) -> int:
@@ -286,7 +290,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # seq itself was preempted; running[i] is now the next one
-            seq.block_ids += self.pool.allocate(need)
+            seq.block_tables = self.kv.allocate(seq.block_tables, seq.num_computed_tokens + n)
             batch.items.append((seq, n))
             self._charge(seq, n)
             budget -= n
@@ -418,7 +422,7 @@ class Scheduler:
                 to_loading.add(id(seq))
                 self.loading.append(seq)
                 continue
-            hits: list[int] = []
+            hits: list[list[int]] = []  # per KV-cache group
             # prompt logprobs need every prompt position computed: no prefix-cache hits
             if (
                 seq.num_computed_tokens == 0
@@ -429,27 +433,28 @@ class Scheduler:
                 bs = self.pool.block_size
                 seq.block_hashes = hash_prefix_blocks(seq.namespace, tokens, bs)
                 # at least one token must be computed to produce logits
-                hits = self.pool.lookup(seq.block_hashes[: (len(tokens) - 1) // bs])
-            computed = len(hits) * self.pool.block_size
+                hits = self.kv.lookup(seq.block_hashes[: (len(tokens) - 1) // bs])
+            computed = len(hits[0]) * self.pool.block_size if hits else 0
             n = min(seq.num_tokens - computed, budget)
             if self._caps is not None and n > 1:
                 c = self.class_of(seq)
                 n = max(1, min(n, self._caps.get(c, n) - self._cap_used[c]))
-            need = -(-(computed + n) // self.pool.block_size) - len(hits)
-            while need > self.pool.num_free_after_touch(hits):
+            need = self.kv.blocks_needed(hits, computed + n)
+            hit_ids = self.kv.live(hits)
+            while need > self.pool.num_free_after_touch(hit_ids):
                 freed = self._make_room(seq, batch)
                 if freed is None:
                     break
                 budget += freed
-            if need > self.pool.num_free_after_touch(hits):
+            if need > self.pool.num_free_after_touch(hit_ids):
                 if seq.slot is not None and self.adapters is not None:
                     self.adapters.release_slot(seq.slot)
                     seq.slot = None
                 break  # memory is FCFS: stop admitting
-            self.pool.touch(hits)
-            seq.block_ids = hits + self.pool.allocate(need)
+            self.pool.touch(hit_ids)
+            seq.block_tables = self.kv.allocate(hits, computed + n)
             seq.num_computed_tokens = computed
-            seq.num_published_blocks = len(hits)
+            seq.num_published_blocks = computed // self.pool.block_size
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = computed
                 self.pool.record_query(len(seq.prompt_token_ids), computed)
@@ -485,11 +490,14 @@ class Scheduler:
         bisect.insort_right(self.running, seq, key=self._running_key)
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and publish newly full blocks to the prefix cache."""
+        """Advance computed counts, publish newly full blocks to the prefix cache and release
+        the blocks windowed layers no longer see."""
         for seq, n in batch.items:
             seq.num_computed_tokens += n
             if self.pool.enable_prefix_caching:
                 self._publish(seq)
+            if self.kv.windowed:
+                self.kv.drop_out_of_window(seq.block_tables, seq.num_computed_tokens)
 
     def _publish(self, seq: Sequence) -> None:
         """Hash and register every block of ``seq`` whose KV is now fully computed."""
@@ -504,5 +512,5 @@ class Scheduler:
                 parent = hash_block(parent, seq.namespace, tokens[b * bs : (b + 1) * bs])
                 seq.block_hashes.append(parent)
         for b in range(seq.num_published_blocks, full):
-            self.pool.register(seq.block_ids[b], seq.block_hashes[b])
+            self.kv.register(seq.block_tables, b, seq.block_hashes[b])
         seq.num_published_blocks = full

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplex.kv.block_pool import salted_namespace
+from loraplex.kv.groups import NULL_BLOCK
 from loraplex.outputs import TokenLogprob
 from loraplex.requests import SamplingParams
 from loraplex.types import BASE_NAMESPACE
@@ -41,7 +42,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    block_ids: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    """One block table per KV-cache group (``loraplex.kv.groups``; entry ``b`` holds positions
+    ``[b * block_size, (b + 1) * block_size)``, ``NULL_BLOCK`` once released); empty: none."""
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     slot: int | None = None  # device LoRA slot while running
@@ -68,6 +71,11 @@ class Sequence:
     tenant: str | None = None
     preempted_at_step: int | None = None  # the scheduler step that last preempted it
     _namespace: bytes = field(init=False, repr=False, default=b"")
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Every block the sequence holds, over all its KV-cache groups."""
+        return [b for table in self.block_tables for b in table if b != NULL_BLOCK]
 
     def __post_init__(self) -> None:
         base = self.adapter.ref.namespace if self.adapter is not None else BASE_NAMESPACE

@@ -45,11 +45,12 @@ def worker_parts(
     _, device, dtype, model = on_every_rank(lambda: load_base(config, None, group, rank), group)
     layout: WorkerLayout = group.comm.broadcast()
     mc = model.cfg
-    budget = MemoryBudget(config, mc, device, dtype)
+    groups = tuple(model.kv_groups)  # as rank 0's: the same layers' windows
+    budget = MemoryBudget(config, mc, device, dtype, groups)
     bank = slot_bank(config, model, budget, layout.lora_slots) if layout.lora_slots else None
     cache = PagedKVCache(
         mc.num_layers, layout.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-        dtype, device,
+        dtype, device, groups,
     )  # fmt: skip
     return model, cache, bank
 
