@@ -1,0 +1,104 @@
+"""KV bytes one sequence holds, before and after windowed KV-cache groups, for Gemma 2 and
+Gemma 3 shapes: the real scheduler and block pool run one sequence (prompt in chunks of
+``max_num_batched_tokens``, then decodes) with no model, and the blocks it holds are counted.
+
+"before": one group of every layer (windowed layers kept their full KV); "after": the groups
+``loraplex.kv.groups.kv_cache_groups`` makes of the layers' windows. Bytes per block are a
+page of the group's layers (``PagedKVCache.bytes_per_block``); bfloat16, block size 16.
+
+    python scripts/kv_window_memory.py [--budget 8GiB] [--contexts 8192 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from loraplex import SamplingParams
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sequence import Sequence
+from loraplex.kv.block_pool import BlockPool
+from loraplex.kv.cache import PagedKVCache
+from loraplex.kv.groups import KVCacheGroup, kv_cache_groups, layers_per_group
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    windows: tuple[int | None, ...]  # per layer (None: global)
+    kv_heads: int
+    head_dim: int
+
+
+def _gemma3(name: str, layers: int, kv_heads: int, window: int) -> Shape:
+    """Every 6th layer global (sliding_window_pattern 6)."""
+    ws = tuple(None if (i + 1) % 6 == 0 else window for i in range(layers))
+    return Shape(name, ws, kv_heads, 256)
+
+
+SHAPES = (
+    Shape("Gemma 2 2B", tuple(4096 if i % 2 == 0 else None for i in range(26)), 4, 256),
+    _gemma3("Gemma 3 1B", 26, 1, 512),
+    _gemma3("Gemma 3 4B", 34, 4, 1024),
+)
+
+
+def held_blocks(
+    groups: list[KVCacheGroup], context: int, block_size: int, chunk: int
+) -> tuple[int, int]:
+    """(blocks held while decoding at ``context`` tokens, peak over the run) for one sequence
+    through the real Scheduler and BlockPool."""
+    need = sum(-(-context // block_size) for _ in groups) + 8
+    pool = BlockPool(need, block_size)
+    sched = Scheduler(pool, None, max_num_seqs=1, max_num_batched_tokens=chunk, kv_groups=groups)
+    prompt = [(7 * i) % 1000 + 3 for i in range(context - 1)]
+    seq = Sequence("one", None, prompt, SamplingParams(max_tokens=2, ignore_eos=True), 2)
+    sched.add(seq)
+    peak = decode = 0
+    while seq.num_computed_tokens < context:
+        batch = sched.schedule()
+        peak = max(peak, len(seq.block_ids))
+        if seq.num_computed_tokens + batch.items[0][1] == seq.num_tokens:
+            decode = len(seq.block_ids)  # the step whose query sits at position context - 1
+            seq.output_token_ids.append(5)
+        sched.after_step(batch)
+    return decode, peak
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", type=float, default=8.0, help="KV budget in GiB (default 8)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    a = p.parse_args()
+    budget = int(a.budget * (1 << 30))
+    print(f"bfloat16, block {a.block_size}, prefill chunks of {a.chunk}, budget {a.budget} GiB")
+    print("model | groups (layers/page) | context | before MiB | after MiB (peak in prefill) "
+          "| saved | sequences in budget before -> after")  # fmt: skip
+    for s in SHAPES:
+        before = [KVCacheGroup(tuple(range(len(s.windows))))]  # windowed layers kept all
+        after = kv_cache_groups(s.windows)
+        rows = []
+        for ctx in a.contexts:
+            out = []
+            for groups in (before, after):
+                page = PagedKVCache.bytes_per_block(
+                    layers_per_group(groups), a.block_size, s.kv_heads, s.head_dim, torch.bfloat16
+                )
+                decode, peak = held_blocks(groups, ctx, a.block_size, a.chunk)
+                out.append((decode * page, peak * page, budget // page // decode))
+            (b, _, nb), (f, fp, nf) = out
+            rows.append(
+                f"{s.name} | {len(after)} ({layers_per_group(after)}) | {ctx} | {b / MiB:.0f} | "
+                f"{f / MiB:.0f} ({fp / MiB:.0f}) | {1 - f / b:.0%} | {nb} -> {nf}"
+            )
+        print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
