@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from loraplex.kv.groups import NULL_BLOCK, blocks_per_sequence
+from loraplex.kv.cache import PagedKVCache
+from loraplex.kv.groups import NULL_BLOCK, blocks_per_sequence, layers_per_group, max_tokens
 from loraplex.testing import load_merged_reference, make_random_model, reference_greedy
 
 WINDOW = 8
@@ -220,3 +221,36 @@ def test_preemption_with_windowed_groups(family: dict) -> None:
     for ids, out in zip(prompts, outs, strict=True):
         _check(out, ids, family["ref"], prompt_logprobs=False)
     assert llm.engine.is_idle()
+
+
+def test_the_kv_budget_buys_pages_of_a_group(family: dict) -> None:
+    """A KV budget of 20 pages holds 20 blocks of one group's layers (not of every layer), and
+    max_model_len is the longest sequence those blocks hold alone: a windowed group needs only
+    its window's blocks (every layer windowed: the KV caps no length)."""
+    probe = LLM(str(family["dir"]), enable_lora=False, dtype="float32", block_size=BLOCK)
+    groups, mc = probe.engine.cache.groups, probe.engine.model_config
+    page = PagedKVCache.bytes_per_block(
+        layers_per_group(groups), BLOCK, mc.num_kv_heads, mc.head_dim, torch.float32
+    )
+    llm = LLM(
+        str(family["dir"]),
+        enable_lora=False,
+        dtype="float32",
+        block_size=BLOCK,
+        max_num_batched_tokens=6,
+        kv_cache_memory_bytes=20 * page,
+    )
+    e = llm.engine
+    assert e.pool.num_blocks == 20 and e.cache.nbytes == 20 * page
+    limit = mc.max_position_embeddings
+    assert e.max_model_len == max_tokens(groups, 20, BLOCK, 6, limit)
+    if any(g.window is None for g in groups):  # full groups: 20 blocks shared among them
+        full = sum(g.window is None for g in groups)
+        assert e.max_model_len <= 20 // full * BLOCK
+    else:
+        assert e.max_model_len == limit
+    if len(groups) > 1:  # a flat cache of every layer would hold fewer blocks
+        flat = PagedKVCache.bytes_per_block(
+            mc.num_layers, BLOCK, mc.num_kv_heads, mc.head_dim, torch.float32
+        )
+        assert flat > page
