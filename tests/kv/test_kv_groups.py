@@ -75,7 +75,7 @@ def _manager(num_blocks: int = 32) -> tuple[KVCacheManager, BlockPool]:
 
 def _publish(kv: KVCacheManager, tables: list[list[int]], hashes: list[bytes]) -> None:
     for b in range(len(hashes)):
-        kv.register(tables, b, hashes[b])
+        kv.register(tables, b, [hashes] * len(tables))
 
 
 def test_windowed_blocks_drop_out_of_the_window_and_stay_hittable() -> None:
@@ -97,8 +97,8 @@ def test_windowed_blocks_drop_out_of_the_window_and_stay_hittable() -> None:
     assert kv.blocks_needed(tables, 25) == 2  # one more block per group
     kv.free(tables)
     assert pool.num_free == 32
-    hit = kv.lookup(hashes)
-    assert len(hit[0]) == len(hit[1]) == 6
+    k, hit = kv.lookup([hashes, hashes])
+    assert k == len(hit[0]) == len(hit[1]) == 6
     assert hit[0] == tables[0] and hit[1][:4] == [NULL_BLOCK] * 4
     assert hit[1][4:] == tables[1][4:]
 
@@ -115,16 +115,16 @@ def test_a_hit_is_as_long_as_every_group_can_serve() -> None:
     evicted = tables[1][5]
     del pool.cached[group_block_key(hashes[5], 1)]
     pool.block_hash[evicted] = None
-    hit = kv.lookup(hashes)
-    assert len(hit[0]) == 5 and hit[0] == tables[0][:5]
+    k, hit = kv.lookup([hashes, hashes])
+    assert k == 5 and hit[0] == tables[0]  # the full group still takes all 6 of its blocks
     first = KVCacheGroup((1,), 8).first_live_block(5 * BS, BS)
     assert first == 3 and hit[1] == [NULL_BLOCK] * 3 + tables[1][3:5]
     # the windowed group also lost block 3: 5 blocks fail, 4 need blocks 3 -> none served
     del pool.cached[group_block_key(hashes[3], 1)]
-    assert len(kv.lookup(hashes)[0]) == 3  # 3 blocks: keys 5..11 in blocks 1, 2
+    assert kv.lookup([hashes, hashes])[0] == 3  # 3 blocks: keys 5..11 in blocks 1, 2
     # full group without block 0: nothing
     del pool.cached[hashes[0]]
-    assert kv.lookup(hashes) == []
+    assert kv.lookup([hashes, hashes]) == (0, [])
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -134,5 +134,5 @@ def test_one_group_is_the_pool_alone(enabled: bool) -> None:
     hashes = hash_prefix_blocks(BASE_NAMESPACE, list(range(12)), BS)
     tables = kv.allocate([], 12)
     _publish(kv, tables, hashes)
-    assert kv.lookup(hashes) == ([tables[0]] if enabled else [])
-    assert kv.lookup(hashes) == ([pool.lookup(hashes)] if enabled else [])
+    assert kv.lookup([hashes]) == ((3, [tables[0]]) if enabled else (0, []))
+    assert kv.lookup([hashes])[1] == ([pool.lookup(hashes)] if enabled else [])

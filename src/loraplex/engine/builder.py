@@ -32,7 +32,13 @@ from loraplex.engine.tensor_parallel.group import (
 )
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.cache import PagedKVCache
-from loraplex.kv.groups import KVCacheGroup, blocks_per_sequence, layers_per_group, max_tokens
+from loraplex.kv.groups import (
+    KVCacheGroup,
+    blocks_per_sequence,
+    kv_cache_groups,
+    layers_per_group,
+    max_tokens,
+)
 from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.ops import LoRAOps
 from loraplex.lora.slots import LoRASlotBank
@@ -107,6 +113,12 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"{model_dir}: cannot load tokenizer ({e})") from e
 
 
+def model_kv_groups(model: DecoderForCausalLM, config: EngineConfig) -> tuple[KVCacheGroup, ...]:
+    """The KV-cache groups of ``model``'s layers: by their windows, cut into
+    ``--kv-cache-layer-groups`` groups of consecutive layers."""
+    return tuple(kv_cache_groups(model.layer_windows(), config.kv_cache_layer_groups))
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """What the KV cache and the adapter slots may use, and the lengths that follow from it."""
@@ -173,7 +185,7 @@ class MemoryBudget:
                 self.groups, longest, c.block_size, min(longest, c.max_num_batched_tokens)
             )
             budget = min(budget, c.max_num_seqs * per_seq * per_block)
-        blocks = budget // per_block
+        blocks = budget // per_block - (len(self.groups) > 1)  # the cache's trash page
         if blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} bytes)"
@@ -395,7 +407,7 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     local = model.cfg  # a tensor-parallel rank's heads: its KV cache and slot tables
-    groups = tuple(model.kv_groups)
+    groups = model_kv_groups(model, config)
     budget = MemoryBudget(config, local, device, dtype, groups)
     lora = wire_lora(config, model, budget, workers) if config.enable_lora else None
     num_blocks = budget.kv_blocks(lora.adapters.bank.nbytes if lora is not None else 0)

@@ -118,6 +118,18 @@ class ModelRunner:
             table.clamp_(min=0)  # NULL_BLOCK
         return table[pos // bs] * bs + pos % bs
 
+    def _write_slots(self, seq: Sequence, start: int, end: int, group: int) -> torch.Tensor:
+        """Where group ``group`` writes positions [start, end) of ``seq``: its slots, but the
+        cache's trash page for positions in blocks it took from the prefix cache (it shares
+        them: their KV is already there, computed by whoever published them)."""
+        slots = self._slots(seq, start, end, group)
+        shared = seq.kv_shared[group] * self.block_size if seq.kv_shared else 0
+        if start < shared:
+            trash = self.cache.trash_block * self.block_size
+            pos = torch.arange(start, min(end, shared))
+            slots[: len(pos)] = trash + pos % self.block_size
+        return slots
+
     def _decode_table(self, dec_seqs: list[Sequence], nblk: int, group: int) -> torch.Tensor:
         """[Bd, nblk] block ids of group ``group`` (padded with 0; released blocks at 0)."""
         table = torch.zeros(len(dec_seqs), nblk, dtype=torch.long)
@@ -140,7 +152,7 @@ class ModelRunner:
         it = iter(attn.prefills)
         for seq, n in items:
             start = seq.num_computed_tokens
-            slots.append(self._slots(seq, start, start + n, group))
+            slots.append(self._write_slots(seq, start, start + n, group))
             if n == 1 and start > 0:
                 continue
             span = next(it)
@@ -214,7 +226,7 @@ class ModelRunner:
                     prompt_rows.append(PromptLogprobRows(seq, rows, lo + 1))
             ids += seq.all_token_ids[start : start + n]
             positions += range(start, start + n)
-            slot_chunks.append(self._slots(seq, start, start + n))
+            slot_chunks.append(self._write_slots(seq, start, start + n, 0))
             if n == 1 and start > 0:
                 dec_tokens.append(t)
                 dec_seqs.append(seq)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from loraplex.engine.kv_keys import GroupKeys
 from loraplex.engine.scheduling import (
     POLICIES,
     SchedulingPolicy,
@@ -120,6 +121,7 @@ class Scheduler:
             raise ValueError(f"default class {default_class} is not one of {len(class_weights)}")
         self.pool = pool
         self.kv = KVCacheManager(pool, kv_groups)
+        self.keys = GroupKeys(self.kv.groups)  # which chain keys each group's blocks
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -199,7 +201,7 @@ class Scheduler:
         self._free(seq)
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
-        seq.block_hashes = []
+        seq.block_hashes, seq.base_block_hashes, seq.kv_shared = [], [], []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         seq.preempted_at_step = self.step_index
@@ -422,7 +424,7 @@ class Scheduler:
                 to_loading.add(id(seq))
                 self.loading.append(seq)
                 continue
-            hits: list[list[int]] = []  # per KV-cache group
+            k, hits = 0, []  # hit blocks, and each KV-cache group's cached blocks
             # prompt logprobs need every prompt position computed: no prefix-cache hits
             if (
                 seq.num_computed_tokens == 0
@@ -432,9 +434,10 @@ class Scheduler:
                 tokens = seq.all_token_ids
                 bs = self.pool.block_size
                 seq.block_hashes = hash_prefix_blocks(seq.namespace, tokens, bs)
-                # at least one token must be computed to produce logits
-                hits = self.kv.lookup(seq.block_hashes[: (len(tokens) - 1) // bs])
-            computed = len(hits[0]) * self.pool.block_size if hits else 0
+                self.keys.hash_base(seq, tokens, bs)
+                m = (len(tokens) - 1) // bs  # at least one token must be computed for logits
+                k, hits = self.kv.lookup([c[:m] for c in self.keys.chains(seq)])
+            computed = k * self.pool.block_size
             n = min(seq.num_tokens - computed, budget)
             if self._caps is not None and n > 1:
                 c = self.class_of(seq)
@@ -452,6 +455,7 @@ class Scheduler:
                     seq.slot = None
                 break  # memory is FCFS: stop admitting
             self.pool.touch(hit_ids)
+            seq.kv_shared = [len(t) for t in hits]
             seq.block_tables = self.kv.allocate(hits, computed + n)
             seq.num_computed_tokens = computed
             seq.num_published_blocks = computed // self.pool.block_size
@@ -511,6 +515,8 @@ class Scheduler:
             for b in range(len(seq.block_hashes), full):
                 parent = hash_block(parent, seq.namespace, tokens[b * bs : (b + 1) * bs])
                 seq.block_hashes.append(parent)
+        self.keys.extend_base(seq, full, bs)
+        chains = self.keys.chains(seq)
         for b in range(seq.num_published_blocks, full):
-            self.kv.register(seq.block_tables, b, seq.block_hashes[b])
+            self.kv.register(seq.block_tables, b, chains)
         seq.num_published_blocks = full

@@ -46,6 +46,12 @@ class Sequence:
     """One block table per KV-cache group (``loraplex.kv.groups``; entry ``b`` holds positions
     ``[b * block_size, (b + 1) * block_size)``, ``NULL_BLOCK`` once released); empty: none."""
     block_hashes: list[bytes] = field(default_factory=list)
+    base_block_hashes: list[bytes] = field(default_factory=list)
+    """The chain under the (salted) base namespace, for the KV-cache groups below the adapter's
+    first KV layer (their blocks are keyed as base blocks); empty when none is."""
+    kv_shared: list[int] = field(default_factory=list)
+    """Per KV-cache group: leading blocks taken from the prefix cache at admission; positions
+    in them are never written (a group may hit further than the tokens the sequence skips)."""
     num_published_blocks: int = 0
     slot: int | None = None  # device LoRA slot while running
     finish_reason: str | None = None

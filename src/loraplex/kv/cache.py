@@ -18,6 +18,10 @@ class PagedKVCache:
     ``block_size`` positions, so a layer reads and writes slots of its group's block table.
     Writing a step's new tokens is one ``index_copy_`` and reading a sequence's context is one
     gather with precomputed slot indices.
+
+    With several groups the cache holds one more page than the pool's ``num_blocks``: block
+    ``trash_block``, where a sequence writes the positions whose blocks it took from the prefix
+    cache in some groups but recomputes for the others (never read).
     """
 
     def __init__(
@@ -34,11 +38,13 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.groups = list(groups or [KVCacheGroup(tuple(range(num_layers)))])
+        self.trash_block = num_blocks if len(self.groups) > 1 else None
+        self.num_pages = num_blocks + (self.trash_block is not None)
         places = layer_places(self.groups)
         assert len(places) == num_layers, "groups: every layer in exactly one group"
         self.group_of = [g for g, _ in places]  # layer -> its group
         self.index_of = [i for _, i in places]  # layer -> its index in the group's page
-        shape = (layers_per_group(self.groups), num_blocks * block_size, num_kv_heads, head_dim)
+        shape = (layers_per_group(self.groups), self.num_pages * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -74,8 +80,8 @@ class PagedKVCache:
         idx = block_table.reshape(-1)
         k, v = self.layer_kv(layer)  # [slots, KVH, hd]
         shape = (b, nblk * self.block_size, *k.shape[1:])
-        kb = k.view(self.num_blocks, -1).index_select(0, idx).view(shape)
-        vb = v.view(self.num_blocks, -1).index_select(0, idx).view(shape)
+        kb = k.view(self.num_pages, -1).index_select(0, idx).view(shape)
+        vb = v.view(self.num_pages, -1).index_select(0, idx).view(shape)
         return kb, vb
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,24 +49,26 @@ class KVCacheGroup:
         return min(total, -(-(self.window - 1 + chunk) // block_size) + 1)
 
 
-def kv_cache_groups(windows: Sequence[int | None]) -> list[KVCacheGroup]:
+def kv_cache_groups(windows: Sequence[int | None], layer_groups: int = 1) -> list[KVCacheGroup]:
     """Groups of the layers whose windows are ``windows`` (one per layer; None: full).
 
     One kind (every layer alike): one group of all layers. Else each kind is cut into groups of
     ``size`` layers, ``size`` the smallest kind's layer count (the largest kind's where that is
     within 25%, as vLLM does, so nothing is cut), the last group of a kind padded (its page
     slots for missing layers stay unused). Full-attention groups first, then windows ascending.
+    ``layer_groups`` > 1 also caps ``size`` at ``ceil(layers / layer_groups)``: groups cut at
+    layer boundaries, so an adapter that leaves the first layers alone shares their blocks
+    with the base model (``loraplex.lora.kv_reach``).
     """
     kinds: dict[int | None, list[int]] = {}
     for layer, w in enumerate(windows):
         kinds.setdefault(w, []).append(layer)
     order = sorted(kinds, key=lambda w: (w is not None, w or 0))
-    if len(kinds) == 1:
-        return [KVCacheGroup(tuple(kinds[order[0]]), order[0])]
     counts = [len(v) for v in kinds.values()]
     size = min(counts)
     if max(counts) < _PAD_TOLERANCE * size:
         size = max(counts)
+    size = min(size, -(-len(windows) // max(1, layer_groups)))
     return [
         KVCacheGroup(tuple(kinds[w][i : i + size]), w)
         for w in order
@@ -83,6 +85,12 @@ def layer_places(groups: Sequence[KVCacheGroup]) -> list[tuple[int, int]]:
     """Per layer: (its group, its index in the group's page)."""
     places = {layer: (g, i) for g, grp in enumerate(groups) for i, layer in enumerate(grp.layers)}
     return [places[layer] for layer in range(len(places))]
+
+
+def base_groups(groups: Sequence[KVCacheGroup], first_kv_layer: int) -> frozenset[int]:
+    """The groups whose layers all lie below ``first_kv_layer`` (an adapter's, see
+    ``loraplex.lora.kv_reach``): their KV is the base model's, keyed as base blocks."""
+    return frozenset(g for g, grp in enumerate(groups) if max(grp.layers) < first_kv_layer)
 
 
 def group_block_key(chain_hash: bytes, group: int) -> bytes:

@@ -69,28 +69,31 @@ class KVCacheManager:
             if dropped:
                 self.pool.release(dropped)
 
-    def lookup(self, hashes: Sequence[bytes]) -> BlockTables:
-        """The cached blocks of the longest prefix every group can serve, as block tables (all
-        of the same length ``k``: a hit of ``k`` blocks; empty when ``k = 0``).
+    def lookup(self, chains: Sequence[Sequence[bytes]]) -> tuple[int, BlockTables]:
+        """``(k, tables)``: the longest prefix of ``k`` blocks every group can serve, and the
+        cached blocks each group takes (empty tables when nothing hits).
 
-        ``hashes``: the chained hashes of the prefix's full blocks that may hit. Full groups
-        need blocks ``[0, k)``; a windowed group only those a query at position ``k *
-        block_size`` sees (vLLM's sliding-window manager: the rest of its table is NULL).
+        ``chains[g]``: the chained hashes group ``g`` is keyed by (one list for all groups but
+        those keyed as base blocks), over the prefix's full blocks that may hit. A full group
+        takes its whole cached run from the start (possibly past ``k``: positions the sequence
+        recomputes for the other groups, whose blocks it then shares); a windowed group takes
+        only the blocks a query at position ``k * block_size`` sees (vLLM's sliding-window
+        manager: the rest of its first ``k`` entries are NULL).
         """
         pool, bs = self.pool, self.block_size
         if len(self.groups) == 1 and not self.windowed:
-            hits = pool.lookup(hashes)
-            return [hits] if hits else []
+            hits = pool.lookup(chains[0])
+            return len(hits), ([hits] if hits else [])
         if not pool.enable_prefix_caching:
-            return []
-        k = len(hashes)
+            return 0, []
+        k = len(chains[0])
         cached: dict[int, list[int | None]] = {}
         for g in self.full:  # the longest run from the start every full group holds
-            ids = pool.lookup([group_block_key(h, g) for h in hashes[:k]])
-            cached[g], k = list(ids), len(ids)
+            ids = pool.lookup([group_block_key(h, g) for h in chains[g]])
+            cached[g], k = list(ids), min(k, len(ids))
         runs: dict[int, list[int]] = {}
         for g in self.windowed:  # run[b]: cached blocks ending at b, b included
-            ids_w = [pool.cached.get(group_block_key(h, g)) for h in hashes[:k]]
+            ids_w = [pool.cached.get(group_block_key(h, g)) for h in chains[g][:k]]
             run, r = [], 0
             for b in ids_w:
                 r = r + 1 if b is not None else 0
@@ -100,22 +103,26 @@ class KVCacheManager:
             runs[g][k - 1] >= k - self.groups[g].first_live_block(k * bs, bs) for g in self.windowed
         ):
             k -= 1
-        if k == 0:
-            return []
+        if all(not cached[g] for g in self.full) and k == 0:
+            return 0, []
         tables: BlockTables = []
         for g, grp in enumerate(self.groups):
-            first = grp.first_live_block(k * bs, bs)
-            tables.append([NULL_BLOCK] * first + [b for b in cached[g][first:k] if b is not None])
-        return tables
+            if grp.window is None:
+                tables.append([b for b in cached[g] if b is not None])
+            else:
+                first = grp.first_live_block(k * bs, bs)
+                ids = [b for b in cached[g][first:k] if b is not None]
+                tables.append([NULL_BLOCK] * first + ids)
+        return k, tables
 
     @staticmethod
     def live(tables: BlockTables) -> list[int]:
         """The blocks ``tables`` hold (not NULL)."""
         return [b for t in tables for b in t if b != NULL_BLOCK]
 
-    def register(self, tables: BlockTables, block: int, chain_hash: bytes) -> None:
+    def register(self, tables: BlockTables, block: int, chains: Sequence[Sequence[bytes]]) -> None:
         """Record that entry ``block`` of every group's table holds the KV of the prefix whose
-        chained hash is ``chain_hash`` (under the group's key)."""
+        chained hash is ``chains[g][block]`` (under group ``g``'s key)."""
         for g, t in enumerate(tables):
             if t[block] != NULL_BLOCK:
-                self.pool.register(t[block], group_block_key(chain_hash, g))
+                self.pool.register(t[block], group_block_key(chains[g][block], g))

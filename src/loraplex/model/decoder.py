@@ -22,7 +22,6 @@ from typing import Any, ClassVar
 import torch
 
 from loraplex.kv.cache import PagedKVCache
-from loraplex.kv.groups import KVCacheGroup, kv_cache_groups
 from loraplex.lora.plan import LoRABatchPlan
 from loraplex.model.attention import AttentionMetadata
 from loraplex.model.layer_ops import LayerOps, select_layer_ops
@@ -115,8 +114,6 @@ class DecoderForCausalLM:
         self.windows: tuple[int, ...] = tuple(sorted({w for w in windows if w is not None}))
         """The distinct sliding windows of the layers (the runner builds each one's masks once
         per step; a layer's ``window`` indexes them)."""
-        self.kv_groups: list[KVCacheGroup] = kv_cache_groups(windows)
-        """The layers sharing one block table each (the cache's and scheduler's groups)."""
         self.layers = [
             DecoderLayer(index[id(r)], None if w is None else self.windows.index(w))
             for r, w in zip(per_layer, windows, strict=True)
