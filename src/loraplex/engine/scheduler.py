@@ -292,7 +292,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # seq itself was preempted; running[i] is now the next one
-            seq.block_tables = self.kv.allocate(seq.block_tables, seq.num_computed_tokens + n)
+            if need:
+                seq.block_tables = self.kv.allocate(seq.block_tables, seq.num_computed_tokens + n)
             batch.items.append((seq, n))
             self._charge(seq, n)
             budget -= n

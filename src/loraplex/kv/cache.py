@@ -67,9 +67,9 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """cache[layer][slots[t]] = k[t], v[t]  (k, v: [T, kv_heads, head_dim]; slots: [T])."""
-        kc, vc = self.layer_kv(layer)
-        kc.index_copy_(0, slots, k)
-        vc.index_copy_(0, slots, v)
+        i = self.index_of[layer]
+        self.k[i].index_copy_(0, slots, k)
+        self.v[i].index_copy_(0, slots, v)
 
     def gather_blocks(
         self, layer: int, block_table: torch.Tensor

@@ -37,6 +37,8 @@ class KVCacheManager:
         n = -(-num_tokens // self.block_size)
         if not tables:
             return n * len(self.groups)
+        if len(tables) == 1:  # one group: every decode step asks, keep it cheap
+            return max(0, n - len(tables[0]))
         return sum(max(0, n - len(t)) for t in tables)
 
     def allocate(self, tables: BlockTables, num_tokens: int) -> BlockTables:
