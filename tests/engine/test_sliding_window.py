@@ -17,7 +17,7 @@ import torch
 from loraplex import LLM, SamplingParams
 from loraplex.kv.cache import PagedKVCache
 from loraplex.kv.groups import NULL_BLOCK, blocks_per_sequence, layers_per_group, max_tokens
-from loraplex.testing import load_merged_reference, make_random_model, reference_greedy
+from loraplex.testing import check_greedy, load_merged_reference, make_random_model
 
 WINDOW = 8
 BLOCK = 4
@@ -68,6 +68,11 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return {"dir": d, "ref": load_merged_reference(d, None), "name": request.param}
 
 
+def _llm(d: Path, **kw: object) -> LLM:
+    """An engine on ``d`` without LoRA, in float32, with ``BLOCK``-token blocks."""
+    return LLM(str(d), enable_lora=False, dtype="float32", block_size=BLOCK, **kw)
+
+
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -81,15 +86,7 @@ def _prompt_reference(model: object, ids: list[int]) -> torch.Tensor:
 
 def _check(out: object, ids: list[int], ref: object, prompt_logprobs: bool) -> None:
     """Greedy tokens, sample logprobs and (if asked) prompt logprobs equal the reference's."""
-    want, ref_lp = reference_greedy(ref, ids, N_NEW)
-    got = out.outputs[0]  # type: ignore[attr-defined]
-    assert got.token_ids == want
-    worst = max(
-        abs(val - float(ref_lp[step, tid]))
-        for step, lp in enumerate(got.logprobs)
-        for tid, val in lp.top.items()
-    )
-    assert worst < SAMPLE_TOL, worst
+    check_greedy(out.outputs[0], ref, ids, SAMPLE_TOL)  # type: ignore[attr-defined]
     if prompt_logprobs:
         want_prompt = _prompt_reference(ref, ids)
         worst = max(
@@ -103,13 +100,7 @@ def _check(out: object, ids: list[int], ref: object, prompt_logprobs: bool) -> N
 def test_chunked_prefill_and_decode_past_the_window(family: dict) -> None:
     """Three prompts of 3 windows in chunks of at most 6 tokens (each chunk's context crosses
     the window), then decodes past it, all in one batch."""
-    llm = LLM(
-        str(family["dir"]),
-        enable_lora=False,
-        dtype="float32",
-        block_size=BLOCK,
-        max_num_batched_tokens=6,
-    )
+    llm = _llm(family["dir"], max_num_batched_tokens=6)
     assert llm.engine.max_model_len > WINDOW  # the window caps nothing
     prompts = [_ids(3 * WINDOW + k, seed=k) for k in range(3)]
     sp = SamplingParams(
@@ -124,7 +115,7 @@ def test_chunked_prefill_and_decode_past_the_window(family: dict) -> None:
 def test_prefix_cache_hit_crossing_the_window(family: dict) -> None:
     """A second request sharing a 6-block prefix (3 windows) hits the prefix cache for all of
     it and still equals the reference; a fresh prompt of the same length hits nothing."""
-    llm = LLM(str(family["dir"]), enable_lora=False, dtype="float32", block_size=BLOCK)
+    llm = _llm(family["dir"])
     pool = llm.engine.pool
     shared = _ids(3 * WINDOW, seed=10)
     first, second = shared + _ids(3, seed=11), shared + _ids(5, seed=12)
@@ -146,7 +137,7 @@ def test_mistral_window_shorter_than_the_context_is_exact(tmp_path: Path) -> Non
     """Mistral's window used to cap max_model_len at the window; now it is masked, so a
     context of many windows serves and equals transformers (its window on every layer)."""
     d = make_random_model(tmp_path / "mistral", "mistral", sliding_window=WINDOW, seed=4)
-    llm = LLM(str(d), enable_lora=False, dtype="float32", block_size=BLOCK)
+    llm = _llm(d)
     assert llm.engine.max_model_len == 512  # max_position_embeddings, not the window
     assert [L.window for L in llm.engine.model.layers] == [0, 0]
     ids = _ids(5 * WINDOW, seed=5)
@@ -170,13 +161,7 @@ def test_windowed_groups_hold_only_the_window(family: dict) -> None:
     the next position sees) while the full groups hold the whole context, and the outputs
     equal transformers'."""
     chunk = 6
-    llm = LLM(
-        str(family["dir"]),
-        enable_lora=False,
-        dtype="float32",
-        block_size=BLOCK,
-        max_num_batched_tokens=chunk,
-    )
+    llm = _llm(family["dir"], max_num_batched_tokens=chunk)
     e = llm.engine
     groups = e.cache.groups
     assert len(groups) == GROUPS[family["name"]]
@@ -204,17 +189,10 @@ def test_preemption_with_windowed_groups(family: dict) -> None:
     """Three sequences in a pool that holds about one and a half of them: preempted and
     recomputed (their windowed tables rebuilt), every output still equals transformers'."""
     prompts = [_ids(3 * WINDOW + k, seed=30 + k) for k in range(3)]
-    probe = LLM(str(family["dir"]), enable_lora=False, dtype="float32", block_size=BLOCK)
+    probe = _llm(family["dir"])
     longest = max(map(len, prompts)) + N_NEW
     per_seq = blocks_per_sequence(probe.engine.cache.groups, longest, BLOCK, chunk=6)
-    llm = LLM(
-        str(family["dir"]),
-        enable_lora=False,
-        dtype="float32",
-        block_size=BLOCK,
-        max_num_batched_tokens=6,
-        num_kv_blocks=per_seq * 3 // 2,
-    )
+    llm = _llm(family["dir"], max_num_batched_tokens=6, num_kv_blocks=per_seq * 3 // 2)
     sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, sp)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -228,19 +206,12 @@ def test_the_kv_budget_buys_pages_of_a_group(family: dict) -> None:
     of them the trash page where several groups are), and
     max_model_len is the longest sequence those blocks hold alone: a windowed group needs only
     its window's blocks (every layer windowed: the KV caps no length)."""
-    probe = LLM(str(family["dir"]), enable_lora=False, dtype="float32", block_size=BLOCK)
+    probe = _llm(family["dir"])
     groups, mc = probe.engine.cache.groups, probe.engine.model_config
     page = PagedKVCache.bytes_per_block(
         layers_per_group(groups), BLOCK, mc.num_kv_heads, mc.head_dim, torch.float32
     )
-    llm = LLM(
-        str(family["dir"]),
-        enable_lora=False,
-        dtype="float32",
-        block_size=BLOCK,
-        max_num_batched_tokens=6,
-        kv_cache_memory_bytes=20 * page,
-    )
+    llm = _llm(family["dir"], max_num_batched_tokens=6, kv_cache_memory_bytes=20 * page)
     e = llm.engine
     trash = len(groups) > 1  # one page of the budget is the cache's trash page
     assert e.pool.num_blocks == 20 - trash and e.cache.nbytes == 20 * page
