@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from loraplex.engine.sequence import Sequence
-from loraplex.kv.block_pool import hash_block, hash_prefix_blocks, salted_namespace
+from loraplex.kv.block_pool import hash_block, salted_namespace
 from loraplex.kv.groups import KVCacheGroup, base_groups
 from loraplex.lora.kv_reach import first_kv_layer
 from loraplex.types import BASE_NAMESPACE
@@ -39,22 +39,18 @@ class GroupKeys:
             self._base[d] = base_groups(self.groups, first)
         return self._base[d]
 
-    def hash_base(self, seq: Sequence, tokens: list[int], block_size: int) -> None:
-        """Set ``seq.base_block_hashes`` for the full blocks of ``tokens`` when some group of
-        ``seq`` is keyed as base blocks (else leave it empty)."""
-        if self.base_groups(seq):
-            ns = salted_namespace(BASE_NAMESPACE, seq.cache_salt)
-            seq.base_block_hashes = hash_prefix_blocks(ns, tokens, block_size)
-
     def extend_base(self, seq: Sequence, full: int, block_size: int) -> None:
-        """Extend ``seq.base_block_hashes`` (if used) to its first ``full`` blocks."""
+        """Extend ``seq.base_block_hashes`` to its first ``full`` blocks when some group of
+        ``seq`` is keyed as base blocks (else leave it empty)."""
         chain = seq.base_block_hashes
-        if not chain or len(chain) >= full:
+        if len(chain) >= full or not self.base_groups(seq):
             return
         ns = salted_namespace(BASE_NAMESPACE, seq.cache_salt)
         tokens = seq.all_token_ids
+        parent = chain[-1] if chain else None
         for b in range(len(chain), full):
-            chain.append(hash_block(chain[-1], ns, tokens[b * block_size : (b + 1) * block_size]))
+            parent = hash_block(parent, ns, tokens[b * block_size : (b + 1) * block_size])
+            chain.append(parent)
 
     def chains(self, seq: Sequence) -> list[list[bytes]]:
         """Per group, the chained hashes its blocks are keyed by."""

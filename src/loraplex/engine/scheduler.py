@@ -435,7 +435,7 @@ class Scheduler:
                 tokens = seq.all_token_ids
                 bs = self.pool.block_size
                 seq.block_hashes = hash_prefix_blocks(seq.namespace, tokens, bs)
-                self.keys.hash_base(seq, tokens, bs)
+                self.keys.extend_base(seq, len(tokens) // bs, bs)
                 m = (len(tokens) - 1) // bs  # at least one token must be computed for logits
                 k, hits = self.kv.lookup([c[:m] for c in self.keys.chains(seq)])
             computed = k * self.pool.block_size
