@@ -11,6 +11,12 @@ base path this step (``merged_slot``), except on ``embed_tokens`` / ``lm_head``,
 merged: a merged adapter with LoRA there keeps its segments, in a plan of only those modules.
 Only the runner sets that state.
 
+KV-cache groups (``loraplex.kv.groups``): with several, the step's metadata carries one copy
+per group (``attn.kv_groups``) with that group's write slots, context slots and decode block
+table. A windowed group's released blocks read as block 0 (the window masks hide them); the
+positions a sequence took from the prefix cache in one group but recomputes for the others
+are written to the cache's trash page, never into the shared blocks.
+
 Prompt logprobs: for a sequence that asked for them, the hidden state of every prompt position
 in the step's chunk is kept, and ``logprob(prompt[p + 1] | prompt[:p + 1])`` (with the top-k) is
 computed from it in row chunks that bound the [rows, vocab] logits' memory.
