@@ -6,7 +6,12 @@ Gemma 3 shapes: the real scheduler and block pool run one sequence (prompt in ch
 ``loraplex.kv.groups.kv_cache_groups`` makes of the layers' windows. Bytes per block are a
 page of the group's layers (``PagedKVCache.bytes_per_block``); bfloat16, block size 16.
 
-    python scripts/kv_window_memory.py [--budget 8GiB] [--contexts 8192 32768]
+    python scripts/kv_window_memory.py [--budget 8] [--contexts 8192 32768] [--simulate 1]
+
+``--simulate K``: for the first K shapes, also run as many sequences as the "after" column
+says fit (prompts 64 tokens short of the first context, decoding up to it, then holding it)
+through the scheduler with a pool of the budget's blocks, and report how many reach the
+context together without preemption (slow: minutes for Gemma 3 1B).
 """
 
 from __future__ import annotations
@@ -69,12 +74,38 @@ def held_blocks(
     return decode, peak
 
 
+def together(
+    groups: list[KVCacheGroup], num_blocks: int, n: int, context: int, block_size: int, chunk: int
+) -> tuple[int, int]:
+    """(sequences holding ``context`` tokens at once, preemptions) when ``n`` sequences of
+    ``context - 64``-token prompts decode up to ``context`` tokens in a pool of ``num_blocks``."""
+    pool = BlockPool(num_blocks, block_size)
+    sched = Scheduler(pool, None, max_num_seqs=n, max_num_batched_tokens=chunk, kv_groups=groups)
+    sp = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+    seqs = [
+        Sequence(str(i), None, [(i * 7919 + j) % 30000 + 3 for j in range(context - 64)], sp, 1)
+        for i in range(n)
+    ]
+    for q in seqs:
+        sched.add(q)
+    while min(q.num_computed_tokens for q in seqs) < context - 1 and not sched.num_preemptions:
+        batch = sched.schedule()
+        if batch.empty:  # the rest wait for blocks nobody frees
+            break
+        for q, k in batch.items:
+            if q.num_computed_tokens + k == q.num_tokens < context:
+                q.output_token_ids.append(5)  # at the context it stops and holds its blocks
+        sched.after_step(batch)
+    return sum(q.num_computed_tokens >= context - 1 for q in seqs), sched.num_preemptions
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=8.0, help="KV budget in GiB (default 8)")
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    p.add_argument("--simulate", type=int, default=0, metavar="K", help="see the docstring")
     a = p.parse_args()
     budget = int(a.budget * (1 << 30))
     print(f"bfloat16, block {a.block_size}, prefill chunks of {a.chunk}, budget {a.budget} GiB")
@@ -91,13 +122,27 @@ def main() -> None:
                     layers_per_group(groups), a.block_size, s.kv_heads, s.head_dim, torch.bfloat16
                 )
                 decode, peak = held_blocks(groups, ctx, a.block_size, a.chunk)
-                out.append((decode * page, peak * page, budget // page // decode))
+                blocks = budget // page - (len(groups) > 1)  # the engine's trash page
+                out.append((decode * page, peak * page, blocks // decode))
             (b, _, nb), (f, fp, nf) = out
             rows.append(
                 f"{s.name} | {len(after)} ({layers_per_group(after)}) | {ctx} | {b / MiB:.0f} | "
                 f"{f / MiB:.0f} ({fp / MiB:.0f}) | {1 - f / b:.0%} | {nb} -> {nf}"
             )
         print("\n".join(rows))
+        if a.simulate > SHAPES.index(s):
+            ctx = a.contexts[0]
+            for groups in (before, after):
+                page = PagedKVCache.bytes_per_block(
+                    layers_per_group(groups), a.block_size, s.kv_heads, s.head_dim, torch.bfloat16
+                )
+                blocks = budget // page - (len(groups) > 1)  # the engine's trash page
+                n = blocks // held_blocks(groups, ctx, a.block_size, a.chunk)[0]
+                got, pre = together(groups, blocks, n, ctx, a.block_size, a.chunk)
+                print(
+                    f"  {len(groups)} group(s): {n} sequences -> {got} hold {ctx} tokens at "
+                    f"once, {pre} preemptions"
+                )
 
 
 if __name__ == "__main__":
