@@ -5,6 +5,8 @@ transformers + PEFT; an adapter that touches layer 0, or another salt, shares no
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -140,4 +142,46 @@ def test_mixed_batch_with_layer_groups_is_exact(setup: dict) -> None:
             outs.update({o.request_id: o for o in e.step() if o.finished})
         for name in names:
             _check(outs[f"{name}-{round_}"], setup, name)
+    assert e.is_idle()
+
+
+def test_windowed_model_shares_its_lower_groups(tmp_path: Path) -> None:
+    """Gemma 3 (window 8, sliding and global layers alternating, 8 layers) in 4 groups: an
+    adapter on layers 4-7 keys the global and the sliding group of layers 0-3 as base blocks.
+    After a base request it takes the base's blocks in both (the sliding one only those its
+    window still sees), its own in the others, and equals transformers + PEFT."""
+    types = ["sliding_attention", "full_attention"] * 4
+    base = make_random_model(
+        tmp_path / "g3", "gemma3_text", num_layers=8, head_dim=16, sliding_window=8,
+        layer_types=types, seed=4,
+    )  # fmt: skip
+    upper = make_random_adapter(
+        base, tmp_path / "up", r=4, seed=3, target_modules=ALL, layers_to_transform=[4, 5, 6, 7]
+    )
+    e = LLMEngine(
+        EngineConfig(
+            model=str(base), dtype="float32", block_size=BLOCK, kv_cache_layer_groups=4,
+            max_loras=1,
+        )
+    )  # fmt: skip
+    groups = e.cache.groups
+    assert [(g.layers, g.window) for g in groups] == [
+        ((1, 3), None),
+        ((5, 7), None),
+        ((0, 2), 8),
+        ((4, 6), 8),
+    ]
+    setup = {"adapters": {"upper": upper}}
+    base_out, _ = _run(e, setup, None)
+    check_greedy(base_out.outputs[0], load_merged_reference(base, None), PROMPT, SAMPLE_TOL)
+    up, tables = _run(e, setup, "upper")
+    check_greedy(up.outputs[0], load_merged_reference(base, upper), PROMPT, SAMPLE_TOL)
+    chain = hash_prefix_blocks(BASE_NAMESPACE, PROMPT, BLOCK)[: (len(PROMPT) - 1) // BLOCK]
+    for g in (0, 2):  # base-keyed: the blocks the base request published (still cached)
+        cached = [e.pool.cached.get(group_block_key(h, g)) for h in chain]
+        assert None not in cached and tables[g][: len(chain)] == cached, g
+    base_blocks = {
+        b for h in chain for g in (0, 2) if (b := e.pool.cached.get(group_block_key(h, g)))
+    }
+    assert not (set(tables[1]) | set(tables[3])) & base_blocks
     assert e.is_idle()

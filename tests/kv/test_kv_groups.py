@@ -122,8 +122,10 @@ def test_a_hit_is_as_long_as_every_group_can_serve() -> None:
     # the windowed group also lost block 3: 5 blocks fail, 4 need blocks 3 -> none served
     del pool.cached[group_block_key(hashes[3], 1)]
     assert kv.lookup([hashes, hashes])[0] == 3  # 3 blocks: keys 5..11 in blocks 1, 2
-    # full group without block 0: nothing
+    # full group without block 0: no hit; the windowed group still shares its run from 0
     del pool.cached[hashes[0]]
+    assert kv.lookup([hashes, hashes]) == (0, [[], tables[1][:3]])
+    del pool.cached[group_block_key(hashes[0], 1)]
     assert kv.lookup([hashes, hashes]) == (0, [])
 
 

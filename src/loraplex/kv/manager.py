@@ -79,8 +79,8 @@ class KVCacheManager:
         those keyed as base blocks), over the prefix's full blocks that may hit. A full group
         takes its whole cached run from the start (possibly past ``k``: positions the sequence
         recomputes for the other groups, whose blocks it then shares); a windowed group takes
-        only the blocks a query at position ``k * block_size`` sees (vLLM's sliding-window
-        manager: the rest of its first ``k`` entries are NULL).
+        the blocks a query at position ``k * block_size`` sees (vLLM's sliding-window manager:
+        the rest of its first ``k`` entries are NULL) and its cached run on from ``k``.
         """
         pool, bs = self.pool, self.block_size
         if len(self.groups) == 1 and not self.windowed:
@@ -95,7 +95,7 @@ class KVCacheManager:
             cached[g], k = list(ids), min(k, len(ids))
         runs: dict[int, list[int]] = {}
         for g in self.windowed:  # run[b]: cached blocks ending at b, b included
-            ids_w = [pool.cached.get(group_block_key(h, g)) for h in chains[g][:k]]
+            ids_w = [pool.cached.get(group_block_key(h, g)) for h in chains[g]]
             run, r = [], 0
             for b in ids_w:
                 r = r + 1 if b is not None else 0
@@ -105,17 +105,15 @@ class KVCacheManager:
             runs[g][k - 1] >= k - self.groups[g].first_live_block(k * bs, bs) for g in self.windowed
         ):
             k -= 1
-        if all(not cached[g] for g in self.full) and k == 0:
-            return 0, []
         tables: BlockTables = []
         for g, grp in enumerate(self.groups):
-            if grp.window is None:
-                tables.append([b for b in cached[g] if b is not None])
-            else:
-                first = grp.first_live_block(k * bs, bs)
-                ids = [b for b in cached[g][first:k] if b is not None]
-                tables.append([NULL_BLOCK] * first + ids)
-        return k, tables
+            ids = cached[g]
+            first = grp.first_live_block(k * bs, bs)
+            end = k
+            while end < len(ids) and ids[end] is not None:  # its run on from k: shared
+                end += 1
+            tables.append([NULL_BLOCK] * first + [b for b in ids[first:end] if b is not None])
+        return (k, tables) if any(tables) else (0, [])
 
     @staticmethod
     def live(tables: BlockTables) -> list[int]:
