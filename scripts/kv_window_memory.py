@@ -8,10 +8,11 @@ page of the group's layers (``PagedKVCache.bytes_per_block``); bfloat16, block s
 
     python scripts/kv_window_memory.py [--budget 8] [--contexts 8192 32768] [--simulate 1]
 
-``--simulate K``: for the first K shapes, also run as many sequences as the "after" column
-says fit (prompts 64 tokens short of the first context, decoding up to it, then holding it)
-through the scheduler with a pool of the budget's blocks, and report how many reach the
-context together without preemption (slow: minutes for Gemma 3 1B).
+"sequences in budget": how many hold the context at once while the last of them prefills
+(``(blocks - peak) // held + 1``). ``--simulate K``: for the first K shapes, run sequences
+(prompts 64 tokens short of the first context, decoding up to it, then holding it) through
+the scheduler with a pool of the budget's blocks, from one more than that estimate down, until
+they all reach the context together without a preemption (slow: minutes for Gemma 3 1B).
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def held_blocks(
     return decode, peak
 
 
+def fit(num_blocks: int, decode: int, peak: int) -> int:
+    """Sequences that hold ``decode`` blocks each while one more prefills (``peak``)."""
+    return max(0, num_blocks - peak) // decode + (num_blocks >= peak)
+
+
 def together(
     groups: list[KVCacheGroup], num_blocks: int, n: int, context: int, block_size: int, chunk: int
 ) -> tuple[int, int]:
@@ -123,7 +129,7 @@ def main() -> None:
                 )
                 decode, peak = held_blocks(groups, ctx, a.block_size, a.chunk)
                 blocks = budget // page - (len(groups) > 1)  # the engine's trash page
-                out.append((decode * page, peak * page, blocks // decode))
+                out.append((decode * page, peak * page, fit(blocks, decode, peak)))
             (b, _, nb), (f, fp, nf) = out
             rows.append(
                 f"{s.name} | {len(after)} ({layers_per_group(after)}) | {ctx} | {b / MiB:.0f} | "
@@ -137,12 +143,12 @@ def main() -> None:
                     layers_per_group(groups), a.block_size, s.kv_heads, s.head_dim, torch.bfloat16
                 )
                 blocks = budget // page - (len(groups) > 1)  # the engine's trash page
-                n = blocks // held_blocks(groups, ctx, a.block_size, a.chunk)[0]
-                got, pre = together(groups, blocks, n, ctx, a.block_size, a.chunk)
-                print(
-                    f"  {len(groups)} group(s): {n} sequences -> {got} hold {ctx} tokens at "
-                    f"once, {pre} preemptions"
-                )
+                n = fit(blocks, *held_blocks(groups, ctx, a.block_size, a.chunk)) + 1
+                while (got := together(groups, blocks, n, ctx, a.block_size, a.chunk)) != (n, 0):
+                    print(f"  {len(groups)} group(s): {n} sequences: {got[0]} reach {ctx} "
+                          f"tokens together, {got[1]} preemptions")  # fmt: skip
+                    n -= 1
+                print(f"  {len(groups)} group(s): {n} sequences hold {ctx} tokens at once")
 
 
 if __name__ == "__main__":
