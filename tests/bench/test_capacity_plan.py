@@ -5,13 +5,20 @@ fixtures (their safetensors give the exact count; MoE fixtures: ``test_moe_plan_
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from loraplex.testing import make_random_adapter
 from loraplex.tools import plan
-from loraplex.tools.plan import PRESETS, PlanError, adapter_from_config, build_plan
+from loraplex.tools.plan import (
+    PRESETS,
+    PlanError,
+    adapter_from_config,
+    build_plan,
+    model_from_config,
+)
 
 # Llama-3-8B: hidden 4096, 32 layers, 32 query heads and 8 KV heads of 128, intermediate 14336,
 # vocab 128256. (d_in, d_out): q 4096->4096, k/v 4096->1024, o 4096->4096, gate/up 4096->14336,
@@ -316,3 +323,38 @@ def test_pipeline_of_activated_loras_hand_computed(capsys: pytest.CaptureFixture
     assert rc == 0
     text = capsys.readouterr().out
     assert "prefill tokens 8,256 of 8,256 (100.0%)" in text
+
+
+def test_windowed_kv_per_sequence_hand_computed() -> None:
+    """Gemma 3 1B's shape (26 layers, every 6th global, 1 KV head x 256, window 512, bf16):
+    one group of the 4 global layers and 6 of the 22 sliding ones (4 per page, one padded).
+    At 8k a sequence holds 512 blocks of the global group and ceil(511 / 16) + 1 = 33 of each
+    sliding group, pages of 4 layers x 16 tokens x 2 x 256 x 2 bytes; a model without windows
+    holds every layer at every token."""
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)]
+    cfg = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 1152,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "intermediate_size": 6912,
+        "vocab_size": 262144,
+        "sliding_window": 512,
+        "layer_types": types,
+        "torch_dtype": "bfloat16",
+    }
+    m = model_from_config(cfg, "gemma-3-1b")
+    assert m.layer_windows == tuple(None if t == "full_attention" else 512 for t in types)
+    page = 4 * 16 * 2 * 256 * 2
+    assert m.kv_bytes_per_sequence(8192, 2) == (512 + 6 * 33) * page  # 44.4 MiB
+    assert m.kv_bytes_per_sequence(32768, 2) == (2048 + 6 * 33) * page
+    flat = replace(m, layer_windows=())
+    assert flat.kv_bytes_per_sequence(8192, 2) == 8192 * m.kv_bytes_per_token(2)  # 208 MiB
+    a = adapter_from_config({"r": 8, "target_modules": ["q_proj"]}, m, "a")
+    assert build_plan(m, [a])["device"]["kv_bytes_per_sequence"] == {
+        8192: (512 + 6 * 33) * page,
+        32768: (2048 + 6 * 33) * page,
+    }

@@ -55,7 +55,7 @@ ALLOWED: dict[str, set[str]] = {
     # layer 7: on top; nothing imports them. The user tools (``tools/``) are layered one by one.
     "tools": set(),  # the package's own docstring
     "tools.sim": BASE | {"cache"},
-    "tools.plan": BASE | {"lora", "model", "entrypoints", "checkpoint"},
+    "tools.plan": BASE | {"lora", "model", "entrypoints", "checkpoint", "kv"},
     "tools.verify": BASE | {"lora", "model", "entrypoints", "tools.plan", "checkpoint"},
     "tools.bench": BASE
     | {

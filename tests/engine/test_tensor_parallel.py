@@ -116,6 +116,19 @@ def test_tp2_equals_tp1(
                 assert math.isclose(la.top[tok], lb.top[tok], abs_tol=LOGPROB_ATOL)
 
 
+def test_windowed_kv_groups_tp2_equal_tp1(tmp_path: Path) -> None:
+    """Gemma 2 (window 4) with 4-token blocks: its sliding layer's KV-cache group drops the
+    blocks behind the window as the prompts and decodes pass it; every rank builds the same
+    groups, so the ranks agree with one device."""
+    model, adapters = _family(tmp_path, "gemma2")
+    one = _run(model, adapters, 1, block_size=4)
+    two = _run(model, adapters, 2, block_size=4)
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe_dense_layer", "mixtral"])
 def test_moe_tp2_equals_tp1(name: str, tmp_path: Path) -> None:
     """A MoE base: each expert's columns cut as the dense MLP's (the sparse block's output

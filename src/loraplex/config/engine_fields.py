@@ -392,6 +392,16 @@ class EngineFields:
             help="tokens per step (default: {default})",
         ),
     )
+    kv_cache_layer_groups: int = field(
+        default=1,
+        metadata=setting(
+            "--kv-cache-layer-groups",
+            ge=1,
+            help="cut the KV cache's block tables into this many groups of consecutive layers, "
+            "so an adapter that leaves the first layers alone shares their KV blocks with the "
+            "base model (default: {default}: one group, or one per window kind)",
+        ),
+    )
     enable_prefix_caching: bool = field(
         default=True,
         metadata=setting(

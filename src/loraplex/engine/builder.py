@@ -32,6 +32,13 @@ from loraplex.engine.tensor_parallel.group import (
 )
 from loraplex.kv.block_pool import BlockPool
 from loraplex.kv.cache import PagedKVCache
+from loraplex.kv.groups import (
+    KVCacheGroup,
+    blocks_per_sequence,
+    kv_cache_groups,
+    layers_per_group,
+    max_tokens,
+)
 from loraplex.lora.backends import select_lora_ops
 from loraplex.lora.ops import LoRAOps
 from loraplex.lora.slots import LoRASlotBank
@@ -106,6 +113,12 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"{model_dir}: cannot load tokenizer ({e})") from e
 
 
+def model_kv_groups(model: DecoderForCausalLM, config: EngineConfig) -> tuple[KVCacheGroup, ...]:
+    """The KV-cache groups of ``model``'s layers: by their windows, cut into
+    ``--kv-cache-layer-groups`` groups of consecutive layers."""
+    return tuple(kv_cache_groups(model.layer_windows(), config.kv_cache_layer_groups))
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """What the KV cache and the adapter slots may use, and the lengths that follow from it."""
@@ -114,6 +127,12 @@ class MemoryBudget:
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype
+    kv_groups: tuple[KVCacheGroup, ...] = ()
+    """The model's KV-cache groups (empty: one group of every layer)."""
+
+    @property
+    def groups(self) -> tuple[KVCacheGroup, ...]:
+        return self.kv_groups or (KVCacheGroup(tuple(range(self.model_config.num_layers))),)
 
     def after_weights(self) -> int:
         """Bytes this engine may give the KV cache and adapter slots together: by
@@ -148,12 +167,13 @@ class MemoryBudget:
     def kv_blocks(self, bank_bytes: int) -> int:
         """KV blocks: ``--num-kv-blocks``, else what the budget holds (less ``bank_bytes``, the
         slot bank's, when its capped share comes out of the same CPU memory), never more than
-        ``max_num_seqs`` full-length sequences can use."""
+        ``max_num_seqs`` full-length sequences can use. A block is one page of a KV-cache
+        group's layers (windowed groups hold only their window's blocks)."""
         c, mc = self.config, self.model_config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         per_block = PagedKVCache.bytes_per_block(
-            mc.num_layers, c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+            layers_per_group(self.groups), c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
         )
         budget = c.kv_cache_memory_bytes
         if budget is None:
@@ -161,8 +181,11 @@ class MemoryBudget:
             if c.max_lora_device_fraction is not None and self.device.type != "cuda":
                 budget = max(budget - bank_bytes, 0)
             longest = c.max_model_len or mc.max_position_embeddings
-            budget = min(budget, c.max_num_seqs * -(-longest // c.block_size) * per_block)
-        blocks = budget // per_block
+            per_seq = blocks_per_sequence(
+                self.groups, longest, c.block_size, min(longest, c.max_num_batched_tokens)
+            )
+            budget = min(budget, c.max_num_seqs * per_seq * per_block)
+        blocks = budget // per_block - (len(self.groups) > 1)  # the cache's trash page
         if blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} bytes)"
@@ -172,7 +195,10 @@ class MemoryBudget:
     def max_model_len(self, num_blocks: int) -> int:
         mc = self.model_config
         limit = mc.max_position_embeddings  # sliding windows are masked: they cap nothing
-        capacity = num_blocks * self.config.block_size
+        c = self.config
+        capacity = max_tokens(
+            self.groups, num_blocks, c.block_size, c.max_num_batched_tokens, limit
+        )
         want = self.config.max_model_len
         if want is None:
             return min(limit, capacity)
@@ -183,7 +209,8 @@ class MemoryBudget:
             )
         if want > capacity:
             raise ValueError(
-                f"max_model_len={want} needs more KV cache than configured ({capacity} tokens); "
+                f"max_model_len={want} needs more KV cache than configured (one sequence of "
+                f"{capacity} tokens fits); "
                 "raise kv_cache_memory_bytes or lower max_model_len"
             )
         return want
@@ -380,7 +407,8 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     local = model.cfg  # a tensor-parallel rank's heads: its KV cache and slot tables
-    budget = MemoryBudget(config, local, device, dtype)
+    groups = model_kv_groups(model, config)
+    budget = MemoryBudget(config, local, device, dtype, groups)
     lora = wire_lora(config, model, budget, workers) if config.enable_lora else None
     num_blocks = budget.kv_blocks(lora.adapters.bank.nbytes if lora is not None else 0)
     if workers is not None:  # every rank builds the same number of blocks and slots
@@ -389,7 +417,7 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
         model = DriverModel(model, workers)  # type: ignore[assignment]
     cache = PagedKVCache(
         local.num_layers, num_blocks, config.block_size, local.num_kv_heads, local.head_dim,
-        dtype, device,
+        dtype, device, groups,
     )  # fmt: skip
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     return EngineParts(

@@ -99,6 +99,7 @@ class LLMEngine:
             class_weights=tuple(w for _, w in config.slo_class_weights()),
             default_class=rules.default_index,
             rank_slot_budgets=config.rank_slot_budgets(),
+            kv_groups=self.cache.groups,
         )
         self.intake = RequestIntake(
             tokenizer=self.tokenizer,

@@ -11,6 +11,12 @@ base path this step (``merged_slot``), except on ``embed_tokens`` / ``lm_head``,
 merged: a merged adapter with LoRA there keeps its segments, in a plan of only those modules.
 Only the runner sets that state.
 
+KV-cache groups (``loraplex.kv.groups``): with several, the step's metadata carries one copy
+per group (``attn.kv_groups``) with that group's write slots, context slots and decode block
+table. A windowed group's released blocks read as block 0 (the window masks hide them); the
+positions a sequence took from the prefix cache in one group but recomputes for the others
+are written to the cache's trash page, never into the shared blocks.
+
 Prompt logprobs: for a sequence that asked for them, the hidden state of every prompt position
 in the step's chunk is kept, and ``logprob(prompt[p + 1] | prompt[:p + 1])`` (with the top-k) is
 computed from it in row chunks that bound the [rows, vocab] logits' memory.
@@ -18,7 +24,7 @@ computed from it in row chunks that bound the [rows, vocab] logits' memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,6 +76,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = cache.block_size
         self.windows = model.windows  # the distinct sliding windows of its layers
+        self.windowed_groups = {g for g, grp in enumerate(cache.groups) if grp.window is not None}
         dims = model.cfg.module_shapes.values()
         self.lora_costs = LoRAPlanCosts(feature_dim=sum(i + o for i, o in dims) // len(dims))
         self._merged_slot: int | None = None
@@ -107,12 +114,68 @@ class ModelRunner:
 
         return sorted(batch.items, key=key)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """Cache slot of each position in [start, end) of ``seq``."""
+    def _slots(self, seq: Sequence, start: int, end: int, group: int = 0) -> torch.Tensor:
+        """Cache slot of each position in [start, end) of ``seq`` in KV-cache group ``group``
+        (a released block's positions, which no query sees, at block 0's slots)."""
         bs = self.block_size
         pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_ids, dtype=torch.long)
+        table = torch.tensor(seq.block_tables[group], dtype=torch.long)
+        if group in self.windowed_groups:
+            table.clamp_(min=0)  # NULL_BLOCK
         return table[pos // bs] * bs + pos % bs
+
+    def _write_slots(self, seq: Sequence, start: int, end: int, group: int) -> torch.Tensor:
+        """Where group ``group`` writes positions [start, end) of ``seq``: its slots, but the
+        cache's trash page for positions in blocks it took from the prefix cache (it shares
+        them: their KV is already there, computed by whoever published them)."""
+        slots = self._slots(seq, start, end, group)
+        shared = seq.kv_shared[group] * self.block_size if seq.kv_shared else 0
+        if start < shared:
+            trash = self.cache.trash_block * self.block_size
+            pos = torch.arange(start, min(end, shared))
+            slots[: len(pos)] = trash + pos % self.block_size
+        return slots
+
+    def _decode_table(self, dec_seqs: list[Sequence], nblk: int, group: int) -> torch.Tensor:
+        """[Bd, nblk] block ids of group ``group`` (padded with 0; released blocks at 0)."""
+        table = torch.zeros(len(dec_seqs), nblk, dtype=torch.long)
+        for r, s in enumerate(dec_seqs):
+            ids = s.block_tables[group][:nblk]
+            table[r, : len(ids)] = torch.tensor(ids)
+        return table.clamp_(min=0) if group in self.windowed_groups else table
+
+    def _group_metadata(
+        self,
+        attn: AttentionMetadata,
+        items: list[tuple[Sequence, int]],
+        dec_seqs: list[Sequence],
+        group: int,
+    ) -> AttentionMetadata:
+        """``attn`` (group 0's) for KV-cache group ``group``: its slots, context slots and
+        decode block table; the same spans, masks and lengths."""
+        dev = self.device
+        slots, spans = [], []
+        it = iter(attn.prefills)
+        for seq, n in items:
+            start = seq.num_computed_tokens
+            slots.append(self._write_slots(seq, start, start + n, group))
+            if n == 1 and start > 0:
+                continue
+            span = next(it)
+            if span.ctx_slots is not None:
+                ctx = self._slots(seq, 0, start + n, group).to(dev)
+                span = replace(span, ctx_slots=ctx)
+            spans.append(span)
+        table = attn.decode_block_table
+        if table is not None:
+            table = self._decode_table(dec_seqs, table.shape[1], group).to(dev)
+        return replace(
+            attn,
+            slot_mapping=torch.cat(slots).to(dev),
+            prefills=spans,
+            decode_block_table=table,
+            kv_groups=[],
+        )
 
     def _window_masks(
         self,
@@ -169,7 +232,7 @@ class ModelRunner:
                     prompt_rows.append(PromptLogprobRows(seq, rows, lo + 1))
             ids += seq.all_token_ids[start : start + n]
             positions += range(start, start + n)
-            slot_chunks.append(self._slots(seq, start, start + n))
+            slot_chunks.append(self._write_slots(seq, start, start + n, 0))
             if n == 1 and start > 0:
                 dec_tokens.append(t)
                 dec_seqs.append(seq)
@@ -206,9 +269,7 @@ class ModelRunner:
             lens = [s.num_computed_tokens + 1 for s in dec_seqs]
             lmax = max(lens)
             nblk = -(-lmax // self.block_size)
-            table = torch.zeros(len(dec_seqs), nblk, dtype=torch.long)
-            for r, s in enumerate(dec_seqs):
-                table[r, : len(s.block_ids[:nblk])] = torch.tensor(s.block_ids[:nblk])
+            table = self._decode_table(dec_seqs, nblk, 0)
             # whole blocks: gathered block-wise
             attn.decode_lens = torch.tensor(lens, dtype=torch.long)
             attn.decode_mask = decode_mask(attn.decode_lens, nblk * self.block_size).to(dev)
@@ -217,6 +278,9 @@ class ModelRunner:
             attn.decode_all = len(dec_tokens) == t
             attn.decode_tokens = torch.tensor(dec_tokens, dtype=torch.long, device=dev)
         attn.windowed = [self._window_masks(w, attn, prefill_pos, dec_seqs) for w in self.windows]
+        if len(self.cache.groups) > 1:
+            rest = range(1, len(self.cache.groups))
+            attn.kv_groups = [attn, *(self._group_metadata(attn, items, dec_seqs, g) for g in rest)]
         plan = None
         if segments:
             lora = self.model.lora  # the step's adapters decide which modules the plan covers

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from loraplex.engine.kv_keys import GroupKeys
 from loraplex.engine.scheduling import (
     POLICIES,
     SchedulingPolicy,
@@ -33,6 +34,8 @@ from loraplex.engine.scheduling import (
 )
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.kv.block_pool import BlockPool, hash_prefix_blocks
+from loraplex.kv.groups import KVCacheGroup
+from loraplex.kv.manager import KVCacheManager
 from loraplex.kv.stats import SharingStats
 
 if TYPE_CHECKING:
@@ -96,6 +99,7 @@ class Scheduler:
         headroom_window: int = 256,
         preempt_cooldown: int = 64,
         seat_shares: bool = True,
+        kv_groups: list[KVCacheGroup] | None = None,
     ) -> None:
         """``policy``: a ``POLICIES`` name or a policy object (used by this scheduler only);
         ``class_weights[i]``: the share weight of SLO class ``i`` (0 the most important);
@@ -104,7 +108,8 @@ class Scheduler:
         which a class's peak concurrency sizes the seats kept for it (fair);
         ``preempt_cooldown``: steps after a preemption in which that sequence is not chosen
         again (fair and priority); ``seat_shares``: cap a lower class's running sequences
-        while a more important one is active (fair; see ``loraplex.engine.scheduling``)."""
+        while a more important one is active (fair; see ``loraplex.engine.scheduling``);
+        ``kv_groups``: the KV cache's groups of layers (None: one group)."""
         if isinstance(policy, str):
             policy = make_policy(policy)
         elif not isinstance(policy, SchedulingPolicy):
@@ -116,6 +121,8 @@ class Scheduler:
         if not 0 <= default_class < len(class_weights):
             raise ValueError(f"default class {default_class} is not one of {len(class_weights)}")
         self.pool = pool
+        self.kv = KVCacheManager(pool, kv_groups)
+        self.keys = GroupKeys(self.kv.groups)  # which chain keys each group's blocks
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -184,8 +191,8 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _free(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_ids)
-        seq.block_ids = []
+        self.kv.free(seq.block_tables)
+        seq.block_tables = []
         if seq.slot is not None and self.adapters is not None:
             self.adapters.release_slot(seq.slot)
         seq.slot = None
@@ -196,7 +203,7 @@ class Scheduler:
         self._free(seq)
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
-        seq.block_hashes = []
+        seq.block_hashes, seq.base_block_hashes, seq.kv_shared = [], [], []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         seq.preempted_at_step = self.step_index
@@ -230,8 +237,7 @@ class Scheduler:
 
     def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
         """Additional blocks ``seq`` needs to hold ``num_tokens`` tokens in total."""
-        bs = self.pool.block_size
-        return max(0, -(-num_tokens // bs) - len(seq.block_ids))
+        return self.kv.blocks_needed(seq.block_tables, num_tokens)
 
     # -- seats (the policy's) --------------------------------------------------------------------
     def recent_peak(self, c: int) -> int:
@@ -288,7 +294,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # seq itself was preempted; running[i] is now the next one
-            seq.block_ids += self.pool.allocate(need)
+            if need:
+                seq.block_tables = self.kv.allocate(seq.block_tables, seq.num_computed_tokens + n)
             batch.items.append((seq, n))
             self._charge(seq, n)
             budget -= n
@@ -420,7 +427,7 @@ class Scheduler:
                 to_loading.add(id(seq))
                 self.loading.append(seq)
                 continue
-            hits: list[int] = []
+            k, hits = 0, []  # hit blocks, and each KV-cache group's cached blocks
             # prompt logprobs need every prompt position computed: no prefix-cache hits
             if (
                 seq.num_computed_tokens == 0
@@ -430,32 +437,35 @@ class Scheduler:
                 tokens = seq.all_token_ids
                 bs = self.pool.block_size
                 seq.block_hashes = hash_prefix_blocks(seq.namespaces(bs), tokens, bs)
-                # at least one token must be computed to produce logits
-                hits = self.pool.lookup(seq.block_hashes[: (len(tokens) - 1) // bs])
-            computed = len(hits) * self.pool.block_size
+                self.keys.extend_base(seq, len(tokens) // bs, bs)
+                m = (len(tokens) - 1) // bs  # at least one token must be computed for logits
+                k, hits = self.kv.lookup([c[:m] for c in self.keys.chains(seq)])
+            computed = k * self.pool.block_size
             n = min(seq.num_tokens - computed, budget)
             if self._caps is not None and n > 1:
                 c = self.class_of(seq)
                 n = max(1, min(n, self._caps.get(c, n) - self._cap_used[c]))
-            need = -(-(computed + n) // self.pool.block_size) - len(hits)
-            while need > self.pool.num_free_after_touch(hits):
+            need = self.kv.blocks_needed(hits, computed + n)
+            hit_ids = self.kv.live(hits)
+            while need > self.pool.num_free_after_touch(hit_ids):
                 freed = self._make_room(seq, batch)
                 if freed is None:
                     break
                 budget += freed
-            if need > self.pool.num_free_after_touch(hits):
+            if need > self.pool.num_free_after_touch(hit_ids):
                 if seq.slot is not None and self.adapters is not None:
                     self.adapters.release_slot(seq.slot)
                     seq.slot = None
                 break  # memory is FCFS: stop admitting
-            self.pool.touch(hits)
-            seq.block_ids = hits + self.pool.allocate(need)
+            self.pool.touch(hit_ids)
+            seq.kv_shared = [len(t) for t in hits]
+            seq.block_tables = self.kv.allocate(hits, computed + n)
             seq.num_computed_tokens = computed
-            seq.num_published_blocks = len(hits)
+            seq.num_published_blocks = computed // self.pool.block_size
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = computed
                 self.pool.record_query(len(seq.prompt_token_ids), computed)
-                self._record_sharing(seq, len(hits))
+                self._record_sharing(seq, k)
             seq.status = SequenceStatus.RUNNING
             if n > 1:
                 self._cap_used[self.class_of(seq)] += n
@@ -499,11 +509,14 @@ class Scheduler:
         bisect.insort_right(self.running, seq, key=self._running_key)
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and publish newly full blocks to the prefix cache."""
+        """Advance computed counts, publish newly full blocks to the prefix cache and release
+        the blocks windowed layers no longer see."""
         for seq, n in batch.items:
             seq.num_computed_tokens += n
             if self.pool.enable_prefix_caching:
                 self._publish(seq)
+            if self.kv.windowed:
+                self.kv.drop_out_of_window(seq.block_tables, seq.num_computed_tokens)
 
     def _publish(self, seq: Sequence) -> None:
         """Hash and register every block of ``seq`` whose KV is now fully computed."""
@@ -514,6 +527,8 @@ class Scheduler:
         if len(seq.block_hashes) < full:
             tokens = seq.all_token_ids[: full * bs]
             seq.block_hashes = hash_prefix_blocks(seq.namespaces(bs), tokens, bs, seq.block_hashes)
+        self.keys.extend_base(seq, full, bs)
+        chains = self.keys.chains(seq)
         for b in range(seq.num_published_blocks, full):
-            self.pool.register(seq.block_ids[b], seq.block_hashes[b])
+            self.kv.register(seq.block_tables, b, chains)
         seq.num_published_blocks = full

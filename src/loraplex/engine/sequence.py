@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplex.kv.block_pool import alora_namespace, salted_namespace
+from loraplex.kv.groups import NULL_BLOCK
 from loraplex.lora.peft.activation import activation_start
 from loraplex.outputs import TokenLogprob
 from loraplex.requests import SamplingParams
@@ -43,8 +44,16 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    block_ids: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    """One block table per KV-cache group (``loraplex.kv.groups``; entry ``b`` holds positions
+    ``[b * block_size, (b + 1) * block_size)``, ``NULL_BLOCK`` once released); empty: none."""
     block_hashes: list[bytes] = field(default_factory=list)
+    base_block_hashes: list[bytes] = field(default_factory=list)
+    """The chain under the (salted) base namespace, for the KV-cache groups below the adapter's
+    first KV layer (their blocks are keyed as base blocks); empty when none is."""
+    kv_shared: list[int] = field(default_factory=list)
+    """Per KV-cache group: leading blocks taken from the prefix cache at admission; positions
+    in them are never written (a group may hit further than the tokens the sequence skips)."""
     num_published_blocks: int = 0
     slot: int | None = None  # device LoRA slot while running
     finish_reason: str | None = None
@@ -74,6 +83,11 @@ class Sequence:
     lora_start: int | None = field(init=False, default=None)
     _namespace: bytes = field(init=False, repr=False, default=b"")
     _base_namespace: bytes = field(init=False, repr=False, default=b"")
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Every block the sequence holds, over all its KV-cache groups."""
+        return [b for table in self.block_tables for b in table if b != NULL_BLOCK]
 
     def __post_init__(self) -> None:
         self._base_namespace = salted_namespace(BASE_NAMESPACE, self.cache_salt)

@@ -1,16 +1,27 @@
-"""The paged KV cache as a module-like object: one flat slot space per layer."""
+"""The paged KV cache as a module-like object: one flat slot space per layer of a page."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from loraplex.kv.groups import KVCacheGroup, layer_places, layers_per_group
 
 
 class PagedKVCache:
     """K and V storage for every layer, addressed by *slot* = block_id * block_size + offset.
 
-    Layout: ``k[layer]``/``v[layer]`` are ``[num_blocks * block_size, num_kv_heads, head_dim]`` so
-    writing a step's new tokens is one ``index_copy_`` and reading a sequence's context is one
+    Layout: ``k[i]``/``v[i]`` are ``[num_blocks * block_size, num_kv_heads, head_dim]``, ``i``
+    a layer's index in its KV-cache group (``groups``; default one group of every layer, so
+    ``i`` is the layer). One block id is one page: the KV of one group's layers for
+    ``block_size`` positions, so a layer reads and writes slots of its group's block table.
+    Writing a step's new tokens is one ``index_copy_`` and reading a sequence's context is one
     gather with precomputed slot indices.
+
+    With several groups the cache holds one more page than the pool's ``num_blocks``: block
+    ``trash_block``, where a sequence writes the positions whose blocks it took from the prefix
+    cache in some groups but recomputes for the others (never read).
     """
 
     def __init__(
@@ -22,10 +33,18 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.groups = list(groups or [KVCacheGroup(tuple(range(num_layers)))])
+        self.trash_block = num_blocks if len(self.groups) > 1 else None
+        self.num_pages = num_blocks + (self.trash_block is not None)
+        places = layer_places(self.groups)
+        assert len(places) == num_layers, "groups: every layer in exactly one group"
+        self.group_of = [g for g, _ in places]  # layer -> its group
+        self.index_of = [i for _, i in places]  # layer -> its index in the group's page
+        shape = (layers_per_group(self.groups), self.num_pages * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -33,6 +52,7 @@ class PagedKVCache:
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
+        """Bytes of one page holding ``num_layers`` layers (a group's: ``layers_per_group``)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
@@ -40,10 +60,16 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) slot spaces of ``layer``: [num_blocks * block_size, kv_heads, head_dim]."""
+        i = self.index_of[layer]
+        return self.k[i], self.v[i]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """cache[layer][slots[t]] = k[t], v[t]  (k, v: [T, kv_heads, head_dim]; slots: [T])."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        i = self.index_of[layer]
+        self.k[i].index_copy_(0, slots, k)
+        self.v[i].index_copy_(0, slots, v)
 
     def gather_blocks(
         self, layer: int, block_table: torch.Tensor
@@ -52,12 +78,13 @@ class PagedKVCache:
         head_dim] each; one contiguous row copy per block (cheaper than per-slot gathers)."""
         b, nblk = block_table.shape
         idx = block_table.reshape(-1)
-        k, v = self.k[layer], self.v[layer]  # [slots, KVH, hd]
+        k, v = self.layer_kv(layer)  # [slots, KVH, hd]
         shape = (b, nblk * self.block_size, *k.shape[1:])
-        kb = k.view(self.num_blocks, -1).index_select(0, idx).view(shape)
-        vb = v.view(self.num_blocks, -1).index_select(0, idx).view(shape)
+        kb = k.view(self.num_pages, -1).index_select(0, idx).view(shape)
+        vb = v.view(self.num_pages, -1).index_select(0, idx).view(shape)
         return kb, vb
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) at ``slots`` (any shape S) -> [*S, kv_heads, head_dim] each."""
-        return self.k[layer][slots], self.v[layer][slots]
+        k, v = self.layer_kv(layer)
+        return k[slots], v[slots]

@@ -5,9 +5,10 @@ Decode tokens (one new token per sequence) are batched into one call of the mode
 torch path gathers them into a padded copy); prefill chunks run one call each (causal, offset
 by their cached prefix).
 
-Sliding windows: a windowed layer keeps the full paged KV (so the prefix cache's blocks and keys
-are the same as a global layer's) and attends through masks that also hide the keys ``window``
-or more positions back (HF: key ``k`` is seen by query ``q`` iff ``k <= q and q - k < window``).
+Sliding windows: a windowed layer reads its KV-cache group's block table (``loraplex.kv.groups``),
+which keeps only the blocks some query still sees; it attends through masks that also hide the
+keys ``window`` or more positions back (HF: key ``k`` is seen by query ``q`` iff ``k <= q and
+q - k < window``), so the released blocks' table entries (pointing anywhere) are never seen.
 The runner builds each distinct window's masks once per step (``WindowMasks``); a layer picks
 its set by index. Soft-capped scores (``tanh(s / cap) * cap`` before the mask, Gemma 2) cannot
 go through SDPA: a block built with a cap attends with :func:`softcap_attend`, every other
@@ -143,6 +144,10 @@ class AttentionMetadata:
     windowed: list[WindowMasks] = field(default_factory=list)
     """The masks of each distinct sliding window of the model (``DecoderForCausalLM.windows``
     order); a windowed layer reads ``windowed[L.window]``."""
+    kv_groups: list[AttentionMetadata] = field(default_factory=list)
+    """With several KV-cache groups, each group's metadata (index: the cache's group of the
+    layer): the same spans, masks and lengths, its own slots and block tables. Empty: one
+    group, this metadata."""
 
 
 @dataclass
@@ -176,6 +181,8 @@ def paged_attention(
     ``meta.windowed`` (None: global attention); ``softcap``: the cap ``attend`` applies (the
     decode kernel applies it itself). Returns [T, H, hd].
     """
+    if meta.kv_groups:
+        meta = meta.kv_groups[cache.group_of[layer]]
     cache.write(layer, k, v, meta.slot_mapping)
     masks = None if window is None else meta.windowed[window]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

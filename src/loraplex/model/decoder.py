@@ -170,11 +170,15 @@ class DecoderForCausalLM:
         return None
 
     def layer_windows(self) -> list[int | None]:
-        """Each layer's sliding window (None: global attention), by transformers' rule: with a
-        ``sliding_window``, the ``sliding_attention`` layers of ``layer_types`` where config.json
-        lists them, else the layers from ``max_window_layers`` on (Qwen2/3), else every layer
-        (Mistral)."""
-        c = self.cfg
+        """Each layer's sliding window (None: global attention): :meth:`windows_of` its config."""
+        return self.windows_of(self.cfg)
+
+    @classmethod
+    def windows_of(cls, c: ModelConfig) -> list[int | None]:
+        """Each layer's sliding window under config ``c`` (None: global attention), by
+        transformers' rule: with a ``sliding_window``, the ``sliding_attention`` layers of
+        ``layer_types`` where config.json lists them, else the layers from
+        ``max_window_layers`` on (Qwen2/3), else every layer (Mistral)."""
         if c.sliding_window is None:
             return [None] * c.num_layers
         raw = c.raw.get("text_config", c.raw) if "hidden_size" not in c.raw else c.raw

@@ -137,9 +137,10 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
             _identity if cap is None else functools.partial(_softcap, cap=cap)
         )
 
-    def layer_windows(self) -> list[int | None]:
-        w = self.cfg.sliding_window
-        return [w if t == SLIDING else None for t in self.cfg.layer_types]
+    @classmethod
+    def windows_of(cls, c: ModelConfig) -> list[int | None]:
+        assert isinstance(c, GemmaConfig)
+        return [c.sliding_window if t == SLIDING else None for t in c.layer_types]
 
     def attention_scale(self) -> float:
         return self.cfg.query_pre_attn_scalar**-0.5

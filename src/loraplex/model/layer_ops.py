@@ -272,7 +272,7 @@ class CLayerOps:
         attend: AttendFn,
         softcap: float | None,
     ) -> torch.Tensor:
-        kc, vc = cache.k[layer], cache.v[layer]  # [slots, KVH, hd]
+        kc, vc = cache.layer_kv(layer)  # [slots, KVH, hd]
         e = ELEMENT_TYPES.get(q.dtype)
         lens, table = meta.decode_lens, meta.decode_block_table
         window = 0 if masks is None else masks.size

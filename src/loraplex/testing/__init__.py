@@ -372,5 +372,15 @@ def reference_greedy_alora(
     return ids[len(prompt_ids) :], torch.stack(rows), prompt_rows
 
 
+def check_greedy(completion: Any, model: Any, prompt_ids: list[int], tol: float) -> None:
+    """Assert that a greedy ``completion`` (a ``CompletionOutput`` with logprobs) has the
+    tokens of ``model``'s greedy decode of ``prompt_ids`` and every logprob it reports within
+    ``tol`` of the model's."""
+    want, ref_lp = reference_greedy(model, prompt_ids, len(completion.token_ids))
+    assert completion.token_ids == want
+    worst = logprob_gap(completion.logprobs, ref_lp)
+    assert worst < tol, worst
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     Path(path).write_text(json.dumps(obj, indent=2))

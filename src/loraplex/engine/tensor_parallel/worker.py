@@ -19,7 +19,13 @@ import torch
 import torch.distributed as dist
 
 from loraplex.config import EngineConfig, Rendezvous
-from loraplex.engine.builder import MemoryBudget, load_base, set_threads, slot_bank
+from loraplex.engine.builder import (
+    MemoryBudget,
+    load_base,
+    model_kv_groups,
+    set_threads,
+    slot_bank,
+)
 from loraplex.engine.tensor_parallel.driver import WorkerProcess
 from loraplex.engine.tensor_parallel.group import (
     Group,
@@ -45,11 +51,12 @@ def worker_parts(
     _, device, dtype, model = on_every_rank(lambda: load_base(config, None, group, rank), group)
     layout: WorkerLayout = group.comm.broadcast()
     mc = model.cfg
-    budget = MemoryBudget(config, mc, device, dtype)
+    groups = model_kv_groups(model, config)  # as rank 0's
+    budget = MemoryBudget(config, mc, device, dtype, groups)
     bank = slot_bank(config, model, budget, layout.lora_slots) if layout.lora_slots else None
     cache = PagedKVCache(
         mc.num_layers, layout.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-        dtype, device,
+        dtype, device, groups,
     )  # fmt: skip
     return model, cache, bank
 

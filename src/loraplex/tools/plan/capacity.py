@@ -16,6 +16,9 @@ from loraplex.checkpoint.modules import (
 from loraplex.tools.plan.adapter_shape import AdapterShape
 from loraplex.tools.plan.model_shape import ALL_FUSED, ModelShape, PlanError
 
+KV_CONTEXTS = (8192, 32768)
+"""Context lengths the plan gives one sequence's KV bytes at."""
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 QUANT_BITS = {"int8": 8, "int4": 4, "fp8": 8}
 """``--quantization``: bits per projection weight (GPTQ / AWQ / compressed-tensors W4A16
@@ -127,6 +130,7 @@ def build_plan(
         "engine_expert_slot_bytes": engine_expert_slot_bytes,
         "engine_router_slot_bytes": _slot_params(m, (ROUTER,), max_rank) * b,
         "kv_bytes_per_token": kv_tok,
+        "kv_bytes_per_sequence": {n: m.kv_bytes_per_sequence(n, b) for n in KV_CONTEXTS},
         "kv_tokens_per_slot": slot_bytes / kv_tok,
     }
     if device_budget is not None:

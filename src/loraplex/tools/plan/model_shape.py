@@ -21,6 +21,7 @@ from loraplex.checkpoint.modules import (
     projection_shapes,
     vocab_module_shapes,
 )
+from loraplex.kv.groups import blocks_per_sequence, kv_cache_groups, layers_per_group
 from loraplex.lora import digest
 
 PACKED_GATE_UP = "experts.gate_up_proj"
@@ -63,6 +64,7 @@ class ModelShape:
     moe_intermediate_size: int = 0  # one expert's
     sparse_layers: tuple[int, ...] | None = None  # the sparse layers (None: all, when MoE)
     moe_block: str = "mlp"  # the sparse block's checkpoint name (Mixtral's block_sparse_moe)
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none)
 
     @property
     def hd(self) -> int:
@@ -198,6 +200,14 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.hd * dtype_bytes
 
+    def kv_bytes_per_sequence(self, tokens: int, dtype_bytes: int, block_size: int = 16) -> int:
+        """KV bytes one decoding sequence of ``tokens`` tokens holds: blocks of the engine's
+        KV-cache groups (windowed layers keep only their window's blocks) times the page of a
+        group's layers (``loraplex.kv.groups``)."""
+        groups = kv_cache_groups(self.layer_windows or [None] * self.num_layers)
+        page = 2 * layers_per_group(groups) * block_size * self.num_kv_heads * self.hd
+        return blocks_per_sequence(groups, tokens, block_size) * page * dtype_bytes
+
 
 # every layer sparse: 128 experts of 768, top-8; Qwen3's q/k norms of head_dim
 _QWEN3_30B_A3B = ModelShape("qwen3-30b-a3b", 2048, 48, 32, 4, 6144, 151936, 128,
@@ -225,6 +235,13 @@ PRESETS: dict[str, ModelShape] = {
 
 def _positive(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _architecture(archs: list[str]) -> Any:
+    """The served architecture class of the first of ``archs`` loraplex serves."""
+    from loraplex.model.registry import ARCHITECTURES
+
+    return next(ARCHITECTURES[a] for a in archs if a in ARCHITECTURES)
 
 
 def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
@@ -268,6 +285,7 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             moe_intermediate_size=moe.intermediate if moe else 0,
             sparse_layers=tuple(moe.layers) if moe else None,
             moe_block=moe.block if moe else "mlp",
+            layer_windows=tuple(_architecture(archs).windows_of(mc)),
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):

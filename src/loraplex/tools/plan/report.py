@@ -110,6 +110,8 @@ def _render_capacity(plan: dict[str, Any]) -> str:
         f"{_h(d['slot_bytes'])} = {d['kv_tokens_per_slot']:.1f} KV-cache tokens "
         f"({_h(d['kv_bytes_per_token'])}/token)",
         f"{serve}, and {_h(d['engine_vocab_slot_bytes'])} for embed_tokens + lm_head)",
+        "KV per decoding sequence (block 16; windowed layers hold their window): "
+        + ", ".join(f"{n:,} tokens {_h(v)}" for n, v in d["kv_bytes_per_sequence"].items()),
     ]
     if "budget" in d:
         out.append(

@@ -1,0 +1,128 @@
+"""KV-cache groups: layers that share one block table (vLLM's hybrid KV-cache manager).
+
+Layers with the same sliding window (None: full attention) form a *kind*; each kind is cut into
+groups of one common number of layers, so that every group's page (one block id) holds the
+same bytes and all groups share one :class:`~loraplex.kv.block_pool.BlockPool`. A sequence
+holds one block table per group. A windowed group needs only the blocks that hold a key some
+future query still sees (HF: key ``k`` is seen by query ``q`` iff ``k <= q and q - k <
+window``); the scheduler releases the others as the sequence advances, and their entries in
+the table become :data:`NULL_BLOCK` (masked: no query reads them).
+
+A model without windows has exactly one group of every layer: one table per sequence, one
+page per block, the same bytes per block as a flat per-layer cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+NULL_BLOCK = -1
+"""A block-table entry whose block was released (out of every future query's window)."""
+
+_PAD_TOLERANCE = 1.25  # vLLM: pad every kind up to the largest one when it is this close
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers sharing one block table, and their sliding window (None: full attention)."""
+
+    layers: tuple[int, ...]
+    window: int | None = None
+
+    def first_live_block(self, next_pos: int, block_size: int) -> int:
+        """The first block a query at position ``>= next_pos`` may read: blocks before it hold
+        only keys ``k < next_pos - window + 1`` (0 for full attention)."""
+        if self.window is None:
+            return 0
+        return max(0, next_pos - self.window + 1) // block_size
+
+    def live_blocks(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
+        """Blocks this group holds for a sequence of ``num_tokens`` tokens while it computes a
+        chunk of ``chunk`` tokens (a decode: 1): every block of a full group; for a windowed
+        group at most ``ceil((window - 1 + chunk) / block_size) + 1``."""
+        total = -(-num_tokens // block_size)
+        if self.window is None:
+            return total
+        return min(total, -(-(self.window - 1 + chunk) // block_size) + 1)
+
+
+def kv_cache_groups(windows: Sequence[int | None], layer_groups: int = 1) -> list[KVCacheGroup]:
+    """Groups of the layers whose windows are ``windows`` (one per layer; None: full).
+
+    One kind (every layer alike): one group of all layers. Else each kind is cut into groups of
+    ``size`` layers, ``size`` the smallest kind's layer count (the largest kind's where that is
+    within 25%, as vLLM does, so nothing is cut), the last group of a kind padded (its page
+    slots for missing layers stay unused). Full-attention groups first, then windows ascending.
+    ``layer_groups`` > 1 also caps ``size`` at ``ceil(layers / layer_groups)``: groups cut at
+    layer boundaries, so an adapter that leaves the first layers alone shares their blocks
+    with the base model (``loraplex.lora.kv_reach``).
+    """
+    kinds: dict[int | None, list[int]] = {}
+    for layer, w in enumerate(windows):
+        kinds.setdefault(w, []).append(layer)
+    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+    counts = [len(v) for v in kinds.values()]
+    size = min(counts)
+    if max(counts) < _PAD_TOLERANCE * size:
+        size = max(counts)
+    size = min(size, -(-len(windows) // max(1, layer_groups)))
+    return [
+        KVCacheGroup(tuple(kinds[w][i : i + size]), w)
+        for w in order
+        for i in range(0, len(kinds[w]), size)
+    ]
+
+
+def layers_per_group(groups: Sequence[KVCacheGroup]) -> int:
+    """The layers one page (block) holds: the largest group's."""
+    return max(len(g.layers) for g in groups)
+
+
+def layer_places(groups: Sequence[KVCacheGroup]) -> list[tuple[int, int]]:
+    """Per layer: (its group, its index in the group's page)."""
+    places = {layer: (g, i) for g, grp in enumerate(groups) for i, layer in enumerate(grp.layers)}
+    return [places[layer] for layer in range(len(places))]
+
+
+def base_groups(groups: Sequence[KVCacheGroup], first_kv_layer: int) -> frozenset[int]:
+    """The groups whose layers all lie below ``first_kv_layer`` (an adapter's, see
+    ``loraplex.lora.kv_reach``): their KV is the base model's, keyed as base blocks."""
+    return frozenset(g for g, grp in enumerate(groups) if max(grp.layers) < first_kv_layer)
+
+
+def group_block_key(chain_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of group ``group``'s block whose chained hash is ``chain_hash``:
+    the chain hash itself for group 0 (one group: keys as before groups), else
+    ``blake2b(chain_hash || group)`` (distinct per group)."""
+    if group == 0:
+        return chain_hash
+    h = hashlib.blake2b(digest_size=16, person=b"loraplex-kvgrp")
+    h.update(chain_hash)
+    h.update(struct.pack("<I", group))
+    return h.digest()
+
+
+def blocks_per_sequence(
+    groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int, chunk: int = 1
+) -> int:
+    """Blocks one sequence of ``num_tokens`` tokens holds over all groups while it computes a
+    chunk of ``chunk`` tokens (see :meth:`KVCacheGroup.live_blocks`)."""
+    return sum(g.live_blocks(num_tokens, block_size, chunk) for g in groups)
+
+
+def max_tokens(
+    groups: Sequence[KVCacheGroup], num_blocks: int, block_size: int, chunk: int, limit: int
+) -> int:
+    """The longest sequence (at most ``limit`` tokens) that fits in ``num_blocks`` blocks alone,
+    computing chunks of up to ``chunk`` tokens."""
+    lo, hi = 0, limit
+    while lo < hi:  # the largest n with blocks_per_sequence(n) <= num_blocks (monotone in n)
+        mid = (lo + hi + 1) // 2
+        if blocks_per_sequence(groups, mid, block_size, min(chunk, mid)) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,128 @@
+"""A sequence's block tables, one per KV-cache group, over one shared block pool.
+
+The scheduler asks this manager, never the pool, for a sequence's blocks: how many more a
+sequence needs, taking them, giving them back, dropping the blocks a windowed group no longer
+needs, and prefix-cache lookups and registrations under per-group keys
+(:func:`~loraplex.kv.groups.group_block_key` of the chained block hashes, which it takes as
+given). With one group every call is what the pool alone did before groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from loraplex.kv.block_pool import BlockPool
+from loraplex.kv.groups import NULL_BLOCK, KVCacheGroup, group_block_key
+
+BlockTables = list[list[int]]
+"""One block table per group (entry ``b``: positions ``[b * block_size, (b + 1) *
+block_size)``; ``NULL_BLOCK`` once released). An empty list: no blocks yet."""
+
+
+class KVCacheManager:
+    """Block tables per KV-cache group over ``pool`` (``groups`` default: one group)."""
+
+    def __init__(self, pool: BlockPool, groups: Sequence[KVCacheGroup] | None = None) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.groups = list(groups or [KVCacheGroup(())])
+        self.windowed = [g for g, grp in enumerate(self.groups) if grp.window is not None]
+        self.full = [g for g, grp in enumerate(self.groups) if grp.window is None]
+
+    def _tables(self, tables: BlockTables) -> BlockTables:
+        return tables or [[] for _ in self.groups]
+
+    def blocks_needed(self, tables: BlockTables, num_tokens: int) -> int:
+        """Blocks to allocate so that every group's table covers ``num_tokens`` positions."""
+        n = -(-num_tokens // self.block_size)
+        if not tables:
+            return n * len(self.groups)
+        if len(tables) == 1:  # one group: every decode step asks, keep it cheap
+            return max(0, n - len(tables[0]))
+        return sum(max(0, n - len(t)) for t in tables)
+
+    def allocate(self, tables: BlockTables, num_tokens: int) -> BlockTables:
+        """``tables`` extended with fresh blocks to cover ``num_tokens`` positions (in place
+        where given; check :meth:`blocks_needed` against the pool's free blocks first)."""
+        tables = self._tables(tables)
+        n = -(-num_tokens // self.block_size)
+        for t in tables:
+            if n > len(t):
+                t += self.pool.allocate(n - len(t))
+        return tables
+
+    def free(self, tables: BlockTables) -> None:
+        """Give back every block of ``tables`` (a finished or preempted sequence)."""
+        for t in tables:
+            self.pool.release([b for b in t if b != NULL_BLOCK])
+
+    def drop_out_of_window(self, tables: BlockTables, next_pos: int) -> None:
+        """Release each windowed group's blocks no query at ``>= next_pos`` sees (their table
+        entries become ``NULL_BLOCK``; the pool keeps their hashes for later prefix hits)."""
+        for g in self.windowed:
+            t = tables[g]
+            first = min(self.groups[g].first_live_block(next_pos, self.block_size), len(t))
+            dropped: list[int] = []
+            for b in range(first - 1, -1, -1):  # released entries form a prefix of the table
+                if t[b] == NULL_BLOCK:
+                    break
+                dropped.append(t[b])
+                t[b] = NULL_BLOCK
+            if dropped:
+                self.pool.release(dropped)
+
+    def lookup(self, chains: Sequence[Sequence[bytes]]) -> tuple[int, BlockTables]:
+        """``(k, tables)``: the longest prefix of ``k`` blocks every group can serve, and the
+        cached blocks each group takes (empty tables when nothing hits).
+
+        ``chains[g]``: the chained hashes group ``g`` is keyed by (one list for all groups but
+        those keyed as base blocks), over the prefix's full blocks that may hit. A full group
+        takes its whole cached run from the start (possibly past ``k``: positions the sequence
+        recomputes for the other groups, whose blocks it then shares); a windowed group takes
+        the blocks a query at position ``k * block_size`` sees (vLLM's sliding-window manager:
+        the rest of its first ``k`` entries are NULL) and its cached run on from ``k``.
+        """
+        pool, bs = self.pool, self.block_size
+        if len(self.groups) == 1 and not self.windowed:
+            hits = pool.lookup(chains[0])
+            return len(hits), ([hits] if hits else [])
+        if not pool.enable_prefix_caching:
+            return 0, []
+        k = len(chains[0])
+        cached: dict[int, list[int | None]] = {}
+        for g in self.full:  # the longest run from the start every full group holds
+            ids = pool.lookup([group_block_key(h, g) for h in chains[g]])
+            cached[g], k = list(ids), min(k, len(ids))
+        runs: dict[int, list[int]] = {}
+        for g in self.windowed:  # run[b]: cached blocks ending at b, b included
+            ids_w = [pool.cached.get(group_block_key(h, g)) for h in chains[g]]
+            run, r = [], 0
+            for b in ids_w:
+                r = r + 1 if b is not None else 0
+                run.append(r)
+            cached[g], runs[g] = ids_w, run
+        while k > 0 and not all(
+            runs[g][k - 1] >= k - self.groups[g].first_live_block(k * bs, bs) for g in self.windowed
+        ):
+            k -= 1
+        tables: BlockTables = []
+        for g, grp in enumerate(self.groups):
+            ids = cached[g]
+            first = grp.first_live_block(k * bs, bs)
+            end = k
+            while end < len(ids) and ids[end] is not None:  # its run on from k: shared
+                end += 1
+            tables.append([NULL_BLOCK] * first + [b for b in ids[first:end] if b is not None])
+        return (k, tables) if any(tables) else (0, [])
+
+    @staticmethod
+    def live(tables: BlockTables) -> list[int]:
+        """The blocks ``tables`` hold (not NULL)."""
+        return [b for t in tables for b in t if b != NULL_BLOCK]
+
+    def register(self, tables: BlockTables, block: int, chains: Sequence[Sequence[bytes]]) -> None:
+        """Record that entry ``block`` of every group's table holds the KV of the prefix whose
+        chained hash is ``chains[g][block]`` (under group ``g``'s key)."""
+        for g, t in enumerate(tables):
+            if t[block] != NULL_BLOCK:
+                self.pool.register(t[block], group_block_key(chains[g][block], g))
