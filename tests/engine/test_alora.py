@@ -351,3 +351,32 @@ def test_an_invocation_spanning_two_prefill_chunks(llama: dict) -> None:
         for t, v in entry.items()  # type: ignore[union-attr]
     )
     assert worst < PROMPT_TOL
+
+
+def test_alora_with_layer_groups_shares_both_ways(tmp_path: Path) -> None:
+    """An aLoRA on layers 2-3 of a 4-layer model with ``kv_cache_layer_groups=2``: its lower
+    group is keyed as base blocks throughout (no adapted module acts below layer 2), its upper
+    group as base blocks before the activation point only. Over a context the base ran, the
+    context's blocks hit in both groups, and the outputs equal PEFT's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = make_random_model(tmp_path / "m", "llama", num_layers=4, seed=9)
+    path = make_random_adapter(model, tmp_path / "al", r=8, seed=3, target_modules=ALL_PROJ,
+                               layers_to_transform=[2, 3], alora_invocation_tokens=INV_A)  # fmt: skip
+    llm = LLM(str(model), max_loras=1, max_lora_rank=8, dtype="float32", block_size=BLOCK,
+              kv_cache_layer_groups=2)  # fmt: skip
+    assert len(llm.engine.scheduler.kv.groups) == 2
+    ctx = _context(31, 18)
+    ids = [*ctx, *INV_A, 50, 51, 52, 53, 54]  # activation at 18, inside block 4
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    base = llm.generate({"prompt_token_ids": [*ctx, 60]}, sp)[0]
+    assert base.num_cached_tokens == 0
+    lr = LoRARequest("al", str(path))
+    got = llm.generate({"prompt_token_ids": ids}, sp, lr)[0]
+    assert got.num_cached_tokens == 16  # the 4 blocks wholly before position 18
+    ref = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32), str(path)
+    ).eval()
+    assert got.outputs[0].token_ids == reference_greedy_alora(ref, ids, N_NEW, 18)[0]
+    assert llm.engine.is_idle()
