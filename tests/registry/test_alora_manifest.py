@@ -20,11 +20,6 @@ from loraplex.testing import make_random_adapter
 INVOCATION = [5, 6, 7]
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-
-
 @pytest.fixture
 def root(tmp_path: Path, tiny_model: Path) -> Path:
     r = tmp_path / "root"

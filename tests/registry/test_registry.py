@@ -46,12 +46,6 @@ from loraplex.server.catalog import Catalog
 from loraplex.testing import make_random_adapter, make_random_model
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh home per test: tests of the default registry location start empty."""
-    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-
-
 @pytest.fixture
 def root(tmp_path: Path, adapters: dict[str, Path]) -> Path:
     """An allowed adapter root holding copies of the conftest adapters."""

@@ -16,12 +16,6 @@ from loraplex.cli import main
 from loraplex.registry import Registry
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh home per test: the CLI's default registry starts empty."""
-    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-
-
 @pytest.fixture
 def root(tmp_path: Path, adapters: dict[str, Path]) -> Path:
     r = tmp_path / "root"

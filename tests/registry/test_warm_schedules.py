@@ -21,11 +21,6 @@ from loraplex.warm import WarmSchedule, parse_warm
 OFFICE = {"device": "Mon-Fri 08:00-18:00", "tz": "Europe/Berlin"}
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LORAPLEX_HOME", str(tmp_path / "home"))
-
-
 @pytest.fixture
 def root(tmp_path: Path, adapters: dict[str, Path]) -> Path:
     r = tmp_path / "root"
