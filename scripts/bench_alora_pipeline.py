@@ -266,12 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop(proc)
     print()
-    print(f"{'system':<22}{'conc':>5}{'TTFT mean':>11}{'p50':>8}{'max':>8}{'4 checks':>10}"
+    print(f"{'system':<22}{'conc':>5}{'TTFT mean':>11}{'p50':>10}{'max':>10}{'4 checks':>10}"
           f"{'prefill tok':>13}{'of prompt':>11}")  # fmt: skip
     for system, rows in results.items():
         for r in rows:
             print(f"{system:<22}{r['concurrency']:>5}{r['ttft_mean']:>10.3f}s"
-                  f"{r['ttft_p50']:>7.3f}s{r['ttft_max']:>7.3f}s{r['checks_e2e_mean']:>9.2f}s"
+                  f"{r['ttft_p50']:>9.3f}s{r['ttft_max']:>9.3f}s{r['checks_e2e_mean']:>9.2f}s"
                   f"{r['prefill_tokens']:>13,}{100 * r['prefill_tokens'] / r['prompt_tokens']:>10.1f}%")  # fmt: skip
     print()
     base = results["loraplex alora"]
