@@ -4,7 +4,6 @@ migration 0004), read back from the database, and shown by ``adapters show``."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, inspect
 
-from loraplex.registry import Registry, RegistryPolicy, base_model_info
+from loraplex.registry import Registry, base_model_info
 from loraplex.registry.cli import main as registry_main
 from loraplex.registry.db import MIGRATIONS_DIR, current_revision, head_revision
 from loraplex.testing import make_random_adapter
@@ -29,13 +28,6 @@ def root(tmp_path: Path, tiny_model: Path) -> Path:
     )  # fmt: skip
     make_random_adapter(tiny_model, r / "plain", r=4, target_modules=["q_proj", "v_proj"])
     return r
-
-
-@pytest.fixture
-def reg(db_url: str, root: Path) -> Iterator[Registry]:
-    r = Registry.open(db_url, policy=RegistryPolicy(allowed_roots=(str(root),)))
-    yield r
-    r.close()
 
 
 def test_register_records_the_invocation(reg: Registry, root: Path, tiny_model: Path) -> None:

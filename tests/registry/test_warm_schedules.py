@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, inspect
 
-from loraplex.registry import Registry, RegistryError, RegistryPolicy, base_model_info
+from loraplex.registry import Registry, RegistryError, base_model_info
 from loraplex.registry.cli import main as registry_main
 from loraplex.registry.db import MIGRATIONS_DIR, current_revision, head_revision
 from loraplex.warm import WarmSchedule, parse_warm
@@ -27,13 +26,6 @@ def root(tmp_path: Path, adapters: dict[str, Path]) -> Path:
     for name, src in adapters.items():
         shutil.copytree(src, r / name)
     return r
-
-
-@pytest.fixture
-def reg(db_url: str, root: Path) -> Iterator[Registry]:
-    r = Registry.open(db_url, policy=RegistryPolicy(allowed_roots=(str(root),)))
-    yield r
-    r.close()
 
 
 def test_register_stores_a_warm_schedule(reg: Registry, root: Path, tiny_model: Path) -> None:
