@@ -37,7 +37,7 @@ def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     )
     app = create_app(config)
     with serve_in_thread(app) as url:
-        yield {"url": url, "invocation": invocation}
+        yield {"url": url, "invocation": invocation, "model": tiny_model}
 
 
 def _complete(url: str, model: str, prompt: str) -> httpx.Response:
@@ -73,3 +73,28 @@ def test_the_response_says_whether_it_was_invoked(env: dict) -> None:
     assert lines["loraplex_prefix_cache_base_aligned_hits_total"] >= 16
     assert lines['loraplex_adapter_prefix_cache_hits_total{adapter="checker"}'] >= 16
     assert lines[f'loraplex_adapter_prefix_cache_queries_total{{adapter="{BASE}"}}'] > 0
+
+
+def test_echo_logprobs_follow_the_activation_point(env: dict) -> None:
+    """``echo`` with ``logprobs``: the prompt tokens before the invocation score as the base
+    model's, the ones after it as the adapter's."""
+    url = env["url"]
+    head = "Revenue grew in the north and the south this quarter."
+    prompt = head + " CHECK: which region?"
+
+    def echoed(model: str) -> list[float | None]:
+        body = {"model": model, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+    base, adapted = echoed(BASE), echoed("checker")
+    assert len(base) == len(adapted)
+    tok = AutoTokenizer.from_pretrained(str(env["model"]))
+    ids = tok(prompt).input_ids
+    inv = env["invocation"]
+    start = max(i for i in range(len(ids) - len(inv) + 1) if ids[i : i + len(inv)] == inv)
+    assert base[1 : start + 1] == pytest.approx(adapted[1 : start + 1], abs=1e-4)
+    assert (
+        max(abs(a - b) for a, b in zip(base[start + 1 :], adapted[start + 1 :], strict=True)) > 1e-3
+    )
