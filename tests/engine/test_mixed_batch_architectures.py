@@ -82,6 +82,8 @@ FAMILIES: dict[str, dict] = {
             "qv": ["qkv_proj"],
         },
     ),
+    # SmolLM3: Llama's layers, the second of each pair without rotary (NoPE), a tied head
+    "smollm3": dict(arch="smollm3", no_rope_layer_interval=2, tie_word_embeddings=True),
     # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE with an original length (6)
     # every prompt passes (its long factors and attention factor from the prefill on; a
     # sequence crossing it while decoding is tests/model/test_phi3.py's)

@@ -107,7 +107,8 @@ class DecoderForCausalLM:
         self.device = device
         per_layer = self.layer_rotaries()
         assert len(per_layer) == cfg.num_layers, "layer_rotaries: one rotary per layer"
-        self.rotaries = list({id(r): r for r in per_layer}.values())  # cos/sin once per step each
+        # cos/sin once per step for each distinct rotary; a layer without one (NoPE) reads none
+        self.rotaries = list({id(r): r for r in per_layer if r is not None}.values())
         index = {id(r): j for j, r in enumerate(self.rotaries)}
         windows = self.layer_windows()
         assert len(windows) == cfg.num_layers, "layer_windows: one window per layer"
@@ -115,7 +116,9 @@ class DecoderForCausalLM:
         """The distinct sliding windows of the layers (the runner builds each one's masks once
         per step; a layer's ``window`` indexes them)."""
         self.layers = [
-            DecoderLayer(index[id(r)], None if w is None else self.windows.index(w))
+            DecoderLayer(
+                None if r is None else index[id(r)], None if w is None else self.windows.index(w)
+            )
             for r, w in zip(per_layer, windows, strict=True)
         ]
         self.ops: LayerOps = select_layer_ops(dtype, device)
@@ -153,9 +156,10 @@ class DecoderForCausalLM:
         self._gather_logits: Callable[[torch.Tensor], torch.Tensor] = _same
 
     # -- what an architecture may change -----------------------------------------------------
-    def layer_rotaries(self) -> list[RotaryEmbedding]:
+    def layer_rotaries(self) -> list[RotaryEmbedding | None]:
         """The rotary embedding of each layer: one shared instance per distinct rope (an
-        architecture with local and global bases returns two instances, each layer its own)."""
+        architecture with local and global bases returns two instances, each layer its own);
+        None for a layer without positional rotation (NoPE: its q and k attend as projected)."""
         c = self.cfg
         rot = make_rotary(c.head_dim, c.rope_theta, c.rope_scaling, self.dtype, self.device)
         return [rot] * c.num_layers

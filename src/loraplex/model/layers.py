@@ -51,7 +51,7 @@ class DecoderLayer:
     """One decoder layer's weights, by slot (inference only). The blocks read them by
     attribute; the merger swaps the Linear slots for merged copies and back."""
 
-    def __init__(self, rope: int = 0, window: int | None = None) -> None:
+    def __init__(self, rope: int | None = 0, window: int | None = None) -> None:
         self.ln1: RMSNorm  # before attention
         self.ln2: RMSNorm  # before the MLP
         self.qkv: Linear  # [q + 2 kv, D]
@@ -59,7 +59,7 @@ class DecoderLayer:
         self.gate_up: Linear  # [2 I, D]
         self.down: Linear  # [D, I]
         self.qk_norm: RMSNorm | None = None  # per-head q/k norm, weight [H + KVH, hd]
-        self.rope = rope  # index of this layer's rotary in the model's ``rotaries``
+        self.rope = rope  # index of this layer's rotary in the model's ``rotaries`` (None: NoPE)
         self.window = window  # index of its sliding window's masks (None: global attention)
 
     @property
@@ -160,8 +160,9 @@ class Attention:
         qk = qkv[:, : self.qk_size].view(T, -1, hd)  # [T, H + KVH, hd]
         if self.qk_norm:
             qk = L.qk_norm(qk)
-        cos, sin = step.rope[L.rope]
-        qk = self.ops.rotary(qk, cos, sin)
+        if L.rope is not None:  # NoPE layers attend with q and k as projected
+            cos, sin = step.rope[L.rope]
+            qk = self.ops.rotary(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, hd], [T, KVH, hd]
         v = qkv[:, self.qk_size :].view(T, -1, hd)  # [T, KVH, hd]
         a = paged_attention(

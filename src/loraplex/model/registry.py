@@ -18,6 +18,7 @@ from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
 from loraplex.model.qwen3 import Qwen3ForCausalLM
 from loraplex.model.qwen3_moe import Qwen3MoeForCausalLM
+from loraplex.model.smollm3 import SmolLM3ForCausalLM
 
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -30,6 +31,7 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

@@ -39,12 +39,14 @@ ARCH_CONFIGS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
 }
 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
                       norm_topk_prob=True),
     "mixtral": dict(num_local_experts=16, num_experts_per_tok=2),
+    "smollm3": dict(pad_token_id=None),  # its 128004 lies outside a tiny vocabulary
 }  # fmt: skip
 """Config values a family's tiny model takes unless the caller says otherwise (a MoE's expert
 count and size: the config classes' defaults, 128 experts of 768, are a real model's)."""
