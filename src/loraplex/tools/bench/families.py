@@ -55,6 +55,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma2": dict(arch="gemma2", sliding_window=512),
     "gemma3_text": dict(arch="gemma3_text", sliding_window=512),
     "phi3": dict(arch="phi3"),
+    "smollm3": dict(arch="smollm3", no_rope_layer_interval=4),  # every fourth layer NoPE
 }
 """Family -> its ``make_random_model`` arguments beyond ``WIDTH`` (Gemma's window is its real
 models' 512 at this width; every prompt here fits inside it)."""
