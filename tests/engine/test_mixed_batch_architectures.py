@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.checkpoint.modules import EMBED_KEY, LM_HEAD_KEY
+from loraplex.checkpoint.modules import EMBED_KEY, LINEAR_ATTN_PROJ_NAMES, LM_HEAD_KEY
 from loraplex.testing import (
     ALL_PROJ,
     ATTN_PROJ,
@@ -84,6 +84,24 @@ FAMILIES: dict[str, dict] = {
     ),
     # SmolLM3: Llama's layers, the second of each pair without rotary (NoPE), a tied head
     "smollm3": dict(arch="smollm3", no_rope_layer_interval=2, tie_word_embeddings=True),
+    # Qwen3.5: a Gated DeltaNet layer (its state in the cache's state pages) before a gated
+    # full-attention one with a quarter-width rotary; adapters on the linear-attention
+    # projections beside attention and MLP
+    "qwen3_5": dict(
+        arch="qwen3_5",
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        proj={
+            "all": [*ALL_PROJ, *LINEAR_ATTN_PROJ_NAMES],
+            "attn": [*ATTN_PROJ, *LINEAR_ATTN_PROJ_NAMES],
+            "mlp": MLP_PROJ,
+            "qv": ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z"],
+        },
+    ),
     # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE with an original length (6)
     # every prompt passes (its long factors and attention factor from the prefill on; a
     # sequence crossing it while decoding is tests/model/test_phi3.py's)
@@ -255,7 +273,8 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
     assert eng.merger is not None
     name = "both_all_r16"
     adapter = family["adapters"][name]
-    base_linears = [(L.qkv, L.o, L.gate_up, L.down) for L in eng.model.layers]
+    slots = ("qkv", "o", "gate_up", "down", "lin_in", "lin_out")  # a hybrid's layers differ
+    base_linears = [tuple(getattr(L, a, None) for a in slots) for L in eng.model.layers]
     head, embed = eng.model.head, eng.model.embed_tokens.clone()
     sp = SamplingParams(temperature=0, max_tokens=N_NEW + 4, ignore_eos=True, logprobs=3)
     for i, p in enumerate(PROMPTS[:2]):
@@ -276,7 +295,7 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
             if out.finished:
                 results[out.request_id] = out.outputs[0]
     assert eng.merger.merged_digest is None
-    now = [(L.qkv, L.o, L.gate_up, L.down) for L in eng.model.layers]
+    now = [tuple(getattr(L, a, None) for a in slots) for L in eng.model.layers]
     assert all(
         a is b
         for old, new in zip(base_linears, now, strict=True)

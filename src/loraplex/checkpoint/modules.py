@@ -36,11 +36,23 @@ FUSED_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {"phi3": ("qkv_proj", "gate_up
 """``model_type`` -> the fused modules its checkpoints (and so its adapters) have."""
 ATTN_PROJ_NAMES = frozenset((*PROJ_NAMES[:4], "qkv_proj"))
 MLP_PROJ_NAMES = frozenset((*PROJ_NAMES[4:], "gate_up_proj"))
+LINEAR_ATTN_PROJ_NAMES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+"""The projections of a Gated DeltaNet linear-attention layer (``linear_attn``: Qwen3.5,
+Qwen3-Next): q/k/v before the convolution, the output gate z, the write strength b, the decay
+input a, and the output; they stand where a full layer's attention projections do."""
+GATED_Q_MODEL_TYPES = frozenset(
+    ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+)
+"""Model types whose ``q_proj`` also yields a per-head output gate (``[2 q, hidden]``: each
+head's query, then its gate)."""
 
 
 def block_of(proj: str) -> str:
-    """The submodule of a decoder layer that holds ``proj``: ``self_attn`` or ``mlp``."""
-    return "self_attn" if proj in ATTN_PROJ_NAMES else "mlp"
+    """The submodule of a decoder layer that holds ``proj``: ``self_attn``, ``linear_attn``
+    or ``mlp``."""
+    if proj in ATTN_PROJ_NAMES:
+        return "self_attn"
+    return "linear_attn" if proj in LINEAR_ATTN_PROJ_NAMES else "mlp"
 
 
 def adapter_module_shapes(
@@ -182,6 +194,55 @@ class MoESpec:
         return cls(n, layers, int(raw["hidden_size"]), inter)
 
 
+LAYER_MODULE_ORDER = (
+    *PROJ_NAMES[:4],
+    *LINEAR_ATTN_PROJ_NAMES,
+    *PROJ_NAMES[4:],
+    ROUTER,
+    *EXPERT_PROJ_NAMES,
+)
+"""Every module a layer may adapt, in table order (a layer's token mixer, then its MLP or
+sparse block)."""
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The Gated DeltaNet layers of a hybrid base (``layer_types: linear_attention``)."""
+
+    layers: tuple[int, ...]
+    hidden: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    kernel: int
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """Each linear-attention projection's ``(d_in, d_out)``."""
+        h, k, v, hv = self.hidden, self.key_heads * self.key_dim, self.value_heads * self.value_dim, self.value_heads  # fmt: skip
+        return {
+            "in_proj_qkv": (h, 2 * k + v),
+            "in_proj_z": (h, v),
+            "in_proj_b": (h, hv),
+            "in_proj_a": (h, hv),
+            "out_proj": (v, h),
+        }
+
+    @classmethod
+    def from_hf_config(cls, raw: Mapping[str, Any]) -> LinearAttentionSpec | None:
+        """The linear-attention layers of a text ``config.json`` (None: no such layers)."""
+        types = raw.get("layer_types") or []
+        layers = tuple(i for i, t in enumerate(types) if t == "linear_attention")
+        if not layers:
+            return None
+        return cls(
+            layers, int(raw["hidden_size"]), int(raw["linear_num_key_heads"]),
+            int(raw["linear_num_value_heads"]), int(raw["linear_key_head_dim"]),
+            int(raw["linear_value_head_dim"]), int(raw.get("linear_conv_kernel_dim") or 4),
+        )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class BaseModelSpec:
     """What an adapter is validated against, built from the base model's config."""
@@ -200,6 +261,9 @@ class BaseModelSpec:
     moe: MoESpec | None = None
     """The sparse blocks of a mixture-of-experts base (None: dense): in its ``moe.layers`` an
     adapter names the router and the experts instead of the dense MLP's projections."""
+    linear: LinearAttentionSpec | None = None
+    """The linear-attention layers of a hybrid base (None: attention only): in its
+    ``linear.layers`` an adapter names the linear-attention projections instead of q/k/v/o."""
 
     @property
     def fused(self) -> tuple[str, ...]:
@@ -237,16 +301,30 @@ class BaseModelSpec:
         head_dim = int(raw.get("head_dim") or hidden // heads)
         inter = int(raw["intermediate_size"])
         shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
+        if str(raw.get("model_type", model_type)) in GATED_Q_MODEL_TYPES:
+            shapes["q_proj"] = (hidden, 2 * heads * head_dim)  # each head's query and gate
         vocab = raw.get("vocab_size")
         vocab_shapes = vocab_module_shapes(int(vocab), hidden) if vocab else {}
         moe = MoESpec.from_hf_config(raw)
-        return cls(int(raw["num_hidden_layers"]), shapes, model_type, vocab_shapes, text_only, moe)
+        linear = LinearAttentionSpec.from_hf_config(raw)
+        return cls(
+            int(raw["num_hidden_layers"]), shapes, model_type, vocab_shapes, text_only, moe, linear
+        )
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
         """The modules an adapter may name in ``layer`` -> (d_in, d_out) (an expert
         projection's are one expert's): attention, then the dense MLP or the sparse block."""
         shapes = self.adapter_shapes
-        if self.moe is None or layer not in self.moe.layers:
+        linear = self.linear is not None and layer in self.linear.layers
+        sparse = self.moe is not None and layer in self.moe.layers
+        if not linear and not sparse:
             return shapes
         attn = {p: d for p, d in shapes.items() if p in ATTN_PROJ_NAMES}
-        return {**attn, **self.moe.shapes}
+        mlp = {p: d for p, d in shapes.items() if p not in ATTN_PROJ_NAMES}
+        if linear:
+            assert self.linear is not None
+            attn = self.linear.shapes
+        if sparse:
+            assert self.moe is not None
+            mlp = self.moe.shapes
+        return {**attn, **mlp}

@@ -31,12 +31,13 @@ from loraplex.engine.tensor_parallel.group import (
     rank_threads,
 )
 from loraplex.kv.block_pool import BlockPool
-from loraplex.kv.cache import PagedKVCache
+from loraplex.kv.cache import PagedKVCache, StateShape
 from loraplex.kv.groups import (
     KVCacheGroup,
     blocks_per_sequence,
     kv_cache_groups,
     layers_per_group,
+    layers_per_state_group,
     max_tokens,
 )
 from loraplex.lora.backends import select_lora_ops
@@ -116,7 +117,9 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False) -> Any:
 def model_kv_groups(model: DecoderForCausalLM, config: EngineConfig) -> tuple[KVCacheGroup, ...]:
     """The KV-cache groups of ``model``'s layers: by their windows, cut into
     ``--kv-cache-layer-groups`` groups of consecutive layers."""
-    return tuple(kv_cache_groups(model.layer_windows(), config.kv_cache_layer_groups))
+    return tuple(
+        kv_cache_groups(model.layer_windows(), config.kv_cache_layer_groups, model.state_layers())
+    )
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ class MemoryBudget:
     dtype: torch.dtype
     kv_groups: tuple[KVCacheGroup, ...] = ()
     """The model's KV-cache groups (empty: one group of every layer)."""
+    state: StateShape | None = None
+    """One recurrent layer's state, when the model has state groups (linear attention)."""
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...]:
@@ -164,6 +169,21 @@ class MemoryBudget:
         row_bytes = sum((i + o) * n.get(k, 1) for k, (i, o) in shapes.items()) * dtype.itemsize
         return c.lora_slot_count(c.max_lora_rank * row_bytes, self.after_weights())
 
+    def state_pages(self) -> int:
+        """Pages of the state pool (0 without state groups): twice what every running sequence
+        can hold at once (two pages each while decoding, the chunk's blocks while prefilling,
+        per state group), the second half keeping block snapshots for prefix hits."""
+        n = sum(g.state for g in self.groups)
+        c = self.config
+        return 2 * n * (2 * c.max_num_seqs + -(-c.max_num_batched_tokens // c.block_size) + 1)
+
+    def state_bytes(self) -> int:
+        """Bytes of the state pool (0 without state groups)."""
+        if self.state is None:
+            return 0
+        per_page = layers_per_state_group(self.groups) * self.state.nbytes(self.dtype)
+        return self.state_pages() * per_page
+
     def kv_blocks(self, bank_bytes: int) -> int:
         """KV blocks: ``--num-kv-blocks``, else what the budget holds (less ``bank_bytes``, the
         slot bank's, when its capped share comes out of the same CPU memory), never more than
@@ -180,11 +200,14 @@ class MemoryBudget:
             budget = self.after_weights()  # on CUDA the slot bank is out of it already
             if c.max_lora_device_fraction is not None and self.device.type != "cuda":
                 budget = max(budget - bank_bytes, 0)
+            budget = max(budget - self.state_bytes(), 0)
             longest = c.max_model_len or mc.max_position_embeddings
             per_seq = blocks_per_sequence(
                 self.groups, longest, c.block_size, min(longest, c.max_num_batched_tokens)
             )
             budget = min(budget, c.max_num_seqs * per_seq * per_block)
+        else:
+            budget -= self.state_bytes()  # the recurrent layers' states come out of it first
         blocks = budget // per_block - (len(self.groups) > 1)  # the cache's trash page
         if blocks < 1:
             raise ValueError(
@@ -297,6 +320,7 @@ def wire_lora(
         vocab_module_shapes(mc.vocab_size, mc.hidden_size),
         text_only,
         mc.moe_spec(),
+        mc.linear_spec(),
     )
     cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
     adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=bank.dtype)
@@ -328,6 +352,7 @@ class EngineParts:
     pool: BlockPool
     max_model_len: int
     workers: TPWorkers | None = None  # the tensor-parallel group (rank 0's handle), if any
+    state_pool: BlockPool | None = None  # the state groups' pages (recurrent layers), if any
 
 
 def set_threads(n: int | None) -> None:
@@ -408,18 +433,24 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
         eos.add(int(tokenizer.eos_token_id))
     local = model.cfg  # a tensor-parallel rank's heads: its KV cache and slot tables
     groups = model_kv_groups(model, config)
-    budget = MemoryBudget(config, local, device, dtype, groups)
+    budget = MemoryBudget(config, local, device, dtype, groups, model.state_shape())
     lora = wire_lora(config, model, budget, workers) if config.enable_lora else None
     num_blocks = budget.kv_blocks(lora.adapters.bank.nbytes if lora is not None else 0)
     if workers is not None:  # every rank builds the same number of blocks and slots
         layout = WorkerLayout(num_blocks, lora.adapters.bank.max_loras if lora else 0)
         workers.cast(layout)
         model = DriverModel(model, workers)  # type: ignore[assignment]
+    state_pages = budget.state_pages()
     cache = PagedKVCache(
         local.num_layers, num_blocks, config.block_size, local.num_kv_heads, local.head_dim,
-        dtype, device, groups,
+        dtype, device, groups, model.state_shape(), state_pages,
     )  # fmt: skip
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+    state_pool = (
+        BlockPool(state_pages, config.block_size, config.enable_prefix_caching)
+        if state_pages
+        else None
+    )
     return EngineParts(
         model_config=mc,
         device=device,
@@ -430,6 +461,7 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
         lora=lora,
         cache=cache,
         pool=pool,
+        state_pool=state_pool,
         max_model_len=budget.max_model_len(num_blocks),
         workers=workers,
     )

@@ -100,6 +100,7 @@ class LLMEngine:
             default_class=rules.default_index,
             rank_slot_budgets=config.rank_slot_budgets(),
             kv_groups=self.cache.groups,
+            state_pool=parts.state_pool,
         )
         self.intake = RequestIntake(
             tokenizer=self.tokenizer,

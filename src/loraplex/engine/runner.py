@@ -35,8 +35,11 @@ from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
 from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch, plan_rows
 from loraplex.model.attention import (
+    NO_PAGE,
     AttentionMetadata,
     PrefillSpan,
+    StateMetadata,
+    StateSpan,
     WindowMasks,
     causal_mask,
     decode_mask,
@@ -77,6 +80,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.windows = model.windows  # the distinct sliding windows of its layers
         self.windowed_groups = {g for g, grp in enumerate(cache.groups) if grp.window is not None}
+        self.state_groups = [g for g, grp in enumerate(cache.groups) if grp.state]
         dims = model.cfg.module_shapes.values()
         self.lora_costs = LoRAPlanCosts(feature_dim=sum(i + o for i, o in dims) // len(dims))
         self._merged_slot: int | None = None
@@ -176,6 +180,32 @@ class ModelRunner:
             decode_block_table=table,
             kv_groups=[],
         )
+
+    def _state_metadata(self, items: list[tuple[Sequence, int]], group: int) -> StateMetadata:
+        """State group ``group``'s pages for the step: each sequence reads the page of the
+        block holding its last computed position and writes the page of every block its new
+        tokens reach (a decode row: one; a chunk: the state at each block end, then its end)."""
+        bs, dev = self.block_size, self.device
+        src: list[int] = []
+        dst: list[int] = []
+        spans: list[StateSpan] = []
+        t = 0
+        for seq, n in items:
+            start, table = seq.num_computed_tokens, seq.block_tables[group]
+            prev = table[(start - 1) // bs] if start > 0 else NO_PAGE
+            if n == 1 and start > 0:
+                src.append(prev)
+                dst.append(table[start // bs])
+            else:
+                first, last = start // bs, (start + n - 1) // bs
+                ends = [min((b + 1) * bs, start + n) - start for b in range(first, last + 1)]
+                spans.append(StateSpan(t, t + n, start, prev, ends, table[first : last + 1]))
+            t += n
+        meta = StateMetadata(prefills=spans)
+        if src:
+            meta.decode_src = torch.tensor(src, dtype=torch.long, device=dev)
+            meta.decode_dst = torch.tensor(dst, dtype=torch.long, device=dev)
+        return meta
 
     def _window_masks(
         self,
@@ -280,7 +310,17 @@ class ModelRunner:
         attn.windowed = [self._window_masks(w, attn, prefill_pos, dec_seqs) for w in self.windows]
         if len(self.cache.groups) > 1:
             rest = range(1, len(self.cache.groups))
-            attn.kv_groups = [attn, *(self._group_metadata(attn, items, dec_seqs, g) for g in rest)]
+            attn.kv_groups = [
+                attn,
+                *(
+                    attn
+                    if g in self.state_groups
+                    else self._group_metadata(attn, items, dec_seqs, g)
+                    for g in rest
+                ),
+            ]
+        for g in self.state_groups:
+            attn.states[g] = self._state_metadata(items, g)
         plan = None
         if segments:
             lora = self.model.lora  # the step's adapters decide which modules the plan covers

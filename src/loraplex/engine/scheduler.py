@@ -100,6 +100,7 @@ class Scheduler:
         preempt_cooldown: int = 64,
         seat_shares: bool = True,
         kv_groups: list[KVCacheGroup] | None = None,
+        state_pool: BlockPool | None = None,
     ) -> None:
         """``policy``: a ``POLICIES`` name or a policy object (used by this scheduler only);
         ``class_weights[i]``: the share weight of SLO class ``i`` (0 the most important);
@@ -109,7 +110,8 @@ class Scheduler:
         ``preempt_cooldown``: steps after a preemption in which that sequence is not chosen
         again (fair and priority); ``seat_shares``: cap a lower class's running sequences
         while a more important one is active (fair; see ``loraplex.engine.scheduling``);
-        ``kv_groups``: the KV cache's groups of layers (None: one group)."""
+        ``kv_groups``: the KV cache's groups of layers (None: one group); ``state_pool``: the
+        pages of its state groups (recurrent layers), if it has any."""
         if isinstance(policy, str):
             policy = make_policy(policy)
         elif not isinstance(policy, SchedulingPolicy):
@@ -121,7 +123,7 @@ class Scheduler:
         if not 0 <= default_class < len(class_weights):
             raise ValueError(f"default class {default_class} is not one of {len(class_weights)}")
         self.pool = pool
-        self.kv = KVCacheManager(pool, kv_groups)
+        self.kv = KVCacheManager(pool, kv_groups, state_pool)
         self.keys = GroupKeys(self.kv.groups)  # which chain keys each group's blocks
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
@@ -285,7 +287,7 @@ class Scheduler:
                 i += 1
                 continue
             need = self._blocks_for(seq, seq.num_computed_tokens + n)
-            while need > self.pool.num_free:
+            while need and not self.kv.fits(seq.block_tables, seq.num_computed_tokens + n):
                 victim = self._victim(self.running[i:])  # never already batched
                 self._preempt(victim)
                 preempted = True
@@ -445,19 +447,17 @@ class Scheduler:
             if self._caps is not None and n > 1:
                 c = self.class_of(seq)
                 n = max(1, min(n, self._caps.get(c, n) - self._cap_used[c]))
-            need = self.kv.blocks_needed(hits, computed + n)
-            hit_ids = self.kv.live(hits)
-            while need > self.pool.num_free_after_touch(hit_ids):
+            while not self.kv.fits(hits, computed + n, hits):
                 freed = self._make_room(seq, batch)
                 if freed is None:
                     break
                 budget += freed
-            if need > self.pool.num_free_after_touch(hit_ids):
+            if not self.kv.fits(hits, computed + n, hits):
                 if seq.slot is not None and self.adapters is not None:
                     self.adapters.release_slot(seq.slot)
                     seq.slot = None
                 break  # memory is FCFS: stop admitting
-            self.pool.touch(hit_ids)
+            self.kv.touch(hits)
             seq.kv_shared = [len(t) for t in hits]
             seq.block_tables = self.kv.allocate(hits, computed + n)
             seq.num_computed_tokens = computed

@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from loraplex.kv.groups import KVCacheGroup, layer_places, layers_per_group
+from loraplex.kv.groups import KVCacheGroup, layer_places, layers_per_group, layers_per_state_group
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """One recurrent layer's state per sequence (Gated DeltaNet's): the last inputs of its
+    causal convolution ``conv`` (model dtype) and its recurrent matrix ``recurrent`` (float32,
+    as the recurrence accumulates)."""
+
+    conv: tuple[int, ...]  # [channels, kernel - 1]
+    recurrent: tuple[int, ...]  # [value heads, key dim, value dim]
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one layer's state with the convolution window in ``dtype``."""
+        conv = torch.Size(self.conv).numel() * torch.empty((), dtype=dtype).element_size()
+        return conv + torch.Size(self.recurrent).numel() * 4
 
 
 class PagedKVCache:
@@ -34,6 +50,8 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         groups: Sequence[KVCacheGroup] | None = None,
+        state: StateShape | None = None,
+        num_state_pages: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -47,6 +65,14 @@ class PagedKVCache:
         shape = (layers_per_group(self.groups), self.num_pages * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_state_pages = num_state_pages
+        n = layers_per_state_group(self.groups)
+        if n and state is None:
+            raise ValueError("a KV cache with state groups needs the layers' StateShape")
+        self.state_shape = state
+        conv, rec = (state.conv, state.recurrent) if n and state else ((0,), (0,))
+        self.conv = torch.zeros((n, num_state_pages, *conv), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((n, num_state_pages, *rec), dtype=torch.float32, device=device)
 
     @staticmethod
     def bytes_per_block(
@@ -58,7 +84,13 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + self.conv.nbytes + self.recurrent.nbytes
+
+    def layer_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, recurrent) state pages of recurrent ``layer``: ``[num_state_pages, *conv]``,
+        ``[num_state_pages, *recurrent]``."""
+        i = self.index_of[layer]
+        return self.conv[i], self.recurrent[i]
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) slot spaces of ``layer``: [num_blocks * block_size, kv_heads, head_dim]."""

@@ -10,6 +10,15 @@ the table become :data:`NULL_BLOCK` (masked: no query reads them).
 
 A model without windows has exactly one group of every layer: one table per sequence, one
 page per block, the same bytes per block as a flat per-layer cache.
+
+A *state group* (``state=True``) holds layers that keep a fixed-size recurrent state per
+sequence instead of KV (Gated DeltaNet's convolution and recurrent state). Its pages come from a
+pool of their own (a state page is not a KV page's size) and entry ``b`` of its table holds the
+state after the last computed position of block ``b``: the running state while the block fills,
+a snapshot at the block's end once it is full. Full blocks' snapshots are registered under the
+block's key like KV blocks, so a prefix hit resumes the recurrence from the snapshot at the hit's
+end; the table keeps live only the entry of the block holding the last computed token (the one
+the next step reads), as a window would.
 """
 
 from __future__ import annotations
@@ -31,10 +40,15 @@ class KVCacheGroup:
 
     layers: tuple[int, ...]
     window: int | None = None
+    state: bool = False
+    """A state group: its layers keep a recurrent state (pages from the state pool), no KV."""
 
     def first_live_block(self, next_pos: int, block_size: int) -> int:
         """The first block a query at position ``>= next_pos`` may read: blocks before it hold
-        only keys ``k < next_pos - window + 1`` (0 for full attention)."""
+        only keys ``k < next_pos - window + 1`` (0 for full attention). A state group's: the
+        block holding position ``next_pos - 1``, whose page holds the state the next step reads."""
+        if self.state:
+            return max(0, next_pos - 1) // block_size
         if self.window is None:
             return 0
         return max(0, next_pos - self.window + 1) // block_size
@@ -42,15 +56,21 @@ class KVCacheGroup:
     def live_blocks(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
         """Blocks this group holds for a sequence of ``num_tokens`` tokens while it computes a
         chunk of ``chunk`` tokens (a decode: 1): every block of a full group; for a windowed
-        group at most ``ceil((window - 1 + chunk) / block_size) + 1``."""
+        group at most ``ceil((window - 1 + chunk) / block_size) + 1``; a state group the
+        chunk's blocks (each gets its snapshot) and the one before, which it reads from."""
         total = -(-num_tokens // block_size)
+        if self.state:
+            return min(total, -(-chunk // block_size) + 1)
         if self.window is None:
             return total
         return min(total, -(-(self.window - 1 + chunk) // block_size) + 1)
 
 
-def kv_cache_groups(windows: Sequence[int | None], layer_groups: int = 1) -> list[KVCacheGroup]:
-    """Groups of the layers whose windows are ``windows`` (one per layer; None: full).
+def kv_cache_groups(
+    windows: Sequence[int | None], layer_groups: int = 1, state_layers: Sequence[int] = ()
+) -> list[KVCacheGroup]:
+    """Groups of the layers whose windows are ``windows`` (one per layer; None: full), the
+    ``state_layers`` (recurrent: their windows are ignored) in state groups after them.
 
     One kind (every layer alike): one group of all layers. Else each kind is cut into groups of
     ``size`` layers, ``size`` the smallest kind's layer count (the largest kind's where that is
@@ -58,27 +78,41 @@ def kv_cache_groups(windows: Sequence[int | None], layer_groups: int = 1) -> lis
     slots for missing layers stay unused). Full-attention groups first, then windows ascending.
     ``layer_groups`` > 1 also caps ``size`` at ``ceil(layers / layer_groups)``: groups cut at
     layer boundaries, so an adapter that leaves the first layers alone shares their blocks
-    with the base model (``loraplex.lora.kv_reach``).
+    with the base model (``loraplex.lora.kv_reach``); the state layers are cut into
+    ``layer_groups`` state groups alike.
     """
+    stateful = set(state_layers)
     kinds: dict[int | None, list[int]] = {}
     for layer, w in enumerate(windows):
-        kinds.setdefault(w, []).append(layer)
+        if layer not in stateful:
+            kinds.setdefault(w, []).append(layer)
     order = sorted(kinds, key=lambda w: (w is not None, w or 0))
     counts = [len(v) for v in kinds.values()]
     size = min(counts)
     if max(counts) < _PAD_TOLERANCE * size:
         size = max(counts)
     size = min(size, -(-len(windows) // max(1, layer_groups)))
-    return [
+    out = [
         KVCacheGroup(tuple(kinds[w][i : i + size]), w)
         for w in order
         for i in range(0, len(kinds[w]), size)
     ]
+    states = sorted(stateful)
+    step = -(-len(states) // max(1, layer_groups)) if states else 1
+    out += [
+        KVCacheGroup(tuple(states[i : i + step]), state=True) for i in range(0, len(states), step)
+    ]
+    return out
 
 
 def layers_per_group(groups: Sequence[KVCacheGroup]) -> int:
-    """The layers one page (block) holds: the largest group's."""
-    return max(len(g.layers) for g in groups)
+    """The layers one KV page (block) holds: the largest attention group's."""
+    return max((len(g.layers) for g in groups if not g.state), default=0)
+
+
+def layers_per_state_group(groups: Sequence[KVCacheGroup]) -> int:
+    """The layers one state page holds: the largest state group's (0: no state groups)."""
+    return max((len(g.layers) for g in groups if g.state), default=0)
 
 
 def layer_places(groups: Sequence[KVCacheGroup]) -> list[tuple[int, int]]:
@@ -108,9 +142,18 @@ def group_block_key(chain_hash: bytes, group: int) -> bytes:
 def blocks_per_sequence(
     groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int, chunk: int = 1
 ) -> int:
-    """Blocks one sequence of ``num_tokens`` tokens holds over all groups while it computes a
-    chunk of ``chunk`` tokens (see :meth:`KVCacheGroup.live_blocks`)."""
-    return sum(g.live_blocks(num_tokens, block_size, chunk) for g in groups)
+    """KV blocks one sequence of ``num_tokens`` tokens holds over all attention groups while
+    it computes a chunk of ``chunk`` tokens (see :meth:`KVCacheGroup.live_blocks`; state
+    pages come from their own pool: :func:`state_pages_per_sequence`)."""
+    return sum(g.live_blocks(num_tokens, block_size, chunk) for g in groups if not g.state)
+
+
+def state_pages_per_sequence(
+    groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int, chunk: int = 1
+) -> int:
+    """State pages one sequence holds over all state groups (a fixed number, whatever its
+    length: at most ``ceil(chunk / block_size) + 1`` per group)."""
+    return sum(g.live_blocks(num_tokens, block_size, chunk) for g in groups if g.state)
 
 
 def max_tokens(

@@ -1,10 +1,17 @@
-"""A sequence's block tables, one per KV-cache group, over one shared block pool.
+"""A sequence's block tables, one per KV-cache group, over one shared block pool (and the
+state pool of recurrent layers' snapshots).
 
 The scheduler asks this manager, never the pool, for a sequence's blocks: how many more a
 sequence needs, taking them, giving them back, dropping the blocks a windowed group no longer
 needs, and prefix-cache lookups and registrations under per-group keys
 (:func:`~loraplex.kv.groups.group_block_key` of the chained block hashes, which it takes as
 given). With one group every call is what the pool alone did before groups.
+
+State groups (``KVCacheGroup.state``: a recurrent layer's state snapshots) take their pages from
+a second pool, ``state_pool``; every call below counts and releases each group's pages in its
+own pool. A state group is keyed and looked up as a windowed group whose live part is the block
+before the hit's end (the snapshot the recurrence resumes from), and it never takes the cached
+snapshots after it: the sequence recomputes those positions and writes its own.
 """
 
 from __future__ import annotations
@@ -22,12 +29,47 @@ block_size)``; ``NULL_BLOCK`` once released). An empty list: no blocks yet."""
 class KVCacheManager:
     """Block tables per KV-cache group over ``pool`` (``groups`` default: one group)."""
 
-    def __init__(self, pool: BlockPool, groups: Sequence[KVCacheGroup] | None = None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        groups: Sequence[KVCacheGroup] | None = None,
+        state_pool: BlockPool | None = None,
+    ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.groups = list(groups or [KVCacheGroup(())])
-        self.windowed = [g for g, grp in enumerate(self.groups) if grp.window is not None]
-        self.full = [g for g, grp in enumerate(self.groups) if grp.window is None]
+        self.windowed = [
+            g for g, grp in enumerate(self.groups) if grp.window is not None or grp.state
+        ]
+        self.full = [g for g, grp in enumerate(self.groups) if grp.window is None and not grp.state]
+        self.state_pool = state_pool
+        if state_pool is None and any(grp.state for grp in self.groups):
+            raise ValueError("KV-cache state groups need a state pool")
+        self.pools = [state_pool if grp.state else pool for grp in self.groups]
+        """Per group: the pool its pages come from."""
+        self._one_pool = state_pool is None
+
+    def fits(self, tables: BlockTables, num_tokens: int, hits: BlockTables = ()) -> bool:
+        """Whether every pool has the free pages to extend ``tables`` to ``num_tokens``
+        positions, the prefix hit's pages ``hits`` (not taken yet) taken first."""
+        if self._one_pool:
+            return self.blocks_needed(tables, num_tokens) <= self.pool.num_free_after_touch(
+                self.live(hits)
+            )
+        n = -(-num_tokens // self.block_size)
+        for pool in (self.pool, self.state_pool):
+            assert pool is not None
+            mine = [g for g, p in enumerate(self.pools) if p is pool]
+            need = sum(max(0, n - (len(tables[g]) if tables else 0)) for g in mine)
+            taken = [b for g in mine if hits for b in hits[g] if b != NULL_BLOCK]
+            if need > pool.num_free_after_touch(taken):
+                return False
+        return True
+
+    def touch(self, tables: BlockTables) -> None:
+        """Take a reference on every block of ``tables`` (a prefix hit's), each in its pool."""
+        for g, t in enumerate(tables):
+            self.pools[g].touch([b for b in t if b != NULL_BLOCK])
 
     def _tables(self, tables: BlockTables) -> BlockTables:
         return tables or [[] for _ in self.groups]
@@ -46,15 +88,15 @@ class KVCacheManager:
         where given; check :meth:`blocks_needed` against the pool's free blocks first)."""
         tables = self._tables(tables)
         n = -(-num_tokens // self.block_size)
-        for t in tables:
+        for t, p in zip(tables, self.pools, strict=False):  # no tables yet: nothing
             if n > len(t):
-                t += self.pool.allocate(n - len(t))
+                t += p.allocate(n - len(t))
         return tables
 
     def free(self, tables: BlockTables) -> None:
         """Give back every block of ``tables`` (a finished or preempted sequence)."""
-        for t in tables:
-            self.pool.release([b for b in t if b != NULL_BLOCK])
+        for t, p in zip(tables, self.pools, strict=False):  # no tables yet: nothing
+            p.release([b for b in t if b != NULL_BLOCK])
 
     def drop_out_of_window(self, tables: BlockTables, next_pos: int) -> None:
         """Release each windowed group's blocks no query at ``>= next_pos`` sees (their table
@@ -69,7 +111,7 @@ class KVCacheManager:
                 dropped.append(t[b])
                 t[b] = NULL_BLOCK
             if dropped:
-                self.pool.release(dropped)
+                self.pools[g].release(dropped)
 
     def lookup(self, chains: Sequence[Sequence[bytes]]) -> tuple[int, BlockTables]:
         """``(k, tables)``: the longest prefix of ``k`` blocks every group can serve, and the
@@ -90,12 +132,13 @@ class KVCacheManager:
             return 0, []
         k = len(chains[0])
         cached: dict[int, list[int | None]] = {}
+        pools = self.pools
         for g in self.full:  # the longest run from the start every full group holds
             ids = pool.lookup([group_block_key(h, g) for h in chains[g]])
             cached[g], k = list(ids), min(k, len(ids))
         runs: dict[int, list[int]] = {}
         for g in self.windowed:  # run[b]: cached blocks ending at b, b included
-            ids_w = [pool.cached.get(group_block_key(h, g)) for h in chains[g]]
+            ids_w = [pools[g].cached.get(group_block_key(h, g)) for h in chains[g]]
             run, r = [], 0
             for b in ids_w:
                 r = r + 1 if b is not None else 0
@@ -110,7 +153,7 @@ class KVCacheManager:
             ids = cached[g]
             first = grp.first_live_block(k * bs, bs)
             end = k
-            while end < len(ids) and ids[end] is not None:  # its run on from k: shared
+            while not grp.state and end < len(ids) and ids[end] is not None:  # shared run
                 end += 1
             tables.append([NULL_BLOCK] * first + [b for b in ids[first:end] if b is not None])
         return (k, tables) if any(tables) else (0, [])
@@ -125,4 +168,4 @@ class KVCacheManager:
         chained hash is ``chains[g][block]`` (under group ``g``'s key)."""
         for g, t in enumerate(tables):
             if t[block] != NULL_BLOCK:
-                self.pool.register(t[block], group_block_key(chains[g][block], g))
+                self.pools[g].register(t[block], group_block_key(chains[g][block], g))

@@ -130,6 +130,35 @@ class PrefillSpan:
     mask: torch.Tensor | None = None
 
 
+NO_PAGE = -1
+"""A state span's source page of a sequence that starts at position 0 (its state starts at zero)."""
+
+
+@dataclass
+class StateSpan:
+    """One prefill chunk's state pages: rows ``[tok_start, tok_end)`` of the step at positions
+    ``[start_pos, ...)``; it reads ``src`` (NO_PAGE: zeros) and writes the state after its
+    first ``ends[j]`` tokens into ``pages[j]`` (each block boundary it crosses, then its end)."""
+
+    tok_start: int
+    tok_end: int
+    start_pos: int
+    src: int
+    ends: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StateMetadata:
+    """A state group's pages for one step: decode rows (``decode_tokens`` of the attention
+    metadata, in order) read ``decode_src`` and write ``decode_dst`` ([Bd] page ids); prefill
+    chunks as ``prefills``."""
+
+    decode_src: torch.Tensor | None = None  # [Bd]
+    decode_dst: torch.Tensor | None = None  # [Bd]
+    prefills: list[StateSpan] = field(default_factory=list)
+
+
 @dataclass
 class AttentionMetadata:
     """Everything attention needs for one step; built once, shared by all layers."""
@@ -144,6 +173,8 @@ class AttentionMetadata:
     windowed: list[WindowMasks] = field(default_factory=list)
     """The masks of each distinct sliding window of the model (``DecoderForCausalLM.windows``
     order); a windowed layer reads ``windowed[L.window]``."""
+    states: dict[int, StateMetadata] = field(default_factory=dict)
+    """Per state group of the cache (recurrent layers): its pages for the step."""
     kv_groups: list[AttentionMetadata] = field(default_factory=list)
     """With several KV-cache groups, each group's metadata (index: the cache's group of the
     layer): the same spans, masks and lengths, its own slots and block tables. Empty: one

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from loraplex.kv.cache import PagedKVCache
+from loraplex.kv.cache import PagedKVCache, StateShape
 from loraplex.lora.plan import LoRABatchPlan
 from loraplex.model.attention import AttentionMetadata
 from loraplex.model.layer_ops import LayerOps, select_layer_ops
@@ -192,6 +192,15 @@ class DecoderForCausalLM:
         first = int(raw.get("max_window_layers") or 0)
         return [c.sliding_window if i >= first else None for i in range(c.num_layers)]
 
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent state per sequence instead of KV (linear
+        attention; they form the KV cache's state groups); none for an attention model."""
+        return ()
+
+    def state_shape(self) -> StateShape | None:
+        """The per-sequence state of one of ``state_layers`` (None: no such layers)."""
+        return None
+
     def layer_weights_of(self, layer: int) -> Mapping[str, tuple[str, int]]:
         """``layer_weights`` of one layer (a MoE layer has no dense MLP: its sparse block's
         tensors are the architecture's own, see ``take_tensor``)."""
@@ -324,16 +333,19 @@ def pre_norm_stack(
     step: LayerStep,
     ffns: list[FeedForward],
     post: tuple[str, str] | None = None,
+    mixers: list[FeedForward] | None = None,
 ) -> torch.Tensor:
     """Pre-norm wiring: ``h += attn(ln1(h)); h += ffn_i(ln2(h))`` per layer ``i``, each residual
     add fused with the norm after it (``LayerOps.add_norm``; the last add has none); ``post``:
     the layer's norms of the attention and feed-forward outputs by attribute (Gemma's
     ``post_attn``, ``post_mlp``) applied before each add. h: [T, D] -> [T, D] (the embedding
-    output, updated in place)."""
-    ops, attn, layers = model.ops, model.attn, model.layers
+    output, updated in place). ``mixers``: each layer's token mixer where they differ (a
+    hybrid's linear-attention layers; default: ``model.attn`` for every layer)."""
+    ops, layers = model.ops, model.layers
+    mix = mixers or [model.attn] * len(layers)
     h, x = ops.add_norm(h, None, layers[0].ln1)
     for i, (L, ffn) in enumerate(zip(layers, ffns, strict=True)):
-        a = attn(L, i, x, step)
+        a = mix[i](L, i, x, step)
         h, x = ops.add_norm(h, a if post is None else getattr(L, post[0])(a), L.ln2)
         m = ffn(L, i, x, step)
         if post is not None:

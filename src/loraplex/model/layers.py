@@ -151,24 +151,31 @@ class Attention:
         """Sum of a row-parallel output over tensor-parallel ranks (one rank: as it is)."""
         self.qkv_parts, self.o_parts = (g[2] for g in self.groups)
 
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The fused projection's output ``[T, q + 2 kv]`` as (q and k heads ``[T, H + KVH,
+        hd]``, v ``[T, KVH, hd]``, the output gate ``[T, q]`` or None: ungated)."""
+        T, hd = qkv.shape[0], self.head_dim
+        return qkv[:, : self.qk_size].view(T, -1, hd), qkv[:, self.qk_size :].view(T, -1, hd), None
+
     def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Layer ``i``'s attention output [T, D] for normed input ``x [T, D]`` (writes its KV)."""
-        T, hd = x.shape[0], self.head_dim
+        T = x.shape[0]
         qkv = L.qkv(x)  # [T, q + 2 kv]
         if step.lora_qkv:
             step.lora.add(i, self.qkv_parts, x, qkv, step.plan)
-        qk = qkv[:, : self.qk_size].view(T, -1, hd)  # [T, H + KVH, hd]
+        qk, v, gate = self.split(qkv)
         if self.qk_norm:
             qk = L.qk_norm(qk)
         if L.rope is not None:  # NoPE layers attend with q and k as projected
             cos, sin = step.rope[L.rope]
             qk = self.ops.rotary(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, hd], [T, KVH, hd]
-        v = qkv[:, self.qk_size :].view(T, -1, hd)  # [T, KVH, hd]
         a = paged_attention(
             q, k, v, i, step.cache, step.attn_meta, self.scale, L.window, self.attend,
             self.ops.decode_attention, self.softcap,
         ).reshape(T, self.q_size)  # fmt: skip
+        if gate is not None:  # an output-gated attention's (Qwen3.5)
+            a = a * torch.sigmoid(gate)
         o = L.o(a)  # [T, D]
         if step.lora_o:
             step.lora.add(i, self.o_parts, a, o, step.plan)

@@ -319,7 +319,7 @@ def _build(model: DecoderForCausalLM, top: Tensors, layers: list[Tensors]) -> No
             if f"{slot}.weight" in w:  # a MoE layer has no dense gate_up / down
                 weight, bias = w.pop(f"{slot}.weight"), w.pop(f"{slot}.bias", None)
                 setattr(L, slot, projection(weight, bias))
-        if model.qk_norm:
+        if model.qk_norm and "q_norm.weight" in w:  # a hybrid's linear layers have none
             q, k = w.pop("q_norm.weight"), w.pop("k_norm.weight")
             L.qk_norm = norm.per_head(q, k, c.num_heads, c.num_kv_heads, c.rms_norm_eps)
         for key in list(w):

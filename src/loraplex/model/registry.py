@@ -17,6 +17,7 @@ from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForC
 from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
 from loraplex.model.qwen3 import Qwen3ForCausalLM
+from loraplex.model.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 from loraplex.model.qwen3_moe import Qwen3MoeForCausalLM
 from loraplex.model.smollm3 import SmolLM3ForCausalLM
 
@@ -32,6 +33,8 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

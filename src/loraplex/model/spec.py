@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.checkpoint.modules import MoESpec, projection_shapes
+from loraplex.checkpoint.modules import LinearAttentionSpec, MoESpec, projection_shapes
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,10 @@ class ModelConfig:
 
     def moe_spec(self) -> MoESpec | None:
         """The sparse blocks, for a MoE decoder (None: dense)."""
+        return None
+
+    def linear_spec(self) -> LinearAttentionSpec | None:
+        """The linear-attention layers, for a hybrid decoder (None: attention only)."""
         return None
 
     def layer_bias_params(self) -> int:

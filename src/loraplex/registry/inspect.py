@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.checkpoint.modules import (
-    EXPERT_PROJ_NAMES,
+    LAYER_MODULE_ORDER,
     PROJ_NAMES,
-    ROUTER,
     VOCAB_MODULES,
     BaseModelSpec,
 )
@@ -220,7 +219,7 @@ def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> 
         raise ValidationError(e.reason, str(e)) from e
     dtypes = {t.dtype.removeprefix("torch.") for t in files.tensors.values()}
     present = {proj for _, proj in layout}
-    order = (*VOCAB_MODULES, *PROJ_NAMES, ROUTER, *EXPERT_PROJ_NAMES)
+    order = (*VOCAB_MODULES, *LAYER_MODULE_ORDER)
     return AdapterInfo(
         files=files,
         rank=max(m.rank for m in layout.values()),

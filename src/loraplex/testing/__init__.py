@@ -40,6 +40,7 @@ ARCH_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
 }
 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -47,6 +48,10 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                       norm_topk_prob=True),
     "mixtral": dict(num_local_experts=16, num_experts_per_tok=2),
     "smollm3": dict(pad_token_id=None),  # its 128004 lies outside a tiny vocabulary
+    # a linear-attention layer before each full one (the released models: three), 2 key
+    # heads serving 4 value heads
+    "qwen3_5": dict(full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16),
 }  # fmt: skip
 """Config values a family's tiny model takes unless the caller says otherwise (a MoE's expert
 count and size: the config classes' defaults, 128 experts of 768, are a real model's)."""

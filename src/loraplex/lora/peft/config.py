@@ -12,9 +12,8 @@ from typing import Any
 from loraplex.checkpoint.modules import (
     EXPERT_CHECKPOINT_NAMES,
     FUSED_PROJ_NAMES,
+    LAYER_MODULE_ORDER,
     PACKED_EXPERT_PARAMS,
-    PROJ_NAMES,
-    ROUTER,
     VOCAB_MODULES,
     vocab_module_key,
 )
@@ -191,5 +190,5 @@ def unservable_targets(target_modules: Any) -> list[Any]:
     if not isinstance(target_modules, list):
         return []
     experts = {name for names in EXPERT_CHECKPOINT_NAMES.values() for name in names}
-    servable = (*PROJ_NAMES, *FUSED_PROJ_NAMES, *VOCAB_MODULES, ROUTER, *experts)
+    servable = (*LAYER_MODULE_ORDER, *FUSED_PROJ_NAMES, *VOCAB_MODULES, *experts)
     return [t for t in target_modules if not isinstance(t, str) or t.split(".")[-1] not in servable]

@@ -12,7 +12,7 @@ from loraplex.checkpoint.modules import (
     EMBED_TOKENS,
     EXPERT_PROJ_NAMES,
     FUSED_PROJ_NAMES,
-    PROJ_NAMES,
+    LAYER_MODULE_ORDER,
     ROUTER,
     VOCAB_LAYER,
     VOCAB_MODULES,
@@ -64,12 +64,7 @@ def _module_order(key: tuple[int, str]) -> tuple[int, int]:
     layer, proj = key
     if layer == VOCAB_LAYER:
         return (layer, VOCAB_MODULES.index(proj))
-    if proj == ROUTER or proj in EXPERT_PROJ_NAMES:  # the sparse block, after attention
-        return (
-            layer,
-            len(PROJ_NAMES) + (0 if proj == ROUTER else 1 + EXPERT_PROJ_NAMES.index(proj)),
-        )
-    return (layer, PROJ_NAMES.index(FUSED_PROJ_NAMES.get(proj, (proj,))[0]))
+    return (layer, LAYER_MODULE_ORDER.index(FUSED_PROJ_NAMES.get(proj, (proj,))[0]))
 
 
 def _decoder_prefix(module_keys: Iterable[str]) -> str:

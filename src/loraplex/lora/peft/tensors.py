@@ -22,7 +22,7 @@ language model of a multimodal checkpoint."""
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
 TENSOR_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
-    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<proj>[^.]+))"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?P<block>self_attn|linear_attn|mlp)\.(?P<proj>[^.]+))"
     r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
 # base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_A...
