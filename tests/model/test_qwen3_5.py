@@ -1,0 +1,172 @@
+"""Qwen3.5's hybrid decoder through the engine, against transformers: the chunked gated delta
+rule against the token-by-token recurrence; prefix caching on a hybrid (a hit resumes the
+recurrence from the state snapshot at the hit's end, keyed like KV blocks); chunked prefill
+across blocks; preemption and resume; the state pool's pages per sequence staying fixed
+however long it runs; adapters on the linear-attention projections refused on a base
+without them. The every-family tests (``tests/engine/test_mixed_batch_architectures.py``)
+cover mixed adapter batches on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.kv.groups import state_pages_per_sequence
+from loraplex.model.gated_delta import chunked_rule, l2norm, recurrent_step
+from loraplex.testing import (
+    check_greedy,
+    load_merged_reference,
+    make_random_adapter,
+    make_random_model,
+)
+from loraplex.types import AdapterError
+
+BLOCK = 16
+SAMPLE_TOL = 1e-3
+"""float32 logprobs after a recurrence: the chunked rule and the token-by-token one round
+differently, and the difference accumulates along the sequence (transformers' own cached
+decode of this model is 3e-4 from its full forward after 20 tokens; attention models: 2e-4)."""
+N_NEW = 8
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize(("length", "chunk", "lead"), [(37, 8, 0), (37, 8, 5), (5, 16, 3)])
+def test_chunked_rule_equals_the_recurrence(length: int, chunk: int, lead: int) -> None:
+    """Chunks aligned to block ends (a ``lead`` of padding before the first token) give the
+    recurrence's outputs and, after each chunk, its state at that position."""
+    g = torch.Generator().manual_seed(length + lead)
+    H, dk, dv = 3, 8, 6
+    q = l2norm(torch.randn(length, H, dk, generator=g)) * dk**-0.5
+    k = l2norm(torch.randn(length, H, dk, generator=g))
+    v = torch.randn(length, H, dv, generator=g)
+    decay = -torch.rand(length, H, generator=g) * 2
+    beta = torch.rand(length, H, generator=g)
+    state0 = torch.randn(H, dk, dv, generator=g)
+    out, states = chunked_rule(q, k, v, decay, beta, state0, chunk, lead)
+    s, want, want_states = state0[None], [], {}
+    for t in range(length):
+        o, s = recurrent_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1],
+                              beta[t : t + 1], s)  # fmt: skip
+        want.append(o[0])
+        want_states[t + 1] = s[0]
+    tol = 1e-4  # float32, a few dozen steps
+    assert torch.allclose(out, torch.stack(want), atol=tol)
+    ends = [min(chunk * (c + 1) - lead, length) for c in range(len(states))]
+    assert ends[-1] == length
+    for end, st in zip(ends, states, strict=True):
+        assert torch.allclose(st, want_states[end], atol=tol), end
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Three Gated DeltaNet layers for each full-attention one, as the released models."""
+    root = tmp_path_factory.mktemp("qwen3_5")
+    d = make_random_model(root / "m", "qwen3_5", num_layers=4, full_attention_interval=4, seed=3)
+    return {"dir": d, "ref": load_merged_reference(d, None), "root": root}
+
+
+def _llm(d: Path, **kw: object) -> LLM:
+    return LLM(str(d), enable_lora=False, dtype="float32", block_size=BLOCK, **kw)
+
+
+def test_prefix_hit_resumes_from_the_state_snapshot(hybrid: dict) -> None:
+    """A second request on a shared 300-token prefix reports the cached tokens (the full
+    blocks of the prefix: attention KV and the recurrent state at their end) and gives the
+    output of a cold run, which equals transformers'."""
+    shared = _ids(300, seed=1)
+    first, second = shared + _ids(20, seed=2), shared + _ids(12, seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    llm = _llm(hybrid["dir"], max_num_batched_tokens=512)
+    a = llm.generate([{"prompt_token_ids": first}], sp)[0]
+    b = llm.generate([{"prompt_token_ids": second}], sp)[0]
+    assert a.num_cached_tokens == 0
+    assert b.num_cached_tokens == 300 // BLOCK * BLOCK
+    cold = _llm(hybrid["dir"], enable_prefix_caching=False).generate(
+        [{"prompt_token_ids": second}], sp
+    )[0]
+    assert b.outputs[0].token_ids == cold.outputs[0].token_ids
+    check_greedy(b.outputs[0], hybrid["ref"], second, SAMPLE_TOL)
+    check_greedy(a.outputs[0], hybrid["ref"], first, SAMPLE_TOL)
+    # the same prompt again: everything but the last (partial) block's tokens is cached
+    again = llm.generate([{"prompt_token_ids": second}], sp)[0]
+    assert again.num_cached_tokens == (len(second) - 1) // BLOCK * BLOCK
+    assert again.outputs[0].token_ids == b.outputs[0].token_ids
+    assert llm.engine.is_idle()
+
+
+def test_chunked_prefill_and_decode_across_blocks(hybrid: dict) -> None:
+    """Prompts prefilled in chunks of 24 tokens (chunks that start and end inside blocks),
+    decoded past several block ends, batched together: equal to transformers."""
+    prompts = [_ids(n, seed=10 + n) for n in (70, 33, 5)]
+    llm = _llm(hybrid["dir"], max_num_batched_tokens=24)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for ids, out in zip(prompts, outs, strict=True):
+        check_greedy(out.outputs[0], hybrid["ref"], ids, SAMPLE_TOL)
+    assert llm.engine.is_idle()
+    assert (
+        llm.engine.scheduler.kv.state_pool.num_free == llm.engine.scheduler.kv.state_pool.num_blocks
+    )
+
+
+def test_preemption_and_resume(hybrid: dict) -> None:
+    """Three sequences in a KV pool that holds about one and a half of them: preempted and
+    recomputed (their states rebuilt from position 0 or a snapshot), outputs unchanged."""
+    prompts = [_ids(40 + k, seed=30 + k) for k in range(3)]
+    per_seq = -(-(max(map(len, prompts)) + 12) // BLOCK)
+    llm = _llm(hybrid["dir"], max_num_batched_tokens=16, num_kv_blocks=per_seq * 3 // 2)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for ids, out in zip(prompts, outs, strict=True):
+        check_greedy(out.outputs[0], hybrid["ref"], ids, SAMPLE_TOL)
+    assert llm.engine.is_idle()
+
+
+def test_state_pages_per_sequence_stay_fixed(hybrid: dict) -> None:
+    """However long a sequence runs, it holds at most two state pages per state group while
+    decoding (the block being filled and, at a block end, the one before); the KV pool holds
+    only the full-attention layers' blocks."""
+    llm = _llm(hybrid["dir"], max_num_batched_tokens=64)
+    eng = llm.engine
+    groups = eng.cache.groups
+    assert [g.state for g in groups] == [False, True]
+    assert groups[1].layers == (0, 1, 2) and groups[0].layers == (3,)
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    eng.add_request("r", _ids(150, seed=4), sp)
+    seen = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        for seq in eng.scheduler.running:
+            live = [b for b in seq.block_tables[1] if b >= 0]
+            seen = max(seen, len(live))
+            if seq.num_computed_tokens > 150:  # decoding
+                assert len(live) <= 2
+    assert 0 < seen <= state_pages_per_sequence(groups, 210, BLOCK, 64)
+
+
+def test_linear_attention_adapter_on_a_base_without_it(hybrid: dict, tmp_path: Path) -> None:
+    """An adapter whose tensors name linear-attention projections in a full-attention layer
+    is refused with one line naming the module; the engine serves on."""
+    adapter = make_random_adapter(hybrid["dir"], tmp_path / "a", r=4, target_modules=["q_proj"])
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    moved = {k.replace("layers.3.self_attn.q_proj", "layers.3.linear_attn.in_proj_z"): v
+             for k, v in tensors.items()}  # fmt: skip
+    save_file(moved, str(bad / "adapter_model.safetensors"))
+    (bad / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    llm = LLM(str(hybrid["dir"]), dtype="float32", max_lora_rank=8)
+    sp = SamplingParams(max_tokens=1)
+    with pytest.raises(AdapterError, match="in_proj_z") as info:
+        llm.generate("Hello", sp, lora_request=LoRARequest("bad", str(bad)))
+    assert "\n" not in str(info.value)
+    assert llm.generate("Hello", sp)[0].outputs[0].token_ids
