@@ -170,3 +170,25 @@ def test_linear_attention_adapter_on_a_base_without_it(hybrid: dict, tmp_path: P
         llm.generate("Hello", sp, lora_request=LoRARequest("bad", str(bad)))
     assert "\n" not in str(info.value)
     assert llm.generate("Hello", sp)[0].outputs[0].token_ids
+
+
+def test_planner_counts_a_hybrid(hybrid: dict) -> None:
+    """``loraplex plan``'s shape of a Qwen3.5 config: every parameter transformers holds (the
+    linear-attention layers' own too), KV only for the full-attention layer, and the state
+    pages a sequence holds, in the engine's bytes."""
+    import json
+
+    from loraplex.tools.plan.model_shape import load_model
+
+    shape = load_model(str(hybrid["dir"]))
+    ref = hybrid["ref"]
+    assert shape.params() == sum(p.numel() for p in ref.parameters())
+    assert shape.attention_layers == 1
+    assert shape.kv_bytes_per_token(4) == 2 * 1 * shape.num_kv_heads * shape.hd * 4
+    eng = _llm(hybrid["dir"]).engine
+    page = eng.cache.conv[:, 0].nbytes + eng.cache.recurrent[:, 0].nbytes  # one state page
+    state = shape.state_bytes_per_sequence(1000, 4, BLOCK)
+    assert state == 2 * page  # decoding: the block being filled and the one before
+    cfg = json.loads((hybrid["dir"] / "config.json").read_text())
+    assert shape.state_bytes_per_sequence(8000, 4, BLOCK) == state  # whatever the length
+    assert "in_proj_qkv" in shape.adapter_names and cfg["layer_types"].count("full_attention") == 1

@@ -14,10 +14,9 @@ from loraplex.checkpoint.modules import (
     ATTN_PROJ_NAMES,
     EMBED_TOKENS,
     EXPERT_CHECKPOINT_NAMES,
-    EXPERT_PROJ_NAMES,
     FUSED_PROJ_NAMES,
+    LAYER_MODULE_ORDER,
     PACKED_EXPERT_PARAMS,
-    PROJ_NAMES,
     ROUTER,
     VOCAB_LAYER,
     VOCAB_MODULES,
@@ -91,8 +90,7 @@ class AdapterShape:
 
     @property
     def targets(self) -> list[str]:
-        names = (*VOCAB_MODULES, *PROJ_NAMES, *FUSED_PROJ_NAMES, ROUTER, *EXPERT_PROJ_NAMES,
-                 PACKED_GATE_UP)  # fmt: skip
+        names = (*VOCAB_MODULES, *LAYER_MODULE_ORDER, *FUSED_PROJ_NAMES, PACKED_GATE_UP)
         return [p for p in names if any(q == p for _, q in self.modules)]
 
     @property
@@ -219,9 +217,7 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
             if settings.is_targeted(full):
                 a.modules[(VOCAB_LAYER, v)] = int(settings.rank_of(full))
         for layer in range(m.num_layers):
-            for p in m.adapter_projs:
-                if layer in sparse and p not in ATTN_PROJ_NAMES:
-                    continue  # a sparse layer has a router and experts in place of the MLP
+            for p in m.layer_adapter_projs(layer):  # a sparse layer's MLP: below
                 full = module_key(layer, p)
                 if settings.is_targeted(full):
                     a.modules[(layer, p)] = int(settings.rank_of(full))

@@ -9,7 +9,7 @@ from typing import Any
 
 from loraplex.checkpoint.modules import (
     EXPERT_PROJ_NAMES,
-    PROJ_NAMES,
+    LAYER_MODULE_ORDER,
     ROUTER,
     VOCAB_MODULES,
 )
@@ -110,7 +110,7 @@ def build_plan(
     # a slot holds the parts of a fused module (the engine splits its LoRA), every expert of an
     # expert module
     held = {q for a in adapters for p in a.targets for q in ALL_FUSED.get(p, (p,))}
-    order = (*VOCAB_MODULES, *PROJ_NAMES, ROUTER, *EXPERT_PROJ_NAMES)
+    order = (*VOCAB_MODULES, *LAYER_MODULE_ORDER)
     union = [p for p in order if p in held]
     slot_params = _slot_params(m, union, max_rank)
     slot_bytes = slot_params * b

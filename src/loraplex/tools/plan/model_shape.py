@@ -9,19 +9,29 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.checkpoint.modules import (
+    ATTN_PROJ_NAMES,
     EXPERT_CHECKPOINT_NAMES,
     EXPERT_PROJ_NAMES,
     FUSED_BY_MODEL_TYPE,
     FUSED_PROJ_NAMES,
+    GATED_Q_MODEL_TYPES,
+    LINEAR_ATTN_PROJ_NAMES,
     PACKED_EXPERT_PARAMS,
     PROJ_NAMES,
     ROUTER,
     VOCAB_MODULES,
+    LinearAttentionSpec,
     MoESpec,
     projection_shapes,
     vocab_module_shapes,
 )
-from loraplex.kv.groups import blocks_per_sequence, kv_cache_groups, layers_per_group
+from loraplex.kv.groups import (
+    blocks_per_sequence,
+    kv_cache_groups,
+    layers_per_group,
+    layers_per_state_group,
+    state_pages_per_sequence,
+)
 from loraplex.lora import digest
 
 PACKED_GATE_UP = "experts.gate_up_proj"
@@ -65,6 +75,8 @@ class ModelShape:
     sparse_layers: tuple[int, ...] | None = None  # the sparse layers (None: all, when MoE)
     moe_block: str = "mlp"  # the sparse block's checkpoint name (Mixtral's block_sparse_moe)
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none)
+    linear: LinearAttentionSpec | None = None  # a hybrid's linear-attention layers (Qwen3.5)
+    gated_q: bool = False  # q_proj also yields a per-head output gate ([2 q, hidden])
 
     @property
     def hd(self) -> int:
@@ -107,16 +119,39 @@ class ModelShape:
         """What ``target_modules`` may name on this base (for messages): the layers' modules
         (a MoE's router and per-expert projections too) and the vocabulary modules."""
         names = list(self.adapter_projs)
+        if self.linear is not None:
+            names += LINEAR_ATTN_PROJ_NAMES
         if self.is_moe:
             names += [ROUTER, *EXPERT_CHECKPOINT_NAMES[self.moe_block]]
         return tuple(dict.fromkeys([*names, *VOCAB_MODULES]))
 
+    def layer_adapter_projs(self, layer: int) -> tuple[str, ...]:
+        """The modules an adapter names in ``layer`` outside a sparse block (whose router and
+        experts it names its own way): the token mixer's (fused modules in place of their
+        parts) and, in a dense layer, the MLP's."""
+        linear = self.linear is not None and layer in self.linear.layers
+        mixer = (
+            LINEAR_ATTN_PROJ_NAMES
+            if linear
+            else tuple(p for p in self.adapter_projs if p in ATTN_PROJ_NAMES)
+        )
+        mlp = (
+            ()
+            if layer in self.sparse
+            else tuple(p for p in self.adapter_projs if p not in ATTN_PROJ_NAMES)
+        )
+        return (*mixer, *mlp)
+
     def layer_projs(self, layer: int) -> tuple[str, ...]:
         """The modules of ``layer`` as the engine holds them (fused ones split): the seven
-        projections, or a sparse layer's attention, router and three expert projections."""
+        projections, or a sparse layer's attention, router and three expert projections; a
+        linear-attention layer's projections in place of q/k/v/o."""
+        mixer = PROJ_NAMES[:4]
+        if self.linear is not None and layer in self.linear.layers:
+            mixer = LINEAR_ATTN_PROJ_NAMES
         if layer in self.sparse:
-            return (*PROJ_NAMES[:4], ROUTER, *EXPERT_PROJ_NAMES)
-        return PROJ_NAMES
+            return (*mixer, ROUTER, *EXPERT_PROJ_NAMES)
+        return (*mixer, *PROJ_NAMES[4:])
 
     def experts_of(self, proj: str) -> int:
         """How many times a module's ``(d_in, d_out)`` is held: E for an expert projection (the
@@ -132,6 +167,10 @@ class ModelShape:
         if proj in ALL_FUSED:
             parts = [self.dims(q) for q in ALL_FUSED[proj]]
             return parts[0][0], sum(d_out for _, d_out in parts)
+        if proj in LINEAR_ATTN_PROJ_NAMES:
+            if self.linear is None:
+                raise PlanError(f"{self.name} has no linear-attention layers: it has no {proj}")
+            return self.linear.shapes[proj]
         if proj == ROUTER or proj in EXPERT_PROJ_NAMES:
             moe = self.moe
             if moe is None:
@@ -140,6 +179,8 @@ class ModelShape:
         shapes = projection_shapes(
             self.hidden_size, self.num_heads, self.num_kv_heads, self.hd, self.intermediate_size
         )
+        if self.gated_q:
+            shapes["q_proj"] = (self.hidden_size, 2 * self.num_heads * self.hd)
         return shapes[proj]
 
     def expert_params(self) -> int:
@@ -149,18 +190,23 @@ class ModelShape:
     def linear_params(self) -> int:
         """Parameters of every projection of every layer, a sparse layer's router and all its
         experts (no norms, embeddings or head)."""
-        n_sparse = len(self.sparse)
-        out = (self.num_layers - n_sparse) * sum(math.prod(self.dims(p)) for p in PROJ_NAMES)
-        if n_sparse:
-            attn = sum(math.prod(self.dims(p)) for p in PROJ_NAMES[:4])
-            router = math.prod(self.dims(ROUTER))
-            out += n_sparse * (attn + router + self.num_experts * self.expert_params())
-        return out
+        return sum(
+            math.prod(self.dims(p)) * self.experts_of(p)
+            for layer in range(self.num_layers)
+            for p in self.layer_projs(layer)
+        )
 
     def _layer_extras(self) -> int:
-        """A layer's norm and bias parameters, and the final norm."""
+        """A layer's norm and bias parameters (a linear-attention layer's: its two norms, its
+        convolution, decay and gated norm), and the final norm."""
         norms = self.layer_norm_params or 2 * self.hidden_size
-        return self.num_layers * (norms + self.layer_bias_params) + self.hidden_size
+        lin = self.linear
+        if lin is None:
+            return self.num_layers * (norms + self.layer_bias_params) + self.hidden_size
+        conv = 2 * lin.key_heads * lin.key_dim + lin.value_heads * lin.value_dim
+        own = 2 * self.hidden_size + conv * lin.kernel + 2 * lin.value_heads + lin.value_dim
+        full = self.num_layers - len(lin.layers)
+        return full * (norms + self.layer_bias_params) + len(lin.layers) * own + self.hidden_size
 
     def params(self) -> int:
         """All parameters: projections (every expert), biases, norms, embedding, LM head
@@ -197,16 +243,40 @@ class ModelShape:
             + self.vocab_size * self.hidden_size
         )
 
+    @property
+    def attention_layers(self) -> int:
+        """Layers that keep KV (all but a hybrid's linear-attention layers)."""
+        return self.num_layers - (len(self.linear.layers) if self.linear is not None else 0)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.hd * dtype_bytes
+        return 2 * self.attention_layers * self.num_kv_heads * self.hd * dtype_bytes
+
+    def _groups(self) -> list:
+        windows = self.layer_windows or [None] * self.num_layers
+        return kv_cache_groups(windows, 1, self.linear.layers if self.linear else ())
 
     def kv_bytes_per_sequence(self, tokens: int, dtype_bytes: int, block_size: int = 16) -> int:
         """KV bytes one decoding sequence of ``tokens`` tokens holds: blocks of the engine's
         KV-cache groups (windowed layers keep only their window's blocks) times the page of a
-        group's layers (``loraplex.kv.groups``)."""
-        groups = kv_cache_groups(self.layer_windows or [None] * self.num_layers)
+        group's layers (``loraplex.kv.groups``), plus a hybrid's recurrent state pages."""
+        groups = self._groups()
         page = 2 * layers_per_group(groups) * block_size * self.num_kv_heads * self.hd
-        return blocks_per_sequence(groups, tokens, block_size) * page * dtype_bytes
+        kv = blocks_per_sequence(groups, tokens, block_size) * page * dtype_bytes
+        return kv + self.state_bytes_per_sequence(tokens, dtype_bytes, block_size)
+
+    def state_bytes_per_sequence(self, tokens: int, dtype_bytes: int, block_size: int = 16) -> int:
+        """Bytes of the recurrent state pages one decoding sequence holds (0: no linear
+        attention): the convolution window in the model dtype, the state matrix in float32."""
+        lin = self.linear
+        if lin is None:
+            return 0
+        groups = self._groups()
+        conv = (2 * lin.key_heads * lin.key_dim + lin.value_heads * lin.value_dim) * (
+            lin.kernel - 1
+        )
+        per_layer = conv * dtype_bytes + lin.value_heads * lin.key_dim * lin.value_dim * 4
+        pages = state_pages_per_sequence(groups, tokens, block_size)
+        return pages * layers_per_state_group(groups) * per_layer
 
 
 # every layer sparse: 128 experts of 768, top-8; Qwen3's q/k norms of head_dim
@@ -286,6 +356,8 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             sparse_layers=tuple(moe.layers) if moe else None,
             moe_block=moe.block if moe else "mlp",
             layer_windows=tuple(_architecture(archs).windows_of(mc)),
+            linear=mc.linear_spec(),
+            gated_q=mc.model_type in GATED_Q_MODEL_TYPES,
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
