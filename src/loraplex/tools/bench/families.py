@@ -56,6 +56,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(arch="gemma3_text", sliding_window=512),
     "phi3": dict(arch="phi3"),
     "smollm3": dict(arch="smollm3", no_rope_layer_interval=4),  # every fourth layer NoPE
+    # three Gated DeltaNet layers per gated full-attention one, as the released Qwen3.5
+    "qwen3_5": dict(
+        arch="qwen3_5",
+        full_attention_interval=4,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+    ),
 }
 """Family -> its ``make_random_model`` arguments beyond ``WIDTH`` (Gemma's window is its real
 models' 512 at this width; every prompt here fits inside it)."""
@@ -100,7 +109,7 @@ def bench_loraplex(
 
     run = functools.partial(generate_rate, llm, reqs, prompts, sp)
     run(N_ADAPTERS)  # warm-up: every adapter into its slot
-    nbytes = step_bytes(llm, adapters, llm.engine.adapters.bank.dtype.itemsize)
+    nbytes = step_bytes(llm, adapters, llm.engine.adapters.bank.dtype.itemsize, BATCH)
     rates = _best_of(repeats, {k: functools.partial(run, k) for k in KINDS})
     return rates, {k: nbytes[k] for k in KINDS}
 

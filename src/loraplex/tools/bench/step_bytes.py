@@ -51,6 +51,19 @@ def weight_bytes_per_step(engine: LLMEngine) -> int:
     return m.norm.nbytes + m.head.nbytes + sum(L.nbytes for L in m.layers)
 
 
+def state_bytes_per_step(engine: LLMEngine, rows: int) -> int:
+    """Recurrent-state bytes a decode step of ``rows`` sequences moves: each recurrent layer
+    (a hybrid's linear attention) reads one state page per row and writes one (0 for an
+    attention-only model)."""
+    cache = engine.cache
+    if cache.state_shape is None:
+        return 0
+    per_layer = cache.conv[:, 0].nbytes // cache.conv.shape[0]
+    per_layer += cache.recurrent[:, 0].nbytes // cache.recurrent.shape[0]
+    layers = sum(len(g.layers) for g in cache.groups if g.state)
+    return 2 * rows * layers * per_layer
+
+
 def adapter_bytes_per_step(engine: LLMEngine, slots: set[int]) -> int:
     """Bytes of the rank rows the step's adapters own in the modules they target (non-zero;
     every expert of a MoE layer's expert modules: an upper bound, as for the weights)."""

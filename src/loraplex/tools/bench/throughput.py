@@ -78,15 +78,19 @@ def _best_of(repeats: int, runs: dict[int, Callable[[], float]]) -> dict[int, fl
     return out
 
 
-def step_bytes(llm: object, adapters: list[Path], table_itemsize: int) -> dict[int, int]:
+def step_bytes(
+    llm: object, adapters: list[Path], table_itemsize: int, batch: int = 16
+) -> dict[int, int]:
     """Bytes a decode step reads per configuration of ``DISTINCT``: the base weights (every
-    projection, norm and the LM head; the embedding only by row) plus the rank rows of the
-    step's distinct adapters (tensor sizes of their files, in the slot tables' dtype)."""
+    projection, norm and the LM head; the embedding only by row), a hybrid's recurrent states
+    of ``batch`` rows (read and written), plus the rank rows of the step's distinct adapters
+    (tensor sizes of their files, in the slot tables' dtype)."""
     from safetensors import safe_open
 
-    from loraplex.tools.bench.step_bytes import weight_bytes_per_step
+    from loraplex.tools.bench.step_bytes import state_bytes_per_step, weight_bytes_per_step
 
-    base = weight_bytes_per_step(llm.engine)  # type: ignore[attr-defined]
+    engine = llm.engine  # type: ignore[attr-defined]
+    base = weight_bytes_per_step(engine) + state_bytes_per_step(engine, batch)
     per_adapter = []
     for d in adapters:
         with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
