@@ -192,3 +192,23 @@ def test_planner_counts_a_hybrid(hybrid: dict) -> None:
     cfg = json.loads((hybrid["dir"] / "config.json").read_text())
     assert shape.state_bytes_per_sequence(8000, 4, BLOCK) == state  # whatever the length
     assert "in_proj_qkv" in shape.adapter_names and cfg["layer_types"].count("full_attention") == 1
+
+
+def test_snapshots_only_where_the_state_pool_has_room(hybrid: dict) -> None:
+    """With a state pool of a few pages (one sequence at a time), a 300-token prefill snapshots
+    only its last blocks (the others' entries stay NULL, never costing a running sequence its
+    page); a request sharing the prefix hits at the latest snapshot inside it, and every output
+    still equals transformers'."""
+    shared = _ids(300, seed=5)
+    first, second = shared + _ids(20, seed=6), shared + _ids(12, seed=7)
+    llm = _llm(hybrid["dir"], max_num_seqs=1, max_num_batched_tokens=512)
+    pool = llm.engine.scheduler.kv.state_pool
+    assert pool.num_blocks == 6  # two for the sequence, as many again for snapshots (and 2 more)
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    a = llm.generate([{"prompt_token_ids": first}], sp)[0]
+    b = llm.generate([{"prompt_token_ids": second}], sp)[0]
+    assert 0 < b.num_cached_tokens <= 300 // BLOCK * BLOCK
+    assert b.num_cached_tokens % BLOCK == 0
+    for ids, out in ((first, a), (second, b)):
+        check_greedy(out.outputs[0], hybrid["ref"], ids, SAMPLE_TOL)
+    assert pool.num_free == pool.num_blocks

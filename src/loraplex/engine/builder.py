@@ -169,20 +169,27 @@ class MemoryBudget:
         row_bytes = sum((i + o) * n.get(k, 1) for k, (i, o) in shapes.items()) * dtype.itemsize
         return c.lora_slot_count(c.max_lora_rank * row_bytes, self.after_weights())
 
+    def state_page_bytes(self) -> int:
+        """Bytes of one state page: a state group's layers' states (0 without state groups)."""
+        if self.state is None:
+            return 0
+        return layers_per_state_group(self.groups) * self.state.nbytes(self.dtype)
+
     def state_pages(self) -> int:
-        """Pages of the state pool (0 without state groups): twice what every running sequence
-        can hold at once (two pages each while decoding, the chunk's blocks while prefilling,
-        per state group), the second half keeping block snapshots for prefix hits."""
+        """Pages of the state pool (0 without state groups): two per state group for every
+        sequence that may run (the page read and the page written at a block end) and as many
+        again for the snapshots prefix hits resume from, at most half the memory left after
+        the weights, at least two sequences' worth."""
         n = sum(g.state for g in self.groups)
-        c = self.config
-        return 2 * n * (2 * c.max_num_seqs + -(-c.max_num_batched_tokens // c.block_size) + 1)
+        if not n:
+            return 0
+        want = 2 * n * (2 * self.config.max_num_seqs + 1)
+        cap = self.after_weights() // 2 // self.state_page_bytes()
+        return max(4 * n, min(want, cap))
 
     def state_bytes(self) -> int:
         """Bytes of the state pool (0 without state groups)."""
-        if self.state is None:
-            return 0
-        per_page = layers_per_state_group(self.groups) * self.state.nbytes(self.dtype)
-        return self.state_pages() * per_page
+        return self.state_pages() * self.state_page_bytes()
 
     def kv_blocks(self, bank_bytes: int) -> int:
         """KV blocks: ``--num-kv-blocks``, else what the budget holds (less ``bank_bytes``, the

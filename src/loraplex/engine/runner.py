@@ -33,6 +33,7 @@ from loraplex.engine.merge import AdapterMerger, vocab_modules
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
+from loraplex.kv.groups import NULL_BLOCK
 from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch, plan_rows
 from loraplex.model.attention import (
     NO_PAGE,
@@ -198,8 +199,9 @@ class ModelRunner:
                 dst.append(table[start // bs])
             else:
                 first, last = start // bs, (start + n - 1) // bs
-                ends = [min((b + 1) * bs, start + n) - start for b in range(first, last + 1)]
-                spans.append(StateSpan(t, t + n, start, prev, ends, table[first : last + 1]))
+                took = [b for b in range(first, last + 1) if table[b] != NULL_BLOCK]  # snapshots
+                ends = [min((b + 1) * bs, start + n) - start for b in took]
+                spans.append(StateSpan(t, t + n, start, prev, ends, [table[b] for b in took]))
             t += n
         meta = StateMetadata(prefills=spans)
         if src:

@@ -237,6 +237,11 @@ class Scheduler:
         self.class_service.charge(c, cost / self.class_weights[c])
         self.tenant_service.charge((c, seq.tenant), cost)
 
+    def _state_reserve(self) -> int:
+        """State pages a chunk's optional snapshots leave free: one per state group for every
+        running sequence and one more (each may reach a new block next step)."""
+        return (len(self.running) + 1) * len(self.kv.state_groups)
+
     def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
         """Additional blocks ``seq`` needs to hold ``num_tokens`` tokens in total."""
         return self.kv.blocks_needed(seq.block_tables, num_tokens)
@@ -297,7 +302,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # seq itself was preempted; running[i] is now the next one
             if need:
-                seq.block_tables = self.kv.allocate(seq.block_tables, seq.num_computed_tokens + n)
+                seq.block_tables = self.kv.allocate(
+                    seq.block_tables, seq.num_computed_tokens + n, self._state_reserve()
+                )
             batch.items.append((seq, n))
             self._charge(seq, n)
             budget -= n
@@ -459,7 +466,7 @@ class Scheduler:
                 break  # memory is FCFS: stop admitting
             self.kv.touch(hits)
             seq.kv_shared = [len(t) for t in hits]
-            seq.block_tables = self.kv.allocate(hits, computed + n)
+            seq.block_tables = self.kv.allocate(hits, computed + n, self._state_reserve())
             seq.num_computed_tokens = computed
             seq.num_published_blocks = computed // self.pool.block_size
             if seq.num_preemptions == 0:
@@ -516,7 +523,9 @@ class Scheduler:
             if self.pool.enable_prefix_caching:
                 self._publish(seq)
             if self.kv.windowed:
-                self.kv.drop_out_of_window(seq.block_tables, seq.num_computed_tokens)
+                self.kv.drop_out_of_window(
+                    seq.block_tables, seq.num_computed_tokens, seq.num_computed_tokens - n
+                )
 
     def _publish(self, seq: Sequence) -> None:
         """Hash and register every block of ``seq`` whose KV is now fully computed."""

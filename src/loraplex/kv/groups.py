@@ -18,7 +18,9 @@ state after the last computed position of block ``b``: the running state while t
 a snapshot at the block's end once it is full. Full blocks' snapshots are registered under the
 block's key like KV blocks, so a prefix hit resumes the recurrence from the snapshot at the hit's
 end; the table keeps live only the entry of the block holding the last computed token (the one
-the next step reads), as a window would.
+the next step reads), as a window would. A chunk that fills several blocks snapshots the ones
+before its last only while the state pool has pages to spare (their entries are otherwise
+NULL): snapshots serve later prefix hits, never correctness.
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ class KVCacheGroup:
     def live_blocks(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
         """Blocks this group holds for a sequence of ``num_tokens`` tokens while it computes a
         chunk of ``chunk`` tokens (a decode: 1): every block of a full group; for a windowed
-        group at most ``ceil((window - 1 + chunk) / block_size) + 1``; a state group the
-        chunk's blocks (each gets its snapshot) and the one before, which it reads from."""
+        group at most ``ceil((window - 1 + chunk) / block_size) + 1``; a state group two: the
+        page it reads and the page of its last block (the snapshots of the blocks a chunk
+        fills on the way are taken only where the state pool has room: see the manager)."""
         total = -(-num_tokens // block_size)
         if self.state:
-            return min(total, -(-chunk // block_size) + 1)
+            return min(total, 2)
         if self.window is None:
             return total
         return min(total, -(-(self.window - 1 + chunk) // block_size) + 1)
@@ -151,8 +154,8 @@ def blocks_per_sequence(
 def state_pages_per_sequence(
     groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int, chunk: int = 1
 ) -> int:
-    """State pages one sequence holds over all state groups (a fixed number, whatever its
-    length: at most ``ceil(chunk / block_size) + 1`` per group)."""
+    """State pages one sequence needs over all state groups (a fixed number, whatever its
+    length: two per group)."""
     return sum(g.live_blocks(num_tokens, block_size, chunk) for g in groups if g.state)
 
 

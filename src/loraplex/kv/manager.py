@@ -9,9 +9,12 @@ given). With one group every call is what the pool alone did before groups.
 
 State groups (``KVCacheGroup.state``: a recurrent layer's state snapshots) take their pages from
 a second pool, ``state_pool``; every call below counts and releases each group's pages in its
-own pool. A state group is keyed and looked up as a windowed group whose live part is the block
-before the hit's end (the snapshot the recurrence resumes from), and it never takes the cached
-snapshots after it: the sequence recomputes those positions and writes its own.
+own pool. A state group needs one page for the last block a step reaches (the running state);
+the blocks a chunk fills before it get a snapshot page only while the state pool keeps
+``reserve`` pages free beyond it (else their entries are NULL), so snapshots never cost a
+running sequence its page. A state group is keyed and looked up as a windowed group whose live
+part is the block before the hit's end (the snapshot the recurrence resumes from), and it never
+takes the cached snapshots after it: the sequence recomputes those positions and writes its own.
 """
 
 from __future__ import annotations
@@ -47,7 +50,15 @@ class KVCacheManager:
             raise ValueError("KV-cache state groups need a state pool")
         self.pools = [state_pool if grp.state else pool for grp in self.groups]
         """Per group: the pool its pages come from."""
+        self.state_groups = [g for g, grp in enumerate(self.groups) if grp.state]
         self._one_pool = state_pool is None
+
+    def _needed(self, g: int, table: list[int] | None, n: int) -> int:
+        """Pages group ``g`` must take to cover ``n`` blocks (a state group: the last one)."""
+        have = len(table) if table else 0
+        if g in self.state_groups:
+            return int(n > have)
+        return max(0, n - have)
 
     def fits(self, tables: BlockTables, num_tokens: int, hits: BlockTables = ()) -> bool:
         """Whether every pool has the free pages to extend ``tables`` to ``num_tokens``
@@ -60,7 +71,7 @@ class KVCacheManager:
         for pool in (self.pool, self.state_pool):
             assert pool is not None
             mine = [g for g, p in enumerate(self.pools) if p is pool]
-            need = sum(max(0, n - (len(tables[g]) if tables else 0)) for g in mine)
+            need = sum(self._needed(g, tables[g] if tables else None, n) for g in mine)
             taken = [b for g in mine if hits for b in hits[g] if b != NULL_BLOCK]
             if need > pool.num_free_after_touch(taken):
                 return False
@@ -75,22 +86,33 @@ class KVCacheManager:
         return tables or [[] for _ in self.groups]
 
     def blocks_needed(self, tables: BlockTables, num_tokens: int) -> int:
-        """Blocks to allocate so that every group's table covers ``num_tokens`` positions."""
+        """Blocks (and state pages) to allocate so that every group's table covers
+        ``num_tokens`` positions (a state group's snapshots on the way not counted)."""
         n = -(-num_tokens // self.block_size)
-        if not tables:
-            return n * len(self.groups)
         if len(tables) == 1:  # one group: every decode step asks, keep it cheap
             return max(0, n - len(tables[0]))
-        return sum(max(0, n - len(t)) for t in tables)
+        return sum(
+            self._needed(g, tables[g] if tables else None, n) for g in range(len(self.groups))
+        )
 
-    def allocate(self, tables: BlockTables, num_tokens: int) -> BlockTables:
+    def allocate(self, tables: BlockTables, num_tokens: int, reserve: int = 0) -> BlockTables:
         """``tables`` extended with fresh blocks to cover ``num_tokens`` positions (in place
-        where given; check :meth:`blocks_needed` against the pool's free blocks first)."""
+        where given; check :meth:`fits` first). A state group takes a page for its last block,
+        and snapshot pages for the blocks before it, the latest first, only while ``reserve``
+        state pages stay free (the pages the running sequences may need next); the others
+        stay NULL."""
         tables = self._tables(tables)
         n = -(-num_tokens // self.block_size)
-        for t, p in zip(tables, self.pools, strict=False):  # no tables yet: nothing
-            if n > len(t):
+        for g, (t, p) in enumerate(zip(tables, self.pools, strict=True)):
+            if n <= len(t):
+                continue
+            if g not in self.state_groups:
                 t += p.allocate(n - len(t))
+                continue
+            gap = n - 1 - len(t)  # blocks filled on the way: the latest get snapshots if room
+            spare = max(0, min(gap, p.num_free - 1 - reserve))
+            last = p.allocate(1)
+            t += [NULL_BLOCK] * (gap - spare) + p.allocate(spare) + last
         return tables
 
     def free(self, tables: BlockTables) -> None:
@@ -98,15 +120,23 @@ class KVCacheManager:
         for t, p in zip(tables, self.pools, strict=False):  # no tables yet: nothing
             p.release([b for b in t if b != NULL_BLOCK])
 
-    def drop_out_of_window(self, tables: BlockTables, next_pos: int) -> None:
+    def drop_out_of_window(self, tables: BlockTables, next_pos: int, since: int = 0) -> None:
         """Release each windowed group's blocks no query at ``>= next_pos`` sees (their table
-        entries become ``NULL_BLOCK``; the pool keeps their hashes for later prefix hits)."""
+        entries become ``NULL_BLOCK``; the pool keeps their hashes for later prefix hits), and
+        each state group's pages before the one holding position ``next_pos - 1``. ``since``:
+        the first position of the step that just ran (a state group's entries before its page
+        then are NULL already; its snapshots on the way may be NULL too)."""
+        bs = self.block_size
         for g in self.windowed:
             t = tables[g]
-            first = min(self.groups[g].first_live_block(next_pos, self.block_size), len(t))
+            first = min(self.groups[g].first_live_block(next_pos, bs), len(t))
             dropped: list[int] = []
-            for b in range(first - 1, -1, -1):  # released entries form a prefix of the table
+            state = g in self.state_groups
+            lo = max(0, since - 1) // bs if state else 0
+            for b in range(first - 1, lo - 1, -1):  # released entries: a prefix of the table
                 if t[b] == NULL_BLOCK:
+                    if state:  # a snapshot not taken
+                        continue
                     break
                 dropped.append(t[b])
                 t[b] = NULL_BLOCK

@@ -138,7 +138,8 @@ NO_PAGE = -1
 class StateSpan:
     """One prefill chunk's state pages: rows ``[tok_start, tok_end)`` of the step at positions
     ``[start_pos, ...)``; it reads ``src`` (NO_PAGE: zeros) and writes the state after its
-    first ``ends[j]`` tokens into ``pages[j]`` (each block boundary it crosses, then its end)."""
+    first ``ends[j]`` tokens into ``pages[j]`` (the block ends it crosses that have a snapshot
+    page, then its end)."""
 
     tok_start: int
     tok_end: int

@@ -233,6 +233,6 @@ class GatedDeltaNet:
         lead = span.start_pos % block_size
         o, states = chunked_rule(q, k, v, g, beta, state, chunk, lead)
         core[span.tok_start : span.tok_end] = o
-        for end, page, st in zip(span.ends, span.pages, states, strict=True):
+        for end, page in zip(span.ends, span.pages, strict=True):
             conv_pages[page] = seq[:, end : end + K - 1]
-            rec_pages[page] = st
+            rec_pages[page] = states[(lead + end - 1) // chunk]  # the chunk ending there
