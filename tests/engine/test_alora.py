@@ -5,7 +5,7 @@ from the first token of the *last* occurrence of its invocation sequence in the 
 (generated tokens included); a prompt without it runs the base model throughout. The references
 are PEFT's unmerged forward with ``alora_offsets`` passed explicitly.
 
-Exactness: tiny random Llama, Qwen3 and Gemma 3 models; three aLoRA adapters (different ranks
+Exactness: tiny random Llama, Qwen3, Gemma 3 and Qwen3.5 (hybrid) models; three aLoRA adapters (different ranks
 and targets, one with LoRA on the LM head, two sharing one invocation sequence) in one mixed
 batch with base rows and a standard LoRA, with the invocation at the start, in the middle, on a
 block boundary, twice (the last one counts) and absent; once with whole-prompt prefills and once
@@ -61,6 +61,9 @@ FAMILIES: dict[str, dict] = {
     "gemma3_text": dict(
         arch="gemma3_text", sliding_window=4, layer_types=["sliding_attention", "full_attention"]
     ),
+    # a hybrid: the linear-attention layer's state is keyed like KV (base-aligned before the
+    # activation point)
+    "qwen3_5": dict(arch="qwen3_5"),
 }
 BLOCK = 4
 N_NEW = 4

@@ -1205,3 +1205,30 @@ def test_quantized_base_is_recorded_and_takes_the_float_bases_adapters(
     )  # type: ignore[index]
     assert log[1].action == "register" and log[1].after["base_quantization"] == "gptq w4 g32"  # type: ignore[index]
     reg.close()
+
+
+def test_hybrid_adapter_registers_against_its_base_only(
+    db_url: str, root: Path, base: object, workdir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A Qwen3.5 adapter on the linear-attention projections registers against a Qwen3.5 base
+    (its modules recorded in table order) and is refused against a Llama base, naming the
+    module that base lacks."""
+    hybrid = make_random_model(workdir / "qwen3_5", "qwen3_5", num_layers=2, with_tokenizer=False)
+    old = os.environ.get("LORAPLEX_HOME")
+    os.environ["LORAPLEX_HOME"] = str(tmp_path_factory.mktemp("home-hybrid"))
+    try:
+        hybrid_base = base_model_info(hybrid, "hybrid")
+    finally:
+        if old is None:
+            os.environ.pop("LORAPLEX_HOME", None)
+        else:
+            os.environ["LORAPLEX_HOME"] = old
+    reg = open_reg(db_url, root)
+    d = make_random_adapter(
+        hybrid, root / "gdn", r=4, target_modules=["in_proj_qkv", "out_proj", "q_proj"], seed=12
+    )
+    m = reg.register(d, "gdn", base=hybrid_base, actor="a")
+    assert m.target_modules == ("q_proj", "in_proj_qkv", "out_proj")
+    with pytest.raises(ValidationError) as ei:
+        reg.register(d, "gdn-on-llama", base=base, actor="a")
+    assert "in_proj_qkv" in str(ei.value) or "out_proj" in str(ei.value), str(ei.value)
