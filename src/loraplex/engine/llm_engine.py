@@ -248,10 +248,13 @@ class LLMEngine:
         return self.pool.num_free
 
     def is_idle(self) -> bool:
-        """No request queued or running, every KV block free, every slot without users."""
+        """No request queued or running, every KV block and state page free, every slot
+        without users."""
+        state = self.scheduler.kv.state_pool
         return (
             not self.scheduler.has_unfinished()
             and self.pool.num_free == self.pool.num_blocks
+            and (state is None or state.num_free == state.num_blocks)
             and (self.adapters is None or self.adapters.is_idle())
         )
 
