@@ -1,7 +1,8 @@
-"""The gated delta rule's backends: the CPU block picks torch, and the Triton kernels (decode
-step, prefill chunk recurrence) match the torch backend under Triton's CPU interpreter, in a
-pytest process of its own (``tests/interpreted.py`` says why): the checks of
-``tests/model/interpreted_gated_delta_triton.py``."""
+"""The gated delta rule's backends against the torch one: the C decode step (the CPU backend
+where it builds), and the Triton kernels (decode step, prefill chunk recurrence) under Triton's
+CPU interpreter, in a pytest process of its own (``tests/interpreted.py`` says why): the checks
+of ``tests/model/interpreted_gated_delta_triton.py``. The shared cases:
+``tests/model/gated_delta_cases.py``."""
 
 from __future__ import annotations
 
@@ -11,12 +12,56 @@ import pytest
 import torch
 
 from loraplex.model.gated_delta import GatedDeltaNet
-from loraplex.model.gated_delta_ops import TorchDeltaRule
+from loraplex.model.gated_delta_cpu import CDeltaRule, DeltaRuleKernel, load_kernel
+from loraplex.model.gated_delta_ops import DeltaDims, TorchDeltaRule
+from loraplex.native.build import KERNEL_ISAS
+from loraplex.testing.kernels import runnable_build
+from tests.model.gated_delta_cases import DIMS, check_decode, random_inputs, random_pages
 
 
-def test_cpu_block_picks_torch_once() -> None:
+@pytest.fixture(scope="module", params=list(KERNEL_ISAS))
+def kernel(request: pytest.FixtureRequest) -> DeltaRuleKernel:
+    """The C kernel of each build this CPU can run (each test runs once per build)."""
+    return runnable_build(load_kernel, request.param)
+
+
+@pytest.mark.parametrize("dims", list(DIMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_decode_matches_torch(kernel, dims: str, dtype: torch.dtype) -> None:
+    check_decode(CDeltaRule(DIMS[dims], kernel), dtype)
+
+
+def test_c_decode_strided_rows(kernel) -> None:
+    check_decode(CDeltaRule(DIMS["gqa"], kernel), torch.float32, strided=True)
+
+
+def test_c_decode_real_head_dims(kernel) -> None:
+    """Qwen3.5's head size (128) and GQA, in bfloat16 as served."""
+    check_decode(CDeltaRule(DeltaDims(2, 4, 128, 128, 4), kernel), torch.bfloat16)
+
+
+def test_c_decode_hands_what_it_does_not_read_to_torch(kernel) -> None:
+    """float16 rows (no C element type): the torch decode's result, pages updated alike."""
+    d = DIMS["gqa"]
+    gen = torch.Generator().manual_seed(9)
+    conv, rec = random_pages(d, torch.float16, gen)
+    mixed, conv_w, g, beta = random_inputs(d, 2, torch.float16, gen)
+    src, dst = torch.tensor([0, 3]), torch.tensor([1, 3])
+    conv_t, rec_t = conv.clone(), rec.clone()
+    want = TorchDeltaRule(d).decode(mixed, conv_w, g, beta, src, dst, conv_t, rec_t)
+    got = CDeltaRule(d, kernel).decode(mixed, conv_w, g, beta, src, dst, conv, rec)
+    assert torch.equal(got, want) and torch.equal(rec, rec_t) and torch.equal(conv, conv_t)
+
+
+def test_cpu_block_picks_its_backend_once(
+    kernel: DeltaRuleKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C decode where it builds; torch with the layer kernels switched off."""
     block = GatedDeltaNet(32, 2, 4, 16, 16, 4, 1e-6, torch.device("cpu"))
-    assert type(block.rule) is TorchDeltaRule and block.rule.dims.hv == 4
+    assert type(block.rule) is CDeltaRule and block.rule.dims.hv == 4
+    monkeypatch.setenv("LORAPLEX_LAYER_CPU_KERNEL", "0")
+    block = GatedDeltaNet(32, 2, 4, 16, 16, 4, 1e-6, torch.device("cpu"))
+    assert type(block.rule) is TorchDeltaRule
 
 
 def test_triton_gated_delta_matches_torch_under_the_interpreter() -> None:

@@ -35,13 +35,20 @@ if TYPE_CHECKING:
 
 
 def select_delta_rule(device: torch.device, dims: DeltaDims) -> DeltaRule:
-    """The backend for ``device``, chosen once at load: Triton's on CUDA, else torch's."""
+    """The backend for ``device``, chosen once at load: Triton's on CUDA; on CPU the C decode
+    step where its kernel builds (``gated_delta_cpu``), else torch's."""
     if device.type == "cuda":
         try:
             from loraplex.model.gated_delta_triton import TritonDeltaRule
         except ImportError:  # no triton: the torch ops run on CUDA too
             return TorchDeltaRule(dims)
         return TritonDeltaRule(dims)
+    if device.type == "cpu":
+        from loraplex.model.gated_delta_cpu import load_delta_rule_kernel
+
+        c = load_delta_rule_kernel(dims)
+        if c is not None:
+            return c
     return TorchDeltaRule(dims)
 
 
