@@ -49,14 +49,15 @@ def recurrent_step(
 
 class ChunkTerms(NamedTuple):
     """A sequence's chunked gated delta rule before the chunk-to-chunk recurrence, each over
-    ``[H, n, C, ...]`` (``n`` chunks of ``C`` positions, padding included), float32."""
+    ``[n, H, C, ...]`` (``n`` chunks of ``C`` positions, padding included; chunk-major, so a
+    chunk's terms are contiguous), float32."""
 
-    qd: torch.Tensor  # [H, n, C, dk] queries decayed from the chunk's start
-    attn: torch.Tensor  # [H, n, C, C] within-chunk scores (causal, decayed)
-    u: torch.Tensor  # [H, n, C, dv] the chunk's condensed delta-rule values
-    w: torch.Tensor  # [H, n, C, dk] what they lose to the chunk-start state, per key
-    kd: torch.Tensor  # [H, n, C, dk] keys decayed to the chunk's end
-    end_decay: torch.Tensor  # [H, n] the decay over the whole chunk
+    qd: torch.Tensor  # [n, H, C, dk] queries decayed from the chunk's start
+    attn: torch.Tensor  # [n, H, C, C] within-chunk scores (causal, decayed)
+    u: torch.Tensor  # [n, H, C, dv] the chunk's condensed delta-rule values
+    w: torch.Tensor  # [n, H, C, dk] what they lose to the chunk-start state, per key
+    kd: torch.Tensor  # [n, H, C, dk] keys decayed to the chunk's end
+    end_decay: torch.Tensor  # [n, H] the decay over the whole chunk
 
 
 def chunk_terms(
@@ -73,14 +74,14 @@ def chunk_terms(
     n = -(-(lead + L) // chunk)
     tail = n * chunk - lead - L
 
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [L, H, *] -> [H, n, chunk, *]
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [L, H, *] -> [n, H, chunk, *]
         x = F.pad(x, (*([0, 0] * (x.dim() - 1)), lead, tail))
-        return x.reshape(n, chunk, H, *x.shape[2:]).movedim(2, 0)
+        return x.reshape(n, chunk, H, *x.shape[2:]).transpose(1, 2).contiguous()
 
-    q, k, v, g, beta = (padded(x) for x in (q, k, v, g, beta))  # [H, n, C, ...]
+    q, k, v, g, beta = (padded(x) for x in (q, k, v, g, beta))  # [n, H, C, ...]
     kb, vb = k * beta[..., None], v * beta[..., None]
-    cum = g.cumsum(-1)  # [H, n, C] log decay from the chunk's start
-    diff = cum[..., :, None] - cum[..., None, :]  # [H, n, C, C]: decay from j to i
+    cum = g.cumsum(-1)  # [n, H, C] log decay from the chunk's start
+    diff = cum[..., :, None] - cum[..., None, :]  # [n, H, C, C]: decay from j to i
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = diff.masked_fill(~lower, float("-inf")).exp()
     # (I + strictly-lower(kb k^T * decay)) u = vb: the chunk's delta-rule values, condensed
@@ -108,12 +109,15 @@ def chunked_rule(
     state: torch.Tensor,
     chunk: int,
     lead: int = 0,
+    into: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The gated delta rule over one sequence's ``L`` tokens in chunks of ``chunk``, the first
     chunk holding ``lead`` padding positions before the first token (so chunk ends fall on block
     boundaries). q, k [L, H, dk] (normalised, q scaled), v [L, H, dv], g, beta [L, H] (float32),
     state [H, dk, dv] (float32, the state before the first token). Returns (o [L, H, dv], the
-    state after each chunk). Padding has beta = 0 and g = 0: it neither decays nor writes::
+    state after each chunk: new tensors, or ``into[c]`` where given, e.g. state pages; the
+    first may be ``state`` itself). Padding has beta = 0 and g = 0: it neither decays nor
+    writes::
 
         for c in chunks:
             vn = u[c] - w[c] @ S;  o[c] = qd[c] @ S + attn[c] @ vn
@@ -121,16 +125,25 @@ def chunked_rule(
     """
     L, H, dv = v.shape
     t = chunk_terms(q, k, v, g, beta, chunk, lead)
-    n = t.u.shape[1]
-    out = torch.empty(H, n, chunk, dv, dtype=torch.float32, device=q.device)
+    n = t.u.shape[0]
+    out = torch.empty(n, H, chunk, dv, dtype=torch.float32, device=q.device)
     states = []
     for c in range(n):
-        vn = t.u[:, c] - t.w[:, c] @ state  # [H, C, dv]: values less what the state predicts
-        out[:, c] = t.qd[:, c] @ state + t.attn[:, c] @ vn
-        state = state * t.end_decay[:, c, None, None] + t.kd[:, c].transpose(-1, -2) @ vn
-        states.append(state)
-    o = out.reshape(H, n * chunk, dv)[:, lead : lead + L].transpose(0, 1)  # [L, H, dv]
-    return o, states
+        vn = torch.baddbmm(t.u[c], t.w[c], state, alpha=-1)  # [H, C, dv]: u less w @ state
+        torch.bmm(t.attn[c], vn, out=out[c])
+        out[c].baddbmm_(t.qd[c], state)
+        nxt = torch.empty_like(state) if into is None else into[c]
+        torch.mul(state, t.end_decay[c, :, None, None], out=nxt)  # may be state itself
+        nxt.baddbmm_(t.kd[c].transpose(-1, -2), vn)
+        states.append(nxt)
+        state = nxt
+    return chunk_rows(out, lead, L), states
+
+
+def chunk_rows(out: torch.Tensor, lead: int, L: int) -> torch.Tensor:
+    """``[n, H, C, dv]`` per chunk position -> ``[L, H, dv]`` per token (padding dropped)."""
+    n, H, C, dv = out.shape
+    return out.transpose(1, 2).reshape(n * C, H, dv)[lead : lead + L]
 
 
 @dataclass(frozen=True)
@@ -242,7 +255,4 @@ class TorchDeltaRule:
         rec: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """:func:`chunked_rule`, the state after chunk ``j`` into ``rec[pages[j]]``."""
-        o, states = chunked_rule(q, k, v, g, beta, state, chunk, lead)
-        for page, st in zip(pages, states, strict=True):
-            rec[page] = st
-        return o
+        return chunked_rule(q, k, v, g, beta, state, chunk, lead, [rec[p] for p in pages])[0]

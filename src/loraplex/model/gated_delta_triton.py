@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.model.gated_delta_ops import DeltaDims, TorchDeltaRule, chunk_terms
+from loraplex.model.gated_delta_ops import DeltaDims, TorchDeltaRule, chunk_rows, chunk_terms
 
 
 @triton.jit
@@ -104,12 +104,12 @@ def _decode_kernel(
 @triton.jit
 def _chunks_kernel(
     qd_ptr, attn_ptr, u_ptr, w_ptr, kd_ptr, end_ptr, s0_ptr, pages_ptr, rec_ptr, out_ptr,
-    N, C, DK, DV, stride_rp, stride_rh, stride_rk,
+    N, H, C, DK, DV, stride_rp, stride_rh, stride_rk,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Value head ``h``, value columns of tile ``program_id(1)``: the recurrence over the
-    ``N`` chunks of :func:`loraplex.model.gated_delta.chunked_rule`, terms ``[H, N, C, *]``
-    contiguous, ``s0 [H, dk, dv]``, out ``[H, N, C, dv]``; the state after chunk ``c`` into
+    ``N`` chunks of :func:`loraplex.model.gated_delta_ops.chunked_rule`, terms ``[N, H, C, *]``
+    contiguous, ``s0 [H, dk, dv]``, out ``[N, H, C, dv]``; the state after chunk ``c`` into
     page ``pages[c]``."""
     h = tl.program_id(0).to(tl.int64)
     vv = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -121,7 +121,7 @@ def _chunks_kernel(
     rk = rmask[:, None] & kmask[None, :]
     rv = rmask[:, None] & vmask[None, :]
     for c in range(N):
-        base = (h * N + c) * C  # the chunk's first row
+        base = (c * H + h) * C  # the chunk's first row
         at_k = (base + rows[:, None]) * DK + kk[None, :]  # [BC, BK]
         at_v = (base + rows[:, None]) * DV + vv[None, :]  # [BC, BV]
         w = tl.load(w_ptr + at_k, mask=rk, other=0.0)
@@ -136,7 +136,7 @@ def _chunks_kernel(
         o = tl.dot(qd, S, input_precision="ieee") + tl.dot(attn, vn, input_precision="ieee")
         tl.store(out_ptr + at_v, o, mask=rv)
         kd = tl.load(kd_ptr + at_k, mask=rk, other=0.0)
-        end = tl.load(end_ptr + h * N + c)
+        end = tl.load(end_ptr + c * H + h)
         S = S * end + tl.dot(tl.trans(kd), vn, input_precision="ieee")
         page = tl.load(pages_ptr + c).to(tl.int64)
         tile = page * stride_rp + h * stride_rh + kk[:, None] * stride_rk + vv[None, :]
@@ -186,15 +186,15 @@ class TritonDeltaRule(TorchDeltaRule):
         L, H, dv = v.shape
         dk = k.shape[-1]
         t = chunk_terms(q, k, v, g, beta, chunk, lead)
-        n = t.u.shape[1]
+        n = t.u.shape[0]
         assert len(pages) == n and rec.stride(3) == 1
-        out = torch.empty(H, n, chunk, dv, dtype=torch.float32, device=q.device)
+        out = torch.empty(n, H, chunk, dv, dtype=torch.float32, device=q.device)
         pages_d = torch.tensor(pages, dtype=torch.int64, device=q.device)  # [n]
         bv = min(self.block_v, _pow2(dv, 16))
         qd, attn, u, w, kd, end = (x.contiguous() for x in t)
         _chunks_kernel[(H, triton.cdiv(dv, bv))](
             qd, attn, u, w, kd, end, state.contiguous(), pages_d, rec, out,
-            n, chunk, dk, dv, rec.stride(0), rec.stride(1), rec.stride(2),
+            n, H, chunk, dk, dv, rec.stride(0), rec.stride(1), rec.stride(2),
             BC=_pow2(chunk, 16), BK=_pow2(dk, 16), BV=bv,
         )  # fmt: skip
-        return out.reshape(H, n * chunk, dv)[:, lead : lead + L].transpose(0, 1)  # [L, H, dv]
+        return chunk_rows(out, lead, L)  # [L, H, dv]
