@@ -13,7 +13,8 @@ convolution and the recurrence over the state pages are a :class:`DeltaRule` bac
 once by device (``gated_delta_ops``: the ops and the torch backend, decode rows batched, a
 prefill chunk in the chunked form with chunks aligned to KV blocks, so the state after every
 full block is at hand as the block's snapshot, ``loraplex.kv.groups``: state groups;
-``gated_delta_triton``: the CUDA kernels). They run in float32 where transformers does.
+``gated_delta_cpu``: the decode step in C; ``gated_delta_triton``: the CUDA kernels). They run
+in float32 where transformers does.
 
 :class:`StateMetadata` says, per step and state group, which state page each sequence reads
 and which pages it writes (the runner builds it from the group's block table).
