@@ -25,19 +25,6 @@
 
 #include "kernels.h"
 
-INLINE float ld(const void *p, int64_t i, int e) {
-    return e == F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
-INLINE void st(void *p, int64_t i, int e, float v) {
-    if (e == F32)
-        ((float *)p)[i] = v;
-    else
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-}
-
-INLINE float rnd(float v, int e) { return e == F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
-
 /* y[i] for channels c0 .. c0 + n of row x, window page src -> dst (module comment) */
 static void conv_silu(const void *x, const void *w, const void *src, void *dst, int64_t c0,
                       int64_t n, int64_t K, int e, float *y) {
