@@ -10,8 +10,9 @@ Decode rows run that recurrence batched (:func:`recurrent_step`); a prefill chun
 chunked form (:func:`chunked_rule`: within a chunk the delta rule's updates condense into
 triangular solves) with chunks aligned to KV blocks, so the state after every full block is at
 hand as the block's snapshot. :class:`DeltaRule` is what a backend does over the KV cache's
-state pages (the convolution included); :class:`TorchDeltaRule` is the reference and the CPU
-backend, ``gated_delta_triton`` the CUDA one.
+state pages (the convolution included); :class:`TorchDeltaRule` is the reference (and the
+backend where no other applies); ``gated_delta_cpu`` runs its decode step in C on CPU,
+``gated_delta_triton`` both ops as Triton kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class DeltaDims:
 
 class DeltaRule(Protocol):
     """The convolution and the gated delta rule over state pages, one backend per device
-    (:func:`select_delta_rule`). ``mixed`` rows are the in-projection's ``[N, conv_dim]`` in
+    (``loraplex.model.gated_delta.select_delta_rule``). ``mixed`` rows are the in-projection's ``[N, conv_dim]`` in
     the model dtype, ``conv_w [C, K]``, ``g``/``beta [N, Hv]`` float32, pages as
     ``cache.layer_state``: ``conv [P, C, K-1]`` (model dtype), ``rec [P, Hv, dk, dv]``
     (float32). Outputs are ``[N, Hv, dv]`` float32."""
@@ -201,7 +202,7 @@ class DeltaRule(Protocol):
 
 
 class TorchDeltaRule:
-    """:class:`DeltaRule` in torch ops (the reference; the CPU backend)."""
+    """:class:`DeltaRule` in torch ops (the reference)."""
 
     name = "torch"
 
