@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from loraplex.model.gated_delta import GatedDeltaNet
 from loraplex.model.gated_delta_cpu import CDeltaRule, DeltaRuleKernel, load_kernel
-from loraplex.model.gated_delta_ops import DeltaDims, TorchDeltaRule
+from loraplex.model.gated_delta_ops import DeltaDims, TorchDeltaRule, causal_conv
 from loraplex.native.build import KERNEL_ISAS
 from loraplex.testing.kernels import runnable_build
 from tests.model.gated_delta_cases import DIMS, check_decode, random_inputs, random_pages
@@ -62,6 +63,23 @@ def test_cpu_block_picks_its_backend_once(
     monkeypatch.setenv("LORAPLEX_LAYER_CPU_KERNEL", "0")
     block = GatedDeltaNet(32, 2, 4, 16, 16, 4, 1e-6, torch.device("cpu"))
     assert type(block.rule) is TorchDeltaRule
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("channels", "n", "taps"), [(48, 37, 4), (20, 1, 3), (96, 300, 4)])
+def test_causal_conv_is_conv1d(dtype: torch.dtype, channels: int, n: int, taps: int) -> None:
+    """The prefill's time-major convolution against ``F.conv1d`` (transformers' op): float32
+    sums of ``taps`` products in another order (a few ulp); bf16 outputs rounded once from
+    float32 sums, so at most one bf16 step (2**-7 relative) apart where the sums straddle a
+    rounding boundary."""
+    g = torch.Generator().manual_seed(channels + n)
+    seq = torch.randn(taps - 1 + n, channels, generator=g).to(dtype)
+    w = torch.randn(channels, taps, generator=g).to(dtype)
+    want = F.conv1d(seq.t()[None], w[:, None, :], groups=channels)[0].t()  # [n, C]
+    got = causal_conv(seq, w)
+    assert got.shape == (n, channels) and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_triton_gated_delta_matches_torch_under_the_interpreter() -> None:
