@@ -15,7 +15,7 @@ import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.kv.groups import state_pages_per_sequence
-from loraplex.model.gated_delta import chunked_rule, l2norm, recurrent_step
+from loraplex.model.gated_delta_ops import chunked_rule, l2norm, recurrent_step
 from loraplex.testing import (
     check_greedy,
     load_merged_reference,

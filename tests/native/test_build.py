@@ -12,7 +12,7 @@ import pytest
 from loraplex.native import build
 from loraplex.native.build import SOURCE_DIR, build_library, source_digest, source_files
 
-KERNELS = ("lora.c", "layer_ops.c", "panel_gemm.c", "quant_gemm.c")
+KERNELS = ("lora.c", "layer_ops.c", "panel_gemm.c", "quant_gemm.c", "gated_delta.c")
 
 
 def _write(path: Path, text: str) -> Path:

@@ -17,7 +17,8 @@ ENV_REGISTRY_URL = "LORAPLEX_REGISTRY_URL"  # --registry-url; the registry comma
 ENV_HOME = "LORAPLEX_HOME"  # the registry's SQLite file, the base-model digest memo
 ENV_CACHE_DIR = "LORAPLEX_CACHE_DIR"  # the demo model, built CPU kernels
 ENV_LORA_CPU_KERNEL = "LORAPLEX_LORA_CPU_KERNEL"  # "0": never the native CPU LoRA kernel
-ENV_LAYER_CPU_KERNEL = "LORAPLEX_LAYER_CPU_KERNEL"  # "0": never the C layer ops (norms, attention)
+# "0": never the C layer ops (norms, attention, the gated delta decode step)
+ENV_LAYER_CPU_KERNEL = "LORAPLEX_LAYER_CPU_KERNEL"
 ENV_TP_SHM = "LORAPLEX_TP_SHM"  # "0": one host's tensor-parallel step traffic via gloo, not shm
 # vLLM's own switch of /v1/load_lora_adapter and /v1/unload_lora_adapter (KubeAI sets it):
 # --allow-runtime-lora-updating
@@ -54,6 +55,7 @@ def lora_cpu_kernel_enabled(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def layer_cpu_kernel_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the C layer ops may run on CPU (``loraplex.model.layer_ops``):
-    ``$LORAPLEX_LAYER_CPU_KERNEL=0`` keeps the torch ops."""
+    """Whether the C layer ops may run on CPU (``loraplex.model.layer_ops``, the gated delta
+    decode step of ``loraplex.model.gated_delta_cpu``): ``$LORAPLEX_LAYER_CPU_KERNEL=0`` keeps
+    the torch ops."""
     return env_value(ENV_LAYER_CPU_KERNEL, environ) != "0"

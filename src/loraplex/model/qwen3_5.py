@@ -159,7 +159,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         if lin is not None:
             self.linear = GatedDeltaNet(
                 cfg.hidden_size, lin.key_heads, lin.value_heads, lin.key_dim, lin.value_dim,
-                lin.kernel, cfg.rms_norm_eps,
+                lin.kernel, cfg.rms_norm_eps, device,
             )  # fmt: skip
         self.projection_groups = (*self.attn.groups, *self.mlp.groups)
         self._group_parts = tuple(parts for _, _, parts in self.projection_groups)

@@ -13,6 +13,8 @@ source             what it computes                                  loaded by
                    and in column panels, W4A8
 ``layer_ops.c``    a decoder layer's norms, rotary, activation,      ``model/layer_ops.py``
                    decode attention
+``gated_delta.c``  the gated delta rule's decode step (Qwen3.5's     ``model/gated_delta_cpu.py``
+                   linear attention) over its state pages
 ``cpu_peak.c``     the CPU's arithmetic peak (a benchmark)           ``tools/bench/cpu_peak.py``
 =================  ================================================  ==========================
 

@@ -4,7 +4,8 @@
  *   F32, BF16       element type codes (loraplex.native.build.ELEMENT_TYPES)
  *   bf16_to_f32     exact;  f32_to_bf16 (and f32_to_bf16_select, branch-free): rounded to
  *                   nearest even, a NaN stays a quiet NaN (torch's rounding); row_to_f32: a
- *                   row of either type as float32
+ *                   row of either type as float32; ld / st: element i of either type as /
+ *                   from float32, rnd: a float32 rounded through the element type
  *   HAVE_AVX512     AVX-512 F + BW;  HAVE_DPBF16: AVX512-BF16 pair dot products;
  *                   HAVE_VNNI: AVX512-VNNI u8 x s8 quad dot products
  *   HAVE_VEC        float32 vectors of VW lanes (16: AVX-512, 8: AVX2 + FMA), as the type vec
@@ -71,6 +72,19 @@ INLINE uint16_t f32_to_bf16_select(float f) {
     uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : r); /* NaN: quiet */
 }
+
+INLINE float ld(const void *p, int64_t i, int e) {
+    return e == F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+INLINE void st(void *p, int64_t i, int e, float v) {
+    if (e == F32)
+        ((float *)p)[i] = v;
+    else
+        ((uint16_t *)p)[i] = f32_to_bf16_select(v);
+}
+
+INLINE float rnd(float v, int e) { return e == F32 ? v : bf16_to_f32(f32_to_bf16_select(v)); }
 
 /* dst[i] = src[i] as float32 for i < n, src of element type e */
 static inline void row_to_f32(const void *src, int e, int64_t n, float *dst) {

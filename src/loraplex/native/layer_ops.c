@@ -36,19 +36,6 @@
 
 #include "kernels.h"
 
-INLINE float ld(const void *p, int64_t i, int e) {
-    return e == F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
-INLINE void st(void *p, int64_t i, int e, float v) {
-    if (e == F32)
-        ((float *)p)[i] = v;
-    else
-        ((uint16_t *)p)[i] = f32_to_bf16_select(v);
-}
-
-INLINE float rnd(float v, int e) { return e == F32 ? v : bf16_to_f32(f32_to_bf16_select(v)); }
-
 /* exp(x) for float32, branch-free so loops of it vectorise: x = n ln2 + r, |r| <= ln2 / 2 (n
  * rounded to nearest by the 1.5 * 2^23 shift, no floorf: GCC vectorises that only with
  * -fno-trapping-math), exp(r) by its degree-6 Taylor polynomial, times 2^n built in the exponent
