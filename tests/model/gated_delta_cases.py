@@ -55,11 +55,13 @@ def random_inputs(d: DeltaDims, n: int, dtype: torch.dtype, gen: torch.Generator
 
 def make_span(n: int, start_pos: int, src: int, block: int, pages: list[int]) -> StateSpan:
     """A chunk of ``n`` tokens from ``start_pos``: a snapshot at each block end it crosses,
-    then its end (``pages``: one per block it touches)."""
+    then its end (``pages``: one per block it touches; NO_PAGE: that block's snapshot is not
+    taken, as where the state pool has no room)."""
     lead = start_pos % block
     ends = [*range(block - lead, n, block), n]
-    assert len(ends) == len(pages)
-    return StateSpan(0, n, start_pos, src, ends, pages)
+    assert len(ends) == len(pages) and pages[-1] != NO_PAGE
+    kept = [(e, p) for e, p in zip(ends, pages, strict=True) if p != NO_PAGE]
+    return StateSpan(0, n, start_pos, src, [e for e, _ in kept], [p for _, p in kept])
 
 
 SPANS = {
@@ -69,6 +71,7 @@ SPANS = {
     "inside-one-block": (5, 3, 1, 16, [1]),
     "block-8": (20, 4, 3, 8, [3, 0, 6]),  # chunks narrower than tl.dot's 16 (padded)
     "ends-on-a-block": (28, 4, 5, 16, [5, 1]),
+    "snapshots-skipped": (60, 0, NO_PAGE, 16, [NO_PAGE, 4, NO_PAGE, 6]),  # only some blocks'
 }
 
 

@@ -86,5 +86,31 @@ def test_triton_gated_delta_matches_torch_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     from tests.interpreted import run_interpreted
 
-    # every case ran: 6 decode + 1 strided decode + 15 prefill comparisons, 1 selection check
-    run_interpreted(Path(__file__).parent / "interpreted_gated_delta_triton.py", 6 + 1 + 15 + 1)
+    # every case ran: 6 decode + 1 strided decode + 18 prefill comparisons, 1 selection check
+    run_interpreted(Path(__file__).parent / "interpreted_gated_delta_triton.py", 6 + 1 + 18 + 1)
+
+
+def test_skipped_snapshots_change_nothing_but_their_pages() -> None:
+    """A prefill whose middle blocks get no snapshot page (the state pool had no room) gives
+    the outputs and the snapshots of the pages it does write of a prefill that snapshots every
+    block, and leaves the other pages untouched."""
+    from loraplex.model.attention import NO_PAGE
+    from loraplex.model.gated_delta_ops import TorchDeltaRule
+    from tests.model.gated_delta_cases import DIMS, make_span, random_inputs, random_pages, seed
+
+    d = DIMS["gqa"]
+    gen = torch.Generator().manual_seed(seed("skip"))
+    conv, rec = random_pages(d, torch.float32, gen)
+    mixed, conv_w, g, beta = random_inputs(d, 60, torch.float32, gen)
+    rule = TorchDeltaRule(d)
+    conv_all, rec_all = conv.clone(), rec.clone()
+    want = rule.prefill(mixed, conv_w, g, beta, make_span(60, 0, NO_PAGE, 16, [1, 4, 2, 6]),
+                        16, conv_all, rec_all)  # fmt: skip
+    got = rule.prefill(mixed, conv_w, g, beta, make_span(60, 0, NO_PAGE, 16, [NO_PAGE, 4, NO_PAGE, 6]),
+                       16, conv, rec)  # fmt: skip
+    assert torch.equal(got, want)
+    for p in (4, 6):
+        assert torch.equal(rec[p], rec_all[p]) and torch.equal(conv[p], conv_all[p])
+    before = random_pages(d, torch.float32, torch.Generator().manual_seed(seed("skip")))
+    for p in (1, 2):  # not written
+        assert torch.equal(rec[p], before[1][p]) and torch.equal(conv[p], before[0][p])

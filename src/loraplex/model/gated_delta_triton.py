@@ -138,11 +138,10 @@ def _chunks_kernel(
         kd = tl.load(kd_ptr + at_k, mask=rk, other=0.0)
         end = tl.load(end_ptr + c * H + h)
         S = S * end + tl.dot(tl.trans(kd), vn, input_precision="ieee")
-        page = tl.load(pages_ptr + c).to(tl.int64)  # -1: a block without a snapshot
-        tile = (
-            tl.maximum(page, 0) * stride_rp + h * stride_rh + kk[:, None] * stride_rk + vv[None, :]
-        )
-        tl.store(rec_ptr + tile, S, mask=smask & (page >= 0))
+        page = tl.load(pages_ptr + c).to(tl.int64)
+        if page >= 0:  # -1: a block without a snapshot
+            tile = page * stride_rp + h * stride_rh + kk[:, None] * stride_rk + vv[None, :]
+            tl.store(rec_ptr + tile, S, mask=smask)
 
 
 def _pow2(n: int, least: int = 1) -> int:
