@@ -279,7 +279,7 @@ class DecoderForCausalLM:
         for r in self.rotaries:  # LongRoPE picks its factor set per sequence; others ignore it
             r.begin_step(batch.positions, batch.attn)
         rope = [r.cos_sin(batch.positions) for r in self.rotaries]
-        step = LayerStep(cache, batch.attn, rope)
+        step = LayerStep(cache, batch.attn, rope, batch.input_ids)
         h = self.embed(batch.input_ids)  # [T, D]
         lora, plan = self.lora, batch.lora_plan
         if lora is not None and plan is not None:

@@ -1,7 +1,8 @@
 """Rotary position embeddings by ``rope_type`` (``ROPE_TYPES``) and ``apply_rotary``.
 
 One class per rope type; an instance holds cos/sin tables for one base, grown on demand.
-Every type may rotate only the first ``partial_rotary_factor`` of each head (Phi-4-mini: 0.75);
+Every type may rotate only the first ``partial_rotary_factor`` of each head (Phi-4-mini: 0.75),
+except ``proportional`` (Gemma 4), whose zero frequencies leave the rest of both halves as is;
 LongRoPE (Phi-3/4 128k) keeps a short and a long factor set and picks one per sequence.
 """
 
@@ -201,11 +202,46 @@ class LongRoPERotaryEmbedding(RotaryEmbedding):
         )
 
 
+class ProportionalRotaryEmbedding(RotaryEmbedding):
+    """``rope_type: proportional`` (Gemma 4's full-attention layers, transformers'
+    ``_compute_proportional_rope_parameters``): the frequencies of a whole head, of which only
+    the first ``partial_rotary_factor`` rotate::
+
+        n = int(partial_rotary_factor * hd // 2)              # rotated angles
+        inv_freq[i] = base ** (-2i / hd) / factor   for i < n   (exponent over hd, not rd)
+        inv_freq[i] = 0                             for n <= i < hd / 2
+
+    and the rotation runs over the whole head (rotate-half pairs ``i`` with ``i + hd / 2``):
+    a zero frequency gives cos 1 and sin 0, so dims ``n .. hd/2`` and ``hd/2 + n .. hd`` pass
+    through unchanged, as in HF (unlike the other types' partial rotary on the first ``rd``)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        base: float,
+        scaling: Mapping[str, Any] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(head_dim, base, scaling, dtype, device)
+        self.rotary_dim = head_dim  # tables over the whole head, zeros past the rotated angles
+
+    def inv_freq(self) -> torch.Tensor:
+        rs, hd = self.scaling or {}, self.head_dim
+        angles = int(float(rs.get("partial_rotary_factor", 1.0)) * hd // 2)
+        rotated = 1.0 / (
+            self.base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / hd)
+        )
+        inv = torch.cat((rotated, torch.zeros(hd // 2 - angles, dtype=torch.float32)))
+        return inv / float(rs.get("factor", 1.0))
+
+
 ROPE_TYPES: dict[str, type[RotaryEmbedding]] = {
     "default": RotaryEmbedding,
     "linear": LinearScalingRotaryEmbedding,
     "llama3": Llama3RotaryEmbedding,
     "longrope": LongRoPERotaryEmbedding,
+    "proportional": ProportionalRotaryEmbedding,
 }
 """``rope_scaling.rope_type`` -> its rotary class; ``parse_model_config`` refuses the others."""
 

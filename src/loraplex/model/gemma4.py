@@ -1,0 +1,380 @@
+"""Gemma 4 (text): Gemma 3's layers (four ``x * w`` norms, GeGLU, scaled embeddings, five
+sliding layers per full one) with these differences, as transformers' ``modeling_gemma4``:
+
+- every norm is ``(x / rms(x)) * w`` in float32 (no ``1 +``: ``Gemma4RMSNorm``);
+- attention scores are not scaled (scale 1: the q/k norms set their size); v is RMS-normed
+  too, without a weight;
+- the full-attention layers rotate with the ``proportional`` rope (``partial_rotary_factor``
+  0.25 of each head, frequencies over the whole head), the sliding ones with default RoPE,
+  each from ``rope_parameters[layer type]``;
+- per-layer inputs (``hidden_size_per_layer_input`` P > 0): a second stream beside the
+  residual, computed once per step from the token ids and the scaled embeddings::
+
+      tok = embed_tokens_per_layer[ids] * sqrt(P)                       # [T, L, P]
+      ctx = norm_P(per_layer_model_projection(h0) * D ** -0.5)            # [T, L, P]
+      per_layer = (ctx + tok) * 2 ** -0.5
+
+  and after each layer's MLP: ``h += norm(per_layer_projection(gelu(per_layer_input_gate(h))
+  * per_layer[:, i]))``, then ``h *= layer_scalar`` (a checkpoint scalar per layer);
+- KV sharing (``num_kv_shared_layers``): the last layers have no k/v projections; each
+  attends over the KV of the last earlier layer of its type (it writes none);
+- the final logit soft-cap applies to ``Gemma4ForConditionalGeneration`` too.
+
+``Gemma4ForConditionalGeneration`` serves its language model (``model.language_model.*``);
+the vision and audio towers and their embedders are skipped. Refused at start-up, naming the
+field: full-attention layers of another head size or KV-head count than the sliding ones
+(``global_head_dim``, ``num_global_key_value_heads``, ``per_layer_config``), ``attention_k_eq_v``,
+the MoE block (``enable_moe_block``), ``use_double_wide_mlp`` and bidirectional attention.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.model.attention import paged_attention
+from loraplex.model.decoder import LLAMA_LAYER_WEIGHTS
+from loraplex.model.gemma import (
+    _SKIPPED_PREFIXES,
+    SLIDING,
+    Gemma3ForCausalLM,
+    GemmaConfig,
+)
+from loraplex.model.layers import ACTIVATIONS, Attention, DecoderLayer, LayerStep
+from loraplex.model.linear import Linear
+from loraplex.model.norms import Gemma4RMSNorm
+from loraplex.model.spec import ModelConfig
+from loraplex.types import ModelLoadError
+
+FULL = "full_attention"
+
+GEMMA4_LAYER_WEIGHTS: Mapping[str, tuple[str, int]] = {
+    **LLAMA_LAYER_WEIGHTS,
+    "input_layernorm": ("ln1", 0),
+    "post_attention_layernorm": ("post_attn", 0),
+    "pre_feedforward_layernorm": ("ln2", 0),
+    "post_feedforward_layernorm": ("post_mlp", 0),
+    "self_attn.q_norm": ("q_norm", 0),  # [head_dim], applied per head
+    "self_attn.k_norm": ("k_norm", 0),
+}
+SHARED_KV_LAYER_WEIGHTS: Mapping[str, tuple[str, int]] = {
+    k: v
+    for k, v in GEMMA4_LAYER_WEIGHTS.items()
+    if k not in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm")
+}
+"""A KV-sharing layer's: no k/v projections, no k norm (its q projection is the layer's own
+tensor, see ``Gemma4ForCausalLM.take_tensor``)."""
+
+_DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+_PLE_TOP = {  # canonical name -> attribute
+    "model.embed_tokens_per_layer.weight": "embed_tokens_per_layer",  # [V_ple, L * P]
+    "model.per_layer_model_projection.weight": "per_layer_model_projection",  # [L * P, D]
+    "model.per_layer_projection_norm.weight": "per_layer_projection_norm",  # [P]
+}
+_OWN_LAYER = re.compile(
+    r"model\.layers\.(\d+)\.(per_layer_input_gate\.weight|per_layer_projection\.weight"
+    r"|post_per_layer_input_norm\.weight|layer_scalar|self_attn\.q_proj\.weight)"
+)
+
+
+@dataclass(frozen=True)
+class Gemma4Config(GemmaConfig):
+    """``GemmaConfig`` plus Gemma 4's per-layer inputs and KV sharing."""
+
+    hidden_size_per_layer_input: int = 0
+    """P: the width of each layer's input of the per-layer stream (0: no such stream)."""
+    vocab_size_per_layer_input: int = 0
+    kv_source: tuple[int, ...] = ()
+    """Per layer: the layer whose KV it attends over (itself, or for a KV-sharing layer the last
+    earlier layer of its type with its own k/v)."""
+
+
+def kv_sources(types: list[str], shared: int, source: str) -> list[int]:
+    """transformers' ``kv_sharing_modes``: the last ``shared`` layers reuse the KV of the last
+    layer of their type before them."""
+    first = len(types) - shared
+    out = list(range(len(types)))
+    for i in range(first, len(types)):
+        earlier = [j for j in range(first) if types[j] == types[i]]
+        if not earlier:
+            raise ModelLoadError(
+                f"{source}: num_kv_shared_layers {shared}: layer {i} ({types[i]}) has no earlier "
+                "layer of its type to share KV with"
+            )
+        out[i] = earlier[-1]
+    return out
+
+
+def _refuse(c: Mapping[str, Any], source: str) -> None:
+    """One line naming what this server cannot run (see the module docstring)."""
+    hd, kvh = int(c.get("head_dim") or 256), c.get("num_key_value_heads")
+    glob_hd = c.get("global_head_dim", 512 if "per_layer_config" not in c else hd)
+    if int(glob_hd or hd) != hd:
+        raise ModelLoadError(
+            f"{source}: global_head_dim {glob_hd} != head_dim {hd} (full-attention layers of "
+            "another head size) is not supported yet"
+        )
+    glob_kvh = c.get("num_global_key_value_heads")
+    if c.get("attention_k_eq_v"):
+        raise ModelLoadError(
+            f"{source}: attention_k_eq_v (values from the key projection) is not supported yet"
+        )
+    if glob_kvh is not None and int(glob_kvh) != int(kvh or 0):
+        raise ModelLoadError(
+            f"{source}: num_global_key_value_heads {glob_kvh} is not supported yet"
+        )
+    for layer, over in (c.get("per_layer_config") or {}).items():
+        if any(over.get(k, v) != v for k, v in (("head_dim", hd), ("num_key_value_heads", kvh))):
+            raise ModelLoadError(
+                f"{source}: per_layer_config of layer {layer} ({over}) is not supported yet"
+            )
+    for flag in ("enable_moe_block", "use_double_wide_mlp"):
+        if c.get(flag):
+            raise ModelLoadError(f"{source}: {flag} is not supported yet")
+    if c.get("use_bidirectional_attention") == "all":
+        raise ModelLoadError(f"{source}: use_bidirectional_attention 'all' is not supported")
+
+
+class Gemma4Attention(Attention):
+    """Gemma 4's attention: q, k, v normed per head (v without a weight), rotary on q and k,
+    unscaled scores; a KV-sharing layer projects only q and attends over its source layer's KV
+    (this step's rows from that layer's :meth:`__call__`, the rest from the cache)."""
+
+    def __init__(self, kv_source: list[int], eps: float, *args: Any) -> None:
+        super().__init__(*args)
+        self.kv_source = kv_source
+        self.eps = eps
+        self.q_parts = self.qkv_parts[:1]  # a KV-sharing layer's q/k/v Linear is q alone
+        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """This step's k and v [T, KVH, hd] of each source layer (reset by ``run_layers``)."""
+
+    def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        T, hd, H = x.shape[0], self.head_dim, self.num_heads
+        src = self.kv_source[i]
+        qkv = L.qkv(x)  # [T, q + 2 kv], or [T, q] where the layer shares KV
+        if step.lora_qkv:
+            step.lora.add(i, self.qkv_parts if src == i else self.q_parts, x, qkv, step.plan)
+        q = L.q_norm(qkv[:, : self.q_size].view(T, H, hd))  # [T, H, hd]
+        if src == i:
+            k = L.k_norm(qkv[:, self.q_size : self.qk_size].view(T, -1, hd))  # [T, KVH, hd]
+            qk = torch.cat((q, k), dim=1)  # [T, H + KVH, hd]
+            v = qkv[:, self.qk_size :].view(T, -1, hd)
+            v = F.rms_norm(v.float(), (hd,), None, self.eps).to(v.dtype)  # [T, KVH, hd]
+        else:
+            qk = q
+        if L.rope is not None:
+            cos, sin = step.rope[L.rope]
+            qk = self.ops.rotary(qk.contiguous(), cos, sin)
+        q = qk[:, :H]
+        if src == i:
+            k = qk[:, H:]
+            self.shared[i] = (k, v)
+        else:
+            k, v = self.shared[src]
+        a = paged_attention(
+            q, k, v, src, step.cache, step.attn_meta, self.scale, L.window, self.attend,
+            self.ops.decode_attention, self.softcap, write=src == i,
+        ).reshape(T, self.q_size)  # fmt: skip
+        o = L.o(a)  # [T, D]
+        if step.lora_o:
+            step.lora.add(i, self.o_parts, a, o, step.plan)
+        return self.reduce(o)
+
+
+class Gemma4ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 4 text (see the module docstring)."""
+
+    model_type = "gemma4_text"
+    config_class = Gemma4Config
+    layer_weights = GEMMA4_LAYER_WEIGHTS
+    norm_class = Gemma4RMSNorm
+    qk_norm = False  # q and k norms are the layer's own slots (a KV-sharing layer has no k's)
+    supports_tensor_parallel = False
+    cfg: Gemma4Config
+
+    @classmethod
+    def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
+        _refuse(c, source)
+        layers = int(c["num_hidden_layers"])
+        types = list(c.get("layer_types") or [])
+        if not types:
+            types = [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
+        if types:  # transformers forces the last layer global
+            types[-1] = FULL
+        rp = c.get("rope_parameters") or {}
+        rope = {t: rp.get(t) or _DEFAULT_ROPE[t] for t in (SLIDING, FULL)}
+        plain = {k: v for k, v in c.items() if k not in ("use_bidirectional_attention",)}
+        fields = super().config_fields(
+            {**plain, "layer_types": types, "rope_parameters": rope}, source
+        )
+        shared = int(c.get("num_kv_shared_layers") or 0)
+        return {
+            **fields,
+            "hidden_size_per_layer_input": int(c.get("hidden_size_per_layer_input") or 0),
+            "vocab_size_per_layer_input": int(
+                c.get("vocab_size_per_layer_input") or c["vocab_size"]
+            ),
+            "kv_source": tuple(kv_sources(types, shared, source)),
+        }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(cfg, dtype, device)
+        c = self.cfg
+        self.attn = Gemma4Attention(
+            list(c.kv_source), c.rms_norm_eps, c.hidden_size, c.num_heads, c.num_kv_heads,
+            c.head_dim, 1.0, False, self.ops, None,
+        )  # fmt: skip
+        self.act: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[c.hidden_act]
+        self._own: dict[str, torch.Tensor] = {}  # per-layer-input tensors, until build_own
+        P, L = c.hidden_size_per_layer_input, c.num_layers
+        self.ple_scale = torch.tensor(P**0.5).to(dtype).to(device)  # HF: float32, to the dtype
+        self.embed_tokens_per_layer: torch.Tensor | None = None  # [V_ple, L * P]
+        self.per_layer_model_projection: Linear | None = None  # [L * P, D]
+        self.per_layer_projection_norm: Gemma4RMSNorm | None = None  # [P]
+        self._ple_shapes = {
+            "embed_tokens_per_layer": (c.vocab_size_per_layer_input, L * P),
+            "per_layer_model_projection": (L * P, c.hidden_size),
+            "per_layer_projection_norm": (P,),
+        }
+
+    def layer_weights_of(self, layer: int) -> Mapping[str, tuple[str, int]]:
+        return self.layer_weights if self.cfg.kv_source[layer] == layer else SHARED_KV_LAYER_WEIGHTS
+
+    def _own_shape(self, key: str) -> tuple[int, ...] | None:
+        """The shape of one of the architecture's own tensors (None: not one of them)."""
+        c = self.cfg
+        if key in _PLE_TOP:
+            return self._ple_shapes[_PLE_TOP[key]] if c.hidden_size_per_layer_input else None
+        m = _OWN_LAYER.fullmatch(key)
+        if m is None or int(m.group(1)) >= c.num_layers:
+            return None
+        name, P, D = m.group(2), c.hidden_size_per_layer_input, c.hidden_size
+        if name == "layer_scalar":
+            return (1,)
+        if name == "self_attn.q_proj.weight":  # a KV-sharing layer's q alone
+            layer = int(m.group(1))
+            return None if c.kv_source[layer] == layer else (c.num_heads * c.head_dim, D)
+        if not P:
+            return None
+        return {"per_layer_input_gate.weight": (P, D), "per_layer_projection.weight": (D, P),
+                "post_per_layer_input_norm.weight": (D,)}[name]  # fmt: skip
+
+    def take_tensor(
+        self, key: str, read: Callable[[], torch.Tensor], shape: tuple[int, ...]
+    ) -> bool:
+        want = self._own_shape(key)
+        if want is None:
+            return False
+        if tuple(shape) != want:
+            raise ModelLoadError(
+                f"tensor {key!r} has shape {tuple(shape)}, config.json implies {want}"
+            )
+        self._own[key] = read()
+        return True
+
+    def _own_keys(self) -> list[str]:
+        c = self.cfg
+        keys = list(_PLE_TOP) if c.hidden_size_per_layer_input else []
+        for i in range(c.num_layers):
+            names = ["layer_scalar"]
+            if c.hidden_size_per_layer_input:
+                names += ["per_layer_input_gate.weight", "per_layer_projection.weight",
+                          "post_per_layer_input_norm.weight"]  # fmt: skip
+            if c.kv_source[i] != i:
+                names.append("self_attn.q_proj.weight")
+            keys += [f"model.layers.{i}.{n}" for n in names]
+        return keys
+
+    def check_own_tensors(self, src: object) -> None:
+        missing = [k for k in self._own_keys() if k not in self._own]
+        if missing:
+            raise ModelLoadError(
+                f"{src}: missing tensor(s) {missing[:4]}{'...' if len(missing) > 4 else ''}"
+            )
+
+    def build_own(self) -> None:
+        assert self.make_linear is not None
+        own, eps, make = self._own, self.cfg.rms_norm_eps, self.make_linear
+        if self.cfg.hidden_size_per_layer_input:
+            self.embed_tokens_per_layer = own.pop("model.embed_tokens_per_layer.weight")
+            self.per_layer_model_projection = make(
+                own.pop("model.per_layer_model_projection.weight"), None
+            )
+            self.per_layer_projection_norm = Gemma4RMSNorm(
+                own.pop("model.per_layer_projection_norm.weight"), eps
+            )
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            L.layer_scalar = own.pop(p + "layer_scalar")  # [1]
+            if self.cfg.kv_source[i] != i:
+                L.qkv = make(own.pop(p + "self_attn.q_proj.weight"), None)
+            if self.cfg.hidden_size_per_layer_input:
+                L.ple_gate = make(own.pop(p + "per_layer_input_gate.weight"), None)  # [P, D]
+                L.ple_proj = make(own.pop(p + "per_layer_projection.weight"), None)  # [D, P]
+                L.ple_norm = Gemma4RMSNorm(own.pop(p + "post_per_layer_input_norm.weight"), eps)
+
+    def per_layer_inputs(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The per-layer stream: h [T, D] (the scaled embeddings), ids [T] -> [T, L, P]."""
+        c = self.cfg
+        T, L, P = h.shape[0], c.num_layers, c.hidden_size_per_layer_input
+        assert self.embed_tokens_per_layer is not None and self.per_layer_model_projection
+        assert self.per_layer_projection_norm is not None
+        tok = (self.embed_tokens_per_layer[ids] * self.ple_scale).view(T, L, P)
+        ctx = self.per_layer_model_projection(h) * c.hidden_size**-0.5  # [T, L * P]
+        ctx = self.per_layer_projection_norm(ctx.view(T, L, P))
+        return (ctx + tok) * 2.0**-0.5
+
+    def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """Gemma 3's sandwich-normed layers, each followed by its per-layer input and scaled
+        by its ``layer_scalar``: h [T, D] (the embedding lookup) -> [T, D]."""
+        h = h * self.embed_scale
+        ple = None
+        if self.cfg.hidden_size_per_layer_input:
+            assert step.input_ids is not None
+            ple = self.per_layer_inputs(h, step.input_ids)  # [T, L, P]
+        ops, attn, mlp = self.ops, self.attn, self.mlp
+        attn.shared.clear()
+        for i, L in enumerate(self.layers):
+            h, x = ops.add_norm(h, None, L.ln1)
+            h, x = ops.add_norm(h, L.post_attn(attn(L, i, x, step)), L.ln2)
+            h = h + L.post_mlp(mlp(L, i, x, step))
+            if ple is not None:
+                g = self.act(L.ple_gate(h)) * ple[:, i]  # [T, P]
+                h = h + L.ple_norm(L.ple_proj(g))
+            h = h * L.layer_scalar
+        attn.shared.clear()
+        return h
+
+    @property
+    def nbytes(self) -> int:
+        extra = [self.embed_tokens_per_layer, self.per_layer_model_projection,
+                 self.per_layer_projection_norm]  # fmt: skip
+        return super().nbytes + sum(t.nbytes for t in extra if t is not None)
+
+
+_TEXT_PREFIXES = (("model.language_model.", "model."),)
+_GEMMA4_SKIPPED = (*_SKIPPED_PREFIXES, "model.audio_tower.", "model.embed_vision.",
+                   "model.embed_audio.")  # fmt: skip
+
+
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    """The language model of a Gemma 4 multimodal checkpoint (text prompts only; unlike
+    Gemma 3's, transformers soft-caps its logits)."""
+
+    model_type = "gemma4"
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith(_GEMMA4_SKIPPED):
+            return None  # the vision and audio towers and their embedders
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                return super().checkpoint_name(new + name[len(old) :])
+        return super().checkpoint_name(name)
