@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from loraplex.cache.adapters import TieredAdapterCache
-from loraplex.checkpoint.modules import LM_HEAD, VOCAB_LAYER, BaseModelSpec, vocab_module_shapes
+from loraplex.checkpoint.modules import LM_HEAD, VOCAB_LAYER, BaseModelSpec
 from loraplex.config import DTYPES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
@@ -237,7 +237,7 @@ def slot_bank(
     ``model.cfg`` (a tensor-parallel rank's: its cut of every module, which it keeps of each
     adapter written; the embedding's A is whole on every rank)."""
     mc, device = model.cfg, budget.device
-    vocab_shapes = vocab_module_shapes(mc.vocab_size, mc.hidden_size)
+    vocab_shapes = mc.outer_module_shapes()
     shapes = {
         (layer, proj): dims
         for layer in range(mc.num_layers)
@@ -294,9 +294,10 @@ def wire_lora(
         mc.num_layers,
         mc.module_shapes,
         mc.model_type,
-        vocab_module_shapes(mc.vocab_size, mc.hidden_size),
+        mc.outer_module_shapes(),
         text_only,
         mc.moe_spec(),
+        mc.layer_modules(),
     )
     cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
     adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=bank.dtype)

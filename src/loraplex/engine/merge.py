@@ -24,7 +24,8 @@ A MoE layer's router and experts stay gathered too (:func:`vocab_modules` names 
 vocabulary modules): a merged copy would be every expert of the layer (an expert adapter of a
 30B-A3B base would copy most of the base), while the gathered path reads only the experts the
 step's tokens chose, and only their LoRA rows. The attention projections merge as in a dense
-model.
+model. Gemma 4's per-layer input modules (beside the fused projections: its
+``per_layer_model_projection``, each layer's input gate and projection) stay gathered too.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.checkpoint.modules import EXPERT_PROJ_NAMES, ROUTER, VOCAB_LAYER
+from loraplex.checkpoint.modules import (
+    EXPERT_PROJ_NAMES,
+    PER_LAYER_INPUT_PROJ_NAMES,
+    ROUTER,
+    VOCAB_LAYER,
+)
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import DenseLinear, Linear, LinearFactory, PackedCPULinear
 from loraplex.model.panel_gemm import PanelLinear
@@ -80,12 +86,13 @@ def targeted_groups(
     return {(layer, rows[proj][0]) for layer, proj in weights if (layer, proj) not in gathered}
 
 
-_GATHERED_PROJS = frozenset((ROUTER, *EXPERT_PROJ_NAMES))
+_GATHERED_PROJS = frozenset((ROUTER, *EXPERT_PROJ_NAMES, *PER_LAYER_INPUT_PROJ_NAMES))
 
 
 def vocab_modules(weights: Mapping[tuple[int, str], object]) -> frozenset[tuple[int, str]]:
     """The adapter's modules that stay gathered when it runs merged: ``embed_tokens`` /
-    ``lm_head``, and a MoE layer's router and experts (module docstring)."""
+    ``lm_head``, a MoE layer's router and experts, Gemma 4's per-layer input modules (module
+    docstring)."""
     return frozenset(k for k in weights if k[0] == VOCAB_LAYER or k[1] in _GATHERED_PROJS)
 
 

@@ -37,6 +37,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from loraplex.checkpoint.modules import (
+    PER_LAYER_MODEL_PROJECTION,
+    VOCAB_LAYER,
+    per_layer_input_shapes,
+)
 from loraplex.model.attention import paged_attention
 from loraplex.model.decoder import LLAMA_LAYER_WEIGHTS
 from loraplex.model.gemma import (
@@ -95,6 +100,22 @@ class Gemma4Config(GemmaConfig):
     kv_source: tuple[int, ...] = ()
     """Per layer: the layer whose KV it attends over (itself, or for a KV-sharing layer the last
     earlier layer of its type with its own k/v)."""
+
+    def _modules(self) -> tuple[tuple[dict[str, tuple[int, int]], ...], dict]:
+        text = self.raw.get("text_config")
+        return per_layer_input_shapes(
+            text if isinstance(text, dict) else self.raw, self.module_shapes
+        )
+
+    def layer_modules(self) -> tuple[dict[str, tuple[int, int]], ...]:
+        return self._modules()[0]
+
+    def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
+        layers = self._modules()[0]
+        return layers[layer] if layers else self.module_shapes
+
+    def outer_module_shapes(self) -> dict[str, tuple[int, int]]:
+        return {**super().outer_module_shapes(), **self._modules()[1]}
 
 
 def kv_sources(types: list[str], shared: int, source: str) -> list[int]:
@@ -239,6 +260,10 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         self.embed_tokens_per_layer: torch.Tensor | None = None  # [V_ple, L * P]
         self.per_layer_model_projection: Linear | None = None  # [L * P, D]
         self.per_layer_projection_norm: Gemma4RMSNorm | None = None  # [P]
+        # the per-layer stream's LoRA groups: (proj, first column, end column)
+        self.ple_gate_parts = (("per_layer_input_gate", 0, P),)
+        self.ple_proj_parts = (("per_layer_projection", 0, c.hidden_size),)
+        self.ple_model_parts = ((PER_LAYER_MODEL_PROJECTION, 0, L * P),)
         self._ple_shapes = {
             "embed_tokens_per_layer": (c.vocab_size_per_layer_input, L * P),
             "per_layer_model_projection": (L * P, c.hidden_size),
@@ -321,25 +346,34 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                 L.ple_proj = make(own.pop(p + "per_layer_projection.weight"), None)  # [D, P]
                 L.ple_norm = Gemma4RMSNorm(own.pop(p + "post_per_layer_input_norm.weight"), eps)
 
-    def per_layer_inputs(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The per-layer stream: h [T, D] (the scaled embeddings), ids [T] -> [T, L, P]."""
+    def per_layer_inputs(
+        self, h: torch.Tensor, ids: torch.Tensor, step: LayerStep, lora: bool
+    ) -> torch.Tensor:
+        """The per-layer stream: h [T, D] (the scaled embeddings), ids [T] -> [T, L, P]
+        (``lora``: an adapter of the step targets ``per_layer_model_projection``)."""
         c = self.cfg
         T, L, P = h.shape[0], c.num_layers, c.hidden_size_per_layer_input
         assert self.embed_tokens_per_layer is not None and self.per_layer_model_projection
         assert self.per_layer_projection_norm is not None
         tok = (self.embed_tokens_per_layer[ids] * self.ple_scale).view(T, L, P)
-        ctx = self.per_layer_model_projection(h) * c.hidden_size**-0.5  # [T, L * P]
-        ctx = self.per_layer_projection_norm(ctx.view(T, L, P))
+        ctx = self.per_layer_model_projection(h)  # [T, L * P]
+        if lora:
+            step.lora.add(VOCAB_LAYER, self.ple_model_parts, h, ctx, step.plan)
+        ctx = self.per_layer_projection_norm((ctx * c.hidden_size**-0.5).view(T, L, P))
         return (ctx + tok) * 2.0**-0.5
 
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
-        """Gemma 3's sandwich-normed layers, each followed by its per-layer input and scaled
-        by its ``layer_scalar``: h [T, D] (the embedding lookup) -> [T, D]."""
+        """Gemma 3's sandwich-normed layers, each followed by its per-layer input (with the
+        LoRAs of its gate and projection) and scaled by its ``layer_scalar``: h [T, D] (the
+        embedding lookup) -> [T, D]."""
         h = h * self.embed_scale
-        ple = None
+        ple, on = None, [False] * 3
+        if step.lora is not None and step.plan is not None:
+            groups = (self.ple_gate_parts, self.ple_proj_parts, self.ple_model_parts)
+            on = step.lora.active(step.plan, groups)
         if self.cfg.hidden_size_per_layer_input:
             assert step.input_ids is not None
-            ple = self.per_layer_inputs(h, step.input_ids)  # [T, L, P]
+            ple = self.per_layer_inputs(h, step.input_ids, step, on[2])  # [T, L, P]
         ops, attn, mlp = self.ops, self.attn, self.mlp
         attn.shared.clear()
         for i, L in enumerate(self.layers):
@@ -347,8 +381,14 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             h, x = ops.add_norm(h, L.post_attn(attn(L, i, x, step)), L.ln2)
             h = h + L.post_mlp(mlp(L, i, x, step))
             if ple is not None:
-                g = self.act(L.ple_gate(h)) * ple[:, i]  # [T, P]
-                h = h + L.ple_norm(L.ple_proj(g))
+                g = L.ple_gate(h)  # [T, P]
+                if on[0]:
+                    step.lora.add(i, self.ple_gate_parts, h, g, step.plan)
+                g = self.act(g) * ple[:, i]
+                p = L.ple_proj(g)  # [T, D]
+                if on[1]:
+                    step.lora.add(i, self.ple_proj_parts, g, p, step.plan)
+                h = h + L.ple_norm(p)
             h = h * L.layer_scalar
         attn.shared.clear()
         return h
