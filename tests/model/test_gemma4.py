@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from loraplex import LLM, LoRARequest, ModelLoadError, SamplingParams
-from loraplex.model.config import parse_model_config
+from loraplex.model.config import load_model_config, parse_model_config
 from loraplex.model.norms import Gemma4RMSNorm
 from loraplex.model.rotary import make_rotary
 from loraplex.testing import (
@@ -26,6 +26,7 @@ from loraplex.testing import (
     make_random_model,
     reference_greedy,
 )
+from loraplex.tools import plan, verify
 
 S, F = "sliding_attention", "full_attention"
 PLE = ["per_layer_input_gate", "per_layer_projection"]
@@ -68,7 +69,7 @@ def gemma4(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("gemma4")
     model = make_random_model(
         root / "model", "gemma4_text", num_layers=6, seed=5, layer_types=[S, F] * 3,
-        num_kv_shared_layers=2, final_logit_softcapping=10.0,
+        num_kv_shared_layers=2, final_logit_softcapping=3.0, init_std=0.05,
     )  # fmt: skip
     adapters = {n: make_random_adapter(model, root / n, **kw) for n, kw in ADAPTERS.items()}
     refs = {n: _reference(model, adapters.get(n)) for n in [None, *adapters]}
@@ -135,6 +136,26 @@ def test_kv_sharing_layers_have_no_kv_modules(llm: LLM) -> None:
     assert (3, "k_proj") in bank and (4, "k_proj") not in bank and (5, "v_proj") not in bank
     assert all((i, p) in bank for i in range(6) for p in PLE)
     assert (-1, "per_layer_model_projection") in bank
+
+
+def test_byte_model_and_verify_know_the_shared_and_per_layer_modules(
+    gemma4: dict, capsys: pytest.CaptureFixture
+) -> None:
+    """``num_parameters`` and the planner count what transformers holds (no k/v in the
+    KV-sharing layers, the per-layer stream's tensors); the planner's adapter counts equal what
+    PEFT saved, and ``loraplex verify`` passes every adapter."""
+    model = gemma4["model"]
+    want = gemma4["refs"][None].num_parameters()
+    assert load_model_config(model).num_parameters() == want
+    shape = plan.load_model(str(model))
+    assert shape.params() == want
+    for name, path in gemma4["adapters"].items():
+        a = plan.adapter_from_path(str(path), shape)
+        assert a.file_params == a.params(shape) and not a.notes, (name, a.notes)
+        argv = [str(path), "--model", str(model), "--max-tokens", "2", "--json"]
+        rc = verify.main(argv)
+        doc = json.loads(capsys.readouterr().out)
+        assert rc == 0 and doc["verdict"] == "ok", (name, doc)
 
 
 def test_conditional_generation_serves_its_language_model(tmp_path: Path) -> None:

@@ -117,6 +117,18 @@ class Gemma4Config(GemmaConfig):
     def outer_module_shapes(self) -> dict[str, tuple[int, int]]:
         return {**super().outer_module_shapes(), **self._modules()[1]}
 
+    def num_parameters(self) -> int:
+        """Gemma 3's count, less the KV-sharing layers' k/v projections and k norms, plus the
+        per-layer stream (its embedding, model projection and norm; each layer's gate,
+        projection and norm). The layer scalars are buffers, not parameters."""
+        d, n, p = self.hidden_size, self.num_layers, self.hidden_size_per_layer_input
+        shared = sum(src != i for i, src in enumerate(self.kv_source))
+        kv = self.num_kv_heads * self.head_dim
+        ple = (
+            p * (self.vocab_size_per_layer_input * n + n * d + 1) + n * (2 * p * d + d) if p else 0
+        )
+        return super().num_parameters() - shared * (2 * d * kv + self.head_dim) + ple
+
 
 def kv_sources(types: list[str], shared: int, source: str) -> list[int]:
     """transformers' ``kv_sharing_modes``: the last ``shared`` layers reuse the KV of the last

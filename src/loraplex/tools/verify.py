@@ -48,7 +48,6 @@ from loraplex.checkpoint.modules import (
     PACKED_EXPERT_PARAMS,
     ROUTER,
     VOCAB_LAYER,
-    VOCAB_MODULES,
 )
 from loraplex.checkpoint.safetensors import SafetensorsError, safetensors_header
 from loraplex.lora.peft.config import merge_writes_tied_matrix
@@ -266,7 +265,7 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
                 wrong.append(f"{key}: not a LoRA of a module this model serves")
             continue
         layer, proj, ab = k.layer, k.proj, k.ab
-        known = proj in VOCAB_MODULES if layer == VOCAB_LAYER else proj in m.adapter_projs
+        known = proj in m.outer_modules if layer == VOCAB_LAYER else proj in m.adapter_projs
         if layer in sparse and proj not in ATTN_PROJ_NAMES:
             wrong.append(
                 f"{key}: layer {layer}'s MLP is {m.num_experts} experts and a router (no {proj})"

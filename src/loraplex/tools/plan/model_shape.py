@@ -14,6 +14,8 @@ from loraplex.checkpoint.modules import (
     FUSED_BY_MODEL_TYPE,
     FUSED_PROJ_NAMES,
     PACKED_EXPERT_PARAMS,
+    PER_LAYER_INPUT_PROJ_NAMES,
+    PER_LAYER_MODEL_PROJECTION,
     PROJ_NAMES,
     ROUTER,
     VOCAB_MODULES,
@@ -65,6 +67,9 @@ class ModelShape:
     sparse_layers: tuple[int, ...] | None = None  # the sparse layers (None: all, when MoE)
     moe_block: str = "mlp"  # the sparse block's checkpoint name (Mixtral's block_sparse_moe)
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none)
+    per_layer_input: int = 0  # Gemma 4's per-layer stream width P (0: none)
+    per_layer_vocab: int = 0  # ... and its embedding's vocabulary
+    kv_shared_layers: int = 0  # the last layers, without k/v projections (Gemma 4)
 
     @property
     def hd(self) -> int:
@@ -100,7 +105,7 @@ class ModelShape:
             f = next((f for f in self.fused if p in FUSED_PROJ_NAMES[f]), p)
             if f not in out:
                 out.append(f)
-        return tuple(out)
+        return (*out, *(PER_LAYER_INPUT_PROJ_NAMES if self.per_layer_input else ()))
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
@@ -109,14 +114,29 @@ class ModelShape:
         names = list(self.adapter_projs)
         if self.is_moe:
             names += [ROUTER, *EXPERT_CHECKPOINT_NAMES[self.moe_block]]
-        return tuple(dict.fromkeys([*names, *VOCAB_MODULES]))
+        return tuple(dict.fromkeys([*names, *self.outer_modules]))
+
+    @property
+    def outer_modules(self) -> tuple[str, ...]:
+        """The adaptable modules outside the layers: the vocabulary's (and Gemma 4's
+        ``per_layer_model_projection``)."""
+        return (*VOCAB_MODULES, *((PER_LAYER_MODEL_PROJECTION,) if self.per_layer_input else ()))
+
+    def layer_adapter_projs(self, layer: int) -> tuple[str, ...]:
+        """:attr:`adapter_projs` of ``layer`` (a Gemma 4 KV-sharing layer has no k/v)."""
+        if layer >= self.num_layers - self.kv_shared_layers:
+            return tuple(p for p in self.adapter_projs if p not in ("k_proj", "v_proj"))
+        return self.adapter_projs
 
     def layer_projs(self, layer: int) -> tuple[str, ...]:
         """The modules of ``layer`` as the engine holds them (fused ones split): the seven
         projections, or a sparse layer's attention, router and three expert projections."""
         if layer in self.sparse:
             return (*PROJ_NAMES[:4], ROUTER, *EXPERT_PROJ_NAMES)
-        return PROJ_NAMES
+        projs = (*PROJ_NAMES, *(PER_LAYER_INPUT_PROJ_NAMES if self.per_layer_input else ()))
+        if layer >= self.num_layers - self.kv_shared_layers:  # Gemma 4's: no k/v of its own
+            return tuple(p for p in projs if p not in ("k_proj", "v_proj"))
+        return projs
 
     def experts_of(self, proj: str) -> int:
         """How many times a module's ``(d_in, d_out)`` is held: E for an expert projection (the
@@ -129,6 +149,10 @@ class ModelShape:
         (one expert's)."""
         if proj in VOCAB_MODULES:
             return vocab_module_shapes(self.vocab_size, self.hidden_size)[proj]
+        d, p = self.hidden_size, self.per_layer_input
+        if p and proj in (*PER_LAYER_INPUT_PROJ_NAMES, PER_LAYER_MODEL_PROJECTION):
+            return {"per_layer_input_gate": (d, p), "per_layer_projection": (p, d),
+                    PER_LAYER_MODEL_PROJECTION: (d, self.num_layers * p)}[proj]  # fmt: skip
         if proj in ALL_FUSED:
             parts = [self.dims(q) for q in ALL_FUSED[proj]]
             return parts[0][0], sum(d_out for _, d_out in parts)
@@ -150,7 +174,10 @@ class ModelShape:
         """Parameters of every projection of every layer, a sparse layer's router and all its
         experts (no norms, embeddings or head)."""
         n_sparse = len(self.sparse)
-        out = (self.num_layers - n_sparse) * sum(math.prod(self.dims(p)) for p in PROJ_NAMES)
+        dense = (i for i in range(self.num_layers) if i not in self.sparse)
+        out = sum(math.prod(self.dims(p)) for i in dense for p in self.layer_projs(i))
+        if self.per_layer_input:
+            out += math.prod(self.dims(PER_LAYER_MODEL_PROJECTION))
         if n_sparse:
             attn = sum(math.prod(self.dims(p)) for p in PROJ_NAMES[:4])
             router = math.prod(self.dims(ROUTER))
@@ -160,7 +187,10 @@ class ModelShape:
     def _layer_extras(self) -> int:
         """A layer's norm and bias parameters, and the final norm."""
         norms = self.layer_norm_params or 2 * self.hidden_size
-        return self.num_layers * (norms + self.layer_bias_params) + self.hidden_size
+        if self.per_layer_input:  # Gemma 4's per-layer output norm, and its stream's norm
+            norms += self.hidden_size
+        extra = self.per_layer_input - self.kv_shared_layers * self.hd  # no k norm: shared
+        return self.num_layers * (norms + self.layer_bias_params) + self.hidden_size + extra
 
     def params(self) -> int:
         """All parameters: projections (every expert), biases, norms, embedding, LM head
@@ -170,6 +200,7 @@ class ModelShape:
             self.linear_params()
             + self._layer_extras()
             + emb * (1 if self.tie_word_embeddings else 2)
+            + self.per_layer_vocab * self.num_layers * self.per_layer_input  # Gemma 4's lookup
         )
 
     def experts_read(self, tokens: int) -> int:
@@ -286,6 +317,9 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             sparse_layers=tuple(moe.layers) if moe else None,
             moe_block=moe.block if moe else "mlp",
             layer_windows=tuple(_architecture(archs).windows_of(mc)),
+            per_layer_input=int(getattr(mc, "hidden_size_per_layer_input", 0)),
+            per_layer_vocab=int(getattr(mc, "vocab_size_per_layer_input", 0)),
+            kv_shared_layers=sum(s != i for i, s in enumerate(getattr(mc, "kv_source", ()))),
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
