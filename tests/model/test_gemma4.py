@@ -65,11 +65,14 @@ def _reference(base: Path, adapter: Path | None) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Six layers, the last two sharing the KV of layers 2 (sliding) and 3 (full)."""
+    """Six layers, the last two sharing the KV of layers 2 (sliding) and 3 (full) with MLPs
+    twice as wide; the full layers' heads 32 wide beside the sliding layers' 16 (the released
+    models' 512 and 256)."""
     root = tmp_path_factory.mktemp("gemma4")
     model = make_random_model(
         root / "model", "gemma4_text", num_layers=6, seed=5, layer_types=[S, F] * 3,
-        num_kv_shared_layers=2, final_logit_softcapping=3.0, init_std=0.05,
+        num_kv_shared_layers=2, final_logit_softcapping=3.0, init_std=0.05, global_head_dim=32,
+        use_double_wide_mlp=True,
     )  # fmt: skip
     adapters = {n: make_random_adapter(model, root / n, **kw) for n, kw in ADAPTERS.items()}
     refs = {n: _reference(model, adapters.get(n)) for n in [None, *adapters]}
@@ -229,11 +232,9 @@ def _config(**over: object) -> dict:
 @pytest.mark.parametrize(
     ("over", "named"),
     [
-        ({"global_head_dim": 32, "per_layer_config": None}, "global_head_dim 32"),
-        ({"per_layer_config": {"1": {"head_dim": 32}}}, "per_layer_config of layer 1"),
+        ({"per_layer_config": {"1": {"sliding_window": 8}}}, "layer 1 overrides"),
         ({"attention_k_eq_v": True}, "attention_k_eq_v"),
         ({"enable_moe_block": True}, "enable_moe_block"),
-        ({"use_double_wide_mlp": True}, "use_double_wide_mlp"),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"num_kv_shared_layers": 1}, "num_kv_shared_layers 1"),
     ],
@@ -243,6 +244,23 @@ def test_unservable_configs_are_refused_in_one_line(over: dict, named: str) -> N
     with pytest.raises(ModelLoadError, match=named) as info:
         parse_model_config(json.loads(json.dumps(raw)))
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("over", "want"),
+    [
+        ({}, [(16, 1, 64), (16, 1, 64)]),  # transformers 5's save of a model alike throughout
+        ({"per_layer_config": {"1": {"head_dim": 32}}}, [(16, 1, 64), (32, 1, 64)]),
+        ({"per_layer_config": None, "global_head_dim": 32}, [(16, 1, 64), (32, 1, 64)]),
+        ({"per_layer_config": None}, [(16, 1, 64), (512, 1, 64)]),  # transformers' default
+        ({"num_kv_shared_layers": 2, "num_hidden_layers": 4, "layer_types": [S, F, S, F],
+          "use_double_wide_mlp": True}, [(16, 1, 64)] * 2 + [(16, 1, 128)] * 2),
+    ],
+)  # fmt: skip
+def test_layer_geometry_follows_transformers(over: dict, want: list) -> None:
+    """Each layer's (head size, KV heads, MLP width), as transformers derives them."""
+    raw = {k: v for k, v in _config(**over).items() if v is not None}
+    assert list(parse_model_config(raw).geometry) == want
 
 
 def test_config_defaults_follow_transformers() -> None:

@@ -126,20 +126,33 @@ def per_layer_input_shapes(
 ) -> tuple[tuple[dict[str, tuple[int, int]], ...], dict[str, tuple[int, int]]]:
     """Where a text config makes layers differ (Gemma 4): each layer's adaptable modules, and
     the modules outside the layers beyond the vocabulary's, from ``shapes`` (a layer's seven
-    projections). With per-layer inputs (``hidden_size_per_layer_input`` P > 0) each layer has
-    :data:`PER_LAYER_INPUT_PROJ_NAMES` and the model :data:`PER_LAYER_MODEL_PROJECTION`; the
-    last ``num_kv_shared_layers`` layers have no ``k_proj`` / ``v_proj``. ``((), {})`` where
-    every layer has ``shapes``."""
+    projections) and each layer's head size, KV heads and MLP width
+    (``checkpoint.gemma4_layers.layer_geometry``). With per-layer inputs
+    (``hidden_size_per_layer_input`` P > 0) each layer has :data:`PER_LAYER_INPUT_PROJ_NAMES`
+    and the model :data:`PER_LAYER_MODEL_PROJECTION`; the last ``num_kv_shared_layers`` layers
+    have no ``k_proj`` / ``v_proj``. ``((), {})`` where every layer has ``shapes``."""
+    from loraplex.checkpoint import gemma4_layers
+
+    if raw.get("model_type") != gemma4_layers.MODEL_TYPE:
+        return (), {}
     ple = int(raw.get("hidden_size_per_layer_input") or 0)
     shared = int(raw.get("num_kv_shared_layers") or 0)
-    if not ple and not shared:
-        return (), {}
-    n, d = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
+    n, d, heads = (
+        int(raw["num_hidden_layers"]),
+        int(raw["hidden_size"]),
+        int(raw["num_attention_heads"]),
+    )
     extra = {"per_layer_input_gate": (d, ple), "per_layer_projection": (ple, d)} if ple else {}
-    own = {**shapes, **extra}
-    no_kv = {p: dims for p, dims in own.items() if p not in ("k_proj", "v_proj")}
+    layers = []
+    for i, (hd, kvh, inter) in enumerate(gemma4_layers.layer_geometry(raw)):
+        own = {**projection_shapes(d, heads, kvh, hd, inter), **extra}
+        if i >= n - shared:
+            own = {p: dims for p, dims in own.items() if p not in ("k_proj", "v_proj")}
+        layers.append(own)
+    if all(layer == dict(shapes) for layer in layers):
+        return (), {}
     outer = {PER_LAYER_MODEL_PROJECTION: (d, n * ple)} if ple else {}
-    return tuple(own if i < n - shared else no_kv for i in range(n)), outer
+    return tuple(layers), outer
 
 
 # -- mixture-of-experts layers -------------------------------------------------------------------

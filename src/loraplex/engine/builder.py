@@ -172,8 +172,9 @@ class MemoryBudget:
         c, mc = self.config, self.model_config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
+        width = max(kvh * hd for kvh, hd in mc.kv_layer_shapes())  # a page row's (the widest)
         per_block = PagedKVCache.bytes_per_block(
-            layers_per_group(self.groups), c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+            layers_per_group(self.groups), c.block_size, 1, width, self.dtype
         )
         budget = c.kv_cache_memory_bytes
         if budget is None:
@@ -418,7 +419,7 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
         model = DriverModel(model, workers)  # type: ignore[assignment]
     cache = PagedKVCache(
         local.num_layers, num_blocks, config.block_size, local.num_kv_heads, local.head_dim,
-        dtype, device, groups,
+        dtype, device, groups, local.kv_layer_shapes(),
     )  # fmt: skip
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     return EngineParts(

@@ -18,13 +18,18 @@ sliding layers per full one) with these differences, as transformers' ``modeling
   * per_layer[:, i]))``, then ``h *= layer_scalar`` (a checkpoint scalar per layer);
 - KV sharing (``num_kv_shared_layers``): the last layers have no k/v projections; each
   attends over the KV of the last earlier layer of its type (it writes none);
+- layers of their own shape (``checkpoint.gemma4_layers.layer_geometry``): the full-attention
+  layers' heads are ``global_head_dim`` wide (512 beside the sliding layers' 256 in the
+  released models; ``per_layer_config`` in transformers 5's saves), and with
+  ``use_double_wide_mlp`` the KV-sharing layers' MLP is twice as wide. One attention block and
+  one MLP block per distinct shape; the KV cache holds each layer in its own shape;
 - the final logit soft-cap applies to ``Gemma4ForConditionalGeneration`` too.
 
 ``Gemma4ForConditionalGeneration`` serves its language model (``model.language_model.*``);
 the vision and audio towers and their embedders are skipped. Refused at start-up, naming the
-field: full-attention layers of another head size or KV-head count than the sliding ones
-(``global_head_dim``, ``num_global_key_value_heads``, ``per_layer_config``), ``attention_k_eq_v``,
-the MoE block (``enable_moe_block``), ``use_double_wide_mlp`` and bidirectional attention.
+field: ``attention_k_eq_v`` (values from the key projection), the MoE block
+(``enable_moe_block``), ``per_layer_config`` overrides other than head size and KV heads, and
+bidirectional attention over everything.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from loraplex.checkpoint import gemma4_layers
+from loraplex.checkpoint.gemma4_layers import FULL, SLIDING
 from loraplex.checkpoint.modules import (
     PER_LAYER_MODEL_PROJECTION,
     VOCAB_LAYER,
@@ -44,19 +51,21 @@ from loraplex.checkpoint.modules import (
 )
 from loraplex.model.attention import paged_attention
 from loraplex.model.decoder import LLAMA_LAYER_WEIGHTS
-from loraplex.model.gemma import (
-    _SKIPPED_PREFIXES,
-    SLIDING,
-    Gemma3ForCausalLM,
-    GemmaConfig,
+from loraplex.model.gemma import _SKIPPED_PREFIXES, Gemma3ForCausalLM, GemmaConfig
+from loraplex.model.layers import (
+    ACTIVATIONS,
+    Attention,
+    DecoderLayer,
+    GatedMLP,
+    LayerStep,
+    ProjectionGroup,
+    RotaryEmbedding,
+    make_rotary,
 )
-from loraplex.model.layers import ACTIVATIONS, Attention, DecoderLayer, LayerStep
 from loraplex.model.linear import Linear
 from loraplex.model.norms import Gemma4RMSNorm
 from loraplex.model.spec import ModelConfig
 from loraplex.types import ModelLoadError
-
-FULL = "full_attention"
 
 GEMMA4_LAYER_WEIGHTS: Mapping[str, tuple[str, int]] = {
     **LLAMA_LAYER_WEIGHTS,
@@ -100,6 +109,18 @@ class Gemma4Config(GemmaConfig):
     kv_source: tuple[int, ...] = ()
     """Per layer: the layer whose KV it attends over (itself, or for a KV-sharing layer the last
     earlier layer of its type with its own k/v)."""
+    geometry: tuple[tuple[int, int, int], ...] = ()
+    """Per layer: ``(head_dim, kv_heads, intermediate)``."""
+
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        return [(kvh, hd) for hd, kvh, _ in self.geometry]
+
+    def layer_norm_params(self, layer: int) -> int:
+        """Four norms of the hidden size, q/k norms of the layer's head size (no k norm where
+        it shares KV), the per-layer output norm."""
+        own_k = self.kv_source[layer] == layer
+        per_layer = self.hidden_size if self.hidden_size_per_layer_input else 0
+        return 4 * self.hidden_size + self.geometry[layer][0] * (1 + own_k) + per_layer
 
     def _modules(self) -> tuple[tuple[dict[str, tuple[int, int]], ...], dict]:
         text = self.raw.get("text_config")
@@ -118,60 +139,33 @@ class Gemma4Config(GemmaConfig):
         return {**super().outer_module_shapes(), **self._modules()[1]}
 
     def num_parameters(self) -> int:
-        """Gemma 3's count, less the KV-sharing layers' k/v projections and k norms, plus the
-        per-layer stream (its embedding, model projection and norm; each layer's gate,
-        projection and norm). The layer scalars are buffers, not parameters."""
+        """Each layer's own projections (no k/v in a KV-sharing layer), its four norms of the
+        hidden size, q/k norms of its head size (no k norm where it shares KV) and per-layer
+        input modules; the embedding, final norm, and the per-layer stream's embedding,
+        projection and norm. The layer scalars are buffers, not parameters."""
         d, n, p = self.hidden_size, self.num_layers, self.hidden_size_per_layer_input
-        shared = sum(src != i for i, src in enumerate(self.kv_source))
-        kv = self.num_kv_heads * self.head_dim
-        ple = (
-            p * (self.vocab_size_per_layer_input * n + n * d + 1) + n * (2 * p * d + d) if p else 0
-        )
-        return super().num_parameters() - shared * (2 * d * kv + self.head_dim) + ple
-
-
-def kv_sources(types: list[str], shared: int, source: str) -> list[int]:
-    """transformers' ``kv_sharing_modes``: the last ``shared`` layers reuse the KV of the last
-    layer of their type before them."""
-    first = len(types) - shared
-    out = list(range(len(types)))
-    for i in range(first, len(types)):
-        earlier = [j for j in range(first) if types[j] == types[i]]
-        if not earlier:
-            raise ModelLoadError(
-                f"{source}: num_kv_shared_layers {shared}: layer {i} ({types[i]}) has no earlier "
-                "layer of its type to share KV with"
-            )
-        out[i] = earlier[-1]
-    return out
+        total = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
+        for i in range(n):
+            total += sum(a * b for a, b in self.layer_module_shapes(i).values())
+            total += self.layer_norm_params(i)
+        # the per-layer stream's embedding, model projection and norm
+        return total + (p * (self.vocab_size_per_layer_input * n + n * d + 1) if p else 0)
 
 
 def _refuse(c: Mapping[str, Any], source: str) -> None:
     """One line naming what this server cannot run (see the module docstring)."""
-    hd, kvh = int(c.get("head_dim") or 256), c.get("num_key_value_heads")
-    glob_hd = c.get("global_head_dim", 512 if "per_layer_config" not in c else hd)
-    if int(glob_hd or hd) != hd:
-        raise ModelLoadError(
-            f"{source}: global_head_dim {glob_hd} != head_dim {hd} (full-attention layers of "
-            "another head size) is not supported yet"
-        )
-    glob_kvh = c.get("num_global_key_value_heads")
     if c.get("attention_k_eq_v"):
         raise ModelLoadError(
             f"{source}: attention_k_eq_v (values from the key projection) is not supported yet"
         )
-    if glob_kvh is not None and int(glob_kvh) != int(kvh or 0):
-        raise ModelLoadError(
-            f"{source}: num_global_key_value_heads {glob_kvh} is not supported yet"
-        )
     for layer, over in (c.get("per_layer_config") or {}).items():
-        if any(over.get(k, v) != v for k, v in (("head_dim", hd), ("num_key_value_heads", kvh))):
+        other = sorted(set(over) - {"head_dim", "num_key_value_heads"})
+        if other:
             raise ModelLoadError(
-                f"{source}: per_layer_config of layer {layer} ({over}) is not supported yet"
+                f"{source}: per_layer_config of layer {layer} overrides {other}, not supported"
             )
-    for flag in ("enable_moe_block", "use_double_wide_mlp"):
-        if c.get(flag):
-            raise ModelLoadError(f"{source}: {flag} is not supported yet")
+    if c.get("enable_moe_block"):
+        raise ModelLoadError(f"{source}: enable_moe_block (the MoE block) is not supported yet")
     if c.get("use_bidirectional_attention") == "all":
         raise ModelLoadError(f"{source}: use_bidirectional_attention 'all' is not supported")
 
@@ -181,13 +175,20 @@ class Gemma4Attention(Attention):
     unscaled scores; a KV-sharing layer projects only q and attends over its source layer's KV
     (this step's rows from that layer's :meth:`__call__`, the rest from the cache)."""
 
-    def __init__(self, kv_source: list[int], eps: float, *args: Any) -> None:
+    def __init__(
+        self,
+        kv_source: list[int],
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        eps: float,
+        *args: Any,
+    ) -> None:
         super().__init__(*args)
         self.kv_source = kv_source
         self.eps = eps
         self.q_parts = self.qkv_parts[:1]  # a KV-sharing layer's q/k/v Linear is q alone
-        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        """This step's k and v [T, KVH, hd] of each source layer (reset by ``run_layers``)."""
+        self.shared = shared
+        """This step's k and v [T, KVH, hd] of each source layer (one dict for every block of
+        the model, reset by ``run_layers``)."""
 
     def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
         T, hd, H = x.shape[0], self.head_dim, self.num_heads
@@ -236,12 +237,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
         _refuse(c, source)
-        layers = int(c["num_hidden_layers"])
-        types = list(c.get("layer_types") or [])
-        if not types:
-            types = [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
-        if types:  # transformers forces the last layer global
-            types[-1] = FULL
+        types = gemma4_layers.layer_types(c)
         rp = c.get("rope_parameters") or {}
         rope = {t: rp.get(t) or _DEFAULT_ROPE[t] for t in (SLIDING, FULL)}
         plain = {k: v for k, v in c.items() if k not in ("use_bidirectional_attention",)}
@@ -249,22 +245,47 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             {**plain, "layer_types": types, "rope_parameters": rope}, source
         )
         shared = int(c.get("num_kv_shared_layers") or 0)
+        try:
+            sources = gemma4_layers.kv_sources(types, shared)
+        except ValueError as e:
+            raise ModelLoadError(f"{source}: {e}") from None
         return {
             **fields,
             "hidden_size_per_layer_input": int(c.get("hidden_size_per_layer_input") or 0),
             "vocab_size_per_layer_input": int(
                 c.get("vocab_size_per_layer_input") or c["vocab_size"]
             ),
-            "kv_source": tuple(kv_sources(types, shared, source)),
+            "kv_source": tuple(sources),
+            "geometry": tuple(gemma4_layers.layer_geometry(c)),
         }
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(cfg, dtype, device)
         c = self.cfg
-        self.attn = Gemma4Attention(
-            list(c.kv_source), c.rms_norm_eps, c.hidden_size, c.num_heads, c.num_kv_heads,
-            c.head_dim, 1.0, False, self.ops, None,
-        )  # fmt: skip
+        self._shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        blocks: dict[tuple[int, int, int], tuple[Gemma4Attention, GatedMLP]] = {}
+        for geo in dict.fromkeys(c.geometry):  # one attention and one MLP block per shape
+            hd, kvh, inter = geo
+            blocks[geo] = (
+                Gemma4Attention(
+                    list(c.kv_source),
+                    self._shared,
+                    c.rms_norm_eps,
+                    c.hidden_size,
+                    c.num_heads,
+                    kvh,
+                    hd,
+                    1.0,
+                    False,
+                    self.ops,
+                    None,
+                ),
+                GatedMLP(c.hidden_size, inter, c.hidden_act, self.ops),
+            )
+        self.attns = [blocks[geo][0] for geo in c.geometry]
+        self.mlps = [blocks[geo][1] for geo in c.geometry]
+        self.attn, self.mlp = self.attns[0], self.mlps[0]
+        self.blocks = list(blocks.values())
         self.act: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[c.hidden_act]
         self._own: dict[str, torch.Tensor] = {}  # per-layer-input tensors, until build_own
         P, L = c.hidden_size_per_layer_input, c.num_layers
@@ -285,6 +306,28 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     def layer_weights_of(self, layer: int) -> Mapping[str, tuple[str, int]]:
         return self.layer_weights if self.cfg.kv_source[layer] == layer else SHARED_KV_LAYER_WEIGHTS
 
+    def layer_rotaries(self) -> list[RotaryEmbedding | None]:
+        """Gemma 3's two ropes, each over its layers' own head size."""
+        c, dt, dev = self.cfg, self.dtype, self.device
+        sizes = {t: hd for t, (hd, _, _) in zip(c.layer_types, c.geometry, strict=True)}
+        glob = make_rotary(sizes.get(FULL, c.head_dim), c.rope_theta, c.rope_scaling, dt, dev)
+        local = make_rotary(
+            sizes.get(SLIDING, c.head_dim), c.local_rope_theta, c.local_rope_scaling, dt, dev
+        )
+        return [local if t == SLIDING else glob for t in c.layer_types]
+
+    def layer_projection_groups(self, layer: int) -> tuple[ProjectionGroup, ...]:
+        return (*self.attns[layer].groups, *self.mlps[layer].groups)
+
+    def layer_norm_dims(self, layer: int) -> dict[str, int]:
+        hd = self.cfg.geometry[layer][0]
+        return {**self.norm_dims(self.cfg), "q_norm": hd, "k_norm": hd}
+
+    def use_layer_ops(self, ops: Any) -> None:
+        self.ops = ops
+        for attn, mlp in self.blocks:
+            attn.ops = mlp.ops = ops
+
     def _own_shape(self, key: str) -> tuple[int, ...] | None:
         """The shape of one of the architecture's own tensors (None: not one of them)."""
         c = self.cfg
@@ -298,7 +341,8 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             return (1,)
         if name == "self_attn.q_proj.weight":  # a KV-sharing layer's q alone
             layer = int(m.group(1))
-            return None if c.kv_source[layer] == layer else (c.num_heads * c.head_dim, D)
+            q = c.num_heads * c.geometry[layer][0]
+            return None if c.kv_source[layer] == layer else (q, D)
         if not P:
             return None
         return {"per_layer_input_gate.weight": (P, D), "per_layer_projection.weight": (D, P),
@@ -386,9 +430,9 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         if self.cfg.hidden_size_per_layer_input:
             assert step.input_ids is not None
             ple = self.per_layer_inputs(h, step.input_ids, step, on[2])  # [T, L, P]
-        ops, attn, mlp = self.ops, self.attn, self.mlp
-        attn.shared.clear()
-        for i, L in enumerate(self.layers):
+        ops = self.ops
+        self._shared.clear()
+        for i, (L, attn, mlp) in enumerate(zip(self.layers, self.attns, self.mlps, strict=True)):
             h, x = ops.add_norm(h, None, L.ln1)
             h, x = ops.add_norm(h, L.post_attn(attn(L, i, x, step)), L.ln2)
             h = h + L.post_mlp(mlp(L, i, x, step))
@@ -402,7 +446,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                     step.lora.add(i, self.ple_proj_parts, g, p, step.plan)
                 h = h + L.ple_norm(p)
             h = h * L.layer_scalar
-        attn.shared.clear()
+        self._shared.clear()
         return h
 
     @property

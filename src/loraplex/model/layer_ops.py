@@ -398,8 +398,8 @@ def self_check(ops: CLayerOps) -> None:
         for act in ACTIVATION_CODES:
             check(act, ops.gated(gu, 41, act), ref.gated(gu, 41, act), dtype)
         cache = PagedKVCache(1, 9, bs, 2, hd, dtype, torch.device("cpu"))  # GQA: 6 q on 2 kv
-        cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-        cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+        for t in cache.layer_kv(0):
+            t.copy_(torch.randn(t.shape, generator=g))
         q = torch.randn(5, 6, hd, generator=g).to(dtype)
         for masks, attend, cap in attends:
             got = ops.decode_attention(

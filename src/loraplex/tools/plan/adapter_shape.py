@@ -113,7 +113,8 @@ class AdapterShape:
         """One module's parameters: r x (d_in + d_out), an expert module's summed over its
         experts."""
         ranks = self.expert_ranks.get(key)
-        return sum(m.dims(key[1])) * (sum(ranks) if ranks is not None else self.modules[key])
+        dims = m.dims(key[1], key[0])
+        return sum(dims) * (sum(ranks) if ranks is not None else self.modules[key])
 
     def params(self, m: ModelShape) -> int:
         return sum(self.module_params(m, key) for key in self.modules)
@@ -135,7 +136,7 @@ class AdapterShape:
         read = m.experts_read(tokens)
         total = 0
         for key, r in self.modules.items():
-            split = sum(sum(m.dims(q)) for q in ALL_FUSED.get(key[1], (key[1],)))
+            split = sum(sum(m.dims(q, key[0])) for q in ALL_FUSED.get(key[1], (key[1],)))
             ranks = self.expert_ranks.get(key)
             total += split * (r if ranks is None else sum(sorted(ranks, reverse=True)[:read]))
         return total - r_embed * m.vocab_size

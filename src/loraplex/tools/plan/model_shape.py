@@ -69,7 +69,10 @@ class ModelShape:
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none)
     per_layer_input: int = 0  # Gemma 4's per-layer stream width P (0: none)
     per_layer_vocab: int = 0  # ... and its embedding's vocabulary
-    kv_shared_layers: int = 0  # the last layers, without k/v projections (Gemma 4)
+    layer_modules: tuple[dict[str, tuple[int, int]], ...] = ()
+    """Each layer's modules -> (d_in, d_out) where layers differ (Gemma 4's head sizes, MLP
+    widths, KV-sharing layers, per-layer input modules: ``ModelConfig.layer_modules``)."""
+    layer_norms: tuple[int, ...] = ()  # each layer's norm parameters, where they differ
 
     @property
     def hd(self) -> int:
@@ -124,29 +127,30 @@ class ModelShape:
 
     def layer_adapter_projs(self, layer: int) -> tuple[str, ...]:
         """:attr:`adapter_projs` of ``layer`` (a Gemma 4 KV-sharing layer has no k/v)."""
-        if layer >= self.num_layers - self.kv_shared_layers:
-            return tuple(p for p in self.adapter_projs if p not in ("k_proj", "v_proj"))
-        return self.adapter_projs
+        return tuple(self.layer_modules[layer]) if self.layer_modules else self.adapter_projs
 
     def layer_projs(self, layer: int) -> tuple[str, ...]:
         """The modules of ``layer`` as the engine holds them (fused ones split): the seven
         projections, or a sparse layer's attention, router and three expert projections."""
         if layer in self.sparse:
             return (*PROJ_NAMES[:4], ROUTER, *EXPERT_PROJ_NAMES)
-        projs = (*PROJ_NAMES, *(PER_LAYER_INPUT_PROJ_NAMES if self.per_layer_input else ()))
-        if layer >= self.num_layers - self.kv_shared_layers:  # Gemma 4's: no k/v of its own
-            return tuple(p for p in projs if p not in ("k_proj", "v_proj"))
-        return projs
+        if self.layer_modules:
+            return tuple(self.layer_modules[layer])
+        return PROJ_NAMES
 
     def experts_of(self, proj: str) -> int:
         """How many times a module's ``(d_in, d_out)`` is held: E for an expert projection (the
         slot bank's ``E x capacity`` rows), else 1."""
         return self.num_experts if proj.startswith("experts.") else 1
 
-    def dims(self, proj: str) -> tuple[int, int]:
-        """(d_in, d_out) of a projection, of a fused module (its parts' rows), of
-        ``embed_tokens`` / ``lm_head``, or of a sparse layer's router and expert projections
-        (one expert's)."""
+    def dims(self, proj: str, layer: int | None = None) -> tuple[int, int]:
+        """(d_in, d_out) of a projection (in ``layer``, where layers differ), of a fused module
+        (its parts' rows), of ``embed_tokens`` / ``lm_head``, or of a sparse layer's router and
+        expert projections (one expert's)."""
+        if layer is not None and layer >= 0 and self.layer_modules:
+            own = self.layer_modules[layer].get(proj)
+            if own is not None:
+                return own
         if proj in VOCAB_MODULES:
             return vocab_module_shapes(self.vocab_size, self.hidden_size)[proj]
         d, p = self.hidden_size, self.per_layer_input
@@ -175,7 +179,7 @@ class ModelShape:
         experts (no norms, embeddings or head)."""
         n_sparse = len(self.sparse)
         dense = (i for i in range(self.num_layers) if i not in self.sparse)
-        out = sum(math.prod(self.dims(p)) for i in dense for p in self.layer_projs(i))
+        out = sum(math.prod(self.dims(p, i)) for i in dense for p in self.layer_projs(i))
         if self.per_layer_input:
             out += math.prod(self.dims(PER_LAYER_MODEL_PROJECTION))
         if n_sparse:
@@ -187,10 +191,9 @@ class ModelShape:
     def _layer_extras(self) -> int:
         """A layer's norm and bias parameters, and the final norm."""
         norms = self.layer_norm_params or 2 * self.hidden_size
-        if self.per_layer_input:  # Gemma 4's per-layer output norm, and its stream's norm
-            norms += self.hidden_size
-        extra = self.per_layer_input - self.kv_shared_layers * self.hd  # no k norm: shared
-        return self.num_layers * (norms + self.layer_bias_params) + self.hidden_size + extra
+        every = sum(self.layer_norms) if self.layer_norms else self.num_layers * norms
+        stream = self.per_layer_input  # Gemma 4's per-layer stream's norm
+        return every + self.num_layers * self.layer_bias_params + self.hidden_size + stream
 
     def params(self) -> int:
         """All parameters: projections (every expert), biases, norms, embedding, LM head
@@ -319,7 +322,8 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             layer_windows=tuple(_architecture(archs).windows_of(mc)),
             per_layer_input=int(getattr(mc, "hidden_size_per_layer_input", 0)),
             per_layer_vocab=int(getattr(mc, "vocab_size_per_layer_input", 0)),
-            kv_shared_layers=sum(s != i for i, s in enumerate(getattr(mc, "kv_source", ()))),
+            layer_modules=mc.layer_modules(),
+            layer_norms=tuple(mc.layer_norm_params(i) for i in range(mc.num_layers)),
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
