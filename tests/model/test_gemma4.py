@@ -161,6 +161,32 @@ def test_byte_model_and_verify_know_the_shared_and_per_layer_modules(
         assert rc == 0 and doc["verdict"] == "ok", (name, doc)
 
 
+def test_values_from_keys(tmp_path: Path) -> None:
+    """``attention_k_eq_v`` (the 31B's layout): the full layers' values are their keys'
+    projection, over their own KV heads and head size; adapters of three ranks (v_proj where
+    the sliding layers have it) in one batch, against transformers + PEFT unmerged."""
+    model = make_random_model(
+        tmp_path / "model", "gemma4_text", num_layers=4, seed=6, layer_types=[S, F, S, F],
+        init_std=0.05, global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
+    )  # fmt: skip
+    specs = {"all": dict(r=8, target_modules=[*ALL_PROJ, *PLE], seed=1),
+             "kv": dict(r=4, target_modules=["k_proj", "v_proj"], seed=2),
+             "qo": dict(r=16, target_modules=["q_proj", "o_proj"], seed=3)}  # fmt: skip
+    adapters = {n: make_random_adapter(model, tmp_path / n, **kw) for n, kw in specs.items()}
+    llm = LLM(str(model), max_loras=3, max_lora_rank=16, dtype="float32", block_size=4)
+    assert (1, "v_proj") not in llm.engine.adapters.bank.module_shapes  # a full layer: none
+    names = [None, *adapters]
+    loras = [LoRARequest(n, str(adapters[n])) if n else None for n in names]
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    outs = llm.generate(PROMPTS[: len(names)], sp, lora_request=loras)
+    tok = llm.get_tokenizer()
+    for name, prompt, out in zip(names, PROMPTS, outs, strict=True):
+        ref = _reference(model, adapters.get(name) if name else None)
+        want, ref_lp = reference_greedy(ref, tok(prompt).input_ids, N_NEW)
+        assert out.outputs[0].token_ids == want, name
+        assert logprob_gap(out.outputs[0].logprobs, ref_lp) < SAMPLE_TOL, name
+
+
 def test_conditional_generation_serves_its_language_model(tmp_path: Path) -> None:
     """The multimodal wrapper's language model (its vision tower skipped), with an adapter on
     the per-layer modules, against transformers + PEFT."""
@@ -233,7 +259,6 @@ def _config(**over: object) -> dict:
     ("over", "named"),
     [
         ({"per_layer_config": {"1": {"sliding_window": 8}}}, "layer 1 overrides"),
-        ({"attention_k_eq_v": True}, "attention_k_eq_v"),
         ({"enable_moe_block": True}, "enable_moe_block"),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"num_kv_shared_layers": 1}, "num_kv_shared_layers 1"),
@@ -253,6 +278,10 @@ def test_unservable_configs_are_refused_in_one_line(over: dict, named: str) -> N
         ({"per_layer_config": {"1": {"head_dim": 32}}}, [(16, 1, 64), (32, 1, 64)]),
         ({"per_layer_config": None, "global_head_dim": 32}, [(16, 1, 64), (32, 1, 64)]),
         ({"per_layer_config": None}, [(16, 1, 64), (512, 1, 64)]),  # transformers' default
+        ({"per_layer_config": None, "num_global_key_value_heads": 2, "global_head_dim": 32},
+         [(16, 1, 64), (32, 1, 64)]),  # without attention_k_eq_v transformers ignores it
+        ({"per_layer_config": None, "num_global_key_value_heads": 2, "global_head_dim": 32,
+          "attention_k_eq_v": True}, [(16, 1, 64), (32, 2, 64)]),
         ({"num_kv_shared_layers": 2, "num_hidden_layers": 4, "layer_types": [S, F, S, F],
           "use_double_wide_mlp": True}, [(16, 1, 64)] * 2 + [(16, 1, 128)] * 2),
     ],

@@ -67,3 +67,10 @@ def layer_geometry(raw: Mapping[str, Any]) -> list[tuple[int, int, int]]:
         wide = raw.get("use_double_wide_mlp") and i >= len(types) - shared
         out.append((*geo, inter * (2 if wide else 1)))
     return out
+
+
+def values_from_keys(raw: Mapping[str, Any]) -> list[bool]:
+    """Per layer: whether its values are its keys' projection (``attention_k_eq_v``: the full
+    layers have no ``v_proj``; v is k's projection before the k norm)."""
+    tied = bool(raw.get("attention_k_eq_v"))
+    return [tied and t == FULL for t in layer_types(raw)]

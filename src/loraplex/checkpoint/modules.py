@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.checkpoint import gemma4_layers
+
 PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The Llama-family projections an adapter may target (attention first, then MLP)."""
 FUSED_PROJ_NAMES: dict[str, tuple[str, ...]] = {
@@ -130,8 +132,8 @@ def per_layer_input_shapes(
     (``checkpoint.gemma4_layers.layer_geometry``). With per-layer inputs
     (``hidden_size_per_layer_input`` P > 0) each layer has :data:`PER_LAYER_INPUT_PROJ_NAMES`
     and the model :data:`PER_LAYER_MODEL_PROJECTION`; the last ``num_kv_shared_layers`` layers
-    have no ``k_proj`` / ``v_proj``. ``((), {})`` where every layer has ``shapes``."""
-    from loraplex.checkpoint import gemma4_layers
+    have no ``k_proj`` / ``v_proj``, and with ``attention_k_eq_v`` the full layers no
+    ``v_proj``. ``((), {})`` where every layer has ``shapes``."""
 
     if raw.get("model_type") != gemma4_layers.MODEL_TYPE:
         return (), {}
@@ -144,11 +146,11 @@ def per_layer_input_shapes(
     )
     extra = {"per_layer_input_gate": (d, ple), "per_layer_projection": (ple, d)} if ple else {}
     layers = []
+    tied = gemma4_layers.values_from_keys(raw)
     for i, (hd, kvh, inter) in enumerate(gemma4_layers.layer_geometry(raw)):
         own = {**projection_shapes(d, heads, kvh, hd, inter), **extra}
-        if i >= n - shared:
-            own = {p: dims for p, dims in own.items() if p not in ("k_proj", "v_proj")}
-        layers.append(own)
+        drop = ("k_proj", "v_proj") if i >= n - shared else ("v_proj",) if tied[i] else ()
+        layers.append({p: dims for p, dims in own.items() if p not in drop})
     if all(layer == dict(shapes) for layer in layers):
         return (), {}
     outer = {PER_LAYER_MODEL_PROJECTION: (d, n * ple)} if ple else {}

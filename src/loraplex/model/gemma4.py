@@ -18,6 +18,8 @@ sliding layers per full one) with these differences, as transformers' ``modeling
   * per_layer[:, i]))``, then ``h *= layer_scalar`` (a checkpoint scalar per layer);
 - KV sharing (``num_kv_shared_layers``): the last layers have no k/v projections; each
   attends over the KV of the last earlier layer of its type (it writes none);
+- ``attention_k_eq_v`` (the 31B): the full layers have no v projection; their values are the
+  keys' projection before the k norm (then v-normed), over ``num_global_key_value_heads``;
 - layers of their own shape (``checkpoint.gemma4_layers.layer_geometry``): the full-attention
   layers' heads are ``global_head_dim`` wide (512 beside the sliding layers' 256 in the
   released models; ``per_layer_config`` in transformers 5's saves), and with
@@ -27,9 +29,8 @@ sliding layers per full one) with these differences, as transformers' ``modeling
 
 ``Gemma4ForConditionalGeneration`` serves its language model (``model.language_model.*``);
 the vision and audio towers and their embedders are skipped. Refused at start-up, naming the
-field: ``attention_k_eq_v`` (values from the key projection), the MoE block
-(``enable_moe_block``), ``per_layer_config`` overrides other than head size and KV heads, and
-bidirectional attention over everything.
+field: the MoE block (``enable_moe_block``, the 26B-A4B), ``per_layer_config`` overrides other
+than head size and KV heads, and bidirectional attention over everything.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ SHARED_KV_LAYER_WEIGHTS: Mapping[str, tuple[str, int]] = {
 }
 """A KV-sharing layer's: no k/v projections, no k norm (its q projection is the layer's own
 tensor, see ``Gemma4ForCausalLM.take_tensor``)."""
+K_EQ_V_LAYER_WEIGHTS: Mapping[str, tuple[str, int]] = {
+    k: v for k, v in GEMMA4_LAYER_WEIGHTS.items() if k != "self_attn.v_proj"
+}
+"""A layer whose values are its keys' projection (``attention_k_eq_v``): q and k only."""
 
 _DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -111,6 +116,8 @@ class Gemma4Config(GemmaConfig):
     earlier layer of its type with its own k/v)."""
     geometry: tuple[tuple[int, int, int], ...] = ()
     """Per layer: ``(head_dim, kv_heads, intermediate)``."""
+    values_from_keys: tuple[bool, ...] = ()
+    """Per layer: its values are its keys' projection (``attention_k_eq_v``, full layers)."""
 
     def kv_layer_shapes(self) -> list[tuple[int, int]]:
         return [(kvh, hd) for hd, kvh, _ in self.geometry]
@@ -154,10 +161,6 @@ class Gemma4Config(GemmaConfig):
 
 def _refuse(c: Mapping[str, Any], source: str) -> None:
     """One line naming what this server cannot run (see the module docstring)."""
-    if c.get("attention_k_eq_v"):
-        raise ModelLoadError(
-            f"{source}: attention_k_eq_v (values from the key projection) is not supported yet"
-        )
     for layer, over in (c.get("per_layer_config") or {}).items():
         other = sorted(set(over) - {"head_dim", "num_key_value_heads"})
         if other:
@@ -180,9 +183,15 @@ class Gemma4Attention(Attention):
         kv_source: list[int],
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]],
         eps: float,
+        values_from_keys: bool,
         *args: Any,
     ) -> None:
         super().__init__(*args)
+        if values_from_keys:  # q and k only: v is k's projection
+            name, d_in, parts = self.groups[0]
+            self.groups = ((name, d_in, parts[:2]), self.groups[1])
+            self.qkv_parts = parts[:2]
+        self.values_from_keys = values_from_keys
         self.kv_source = kv_source
         self.eps = eps
         self.q_parts = self.qkv_parts[:1]  # a KV-sharing layer's q/k/v Linear is q alone
@@ -193,14 +202,14 @@ class Gemma4Attention(Attention):
     def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
         T, hd, H = x.shape[0], self.head_dim, self.num_heads
         src = self.kv_source[i]
-        qkv = L.qkv(x)  # [T, q + 2 kv], or [T, q] where the layer shares KV
+        qkv = L.qkv(x)  # [T, q + 2 kv]; [T, q + kv]: v from k; [T, q] where it shares KV
         if step.lora_qkv:
             step.lora.add(i, self.qkv_parts if src == i else self.q_parts, x, qkv, step.plan)
         q = L.q_norm(qkv[:, : self.q_size].view(T, H, hd))  # [T, H, hd]
         if src == i:
-            k = L.k_norm(qkv[:, self.q_size : self.qk_size].view(T, -1, hd))  # [T, KVH, hd]
-            qk = torch.cat((q, k), dim=1)  # [T, H + KVH, hd]
-            v = qkv[:, self.qk_size :].view(T, -1, hd)
+            k = qkv[:, self.q_size : self.qk_size].view(T, -1, hd)  # [T, KVH, hd]
+            v = k if self.values_from_keys else qkv[:, self.qk_size :].view(T, -1, hd)
+            qk = torch.cat((q, L.k_norm(k)), dim=1)  # [T, H + KVH, hd]
             v = F.rms_norm(v.float(), (hd,), None, self.eps).to(v.dtype)  # [T, KVH, hd]
         else:
             qk = q
@@ -257,33 +266,24 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             ),
             "kv_source": tuple(sources),
             "geometry": tuple(gemma4_layers.layer_geometry(c)),
+            "values_from_keys": tuple(gemma4_layers.values_from_keys(c)),
         }
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(cfg, dtype, device)
         c = self.cfg
         self._shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        blocks: dict[tuple[int, int, int], tuple[Gemma4Attention, GatedMLP]] = {}
-        for geo in dict.fromkeys(c.geometry):  # one attention and one MLP block per shape
-            hd, kvh, inter = geo
-            blocks[geo] = (
-                Gemma4Attention(
-                    list(c.kv_source),
-                    self._shared,
-                    c.rms_norm_eps,
-                    c.hidden_size,
-                    c.num_heads,
-                    kvh,
-                    hd,
-                    1.0,
-                    False,
-                    self.ops,
-                    None,
-                ),
+        kinds = [(*g, t) for g, t in zip(c.geometry, c.values_from_keys, strict=True)]
+        blocks: dict[tuple[int, int, int, bool], tuple[Gemma4Attention, GatedMLP]] = {}
+        for kind in dict.fromkeys(kinds):  # one attention and one MLP block per shape
+            hd, kvh, inter, tied = kind
+            attn_args = (c.hidden_size, c.num_heads, kvh, hd, 1.0, False, self.ops, None)
+            blocks[kind] = (
+                Gemma4Attention(list(c.kv_source), self._shared, c.rms_norm_eps, tied, *attn_args),
                 GatedMLP(c.hidden_size, inter, c.hidden_act, self.ops),
             )
-        self.attns = [blocks[geo][0] for geo in c.geometry]
-        self.mlps = [blocks[geo][1] for geo in c.geometry]
+        self.attns = [blocks[kind][0] for kind in kinds]
+        self.mlps = [blocks[kind][1] for kind in kinds]
         self.attn, self.mlp = self.attns[0], self.mlps[0]
         self.blocks = list(blocks.values())
         self.act: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[c.hidden_act]
@@ -304,7 +304,9 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         }
 
     def layer_weights_of(self, layer: int) -> Mapping[str, tuple[str, int]]:
-        return self.layer_weights if self.cfg.kv_source[layer] == layer else SHARED_KV_LAYER_WEIGHTS
+        if self.cfg.kv_source[layer] != layer:
+            return SHARED_KV_LAYER_WEIGHTS
+        return K_EQ_V_LAYER_WEIGHTS if self.cfg.values_from_keys[layer] else self.layer_weights
 
     def layer_rotaries(self) -> list[RotaryEmbedding | None]:
         """Gemma 3's two ropes, each over its layers' own head size."""
