@@ -50,8 +50,8 @@ class RotaryEmbedding:
         device: torch.device,
     ) -> None:
         self.head_dim = head_dim
-        self.rotary_dim = int(head_dim * float((scaling or {}).get("partial_rotary_factor", 1.0)))
-        """The rotated dims of each head (HF: ``int(head_dim * partial_rotary_factor)``)."""
+        self.rotary_dim = self.table_dims(head_dim, scaling)
+        """The dims of each head the tables cover (HF: ``int(head_dim * partial_rotary_factor)``)."""
         self.base = base
         self.scaling = scaling
         self.attention_factor = 1.0
@@ -60,6 +60,12 @@ class RotaryEmbedding:
         self.device = device
         self._len = 0
         self._cos = self._sin = torch.empty(0)
+
+    @staticmethod
+    def table_dims(head_dim: int, scaling: Mapping[str, Any] | None) -> int:
+        """The dims of a head the cos/sin tables cover (and rotation reads): the first
+        ``partial_rotary_factor`` of it."""
+        return int(head_dim * float((scaling or {}).get("partial_rotary_factor", 1.0)))
 
     def inv_freq(self) -> torch.Tensor:
         """Inverse frequencies [rd / 2], float32."""
@@ -215,16 +221,9 @@ class ProportionalRotaryEmbedding(RotaryEmbedding):
     a zero frequency gives cos 1 and sin 0, so dims ``n .. hd/2`` and ``hd/2 + n .. hd`` pass
     through unchanged, as in HF (unlike the other types' partial rotary on the first ``rd``)."""
 
-    def __init__(
-        self,
-        head_dim: int,
-        base: float,
-        scaling: Mapping[str, Any] | None,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__(head_dim, base, scaling, dtype, device)
-        self.rotary_dim = head_dim  # tables over the whole head, zeros past the rotated angles
+    @staticmethod
+    def table_dims(head_dim: int, scaling: Mapping[str, Any] | None) -> int:
+        return head_dim  # tables over the whole head, zeros past the rotated angles
 
     def inv_freq(self) -> torch.Tensor:
         rs, hd = self.scaling or {}, self.head_dim
