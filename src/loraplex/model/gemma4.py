@@ -167,6 +167,12 @@ def _refuse(c: Mapping[str, Any], source: str) -> None:
             raise ModelLoadError(
                 f"{source}: per_layer_config of layer {layer} overrides {other}, not supported"
             )
+    ple_vocab = c.get("vocab_size_per_layer_input")
+    if c.get("hidden_size_per_layer_input") and ple_vocab and int(ple_vocab) < int(c["vocab_size"]):
+        raise ModelLoadError(
+            f"{source}: vocab_size_per_layer_input {ple_vocab} < vocab_size {c['vocab_size']} "
+            "(tokens without a per-layer input) is not supported"
+        )
     if c.get("enable_moe_block"):
         raise ModelLoadError(f"{source}: enable_moe_block (the MoE block) is not supported yet")
     if c.get("use_bidirectional_attention") == "all":

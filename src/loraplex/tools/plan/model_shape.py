@@ -73,6 +73,7 @@ class ModelShape:
     """Each layer's modules -> (d_in, d_out) where layers differ (Gemma 4's head sizes, MLP
     widths, KV-sharing layers, per-layer input modules: ``ModelConfig.layer_modules``)."""
     layer_norms: tuple[int, ...] = ()  # each layer's norm parameters, where they differ
+    kv_width: int = 0  # a KV slot's values: the widest layer's kv heads x head_dim (0: alike)
 
     @property
     def hd(self) -> int:
@@ -231,15 +232,21 @@ class ModelShape:
             + self.vocab_size * self.hidden_size
         )
 
+    @property
+    def kv_row(self) -> int:
+        """Values of one layer's K (or V) at one position as the cache holds them (every slot
+        as wide as the widest layer's, ``PagedKVCache``)."""
+        return self.kv_width or self.num_kv_heads * self.hd
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.hd * dtype_bytes
+        return 2 * self.num_layers * self.kv_row * dtype_bytes
 
     def kv_bytes_per_sequence(self, tokens: int, dtype_bytes: int, block_size: int = 16) -> int:
         """KV bytes one decoding sequence of ``tokens`` tokens holds: blocks of the engine's
         KV-cache groups (windowed layers keep only their window's blocks) times the page of a
         group's layers (``loraplex.kv.groups``)."""
         groups = kv_cache_groups(self.layer_windows or [None] * self.num_layers)
-        page = 2 * layers_per_group(groups) * block_size * self.num_kv_heads * self.hd
+        page = 2 * layers_per_group(groups) * block_size * self.kv_row
         return blocks_per_sequence(groups, tokens, block_size) * page * dtype_bytes
 
 
@@ -324,6 +331,7 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             per_layer_vocab=int(getattr(mc, "vocab_size_per_layer_input", 0)),
             layer_modules=mc.layer_modules(),
             layer_norms=tuple(mc.layer_norm_params(i) for i in range(mc.num_layers)),
+            kv_width=max(kvh * hd for kvh, hd in mc.kv_layer_shapes()),
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
