@@ -141,6 +141,34 @@ def test_kv_sharing_layers_have_no_kv_modules(llm: LLM) -> None:
     assert (-1, "per_layer_model_projection") in bank
 
 
+def test_prefix_cache_and_chunked_prefill_over_shared_kv(gemma4: dict) -> None:
+    """A second request on a shared prefix (past the window, through the KV-sharing layers and
+    the wider full-attention slots) hits the prefix cache, and a prompt prefilled in chunks of
+    3 gives the same output as transformers + PEFT."""
+    from loraplex.config import EngineConfig
+    from loraplex.engine.llm_engine import LLMEngine
+
+    name = "all_ple_r8"
+    lora = LoRARequest(name, str(gemma4["adapters"][name]))
+    prompt = "Multi-LoRA serving runs many adapters on one base model at once. " * 2
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for chunk in (None, 3):
+        extra = {} if chunk is None else dict(max_num_batched_tokens=chunk, max_num_seqs=1)
+        e = LLMEngine(EngineConfig(model=str(gemma4["model"]), dtype="float32", block_size=4,
+                                   max_lora_rank=16, **extra))  # fmt: skip
+        outs = []
+        for rid in ("cold", "warm"):
+            e.add_request(rid, prompt, greedy, lora)
+            while e.has_unfinished_requests():
+                outs += [o for o in e.step() if o.finished]
+        ids = e.tokenize(prompt)
+        want, _ = reference_greedy(gemma4["refs"][name], ids, 6)
+        assert [o.outputs[0].token_ids for o in outs] == [want, want], chunk
+        assert outs[0].num_cached_tokens == 0
+        assert outs[1].num_cached_tokens == (len(ids) - 1) // 4 * 4 > 0
+        assert e.is_idle()
+
+
 def test_byte_model_and_verify_know_the_shared_and_per_layer_modules(
     gemma4: dict, capsys: pytest.CaptureFixture
 ) -> None:
