@@ -320,6 +320,15 @@ def test_layer_geometry_follows_transformers(over: dict, want: list) -> None:
     assert list(parse_model_config(raw).geometry) == want
 
 
+def test_quantized_and_sharded_bases_are_refused_in_one_line(tmp_path: Path) -> None:
+    model = make_random_model(tmp_path / "m", "gemma4_text", num_layers=2, layer_types=[S, F])
+    for kw, named in ((dict(quantization="int8"), "quantized bases are not supported"),
+                      (dict(tensor_parallel_size=2), "does not shard yet")):  # fmt: skip
+        with pytest.raises(ModelLoadError, match=named) as info:
+            LLM(str(model), dtype="float32", **kw)
+        assert "\n" not in str(info.value)
+
+
 def test_config_defaults_follow_transformers() -> None:
     """Without ``layer_types`` / ``rope_parameters``: five sliding layers per full one, the last
     layer full, default RoPE 10k on sliding layers and proportional 0.25 at 1M on full ones."""

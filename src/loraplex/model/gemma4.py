@@ -30,7 +30,8 @@ sliding layers per full one) with these differences, as transformers' ``modeling
 ``Gemma4ForConditionalGeneration`` serves its language model (``model.language_model.*``);
 the vision and audio towers and their embedders are skipped. Refused at start-up, naming the
 field: the MoE block (``enable_moe_block``, the 26B-A4B), ``per_layer_config`` overrides other
-than head size and KV heads, and bidirectional attention over everything.
+than head size and KV heads, bidirectional attention over everything, and a per-layer
+vocabulary smaller than the model's; quantized bases and tensor parallelism are refused too.
 """
 
 from __future__ import annotations
@@ -246,7 +247,9 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     layer_weights = GEMMA4_LAYER_WEIGHTS
     norm_class = Gemma4RMSNorm
     qk_norm = False  # q and k norms are the layer's own slots (a KV-sharing layer has no k's)
-    supports_tensor_parallel = False
+    supports_tensor_parallel = False  # its per-layer stream and layer shapes do not shard yet
+    supports_quantization = False  # its own projections (the per-layer stream's, a KV-sharing
+    # layer's q) load in float only: refused at start-up rather than half quantized
     cfg: Gemma4Config
 
     @classmethod
