@@ -136,10 +136,9 @@ def test_merged_weights_equal_peft_merge(
     finally:
         eng.adapters.release(adapter)
     ref = load_merged_reference(tiny_model, adapters[name])
-    rows = projection_rows(eng.model)
     checked = 0
     for layer, proj in adapter.weights:
-        group, first, d_in = rows[proj]
+        group, first, d_in = projection_rows(eng.model, layer)[proj]
         got, _ = dense_weight(merged[(layer, group)], d_in)
         mod = ref.model.layers[layer]
         want = getattr(mod.self_attn if proj[0] in "qkvo" else mod.mlp, proj).weight

@@ -38,6 +38,11 @@ from loraplex.testing import (
 from loraplex.testing.sync import EVENT_TIMEOUT_S
 from loraplex.types import AdapterError
 
+GEMMA4_PER_LAYER_PROJ = [
+    "per_layer_input_gate",
+    "per_layer_projection",
+    "per_layer_model_projection",
+]
 LLAMA_PROJ = {"all": ALL_PROJ, "attn": ATTN_PROJ, "mlp": MLP_PROJ, "qv": ["q_proj", "v_proj"]}
 
 FAMILIES: dict[str, dict] = {
@@ -101,6 +106,17 @@ FAMILIES: dict[str, dict] = {
             "mlp": MLP_PROJ,
             "qv": ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z"],
         },
+    ),
+    # Gemma 4: a sliding layer (window 4) and a full one on the proportional rope, per-layer
+    # inputs whose three modules the every-projection adapters adapt too, a soft-cap that bites,
+    # small weights (unscaled attention over unit-norm heads saturates at the default 0.2);
+    # KV-sharing layers and the multimodal wrapper: tests/model/test_gemma4.py
+    "gemma4_text": dict(
+        arch="gemma4_text",
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=3.0,
+        init_std=0.05,
+        proj={**LLAMA_PROJ, "all": [*ALL_PROJ, *GEMMA4_PER_LAYER_PROJ]},
     ),
     # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE with an original length (6)
     # every prompt passes (its long factors and attention factor from the prefill on; a

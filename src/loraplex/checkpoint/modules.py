@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.checkpoint import gemma4_layers
+
 PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The Llama-family projections an adapter may target (attention first, then MLP)."""
 FUSED_PROJ_NAMES: dict[str, tuple[str, ...]] = {
@@ -47,9 +49,20 @@ GATED_Q_MODEL_TYPES = frozenset(
 head's query, then its gate)."""
 
 
+PER_LAYER_INPUT_PROJ_NAMES = ("per_layer_input_gate", "per_layer_projection")
+"""Gemma 4's per-layer input modules, directly under ``model.layers.N`` (no block): the gate
+``[P, hidden]`` into the per-layer stream and the projection ``[hidden, P]`` back out."""
+PER_LAYER_MODEL_PROJECTION = "per_layer_model_projection"
+"""Gemma 4's projection of the scaled embeddings into every layer's per-layer input
+(``model.per_layer_model_projection`` ``[layers * P, hidden]``), outside the layers: keyed
+``(VOCAB_LAYER, name)`` like the embedding and the head."""
+
+
 def block_of(proj: str) -> str:
-    """The submodule of a decoder layer that holds ``proj``: ``self_attn``, ``linear_attn``
-    or ``mlp``."""
+    """The submodule of a decoder layer that holds ``proj``: ``self_attn``, ``linear_attn``,
+    ``mlp``, or "" for a module directly under the layer (:data:`PER_LAYER_INPUT_PROJ_NAMES`)."""
+    if proj in PER_LAYER_INPUT_PROJ_NAMES:
+        return ""
     if proj in ATTN_PROJ_NAMES:
         return "self_attn"
     return "linear_attn" if proj in LINEAR_ATTN_PROJ_NAMES else "mlp"
@@ -74,7 +87,8 @@ def adapter_module_shapes(
 
 def module_key(layer: int, proj: str, prefix: str = "model.") -> str:
     """The module name PEFT matches its patterns against: ``model.layers.3.mlp.up_proj``."""
-    return f"{prefix}layers.{layer}.{block_of(proj)}.{proj}"
+    block = block_of(proj)
+    return f"{prefix}layers.{layer}.{block}.{proj}" if block else f"{prefix}layers.{layer}.{proj}"
 
 
 def projection_shapes(
@@ -99,8 +113,11 @@ VOCAB_MODULES = (EMBED_TOKENS, LM_HEAD)
 """The adaptable modules outside the decoder layers: the token embedding (PEFT's
 ``lora_embedding_A [r, vocab]`` / ``lora_embedding_B [hidden, r]``) and the LM head (an ordinary
 ``lora_A [r, hidden]`` / ``lora_B [vocab, r]``)."""
+OUTER_MODULES = (*VOCAB_MODULES, PER_LAYER_MODEL_PROJECTION)
+"""Every adaptable module outside the decoder layers (a base has those its
+``BaseModelSpec.vocab_shapes`` names)."""
 VOCAB_LAYER = -1
-"""The layer index of :data:`VOCAB_MODULES` in ``(layer, name)`` module keys."""
+"""The layer index of :data:`OUTER_MODULES` in ``(layer, name)`` module keys."""
 EMBED_KEY = (VOCAB_LAYER, EMBED_TOKENS)
 LM_HEAD_KEY = (VOCAB_LAYER, LM_HEAD)
 
@@ -114,7 +131,41 @@ def vocab_module_shapes(vocab_size: int, hidden: int) -> dict[str, tuple[int, in
 def vocab_module_key(name: str, prefix: str = "model.") -> str:
     """The module name PEFT matches its patterns against: ``model.embed_tokens``, ``lm_head``
     (the head sits beside the decoder, outside ``prefix``)."""
-    return f"{prefix}{name}" if name == EMBED_TOKENS else name
+    return name if name == LM_HEAD else f"{prefix}{name}"
+
+
+def per_layer_input_shapes(
+    raw: Mapping[str, Any], shapes: Mapping[str, tuple[int, int]]
+) -> tuple[tuple[dict[str, tuple[int, int]], ...], dict[str, tuple[int, int]]]:
+    """Where a text config makes layers differ (Gemma 4): each layer's adaptable modules, and
+    the modules outside the layers beyond the vocabulary's, from ``shapes`` (a layer's seven
+    projections) and each layer's head size, KV heads and MLP width
+    (``checkpoint.gemma4_layers.layer_geometry``). With per-layer inputs
+    (``hidden_size_per_layer_input`` P > 0) each layer has :data:`PER_LAYER_INPUT_PROJ_NAMES`
+    and the model :data:`PER_LAYER_MODEL_PROJECTION`; the last ``num_kv_shared_layers`` layers
+    have no ``k_proj`` / ``v_proj``, and with ``attention_k_eq_v`` the full layers no
+    ``v_proj``. ``((), {})`` where every layer has ``shapes``."""
+
+    if raw.get("model_type") != gemma4_layers.MODEL_TYPE:
+        return (), {}
+    ple = int(raw.get("hidden_size_per_layer_input") or 0)
+    shared = int(raw.get("num_kv_shared_layers") or 0)
+    n, d, heads = (
+        int(raw["num_hidden_layers"]),
+        int(raw["hidden_size"]),
+        int(raw["num_attention_heads"]),
+    )
+    extra = {"per_layer_input_gate": (d, ple), "per_layer_projection": (ple, d)} if ple else {}
+    layers = []
+    tied = gemma4_layers.values_from_keys(raw)
+    for i, (hd, kvh, inter) in enumerate(gemma4_layers.layer_geometry(raw)):
+        own = {**projection_shapes(d, heads, kvh, hd, inter), **extra}
+        drop = ("k_proj", "v_proj") if i >= n - shared else ("v_proj",) if tied[i] else ()
+        layers.append({p: dims for p, dims in own.items() if p not in drop})
+    if all(layer == dict(shapes) for layer in layers):
+        return (), {}
+    outer = {PER_LAYER_MODEL_PROJECTION: (d, n * ple)} if ple else {}
+    return tuple(layers), outer
 
 
 # -- mixture-of-experts layers -------------------------------------------------------------------
@@ -198,6 +249,7 @@ LAYER_MODULE_ORDER = (
     *PROJ_NAMES[:4],
     *LINEAR_ATTN_PROJ_NAMES,
     *PROJ_NAMES[4:],
+    *PER_LAYER_INPUT_PROJ_NAMES,
     ROUTER,
     *EXPERT_PROJ_NAMES,
 )
@@ -264,6 +316,9 @@ class BaseModelSpec:
     linear: LinearAttentionSpec | None = None
     """The linear-attention layers of a hybrid base (None: attention only): in its
     ``linear.layers`` an adapter names the linear-attention projections instead of q/k/v/o."""
+    layer_modules: tuple[dict[str, tuple[int, int]], ...] = ()
+    """Each layer's modules where layers differ (:func:`per_layer_input_shapes`); empty: every
+    layer has :attr:`adapter_shapes` (or a MoE or linear-attention layer's)."""
 
     @property
     def fused(self) -> tuple[str, ...]:
@@ -307,13 +362,17 @@ class BaseModelSpec:
         vocab_shapes = vocab_module_shapes(int(vocab), hidden) if vocab else {}
         moe = MoESpec.from_hf_config(raw)
         linear = LinearAttentionSpec.from_hf_config(raw)
-        return cls(
-            int(raw["num_hidden_layers"]), shapes, model_type, vocab_shapes, text_only, moe, linear
-        )
+        layers, outer = per_layer_input_shapes(raw, shapes)
+        if vocab_shapes:
+            vocab_shapes.update(outer)
+        n = int(raw["num_hidden_layers"])
+        return cls(n, shapes, model_type, vocab_shapes, text_only, moe, linear, layers)
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
         """The modules an adapter may name in ``layer`` -> (d_in, d_out) (an expert
         projection's are one expert's): attention, then the dense MLP or the sparse block."""
+        if self.layer_modules:
+            return self.layer_modules[layer]
         shapes = self.adapter_shapes
         linear = self.linear is not None and layer in self.linear.layers
         sparse = self.moe is not None and layer in self.moe.layers

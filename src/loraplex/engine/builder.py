@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from loraplex.cache.adapters import TieredAdapterCache
-from loraplex.checkpoint.modules import LM_HEAD, VOCAB_LAYER, BaseModelSpec, vocab_module_shapes
+from loraplex.checkpoint.modules import LM_HEAD, VOCAB_LAYER, BaseModelSpec
 from loraplex.config import DTYPES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
@@ -199,8 +199,9 @@ class MemoryBudget:
         c, mc = self.config, self.model_config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
+        width = max(kvh * hd for kvh, hd in mc.kv_layer_shapes())  # a page row's (the widest)
         per_block = PagedKVCache.bytes_per_block(
-            layers_per_group(self.groups), c.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+            layers_per_group(self.groups), c.block_size, 1, width, self.dtype
         )
         budget = c.kv_cache_memory_bytes
         if budget is None:
@@ -267,7 +268,7 @@ def slot_bank(
     ``model.cfg`` (a tensor-parallel rank's: its cut of every module, which it keeps of each
     adapter written; the embedding's A is whole on every rank)."""
     mc, device = model.cfg, budget.device
-    vocab_shapes = vocab_module_shapes(mc.vocab_size, mc.hidden_size)
+    vocab_shapes = mc.outer_module_shapes()
     shapes = {
         (layer, proj): dims
         for layer in range(mc.num_layers)
@@ -324,10 +325,11 @@ def wire_lora(
         mc.num_layers,
         mc.module_shapes,
         mc.model_type,
-        vocab_module_shapes(mc.vocab_size, mc.hidden_size),
+        mc.outer_module_shapes(),
         text_only,
         mc.moe_spec(),
         mc.linear_spec(),
+        mc.layer_modules(),
     )
     cache_config = config if slots == config.max_loras else replace(config, max_loras=slots)
     adapters = TieredAdapterCache.from_config(bank, spec, cache_config, dtype=bank.dtype)
@@ -450,7 +452,7 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
     state_pages = budget.state_pages()
     cache = PagedKVCache(
         local.num_layers, num_blocks, config.block_size, local.num_kv_heads, local.head_dim,
-        dtype, device, groups, model.state_shape(), state_pages,
+        dtype, device, groups, local.kv_layer_shapes(), model.state_shape(), state_pages,
     )  # fmt: skip
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     state_pool = (

@@ -25,7 +25,8 @@ vocabulary modules): a merged copy would be every expert of the layer (an expert
 30B-A3B base would copy most of the base), while the gathered path reads only the experts the
 step's tokens chose, and only their LoRA rows. The attention projections merge as in a dense
 model. A linear-attention layer's projections (Qwen3.5) stay gathered as well: they are not
-fused slots of the merger.
+fused slots of the merger; so do Gemma 4's per-layer input modules (beside the fused
+projections: its ``per_layer_model_projection``, each layer's input gate and projection).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 from loraplex.checkpoint.modules import (
     EXPERT_PROJ_NAMES,
     LINEAR_ATTN_PROJ_NAMES,
+    PER_LAYER_INPUT_PROJ_NAMES,
     ROUTER,
     VOCAB_LAYER,
 )
@@ -54,11 +56,11 @@ GroupKey = tuple[int, str]
 """``(layer index, fused Linear attribute)``: ``qkv``, ``o``, ``gate_up`` or ``down``."""
 
 
-def projection_rows(model: DecoderForCausalLM) -> dict[str, tuple[str, int, int]]:
-    """proj name -> (fused Linear attribute, first output row, input features)."""
+def projection_rows(model: DecoderForCausalLM, layer: int) -> dict[str, tuple[str, int, int]]:
+    """proj name -> (fused Linear attribute, first output row, input features) in ``layer``."""
     return {
         proj: (attr, lo, d_in)
-        for attr, d_in, parts in model.projection_groups
+        for attr, d_in, parts in model.layer_projection_groups(layer)
         for proj, lo, _ in parts
     }
 
@@ -81,17 +83,23 @@ def targeted_groups(
     model: DecoderForCausalLM, weights: Mapping[tuple[int, str], LoRAModuleWeights]
 ) -> set[GroupKey]:
     """The fused projections an adapter's modules fall in (embed_tokens / lm_head: none)."""
-    rows = projection_rows(model)
     gathered = vocab_modules(weights)
-    return {(layer, rows[proj][0]) for layer, proj in weights if (layer, proj) not in gathered}
+    return {
+        (layer, projection_rows(model, layer)[proj][0])
+        for layer, proj in weights
+        if (layer, proj) not in gathered
+    }
 
 
-_GATHERED_PROJS = frozenset((ROUTER, *EXPERT_PROJ_NAMES, *LINEAR_ATTN_PROJ_NAMES))
+_GATHERED_PROJS = frozenset(
+    (ROUTER, *EXPERT_PROJ_NAMES, *LINEAR_ATTN_PROJ_NAMES, *PER_LAYER_INPUT_PROJ_NAMES)
+)
 
 
 def vocab_modules(weights: Mapping[tuple[int, str], object]) -> frozenset[tuple[int, str]]:
     """The adapter's modules that stay gathered when it runs merged: ``embed_tokens`` /
-    ``lm_head``, and a MoE layer's router and experts (module docstring)."""
+    ``lm_head``, a MoE layer's router and experts, Gemma 4's per-layer input modules (module
+    docstring)."""
     return frozenset(k for k in weights if k[0] == VOCAB_LAYER or k[1] in _GATHERED_PROJS)
 
 
@@ -103,20 +111,19 @@ def build_merged(
 ) -> dict[GroupKey, Linear]:
     """Merged Linears for every fused projection ``weights`` touch, from the ``base`` Linears
     of those projections (the others stay shared). Reads the base, never writes it."""
-    rows = projection_rows(model)
     groups: dict[GroupKey, list[tuple[int, LoRAModuleWeights]]] = {}
-    in_features: dict[str, int] = {}
+    in_features: dict[GroupKey, int] = {}
     gathered = vocab_modules(weights)
     for (layer, proj), w in weights.items():
         if (layer, proj) in gathered:
             continue  # stays on the gathered path (module docstring)
-        group, first, d_in = rows[proj]
+        group, first, d_in = projection_rows(model, layer)[proj]
         groups.setdefault((layer, group), []).append((first, w))
-        in_features[group] = d_in
+        in_features[(layer, group)] = d_in
     out: dict[GroupKey, Linear] = {}
     with torch.inference_mode():
         for key, mods in groups.items():
-            w0, bias = dense_weight(base[key], in_features[key[1]])
+            w0, bias = dense_weight(base[key], in_features[key])
             merged = w0.to(torch.float32)  # [out, in]
             if merged.data_ptr() == w0.data_ptr():
                 merged = merged.clone()  # never write the base weight

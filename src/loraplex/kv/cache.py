@@ -35,6 +35,12 @@ class PagedKVCache:
     Writing a step's new tokens is one ``index_copy_`` and reading a sequence's context is one
     gather with precomputed slot indices.
 
+    ``layer_shapes`` (one ``(kv_heads, head_dim)`` per layer; Gemma 4's full-attention layers
+    have wider heads than its sliding ones): every slot is then as wide as the widest layer's
+    K (or V) row, and a narrower layer uses the first ``kv_heads * head_dim`` values of each of
+    its slots (a strided view: its blocks are read with one copy each all the same, and the C
+    decode attention, which reads contiguous slots only, leaves such a layer to torch).
+
     With several groups the cache holds one more page than the pool's ``num_blocks``: block
     ``trash_block``, where a sequence writes the positions whose blocks it took from the prefix
     cache in some groups but recomputes for the others (never read).
@@ -50,6 +56,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         groups: Sequence[KVCacheGroup] | None = None,
+        layer_shapes: Sequence[tuple[int, int]] | None = None,
         state: StateShape | None = None,
         num_state_pages: int = 0,
     ) -> None:
@@ -62,9 +69,30 @@ class PagedKVCache:
         assert len(places) == num_layers, "groups: every layer in exactly one group"
         self.group_of = [g for g, _ in places]  # layer -> its group
         self.index_of = [i for _, i in places]  # layer -> its index in the group's page
-        shape = (layers_per_group(self.groups), self.num_pages * block_size, num_kv_heads, head_dim)
+        self.layer_shapes = list(layer_shapes or [(num_kv_heads, head_dim)] * num_layers)
+        self.width = max(kvh * hd for kvh, hd in self.layer_shapes)
+        """Values of one slot's K (or V) row: the widest layer's ``kv_heads * head_dim``."""
+        slots = self.num_pages * block_size
+        alike = len(set(self.layer_shapes)) == 1  # [page layers, slots, kv_heads, head_dim]
+        shape = (
+            layers_per_group(self.groups),
+            slots,
+            *(self.layer_shapes[0] if alike else (self.width,)),
+        )
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        stateful = {layer for g in self.groups if g.state for layer in g.layers}
+        self._views = [  # per layer: (k, v) [slots, kv_heads, head_dim], views of its rows
+            None
+            if layer in stateful  # a recurrent layer keeps no KV
+            else tuple(
+                t[i] if alike else t[i, :, : kvh * hd].view(slots, kvh, hd)
+                for t in (self.k, self.v)
+            )
+            for layer, (i, (kvh, hd)) in enumerate(
+                zip(self.index_of, self.layer_shapes, strict=True)
+            )
+        ]
         self.num_state_pages = num_state_pages
         n = layers_per_state_group(self.groups)
         if n and state is None:
@@ -94,14 +122,14 @@ class PagedKVCache:
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) slot spaces of ``layer``: [num_blocks * block_size, kv_heads, head_dim]."""
-        i = self.index_of[layer]
-        return self.k[i], self.v[i]
+        k, v = self._views[layer]
+        return k, v
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """cache[layer][slots[t]] = k[t], v[t]  (k, v: [T, kv_heads, head_dim]; slots: [T])."""
-        i = self.index_of[layer]
-        self.k[i].index_copy_(0, slots, k)
-        self.v[i].index_copy_(0, slots, v)
+        kc, vc = self._views[layer]
+        kc.index_copy_(0, slots, k)
+        vc.index_copy_(0, slots, v)
 
     def gather_blocks(
         self, layer: int, block_table: torch.Tensor
@@ -110,11 +138,13 @@ class PagedKVCache:
         head_dim] each; one contiguous row copy per block (cheaper than per-slot gathers)."""
         b, nblk = block_table.shape
         idx = block_table.reshape(-1)
-        k, v = self.layer_kv(layer)  # [slots, KVH, hd]
-        shape = (b, nblk * self.block_size, *k.shape[1:])
-        kb = k.view(self.num_pages, -1).index_select(0, idx).view(shape)
-        vb = v.view(self.num_pages, -1).index_select(0, idx).view(shape)
-        return kb, vb
+        i, (kvh, hd) = self.index_of[layer], self.layer_shapes[layer]
+        shape = (b, nblk * self.block_size, kvh, hd)
+        out = []
+        for t in (self.k[i], self.v[i]):  # whole pages, then the layer's part of each slot
+            pages = t.view(self.num_pages, -1).index_select(0, idx)  # [B * nblk, bs * width]
+            out.append(pages.view(-1, self.width)[:, : kvh * hd].reshape(shape))
+        return out[0], out[1]
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) at ``slots`` (any shape S) -> [*S, kv_heads, head_dim] each."""

@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from loraplex.checkpoint.modules import EMBED_TOKENS, LM_HEAD, VOCAB_LAYER
+from loraplex.checkpoint.modules import (
+    EMBED_TOKENS,
+    LM_HEAD,
+    PER_LAYER_MODEL_PROJECTION,
+    VOCAB_LAYER,
+)
 
 OWN_KV = frozenset(("k_proj", "v_proj", "qkv_proj"))
 """Modules whose adapter changes their own layer's K/V (a fused qkv_proj counts as k and v)."""
@@ -31,6 +36,8 @@ def first_kv_layer(modules: Iterable[tuple[int, str]], num_layers: int) -> int:
     ``num_layers`` when none does (every layer's KV is the base's)::
 
         first = min(l if m in OWN_KV else l + 1 for (l, m) in modules, l >= 0)
+        first = min(first, 1) if per_layer_model_projection is adapted (layer 0's per-layer
+                                                                          input follows its attention)
         first = 0 if embed_tokens is adapted
     """
     first = num_layers
@@ -38,6 +45,9 @@ def first_kv_layer(modules: Iterable[tuple[int, str]], num_layers: int) -> int:
         if layer == VOCAB_LAYER:
             if module == EMBED_TOKENS:
                 return 0
+            if module == PER_LAYER_MODEL_PROJECTION:
+                first = min(first, 1)
+                continue
             if module != LM_HEAD:
                 raise ValueError(f"unknown vocabulary module {module!r}")
             continue

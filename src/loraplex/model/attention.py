@@ -205,8 +205,10 @@ def paged_attention(
     attend: AttendFn,
     decode: DecodeAttendFn,
     softcap: float | None = None,
+    write: bool = True,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend: decode rows through ``decode``
+    """Write this step's K/V into the cache (unless ``write`` is False: a layer reading another
+    layer's KV, which that layer wrote this step), then attend: decode rows through ``decode``
     (the model's ``LayerOps.decode_attention``), prefill chunks with ``attend``.
 
     q: [T, H, hd]; k, v: [T, KVH, hd]. ``window``: index of the layer's masks in
@@ -215,7 +217,8 @@ def paged_attention(
     """
     if meta.kv_groups:
         meta = meta.kv_groups[cache.group_of[layer]]
-    cache.write(layer, k, v, meta.slot_mapping)
+    if write:
+        cache.write(layer, k, v, meta.slot_mapping)
     masks = None if window is None else meta.windowed[window]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gqa = q.shape[1] != k.shape[1]

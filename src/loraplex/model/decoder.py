@@ -232,6 +232,15 @@ class DecoderForCausalLM:
         skip it (rotary buffers; a multimodal checkpoint's other towers)."""
         return None if name.endswith("rotary_emb.inv_freq") else name
 
+    def layer_projection_groups(self, layer: int) -> tuple[ProjectionGroup, ...]:
+        """``projection_groups`` of ``layer`` (Gemma 4's full-attention layers have wider
+        heads than its sliding ones): what its checkpoint tensors and merges are shaped by."""
+        return self.projection_groups
+
+    def layer_norm_dims(self, layer: int) -> dict[str, int]:
+        """``norm_dims`` of ``layer`` (its q/k norms are its own head size)."""
+        return self.norm_dims(self.cfg)
+
     @classmethod
     def norm_dims(cls, c: ModelConfig) -> dict[str, int]:
         """Width of each norm slot of ``layer_weights`` (the shape check of its weight)."""
@@ -288,7 +297,7 @@ class DecoderForCausalLM:
         for r in self.rotaries:  # LongRoPE picks its factor set per sequence; others ignore it
             r.begin_step(batch.positions, batch.attn)
         rope = [r.cos_sin(batch.positions) for r in self.rotaries]
-        step = LayerStep(cache, batch.attn, rope)
+        step = LayerStep(cache, batch.attn, rope, batch.input_ids)
         h = self.embed(batch.input_ids)  # [T, D]
         lora, plan = self.lora, batch.lora_plan
         if lora is not None and plan is not None:

@@ -349,7 +349,7 @@ def self_check(ops: CLayerOps) -> None:
         sdpa_attend,
         softcap_attend,
     )
-    from loraplex.model.norms import GemmaRMSNorm, RMSNorm
+    from loraplex.model.norms import Gemma4RMSNorm, GemmaRMSNorm, RMSNorm
 
     ref = TorchLayerOps()
     g = torch.Generator().manual_seed(0)
@@ -381,7 +381,7 @@ def self_check(ops: CLayerOps) -> None:
     for dtype in ELEMENT_TYPES:
         h = torch.randn(5, 37, generator=g).to(dtype)
         delta = torch.randn(5, 37, generator=g).to(dtype)
-        for cls in (RMSNorm, GemmaRMSNorm):
+        for cls in (RMSNorm, GemmaRMSNorm, Gemma4RMSNorm):
             norm = cls((torch.randn(37, generator=g) * 0.5 + 1).to(dtype), 1e-6)
             gh, gn = ops.add_norm(h.clone(), delta, norm)
             wh, wn = ref.add_norm(h.clone(), delta, norm)
@@ -398,8 +398,8 @@ def self_check(ops: CLayerOps) -> None:
         for act in ACTIVATION_CODES:
             check(act, ops.gated(gu, 41, act), ref.gated(gu, 41, act), dtype)
         cache = PagedKVCache(1, 9, bs, 2, hd, dtype, torch.device("cpu"))  # GQA: 6 q on 2 kv
-        cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-        cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+        for t in cache.layer_kv(0):
+            t.copy_(torch.randn(t.shape, generator=g))
         q = torch.randn(5, 6, hd, generator=g).to(dtype)
         for masks, attend, cap in attends:
             got = ops.decode_attention(

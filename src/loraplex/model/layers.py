@@ -75,6 +75,7 @@ class LayerStep:
     cache: PagedKVCache
     attn_meta: AttentionMetadata
     rope: list[tuple[torch.Tensor, torch.Tensor]]  # per rotary of the model: cos, sin [T, 1, hd]
+    input_ids: torch.Tensor | None = None  # [T] the step's tokens (Gemma 4's per-layer inputs)
     lora: LoRABinding | None = None
     plan: LoRABatchPlan | None = None
     lora_qkv: bool = False  # an adapter of the step targets one of the group's projections

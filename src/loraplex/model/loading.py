@@ -166,7 +166,7 @@ class CheckpointReader:
                 )
             slot, part = entry
             nparts = Counter(s for s, _ in m.layer_weights_of(idx).values())
-            want = self._layer_shape(slot, part, nparts[slot], kind, name, model_dir)
+            want = self._layer_shape(slot, part, nparts[slot], kind, name, model_dir, idx)
             self._check_shape(st.entries[name].shape, want, name, model_dir)
             t = st.read(name, dtype, device)
             if nparts[slot] == 1:
@@ -233,7 +233,7 @@ class CheckpointReader:
             weights = weights_of(idx)
             slot, part = weights[module]
             nparts = sum(1 for s, _ in weights.values() if s == slot)
-            n, k = self._layer_shape(slot, part, nparts, "weight", module, src)
+            n, k = self._layer_shape(slot, part, nparts, "weight", module, src, idx)
             where = f"{src}: model.layers.{idx}.{module}"
             weight = unpack_projection(spec, tensors, n, k, where)
             by_slot.setdefault((idx, slot), {})[part] = weight
@@ -257,14 +257,17 @@ class CheckpointReader:
         return (c.hidden_size,) if key == "model.norm.weight" else (c.vocab_size, c.hidden_size)
 
     def _layer_shape(
-        self, slot: str, part: int, nparts: int, kind: str, name: str, src: object
+        self, slot: str, part: int, nparts: int, kind: str, name: str, src: object, layer: int
     ) -> tuple[int, ...]:
-        """The shape config.json implies for part ``part`` of ``slot`` (``nparts`` parts)."""
-        group = next((g for g in self.groups if g[0] == slot), None)
+        """The shape config.json implies for part ``part`` of ``slot`` (``nparts`` parts) in
+        ``layer`` (whose groups and norms may be its own: ``layer_projection_groups``)."""
+        m = self.model
+        groups = self.groups if m.tp is not None else m.layer_projection_groups(layer)
+        group = next((g for g in groups if g[0] == slot), None)
         if group is None:  # a norm: a weight of its width, never a bias
             if kind != "weight":
                 raise ModelLoadError(f"{src}: unexpected tensor {name!r}")
-            return (self.model.norm_dims(self.model.cfg)[slot],)
+            return (m.layer_norm_dims(layer)[slot],)
         _, d_in, cols = group
         lo, hi = (cols[part][1], cols[part][2]) if nparts == len(cols) else (0, cols[-1][2])
         return (hi - lo, d_in) if kind == "weight" else (hi - lo,)

@@ -1,5 +1,6 @@
-"""The RMSNorms of the decoders: Llama's (scale in the model dtype) and Gemma's (``1 + w`` in
-float32); each names its mode of the C layer ops (``native/layer_ops.c``)."""
+"""The RMSNorms of the decoders: Llama's (scale in the model dtype), Gemma's (``1 + w`` in
+float32) and Gemma 4's (``w`` in float32); each names its mode of the C layer ops
+(``native/layer_ops.c``)."""
 
 from __future__ import annotations
 
@@ -60,4 +61,15 @@ class GemmaRMSNorm(RMSNorm):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), self.dim, None, self.eps) * (1.0 + self.weight.float())
+        return out.to(x.dtype)
+
+
+class Gemma4RMSNorm(RMSNorm):
+    """Gemma 4's RMSNorm, HF-exact: ``(x / rms(x)) * w`` in float32, then cast to the input
+    dtype (no ``1 +``; Llama's scales in the model dtype instead)."""
+
+    kernel_mode = 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), self.dim, None, self.eps) * self.weight.float()
         return out.to(x.dtype)

@@ -71,19 +71,26 @@ class Qwen3_5Config(ModelConfig):
         mlp = {p: d for p, d in shapes.items() if p in ("gate_proj", "up_proj", "down_proj")}
         return {**self.linear.shapes, **mlp}
 
-    def num_parameters(self) -> int:
-        """Parameters as loaded: each layer's projections and norms (linear layers: their
-        convolution, decay and gated norm too), the embedding and an untied head."""
+    def layer_modules(self) -> tuple[dict[str, tuple[int, int]], ...]:
+        """Every layer's modules: linear-attention layers differ from full ones."""
+        return tuple(self.layer_module_shapes(i) for i in range(self.num_layers))
+
+    def layer_norm_params(self, layer: int) -> int:
+        """A layer's norms and, in a linear-attention layer, its convolution, decay terms and
+        gated norm (the byte model's small parameters beside the projections)."""
         lin = self.linear
-        total = 0
-        for layer in range(self.num_layers):
-            total += sum(a * b for a, b in self.layer_module_shapes(layer).values())
-            total += 2 * self.hidden_size
-            if lin is not None and layer in lin.layers:
-                conv = 2 * lin.key_heads * lin.key_dim + lin.value_heads * lin.value_dim
-                total += conv * lin.kernel + 2 * lin.value_heads + lin.value_dim
-            else:
-                total += 2 * self.head_dim
+        if lin is None or layer not in lin.layers:
+            return 2 * self.hidden_size + 2 * self.head_dim
+        conv = 2 * lin.key_heads * lin.key_dim + lin.value_heads * lin.value_dim
+        return 2 * self.hidden_size + conv * lin.kernel + 2 * lin.value_heads + lin.value_dim
+
+    def num_parameters(self) -> int:
+        """Parameters as loaded: each layer's projections and small parameters, the embedding
+        and an untied head."""
+        total = sum(
+            sum(a * b for a, b in self.layer_module_shapes(i).values()) + self.layer_norm_params(i)
+            for i in range(self.num_layers)
+        )
         embed = self.vocab_size * self.hidden_size
         return total + embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 

@@ -13,6 +13,7 @@ from loraplex.model.gemma import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
 )
+from loraplex.model.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
@@ -35,6 +36,8 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

@@ -1,7 +1,8 @@
 """Rotary position embeddings by ``rope_type`` (``ROPE_TYPES``) and ``apply_rotary``.
 
 One class per rope type; an instance holds cos/sin tables for one base, grown on demand.
-Every type may rotate only the first ``partial_rotary_factor`` of each head (Phi-4-mini: 0.75);
+Every type may rotate only the first ``partial_rotary_factor`` of each head (Phi-4-mini: 0.75),
+except ``proportional`` (Gemma 4), whose zero frequencies leave the rest of both halves as is;
 LongRoPE (Phi-3/4 128k) keeps a short and a long factor set and picks one per sequence.
 """
 
@@ -49,8 +50,8 @@ class RotaryEmbedding:
         device: torch.device,
     ) -> None:
         self.head_dim = head_dim
-        self.rotary_dim = int(head_dim * float((scaling or {}).get("partial_rotary_factor", 1.0)))
-        """The rotated dims of each head (HF: ``int(head_dim * partial_rotary_factor)``)."""
+        self.rotary_dim = self.table_dims(head_dim, scaling)
+        """The dims of each head the tables cover (HF: ``int(head_dim * partial_rotary_factor)``)."""
         self.base = base
         self.scaling = scaling
         self.attention_factor = 1.0
@@ -59,6 +60,12 @@ class RotaryEmbedding:
         self.device = device
         self._len = 0
         self._cos = self._sin = torch.empty(0)
+
+    @staticmethod
+    def table_dims(head_dim: int, scaling: Mapping[str, Any] | None) -> int:
+        """The dims of a head the cos/sin tables cover (and rotation reads): the first
+        ``partial_rotary_factor`` of it."""
+        return int(head_dim * float((scaling or {}).get("partial_rotary_factor", 1.0)))
 
     def inv_freq(self) -> torch.Tensor:
         """Inverse frequencies [rd / 2], float32."""
@@ -201,11 +208,39 @@ class LongRoPERotaryEmbedding(RotaryEmbedding):
         )
 
 
+class ProportionalRotaryEmbedding(RotaryEmbedding):
+    """``rope_type: proportional`` (Gemma 4's full-attention layers, transformers'
+    ``_compute_proportional_rope_parameters``): the frequencies of a whole head, of which only
+    the first ``partial_rotary_factor`` rotate::
+
+        n = int(partial_rotary_factor * hd // 2)              # rotated angles
+        inv_freq[i] = base ** (-2i / hd) / factor   for i < n   (exponent over hd, not rd)
+        inv_freq[i] = 0                             for n <= i < hd / 2
+
+    and the rotation runs over the whole head (rotate-half pairs ``i`` with ``i + hd / 2``):
+    a zero frequency gives cos 1 and sin 0, so dims ``n .. hd/2`` and ``hd/2 + n .. hd`` pass
+    through unchanged, as in HF (unlike the other types' partial rotary on the first ``rd``)."""
+
+    @staticmethod
+    def table_dims(head_dim: int, scaling: Mapping[str, Any] | None) -> int:
+        return head_dim  # tables over the whole head, zeros past the rotated angles
+
+    def inv_freq(self) -> torch.Tensor:
+        rs, hd = self.scaling or {}, self.head_dim
+        angles = int(float(rs.get("partial_rotary_factor", 1.0)) * hd // 2)
+        rotated = 1.0 / (
+            self.base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / hd)
+        )
+        inv = torch.cat((rotated, torch.zeros(hd // 2 - angles, dtype=torch.float32)))
+        return inv / float(rs.get("factor", 1.0))
+
+
 ROPE_TYPES: dict[str, type[RotaryEmbedding]] = {
     "default": RotaryEmbedding,
     "linear": LinearScalingRotaryEmbedding,
     "llama3": Llama3RotaryEmbedding,
     "longrope": LongRoPERotaryEmbedding,
+    "proportional": ProportionalRotaryEmbedding,
 }
 """``rope_scaling.rope_type`` -> its rotary class; ``parse_model_config`` refuses the others."""
 

@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.checkpoint.modules import LinearAttentionSpec, MoESpec, projection_shapes
+from loraplex.checkpoint.modules import (
+    LinearAttentionSpec,
+    MoESpec,
+    projection_shapes,
+    vocab_module_shapes,
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,26 @@ class ModelConfig:
         """The adaptable modules of ``layer`` -> (d_in, d_out): the seven projections, or a MoE
         layer's attention, router and expert projections (one expert's shapes)."""
         return self.module_shapes
+
+    def layer_norm_params(self, layer: int) -> int:
+        """Parameters of ``layer``'s norms (``layer_norm_widths``, Llama's two of
+        ``hidden_size`` where empty; Gemma 4's differ by layer)."""
+        return sum(self.layer_norm_widths or (self.hidden_size, self.hidden_size))
+
+    def kv_layer_shapes(self) -> list[tuple[int, int]]:
+        """Each layer's ``(kv_heads, head_dim)`` in the KV cache (Gemma 4's full-attention
+        layers have their own)."""
+        return [(self.num_kv_heads, self.head_dim)] * self.num_layers
+
+    def layer_modules(self) -> tuple[dict[str, tuple[int, int]], ...]:
+        """Each layer's adaptable modules where layers differ (``BaseModelSpec.layer_modules``;
+        empty: every layer has :attr:`module_shapes`, or a MoE layer's)."""
+        return ()
+
+    def outer_module_shapes(self) -> dict[str, tuple[int, int]]:
+        """The adaptable modules outside the layers -> (d_in, d_out): the embedding and the
+        head (and Gemma 4's ``per_layer_model_projection``)."""
+        return vocab_module_shapes(self.vocab_size, self.hidden_size)
 
     def module_experts(self, proj: str) -> int:
         """Experts behind module ``proj`` (0: an ordinary module)."""

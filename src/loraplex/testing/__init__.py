@@ -41,6 +41,8 @@ ARCH_CONFIGS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
 }
 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -52,11 +54,22 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # heads serving 4 value heads
     "qwen3_5": dict(full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=16, linear_value_head_dim=16),
+    # Gemma 4: a window prompts cross, per-layer inputs of 8 (the real 256 over 262144 tokens)
+    "gemma4_text": dict(sliding_window=4, hidden_size_per_layer_input=8),
+    "gemma4": dict(sliding_window=4, hidden_size_per_layer_input=8),
 }  # fmt: skip
 """Config values a family's tiny model takes unless the caller says otherwise (a MoE's expert
 count and size: the config classes' defaults, 128 experts of 768, are a real model's)."""
 
-_TEXT_CONFIGS = {"Gemma3Config": "Gemma3TextConfig"}
+SIZED_DEFAULTS: dict[str, dict[str, str]] = {
+    "gemma4_text": {"global_head_dim": "head_dim", "vocab_size_per_layer_input": "vocab_size"},
+    "gemma4": {"global_head_dim": "head_dim", "vocab_size_per_layer_input": "vocab_size"},
+}
+"""Config values a family's tiny model sizes after its own (key -> ``head_dim`` or
+``vocab_size``), unless the caller says otherwise (Gemma 4's full-layer head size and
+per-layer vocabulary default to a real model's 512 and 262144)."""
+
+_TEXT_CONFIGS = {"Gemma3Config": "Gemma3TextConfig", "Gemma4Config": "Gemma4TextConfig"}
 """Multimodal config class -> the text config class it wraps: ``make_random_model`` builds the
 text config from its arguments and wraps it with a tiny vision tower (``_wrap_text_config``)."""
 
@@ -67,6 +80,18 @@ def _wrap_text_config(cfg_name: str, text: Any) -> Any:
     checkpoint really holds vision tensors beside the language model's."""
     import transformers
 
+    if cfg_name == "Gemma4Config":  # a one-layer vision tower of Gemma 4's own kind, no audio
+        tower = transformers.Gemma4VisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64,
+        )  # fmt: skip
+        return transformers.Gemma4Config(
+            text_config=text,
+            vision_config=tower,
+            audio_config=None,
+            tie_word_embeddings=text.tie_word_embeddings,
+            initializer_range=text.initializer_range,
+        )
     vision = transformers.SiglipVisionConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -157,6 +182,9 @@ def make_random_model(
         eos, bos = 1, 0
     cfg_name, model_name = ARCH_CONFIGS[arch]
     config_overrides = {**ARCH_DEFAULTS.get(arch, {}), **config_overrides}
+    sizes = {"head_dim": head_dim or hidden_size // num_heads, "vocab_size": vocab}
+    for key, like in SIZED_DEFAULTS.get(arch, {}).items():
+        config_overrides.setdefault(key, sizes[like])
     text_name = _TEXT_CONFIGS.get(cfg_name, cfg_name)
     cfg = getattr(transformers, text_name)(
         hidden_size=hidden_size,
@@ -185,6 +213,9 @@ def make_random_model(
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # Gemma 4's per-layer output scale
+            if name.endswith("layer_scalar"):
+                b.copy_(1.0 + 0.1 * torch.randn_like(b))
     kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size

@@ -48,7 +48,6 @@ from loraplex.checkpoint.modules import (
     PACKED_EXPERT_PARAMS,
     ROUTER,
     VOCAB_LAYER,
-    VOCAB_MODULES,
 )
 from loraplex.checkpoint.safetensors import SafetensorsError, safetensors_header
 from loraplex.lora.peft.config import merge_writes_tied_matrix
@@ -266,7 +265,11 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
                 wrong.append(f"{key}: not a LoRA of a module this model serves")
             continue
         layer, proj, ab = k.layer, k.proj, k.ab
-        known = proj in (VOCAB_MODULES if layer == VOCAB_LAYER else m.layer_adapter_projs(layer))
+        known = (
+            proj in m.outer_modules
+            if layer == VOCAB_LAYER
+            else proj in m.layer_adapter_projs(min(layer, m.num_layers - 1))
+        )
         if layer in sparse and proj not in ATTN_PROJ_NAMES:
             wrong.append(
                 f"{key}: layer {layer}'s MLP is {m.num_experts} experts and a router (no {proj})"
@@ -275,7 +278,7 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
         if not known or layer >= m.num_layers:
             wrong.append(f"{key}: the model has no such module ({m.num_layers} layers)")
             continue
-        d_in, d_out = m.dims(proj)
+        d_in, d_out = m.dims(proj, layer)
         if ab == "A" and (len(sh) != 2 or sh[1] != d_in):
             wrong.append(f"{key}: shape {sh}, the base's {proj} takes d_in={d_in}")
         elif ab == "B" and (len(sh) != 2 or sh[0] != d_out):

@@ -13,6 +13,7 @@ from loraplex.checkpoint.modules import (
     EXPERT_PROJ_NAMES,
     FUSED_PROJ_NAMES,
     LAYER_MODULE_ORDER,
+    OUTER_MODULES,
     ROUTER,
     VOCAB_LAYER,
     VOCAB_MODULES,
@@ -59,11 +60,11 @@ Layout = ModuleLayout | ExpertModuleLayout
 
 
 def _module_order(key: tuple[int, str]) -> tuple[int, int]:
-    """Modules in table order: embed_tokens and lm_head first, then layer by layer (a fused
-    module where its first part is)."""
+    """Modules in table order: the modules outside the layers first, then layer by layer (a
+    fused module where its first part is; the per-layer input modules last)."""
     layer, proj = key
     if layer == VOCAB_LAYER:
-        return (layer, VOCAB_MODULES.index(proj))
+        return (layer, OUTER_MODULES.index(proj))
     return (layer, LAYER_MODULE_ORDER.index(FUSED_PROJ_NAMES.get(proj, (proj,))[0]))
 
 
@@ -244,7 +245,11 @@ def check_layout(
         for proj in spec.layer_shapes(layer)
         if proj not in EXPERT_PROJ_NAMES and proj != ROUTER  # the sparse block's: below
     ]
-    expected += [((VOCAB_LAYER, m), vocab_module_key(m, prefix)) for m in VOCAB_MODULES]
+    expected += [
+        ((VOCAB_LAYER, m), vocab_module_key(m, prefix))
+        for m in OUTER_MODULES
+        if m in VOCAB_MODULES or m in spec.vocab_shapes  # Gemma 4's projection: where it is
+    ]
     for key, mkey in expected:
         if key not in pairs and settings.is_targeted(mkey):
             if key[0] == VOCAB_LAYER and key[1] not in spec.vocab_shapes:

@@ -12,7 +12,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from loraplex.checkpoint.modules import EMBED_TOKENS, LM_HEAD, VOCAB_LAYER
+from loraplex.checkpoint.modules import (
+    EMBED_TOKENS,
+    LM_HEAD,
+    PER_LAYER_MODEL_PROJECTION,
+    VOCAB_LAYER,
+)
 from loraplex.lora.peft.errors import FormatError
 
 _DECODER = r"(?:model\.)?(?:language_model\.)?(?:model\.)?"
@@ -22,12 +27,17 @@ language model of a multimodal checkpoint."""
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
 TENSOR_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
-    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?P<block>self_attn|linear_attn|mlp)\.(?P<proj>[^.]+))"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?:(?P<block>self_attn|linear_attn|mlp)\.)?(?P<proj>[^.]+))"
+    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+# base_model.model.model.per_layer_model_projection.lora_A[.default].weight (Gemma 4)
+OUTER_KEY_RE = re.compile(
+    rf"^(?:base_model\.model\.)?(?P<module>{_DECODER}{PER_LAYER_MODEL_PROJECTION})"
     r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
 # base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_A...
 OTHER_TOWER_RE = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?(?:vision_tower|multi_modal_projector|audio_tower)\."
+    r"^(?:base_model\.model\.)?(?:model\.)?(?:vision_tower|multi_modal_projector|audio_tower|embed_vision|embed_audio)\."
 )
 """Tensors of a multimodal checkpoint's non-text towers (skipped on a text-only base)."""
 _EMBED_MODULE = rf"{_DECODER}embed_tokens"
@@ -86,13 +96,16 @@ class TensorKey:
 
 
 def parse_tensor_key(name: str) -> TensorKey | None:
-    """The parts of ``...layers.N.{self_attn,mlp}.<proj>.lora_{A,B}[.<adapter>].weight``,
-    ``...embed_tokens.lora_embedding_{A,B}[.<adapter>]`` or
-    ``...lm_head.lora_{A,B}[.<adapter>].weight``."""
+    """The parts of ``...layers.N.{self_attn,mlp}.<proj>.lora_{A,B}[.<adapter>].weight`` (or
+    ``...layers.N.<proj>...``: Gemma 4's per-layer input modules),
+    ``...embed_tokens.lora_embedding_{A,B}[.<adapter>]``, ``...lm_head.lora_{A,B}[.<adapter>].weight``
+    or ``...per_layer_model_projection.lora_{A,B}[.<adapter>].weight``."""
     m = TENSOR_KEY_RE.match(name)
     if m is not None:
-        return TensorKey(m["module"], int(m["layer"]), m["block"], m["proj"], m["ab"])
-    for proj, pattern in ((EMBED_TOKENS, EMBED_KEY_RE), (LM_HEAD, HEAD_KEY_RE)):
+        return TensorKey(m["module"], int(m["layer"]), m["block"] or "", m["proj"], m["ab"])
+    outer = ((EMBED_TOKENS, EMBED_KEY_RE), (LM_HEAD, HEAD_KEY_RE),
+             (PER_LAYER_MODEL_PROJECTION, OUTER_KEY_RE))  # fmt: skip
+    for proj, pattern in outer:
         m = pattern.match(name)
         if m is not None:
             return TensorKey(m["module"], VOCAB_LAYER, "", proj, m["ab"])

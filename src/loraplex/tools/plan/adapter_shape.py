@@ -17,6 +17,8 @@ from loraplex.checkpoint.modules import (
     FUSED_PROJ_NAMES,
     LAYER_MODULE_ORDER,
     PACKED_EXPERT_PARAMS,
+    PER_LAYER_INPUT_PROJ_NAMES,
+    PER_LAYER_MODEL_PROJECTION,
     ROUTER,
     VOCAB_LAYER,
     VOCAB_MODULES,
@@ -37,17 +39,20 @@ from loraplex.tools.plan.model_shape import (
     read_json_object,
 )
 
-PARTS = ("attention", "mlp", "router", "experts", "vocab")
+PARTS = ("attention", "mlp", "router", "experts", "vocab", "per_layer")
 """An adapter's parts, as reported: attention projections, a dense MLP's, the router of a sparse
-layer, its experts, and ``embed_tokens`` / ``lm_head``."""
+layer, its experts, ``embed_tokens`` / ``lm_head``, and Gemma 4's per-layer input modules."""
 PART_NAMES = {"attention": "attention", "mlp": "dense MLP", "router": "router",
-              "experts": "experts", "vocab": "embed_tokens/lm_head"}  # fmt: skip
+              "experts": "experts", "vocab": "embed_tokens/lm_head",
+              "per_layer": "per-layer inputs"}  # fmt: skip
 
 
 def part_of(proj: str) -> str:
     """The part (:data:`PARTS`) a module of an adapter belongs to."""
     if proj in VOCAB_MODULES:
         return "vocab"
+    if proj in (*PER_LAYER_INPUT_PROJ_NAMES, PER_LAYER_MODEL_PROJECTION):
+        return "per_layer"
     if proj == ROUTER:
         return "router"
     if proj.startswith("experts."):
@@ -90,7 +95,8 @@ class AdapterShape:
 
     @property
     def targets(self) -> list[str]:
-        names = (*VOCAB_MODULES, *LAYER_MODULE_ORDER, *FUSED_PROJ_NAMES, PACKED_GATE_UP)
+        names = (*VOCAB_MODULES, *LAYER_MODULE_ORDER, *FUSED_PROJ_NAMES, PACKED_GATE_UP,
+                 PER_LAYER_MODEL_PROJECTION)  # fmt: skip
         return [p for p in names if any(q == p for _, q in self.modules)]
 
     @property
@@ -106,7 +112,8 @@ class AdapterShape:
         """One module's parameters: r x (d_in + d_out), an expert module's summed over its
         experts."""
         ranks = self.expert_ranks.get(key)
-        return sum(m.dims(key[1])) * (sum(ranks) if ranks is not None else self.modules[key])
+        dims = m.dims(key[1], key[0])
+        return sum(dims) * (sum(ranks) if ranks is not None else self.modules[key])
 
     def params(self, m: ModelShape) -> int:
         return sum(self.module_params(m, key) for key in self.modules)
@@ -128,7 +135,7 @@ class AdapterShape:
         read = m.experts_read(tokens)
         total = 0
         for key, r in self.modules.items():
-            split = sum(sum(m.dims(q)) for q in ALL_FUSED.get(key[1], (key[1],)))
+            split = sum(sum(m.dims(q, key[0])) for q in ALL_FUSED.get(key[1], (key[1],)))
             ranks = self.expert_ranks.get(key)
             total += split * (r if ranks is None else sum(sorted(ranks, reverse=True)[:read]))
         return total - r_embed * m.vocab_size
@@ -212,12 +219,14 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
     a = AdapterShape(name, {}, alora=bool(cfg.get("alora_invocation_tokens")))
     sparse = set(m.sparse)
     try:
-        for v in VOCAB_MODULES:
+        for v in m.outer_modules:
             full = vocab_module_key(v)
             if settings.is_targeted(full):
                 a.modules[(VOCAB_LAYER, v)] = int(settings.rank_of(full))
         for layer in range(m.num_layers):
-            for p in m.layer_adapter_projs(layer):  # a sparse layer's MLP: below
+            for p in m.layer_adapter_projs(layer):
+                if layer in sparse and p not in ATTN_PROJ_NAMES:
+                    continue  # a sparse layer has a router and experts in place of the MLP
                 full = module_key(layer, p)
                 if settings.is_targeted(full):
                     a.modules[(layer, p)] = int(settings.rank_of(full))

@@ -46,10 +46,12 @@ def _slot_params(m: ModelShape, modules: Sequence[str], rank: int) -> int:
     """Parameters of a slot of ``rank`` rows for ``modules`` (engine names) in every layer
     that has them (an expert module's ``E x rank`` rows) and ``embed_tokens`` / ``lm_head``."""
     wanted = set(modules)
-    out = sum(rank * sum(m.dims(p)) for p in VOCAB_MODULES if p in wanted)
+    out = sum(rank * sum(m.dims(p)) for p in m.outer_modules if p in wanted)
     for layer in range(m.num_layers):
         out += sum(
-            rank * sum(m.dims(p)) * m.experts_of(p) for p in m.layer_projs(layer) if p in wanted
+            rank * sum(m.dims(p, layer)) * m.experts_of(p)
+            for p in m.layer_projs(layer)
+            if p in wanted
         )
     return out
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.checkpoint.modules import (
-    ATTN_PROJ_NAMES,
     EXPERT_CHECKPOINT_NAMES,
     EXPERT_PROJ_NAMES,
     FUSED_BY_MODEL_TYPE,
@@ -17,6 +16,8 @@ from loraplex.checkpoint.modules import (
     GATED_Q_MODEL_TYPES,
     LINEAR_ATTN_PROJ_NAMES,
     PACKED_EXPERT_PARAMS,
+    PER_LAYER_INPUT_PROJ_NAMES,
+    PER_LAYER_MODEL_PROJECTION,
     PROJ_NAMES,
     ROUTER,
     VOCAB_MODULES,
@@ -77,6 +78,14 @@ class ModelShape:
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none)
     linear: LinearAttentionSpec | None = None  # a hybrid's linear-attention layers (Qwen3.5)
     gated_q: bool = False  # q_proj also yields a per-head output gate ([2 q, hidden])
+    per_layer_input: int = 0  # Gemma 4's per-layer stream width P (0: none)
+    per_layer_vocab: int = 0  # ... and its embedding's vocabulary
+    layer_modules: tuple[dict[str, tuple[int, int]], ...] = ()
+    """Each layer's modules -> (d_in, d_out) where layers differ (Gemma 4's head sizes, MLP
+    widths, KV-sharing layers, per-layer input modules; a hybrid's linear-attention layers:
+    ``ModelConfig.layer_modules``)."""
+    layer_norms: tuple[int, ...] = ()  # each layer's norm parameters, where they differ
+    kv_width: int = 0  # a KV slot's values: the widest layer's kv heads x head_dim (0: alike)
 
     @property
     def hd(self) -> int:
@@ -112,7 +121,7 @@ class ModelShape:
             f = next((f for f in self.fused if p in FUSED_PROJ_NAMES[f]), p)
             if f not in out:
                 out.append(f)
-        return tuple(out)
+        return (*out, *(PER_LAYER_INPUT_PROJ_NAMES if self.per_layer_input else ()))
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
@@ -123,47 +132,47 @@ class ModelShape:
             names += LINEAR_ATTN_PROJ_NAMES
         if self.is_moe:
             names += [ROUTER, *EXPERT_CHECKPOINT_NAMES[self.moe_block]]
-        return tuple(dict.fromkeys([*names, *VOCAB_MODULES]))
+        return tuple(dict.fromkeys([*names, *self.outer_modules]))
+
+    @property
+    def outer_modules(self) -> tuple[str, ...]:
+        """The adaptable modules outside the layers: the vocabulary's (and Gemma 4's
+        ``per_layer_model_projection``)."""
+        return (*VOCAB_MODULES, *((PER_LAYER_MODEL_PROJECTION,) if self.per_layer_input else ()))
 
     def layer_adapter_projs(self, layer: int) -> tuple[str, ...]:
-        """The modules an adapter names in ``layer`` outside a sparse block (whose router and
-        experts it names its own way): the token mixer's (fused modules in place of their
-        parts) and, in a dense layer, the MLP's."""
-        linear = self.linear is not None and layer in self.linear.layers
-        mixer = (
-            LINEAR_ATTN_PROJ_NAMES
-            if linear
-            else tuple(p for p in self.adapter_projs if p in ATTN_PROJ_NAMES)
-        )
-        mlp = (
-            ()
-            if layer in self.sparse
-            else tuple(p for p in self.adapter_projs if p not in ATTN_PROJ_NAMES)
-        )
-        return (*mixer, *mlp)
+        """:attr:`adapter_projs` of ``layer`` (a Gemma 4 KV-sharing layer has no k/v)."""
+        return tuple(self.layer_modules[layer]) if self.layer_modules else self.adapter_projs
 
     def layer_projs(self, layer: int) -> tuple[str, ...]:
         """The modules of ``layer`` as the engine holds them (fused ones split): the seven
-        projections, or a sparse layer's attention, router and three expert projections; a
-        linear-attention layer's projections in place of q/k/v/o."""
-        mixer = PROJ_NAMES[:4]
-        if self.linear is not None and layer in self.linear.layers:
-            mixer = LINEAR_ATTN_PROJ_NAMES
+        projections, or a sparse layer's attention, router and three expert projections; where
+        layers differ (Gemma 4, a hybrid's linear-attention layers), the layer's own."""
         if layer in self.sparse:
-            return (*mixer, ROUTER, *EXPERT_PROJ_NAMES)
-        return (*mixer, *PROJ_NAMES[4:])
+            return (*PROJ_NAMES[:4], ROUTER, *EXPERT_PROJ_NAMES)
+        if self.layer_modules:
+            return tuple(self.layer_modules[layer])
+        return PROJ_NAMES
 
     def experts_of(self, proj: str) -> int:
         """How many times a module's ``(d_in, d_out)`` is held: E for an expert projection (the
         slot bank's ``E x capacity`` rows), else 1."""
         return self.num_experts if proj.startswith("experts.") else 1
 
-    def dims(self, proj: str) -> tuple[int, int]:
-        """(d_in, d_out) of a projection, of a fused module (its parts' rows), of
-        ``embed_tokens`` / ``lm_head``, or of a sparse layer's router and expert projections
-        (one expert's)."""
+    def dims(self, proj: str, layer: int | None = None) -> tuple[int, int]:
+        """(d_in, d_out) of a projection (in ``layer``, where layers differ), of a fused module
+        (its parts' rows), of ``embed_tokens`` / ``lm_head``, or of a sparse layer's router and
+        expert projections (one expert's)."""
+        if layer is not None and layer >= 0 and self.layer_modules:
+            own = self.layer_modules[layer].get(proj)
+            if own is not None:
+                return own
         if proj in VOCAB_MODULES:
             return vocab_module_shapes(self.vocab_size, self.hidden_size)[proj]
+        d, p = self.hidden_size, self.per_layer_input
+        if p and proj in (*PER_LAYER_INPUT_PROJ_NAMES, PER_LAYER_MODEL_PROJECTION):
+            return {"per_layer_input_gate": (d, p), "per_layer_projection": (p, d),
+                    PER_LAYER_MODEL_PROJECTION: (d, self.num_layers * p)}[proj]  # fmt: skip
         if proj in ALL_FUSED:
             parts = [self.dims(q) for q in ALL_FUSED[proj]]
             return parts[0][0], sum(d_out for _, d_out in parts)
@@ -190,23 +199,24 @@ class ModelShape:
     def linear_params(self) -> int:
         """Parameters of every projection of every layer, a sparse layer's router and all its
         experts (no norms, embeddings or head)."""
-        return sum(
-            math.prod(self.dims(p)) * self.experts_of(p)
-            for layer in range(self.num_layers)
-            for p in self.layer_projs(layer)
-        )
+        n_sparse = len(self.sparse)
+        dense = (i for i in range(self.num_layers) if i not in self.sparse)
+        out = sum(math.prod(self.dims(p, i)) for i in dense for p in self.layer_projs(i))
+        if self.per_layer_input:
+            out += math.prod(self.dims(PER_LAYER_MODEL_PROJECTION))
+        if n_sparse:
+            attn = sum(math.prod(self.dims(p)) for p in PROJ_NAMES[:4])
+            router = math.prod(self.dims(ROUTER))
+            out += n_sparse * (attn + router + self.num_experts * self.expert_params())
+        return out
 
     def _layer_extras(self) -> int:
         """A layer's norm and bias parameters (a linear-attention layer's: its two norms, its
         convolution, decay and gated norm), and the final norm."""
         norms = self.layer_norm_params or 2 * self.hidden_size
-        lin = self.linear
-        if lin is None:
-            return self.num_layers * (norms + self.layer_bias_params) + self.hidden_size
-        conv = 2 * lin.key_heads * lin.key_dim + lin.value_heads * lin.value_dim
-        own = 2 * self.hidden_size + conv * lin.kernel + 2 * lin.value_heads + lin.value_dim
-        full = self.num_layers - len(lin.layers)
-        return full * (norms + self.layer_bias_params) + len(lin.layers) * own + self.hidden_size
+        every = sum(self.layer_norms) if self.layer_norms else self.num_layers * norms
+        stream = self.per_layer_input  # Gemma 4's per-layer stream's norm
+        return every + self.num_layers * self.layer_bias_params + self.hidden_size + stream
 
     def params(self) -> int:
         """All parameters: projections (every expert), biases, norms, embedding, LM head
@@ -216,6 +226,7 @@ class ModelShape:
             self.linear_params()
             + self._layer_extras()
             + emb * (1 if self.tie_word_embeddings else 2)
+            + self.per_layer_vocab * self.num_layers * self.per_layer_input  # Gemma 4's lookup
         )
 
     def experts_read(self, tokens: int) -> int:
@@ -244,12 +255,18 @@ class ModelShape:
         )
 
     @property
+    def kv_row(self) -> int:
+        """Values of one layer's K (or V) at one position as the cache holds them (every slot
+        as wide as the widest layer's, ``PagedKVCache``)."""
+        return self.kv_width or self.num_kv_heads * self.hd
+
+    @property
     def attention_layers(self) -> int:
         """Layers that keep KV (all but a hybrid's linear-attention layers)."""
         return self.num_layers - (len(self.linear.layers) if self.linear is not None else 0)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.attention_layers * self.num_kv_heads * self.hd * dtype_bytes
+        return 2 * self.attention_layers * self.kv_row * dtype_bytes
 
     def _groups(self) -> list:
         windows = self.layer_windows or [None] * self.num_layers
@@ -260,7 +277,7 @@ class ModelShape:
         KV-cache groups (windowed layers keep only their window's blocks) times the page of a
         group's layers (``loraplex.kv.groups``), plus a hybrid's recurrent state pages."""
         groups = self._groups()
-        page = 2 * layers_per_group(groups) * block_size * self.num_kv_heads * self.hd
+        page = 2 * layers_per_group(groups) * block_size * self.kv_row
         kv = blocks_per_sequence(groups, tokens, block_size) * page * dtype_bytes
         return kv + self.state_bytes_per_sequence(tokens, dtype_bytes, block_size)
 
@@ -358,6 +375,11 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             layer_windows=tuple(_architecture(archs).windows_of(mc)),
             linear=mc.linear_spec(),
             gated_q=mc.model_type in GATED_Q_MODEL_TYPES,
+            per_layer_input=int(getattr(mc, "hidden_size_per_layer_input", 0)),
+            per_layer_vocab=int(getattr(mc, "vocab_size_per_layer_input", 0)),
+            layer_modules=mc.layer_modules(),
+            layer_norms=tuple(mc.layer_norm_params(i) for i in range(mc.num_layers)),
+            kv_width=max(kvh * hd for kvh, hd in mc.kv_layer_shapes()),
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
