@@ -119,10 +119,12 @@ EXPERT_CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
             "down_proj": "experts.down_proj"},
     "block_sparse_moe": {"w1": "experts.gate_proj", "w3": "experts.up_proj",
                          "w2": "experts.down_proj"},
+    "feed_forward": {"gate_proj": "experts.gate_proj", "up_proj": "experts.up_proj",
+                     "down_proj": "experts.down_proj"},
 }  # fmt: skip
 """The sparse block's name in checkpoints and adapters -> its per-expert module names ->
 loraplex's (Qwen-MoE's ``mlp.experts.{e}.gate_proj``; Mixtral's ``block_sparse_moe.experts.{e}.w1``
-with ``w1`` gate, ``w3`` up, ``w2`` down)."""
+with ``w1`` gate, ``w3`` up, ``w2`` down; Llama 4 names its MLP blocks ``feed_forward``)."""
 PACKED_EXPERT_PARAMS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
     "down_proj": ("experts.down_proj",),
@@ -130,6 +132,13 @@ PACKED_EXPERT_PARAMS: dict[str, tuple[str, ...]] = {
 """transformers 5's packed 3-D expert parameters (``mlp.experts.gate_up_proj [E, 2 I, hidden]``,
 gate rows then up rows; ``mlp.experts.down_proj [E, hidden, I]``), PEFT's ``target_parameters``
 -> the expert projections they hold."""
+SHARED_EXPERT_PROJ_NAMES = (
+    "shared_expert.gate_proj",
+    "shared_expert.up_proj",
+    "shared_expert.down_proj",
+)
+"""A sparse block's shared expert (a gated MLP every token runs, added to the routed output:
+Llama 4, Qwen2/3.5-MoE), adaptable as ordinary linears under ``mlp.shared_expert``."""
 
 
 @dataclass(frozen=True)
@@ -145,16 +154,25 @@ class MoESpec:
     block: str = "mlp"
     """The sparse block's module name in checkpoints and older adapters (``block_sparse_moe``
     for Mixtral); transformers 5 names it ``mlp`` for every MoE model."""
+    shared_intermediate: int = 0
+    """The shared expert's width (0: none)."""
+    packed_in_out: bool = False
+    """The packed expert parameters are stored ``[E, d_in, d_out]`` (Llama 4's
+    ``gate_up_proj [E, hidden, 2 I]``, ``down_proj [E, I, hidden]``), not ``[E, d_out, d_in]``;
+    PEFT's ``target_parameters`` factors then swap roles (``A`` expands, ``B`` shrinks)."""
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
-        """The router's and each expert projection's ``(d_in, d_out)`` (per expert)."""
-        h, i = self.hidden, self.intermediate
+        """The router's and each expert projection's ``(d_in, d_out)`` (per expert), and the
+        shared expert's projections when there is one."""
+        h, i, s = self.hidden, self.intermediate, self.shared_intermediate
+        shared = dict(zip(SHARED_EXPERT_PROJ_NAMES, ((h, s), (h, s), (s, h)), strict=True))
         return {
             ROUTER: (h, self.num_experts),
             "experts.gate_proj": (h, i),
             "experts.up_proj": (h, i),
             "experts.down_proj": (i, h),
+            **(shared if s else {}),
         }
 
     @classmethod

@@ -21,7 +21,7 @@ reach the lookup), and where the delta enters an embedding depends on the archit
 embedding scale; the gathered path costs two small ops per step.
 
 A MoE layer's router and experts stay gathered too (:func:`vocab_modules` names them with the
-vocabulary modules): a merged copy would be every expert of the layer (an expert adapter of a
+vocabulary modules, and so does its shared expert): a merged copy would be every expert of the layer (an expert adapter of a
 30B-A3B base would copy most of the base), while the gathered path reads only the experts the
 step's tokens chose, and only their LoRA rows. The attention projections merge as in a dense
 model.
@@ -36,7 +36,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.checkpoint.modules import EXPERT_PROJ_NAMES, ROUTER, VOCAB_LAYER
+from loraplex.checkpoint.modules import (
+    EXPERT_PROJ_NAMES,
+    ROUTER,
+    SHARED_EXPERT_PROJ_NAMES,
+    VOCAB_LAYER,
+)
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.linear import DenseLinear, Linear, LinearFactory, PackedCPULinear
 from loraplex.model.panel_gemm import PanelLinear
@@ -80,7 +85,7 @@ def targeted_groups(
     return {(layer, rows[proj][0]) for layer, proj in weights if (layer, proj) not in gathered}
 
 
-_GATHERED_PROJS = frozenset((ROUTER, *EXPERT_PROJ_NAMES))
+_GATHERED_PROJS = frozenset((ROUTER, *EXPERT_PROJ_NAMES, *SHARED_EXPERT_PROJ_NAMES))
 
 
 def vocab_modules(weights: Mapping[tuple[int, str], object]) -> frozenset[tuple[int, str]]:

@@ -14,6 +14,7 @@ from loraplex.model.gemma import (
     Gemma3ForConditionalGeneration,
 )
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from loraplex.model.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
 from loraplex.model.qwen3 import Qwen3ForCausalLM
@@ -32,6 +33,8 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
+    "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

@@ -40,6 +40,7 @@ ARCH_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
 }
 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -47,6 +48,12 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                       norm_topk_prob=True),
     "mixtral": dict(num_local_experts=16, num_experts_per_tok=2),
     "smollm3": dict(pad_token_id=None),  # its 128004 lies outside a tiny vocabulary
+    # 4 experts (of intermediate_size, the shared expert's width too) in every other layer,
+    # dense layers of 96, chunks of 4 on the rope layers (every prompt crosses them), every
+    # other layer NoPE with a temperature that moves from position 3 on
+    "llama4_text": dict(num_local_experts=4, intermediate_size_mlp=96,
+                        interleave_moe_layer_step=2, no_rope_layer_interval=2,
+                        attention_chunk_size=4, floor_scale=4, attn_scale=0.5),
 }  # fmt: skip
 """Config values a family's tiny model takes unless the caller says otherwise (a MoE's expert
 count and size: the config classes' defaults, 128 experts of 768, are a real model's)."""

@@ -19,11 +19,12 @@ _DECODER = r"(?:model\.)?(?:language_model\.)?(?:model\.)?"
 """What precedes ``layers.N`` / ``embed_tokens``: ``model.`` for a causal LM, and
 ``model.language_model.`` (transformers 5) or ``language_model.model.`` (older) for the
 language model of a multimodal checkpoint."""
-# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight; the MLP block is
+# Llama 4's feed_forward there, and a MoE's shared expert mlp.shared_expert.gate_proj
 TENSOR_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
-    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\.(?P<proj>[^.]+))"
-    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp|feed_forward)\."
+    r"(?P<proj>(?:shared_expert\.)?[^.]+))\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
 # base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_A...
 OTHER_TOWER_RE = re.compile(
@@ -51,7 +52,7 @@ _VOCAB_WEIGHT_RE = re.compile(
 )
 
 
-_MOE_BLOCK = r"(?P<block>mlp|block_sparse_moe)"
+_MOE_BLOCK = r"(?P<block>mlp|block_sparse_moe|feed_forward)"
 # base_model.model.model.layers.3.mlp.experts.5.gate_proj.lora_A[.default].weight (per expert)
 EXPERT_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
@@ -80,7 +81,7 @@ class TensorKey:
 
     module: str  # e.g. "model.layers.3.self_attn.q_proj" (what patterns are matched against)
     layer: int  # VOCAB_LAYER for embed_tokens / lm_head
-    block: str  # self_attn | mlp; "" for embed_tokens / lm_head
+    block: str  # self_attn | mlp (Llama 4's feed_forward too); "" for embed_tokens / lm_head
     proj: str
     ab: str  # "A" | "B"
 
@@ -91,7 +92,8 @@ def parse_tensor_key(name: str) -> TensorKey | None:
     ``...lm_head.lora_{A,B}[.<adapter>].weight``."""
     m = TENSOR_KEY_RE.match(name)
     if m is not None:
-        return TensorKey(m["module"], int(m["layer"]), m["block"], m["proj"], m["ab"])
+        block = "mlp" if m["block"] == "feed_forward" else m["block"]
+        return TensorKey(m["module"], int(m["layer"]), block, m["proj"], m["ab"])
     for proj, pattern in ((EMBED_TOKENS, EMBED_KEY_RE), (LM_HEAD, HEAD_KEY_RE)):
         m = pattern.match(name)
         if m is not None:
