@@ -84,6 +84,11 @@ FAMILIES: dict[str, dict] = {
     ),
     # SmolLM3: Llama's layers, the second of each pair without rotary (NoPE), a tied head
     "smollm3": dict(arch="smollm3", no_rope_layer_interval=2, tie_word_embeddings=True),
+    # Llama 4: layer 0 chunked (4 tokens: every prompt and decode crosses chunks), rope in
+    # the interleaved form, L2 q/k norm, a dense MLP; layer 1 NoPE with temperature tuning,
+    # global, a top-1 sparse block whose shared expert the MLP targets adapt (its packed
+    # experts through target_parameters: tests/engine/test_llama4.py)
+    "llama4_text": dict(arch="llama4_text"),
     # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE with an original length (6)
     # every prompt passes (its long factors and attention factor from the prefill on; a
     # sequence crossing it while decoding is tests/model/test_phi3.py's)
@@ -255,7 +260,8 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
     assert eng.merger is not None
     name = "both_all_r16"
     adapter = family["adapters"][name]
-    base_linears = [(L.qkv, L.o, L.gate_up, L.down) for L in eng.model.layers]
+    slots = ("qkv", "o", "gate_up", "down")  # a sparse layer (Llama 4's) has no dense MLP
+    base_linears = [tuple(getattr(L, s, None) for s in slots) for L in eng.model.layers]
     head, embed = eng.model.head, eng.model.embed_tokens.clone()
     sp = SamplingParams(temperature=0, max_tokens=N_NEW + 4, ignore_eos=True, logprobs=3)
     for i, p in enumerate(PROMPTS[:2]):
@@ -276,7 +282,7 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
             if out.finished:
                 results[out.request_id] = out.outputs[0]
     assert eng.merger.merged_digest is None
-    now = [(L.qkv, L.o, L.gate_up, L.down) for L in eng.model.layers]
+    now = [tuple(getattr(L, s, None) for s in slots) for L in eng.model.layers]
     assert all(
         a is b
         for old, new in zip(base_linears, now, strict=True)

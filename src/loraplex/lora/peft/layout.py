@@ -14,6 +14,7 @@ from loraplex.checkpoint.modules import (
     FUSED_PROJ_NAMES,
     PROJ_NAMES,
     ROUTER,
+    SHARED_EXPERT_PROJ_NAMES,
     VOCAB_LAYER,
     VOCAB_MODULES,
     BaseModelSpec,
@@ -64,11 +65,9 @@ def _module_order(key: tuple[int, str]) -> tuple[int, int]:
     layer, proj = key
     if layer == VOCAB_LAYER:
         return (layer, VOCAB_MODULES.index(proj))
-    if proj == ROUTER or proj in EXPERT_PROJ_NAMES:  # the sparse block, after attention
-        return (
-            layer,
-            len(PROJ_NAMES) + (0 if proj == ROUTER else 1 + EXPERT_PROJ_NAMES.index(proj)),
-        )
+    sparse = (ROUTER, *EXPERT_PROJ_NAMES, *SHARED_EXPERT_PROJ_NAMES)
+    if proj in sparse:  # the sparse block, after attention
+        return (layer, len(PROJ_NAMES) + sparse.index(proj))
     return (layer, PROJ_NAMES.index(FUSED_PROJ_NAMES.get(proj, (proj,))[0]))
 
 
