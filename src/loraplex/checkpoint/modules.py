@@ -177,10 +177,19 @@ class MoESpec:
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any]) -> MoESpec | None:
-        """The sparse blocks of a Qwen2/3-MoE or Mixtral ``config.json`` (None for a dense one):
-        ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``, ``decoder_sparse_step``
-        and ``mlp_only_layers`` as transformers reads them."""
+        """The sparse blocks of a Qwen2/3-MoE, Mixtral or Llama 4 text ``config.json`` (None for
+        a dense one): ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``,
+        ``decoder_sparse_step`` and ``mlp_only_layers`` (Llama 4: ``moe_layers`` or
+        ``interleave_moe_layer_step``, a shared expert as wide as an expert, experts packed
+        ``[E, in, out]``) as transformers reads them."""
         mtype = str(raw.get("model_type", ""))
+        if mtype in ("llama4_text", "llama4"):
+            n, num_layers = int(raw.get("num_local_experts") or 16), int(raw["num_hidden_layers"])
+            step = int(raw.get("interleave_moe_layer_step") or 1)
+            moe = raw.get("moe_layers")
+            layers = tuple(moe) if moe is not None else tuple(range(step - 1, num_layers, step))
+            inter = int(raw["intermediate_size"])
+            return cls(n, layers, int(raw["hidden_size"]), inter, "feed_forward", inter, True)
         if mtype == "mixtral":
             n = int(raw.get("num_local_experts") or 8)
             layers = tuple(range(int(raw["num_hidden_layers"])))
@@ -253,7 +262,8 @@ class BaseModelSpec:
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        inter = int(raw["intermediate_size"])
+        # the dense MLP's width (Llama 4's intermediate_size is an expert's)
+        inter = int(raw.get("intermediate_size_mlp") or raw["intermediate_size"])
         shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
         vocab = raw.get("vocab_size")
         vocab_shapes = vocab_module_shapes(int(vocab), hidden) if vocab else {}

@@ -20,7 +20,8 @@ de-interleaved (pairs ``(2i, 2i + 1)`` -> ``(i, i + hd / 2)``): scores are dot p
 and k permuted alike attend the same, and the L2 norm does not see the order. Checkpoint
 names: ``feed_forward`` for ``mlp``, ``feed_forward.router`` for the router ``mlp.gate``.
 Adapters: attention, dense MLP, shared expert (``shared_expert.{gate,up,down}_proj``), packed
-experts (PEFT's ``target_parameters``), ``lm_head`` and ``embed_tokens``; the router is refused.
+experts (PEFT's ``target_parameters``), the router (``feed_forward.router``, PEFT's
+``all-linear`` takes it), ``lm_head`` and ``embed_tokens``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from loraplex.checkpoint.modules import MoESpec
 from loraplex.kv.groups import Chunked, Window
 from loraplex.model.layers import Attention, DecoderLayer, LayerStep
 from loraplex.model.moe import MoEConfig, MoEDecoderForCausalLM, SparseMoE, moe_config_fields
@@ -122,20 +124,17 @@ class Llama4ForCausalLM(MoEDecoderForCausalLM):
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
-        n = int(c["num_hidden_layers"])
-        step = int(c.get("interleave_moe_layer_step") or 1)
-        moe = c.get("moe_layers")
-        sparse = tuple(moe) if moe is not None else tuple(range(step - 1, n, step))
-        inter = int(c["intermediate_size"])
+        spec = MoESpec.from_hf_config({**c, "model_type": "llama4_text"})
+        assert spec is not None
         chunk = c.get("attention_chunk_size")
         return dict(
             **moe_config_fields(
-                c, source, num_experts=int(c.get("num_local_experts") or 16), inter=inter,
-                sparse=sparse, norm_topk_prob=False, block="feed_forward", in_model_dtype=True,
-                shared=inter, packed_in_out=True,
+                c, source, num_experts=spec.num_experts, inter=spec.intermediate,
+                sparse=spec.layers, norm_topk_prob=False, block=spec.block,
+                in_model_dtype=True, shared=spec.shared_intermediate, packed_in_out=True,
             ),
-            intermediate_size=int(c.get("intermediate_size_mlp") or inter),
-            rope_layers=_rope_layers(c, n, source),
+            intermediate_size=int(c.get("intermediate_size_mlp") or spec.intermediate),
+            rope_layers=_rope_layers(c, int(c["num_hidden_layers"]), source),
             attention_chunk_size=int(chunk) if chunk else None,
             use_qk_norm=bool(c.get("use_qk_norm", True)),
             attn_temperature_tuning=bool(c.get("attn_temperature_tuning", True)),

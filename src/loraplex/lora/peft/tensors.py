@@ -67,10 +67,11 @@ PACKED_KEY_RE = re.compile(
     rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.experts)"
     r"(?P<inner>(?:\.base_layer)*)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
-# base_model.model.model.layers.3.mlp.gate.lora_A[.default].weight (the router)
+# base_model.model.model.layers.3.mlp.gate.lora_A[.default].weight (the router; Llama 4's
+# feed_forward.router)
 ROUTER_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
-    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.gate)"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.(?:gate|router))"
     r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
 
