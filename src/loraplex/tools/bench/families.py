@@ -56,6 +56,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(arch="gemma3_text", sliding_window=512),
     "phi3": dict(arch="phi3"),
     "smollm3": dict(arch="smollm3", no_rope_layer_interval=4),  # every fourth layer NoPE
+    # Llama 4's layout at this width: every fourth layer NoPE (global), the others in chunks
+    # of 8192 (every prompt inside one); every other layer a top-1 sparse block of 4 experts
+    # and a shared expert (each of intermediate_size), dense layers of intermediate_size too
+    "llama4_text": dict(
+        arch="llama4_text",
+        num_local_experts=4,
+        intermediate_size_mlp=1536,
+        no_rope_layer_interval=4,
+        attention_chunk_size=8192,
+        floor_scale=8192,
+        attn_scale=0.1,
+    ),
 }
 """Family -> its ``make_random_model`` arguments beyond ``WIDTH`` (Gemma's window is its real
 models' 512 at this width; every prompt here fits inside it)."""

@@ -31,7 +31,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch",
         default="llama",
         help="with --random: the architecture of the random model (llama, mistral, qwen2, "
-        "qwen3, gemma2, gemma3_text, gemma3, phi3)",
+        "qwen3, gemma2, gemma3_text, gemma3, phi3, qwen3_moe, mixtral, smollm3, llama4_text)",
     )
 
 
