@@ -60,9 +60,11 @@ def adapter_module_shapes(
     return out
 
 
-def module_key(layer: int, proj: str, prefix: str = "model.") -> str:
-    """The module name PEFT matches its patterns against: ``model.layers.3.mlp.up_proj``."""
-    return f"{prefix}layers.{layer}.{block_of(proj)}.{proj}"
+def module_key(layer: int, proj: str, prefix: str = "model.", mlp: str = "mlp") -> str:
+    """The module name PEFT matches its patterns against: ``model.layers.3.mlp.up_proj``
+    (``mlp``: the MLP block's name, Llama 4's ``feed_forward``)."""
+    block = block_of(proj)
+    return f"{prefix}layers.{layer}.{mlp if block == 'mlp' else block}.{proj}"
 
 
 def projection_shapes(
@@ -160,6 +162,16 @@ class MoESpec:
     """The packed expert parameters are stored ``[E, d_in, d_out]`` (Llama 4's
     ``gate_up_proj [E, hidden, 2 I]``, ``down_proj [E, I, hidden]``), not ``[E, d_out, d_in]``;
     PEFT's ``target_parameters`` factors then swap roles (``A`` expands, ``B`` shrinks)."""
+    router_name: str = ROUTER
+    """The router's module name under the block (Llama 4: ``router``; loraplex keys it
+    :data:`ROUTER` whatever it is called)."""
+
+    @property
+    def mlp_block(self) -> str:
+        """The MLP block's name in transformers 5 (a dense layer's, and the sparse block's
+        over its packed parameters, what ``target_parameters`` name): ``mlp`` for every MoE
+        (Mixtral's ``block_sparse_moe`` too) but Llama 4 (``feed_forward``)."""
+        return "mlp" if self.block == "block_sparse_moe" else self.block
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -189,7 +201,8 @@ class MoESpec:
             moe = raw.get("moe_layers")
             layers = tuple(moe) if moe is not None else tuple(range(step - 1, num_layers, step))
             inter = int(raw["intermediate_size"])
-            return cls(n, layers, int(raw["hidden_size"]), inter, "feed_forward", inter, True)
+            hidden = int(raw["hidden_size"])
+            return cls(n, layers, hidden, inter, "feed_forward", inter, True, "router")
         if mtype == "mixtral":
             n = int(raw.get("num_local_experts") or 8)
             layers = tuple(range(int(raw["num_hidden_layers"])))

@@ -132,6 +132,7 @@ class Llama4ForCausalLM(MoEDecoderForCausalLM):
                 c, source, num_experts=spec.num_experts, inter=spec.intermediate,
                 sparse=spec.layers, norm_topk_prob=False, block=spec.block,
                 in_model_dtype=True, shared=spec.shared_intermediate, packed_in_out=True,
+                router=spec.router_name,
             ),
             intermediate_size=int(c.get("intermediate_size_mlp") or spec.intermediate),
             rope_layers=_rope_layers(c, int(c["num_hidden_layers"]), source),

@@ -73,6 +73,8 @@ class MoEConfig(ModelConfig):
     """Whether a sigmoid gate ``[1, D]`` scales the shared expert's output."""
     packed_in_out: bool = False
     """Packed experts stored ``[E, d_in, d_out]`` (Llama 4; ``MoESpec.packed_in_out``)."""
+    router_name: str = ROUTER
+    """The router's module name in checkpoints and adapters (Llama 4: ``router``)."""
 
     def moe_spec(self) -> MoESpec | None:
         return MoESpec(
@@ -83,6 +85,7 @@ class MoEConfig(ModelConfig):
             self.moe_block,
             self.shared_expert_intermediate_size,
             self.packed_in_out,
+            self.router_name,
         )
 
     def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
@@ -117,7 +120,7 @@ class MoEConfig(ModelConfig):
 def moe_config_fields(
     c: Mapping[str, Any], source: str, *, num_experts: int, inter: int, sparse: tuple[int, ...],
     norm_topk_prob: bool, block: str, in_model_dtype: bool, shared: int = 0,
-    shared_gate: bool = False, packed_in_out: bool = False,
+    shared_gate: bool = False, packed_in_out: bool = False, router: str = ROUTER,
 ) -> dict[str, Any]:  # fmt: skip
     """The ``MoEConfig`` fields, checked: top-k within the experts, positive sizes (``shared``:
     the shared expert's width, 0 for none)."""
@@ -145,6 +148,7 @@ def moe_config_fields(
         shared_expert_intermediate_size=shared,
         shared_expert_gate=shared_gate,
         packed_in_out=packed_in_out,
+        router_name=router,
     )
 
 

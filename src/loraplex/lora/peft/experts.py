@@ -264,15 +264,15 @@ class ExpertTensors:
         names = {v: k for k, v in EXPERT_CHECKPOINT_NAMES[block].items()}
         for layer in moe.layers:
             for param, parts in PACKED_EXPERT_PARAMS.items():
-                mkey = f"{prefix}layers.{layer}.mlp.experts.{param}"
+                mkey = f"{prefix}layers.{layer}.{moe.mlp_block}.experts.{param}"
                 if settings.is_param_targeted(mkey) and any((layer, q) not in out for q in parts):
                     raise FormatError(
                         "incomplete_adapter",
                         f"parameter {mkey} is targeted by the config (target_parameters) but "
                         "has no LoRA tensors (adapter made for another model?)",
                     )
-            router = f"{prefix}layers.{layer}.{block}.{ROUTER}"
-            router_v5 = f"{prefix}layers.{layer}.mlp.{ROUTER}"
+            router = f"{prefix}layers.{layer}.{block}.{moe.router_name}"
+            router_v5 = f"{prefix}layers.{layer}.{moe.mlp_block}.{moe.router_name}"
             wants_router = settings.is_param_targeted(f"{router_v5}.weight") or (
                 self._strict() and settings.is_targeted(router)
             )

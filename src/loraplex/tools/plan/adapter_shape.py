@@ -19,6 +19,7 @@ from loraplex.checkpoint.modules import (
     PACKED_EXPERT_PARAMS,
     PROJ_NAMES,
     ROUTER,
+    SHARED_EXPERT_PROJ_NAMES,
     VOCAB_LAYER,
     VOCAB_MODULES,
     module_key,
@@ -92,7 +93,7 @@ class AdapterShape:
     @property
     def targets(self) -> list[str]:
         names = (*VOCAB_MODULES, *PROJ_NAMES, *FUSED_PROJ_NAMES, ROUTER, *EXPERT_PROJ_NAMES,
-                 PACKED_GATE_UP)  # fmt: skip
+                 PACKED_GATE_UP, *SHARED_EXPERT_PROJ_NAMES)  # fmt: skip
         return [p for p in names if any(q == p for _, q in self.modules)]
 
     @property
@@ -157,14 +158,19 @@ def _sparse_layer_modules(
     by ``target_modules`` expert by expert (``all-linear`` as it was while experts and router
     were linears: all of them); packed wins where both name a projection."""
     pre, block, n = f"model.layers.{layer}", m.moe_block, m.num_experts
-    router = f"{pre}.{block}.{ROUTER}"
+    moe = m.moe
+    assert moe is not None
+    router, v5 = f"{pre}.{block}.{moe.router_name}", f"{pre}.{moe.mlp_block}"
     if settings.is_targeted(router):
         a.modules[(layer, ROUTER)] = int(settings.rank_of(router))
-    elif settings.is_param_targeted(f"{pre}.mlp.{ROUTER}.weight"):
-        a.modules[(layer, ROUTER)] = int(settings.rank_of(f"{pre}.mlp.{ROUTER}"))
+    elif settings.is_param_targeted(f"{v5}.{moe.router_name}.weight"):
+        a.modules[(layer, ROUTER)] = int(settings.rank_of(f"{v5}.{moe.router_name}"))
+    for proj in SHARED_EXPERT_PROJ_NAMES if moe.shared_intermediate else ():
+        if settings.is_targeted(full := f"{pre}.{block}.{proj}"):
+            a.modules[(layer, proj)] = int(settings.rank_of(full))
     packed: set[str] = set()
     for param, parts in PACKED_EXPERT_PARAMS.items():
-        full = f"{pre}.mlp.experts.{param}"
+        full = f"{v5}.experts.{param}"
         if settings.is_param_targeted(full):
             name = PACKED_GATE_UP if len(parts) > 1 else parts[0]
             r = int(settings.rank_of(full))
@@ -172,7 +178,7 @@ def _sparse_layer_modules(
             a.packed.add((layer, name))
             packed.update(parts)
     for ckpt, proj in EXPERT_CHECKPOINT_NAMES[block].items():
-        if proj in packed:
+        if proj in packed or moe.packed_in_out:  # (packed-only experts: no per-expert keys)
             continue
         keys = [f"{pre}.{block}.experts.{e}.{ckpt}" for e in range(n)]
         ranks = tuple(int(settings.rank_of(k)) if settings.is_targeted(k) else 0 for k in keys)
@@ -222,7 +228,7 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
             for p in m.adapter_projs:
                 if layer in sparse and p not in ATTN_PROJ_NAMES:
                     continue  # a sparse layer has a router and experts in place of the MLP
-                full = module_key(layer, p)
+                full = module_key(layer, p, mlp=m.moe.mlp_block if m.moe else "mlp")
                 if settings.is_targeted(full):
                     a.modules[(layer, p)] = int(settings.rank_of(full))
             if layer in sparse:

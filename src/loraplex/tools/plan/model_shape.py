@@ -16,12 +16,13 @@ from loraplex.checkpoint.modules import (
     PACKED_EXPERT_PARAMS,
     PROJ_NAMES,
     ROUTER,
+    SHARED_EXPERT_PROJ_NAMES,
     VOCAB_MODULES,
     MoESpec,
     projection_shapes,
     vocab_module_shapes,
 )
-from loraplex.kv.groups import blocks_per_sequence, kv_cache_groups, layers_per_group
+from loraplex.kv.groups import Window, blocks_per_sequence, kv_cache_groups, layers_per_group
 from loraplex.lora import digest
 
 PACKED_GATE_UP = "experts.gate_up_proj"
@@ -64,7 +65,10 @@ class ModelShape:
     moe_intermediate_size: int = 0  # one expert's
     sparse_layers: tuple[int, ...] | None = None  # the sparse layers (None: all, when MoE)
     moe_block: str = "mlp"  # the sparse block's checkpoint name (Mixtral's block_sparse_moe)
-    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none)
+    layer_windows: tuple[Window, ...] = ()  # each layer's sliding window / chunk (empty: none)
+    shared_intermediate: int = 0  # a sparse block's shared expert's width (0: none)
+    packed_in_out: bool = False  # packed experts stored [E, in, out] (Llama 4)
+    router_name: str = ROUTER  # the router's module name (Llama 4: router)
 
     @property
     def hd(self) -> int:
@@ -88,7 +92,7 @@ class ModelShape:
             return None
         return MoESpec(
             self.num_experts, self.sparse, self.hidden_size, self.moe_intermediate_size,
-            self.moe_block,
+            self.moe_block, self.shared_intermediate, self.packed_in_out, self.router_name,
         )  # fmt: skip
 
     @property
@@ -108,14 +112,15 @@ class ModelShape:
         (a MoE's router and per-expert projections too) and the vocabulary modules."""
         names = list(self.adapter_projs)
         if self.is_moe:
-            names += [ROUTER, *EXPERT_CHECKPOINT_NAMES[self.moe_block]]
+            names += [self.router_name, *EXPERT_CHECKPOINT_NAMES[self.moe_block]]
         return tuple(dict.fromkeys([*names, *VOCAB_MODULES]))
 
     def layer_projs(self, layer: int) -> tuple[str, ...]:
         """The modules of ``layer`` as the engine holds them (fused ones split): the seven
         projections, or a sparse layer's attention, router and three expert projections."""
         if layer in self.sparse:
-            return (*PROJ_NAMES[:4], ROUTER, *EXPERT_PROJ_NAMES)
+            shared = SHARED_EXPERT_PROJ_NAMES if self.shared_intermediate else ()
+            return (*PROJ_NAMES[:4], ROUTER, *EXPERT_PROJ_NAMES, *shared)
         return PROJ_NAMES
 
     def experts_of(self, proj: str) -> int:
@@ -132,7 +137,7 @@ class ModelShape:
         if proj in ALL_FUSED:
             parts = [self.dims(q) for q in ALL_FUSED[proj]]
             return parts[0][0], sum(d_out for _, d_out in parts)
-        if proj == ROUTER or proj in EXPERT_PROJ_NAMES:
+        if proj in (ROUTER, *EXPERT_PROJ_NAMES, *SHARED_EXPERT_PROJ_NAMES):
             moe = self.moe
             if moe is None:
                 raise PlanError(f"{self.name} is not a mixture-of-experts model: it has no {proj}")
@@ -147,13 +152,15 @@ class ModelShape:
         return sum(math.prod(self.dims(p)) for p in EXPERT_PROJ_NAMES) if self.is_moe else 0
 
     def linear_params(self) -> int:
-        """Parameters of every projection of every layer, a sparse layer's router and all its
-        experts (no norms, embeddings or head)."""
+        """Parameters of every projection of every layer, a sparse layer's router, all its
+        experts and its shared expert (no norms, embeddings or head)."""
         n_sparse = len(self.sparse)
         out = (self.num_layers - n_sparse) * sum(math.prod(self.dims(p)) for p in PROJ_NAMES)
         if n_sparse:
             attn = sum(math.prod(self.dims(p)) for p in PROJ_NAMES[:4])
             router = math.prod(self.dims(ROUTER))
+            shared = SHARED_EXPERT_PROJ_NAMES if self.shared_intermediate else ()
+            attn += sum(math.prod(self.dims(p)) for p in shared)
             out += n_sparse * (attn + router + self.num_experts * self.expert_params())
         return out
 
@@ -286,6 +293,9 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             sparse_layers=tuple(moe.layers) if moe else None,
             moe_block=moe.block if moe else "mlp",
             layer_windows=tuple(_architecture(archs).windows_of(mc)),
+            shared_intermediate=moe.shared_intermediate if moe else 0,
+            packed_in_out=moe.packed_in_out if moe else False,
+            router_name=moe.router_name if moe else ROUTER,
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
