@@ -89,6 +89,8 @@ FAMILIES: dict[str, dict] = {
     # global, a top-1 sparse block whose shared expert the MLP targets adapt (its packed
     # experts through target_parameters: tests/engine/test_llama4.py)
     "llama4_text": dict(arch="llama4_text"),
+    # the language model of a Llama 4 vision-language checkpoint (its vision tower skipped)
+    "llama4": dict(arch="llama4"),
     # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE with an original length (6)
     # every prompt passes (its long factors and attention factor from the prefill on; a
     # sequence crossing it while decoding is tests/model/test_phi3.py's)

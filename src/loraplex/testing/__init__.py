@@ -41,6 +41,7 @@ ARCH_CONFIGS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
+    "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
 }
 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -54,11 +55,14 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama4_text": dict(num_local_experts=4, intermediate_size_mlp=96,
                         interleave_moe_layer_step=2, no_rope_layer_interval=2,
                         attention_chunk_size=4, floor_scale=4, attn_scale=0.5),
+    "llama4": dict(num_local_experts=4, intermediate_size_mlp=96, interleave_moe_layer_step=2,
+                   no_rope_layer_interval=2, attention_chunk_size=4, floor_scale=4,
+                   attn_scale=0.5),
 }  # fmt: skip
 """Config values a family's tiny model takes unless the caller says otherwise (a MoE's expert
 count and size: the config classes' defaults, 128 experts of 768, are a real model's)."""
 
-_TEXT_CONFIGS = {"Gemma3Config": "Gemma3TextConfig"}
+_TEXT_CONFIGS = {"Gemma3Config": "Gemma3TextConfig", "Llama4Config": "Llama4TextConfig"}
 """Multimodal config class -> the text config class it wraps: ``make_random_model`` builds the
 text config from its arguments and wraps it with a tiny vision tower (``_wrap_text_config``)."""
 
@@ -69,6 +73,16 @@ def _wrap_text_config(cfg_name: str, text: Any) -> Any:
     checkpoint really holds vision tensors beside the language model's."""
     import transformers
 
+    if cfg_name == "Llama4Config":  # one tiny vision layer, its projector and pixel shuffle
+        llama4_vision = transformers.Llama4VisionConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+            projector_output_dim=text.hidden_size,
+        )  # fmt: skip
+        return transformers.Llama4Config(
+            text_config=text, vision_config=llama4_vision,
+            tie_word_embeddings=text.tie_word_embeddings,
+        )  # fmt: skip
     vision = transformers.SiglipVisionConfig(
         hidden_size=32,
         intermediate_size=64,
