@@ -192,6 +192,34 @@ def test_the_chunked_group_holds_only_the_current_chunk(family: dict) -> None:
     assert full.window is None and e.is_idle()
 
 
+@pytest.mark.parametrize("layer_ops", ["cpu-kernel", "torch"])
+def test_chunked_decode_on_both_layer_ops(family: dict, layer_ops: str) -> None:
+    """The C layer ops read a chunked layer's decode rows themselves (a negative window: no
+    torch fallback); the torch ones attend through the chunk masks; both equal transformers
+    across chunk boundaries, with an adapter in the batch."""
+    from loraplex.model.layer_ops import CLayerOps, TorchLayerOps
+
+    llm = LLM(str(family["model"]), max_loras=1, max_lora_rank=16, dtype="float32")
+    model = llm.engine.model
+    if layer_ops == "torch":
+        model.use_layer_ops(TorchLayerOps())
+    elif not isinstance(model.ops, CLayerOps):
+        pytest.skip("the C layer ops kernel does not build here")
+    calls = []
+    if isinstance(model.ops, CLayerOps):
+        fallback = model.ops.fallback
+        original = fallback.decode_attention
+        fallback.decode_attention = lambda *a, **k: calls.append(1) or original(*a, **k)  # type: ignore[method-assign]
+    name = "experts_r16"
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    prompts = [_ids(2 * CHUNK + k, seed=40 + k) for k in range(3)]
+    loras = [None, LoRARequest(name, str(family["adapters"][name])), None]
+    outs = llm.generate(prompts, sp, lora_request=loras)
+    for ids, lora, out in zip(prompts, loras, outs, strict=True):
+        check_greedy(out.outputs[0], family["refs"][lora and name], ids, SAMPLE_TOL)
+    assert not calls  # every decode row of both layers on the kernel
+
+
 def test_a_shared_expert_lora_on_a_dense_layer_is_refused(family: dict, tmp_path: Path) -> None:
     """Layer 0 has a dense MLP and no shared expert: an adapter naming one there is refused in
     one line naming the module and the layer; the engine serves on."""

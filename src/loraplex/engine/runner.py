@@ -190,7 +190,7 @@ class ModelRunner:
         window (or the first chunk), else the causal one that also hides what it does not see."""
         assert window is not None
         span_of = window_span(window)
-        wm = WindowMasks(size=window if isinstance(window, int) else None)
+        wm = WindowMasks(size=window if isinstance(window, int) else -window.size)
         for span, (start, ctx) in zip(attn.prefills, prefill_pos, strict=True):
             bites = ctx > span_of
             wm.prefill.append(

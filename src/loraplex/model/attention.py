@@ -11,9 +11,9 @@ keys ``window`` or more positions back (HF: key ``k`` is seen by query ``q`` iff
 q - k < window``), so the released blocks' table entries (pointing anywhere) are never seen.
 Chunked layers (``loraplex.kv.groups.Chunked``, Llama 4: key ``k`` seen by query ``q`` iff ``k
 <= q and k // size == q // size``) are windows of their own kind: the same groups, the same
-masks (their decode through the masks: the C decode kernel takes one sliding window, not a
-start per row). The runner builds each distinct window's masks once per step
-(``WindowMasks``); a layer picks its set by index. Soft-capped scores (``tanh(s / cap) * cap`` before the mask, Gemma 2) cannot
+masks (the C decode kernel reads a chunk as a negative window: ``WindowMasks.size``). The
+runner builds each distinct window's masks once per step (``WindowMasks``); a layer picks its
+set by index. Soft-capped scores (``tanh(s / cap) * cap`` before the mask, Gemma 2) cannot
 go through SDPA: a block built with a cap attends with :func:`softcap_attend`, every other
 block with :func:`sdpa_attend` (chosen once, at construction).
 """
@@ -165,7 +165,9 @@ class WindowMasks:
 
     decode: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size], as decode_mask
     size: int | None = None
-    """The sliding window (what the C decode attention reads; None: masks only, a chunk's)."""
+    """What the C decode attention reads: the sliding window, or minus a chunked layer's chunk
+    size (a query at ``len - 1`` sees keys from ``(len - 1) // chunk * chunk``); None: the
+    masks only."""
     prefill: list[torch.Tensor | None] = field(default_factory=list)
     """Per span of ``prefills``: its mask under the window (the span's own ``mask`` where the
     window does not bite; None: plain causal, a fresh chunk no longer than the window)."""
