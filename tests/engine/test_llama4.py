@@ -27,18 +27,11 @@ from loraplex.kv.groups import NULL_BLOCK, Chunked
 from loraplex.testing import (
     check_greedy,
     load_merged_reference,
-    logprob_gap,
     make_random_adapter,
     make_random_model,
-    reference_greedy,
 )
 from loraplex.types import AdapterError
-from tests.engine.test_mixed_batch_architectures import (
-    PROMPT_TOL,
-    PROMPTS,
-    SAMPLE_TOL,
-    _prompt_reference,
-)
+from tests.engine.test_mixed_batch_architectures import SAMPLE_TOL, check_mixed_batch
 
 CHUNK = 4  # ARCH_DEFAULTS["llama4_text"]["attention_chunk_size"]
 BLOCK = 4
@@ -96,38 +89,11 @@ def test_the_layers_are_what_the_config_says(llm: LLM) -> None:
 
 
 def test_mixed_batch_equals_peft(llm: LLM, family: dict) -> None:
-    adapters, refs = family["adapters"], family["refs"]
-    names = [None, *adapters]
-    prompts, loras, expect = [], [], []
-    for i, name in enumerate(names):  # each adapter twice, with different prompts
-        for j in range(2):
-            prompts.append(PROMPTS[(i + j) % len(PROMPTS)])
-            loras.append(LoRARequest(name, str(adapters[name])) if name else None)
-            expect.append(name)
-    sp = SamplingParams(
-        temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=5, prompt_logprobs=3
-    )
-    outs = llm.generate(prompts, sp, lora_request=loras)
+    runs = check_mixed_batch(llm, family["adapters"], family["refs"], N_NEW)
     tok = llm.get_tokenizer()
-    first: dict[str, dict[int, float]] = {}
-    for prompt, name, out in zip(prompts, expect, outs, strict=True):
-        ids = tok(prompt).input_ids
-        assert len(ids) > CHUNK
-        want, ref_lp = reference_greedy(refs[name], ids, N_NEW)
-        got = out.outputs[0]
-        assert got.token_ids == want, f"adapter {name} prompt {prompt!r}"
-        worst = logprob_gap(got.logprobs, ref_lp)
-        assert worst < SAMPLE_TOL, f"adapter {name}: logprob diff {worst}"
-        want_prompt = _prompt_reference(refs[name], ids)
-        worst = max(
-            abs(val - float(want_prompt[i, tid]))
-            for i, entry in enumerate(out.prompt_logprobs[1:])  # type: ignore[index]
-            for tid, val in entry.items()  # type: ignore[union-attr]
-        )
-        assert worst < PROMPT_TOL, f"adapter {name}: prompt logprob diff {worst}"
-        if name is None:
-            first[prompt] = got.logprobs[0].top
-    for prompt, name, out in zip(prompts, expect, outs, strict=True):
+    assert all(len(tok(p).input_ids) > CHUNK for p, _, _ in runs)  # prompts cross a chunk
+    first = {p: o.outputs[0].logprobs[0].top for p, n, o in runs if n is None}
+    for prompt, name, out in runs:
         if name is not None and prompt in first:  # every adapter moves its outputs
             top = out.outputs[0].logprobs[0].top
             shared = [t for t in top if t in first[prompt]]

@@ -25,6 +25,7 @@ import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.checkpoint.modules import EMBED_KEY, LM_HEAD_KEY
+from loraplex.outputs import RequestOutput
 from loraplex.testing import (
     ALL_PROJ,
     ATTN_PROJ,
@@ -192,8 +193,12 @@ def _prompt_reference(model: object, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)[:-1]
 
 
-def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
-    adapters, refs = family["adapters"], family["refs"]
+def check_mixed_batch(
+    llm: LLM, adapters: dict[str, Path], refs: dict, n_new: int
+) -> list[tuple[str, str | None, RequestOutput]]:
+    """The base and each adapter twice (different prompts) in one batch: greedy tokens, sample
+    logprobs and prompt logprobs equal ``refs``' (transformers + PEFT, by adapter name; None:
+    the base). Returns (prompt, adapter name, output) per request."""
     names = [None, *adapters]
     prompts, loras, expect = [], [], []
     for i, name in enumerate(names):  # each adapter twice, with different prompts
@@ -202,14 +207,13 @@ def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
             loras.append(LoRARequest(name, str(adapters[name])) if name else None)
             expect.append(name)
     sp = SamplingParams(
-        temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=5, prompt_logprobs=3
+        temperature=0, max_tokens=n_new, ignore_eos=True, logprobs=5, prompt_logprobs=3
     )
     outs = llm.generate(prompts, sp, lora_request=loras)
     tok = llm.get_tokenizer()
-    base: dict[str, list[int]] = {}
     for prompt, name, out in zip(prompts, expect, outs, strict=True):
         ids = tok(prompt).input_ids
-        want, ref_lp = reference_greedy(refs[name], ids, N_NEW)
+        want, ref_lp = reference_greedy(refs[name], ids, n_new)
         got = out.outputs[0]
         assert got.token_ids == want, f"adapter {name} prompt {prompt!r}"
         worst = logprob_gap(got.logprobs, ref_lp)
@@ -222,8 +226,13 @@ def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
             for tid, val in entry.items()  # type: ignore[union-attr]
         )
         assert worst < PROMPT_TOL, f"adapter {name}: prompt logprob diff {worst}"
-        if name is None:
-            base[prompt] = got.token_ids
+    return list(zip(prompts, expect, outs, strict=True))
+
+
+def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
+    runs = check_mixed_batch(llm, family["adapters"], family["refs"], N_NEW)
+    prompts, expect, outs = (list(x) for x in zip(*runs, strict=True))
+    base = {p: o.outputs[0].token_ids for p, n, o in runs if n is None}
     changed = sum(  # the adapters really change outputs (non-zero B)
         out.outputs[0].token_ids != base[p]
         for p, n, out in zip(prompts, expect, outs, strict=True)
