@@ -31,7 +31,7 @@ from loraplex.testing import (
     make_random_model,
 )
 from loraplex.types import AdapterError
-from tests.engine.test_mixed_batch_architectures import SAMPLE_TOL, check_mixed_batch
+from tests.engine.test_mixed_batch_architectures import SAMPLE_TOL, check_mixed_batch, llm_on
 
 CHUNK = 4  # ARCH_DEFAULTS["llama4_text"]["attention_chunk_size"]
 BLOCK = 4
@@ -69,15 +69,7 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module", params=["cpu-kernel", "torch"])
 def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
-    with pytest.MonkeyPatch.context() as mp:  # the backend is chosen once, at start-up
-        mp.setenv("LORAPLEX_LORA_CPU_KERNEL", "1" if request.param == "cpu-kernel" else "0")
-        llm = LLM(
-            str(family["model"]), max_loras=len(family["adapters"]), max_lora_rank=16,
-            dtype="float32",
-        )  # fmt: skip
-    assert llm.engine.model.lora is not None
-    assert llm.engine.model.lora.ops.name.startswith(request.param)
-    yield llm
+    yield llm_on(request.param, family, max_lora_rank=16)
 
 
 def test_the_layers_are_what_the_config_says(llm: LLM) -> None:

@@ -170,20 +170,26 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return {"model": model, "adapters": adapters, "refs": refs}
 
 
-@pytest.fixture(scope="module", params=["cpu-kernel", "torch"])
-def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
-    """An engine on the C LoRA kernel (the CPU default) or on the torch path."""
+def llm_on(backend: str, family: dict, max_lora_rank: int) -> LLM:
+    """A float32 engine on ``family``'s model with a slot per adapter, its LoRA on the C
+    kernel (``cpu-kernel``, the CPU default) or on the torch path (``torch``)."""
     with pytest.MonkeyPatch.context() as mp:  # the backend is chosen once, at start-up
-        mp.setenv("LORAPLEX_LORA_CPU_KERNEL", "1" if request.param == "cpu-kernel" else "0")
+        mp.setenv("LORAPLEX_LORA_CPU_KERNEL", "1" if backend == "cpu-kernel" else "0")
         llm = LLM(
             str(family["model"]),
             max_loras=len(family["adapters"]),
-            max_lora_rank=32,
+            max_lora_rank=max_lora_rank,
             dtype="float32",
         )
     assert llm.engine.model.lora is not None
-    assert llm.engine.model.lora.ops.name.startswith(request.param)
-    yield llm
+    assert llm.engine.model.lora.ops.name.startswith(backend)
+    return llm
+
+
+@pytest.fixture(scope="module", params=["cpu-kernel", "torch"])
+def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
+    """An engine on the C LoRA kernel (the CPU default) or on the torch path."""
+    yield llm_on(request.param, family, max_lora_rank=32)
 
 
 @torch.no_grad()

@@ -47,6 +47,7 @@ from tests.engine.test_mixed_batch_architectures import (  # the dense families'
     PROMPTS,
     SAMPLE_TOL,
     check_mixed_batch,
+    llm_on,
 )
 
 QWEN_EXPERTS = ["gate_proj", "up_proj", "down_proj"]
@@ -150,15 +151,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module", params=["cpu-kernel", "torch"])
 def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
-    with pytest.MonkeyPatch.context() as mp:  # the backend is chosen once, at start-up
-        mp.setenv("LORAPLEX_LORA_CPU_KERNEL", "1" if request.param == "cpu-kernel" else "0")
-        llm = LLM(
-            str(family["model"]), max_loras=len(family["adapters"]), max_lora_rank=16,
-            dtype="float32",
-        )  # fmt: skip
-    assert llm.engine.model.lora is not None
-    assert llm.engine.model.lora.ops.name.startswith(request.param)
-    yield llm
+    yield llm_on(request.param, family, max_lora_rank=16)
 
 
 def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
