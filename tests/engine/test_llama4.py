@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.checkpoint.modules import SHARED_EXPERT_PROJ_NAMES
-from loraplex.kv.groups import NULL_BLOCK, Chunked
+from loraplex.kv.groups import NULL_BLOCK, Chunked, blocks_per_sequence
 from loraplex.testing import (
     check_greedy,
     load_merged_reference,
@@ -176,6 +176,27 @@ def test_chunked_decode_on_both_layer_ops(family: dict, layer_ops: str) -> None:
     for ids, lora, out in zip(prompts, loras, outs, strict=True):
         check_greedy(out.outputs[0], family["refs"][lora and name], ids, SAMPLE_TOL)
     assert not calls  # every decode row of both layers on the kernel
+
+
+def test_preemption_with_a_chunked_group(family: dict) -> None:
+    """Three sequences with adapters in a pool that holds about one and a half of them:
+    preempted and recomputed (their chunked tables rebuilt), every output equals PEFT's."""
+    prompts = [_ids(5 * CHUNK + k, seed=50 + k) for k in range(3)]
+    names = ["experts_r16", None, "everything_r8"]
+    loras = [LoRARequest(n, str(family["adapters"][n])) if n else None for n in names]
+    probe = LLM(str(family["model"]), enable_lora=False, dtype="float32", block_size=BLOCK)
+    longest = max(map(len, prompts)) + N_NEW
+    per_seq = blocks_per_sequence(probe.engine.cache.groups, longest, BLOCK, chunk=6)
+    llm = LLM(
+        str(family["model"]), max_loras=2, max_lora_rank=16, dtype="float32", block_size=BLOCK,
+        max_num_batched_tokens=6, num_kv_blocks=per_seq * 3 // 2,
+    )  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, sp, lora_request=loras)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for ids, name, out in zip(prompts, names, outs, strict=True):
+        check_greedy(out.outputs[0], family["refs"][name], ids, SAMPLE_TOL)
+    assert llm.engine.is_idle()
 
 
 def test_a_shared_expert_lora_on_a_dense_layer_is_refused(family: dict, tmp_path: Path) -> None:
