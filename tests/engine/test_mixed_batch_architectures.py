@@ -25,6 +25,7 @@ import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.checkpoint.modules import EMBED_KEY, LINEAR_ATTN_PROJ_NAMES, LM_HEAD_KEY
+from loraplex.outputs import RequestOutput
 from loraplex.testing import (
     ALL_PROJ,
     ATTN_PROJ,
@@ -118,6 +119,13 @@ FAMILIES: dict[str, dict] = {
         init_std=0.05,
         proj={**LLAMA_PROJ, "all": [*ALL_PROJ, *GEMMA4_PER_LAYER_PROJ]},
     ),
+    # Llama 4: layer 0 chunked (4 tokens: every prompt and decode crosses chunks), rope in
+    # the interleaved form, L2 q/k norm, a dense MLP; layer 1 NoPE with temperature tuning,
+    # global, a top-1 sparse block whose shared expert the MLP targets adapt (its packed
+    # experts through target_parameters: tests/engine/test_llama4.py)
+    "llama4_text": dict(arch="llama4_text"),
+    # the language model of a Llama 4 vision-language checkpoint (its vision tower skipped)
+    "llama4": dict(arch="llama4"),
     # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE with an original length (6)
     # every prompt passes (its long factors and attention factor from the prefill on; a
     # sequence crossing it while decoding is tests/model/test_phi3.py's)
@@ -196,20 +204,26 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return {"model": model, "adapters": adapters, "refs": refs}
 
 
-@pytest.fixture(scope="module", params=["cpu-kernel", "torch"])
-def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
-    """An engine on the C LoRA kernel (the CPU default) or on the torch path."""
+def llm_on(backend: str, family: dict, max_lora_rank: int) -> LLM:
+    """A float32 engine on ``family``'s model with a slot per adapter, its LoRA on the C
+    kernel (``cpu-kernel``, the CPU default) or on the torch path (``torch``)."""
     with pytest.MonkeyPatch.context() as mp:  # the backend is chosen once, at start-up
-        mp.setenv("LORAPLEX_LORA_CPU_KERNEL", "1" if request.param == "cpu-kernel" else "0")
+        mp.setenv("LORAPLEX_LORA_CPU_KERNEL", "1" if backend == "cpu-kernel" else "0")
         llm = LLM(
             str(family["model"]),
             max_loras=len(family["adapters"]),
-            max_lora_rank=32,
+            max_lora_rank=max_lora_rank,
             dtype="float32",
         )
     assert llm.engine.model.lora is not None
-    assert llm.engine.model.lora.ops.name.startswith(request.param)
-    yield llm
+    assert llm.engine.model.lora.ops.name.startswith(backend)
+    return llm
+
+
+@pytest.fixture(scope="module", params=["cpu-kernel", "torch"])
+def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
+    """An engine on the C LoRA kernel (the CPU default) or on the torch path."""
+    yield llm_on(request.param, family, max_lora_rank=32)
 
 
 @torch.no_grad()
@@ -219,8 +233,12 @@ def _prompt_reference(model: object, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)[:-1]
 
 
-def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
-    adapters, refs = family["adapters"], family["refs"]
+def check_mixed_batch(
+    llm: LLM, adapters: dict[str, Path], refs: dict, n_new: int
+) -> list[tuple[str, str | None, RequestOutput]]:
+    """The base and each adapter twice (different prompts) in one batch: greedy tokens, sample
+    logprobs and prompt logprobs equal ``refs``' (transformers + PEFT, by adapter name; None:
+    the base). Returns (prompt, adapter name, output) per request."""
     names = [None, *adapters]
     prompts, loras, expect = [], [], []
     for i, name in enumerate(names):  # each adapter twice, with different prompts
@@ -229,14 +247,13 @@ def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
             loras.append(LoRARequest(name, str(adapters[name])) if name else None)
             expect.append(name)
     sp = SamplingParams(
-        temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=5, prompt_logprobs=3
+        temperature=0, max_tokens=n_new, ignore_eos=True, logprobs=5, prompt_logprobs=3
     )
     outs = llm.generate(prompts, sp, lora_request=loras)
     tok = llm.get_tokenizer()
-    base: dict[str, list[int]] = {}
     for prompt, name, out in zip(prompts, expect, outs, strict=True):
         ids = tok(prompt).input_ids
-        want, ref_lp = reference_greedy(refs[name], ids, N_NEW)
+        want, ref_lp = reference_greedy(refs[name], ids, n_new)
         got = out.outputs[0]
         assert got.token_ids == want, f"adapter {name} prompt {prompt!r}"
         worst = logprob_gap(got.logprobs, ref_lp)
@@ -249,8 +266,13 @@ def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
             for tid, val in entry.items()  # type: ignore[union-attr]
         )
         assert worst < PROMPT_TOL, f"adapter {name}: prompt logprob diff {worst}"
-        if name is None:
-            base[prompt] = got.token_ids
+    return list(zip(prompts, expect, outs, strict=True))
+
+
+def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
+    runs = check_mixed_batch(llm, family["adapters"], family["refs"], N_NEW)
+    prompts, expect, outs = (list(x) for x in zip(*runs, strict=True))
+    base = {p: o.outputs[0].token_ids for p, n, o in runs if n is None}
     changed = sum(  # the adapters really change outputs (non-zero B)
         out.outputs[0].token_ids != base[p]
         for p, n, out in zip(prompts, expect, outs, strict=True)
@@ -289,7 +311,7 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
     assert eng.merger is not None
     name = "both_all_r16"
     adapter = family["adapters"][name]
-    slots = ("qkv", "o", "gate_up", "down", "lin_in", "lin_out")  # a hybrid's layers differ
+    slots = ("qkv", "o", "gate_up", "down", "lin_in", "lin_out")  # layers differ by family
     base_linears = [tuple(getattr(L, a, None) for a in slots) for L in eng.model.layers]
     head, embed = eng.model.head, eng.model.embed_tokens.clone()
     sp = SamplingParams(temperature=0, max_tokens=N_NEW + 4, ignore_eos=True, logprobs=3)

@@ -44,10 +44,10 @@ from loraplex.testing import (
 )
 from loraplex.types import AdapterError
 from tests.engine.test_mixed_batch_architectures import (  # the dense families' references
-    PROMPT_TOL,
     PROMPTS,
     SAMPLE_TOL,
-    _prompt_reference,
+    check_mixed_batch,
+    llm_on,
 )
 
 QWEN_EXPERTS = ["gate_proj", "up_proj", "down_proj"]
@@ -151,55 +151,14 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module", params=["cpu-kernel", "torch"])
 def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
-    with pytest.MonkeyPatch.context() as mp:  # the backend is chosen once, at start-up
-        mp.setenv("LORAPLEX_LORA_CPU_KERNEL", "1" if request.param == "cpu-kernel" else "0")
-        llm = LLM(
-            str(family["model"]), max_loras=len(family["adapters"]), max_lora_rank=16,
-            dtype="float32",
-        )  # fmt: skip
-    assert llm.engine.model.lora is not None
-    assert llm.engine.model.lora.ops.name.startswith(request.param)
-    yield llm
+    yield llm_on(request.param, family, max_lora_rank=16)
 
 
 def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
-    adapters, refs = family["adapters"], family["refs"]
-    names = [None, *adapters]
-    prompts, loras, expect = [], [], []
-    for i, name in enumerate(names):  # each adapter twice, with different prompts
-        for j in range(2):
-            prompts.append(PROMPTS[(i + j) % len(PROMPTS)])
-            loras.append(LoRARequest(name, str(adapters[name])) if name else None)
-            expect.append(name)
-    sp = SamplingParams(
-        temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=5, prompt_logprobs=3
-    )
-    outs = llm.generate(prompts, sp, lora_request=loras)
-    tok = llm.get_tokenizer()
-    base: dict[str, list[int]] = {}
-    for prompt, name, out in zip(prompts, expect, outs, strict=True):
-        ids = tok(prompt).input_ids
-        want, ref_lp = reference_greedy(refs[name], ids, N_NEW)
-        got = out.outputs[0]
-        assert got.token_ids == want, f"adapter {name} prompt {prompt!r}"
-        worst = logprob_gap(got.logprobs, ref_lp)
-        assert worst < SAMPLE_TOL, f"adapter {name}: logprob diff {worst}"
-        want_prompt = _prompt_reference(refs[name], ids)
-        worst = max(
-            abs(val - float(want_prompt[i, tid]))
-            for i, entry in enumerate(out.prompt_logprobs[1:])  # type: ignore[index]
-            for tid, val in entry.items()  # type: ignore[union-attr]
-        )
-        assert worst < PROMPT_TOL, f"adapter {name}: prompt logprob diff {worst}"
-        if name is None:
-            base[prompt] = got.token_ids
+    runs = check_mixed_batch(llm, family["adapters"], family["refs"], N_NEW)
     # every adapter moves its outputs (non-zero B on every target): none is a silent no-op
-    first = {
-        p: o.outputs[0].logprobs[0].top
-        for p, n, o in zip(prompts, expect, outs, strict=True)
-        if n is None
-    }
-    for prompt, name, out in zip(prompts, expect, outs, strict=True):
+    first = {p: o.outputs[0].logprobs[0].top for p, n, o in runs if n is None}
+    for prompt, name, out in runs:
         if name is not None and prompt in first:
             top = out.outputs[0].logprobs[0].top
             shared = [t for t in top if t in first[prompt]]

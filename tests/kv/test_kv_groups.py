@@ -8,6 +8,7 @@ import pytest
 from loraplex.kv.block_pool import BlockPool, hash_prefix_blocks
 from loraplex.kv.groups import (
     NULL_BLOCK,
+    Chunked,
     KVCacheGroup,
     blocks_per_sequence,
     group_block_key,
@@ -138,3 +139,25 @@ def test_one_group_is_the_pool_alone(enabled: bool) -> None:
     _publish(kv, tables, hashes)
     assert kv.lookup([hashes]) == ((3, [tables[0]]) if enabled else (0, []))
     assert kv.lookup([hashes])[1] == ([pool.lookup(hashes)] if enabled else [])
+
+
+def test_chunked_groups_keep_only_the_current_chunk() -> None:
+    """Chunked attention (Llama 4, chunks of 8): a query at ``p`` sees keys from ``p // 8 * 8``
+    on, so the group holds the blocks of the current chunk (what a chunk of tokens still being
+    computed reads: at most the window-of-8 bound), and it sorts after full and windowed kinds."""
+    ch = KVCacheGroup((1,), Chunked(8))
+    assert [ch.first_live_block(p, BS) for p in (0, 7, 8, 15, 16, 23, 24)] == [0, 0, 2, 2, 4, 4, 6]
+    assert ch.live_blocks(100, BS) == KVCacheGroup((1,), 8).live_blocks(100, BS)
+    assert ch.live_blocks(100, BS, chunk=6) == -(-13 // BS) + 1
+    groups = kv_cache_groups([Chunked(8), None, 4, Chunked(8), None, 4])
+    assert [(g.window, g.layers) for g in groups] == [
+        (None, (1, 4)),
+        (4, (2, 5)),
+        (Chunked(8), (0, 3)),
+    ]
+    pool = BlockPool(32, BS)
+    kv = KVCacheManager(pool, [KVCacheGroup((0,), None), ch])
+    tables = kv.allocate([], 22)  # 6 blocks each
+    kv.drop_out_of_window(tables, 22)  # position 22 is in chunk 16..23: blocks 4, 5
+    assert tables[1] == [NULL_BLOCK] * 4 + tables[1][4:] and NULL_BLOCK not in tables[0]
+    assert pool.num_free == 32 - 8

@@ -85,10 +85,14 @@ def adapter_module_shapes(
     return out
 
 
-def module_key(layer: int, proj: str, prefix: str = "model.") -> str:
-    """The module name PEFT matches its patterns against: ``model.layers.3.mlp.up_proj``."""
+def module_key(layer: int, proj: str, prefix: str = "model.", mlp: str = "mlp") -> str:
+    """The module name PEFT matches its patterns against: ``model.layers.3.mlp.up_proj``
+    (``mlp``: the MLP block's name, Llama 4's ``feed_forward``; Gemma 4's per-layer input
+    modules sit directly under the layer)."""
     block = block_of(proj)
-    return f"{prefix}layers.{layer}.{block}.{proj}" if block else f"{prefix}layers.{layer}.{proj}"
+    if not block:
+        return f"{prefix}layers.{layer}.{proj}"
+    return f"{prefix}layers.{layer}.{mlp if block == 'mlp' else block}.{proj}"
 
 
 def projection_shapes(
@@ -182,10 +186,12 @@ EXPERT_CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
             "down_proj": "experts.down_proj"},
     "block_sparse_moe": {"w1": "experts.gate_proj", "w3": "experts.up_proj",
                          "w2": "experts.down_proj"},
+    "feed_forward": {"gate_proj": "experts.gate_proj", "up_proj": "experts.up_proj",
+                     "down_proj": "experts.down_proj"},
 }  # fmt: skip
 """The sparse block's name in checkpoints and adapters -> its per-expert module names ->
 loraplex's (Qwen-MoE's ``mlp.experts.{e}.gate_proj``; Mixtral's ``block_sparse_moe.experts.{e}.w1``
-with ``w1`` gate, ``w3`` up, ``w2`` down)."""
+with ``w1`` gate, ``w3`` up, ``w2`` down; Llama 4 names its MLP blocks ``feed_forward``)."""
 PACKED_EXPERT_PARAMS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
     "down_proj": ("experts.down_proj",),
@@ -193,6 +199,13 @@ PACKED_EXPERT_PARAMS: dict[str, tuple[str, ...]] = {
 """transformers 5's packed 3-D expert parameters (``mlp.experts.gate_up_proj [E, 2 I, hidden]``,
 gate rows then up rows; ``mlp.experts.down_proj [E, hidden, I]``), PEFT's ``target_parameters``
 -> the expert projections they hold."""
+SHARED_EXPERT_PROJ_NAMES = (
+    "shared_expert.gate_proj",
+    "shared_expert.up_proj",
+    "shared_expert.down_proj",
+)
+"""A sparse block's shared expert (a gated MLP every token runs, added to the routed output:
+Llama 4, Qwen2/3.5-MoE), adaptable as ordinary linears under ``mlp.shared_expert``."""
 
 
 @dataclass(frozen=True)
@@ -208,24 +221,53 @@ class MoESpec:
     block: str = "mlp"
     """The sparse block's module name in checkpoints and older adapters (``block_sparse_moe``
     for Mixtral); transformers 5 names it ``mlp`` for every MoE model."""
+    shared_intermediate: int = 0
+    """The shared expert's width (0: none)."""
+    packed_in_out: bool = False
+    """The packed expert parameters are stored ``[E, d_in, d_out]`` (Llama 4's
+    ``gate_up_proj [E, hidden, 2 I]``, ``down_proj [E, I, hidden]``), not ``[E, d_out, d_in]``;
+    PEFT's ``target_parameters`` factors then swap roles (``A`` expands, ``B`` shrinks)."""
+    router_name: str = ROUTER
+    """The router's module name under the block (Llama 4: ``router``; loraplex keys it
+    :data:`ROUTER` whatever it is called)."""
+
+    @property
+    def mlp_block(self) -> str:
+        """The MLP block's name in transformers 5 (a dense layer's, and the sparse block's
+        over its packed parameters, what ``target_parameters`` name): ``mlp`` for every MoE
+        (Mixtral's ``block_sparse_moe`` too) but Llama 4 (``feed_forward``)."""
+        return "mlp" if self.block == "block_sparse_moe" else self.block
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
-        """The router's and each expert projection's ``(d_in, d_out)`` (per expert)."""
-        h, i = self.hidden, self.intermediate
+        """The router's and each expert projection's ``(d_in, d_out)`` (per expert), and the
+        shared expert's projections when there is one."""
+        h, i, s = self.hidden, self.intermediate, self.shared_intermediate
+        shared = dict(zip(SHARED_EXPERT_PROJ_NAMES, ((h, s), (h, s), (s, h)), strict=True))
         return {
             ROUTER: (h, self.num_experts),
             "experts.gate_proj": (h, i),
             "experts.up_proj": (h, i),
             "experts.down_proj": (i, h),
+            **(shared if s else {}),
         }
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any]) -> MoESpec | None:
-        """The sparse blocks of a Qwen2/3-MoE or Mixtral ``config.json`` (None for a dense one):
-        ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``, ``decoder_sparse_step``
-        and ``mlp_only_layers`` as transformers reads them."""
+        """The sparse blocks of a Qwen2/3-MoE, Mixtral or Llama 4 text ``config.json`` (None for
+        a dense one): ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``,
+        ``decoder_sparse_step`` and ``mlp_only_layers`` (Llama 4: ``moe_layers`` or
+        ``interleave_moe_layer_step``, a shared expert as wide as an expert, experts packed
+        ``[E, in, out]``) as transformers reads them."""
         mtype = str(raw.get("model_type", ""))
+        if mtype in ("llama4_text", "llama4"):
+            n, num_layers = int(raw.get("num_local_experts") or 16), int(raw["num_hidden_layers"])
+            step = int(raw.get("interleave_moe_layer_step") or 1)
+            moe = raw.get("moe_layers")
+            layers = tuple(moe) if moe is not None else tuple(range(step - 1, num_layers, step))
+            inter = int(raw["intermediate_size"])
+            hidden = int(raw["hidden_size"])
+            return cls(n, layers, hidden, inter, "feed_forward", inter, True, "router")
         if mtype == "mixtral":
             n = int(raw.get("num_local_experts") or 8)
             layers = tuple(range(int(raw["num_hidden_layers"])))
@@ -252,6 +294,7 @@ LAYER_MODULE_ORDER = (
     *PER_LAYER_INPUT_PROJ_NAMES,
     ROUTER,
     *EXPERT_PROJ_NAMES,
+    *SHARED_EXPERT_PROJ_NAMES,
 )
 """Every module a layer may adapt, in table order (a layer's token mixer, then its MLP or
 sparse block)."""
@@ -354,7 +397,8 @@ class BaseModelSpec:
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        inter = int(raw["intermediate_size"])
+        # the dense MLP's width (Llama 4's intermediate_size is an expert's)
+        inter = int(raw.get("intermediate_size_mlp") or raw["intermediate_size"])
         shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
         if str(raw.get("model_type", model_type)) in GATED_Q_MODEL_TYPES:
             shapes["q_proj"] = (hidden, 2 * heads * head_dim)  # each head's query and gate

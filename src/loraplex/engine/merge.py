@@ -21,7 +21,7 @@ reach the lookup), and where the delta enters an embedding depends on the archit
 embedding scale; the gathered path costs two small ops per step.
 
 A MoE layer's router and experts stay gathered too (:func:`vocab_modules` names them with the
-vocabulary modules): a merged copy would be every expert of the layer (an expert adapter of a
+vocabulary modules, and so does its shared expert): a merged copy would be every expert of the layer (an expert adapter of a
 30B-A3B base would copy most of the base), while the gathered path reads only the experts the
 step's tokens chose, and only their LoRA rows. The attention projections merge as in a dense
 model. A linear-attention layer's projections (Qwen3.5) stay gathered as well: they are not
@@ -43,6 +43,7 @@ from loraplex.checkpoint.modules import (
     LINEAR_ATTN_PROJ_NAMES,
     PER_LAYER_INPUT_PROJ_NAMES,
     ROUTER,
+    SHARED_EXPERT_PROJ_NAMES,
     VOCAB_LAYER,
 )
 from loraplex.model.decoder import DecoderForCausalLM
@@ -92,7 +93,13 @@ def targeted_groups(
 
 
 _GATHERED_PROJS = frozenset(
-    (ROUTER, *EXPERT_PROJ_NAMES, *LINEAR_ATTN_PROJ_NAMES, *PER_LAYER_INPUT_PROJ_NAMES)
+    (
+        ROUTER,
+        *EXPERT_PROJ_NAMES,
+        *SHARED_EXPERT_PROJ_NAMES,
+        *LINEAR_ATTN_PROJ_NAMES,
+        *PER_LAYER_INPUT_PROJ_NAMES,
+    )
 )
 
 

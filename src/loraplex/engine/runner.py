@@ -33,7 +33,7 @@ from loraplex.engine.merge import AdapterMerger, vocab_modules
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence
 from loraplex.kv.cache import PagedKVCache
-from loraplex.kv.groups import NULL_BLOCK
+from loraplex.kv.groups import NULL_BLOCK, Window, window_span
 from loraplex.lora.plan import LoRABatchPlan, LoRAPlanCosts, plan_lora_batch, plan_rows
 from loraplex.model.attention import (
     NO_PAGE,
@@ -79,7 +79,7 @@ class ModelRunner:
         self.merger = merger
         self.device = model.device
         self.block_size = cache.block_size
-        self.windows = model.windows  # the distinct sliding windows of its layers
+        self.windows = model.windows  # the distinct sliding windows (and chunks) of its layers
         self.windowed_groups = {g for g, grp in enumerate(cache.groups) if grp.window is not None}
         self.state_groups = [g for g, grp in enumerate(cache.groups) if grp.state]
         dims = model.cfg.module_shapes.values()
@@ -211,24 +211,26 @@ class ModelRunner:
 
     def _window_masks(
         self,
-        window: int,
+        window: Window,
         attn: AttentionMetadata,
         prefill_pos: list[tuple[int, int]],
         dec_seqs: list[Sequence],
     ) -> WindowMasks:
-        """``attn``'s masks under a sliding ``window`` (built once per step for all the layers
-        with that window): the global mask where every query's context fits in the window,
-        else the causal one that also hides keys ``window`` or more positions back."""
-        wm = WindowMasks(size=window)
+        """``attn``'s masks under a sliding ``window`` or attention chunk (built once per step
+        for all the layers with it): the global mask where every query's context fits in the
+        window (or the first chunk), else the causal one that also hides what it does not see."""
+        assert window is not None
+        span_of = window_span(window)
+        wm = WindowMasks(size=window if isinstance(window, int) else -window.size)
         for span, (start, ctx) in zip(attn.prefills, prefill_pos, strict=True):
-            bites = ctx > window
+            bites = ctx > span_of
             wm.prefill.append(
                 causal_mask(start, ctx, window).to(self.device) if bites else span.mask
             )
         if attn.decode_mask is not None:
             lens = torch.tensor([s.num_computed_tokens + 1 for s in dec_seqs])  # [Bd]
             width = attn.decode_mask.shape[-1]
-            bites = int(lens.max()) > window
+            bites = int(lens.max()) > span_of
             wm.decode = (
                 decode_mask(lens, width, window).to(self.device) if bites else attn.decode_mask
             )

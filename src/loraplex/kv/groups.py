@@ -1,12 +1,14 @@
 """KV-cache groups: layers that share one block table (vLLM's hybrid KV-cache manager).
 
-Layers with the same sliding window (None: full attention) form a *kind*; each kind is cut into
+Layers with the same sliding window or attention chunk (:class:`Chunked`; None: full
+attention) form a *kind*; each kind is cut into
 groups of one common number of layers, so that every group's page (one block id) holds the
 same bytes and all groups share one :class:`~loraplex.kv.block_pool.BlockPool`. A sequence
 holds one block table per group. A windowed group needs only the blocks that hold a key some
 future query still sees (HF: key ``k`` is seen by query ``q`` iff ``k <= q and q - k <
-window``); the scheduler releases the others as the sequence advances, and their entries in
-the table become :data:`NULL_BLOCK` (masked: no query reads them).
+window``; a chunked group, Llama 4's: ``k <= q and k // size == q // size``, only the blocks of
+the current chunk); the scheduler releases the others as the sequence advances, and their
+entries in the table become :data:`NULL_BLOCK` (masked: no query reads them).
 
 A model without windows has exactly one group of every layer: one table per sequence, one
 page per block, the same bytes per block as a flat per-layer cache.
@@ -37,40 +39,74 @@ _PAD_TOLERANCE = 1.25  # vLLM: pad every kind up to the largest one when it is t
 
 
 @dataclass(frozen=True)
+class Chunked:
+    """Chunked attention (Llama 4's local layers): the query at position ``q`` sees key ``k``
+    iff ``k <= q and k // size == q // size`` (HF's ``chunked_overlay``). A layer's window is
+    an ``int`` (sliding), a ``Chunked`` or None (full attention)."""
+
+    size: int
+
+
+Window = int | Chunked | None
+"""A layer's local attention: a sliding window, an attention chunk, or None (full)."""
+
+
+def window_span(window: int | Chunked) -> int:
+    """The most keys one query sees (itself included): the window, or the chunk size."""
+    return window.size if isinstance(window, Chunked) else window
+
+
+def first_visible(pos: int, window: Window) -> int:
+    """The first key position the query at ``pos`` sees under ``window``."""
+    if window is None:
+        return 0
+    if isinstance(window, Chunked):
+        return pos // window.size * window.size
+    return max(0, pos - window + 1)
+
+
+def kind_order(w: Window) -> tuple[int, int]:
+    """Full attention first, then sliding windows ascending, then chunks ascending."""
+    if w is None:
+        return (0, 0)
+    return (2, w.size) if isinstance(w, Chunked) else (1, w)
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
-    """Layers sharing one block table, and their sliding window (None: full attention)."""
+    """Layers sharing one block table, and their sliding window or attention chunk (None: full
+    attention)."""
 
     layers: tuple[int, ...]
-    window: int | None = None
+    window: Window = None
     state: bool = False
     """A state group: its layers keep a recurrent state (pages from the state pool), no KV."""
 
     def first_live_block(self, next_pos: int, block_size: int) -> int:
         """The first block a query at position ``>= next_pos`` may read: blocks before it hold
-        only keys ``k < next_pos - window + 1`` (0 for full attention). A state group's: the
+        only keys ``k < first_visible(next_pos)`` (0 for full attention). A state group's: the
         block holding position ``next_pos - 1``, whose page holds the state the next step reads."""
         if self.state:
             return max(0, next_pos - 1) // block_size
-        if self.window is None:
-            return 0
-        return max(0, next_pos - self.window + 1) // block_size
+        return first_visible(next_pos, self.window) // block_size
 
     def live_blocks(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
         """Blocks this group holds for a sequence of ``num_tokens`` tokens while it computes a
         chunk of ``chunk`` tokens (a decode: 1): every block of a full group; for a windowed
-        group at most ``ceil((window - 1 + chunk) / block_size) + 1``; a state group two: the
-        page it reads and the page of its last block (the snapshots of the blocks a chunk
-        fills on the way are taken only where the state pool has room: see the manager)."""
+        (or chunked) group at most ``ceil((span - 1 + chunk) / block_size) + 1``; a state
+        group two: the page it reads and the page of its last block (the snapshots of the
+        blocks a chunk fills on the way are taken only where the state pool has room: see the
+        manager)."""
         total = -(-num_tokens // block_size)
         if self.state:
             return min(total, 2)
         if self.window is None:
             return total
-        return min(total, -(-(self.window - 1 + chunk) // block_size) + 1)
+        return min(total, -(-(window_span(self.window) - 1 + chunk) // block_size) + 1)
 
 
 def kv_cache_groups(
-    windows: Sequence[int | None], layer_groups: int = 1, state_layers: Sequence[int] = ()
+    windows: Sequence[Window], layer_groups: int = 1, state_layers: Sequence[int] = ()
 ) -> list[KVCacheGroup]:
     """Groups of the layers whose windows are ``windows`` (one per layer; None: full), the
     ``state_layers`` (recurrent: their windows are ignored) in state groups after them.
@@ -81,15 +117,15 @@ def kv_cache_groups(
     slots for missing layers stay unused). Full-attention groups first, then windows ascending.
     ``layer_groups`` > 1 also caps ``size`` at ``ceil(layers / layer_groups)``: groups cut at
     layer boundaries, so an adapter that leaves the first layers alone shares their blocks
-    with the base model (``loraplex.lora.kv_reach``); the state layers are cut into
-    ``layer_groups`` state groups alike.
+    with the base model (``loraplex.lora.kv_reach``). Chunked kinds come after the windows;
+    the state layers are cut into ``layer_groups`` state groups alike.
     """
     stateful = set(state_layers)
-    kinds: dict[int | None, list[int]] = {}
+    kinds: dict[Window, list[int]] = {}
     for layer, w in enumerate(windows):
         if layer not in stateful:
             kinds.setdefault(w, []).append(layer)
-    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+    order = sorted(kinds, key=kind_order)
     counts = [len(v) for v in kinds.values()]
     size = min(counts)
     if max(counts) < _PAD_TOLERANCE * size:

@@ -9,8 +9,11 @@ Sliding windows: a windowed layer reads its KV-cache group's block table (``lora
 which keeps only the blocks some query still sees; it attends through masks that also hide the
 keys ``window`` or more positions back (HF: key ``k`` is seen by query ``q`` iff ``k <= q and
 q - k < window``), so the released blocks' table entries (pointing anywhere) are never seen.
-The runner builds each distinct window's masks once per step (``WindowMasks``); a layer picks
-its set by index. Soft-capped scores (``tanh(s / cap) * cap`` before the mask, Gemma 2) cannot
+Chunked layers (``loraplex.kv.groups.Chunked``, Llama 4: key ``k`` seen by query ``q`` iff ``k
+<= q and k // size == q // size``) are windows of their own kind: the same groups, the same
+masks (the C decode kernel reads a chunk as a negative window: ``WindowMasks.size``). The
+runner builds each distinct window's masks once per step (``WindowMasks``); a layer picks its
+set by index. Soft-capped scores (``tanh(s / cap) * cap`` before the mask, Gemma 2) cannot
 go through SDPA: a block built with a cap attends with :func:`softcap_attend`, every other
 block with :func:`sdpa_attend` (chosen once, at construction).
 """
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kv.cache import PagedKVCache
+from loraplex.kv.groups import Chunked, Window
 
 AttendFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, bool], torch.Tensor
@@ -93,24 +97,29 @@ def softcap_attend(
     return torch.matmul(p, v)  # [..., H, Lq, hd]
 
 
-def causal_mask(q_start: int, ctx: int, window: int | None = None) -> torch.Tensor:
+def causal_mask(q_start: int, ctx: int, window: Window = None) -> torch.Tensor:
     """``[ctx - q_start, ctx]`` True = attend: the query at position ``p`` (``q_start <= p <
-    ctx``) sees key ``k`` iff ``k <= p`` and, with a window, ``p - k < window``."""
+    ctx``) sees key ``k`` iff ``k <= p`` and, with a window, ``p - k < window`` (a chunk:
+    ``k // size == p // size``)."""
     q = torch.arange(q_start, ctx)[:, None]
     k = torch.arange(ctx)[None, :]
     mask = k <= q
-    if window is not None:
+    if isinstance(window, Chunked):
+        mask &= k // window.size == q // window.size
+    elif window is not None:
         mask &= q - k < window
     return mask
 
 
-def decode_mask(lens: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
+def decode_mask(lens: torch.Tensor, width: int, window: Window = None) -> torch.Tensor:
     """``[Bd, 1, 1, width]`` True = attend for decode rows whose contexts are ``lens [Bd]``
     long (the new token at position ``len - 1``): keys ``k < len`` and, with a window,
-    ``k >= len - window``."""
+    ``k >= len - window`` (a chunk: ``k >= (len - 1) // size * size``)."""
     pos = torch.arange(width)[None, :]
     mask = pos < lens[:, None]  # [Bd, width]
-    if window is not None:
+    if isinstance(window, Chunked):
+        mask &= pos >= (lens[:, None] - 1) // window.size * window.size
+    elif window is not None:
         mask &= pos >= lens[:, None] - window
     return mask[:, None, None, :]
 
@@ -187,7 +196,10 @@ class WindowMasks:
     """One sliding window's masks for the step (True = attend), beside the global ones."""
 
     decode: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size], as decode_mask
-    size: int | None = None  # the window (what the C decode attention reads; None: masks only)
+    size: int | None = None
+    """What the C decode attention reads: the sliding window, or minus a chunked layer's chunk
+    size (a query at ``len - 1`` sees keys from ``(len - 1) // chunk * chunk``); None: the
+    masks only."""
     prefill: list[torch.Tensor | None] = field(default_factory=list)
     """Per span of ``prefills``: its mask under the window (the span's own ``mask`` where the
     window does not bite; None: plain causal, a fresh chunk no longer than the window)."""

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from loraplex.kv.cache import PagedKVCache, StateShape
+from loraplex.kv.groups import Window, kind_order
 from loraplex.lora.plan import LoRABatchPlan
 from loraplex.model.attention import AttentionMetadata
 from loraplex.model.layer_ops import LayerOps, select_layer_ops
@@ -89,6 +90,8 @@ class DecoderForCausalLM:
     """Every norm of the model (layers, q/k, final); Gemma's ``(1 + w)`` float32 norm goes here."""
     qk_norm: ClassVar[bool] = False
     """Per-head RMSNorm of q and k before RoPE (``q_norm`` and ``k_norm`` slots)."""
+    attention_class: ClassVar[type[Attention]] = Attention
+    """The attention block (a subclass changes how q and k are positioned: ``position_qk``)."""
     supports_quantization: ClassVar[bool] = True
     """Whether quantized projections load (a MoE's experts have no quantized path yet)."""
     supports_tensor_parallel: ClassVar[bool] = True
@@ -112,9 +115,11 @@ class DecoderForCausalLM:
         index = {id(r): j for j, r in enumerate(self.rotaries)}
         windows = self.layer_windows()
         assert len(windows) == cfg.num_layers, "layer_windows: one window per layer"
-        self.windows: tuple[int, ...] = tuple(sorted({w for w in windows if w is not None}))
-        """The distinct sliding windows of the layers (the runner builds each one's masks once
-        per step; a layer's ``window`` indexes them)."""
+        self.windows: tuple[Window, ...] = tuple(
+            sorted({w for w in windows if w is not None}, key=kind_order)
+        )
+        """The distinct sliding windows (and attention chunks) of the layers (the runner builds
+        each one's masks once per step; a layer's ``window`` indexes them)."""
         self.layers = [
             DecoderLayer(
                 None if r is None else index[id(r)], None if w is None else self.windows.index(w)
@@ -123,7 +128,7 @@ class DecoderForCausalLM:
         ]
         self.ops: LayerOps = select_layer_ops(dtype, device)
         """Norms with the residual, rotary, activation and decode attention (C on CPU)."""
-        self.attn = Attention(
+        self.attn = self.attention_class(
             cfg.hidden_size,
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -173,12 +178,13 @@ class DecoderForCausalLM:
         uncapped, the SDPA path)."""
         return None
 
-    def layer_windows(self) -> list[int | None]:
-        """Each layer's sliding window (None: global attention): :meth:`windows_of` its config."""
+    def layer_windows(self) -> list[Window]:
+        """Each layer's sliding window or attention chunk (``loraplex.kv.groups.Chunked``;
+        None: global attention): :meth:`windows_of` its config."""
         return self.windows_of(self.cfg)
 
     @classmethod
-    def windows_of(cls, c: ModelConfig) -> list[int | None]:
+    def windows_of(cls, c: ModelConfig) -> list[Window]:
         """Each layer's sliding window under config ``c`` (None: global attention), by
         transformers' rule: with a ``sliding_window``, the ``sliding_attention`` layers of
         ``layer_types`` where config.json lists them, else the layers from
@@ -297,7 +303,7 @@ class DecoderForCausalLM:
         for r in self.rotaries:  # LongRoPE picks its factor set per sequence; others ignore it
             r.begin_step(batch.positions, batch.attn)
         rope = [r.cos_sin(batch.positions) for r in self.rotaries]
-        step = LayerStep(cache, batch.attn, rope, batch.input_ids)
+        step = LayerStep(cache, batch.attn, rope, batch.input_ids, batch.positions)
         h = self.embed(batch.input_ids)  # [T, D]
         lora, plan = self.lora, batch.lora_plan
         if lora is not None and plan is not None:

@@ -338,10 +338,12 @@ def _warn_once(reason: str) -> None:
 
 def self_check(ops: CLayerOps) -> None:
     """Every op in both dtypes against ``TorchLayerOps`` on odd sizes (every vector loop's
-    tail, strided q/k rows, partial rotary, GQA, blocks out of order, a window and a soft cap);
+    tail, strided q/k rows, partial rotary, GQA, blocks out of order, a window, a chunk and a
+    soft cap);
     ``KernelBuildError`` on a mismatch. Tolerances: float32's own rounding (sums in another
     order, exp within a few ulp) and, in bf16, about one unit in the last place."""
     from loraplex.kv.cache import PagedKVCache
+    from loraplex.kv.groups import Chunked
     from loraplex.model.attention import (
         AttentionMetadata,
         WindowMasks,
@@ -373,9 +375,11 @@ def self_check(ops: CLayerOps) -> None:
         decode_lens=lens,
     )
     window = WindowMasks(decode=decode_mask(lens, 3 * bs, 5), size=5)
+    chunked = WindowMasks(decode=decode_mask(lens, 3 * bs, Chunked(4)), size=-4)
     attends = (
         (None, sdpa_attend, None),
         (window, sdpa_attend, None),
+        (chunked, sdpa_attend, None),
         (None, functools.partial(softcap_attend, cap=2.0), 2.0),
     )
     for dtype in ELEMENT_TYPES:

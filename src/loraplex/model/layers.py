@@ -60,7 +60,7 @@ class DecoderLayer:
         self.down: Linear  # [D, I]
         self.qk_norm: RMSNorm | None = None  # per-head q/k norm, weight [H + KVH, hd]
         self.rope = rope  # index of this layer's rotary in the model's ``rotaries`` (None: NoPE)
-        self.window = window  # index of its sliding window's masks (None: global attention)
+        self.window = window  # index of its window's (or chunk's) masks (None: global attention)
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +76,7 @@ class LayerStep:
     attn_meta: AttentionMetadata
     rope: list[tuple[torch.Tensor, torch.Tensor]]  # per rotary of the model: cos, sin [T, 1, hd]
     input_ids: torch.Tensor | None = None  # [T] the step's tokens (Gemma 4's per-layer inputs)
+    positions: torch.Tensor | None = None  # [T] each token's position (what rope was built at)
     lora: LoRABinding | None = None
     plan: LoRABatchPlan | None = None
     lora_qkv: bool = False  # an adapter of the step targets one of the group's projections
@@ -165,11 +166,7 @@ class Attention:
         if step.lora_qkv:
             step.lora.add(i, self.qkv_parts, x, qkv, step.plan)
         qk, v, gate = self.split(qkv)
-        if self.qk_norm:
-            qk = L.qk_norm(qk)
-        if L.rope is not None:  # NoPE layers attend with q and k as projected
-            cos, sin = step.rope[L.rope]
-            qk = self.ops.rotary(qk, cos, sin)
+        qk = self.position_qk(L, qk, step)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, hd], [T, KVH, hd]
         a = paged_attention(
             q, k, v, i, step.cache, step.attn_meta, self.scale, L.window, self.attend,
@@ -181,6 +178,17 @@ class Attention:
         if step.lora_o:
             step.lora.add(i, self.o_parts, a, o, step.plan)
         return self.reduce(o)
+
+    def position_qk(self, L: DecoderLayer, qk: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """q and k as they attend and k is cached: the layer's per-head norm, then its rotary
+        (a NoPE layer's q and k as projected). qk: [T, H + KVH, hd] -> the same shape (an
+        architecture whose q/k path differs overrides this: Llama 4)."""
+        if self.qk_norm:
+            qk = L.qk_norm(qk)
+        if L.rope is not None:  # NoPE layers attend with q and k as projected
+            cos, sin = step.rope[L.rope]
+            qk = self.ops.rotary(qk, cos, sin)
+        return qk
 
 
 # -------------------------------------------------------------------------------------- MLP

@@ -8,6 +8,13 @@ One sparse block per MoE layer (``SparseMoE``), for every token of the step at o
     h = grouped(x[tok], W_gate_up)  (+ expert LoRA)          # [N, 2 I]: each expert over its rows
     h = grouped(act(gate) * up, W_down)  (+ expert LoRA)     # [N, D]
     out[t] = sum over t's pairs of w * h                     # index_add in sorted order
+    out += shared(x)  (+ its LoRA; times sigmoid(x @ g.T) with a shared gate)   # optional
+
+A subclass may route otherwise (``route``: Llama 4's sigmoid of the top-1 logit) and scale
+each expert's input by its weight instead of its output (``scale_input``, Llama 4). The shared
+expert (``MoEConfig.shared_expert_intermediate_size``) is a gated MLP every token runs, in
+its own LoRA groups (``shared_expert.{gate,up,down}_proj``), with an optional sigmoid gate
+``[1, D]`` (``shared_expert_gate``, Qwen-MoE's).
 
 Tokens are routed once per layer and sorted by expert, so each expert's GEMM runs over one
 contiguous block of rows and an expert no token chose is never read (``GroupedExperts``: a loop
@@ -37,6 +44,7 @@ from loraplex.checkpoint.modules import (
     EXPERT_CHECKPOINT_NAMES,
     EXPERT_PROJ_NAMES,
     ROUTER,
+    SHARED_EXPERT_PROJ_NAMES,
     MoESpec,
 )
 from loraplex.lora.plan import plan_expert_rows
@@ -59,6 +67,14 @@ class MoEConfig(ModelConfig):
     routing_in_model_dtype: bool = True
     """Whether the top-k weights are cast back to the model dtype before they scale the experts'
     outputs (Qwen-MoE's router does; Mixtral's keeps them float32)."""
+    shared_expert_intermediate_size: int = 0
+    """The shared expert's width (0: none)."""
+    shared_expert_gate: bool = False
+    """Whether a sigmoid gate ``[1, D]`` scales the shared expert's output."""
+    packed_in_out: bool = False
+    """Packed experts stored ``[E, d_in, d_out]`` (Llama 4; ``MoESpec.packed_in_out``)."""
+    router_name: str = ROUTER
+    """The router's module name in checkpoints and adapters (Llama 4: ``router``)."""
 
     def moe_spec(self) -> MoESpec | None:
         return MoESpec(
@@ -67,6 +83,9 @@ class MoEConfig(ModelConfig):
             self.hidden_size,
             self.moe_intermediate_size,
             self.moe_block,
+            self.shared_expert_intermediate_size,
+            self.packed_in_out,
+            self.router_name,
         )
 
     def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
@@ -100,9 +119,11 @@ class MoEConfig(ModelConfig):
 
 def moe_config_fields(
     c: Mapping[str, Any], source: str, *, num_experts: int, inter: int, sparse: tuple[int, ...],
-    norm_topk_prob: bool, block: str, in_model_dtype: bool,
+    norm_topk_prob: bool, block: str, in_model_dtype: bool, shared: int = 0,
+    shared_gate: bool = False, packed_in_out: bool = False, router: str = ROUTER,
 ) -> dict[str, Any]:  # fmt: skip
-    """The ``MoEConfig`` fields, checked: top-k within the experts, positive sizes."""
+    """The ``MoEConfig`` fields, checked: top-k within the experts, positive sizes (``shared``:
+    the shared expert's width, 0 for none)."""
     top_k = int(c.get("num_experts_per_tok") or 0)
     if num_experts < 1:
         raise ModelLoadError(f"{source}: num_experts must be >= 1, got {num_experts}")
@@ -112,7 +133,7 @@ def moe_config_fields(
         )
     if inter < 1:
         raise ModelLoadError(f"{source}: moe_intermediate_size must be >= 1, got {inter}")
-    if c.get("shared_expert_intermediate_size"):
+    if c.get("shared_expert_intermediate_size") and not shared:
         raise ModelLoadError(
             f"{source}: shared experts (shared_expert_intermediate_size) are not supported"
         )
@@ -124,6 +145,10 @@ def moe_config_fields(
         sparse_layers=sparse,
         moe_block=block,
         routing_in_model_dtype=in_model_dtype,
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=shared_gate,
+        packed_in_out=packed_in_out,
+        router_name=router,
     )
 
 
@@ -181,7 +206,11 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 class SparseMoE:
     """The sparse block of a MoE layer (module docstring). Reads ``L.router`` (a Linear
     ``[E, D]``), ``L.w_gate_up [E, 2 I, D]`` (gate rows, then up rows) and ``L.w_down
-    [E, D, I]`` of the layer it is called with."""
+    [E, D, I]`` of the layer it is called with, and with a shared expert ``L.shared_gate_up``
+    ``[2 Is, D]``, ``L.shared_down [D, Is]`` and, gated, ``L.shared_gate [1, D]``."""
+
+    scale_input = False
+    """Whether the routing weights scale each expert's input (Llama 4) instead of its output."""
 
     def __init__(
         self,
@@ -199,6 +228,10 @@ class SparseMoE:
         self.gate_up_parts = (("experts.gate_proj", 0, i), ("experts.up_proj", i, 2 * i))
         self.down_parts = (("experts.down_proj", 0, d),)
         self.router_parts = ((ROUTER, 0, cfg.num_experts),)
+        si = self.shared_inter = cfg.shared_expert_intermediate_size
+        g, u, dn = SHARED_EXPERT_PROJ_NAMES
+        self.shared_gate_up_parts = ((g, 0, si), (u, si, 2 * si))
+        self.shared_down_parts = ((dn, 0, d),)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _same
         """Sum over tensor-parallel ranks, each of which ran its columns of every expert."""
         self.last_counts: list[int] | None = None
@@ -231,6 +264,8 @@ class SparseMoE:
         offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x.device)
         torch.cumsum(counts_t, 0, out=offsets[1:])
         xs = x[tok]  # [N, D]
+        if self.scale_input:  # each expert reads its input times the pair's weight
+            xs = (xs * w.reshape(-1)[order, None]).to(x.dtype)
         lora_plan = None
         if lora is not None and plan is not None and lora.experts_used(i, plan):
             tok_np = tok.cpu().numpy()
@@ -245,9 +280,26 @@ class SparseMoE:
         h = self.grouped(act, L.w_down, offsets, counts)  # [N, D]
         if lora_plan is not None:
             lora.add(i, self.down_parts, act, h, plan, lora_plan)
-        h = h * w.reshape(-1)[order, None]  # [N, D] (float32 weights promote, as in HF)
-        out = torch.zeros_like(x)  # [T, D]
-        return self.reduce(out.index_add_(0, tok, h.to(x.dtype)))
+        if not self.scale_input:
+            h = h * w.reshape(-1)[order, None]  # [N, D] (float32 weights promote, as in HF)
+        out = torch.zeros_like(x) if not self.shared_inter else self.shared(L, i, x, step)
+        return self.reduce(out.index_add_(0, tok, h.to(x.dtype)))  # [T, D]
+
+    def shared(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """The shared expert's output [T, D] for x [T, D] (gated MLP with its LoRA, times
+        ``sigmoid(x @ L.shared_gate.T)`` where the layer has that gate)."""
+        lora, plan = step.lora, step.plan
+        gu = L.shared_gate_up(x)  # [T, 2 Is]
+        if lora is not None and plan is not None:
+            lora.add(i, self.shared_gate_up_parts, x, gu, plan)
+        act = self.act(gu[:, : self.shared_inter]) * gu[:, self.shared_inter :]  # [T, Is]
+        out = L.shared_down(act)  # [T, D]
+        if lora is not None and plan is not None:
+            lora.add(i, self.shared_down_parts, act, out, plan)
+        gate = getattr(L, "shared_gate", None)
+        if gate is not None:
+            out = out * torch.sigmoid(gate(x))  # [T, D] * [T, 1]
+        return out
 
 
 # ------------------------------------------------------------------------------ the decoder
@@ -255,11 +307,13 @@ class SparseMoE:
 _MOE_TENSOR = re.compile(
     r"model\.layers\.(?P<layer>\d+)\.(?P<block>mlp|block_sparse_moe)\."
     r"(?:(?P<router>gate\.weight)|experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight"
-    r"|experts\.(?P<packed>gate_up_proj|down_proj))"
+    r"|experts\.(?P<packed>gate_up_proj|down_proj)"
+    r"|(?P<shared>shared_expert\.(?:gate_proj|up_proj|down_proj)\.weight|shared_expert_gate\.weight))"
 )
 """A sparse block's checkpoint tensors: the router, per-expert projections (Qwen-MoE's
 ``gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``w1`` / ``w3`` / ``w2``) or transformers
-5's packed ``experts.gate_up_proj [E, 2 I, D]`` / ``experts.down_proj [E, D, I]``."""
+5's packed ``experts.gate_up_proj [E, 2 I, D]`` / ``experts.down_proj [E, D, I]``; a shared
+expert's ``shared_expert.{gate,up,down}_proj.weight`` and ``shared_expert_gate.weight``."""
 
 
 class MoEDecoderForCausalLM(DecoderForCausalLM):
@@ -271,11 +325,13 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
     config_class = MoEConfig
     cfg: MoEConfig
     supports_quantization = False  # expert weights have no quantized path yet
+    sparse_class: type[SparseMoE] = SparseMoE
+    """The sparse block (a subclass routes otherwise: Llama 4's)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(cfg, dtype, device)
         assert isinstance(cfg, MoEConfig)
-        self.moe = SparseMoE(cfg, select_grouped_experts(device))
+        self.moe = self.sparse_class(cfg, select_grouped_experts(device))
         sparse = set(cfg.sparse_layers)
         self.ffns = [self.moe if i in sparse else self.mlp for i in range(cfg.num_layers)]
         self._moe_parts: dict[tuple[int, str], torch.Tensor] = {}
@@ -298,6 +354,16 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
             self._check(key, shape, (E, D))
             self._moe_parts[(layer, "router")] = read()
             self._moe_seen[(layer, "router")] = {0}
+            return True
+        if m["shared"]:
+            name = m["shared"].removesuffix(".weight")
+            si = c.shared_expert_intermediate_size
+            want = {"shared_expert.down_proj": (D, si), "shared_expert_gate": (1, D)}
+            if not si or (name == "shared_expert_gate" and not c.shared_expert_gate):
+                raise ModelLoadError(f"unexpected tensor {key!r}: config.json has no {name}")
+            self._check(key, shape, want.get(name, (si, D)))
+            self._moe_parts[(layer, name)] = read()
+            self._moe_seen[(layer, name)] = {0}
             return True
         if m["packed"]:
             slot = "w_gate_up" if m["packed"] == "gate_up_proj" else "w_down"
@@ -331,14 +397,18 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
             )
 
     def check_own_tensors(self, src: object) -> None:
-        E = self.cfg.num_experts
+        E, c = self.cfg.num_experts, self.cfg
         want = {"router": 1, "w_gate_up": 2 * E, "w_down": E}
+        if c.shared_expert_intermediate_size:
+            want.update(dict.fromkeys(SHARED_EXPERT_PROJ_NAMES, 1))
+        if c.shared_expert_gate:
+            want["shared_expert_gate"] = 1
         for layer in self.cfg.sparse_layers:
             for slot, n in want.items():
                 got = len(self._moe_seen.get((layer, slot), ()))
                 if got != n:
                     what = {"router": "the router (gate)", "w_gate_up": "gate/up experts",
-                            "w_down": "down experts"}[slot]  # fmt: skip
+                            "w_down": "down experts"}.get(slot, slot)  # fmt: skip
                     raise ModelLoadError(
                         f"{src}: layer {layer} is missing {what}: {got} of {n} tensors found"
                     )
@@ -351,6 +421,12 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
             L.router = make(self._moe_parts.pop((layer, "router")), None)  # [E, D]
             L.w_gate_up = self._experts(layer, "w_gate_up")  # [E, 2 I, D]
             L.w_down = self._experts(layer, "w_down")  # [E, D, I]
+            if self.cfg.shared_expert_intermediate_size:
+                g, u, dn = (self._moe_parts.pop((layer, p)) for p in SHARED_EXPERT_PROJ_NAMES)
+                L.shared_gate_up = make(torch.cat((g, u)), None)  # [2 Is, D]
+                L.shared_down = make(dn, None)  # [D, Is]
+            if self.cfg.shared_expert_gate:
+                L.shared_gate = make(self._moe_parts.pop((layer, "shared_expert_gate")), None)
         self._moe_seen.clear()
 
     def _experts(self, layer: int, slot: str) -> torch.Tensor:

@@ -15,6 +15,7 @@ from loraplex.model.gemma import (
 )
 from loraplex.model.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from loraplex.model.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
 from loraplex.model.qwen3 import Qwen3ForCausalLM
@@ -38,6 +39,8 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
+    "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

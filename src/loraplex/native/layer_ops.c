@@ -18,7 +18,8 @@
  *       (g + 0.044715 g^3)))
  *   loraplex_decode_attention:  for each decode row b (query row rows[b], or b) and query head
  *       h (KV head j = h / G, G = H / KVH), over the positions p of [lo, len[b]) (lo = len - window
- *       with a window, else 0) at cache slot block_table[b, p / bs] * bs + p % bs:
+ *       with a window > 0; a window -C < 0 is chunked attention, lo = (len - 1) / C * C; else
+ *       0) at cache slot block_table[b, p / bs] * bs + p % bs:
  *           s[p] = scale * dot(q[h], k[slot, j]),  with a cap: s[p] = tanh(s[p] / cap) * cap
  *           out[h] = rnd(sum_p softmax(s)[p] * v[slot, j])
  *
@@ -373,7 +374,9 @@ int loraplex_decode_attention(const void *q, int64_t q_stride, const int64_t *ro
         for (int64_t bj = 0; bj < B * KVH; bj++) {
             if (!scratch) continue;
             int64_t b = bj / KVH, j = bj % KVH, row = rows ? rows[b] : b;
-            int64_t len = lens[b], lo = window > 0 && len > window ? len - window : 0;
+            int64_t len = lens[b];
+            int64_t lo = window > 0 ? (len > window ? len - window : 0)
+                         : window < 0 ? (len - 1) / -window * -window : 0;
             const void *qb = (const char *)q + (row * q_stride + j * G * hd) * esz;
             void *ob = (char *)out + (row * o_stride + j * G * hd) * esz;
             const int64_t *tb = block_table + b * nblk;

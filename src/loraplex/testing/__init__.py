@@ -43,6 +43,8 @@ ARCH_CONFIGS = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
+    "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
 }
 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -57,6 +59,15 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # Gemma 4: a window prompts cross, per-layer inputs of 8 (the real 256 over 262144 tokens)
     "gemma4_text": dict(sliding_window=4, hidden_size_per_layer_input=8),
     "gemma4": dict(sliding_window=4, hidden_size_per_layer_input=8),
+    # 4 experts (of intermediate_size, the shared expert's width too) in every other layer,
+    # dense layers of 96, chunks of 4 on the rope layers (every prompt crosses them), every
+    # other layer NoPE with a temperature that moves from position 3 on
+    "llama4_text": dict(num_local_experts=4, intermediate_size_mlp=96,
+                        interleave_moe_layer_step=2, no_rope_layer_interval=2,
+                        attention_chunk_size=4, floor_scale=4, attn_scale=0.5),
+    "llama4": dict(num_local_experts=4, intermediate_size_mlp=96, interleave_moe_layer_step=2,
+                   no_rope_layer_interval=2, attention_chunk_size=4, floor_scale=4,
+                   attn_scale=0.5),
 }  # fmt: skip
 """Config values a family's tiny model takes unless the caller says otherwise (a MoE's expert
 count and size: the config classes' defaults, 128 experts of 768, are a real model's)."""
@@ -69,7 +80,11 @@ SIZED_DEFAULTS: dict[str, dict[str, str]] = {
 ``vocab_size``), unless the caller says otherwise (Gemma 4's full-layer head size and
 per-layer vocabulary default to a real model's 512 and 262144)."""
 
-_TEXT_CONFIGS = {"Gemma3Config": "Gemma3TextConfig", "Gemma4Config": "Gemma4TextConfig"}
+_TEXT_CONFIGS = {
+    "Gemma3Config": "Gemma3TextConfig",
+    "Gemma4Config": "Gemma4TextConfig",
+    "Llama4Config": "Llama4TextConfig",
+}
 """Multimodal config class -> the text config class it wraps: ``make_random_model`` builds the
 text config from its arguments and wraps it with a tiny vision tower (``_wrap_text_config``)."""
 
@@ -92,6 +107,16 @@ def _wrap_text_config(cfg_name: str, text: Any) -> Any:
             tie_word_embeddings=text.tie_word_embeddings,
             initializer_range=text.initializer_range,
         )
+    if cfg_name == "Llama4Config":  # one tiny vision layer, its projector and pixel shuffle
+        llama4_vision = transformers.Llama4VisionConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+            projector_output_dim=text.hidden_size,
+        )  # fmt: skip
+        return transformers.Llama4Config(
+            text_config=text, vision_config=llama4_vision,
+            tie_word_embeddings=text.tie_word_embeddings,
+        )  # fmt: skip
     vision = transformers.SiglipVisionConfig(
         hidden_size=32,
         intermediate_size=64,

@@ -198,6 +198,8 @@ def _packed_pair(
         )
     want = {p: (m.dims(q[0])[0], sum(m.dims(x)[1] for x in q))
             for p, q in PACKED_EXPERT_PARAMS.items()}  # fmt: skip
+    if moe.packed_in_out:  # stored [E, in, out]: PEFT's A is [E r, out], its B [in, E r]
+        want = {p: (o, i) for p, (i, o) in want.items()}
     for param, dims in want.items():
         if (sa[1], sb[0]) != dims:
             continue
@@ -270,7 +272,9 @@ def static_check(adapter: Path, model_dir: Path, report: VerifyReport) -> None:
             if layer == VOCAB_LAYER
             else proj in m.layer_adapter_projs(min(layer, m.num_layers - 1))
         )
-        if layer in sparse and proj not in ATTN_PROJ_NAMES:
+        if layer in sparse and proj in m.layer_projs(layer):
+            known = True  # a sparse layer's shared expert
+        elif layer in sparse and proj not in ATTN_PROJ_NAMES:
             wrong.append(
                 f"{key}: layer {layer}'s MLP is {m.num_experts} experts and a router (no {proj})"
             )

@@ -50,6 +50,10 @@ class ExpertModuleLayout:
     packed: ExpertFactors | None = None
     b_rows: tuple[int, int] | None = None
     """The rows of the packed ``B`` this projection takes (``gate_up_proj``: gate's, up's)."""
+    in_out: bool = False
+    """The packed parameter is stored ``[E, d_in, d_out]`` (``MoESpec.packed_in_out``): PEFT's
+    ``A [E r, d_out]`` then expands and its ``B [d_in, r E]`` shrinks (``b_rows``: of ``A``'s
+    columns)."""
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -199,6 +203,8 @@ class ExpertTensors:
             for pair in depths.values():
                 a_name, b_name = self._complete(pair, base)
                 d_in, d_out = self.tensors[a_name].shape[1], self.tensors[b_name].shape[0]
+                if moe.packed_in_out:  # PEFT took [E, d_in, d_out] for [E, d_out, d_in]
+                    d_in, d_out = d_out, d_in
                 param = next(
                     (p for p, parts in PACKED_EXPERT_PARAMS.items()
                      if (d_in, d_out) == (shapes[parts[0]][0],
@@ -229,7 +235,7 @@ class ExpertTensors:
                             f"module {mkey}: adapted twice (packed and per expert?)",
                         )
                     out[(layer, part)] = ExpertModuleLayout(
-                        mkey, n, f.rank, packed=f, b_rows=(lo, hi)
+                        mkey, n, f.rank, packed=f, b_rows=(lo, hi), in_out=moe.packed_in_out
                     )
                     lo = hi
         for (layer, proj), by_expert in sorted(self.per_expert.items()):
@@ -258,15 +264,15 @@ class ExpertTensors:
         names = {v: k for k, v in EXPERT_CHECKPOINT_NAMES[block].items()}
         for layer in moe.layers:
             for param, parts in PACKED_EXPERT_PARAMS.items():
-                mkey = f"{prefix}layers.{layer}.mlp.experts.{param}"
+                mkey = f"{prefix}layers.{layer}.{moe.mlp_block}.experts.{param}"
                 if settings.is_param_targeted(mkey) and any((layer, q) not in out for q in parts):
                     raise FormatError(
                         "incomplete_adapter",
                         f"parameter {mkey} is targeted by the config (target_parameters) but "
                         "has no LoRA tensors (adapter made for another model?)",
                     )
-            router = f"{prefix}layers.{layer}.{block}.{ROUTER}"
-            router_v5 = f"{prefix}layers.{layer}.mlp.{ROUTER}"
+            router = f"{prefix}layers.{layer}.{block}.{moe.router_name}"
+            router_v5 = f"{prefix}layers.{layer}.{moe.mlp_block}.{moe.router_name}"
             wants_router = settings.is_param_targeted(f"{router_v5}.weight") or (
                 self._strict() and settings.is_targeted(router)
             )
@@ -275,8 +281,8 @@ class ExpertTensors:
                     "incomplete_adapter",
                     f"module {router} is targeted by the config but has no LoRA tensors",
                 )
-            if not self._strict():
-                continue
+            if not self._strict() or moe.packed_in_out:
+                continue  # (packed-only experts, Llama 4's, have no per-expert modules)
             for proj in EXPERT_PROJ_NAMES:
                 if (layer, proj) in out and out[(layer, proj)].packed is not None:
                     continue

@@ -240,7 +240,7 @@ def check_layout(
 
     prefix = _decoder_prefix([*module_keys.values(), *(experts.modules if experts else ())])
     expected = [
-        ((layer, proj), module_key(layer, proj, prefix))
+        ((layer, proj), module_key(layer, proj, prefix, spec.moe.mlp_block if spec.moe else "mlp"))
         for layer in range(spec.num_layers)
         for proj in spec.layer_shapes(layer)
         if proj not in EXPERT_PROJ_NAMES and proj != ROUTER  # the sparse block's: below

@@ -24,11 +24,12 @@ _DECODER = r"(?:model\.)?(?:language_model\.)?(?:model\.)?"
 """What precedes ``layers.N`` / ``embed_tokens``: ``model.`` for a causal LM, and
 ``model.language_model.`` (transformers 5) or ``language_model.model.`` (older) for the
 language model of a multimodal checkpoint."""
-# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight; the MLP block is
+# Llama 4's feed_forward there, and a MoE's shared expert mlp.shared_expert.gate_proj
 TENSOR_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
-    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?:(?P<block>self_attn|linear_attn|mlp)\.)?(?P<proj>[^.]+))"
-    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?:(?P<block>self_attn|linear_attn|mlp|feed_forward)\.)?"
+    r"(?P<proj>(?:shared_expert\.)?[^.]+))\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
 # base_model.model.model.per_layer_model_projection.lora_A[.default].weight (Gemma 4)
 OUTER_KEY_RE = re.compile(
@@ -61,7 +62,7 @@ _VOCAB_WEIGHT_RE = re.compile(
 )
 
 
-_MOE_BLOCK = r"(?P<block>mlp|block_sparse_moe)"
+_MOE_BLOCK = r"(?P<block>mlp|block_sparse_moe|feed_forward)"
 # base_model.model.model.layers.3.mlp.experts.5.gate_proj.lora_A[.default].weight (per expert)
 EXPERT_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
@@ -76,10 +77,11 @@ PACKED_KEY_RE = re.compile(
     rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.experts)"
     r"(?P<inner>(?:\.base_layer)*)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
-# base_model.model.model.layers.3.mlp.gate.lora_A[.default].weight (the router)
+# base_model.model.model.layers.3.mlp.gate.lora_A[.default].weight (the router; Llama 4's
+# feed_forward.router)
 ROUTER_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
-    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.gate)"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.(?:gate|router))"
     r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
 
@@ -90,7 +92,7 @@ class TensorKey:
 
     module: str  # e.g. "model.layers.3.self_attn.q_proj" (what patterns are matched against)
     layer: int  # VOCAB_LAYER for embed_tokens / lm_head
-    block: str  # self_attn | mlp; "" for embed_tokens / lm_head
+    block: str  # self_attn | mlp (Llama 4's feed_forward too); "" for embed_tokens / lm_head
     proj: str
     ab: str  # "A" | "B"
 
@@ -102,7 +104,8 @@ def parse_tensor_key(name: str) -> TensorKey | None:
     or ``...per_layer_model_projection.lora_{A,B}[.<adapter>].weight``."""
     m = TENSOR_KEY_RE.match(name)
     if m is not None:
-        return TensorKey(m["module"], int(m["layer"]), m["block"] or "", m["proj"], m["ab"])
+        block = "mlp" if m["block"] == "feed_forward" else (m["block"] or "")
+        return TensorKey(m["module"], int(m["layer"]), block, m["proj"], m["ab"])
     outer = ((EMBED_TOKENS, EMBED_KEY_RE), (LM_HEAD, HEAD_KEY_RE),
              (PER_LAYER_MODEL_PROJECTION, OUTER_KEY_RE))  # fmt: skip
     for proj, pattern in outer:

@@ -73,6 +73,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
         hidden_size_per_layer_input=64,
         num_kv_shared_layers=12,
     ),
+    # Llama 4's layout at this width: every fourth layer NoPE (global), the others in chunks
+    # of 8192 (every prompt inside one); every other layer a top-1 sparse block of 4 experts
+    # and a shared expert (each of intermediate_size), dense layers of intermediate_size too
+    "llama4_text": dict(
+        arch="llama4_text",
+        num_local_experts=4,
+        intermediate_size_mlp=1536,
+        no_rope_layer_interval=4,
+        attention_chunk_size=8192,
+        floor_scale=8192,
+        attn_scale=0.1,
+    ),
 }
 """Family -> its ``make_random_model`` arguments beyond ``WIDTH`` (Gemma's window is its real
 models' 512 at this width; every prompt here fits inside it)."""

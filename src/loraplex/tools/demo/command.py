@@ -31,8 +31,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch",
         default="llama",
         help="with --random: the architecture of the random model (llama, mistral, qwen2, "
-        "qwen3, gemma2, gemma3_text, gemma3, phi3, qwen3_moe, mixtral, smollm3, gemma4_text, "
-        "gemma4)",
+        "qwen3, gemma2, gemma3_text, gemma3, phi3, qwen3_moe, mixtral, smollm3, qwen3_5, "
+        "gemma4_text, gemma4, llama4_text)",
     )
 
 

@@ -20,6 +20,7 @@ from loraplex.checkpoint.modules import (
     PER_LAYER_INPUT_PROJ_NAMES,
     PER_LAYER_MODEL_PROJECTION,
     ROUTER,
+    SHARED_EXPERT_PROJ_NAMES,
     VOCAB_LAYER,
     VOCAB_MODULES,
     module_key,
@@ -162,14 +163,19 @@ def _sparse_layer_modules(
     by ``target_modules`` expert by expert (``all-linear`` as it was while experts and router
     were linears: all of them); packed wins where both name a projection."""
     pre, block, n = f"model.layers.{layer}", m.moe_block, m.num_experts
-    router = f"{pre}.{block}.{ROUTER}"
+    moe = m.moe
+    assert moe is not None
+    router, v5 = f"{pre}.{block}.{moe.router_name}", f"{pre}.{moe.mlp_block}"
     if settings.is_targeted(router):
         a.modules[(layer, ROUTER)] = int(settings.rank_of(router))
-    elif settings.is_param_targeted(f"{pre}.mlp.{ROUTER}.weight"):
-        a.modules[(layer, ROUTER)] = int(settings.rank_of(f"{pre}.mlp.{ROUTER}"))
+    elif settings.is_param_targeted(f"{v5}.{moe.router_name}.weight"):
+        a.modules[(layer, ROUTER)] = int(settings.rank_of(f"{v5}.{moe.router_name}"))
+    for proj in SHARED_EXPERT_PROJ_NAMES if moe.shared_intermediate else ():
+        if settings.is_targeted(full := f"{pre}.{block}.{proj}"):
+            a.modules[(layer, proj)] = int(settings.rank_of(full))
     packed: set[str] = set()
     for param, parts in PACKED_EXPERT_PARAMS.items():
-        full = f"{pre}.mlp.experts.{param}"
+        full = f"{v5}.experts.{param}"
         if settings.is_param_targeted(full):
             name = PACKED_GATE_UP if len(parts) > 1 else parts[0]
             r = int(settings.rank_of(full))
@@ -177,7 +183,7 @@ def _sparse_layer_modules(
             a.packed.add((layer, name))
             packed.update(parts)
     for ckpt, proj in EXPERT_CHECKPOINT_NAMES[block].items():
-        if proj in packed:
+        if proj in packed or moe.packed_in_out:  # (packed-only experts: no per-expert keys)
             continue
         keys = [f"{pre}.{block}.experts.{e}.{ckpt}" for e in range(n)]
         ranks = tuple(int(settings.rank_of(k)) if settings.is_targeted(k) else 0 for k in keys)
@@ -227,7 +233,7 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
             for p in m.layer_adapter_projs(layer):
                 if layer in sparse and p not in ATTN_PROJ_NAMES:
                     continue  # a sparse layer has a router and experts in place of the MLP
-                full = module_key(layer, p)
+                full = module_key(layer, p, mlp=m.moe.mlp_block if m.moe else "mlp")
                 if settings.is_targeted(full):
                     a.modules[(layer, p)] = int(settings.rank_of(full))
             if layer in sparse:

@@ -20,6 +20,7 @@ from loraplex.checkpoint.modules import (
     PER_LAYER_MODEL_PROJECTION,
     PROJ_NAMES,
     ROUTER,
+    SHARED_EXPERT_PROJ_NAMES,
     VOCAB_MODULES,
     LinearAttentionSpec,
     MoESpec,
@@ -27,6 +28,7 @@ from loraplex.checkpoint.modules import (
     vocab_module_shapes,
 )
 from loraplex.kv.groups import (
+    Window,
     blocks_per_sequence,
     kv_cache_groups,
     layers_per_group,
@@ -75,7 +77,7 @@ class ModelShape:
     moe_intermediate_size: int = 0  # one expert's
     sparse_layers: tuple[int, ...] | None = None  # the sparse layers (None: all, when MoE)
     moe_block: str = "mlp"  # the sparse block's checkpoint name (Mixtral's block_sparse_moe)
-    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (empty: none)
+    layer_windows: tuple[Window, ...] = ()  # each layer's sliding window / chunk (empty: none)
     linear: LinearAttentionSpec | None = None  # a hybrid's linear-attention layers (Qwen3.5)
     gated_q: bool = False  # q_proj also yields a per-head output gate ([2 q, hidden])
     per_layer_input: int = 0  # Gemma 4's per-layer stream width P (0: none)
@@ -86,6 +88,10 @@ class ModelShape:
     ``ModelConfig.layer_modules``)."""
     layer_norms: tuple[int, ...] = ()  # each layer's norm parameters, where they differ
     kv_width: int = 0  # a KV slot's values: the widest layer's kv heads x head_dim (0: alike)
+    layer_windows: tuple[Window, ...] = ()  # each layer's sliding window / chunk (empty: none)
+    shared_intermediate: int = 0  # a sparse block's shared expert's width (0: none)
+    packed_in_out: bool = False  # packed experts stored [E, in, out] (Llama 4)
+    router_name: str = ROUTER  # the router's module name (Llama 4: router)
 
     @property
     def hd(self) -> int:
@@ -109,7 +115,7 @@ class ModelShape:
             return None
         return MoESpec(
             self.num_experts, self.sparse, self.hidden_size, self.moe_intermediate_size,
-            self.moe_block,
+            self.moe_block, self.shared_intermediate, self.packed_in_out, self.router_name,
         )  # fmt: skip
 
     @property
@@ -131,7 +137,7 @@ class ModelShape:
         if self.linear is not None:
             names += LINEAR_ATTN_PROJ_NAMES
         if self.is_moe:
-            names += [ROUTER, *EXPERT_CHECKPOINT_NAMES[self.moe_block]]
+            names += [self.router_name, *EXPERT_CHECKPOINT_NAMES[self.moe_block]]
         return tuple(dict.fromkeys([*names, *self.outer_modules]))
 
     @property
@@ -149,7 +155,8 @@ class ModelShape:
         projections, or a sparse layer's attention, router and three expert projections; where
         layers differ (Gemma 4, a hybrid's linear-attention layers), the layer's own."""
         if layer in self.sparse:
-            return (*PROJ_NAMES[:4], ROUTER, *EXPERT_PROJ_NAMES)
+            shared = SHARED_EXPERT_PROJ_NAMES if self.shared_intermediate else ()
+            return (*PROJ_NAMES[:4], ROUTER, *EXPERT_PROJ_NAMES, *shared)
         if self.layer_modules:
             return tuple(self.layer_modules[layer])
         return PROJ_NAMES
@@ -180,7 +187,7 @@ class ModelShape:
             if self.linear is None:
                 raise PlanError(f"{self.name} has no linear-attention layers: it has no {proj}")
             return self.linear.shapes[proj]
-        if proj == ROUTER or proj in EXPERT_PROJ_NAMES:
+        if proj in (ROUTER, *EXPERT_PROJ_NAMES, *SHARED_EXPERT_PROJ_NAMES):
             moe = self.moe
             if moe is None:
                 raise PlanError(f"{self.name} is not a mixture-of-experts model: it has no {proj}")
@@ -197,8 +204,8 @@ class ModelShape:
         return sum(math.prod(self.dims(p)) for p in EXPERT_PROJ_NAMES) if self.is_moe else 0
 
     def linear_params(self) -> int:
-        """Parameters of every projection of every layer, a sparse layer's router and all its
-        experts (no norms, embeddings or head)."""
+        """Parameters of every projection of every layer, a sparse layer's router, all its
+        experts and its shared expert (no norms, embeddings or head)."""
         n_sparse = len(self.sparse)
         dense = (i for i in range(self.num_layers) if i not in self.sparse)
         out = sum(math.prod(self.dims(p, i)) for i in dense for p in self.layer_projs(i))
@@ -207,6 +214,8 @@ class ModelShape:
         if n_sparse:
             attn = sum(math.prod(self.dims(p)) for p in PROJ_NAMES[:4])
             router = math.prod(self.dims(ROUTER))
+            shared = SHARED_EXPERT_PROJ_NAMES if self.shared_intermediate else ()
+            attn += sum(math.prod(self.dims(p)) for p in shared)
             out += n_sparse * (attn + router + self.num_experts * self.expert_params())
         return out
 
@@ -380,6 +389,9 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             layer_modules=mc.layer_modules(),
             layer_norms=tuple(mc.layer_norm_params(i) for i in range(mc.num_layers)),
             kv_width=max(kvh * hd for kvh, hd in mc.kv_layer_shapes()),
+            shared_intermediate=moe.shared_intermediate if moe else 0,
+            packed_in_out=moe.packed_in_out if moe else False,
+            router_name=moe.router_name if moe else ROUTER,
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
