@@ -234,11 +234,11 @@ def _prompt_reference(model: object, ids: list[int]) -> torch.Tensor:
 
 
 def check_mixed_batch(
-    llm: LLM, adapters: dict[str, Path], refs: dict, n_new: int
+    llm: LLM, adapters: dict[str, Path], refs: dict, n_new: int, tol: float = SAMPLE_TOL
 ) -> list[tuple[str, str | None, RequestOutput]]:
     """The base and each adapter twice (different prompts) in one batch: greedy tokens, sample
-    logprobs and prompt logprobs equal ``refs``' (transformers + PEFT, by adapter name; None:
-    the base). Returns (prompt, adapter name, output) per request."""
+    logprobs (within ``tol``) and prompt logprobs equal ``refs``' (transformers + PEFT, by
+    adapter name; None: the base). Returns (prompt, adapter name, output) per request."""
     names = [None, *adapters]
     prompts, loras, expect = [], [], []
     for i, name in enumerate(names):  # each adapter twice, with different prompts
@@ -257,7 +257,7 @@ def check_mixed_batch(
         got = out.outputs[0]
         assert got.token_ids == want, f"adapter {name} prompt {prompt!r}"
         worst = logprob_gap(got.logprobs, ref_lp)
-        assert worst < SAMPLE_TOL, f"adapter {name}: logprob diff {worst}"
+        assert worst < tol, f"adapter {name}: logprob diff {worst}"
         want_prompt = _prompt_reference(refs[name], ids)
         assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
         worst = max(

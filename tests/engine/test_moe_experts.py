@@ -1,4 +1,5 @@
-"""Mixture-of-experts bases with LoRA on the experts (invariant 2 for Qwen3-MoE and Mixtral).
+"""Mixture-of-experts bases with LoRA on the experts (invariant 2 for Qwen3-MoE, Mixtral and
+Qwen3.5-MoE, whose hybrid layers carry a gated shared expert beside the experts).
 
 A mixed batch of the base and adapters built by PEFT itself (experts only, attention only, both,
 the router, different ranks, per-expert keys and PEFT's ``target_parameters`` on the packed
@@ -53,6 +54,9 @@ from tests.engine.test_mixed_batch_architectures import (  # the dense families'
 QWEN_EXPERTS = ["gate_proj", "up_proj", "down_proj"]
 MIXTRAL_EXPERTS = ["w1", "w3", "w2"]
 PACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+HYBRID_TOL = 1e-3
+"""A hybrid's float32 sample logprobs: the decode recurrence rounds otherwise than the full
+forward (``tests/model/test_qwen3_5.py``)."""
 
 FAMILIES: dict[str, dict] = {
     # 16 experts, top-4 renormalised; every layer sparse
@@ -81,6 +85,37 @@ FAMILIES: dict[str, dict] = {
         norm_topk_prob=False,
         mlp_only_layers=[1],
         experts=None,
+    ),
+    # Qwen3.5-MoE: a Gated DeltaNet layer and a gated full-attention one, each with a sparse
+    # block of 16 experts (top-4) and a gated shared expert; adapters also on the
+    # linear-attention projections and the shared expert
+    "qwen3_5_moe": dict(
+        arch="qwen3_5_moe",
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        experts=None,
+        tol=HYBRID_TOL,
+        extra={
+            "gdn_shared_r8": (
+                "peft",
+                dict(
+                    r=8,
+                    lora_alpha=16,
+                    std=0.1,
+                    seed=8,
+                    target_modules=[
+                        "in_proj_qkv",
+                        "in_proj_b",
+                        "out_proj",
+                        "shared_expert.up_proj",
+                        "shared_expert.down_proj",
+                        "shared_expert_gate",
+                    ],
+                ),
+            ),
+        },
     ),
 }
 
@@ -139,14 +174,14 @@ N_NEW = 6
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp(request.param)
     spec = dict(FAMILIES[request.param])
-    experts = spec.pop("experts")
+    experts, extra, tol = spec.pop("experts"), spec.pop("extra", {}), spec.pop("tol", SAMPLE_TOL)
     model = make_random_model(root / "model", spec.pop("arch"), num_layers=2, seed=5, **spec)
     adapters = {}
-    for name, (kind, kw) in adapters_for(experts).items():
+    for name, (kind, kw) in {**adapters_for(experts), **extra}.items():
         make = make_random_adapter if kind == "peft" else make_per_expert_adapter
         adapters[name] = make(model, root / name, **kw)
     refs = {n: load_merged_reference(model, adapters.get(n)) for n in [None, *adapters]}
-    return {"name": request.param, "model": model, "adapters": adapters, "refs": refs}
+    return {"name": request.param, "model": model, "adapters": adapters, "refs": refs, "tol": tol}
 
 
 @pytest.fixture(scope="module", params=["cpu-kernel", "torch"])
@@ -155,7 +190,7 @@ def llm(request: pytest.FixtureRequest, family: dict) -> Iterator[LLM]:
 
 
 def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
-    runs = check_mixed_batch(llm, family["adapters"], family["refs"], N_NEW)
+    runs = check_mixed_batch(llm, family["adapters"], family["refs"], N_NEW, family["tol"])
     # every adapter moves its outputs (non-zero B on every target): none is a silent no-op
     first = {p: o.outputs[0].logprobs[0].top for p, n, o in runs if n is None}
     for prompt, name, out in runs:

@@ -206,6 +206,9 @@ SHARED_EXPERT_PROJ_NAMES = (
 )
 """A sparse block's shared expert (a gated MLP every token runs, added to the routed output:
 Llama 4, Qwen2/3.5-MoE), adaptable as ordinary linears under ``mlp.shared_expert``."""
+SHARED_EXPERT_GATE = "shared_expert_gate"
+"""The shared expert's gate ``[1, hidden]`` (Qwen-MoE's), under the sparse block; PEFT's
+``all-linear`` adapts it."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,9 @@ class MoESpec:
     router_name: str = ROUTER
     """The router's module name under the block (Llama 4: ``router``; loraplex keys it
     :data:`ROUTER` whatever it is called)."""
+    shared_gate: bool = False
+    """Whether a one-output linear gates the shared expert (:data:`SHARED_EXPERT_GATE`,
+    Qwen-MoE's ``sigmoid(shared_expert_gate(x))``), adaptable as any linear."""
 
     @property
     def mlp_block(self) -> str:
@@ -250,6 +256,7 @@ class MoESpec:
             "experts.up_proj": (h, i),
             "experts.down_proj": (i, h),
             **(shared if s else {}),
+            **({SHARED_EXPERT_GATE: (h, 1)} if self.shared_gate else {}),
         }
 
     @classmethod
@@ -273,6 +280,15 @@ class MoESpec:
             layers = tuple(range(int(raw["num_hidden_layers"])))
             inter = int(raw["intermediate_size"])
             return cls(n, layers, int(raw["hidden_size"]), inter, "block_sparse_moe")
+        if mtype in ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"):  # every layer sparse
+            n = int(raw.get("num_experts") or 0)
+            shared = int(raw.get("shared_expert_intermediate_size") or 0)
+            layers = tuple(range(int(raw["num_hidden_layers"]))) if n > 0 else ()
+            inter = int(raw["moe_intermediate_size"])
+            return cls(
+                n, layers, int(raw["hidden_size"]), inter, shared_intermediate=shared,
+                shared_gate=shared > 0,
+            )  # fmt: skip
         if mtype not in ("qwen3_moe", "qwen2_moe"):
             return None
         n = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
@@ -295,6 +311,7 @@ LAYER_MODULE_ORDER = (
     ROUTER,
     *EXPERT_PROJ_NAMES,
     *SHARED_EXPERT_PROJ_NAMES,
+    SHARED_EXPERT_GATE,
 )
 """Every module a layer may adapt, in table order (a layer's token mixer, then its MLP or
 sparse block)."""
@@ -398,7 +415,13 @@ class BaseModelSpec:
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
         # the dense MLP's width (Llama 4's intermediate_size is an expert's)
-        inter = int(raw.get("intermediate_size_mlp") or raw["intermediate_size"])
+        # Llama 4's dense layers: intermediate_size_mlp; a MoE without dense layers (Qwen3.5-MoE)
+        # has no intermediate_size: its experts' width stands in
+        inter = int(
+            raw.get("intermediate_size_mlp")
+            or raw.get("intermediate_size")
+            or raw["moe_intermediate_size"]
+        )
         shapes = projection_shapes(hidden, heads, kv_heads, head_dim, inter)
         if str(raw.get("model_type", model_type)) in GATED_Q_MODEL_TYPES:
             shapes["q_proj"] = (hidden, 2 * heads * head_dim)  # each head's query and gate

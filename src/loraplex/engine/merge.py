@@ -43,6 +43,7 @@ from loraplex.checkpoint.modules import (
     LINEAR_ATTN_PROJ_NAMES,
     PER_LAYER_INPUT_PROJ_NAMES,
     ROUTER,
+    SHARED_EXPERT_GATE,
     SHARED_EXPERT_PROJ_NAMES,
     VOCAB_LAYER,
 )
@@ -97,6 +98,7 @@ _GATHERED_PROJS = frozenset(
         ROUTER,
         *EXPERT_PROJ_NAMES,
         *SHARED_EXPERT_PROJ_NAMES,
+        SHARED_EXPERT_GATE,
         *LINEAR_ATTN_PROJ_NAMES,
         *PER_LAYER_INPUT_PROJ_NAMES,
     )

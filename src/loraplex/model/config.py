@@ -179,7 +179,8 @@ def parse_model_config(raw: dict[str, Any], source: str = "config") -> ModelConf
     fields: dict[str, Any] = dict(
         vocab_size=int(req("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(req("intermediate_size")),
+        # a MoE without dense layers (Qwen3.5-MoE) has no intermediate_size: its experts' width
+        intermediate_size=int(c.get("intermediate_size") or req("moe_intermediate_size")),
         num_layers=int(req("num_hidden_layers")),
         num_heads=heads,
         num_kv_heads=kv_heads,

@@ -44,6 +44,7 @@ from loraplex.checkpoint.modules import (
     EXPERT_CHECKPOINT_NAMES,
     EXPERT_PROJ_NAMES,
     ROUTER,
+    SHARED_EXPERT_GATE,
     SHARED_EXPERT_PROJ_NAMES,
     MoESpec,
 )
@@ -86,6 +87,7 @@ class MoEConfig(ModelConfig):
             self.shared_expert_intermediate_size,
             self.packed_in_out,
             self.router_name,
+            self.shared_expert_gate,
         )
 
     def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
@@ -232,6 +234,7 @@ class SparseMoE:
         g, u, dn = SHARED_EXPERT_PROJ_NAMES
         self.shared_gate_up_parts = ((g, 0, si), (u, si, 2 * si))
         self.shared_down_parts = ((dn, 0, d),)
+        self.shared_gate_parts = ((SHARED_EXPERT_GATE, 0, 1),)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _same
         """Sum over tensor-parallel ranks, each of which ran its columns of every expert."""
         self.last_counts: list[int] | None = None
@@ -298,7 +301,10 @@ class SparseMoE:
             lora.add(i, self.shared_down_parts, act, out, plan)
         gate = getattr(L, "shared_gate", None)
         if gate is not None:
-            out = out * torch.sigmoid(gate(x))  # [T, D] * [T, 1]
+            g = gate(x)  # [T, 1]
+            if lora is not None and plan is not None:
+                lora.add(i, self.shared_gate_parts, x, g, plan)
+            out = out * torch.sigmoid(g)  # [T, D] * [T, 1]
         return out
 
 

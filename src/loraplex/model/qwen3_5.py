@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from loraplex.checkpoint.modules import LinearAttentionSpec
+from loraplex.checkpoint.modules import ATTN_PROJ_NAMES, LinearAttentionSpec
 from loraplex.kv.cache import StateShape
 from loraplex.model.decoder import DecoderForCausalLM, pre_norm_stack
 from loraplex.model.gated_delta import GatedDeltaNet
@@ -34,12 +34,6 @@ from loraplex.model.spec import ModelConfig
 from loraplex.types import ModelLoadError
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-
-LINEAR_LAYER_WEIGHTS: Mapping[str, tuple[str, int]] = {
-    k: v for k, v in QWEN3_LAYER_WEIGHTS.items() if not k.startswith("self_attn.")
-}
-"""A linear-attention layer's tensors the common loader takes (norms, MLP); its
-``linear_attn.*`` tensors are the architecture's own (``take_tensor``)."""
 
 _LINEAR_KEY = re.compile(r"model\.layers\.(\d+)\.linear_attn\.(.+)")
 _LINEAR_TENSORS = (
@@ -65,11 +59,11 @@ class Qwen3_5Config(ModelConfig):
         return self.linear
 
     def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
-        shapes = self.module_shapes
+        shapes = super().layer_module_shapes(layer)  # a MoE's sparse layers: its block's
         if self.linear is None or layer not in self.linear.layers:
             return shapes
-        mlp = {p: d for p, d in shapes.items() if p in ("gate_proj", "up_proj", "down_proj")}
-        return {**self.linear.shapes, **mlp}
+        rest = {p: d for p, d in shapes.items() if p not in ATTN_PROJ_NAMES}
+        return {**self.linear.shapes, **rest}
 
     def layer_modules(self) -> tuple[dict[str, tuple[int, int]], ...]:
         """Every layer's modules: linear-attention layers differ from full ones."""
@@ -85,11 +79,12 @@ class Qwen3_5Config(ModelConfig):
         return 2 * self.hidden_size + conv * lin.kernel + 2 * lin.value_heads + lin.value_dim
 
     def num_parameters(self) -> int:
-        """Parameters as loaded: each layer's projections and small parameters, the embedding
-        and an untied head."""
+        """Parameters as loaded: each layer's projections (every expert of a MoE's) and small
+        parameters, the embedding and an untied head."""
         total = sum(
-            sum(a * b for a, b in self.layer_module_shapes(i).values()) + self.layer_norm_params(i)
-            for i in range(self.num_layers)
+            sum(a * b * max(1, self.module_experts(p)) for p, (a, b) in shapes.items())
+            + self.layer_norm_params(i)
+            for i, shapes in enumerate(self.layer_modules())
         )
         embed = self.vocab_size * self.hidden_size
         return total + embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
@@ -188,7 +183,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return StateShape((lin.conv_dim, lin.kernel - 1), (lin.hv, lin.dk, lin.dv))
 
     def layer_weights_of(self, layer: int) -> Mapping[str, tuple[str, int]]:
-        return LINEAR_LAYER_WEIGHTS if layer in self.linear_layers else self.layer_weights
+        weights = super().layer_weights_of(layer)  # a MoE's sparse layers: no dense MLP
+        if layer not in self.linear_layers:
+            return weights
+        return {k: v for k, v in weights.items() if not k.startswith("self_attn.")}
 
     def _linear_shapes(self) -> dict[str, tuple[int, ...]]:
         lin = self.linear
@@ -206,7 +204,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     ) -> bool:
         m = _LINEAR_KEY.fullmatch(key)
         if m is None:
-            return False
+            return super().take_tensor(key, read, shape)  # a MoE's sparse blocks
         layer, name = int(m.group(1)), m.group(2)
         want = self._linear_shapes().get(name) if layer in self.linear_layers else None
         if want is None:
@@ -225,6 +223,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         ]
         if missing:
             raise ModelLoadError(f"{src}: missing tensor(s) {missing[:6]}")
+        super().check_own_tensors(src)
 
     def build_own(self) -> None:
         make, own = self.make_linear, self._own
@@ -238,14 +237,28 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             L.A = -own.pop((i, "A_log")).float().exp()  # [Hv]
             L.dt_bias = own.pop((i, "dt_bias"))
             L.gnorm = own.pop((i, "norm.weight"))
+        super().build_own()
 
     # -- forward -----------------------------------------------------------------------------
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
-        return pre_norm_stack(self, h, step, [self.mlp] * len(self.layers), mixers=self.mixers)
+        ffns = getattr(self, "ffns", None) or [self.mlp] * len(self.layers)  # a MoE's: its own
+        return pre_norm_stack(self, h, step, ffns, mixers=self.mixers)
 
 
 _TEXT_PREFIXES = (("model.language_model.", "model."),)
 _SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.")
+
+
+def text_checkpoint_name(name: str, canonical: Callable[[str], str | None]) -> str | None:
+    """The language model's canonical name of a Qwen3.5 vision-language checkpoint's tensor
+    ``name`` (``model.language_model.*``), through ``canonical``; None for the vision tower and
+    the multi-token-prediction head, which text serving never runs."""
+    if name.startswith(_SKIPPED_PREFIXES):
+        return None
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return canonical(new + name[len(old) :])
+    return canonical(name)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
@@ -254,9 +267,4 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     model_type = "qwen3_5"
 
     def checkpoint_name(self, name: str) -> str | None:
-        if name.startswith(_SKIPPED_PREFIXES):
-            return None
-        for old, new in _TEXT_PREFIXES:
-            if name.startswith(old):
-                return super().checkpoint_name(new + name[len(old) :])
-        return super().checkpoint_name(name)
+        return text_checkpoint_name(name, super().checkpoint_name)

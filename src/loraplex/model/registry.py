@@ -20,6 +20,10 @@ from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
 from loraplex.model.qwen3 import Qwen3ForCausalLM
 from loraplex.model.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from loraplex.model.qwen3_5_moe import (
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from loraplex.model.qwen3_moe import Qwen3MoeForCausalLM
 from loraplex.model.smollm3 import SmolLM3ForCausalLM
 
@@ -37,6 +41,8 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "Llama4ForCausalLM": Llama4ForCausalLM,

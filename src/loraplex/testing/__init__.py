@@ -41,6 +41,7 @@ ARCH_CONFIGS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
@@ -56,6 +57,11 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # heads serving 4 value heads
     "qwen3_5": dict(full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=16, linear_value_head_dim=16),
+    # ... and a sparse block in every layer: 8 experts of 32, top 2, a gated shared expert of 48
+    "qwen3_5_moe": dict(full_attention_interval=2, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=48),
     # Gemma 4: a window prompts cross, per-layer inputs of 8 (the real 256 over 262144 tokens)
     "gemma4_text": dict(sliding_window=4, hidden_size_per_layer_input=8),
     "gemma4": dict(sliding_window=4, hidden_size_per_layer_input=8),

@@ -16,10 +16,12 @@ from loraplex.checkpoint.modules import (
     EXPERT_CHECKPOINT_NAMES,
     FUSED_PROJ_NAMES,
     LAYER_MODULE_ORDER,
+    LINEAR_ATTN_PROJ_NAMES,
     PACKED_EXPERT_PARAMS,
     PER_LAYER_INPUT_PROJ_NAMES,
     PER_LAYER_MODEL_PROJECTION,
     ROUTER,
+    SHARED_EXPERT_GATE,
     SHARED_EXPERT_PROJ_NAMES,
     VOCAB_LAYER,
     VOCAB_MODULES,
@@ -170,7 +172,8 @@ def _sparse_layer_modules(
         a.modules[(layer, ROUTER)] = int(settings.rank_of(router))
     elif settings.is_param_targeted(f"{v5}.{moe.router_name}.weight"):
         a.modules[(layer, ROUTER)] = int(settings.rank_of(f"{v5}.{moe.router_name}"))
-    for proj in SHARED_EXPERT_PROJ_NAMES if moe.shared_intermediate else ():
+    shared = (*SHARED_EXPERT_PROJ_NAMES, *((SHARED_EXPERT_GATE,) if moe.shared_gate else ()))
+    for proj in shared if moe.shared_intermediate else ():
         if settings.is_targeted(full := f"{pre}.{block}.{proj}"):
             a.modules[(layer, proj)] = int(settings.rank_of(full))
     packed: set[str] = set()
@@ -231,8 +234,8 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
                 a.modules[(VOCAB_LAYER, v)] = int(settings.rank_of(full))
         for layer in range(m.num_layers):
             for p in m.layer_adapter_projs(layer):
-                if layer in sparse and p not in ATTN_PROJ_NAMES:
-                    continue  # a sparse layer has a router and experts in place of the MLP
+                if layer in sparse and p not in (*ATTN_PROJ_NAMES, *LINEAR_ATTN_PROJ_NAMES):
+                    continue  # a sparse layer's block (router, experts, shared): below
                 full = module_key(layer, p, mlp=m.moe.mlp_block if m.moe else "mlp")
                 if settings.is_targeted(full):
                     a.modules[(layer, p)] = int(settings.rank_of(full))

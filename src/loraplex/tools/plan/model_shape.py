@@ -20,6 +20,7 @@ from loraplex.checkpoint.modules import (
     PER_LAYER_MODEL_PROJECTION,
     PROJ_NAMES,
     ROUTER,
+    SHARED_EXPERT_GATE,
     SHARED_EXPERT_PROJ_NAMES,
     VOCAB_MODULES,
     LinearAttentionSpec,
@@ -92,6 +93,7 @@ class ModelShape:
     shared_intermediate: int = 0  # a sparse block's shared expert's width (0: none)
     packed_in_out: bool = False  # packed experts stored [E, in, out] (Llama 4)
     router_name: str = ROUTER  # the router's module name (Llama 4: router)
+    shared_gate: bool = False  # a one-output gate of the shared expert (Qwen-MoE's)
 
     @property
     def hd(self) -> int:
@@ -116,6 +118,7 @@ class ModelShape:
         return MoESpec(
             self.num_experts, self.sparse, self.hidden_size, self.moe_intermediate_size,
             self.moe_block, self.shared_intermediate, self.packed_in_out, self.router_name,
+            self.shared_gate,
         )  # fmt: skip
 
     @property
@@ -154,11 +157,11 @@ class ModelShape:
         """The modules of ``layer`` as the engine holds them (fused ones split): the seven
         projections, or a sparse layer's attention, router and three expert projections; where
         layers differ (Gemma 4, a hybrid's linear-attention layers), the layer's own."""
+        if self.layer_modules:
+            return tuple(self.layer_modules[layer])
         if layer in self.sparse:
             shared = SHARED_EXPERT_PROJ_NAMES if self.shared_intermediate else ()
             return (*PROJ_NAMES[:4], ROUTER, *EXPERT_PROJ_NAMES, *shared)
-        if self.layer_modules:
-            return tuple(self.layer_modules[layer])
         return PROJ_NAMES
 
     def experts_of(self, proj: str) -> int:
@@ -187,7 +190,7 @@ class ModelShape:
             if self.linear is None:
                 raise PlanError(f"{self.name} has no linear-attention layers: it has no {proj}")
             return self.linear.shapes[proj]
-        if proj in (ROUTER, *EXPERT_PROJ_NAMES, *SHARED_EXPERT_PROJ_NAMES):
+        if proj in (ROUTER, *EXPERT_PROJ_NAMES, *SHARED_EXPERT_PROJ_NAMES, SHARED_EXPERT_GATE):
             moe = self.moe
             if moe is None:
                 raise PlanError(f"{self.name} is not a mixture-of-experts model: it has no {proj}")
@@ -206,6 +209,15 @@ class ModelShape:
     def linear_params(self) -> int:
         """Parameters of every projection of every layer, a sparse layer's router, all its
         experts and its shared expert (no norms, embeddings or head)."""
+        if self.layer_modules:  # layers differ: each its own (a sparse layer's experts E times)
+            out = sum(
+                math.prod(self.dims(p, i)) * self.experts_of(p)
+                for i in range(self.num_layers)
+                for p in self.layer_projs(i)
+            )
+            if self.per_layer_input:
+                out += math.prod(self.dims(PER_LAYER_MODEL_PROJECTION))
+            return out
         n_sparse = len(self.sparse)
         dense = (i for i in range(self.num_layers) if i not in self.sparse)
         out = sum(math.prod(self.dims(p, i)) for i in dense for p in self.layer_projs(i))
@@ -392,6 +404,7 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             shared_intermediate=moe.shared_intermediate if moe else 0,
             packed_in_out=moe.packed_in_out if moe else False,
             router_name=moe.router_name if moe else ROUTER,
+            shared_gate=moe.shared_gate if moe else False,
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
