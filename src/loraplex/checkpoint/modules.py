@@ -145,6 +145,10 @@ class MoESpec:
     block: str = "mlp"
     """The sparse block's module name in checkpoints and older adapters (``block_sparse_moe``
     for Mixtral); transformers 5 names it ``mlp`` for every MoE model."""
+    gate_up_interleaved: bool = False
+    """The packed ``gate_up_proj`` interleaves gate and up (GPT-OSS: ``[E, hidden, 2 I]``, gate
+    the even columns, up the odd ones), and so does its LoRA's ``B``: gate's rows are ``B[0::2]``,
+    up's ``B[1::2]``."""
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -159,10 +163,15 @@ class MoESpec:
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any]) -> MoESpec | None:
-        """The sparse blocks of a Qwen2/3-MoE or Mixtral ``config.json`` (None for a dense one):
-        ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``, ``decoder_sparse_step``
-        and ``mlp_only_layers`` as transformers reads them."""
+        """The sparse blocks of a Qwen2/3-MoE, Mixtral or GPT-OSS ``config.json`` (None for a
+        dense one): ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``,
+        ``decoder_sparse_step`` and ``mlp_only_layers`` as transformers reads them."""
         mtype = str(raw.get("model_type", ""))
+        if mtype == "gpt_oss":  # every layer sparse, experts of intermediate_size, interleaved
+            n = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+            layers = tuple(range(int(raw["num_hidden_layers"])))
+            return cls(n, layers, int(raw["hidden_size"]), int(raw["intermediate_size"]),
+                       gate_up_interleaved=True)  # fmt: skip
         if mtype == "mixtral":
             n = int(raw.get("num_local_experts") or 8)
             layers = tuple(range(int(raw["num_hidden_layers"])))

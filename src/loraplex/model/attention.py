@@ -12,7 +12,9 @@ q - k < window``), so the released blocks' table entries (pointing anywhere) are
 The runner builds each distinct window's masks once per step (``WindowMasks``); a layer picks
 its set by index. Soft-capped scores (``tanh(s / cap) * cap`` before the mask, Gemma 2) cannot
 go through SDPA: a block built with a cap attends with :func:`softcap_attend`, every other
-block with :func:`sdpa_attend` (chosen once, at construction).
+block with :func:`sdpa_attend` (chosen once, at construction). A layer with attention sinks
+(GPT-OSS) carries its own functions, bound to its sinks at load: :func:`sink_attend` for
+prefill, and :func:`headwise_decode` (torch) for decode rows, which the C kernel does not serve.
 """
 
 from __future__ import annotations
@@ -91,6 +93,70 @@ def softcap_attend(
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(p, v)  # [..., H, Lq, hd]
+
+
+def sink_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    gqa: bool,
+    *,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """HF's eager attention with attention sinks (GPT-OSS; see ``AttendFn``): one learned logit
+    per query head (``sinks [H]``) joins each row's softmax and is dropped after it::
+
+    s = q k^T * scale;  s[~mask] = -inf
+    p = softmax([s, sinks[h]] - max)[..., :-1]        (in q's dtype, as HF)
+    out = p.to(v.dtype) v
+
+    The heads are ``q``'s dim -3, so GQA decode must keep them there (not fold the G query
+    heads of a KV head into queries, as the fused path does): see :func:`headwise_decode`."""
+    if gqa:  # HF's repeat_kv: KV head j serves query heads j * G .. j * G + G - 1
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., H, Lq, Lk]
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(s.dtype).view(-1, 1, 1).expand(*s.shape[:-1], 1)  # [..., H, Lq, 1]
+    s = torch.cat((s, sink), dim=-1)
+    s = s - s.max(dim=-1, keepdim=True).values
+    p = torch.softmax(s, dim=-1, dtype=s.dtype)[..., :-1].to(v.dtype)
+    return torch.matmul(p, v)  # [..., H, Lq, hd]
+
+
+def headwise_decode(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    layer: int,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    masks: WindowMasks | None,
+    attend: AttendFn,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decode attention (a ``DecodeAttendFn``) over each row's context gathered from the cache,
+    one query per head with the heads in place (``attend``'s GQA), for attention functions that
+    read per-head values (sinks); the layer ops' decode folds the G heads of a KV head into G
+    queries instead. Fills ``out``'s decode rows, or returns its own tensor when all are."""
+    qd = q if meta.decode_all else q[meta.decode_tokens]  # [Bd, H, hd]
+    kc, vc = cache.gather_blocks(layer, meta.decode_block_table)  # [Bd, L, KVH, hd]
+    od = attend(
+        qd[:, :, None],  # [Bd, H, 1, hd]
+        kc.transpose(1, 2),  # [Bd, KVH, L, hd]
+        vc.transpose(1, 2),
+        meta.decode_mask if masks is None else masks.decode,  # [Bd, 1, 1, L]
+        scale,
+        qd.shape[1] != kc.shape[2],
+    )[:, :, 0]  # [Bd, H, hd]
+    if meta.decode_all:
+        return od
+    out[meta.decode_tokens] = od
+    return out
 
 
 def causal_mask(q_start: int, ctx: int, window: int | None = None) -> torch.Tensor:

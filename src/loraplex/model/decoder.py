@@ -93,6 +93,10 @@ class DecoderForCausalLM:
     """Whether quantized projections load (a MoE's experts have no quantized path yet)."""
     supports_tensor_parallel: ClassVar[bool] = True
     """Whether the weights shard over tensor-parallel ranks (a MoE's experts do not yet)."""
+    own_quant_methods: ClassVar[frozenset[str]] = frozenset()
+    """``quantization_config.quant_method`` values whose tensors the architecture reads itself
+    (``take_tensor``, dequantizing at load: GPT-OSS's MXFP4 experts); the base then loads as a
+    float one."""
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:

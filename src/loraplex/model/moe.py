@@ -2,12 +2,18 @@
 
 One sparse block per MoE layer (``SparseMoE``), for every token of the step at once::
 
-    logits = x @ router.T (+ the router's LoRA)            # [T, E]
+    logits = x @ router.T (+ bias) (+ the router's LoRA)   # [T, E]
     w, e   = top-k of softmax(logits) (renormalised)         # [T, k] each
+             (or softmax of the top-k logits: GPT-OSS)
     pairs (token, expert) sorted by expert (stable)         # [N = T k]
-    h = grouped(x[tok], W_gate_up)  (+ expert LoRA)          # [N, 2 I]: each expert over its rows
-    h = grouped(act(gate) * up, W_down)  (+ expert LoRA)     # [N, D]
+    h = grouped(x[tok], W_gate_up)  (+ expert LoRA) (+ b)    # [N, 2 I]: each expert over its rows
+    h = grouped(glu(h), W_down)  (+ expert LoRA) (+ b)       # [N, D]
     out[t] = sum over t's pairs of w * h                     # index_add in sorted order
+
+``glu`` is ``act(gate) * up`` or GPT-OSS's clamped SwiGLU (:func:`clamped_swiglu`); the biases
+(per expert, GPT-OSS) are optional. ``W_gate_up`` always holds gate rows then up rows: a
+checkpoint that interleaves them (GPT-OSS) is de-interleaved at load, and its adapters' ``B``
+rows with it (``MoESpec.gate_up_interleaved``).
 
 Tokens are routed once per layer and sorted by expert, so each expert's GEMM runs over one
 contiguous block of rows and an expert no token chose is never read (``GroupedExperts``: a loop
@@ -25,6 +31,7 @@ module's. Each (token, expert) row thus gets its own request's adapter for that 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -59,6 +66,17 @@ class MoEConfig(ModelConfig):
     routing_in_model_dtype: bool = True
     """Whether the top-k weights are cast back to the model dtype before they scale the experts'
     outputs (Qwen-MoE's router does; Mixtral's keeps them float32)."""
+    softmax_after_topk: bool = False
+    """Route by the top-k logits, weights their softmax in the logits' dtype (GPT-OSS), instead
+    of the top-k of a float32 softmax over every expert."""
+    router_bias: bool = False
+    expert_bias: bool = False
+    """Per-expert biases on gate/up ``[E, 2 I]`` and down ``[E, D]`` (GPT-OSS)."""
+    gate_up_interleaved: bool = False
+    """The checkpoint's packed gate/up interleaves gate and up columns (GPT-OSS)."""
+    swiglu_limit: float | None = None
+    """GPT-OSS's clamped SwiGLU (:func:`clamped_swiglu`) with this limit; None: ``act(g) * u``."""
+    swiglu_alpha: float = 1.702
 
     def moe_spec(self) -> MoESpec | None:
         return MoESpec(
@@ -67,6 +85,7 @@ class MoEConfig(ModelConfig):
             self.hidden_size,
             self.moe_intermediate_size,
             self.moe_block,
+            self.gate_up_interleaved,
         )
 
     def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
@@ -178,10 +197,23 @@ def _same(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def clamped_swiglu(gu: torch.Tensor, inter: int, limit: float, alpha: float) -> torch.Tensor:
+    """GPT-OSS's expert activation (transformers' ``GptOssExperts._apply_gate``), gate columns
+    first: ``[N, 2 I] -> [N, I]``::
+
+        g = min(gate, limit);  u = clamp(up, -limit, limit)
+        out = (u + 1) * (g * sigmoid(g * alpha))
+    """
+    g = gu[:, :inter].clamp(min=None, max=limit)
+    u = gu[:, inter:].clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
 class SparseMoE:
     """The sparse block of a MoE layer (module docstring). Reads ``L.router`` (a Linear
     ``[E, D]``), ``L.w_gate_up [E, 2 I, D]`` (gate rows, then up rows) and ``L.w_down
-    [E, D, I]`` of the layer it is called with."""
+    [E, D, I]`` of the layer it is called with, and with ``expert_bias`` ``L.b_gate_up
+    [E, 2 I]`` and ``L.b_down [E, D]``."""
 
     def __init__(
         self,
@@ -194,6 +226,14 @@ class SparseMoE:
         self.in_model_dtype = cfg.routing_in_model_dtype
         self.inter = cfg.moe_intermediate_size
         self.act: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[cfg.hidden_act]
+        self.glu: Callable[[torch.Tensor], torch.Tensor] = self._glu
+        """``[N, 2 I] -> [N, I]``, chosen once: ``act(gate) * up`` or the clamped SwiGLU."""
+        if cfg.swiglu_limit is not None:
+            self.glu = functools.partial(
+                clamped_swiglu, inter=self.inter, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha
+            )
+        self.softmax_after_topk = cfg.softmax_after_topk
+        self.expert_bias = cfg.expert_bias
         self.grouped = grouped
         i, d = self.inter, cfg.hidden_size
         self.gate_up_parts = (("experts.gate_proj", 0, i), ("experts.up_proj", i, 2 * i))
@@ -205,9 +245,16 @@ class SparseMoE:
         """Rows per expert of the last call (what the grouped GEMMs read; for tests and
         profiling)."""
 
+    def _glu(self, gu: torch.Tensor) -> torch.Tensor:
+        return self.act(gu[:, : self.inter]) * gu[:, self.inter :]
+
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], experts [T, k])`` of router ``logits [T, E]``, as transformers:
-        softmax in float32, top-k, renormalised when ``norm_topk_prob``."""
+        softmax in float32, top-k, renormalised when ``norm_topk_prob``; or, with
+        ``softmax_after_topk`` (GPT-OSS), top-k of the logits and the softmax of those."""
+        if self.softmax_after_topk:
+            top, e = torch.topk(logits, self.top_k, dim=-1)  # [T, k] each
+            return torch.softmax(top, dim=-1, dtype=top.dtype), e
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         w, e = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
         if self.norm_topk_prob:
@@ -241,10 +288,15 @@ class SparseMoE:
         gu = self.grouped(xs, L.w_gate_up, offsets, counts)  # [N, 2 I]
         if lora_plan is not None:
             lora.add(i, self.gate_up_parts, xs, gu, plan, lora_plan)
-        act = self.act(gu[:, : self.inter]) * gu[:, self.inter :]  # [N, I]
+        ex = flat[order] if self.expert_bias else None  # [N] the expert of each sorted pair
+        if ex is not None:
+            gu += L.b_gate_up[ex]
+        act = self.glu(gu)  # [N, I]
         h = self.grouped(act, L.w_down, offsets, counts)  # [N, D]
         if lora_plan is not None:
             lora.add(i, self.down_parts, act, h, plan, lora_plan)
+        if ex is not None:
+            h += L.b_down[ex]
         h = h * w.reshape(-1)[order, None]  # [N, D] (float32 weights promote, as in HF)
         out = torch.zeros_like(x)  # [T, D]
         return self.reduce(out.index_add_(0, tok, h.to(x.dtype)))
@@ -331,14 +383,18 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
             )
 
     def check_own_tensors(self, src: object) -> None:
-        E = self.cfg.num_experts
+        E, c = self.cfg.num_experts, self.cfg
         want = {"router": 1, "w_gate_up": 2 * E, "w_down": E}
+        want.update(dict.fromkeys(("router_bias",) if c.router_bias else (), 1))
+        want.update(dict.fromkeys(("b_gate_up", "b_down") if c.expert_bias else (), 1))
         for layer in self.cfg.sparse_layers:
             for slot, n in want.items():
                 got = len(self._moe_seen.get((layer, slot), ()))
                 if got != n:
                     what = {"router": "the router (gate)", "w_gate_up": "gate/up experts",
-                            "w_down": "down experts"}[slot]  # fmt: skip
+                            "w_down": "down experts", "router_bias": "the router's bias",
+                            "b_gate_up": "the gate/up experts' bias",
+                            "b_down": "the down experts' bias"}[slot]  # fmt: skip
                     raise ModelLoadError(
                         f"{src}: layer {layer} is missing {what}: {got} of {n} tensors found"
                     )
@@ -348,9 +404,13 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
         assert make is not None
         for layer in self.cfg.sparse_layers:
             L = self.layers[layer]
-            L.router = make(self._moe_parts.pop((layer, "router")), None)  # [E, D]
+            bias = self._moe_parts.pop((layer, "router_bias"), None)  # [E]
+            L.router = make(self._moe_parts.pop((layer, "router")), bias)  # [E, D]
             L.w_gate_up = self._experts(layer, "w_gate_up")  # [E, 2 I, D]
             L.w_down = self._experts(layer, "w_down")  # [E, D, I]
+            if self.cfg.expert_bias:
+                L.b_gate_up = self._moe_parts.pop((layer, "b_gate_up"))  # [E, 2 I]
+                L.b_down = self._moe_parts.pop((layer, "b_down"))  # [E, D]
         self._moe_seen.clear()
 
     def _experts(self, layer: int, slot: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ from loraplex.model.gemma import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
 )
+from loraplex.model.gpt_oss import GptOssForCausalLM
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from loraplex.model.mixtral import MixtralForCausalLM
 from loraplex.model.phi3 import Phi3ForCausalLM
@@ -32,6 +33,7 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

@@ -201,11 +201,80 @@ class LongRoPERotaryEmbedding(RotaryEmbedding):
         )
 
 
+class YaRNRotaryEmbedding(RotaryEmbedding):
+    """``rope_type: yarn`` (GPT-OSS; transformers' ``_compute_yarn_parameters``)::
+
+        pos[i]  = base ** (2i / rd);  extra = 1 / pos;  inter = 1 / (factor * pos)
+        low, high = the dims where beta_fast and beta_slow rotations fit in the original length:
+                    d(n) = rd ln(original / (2 pi n)) / (2 ln base), floored / ceiled if
+                    ``truncate`` (default True), clipped to [0, rd - 1]
+        ramp[i] = clamp((i - low) / (high - low), 0, 1)    (high += 0.001 where low == high)
+        inv_freq = inter * ramp + extra * (1 - ramp)
+        attention_factor = scaling.attention_factor or mscale(factor, mscale) /
+                           mscale(factor, mscale_all_dim) (both given) or mscale(factor),
+                           mscale(s, m) = 1 if s <= 1 else 0.1 m ln(s) + 1
+        cos, sin = cos(p * inv_freq) * attention_factor, sin(...) * attention_factor
+
+    ``factor`` must be set (the architecture's ``config_fields`` fills it from
+    ``max_position_embeddings / original_max_position_embeddings`` where HF would)."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        base: float,
+        scaling: Mapping[str, Any] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(head_dim, base, scaling, dtype, device)
+        missing = [
+            k for k in ("factor", "original_max_position_embeddings") if (scaling or {}).get(k) is None
+        ]
+        if scaling is None or missing:
+            raise ModelLoadError(f"rope_scaling type 'yarn' is missing {missing}")
+        factor = float(scaling["factor"])
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            if mscale and all_dim:
+                attn = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
+            else:
+                attn = _yarn_mscale(factor)
+        self.attention_factor = float(attn)
+
+    def inv_freq(self) -> torch.Tensor:
+        assert self.scaling is not None
+        rs, rd, base = self.scaling, self.rotary_dim, self.base
+        factor = float(rs["factor"])
+        original = float(rs["original_max_position_embeddings"])
+        fast, slow = float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1)
+
+        def dim_of(rotations: float) -> float:
+            return (rd * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = dim_of(fast), dim_of(slow)
+        if rs.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rd - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos = base ** (torch.arange(0, rd, 2).to(dtype=torch.float) / rd)
+        extra_factor = 1 - ramp
+        return (1.0 / (factor * pos)) * (1 - extra_factor) + (1.0 / pos) * extra_factor
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's ``mscale`` (Eq. 21): ``0.1 * mscale * ln(scale) + 1``, 1 for ``scale <= 1``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 ROPE_TYPES: dict[str, type[RotaryEmbedding]] = {
     "default": RotaryEmbedding,
     "linear": LinearScalingRotaryEmbedding,
     "llama3": Llama3RotaryEmbedding,
     "longrope": LongRoPERotaryEmbedding,
+    "yarn": YaRNRotaryEmbedding,
 }
 """``rope_scaling.rope_type`` -> its rotary class; ``parse_model_config`` refuses the others."""
 

@@ -40,6 +40,7 @@ ARCH_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -47,6 +48,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                       norm_topk_prob=True),
     "mixtral": dict(num_local_experts=16, num_experts_per_tok=2),
     "smollm3": dict(pad_token_id=None),  # its 128004 lies outside a tiny vocabulary
+    # 8 experts, top-4; a window of 4 tokens every prompt crosses on the sliding layers
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=4, sliding_window=4),
 }  # fmt: skip
 """Config values a family's tiny model takes unless the caller says otherwise (a MoE's expert
 count and size: the config classes' defaults, 128 experts of 768, are a real model's)."""
