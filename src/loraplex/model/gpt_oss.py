@@ -40,7 +40,24 @@ from loraplex.model.moe import MoEDecoderForCausalLM, moe_config_fields
 from loraplex.model.norms import RMSNorm
 from loraplex.types import ModelLoadError
 
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 """The 16 FP4 (e2m1) values by their 4-bit code."""
 
 _TENSOR = re.compile(
@@ -170,9 +187,8 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
     def check_own_tensors(self, src: object) -> None:
         if self._mxfp4:
             (layer, slot), parts = next(iter(self._mxfp4.items()))
-            raise ModelLoadError(
-                f"{src}: layer {layer} {slot}: MXFP4 tensor {list(parts)[0]} without its pair"
-            )
+            have = next(iter(parts))
+            raise ModelLoadError(f"{src}: layer {layer} {slot}: MXFP4 {have} without its pair")
         for layer in range(self.cfg.num_layers):
             if (layer, "sinks") not in self._moe_parts:
                 raise ModelLoadError(f"{src}: layer {layer} is missing self_attn.sinks")

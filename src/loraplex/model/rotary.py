@@ -228,7 +228,9 @@ class YaRNRotaryEmbedding(RotaryEmbedding):
     ) -> None:
         super().__init__(head_dim, base, scaling, dtype, device)
         missing = [
-            k for k in ("factor", "original_max_position_embeddings") if (scaling or {}).get(k) is None
+            k
+            for k in ("factor", "original_max_position_embeddings")
+            if (scaling or {}).get(k) is None
         ]
         if scaling is None or missing:
             raise ModelLoadError(f"rope_scaling type 'yarn' is missing {missing}")

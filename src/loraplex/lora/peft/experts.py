@@ -231,9 +231,7 @@ class ExpertTensors:
                             "unsupported_tensor",
                             f"module {mkey}: adapted twice (packed and per expert?)",
                         )
-                    out[(layer, part)] = ExpertModuleLayout(
-                        mkey, n, f.rank, packed=f, b_rows=rows
-                    )
+                    out[(layer, part)] = ExpertModuleLayout(mkey, n, f.rank, packed=f, b_rows=rows)
                     lo = hi
         for (layer, proj), by_expert in sorted(self.per_expert.items()):
             if (layer, proj) in out:
