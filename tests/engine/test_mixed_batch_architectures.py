@@ -10,7 +10,8 @@ reference: merging would write the one shared matrix; see ``load_merged_referenc
 
 ``FAMILIES`` holds one tiny model per family, shaped to hit what the family does differently;
 adding a family here runs it through every test of this file. A family whose checkpoint names
-its projections otherwise gives its target lists in ``proj``.
+its projections otherwise gives its target lists in ``proj`` (and a MoE's packed experts, PEFT's
+``target_parameters``, in ``proj["params"]``: the "all" adapters target them too).
 """
 
 from __future__ import annotations
@@ -84,6 +85,20 @@ FAMILIES: dict[str, dict] = {
     ),
     # SmolLM3: Llama's layers, the second of each pair without rotary (NoPE), a tied head
     "smollm3": dict(arch="smollm3", no_rope_layer_interval=2, tie_word_embeddings=True),
+    # GPT-OSS: attention sinks, biases on q/k/v/o, YaRN, a sliding layer (window 4) before a
+    # full one; every MLP a sparse block (8 experts, top-4, biases, clamped SwiGLU) whose packed
+    # experts the "all" adapters target through target_parameters (gate/up interleaved)
+    "gpt_oss": dict(
+        arch="gpt_oss",
+        intermediate_size=32,
+        proj={
+            "all": ATTN_PROJ,
+            "attn": ["q_proj", "k_proj"],
+            "mlp": ["v_proj", "o_proj"],
+            "qv": ["q_proj", "v_proj"],
+            "params": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        },
+    ),
     # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE with an original length (6)
     # every prompt passes (its long factors and attention factor from the prefill on; a
     # sequence crossing it while decoding is tests/model/test_phi3.py's)
@@ -111,8 +126,11 @@ FAMILIES: dict[str, dict] = {
 
 def adapters_for(proj: dict[str, list[str]]) -> dict[str, dict]:
     """The adapters every family is tested with, over its projection names."""
+    params = proj.get("params")
     return {
-        "all_r8": dict(r=8, lora_alpha=16, target_modules=proj["all"], seed=1),
+        "all_r8": dict(
+            r=8, lora_alpha=16, target_modules=proj["all"], target_parameters=params, seed=1
+        ),
         "attn_r4_rslora": dict(
             r=4, lora_alpha=8, target_modules=proj["attn"], use_rslora=True, seed=2
         ),
@@ -127,6 +145,7 @@ def adapters_for(proj: dict[str, list[str]]) -> dict[str, dict]:
             r=16,
             lora_alpha=16,
             target_modules=[*proj["all"], "lm_head", "embed_tokens"],
+            target_parameters=params,
             rank_pattern={"lm_head": 4},
             alpha_pattern={"embed_tokens": 24},
             std=0.1,
@@ -255,7 +274,8 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
     assert eng.merger is not None
     name = "both_all_r16"
     adapter = family["adapters"][name]
-    base_linears = [(L.qkv, L.o, L.gate_up, L.down) for L in eng.model.layers]
+    slots = ("qkv", "o", "gate_up", "down")  # a MoE layer has no dense gate_up / down
+    base_linears = [tuple(getattr(L, s, None) for s in slots) for L in eng.model.layers]
     head, embed = eng.model.head, eng.model.embed_tokens.clone()
     sp = SamplingParams(temperature=0, max_tokens=N_NEW + 4, ignore_eos=True, logprobs=3)
     for i, p in enumerate(PROMPTS[:2]):
@@ -276,7 +296,7 @@ def test_merged_single_adapter_equals_merged_reference(family: dict) -> None:
             if out.finished:
                 results[out.request_id] = out.outputs[0]
     assert eng.merger.merged_digest is None
-    now = [(L.qkv, L.o, L.gate_up, L.down) for L in eng.model.layers]
+    now = [tuple(getattr(L, s, None) for s in slots) for L in eng.model.layers]
     assert all(
         a is b
         for old, new in zip(base_linears, now, strict=True)

@@ -30,13 +30,14 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from loraplex.model.attention import headwise_decode, sink_attend
-from loraplex.model.moe import MoEDecoderForCausalLM, moe_config_fields
+from loraplex.model.moe import MoEConfig, MoEDecoderForCausalLM, moe_config_fields
 from loraplex.model.norms import RMSNorm
 from loraplex.types import ModelLoadError
 
@@ -80,6 +81,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return torch.ldexp(vals, exp[..., None]).flatten(-2)  # [..., G * 32]
 
 
+@dataclass(frozen=True)
+class GptOssConfig(MoEConfig):
+    """``MoEConfig`` whose layers also hold one attention sink per query head."""
+
+    def layer_bias_params(self) -> int:
+        return super().layer_bias_params() + self.num_heads  # + self_attn.sinks [H]
+
+
 class GptOssRMSNorm(RMSNorm):
     """GPT-OSS's RMSNorm, HF-exact: ``(x / rms(x)) * w`` in float32, then cast (Llama scales in
     the model dtype instead; the same in float32). Torch only (no C kernel mode)."""
@@ -100,6 +109,7 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
     """gpt-oss-20b, gpt-oss-120b and their fine-tunes."""
 
     model_type = "gpt_oss"
+    config_class = GptOssConfig
     norm_class = GptOssRMSNorm
     supports_tensor_parallel = False  # sinks, expert biases: not sharded yet
     own_quant_methods: ClassVar[frozenset[str]] = frozenset({"mxfp4"})

@@ -99,6 +99,13 @@ class MoEConfig(ModelConfig):
     def module_experts(self, proj: str) -> int:
         return self.num_experts if proj in EXPERT_PROJ_NAMES else 0
 
+    def layer_bias_params(self) -> int:
+        """The projections' biases, the router's and every expert's (GPT-OSS: every layer is
+        sparse, so a layer's count is the sparse block's)."""
+        e, i, d = self.num_experts, self.moe_intermediate_size, self.hidden_size
+        extra = e * self.router_bias + e * (2 * i + d) * self.expert_bias
+        return super().layer_bias_params() + extra
+
     def num_parameters(self) -> int:
         dense = super().num_parameters()
         mlp = sum(a * b for p, (a, b) in self.module_shapes.items() if p not in ATTN_PROJ_NAMES)
