@@ -56,9 +56,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(arch="gemma3_text", sliding_window=512),
     "phi3": dict(arch="phi3"),
     "smollm3": dict(arch="smollm3", no_rope_layer_interval=4),  # every fourth layer NoPE
+    # 8 experts of 384 (top-4: a token reads what the dense 1536-wide MLP reads), sinks,
+    # YaRN, biases, windows of 128 on every other layer; all-linear adapters are attention only
+    "gpt_oss": dict(
+        arch="gpt_oss",
+        num_local_experts=8,
+        num_experts_per_tok=4,
+        intermediate_size=384,
+        sliding_window=128,
+    ),  # fmt: skip
 }
 """Family -> its ``make_random_model`` arguments beyond ``WIDTH`` (Gemma's window is its real
-models' 512 at this width; every prompt here fits inside it)."""
+models' 512 at this width; every prompt here fits inside it; GPT-OSS's 128, as released)."""
 N_ADAPTERS = 16
 KINDS = (0, N_ADAPTERS)  # base, 16 distinct adapters
 BATCH = 16
