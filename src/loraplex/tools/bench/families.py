@@ -64,7 +64,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         num_experts_per_tok=4,
         intermediate_size=384,
         sliding_window=128,
-    ),  # fmt: skip
+    ),
 }
 """Family -> its ``make_random_model`` arguments beyond ``WIDTH`` (Gemma's window is its real
 models' 512 at this width; every prompt here fits inside it; GPT-OSS's 128, as released)."""
