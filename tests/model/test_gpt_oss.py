@@ -239,3 +239,23 @@ def test_sinks_take_part(mxfp4_pair: dict) -> None:
         for t, v in b.top.items() if t in a.top
     ]  # fmt: skip
     assert after.token_ids != before.token_ids or max(moved) > 1e-3
+
+
+def test_decode_with_sinks_on_the_c_kernel_and_torch(mxfp4_pair: dict) -> None:
+    """The layers' decode attention follows the model's layer ops (``use_layer_ops``): the C
+    kernel with the sinks and the torch path give the transformers reference's tokens."""
+    from loraplex.model.layer_ops import TorchLayerOps
+
+    llm = LLM(str(mxfp4_pair["float"]), dtype="float32", max_loras=1, enable_prefix_caching=False)
+    model, tok = llm.engine.model, llm.get_tokenizer()
+    ref = load_merged_reference(mxfp4_pair["float"], None)
+    prompt = "Once upon a time there was"
+    want, ref_lp = reference_greedy(ref, tok(prompt).input_ids, 10)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    c_ops = model.ops
+    for ops in (c_ops, TorchLayerOps()):
+        model.use_layer_ops(ops)
+        assert all(L.decode.func.__self__ is ops for L in model.layers)  # type: ignore[union-attr]
+        out = llm.generate(prompt, sp)[0].outputs[0]
+        assert out.token_ids == want, ops.name
+        assert logprob_gap(out.logprobs, ref_lp) < 2e-4

@@ -14,7 +14,8 @@ its set by index. Soft-capped scores (``tanh(s / cap) * cap`` before the mask, G
 go through SDPA: a block built with a cap attends with :func:`softcap_attend`, every other
 block with :func:`sdpa_attend` (chosen once, at construction). A layer with attention sinks
 (GPT-OSS) carries its own functions, bound to its sinks at load: :func:`sink_attend` for
-prefill, and :func:`headwise_decode` (torch) for decode rows, which the C kernel does not serve.
+prefill, and its ops' decode attention with the sinks for decode rows (the torch path:
+:func:`headwise_decode` through :func:`sink_attend`).
 """
 
 from __future__ import annotations

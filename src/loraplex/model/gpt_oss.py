@@ -2,10 +2,11 @@
 every layer. What differs from Llama:
 
 - attention: biases on q/k/v/o; one learned sink logit per query head (``self_attn.sinks``)
-  that joins each softmax row and is dropped after it (``attention.sink_attend``: each layer's
-  attention functions are bound to its sinks at load, decode rows through the torch
-  ``headwise_decode``); ``sliding_attention`` layers (window 128) alternate with full ones
-  (``layer_types``: the shared window masks and KV groups);
+  that joins each softmax row and is dropped after it (``attention.sink_attend``; each layer's
+  prefill and decode attention functions are bound to its sinks at load, decode through the
+  model's ``LayerOps.decode_attention``: the C kernel on CPU); ``sliding_attention`` layers
+  (window 128) alternate with full ones (``layer_types``: the shared window masks and KV
+  groups);
 - rotary: YaRN (``rotary.YaRNRotaryEmbedding``, its attention factor on cos/sin);
 - RMSNorm: the scale multiplied in float32 before the cast (``GptOssRMSNorm``);
 - the sparse block (``moe.SparseMoE`` options): the router ``mlp.router`` has a bias and routes
@@ -36,7 +37,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from loraplex.model.attention import headwise_decode, sink_attend
+from loraplex.model.attention import sink_attend
+from loraplex.model.layer_ops import LayerOps
 from loraplex.model.moe import MoEConfig, MoEDecoderForCausalLM, moe_config_fields
 from loraplex.model.norms import RMSNorm
 from loraplex.types import ModelLoadError
@@ -208,5 +210,14 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
         for i, L in enumerate(self.layers):
             L.sinks = self._moe_parts.pop((i, "sinks"))  # [H]
             L.attend = functools.partial(sink_attend, sinks=L.sinks)
-            L.decode = headwise_decode  # the C decode kernel has no sinks
+        self._bind_decode()
         super().build_own()
+
+    def _bind_decode(self) -> None:
+        """Each layer's decode attention: the model's ops' with the layer's sinks."""
+        for L in self.layers:
+            L.decode = functools.partial(self.ops.decode_attention, sinks=L.sinks)
+
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        super().use_layer_ops(ops)
+        self._bind_decode()

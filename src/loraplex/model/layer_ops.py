@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.config import layer_cpu_kernel_enabled
+from loraplex.model.attention import headwise_decode, sink_attend
 from loraplex.model.rotary import apply_rotary
 from loraplex.native.build import (
     ELEMENT_TYPES,
@@ -92,13 +93,16 @@ class LayerOps(Protocol):
         masks: WindowMasks | None,
         attend: AttendFn,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's attention output [T, H, hd] with its decode rows filled (q: [T, H, hd];
         the step's K/V already written): each decode row over its context in the cache, under
         the layer's window masks (``masks``, None: global), scores soft-capped at ``softcap``
-        if given. Written into ``out`` ([T, H, hd], the caller fills the other rows) and
-        returned, or, when every token is a decode row, returned in a tensor of its own (no
-        copy). ``attend`` is the block's attention function (what the gathered path calls)."""
+        if given, with one sink logit per query head in each softmax if ``sinks [H]`` is given
+        (``attention.sink_attend``'s semantics). Written into ``out`` ([T, H, hd], the caller
+        fills the other rows) and returned, or, when every token is a decode row, returned in a
+        tensor of its own (no copy). ``attend`` is the block's attention function (what the
+        gathered path calls)."""
         ...
 
 
@@ -132,7 +136,11 @@ class TorchLayerOps:
         masks: WindowMasks | None,
         attend: AttendFn,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # per-head sinks: the heads stay heads (not G queries of one)
+            attend = functools.partial(sink_attend, sinks=sinks)
+            return headwise_decode(q, out, layer, cache, meta, scale, masks, attend, softcap)
         qd = q if meta.decode_all else q[meta.decode_tokens]  # [Bd, H, hd]
         kc, vc = cache.gather_blocks(layer, meta.decode_block_table)  # [Bd, L, KVH, hd]
         bd, kvh = qd.shape[0], kc.shape[2]
@@ -167,7 +175,7 @@ class LayerOpsKernel:
         act.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, i32, i32]
         attn.argtypes = [
             ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, f32, f32, i64, ptr,
-            i64, i32, i32,
+            i64, i32, i32, ptr,
         ]  # fmt: skip
         for fn in (norm, rot, act, attn):
             fn.restype = i32
@@ -271,6 +279,7 @@ class CLayerOps:
         masks: WindowMasks | None,
         attend: AttendFn,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kc, vc = cache.layer_kv(layer)  # [slots, KVH, hd]
         e = ELEMENT_TYPES.get(q.dtype)
@@ -292,8 +301,10 @@ class CLayerOps:
             or not (meta.decode_all or meta.decode_tokens.dtype == torch.int64)
         ):
             return self.fallback.decode_attention(
-                q, out, layer, cache, meta, scale, masks, attend, softcap
+                q, out, layer, cache, meta, scale, masks, attend, softcap, sinks
             )
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()  # [H], what the kernel reads
         bd, nblk = table.shape
         _, heads, hd = q.shape
         rows = meta.decode_tokens
@@ -302,6 +313,7 @@ class CLayerOps:
             kc.shape[1], hd, kc.data_ptr(), vc.data_ptr(), table.data_ptr(), nblk,
             lens.data_ptr(), cache.block_size, scale, softcap or 0.0, window, out.data_ptr(),
             heads * hd, e, torch.get_num_threads() if self.kernel.shared_threads else 1,
+            0 if sinks is None else sinks.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode attention kernel: cannot allocate its scratch")
@@ -373,10 +385,12 @@ def self_check(ops: CLayerOps) -> None:
         decode_lens=lens,
     )
     window = WindowMasks(decode=decode_mask(lens, 3 * bs, 5), size=5)
+    sinks = torch.randn(6, generator=g) * 2
     attends = (
-        (None, sdpa_attend, None),
-        (window, sdpa_attend, None),
-        (None, functools.partial(softcap_attend, cap=2.0), 2.0),
+        (None, sdpa_attend, None, None),
+        (window, sdpa_attend, None, None),
+        (None, functools.partial(softcap_attend, cap=2.0), 2.0, None),
+        (window, sdpa_attend, None, sinks),
     )
     for dtype in ELEMENT_TYPES:
         h = torch.randn(5, 37, generator=g).to(dtype)
@@ -401,12 +415,14 @@ def self_check(ops: CLayerOps) -> None:
         cache.k.copy_(torch.randn(cache.k.shape, generator=g))
         cache.v.copy_(torch.randn(cache.v.shape, generator=g))
         q = torch.randn(5, 6, hd, generator=g).to(dtype)
-        for masks, attend, cap in attends:
+        for masks, attend, cap, sk in attends:
+            sk = None if sk is None else sk.to(dtype)
             got = ops.decode_attention(
-                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap
+                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap, sk
             )
             want = ref.decode_attention(
-                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap
+                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap, sk
             )
             size = None if masks is None else masks.size
-            check(f"decode attention (window {size}, cap {cap})", got, want, dtype)
+            what = f"decode attention (window {size}, cap {cap}, sinks {sk is not None})"
+            check(what, got, want, dtype)
