@@ -34,6 +34,7 @@ from loraplex.model.layer_ops import (
     select_layer_ops,
 )
 from loraplex.model.layers import GemmaRMSNorm, RMSNorm
+from loraplex.model.norms import Float32ScaleRMSNorm
 from loraplex.native.build import KERNEL_ISAS, KernelBuildError
 from loraplex.testing.kernels import runnable_build
 
@@ -58,7 +59,7 @@ def _within_one_bf16_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm, Float32ScaleRMSNorm])
 def test_residual_and_norm(ops, dtype, norm_cls):
     g = torch.Generator().manual_seed(3)
     h = (torch.randn(33, 1000, generator=g) * 4).to(dtype)

@@ -8,7 +8,7 @@ every layer. What differs from Llama:
   (window 128) alternate with full ones (``layer_types``: the shared window masks and KV
   groups);
 - rotary: YaRN (``rotary.YaRNRotaryEmbedding``, its attention factor on cos/sin);
-- RMSNorm: the scale multiplied in float32 before the cast (``GptOssRMSNorm``);
+- RMSNorm: the scale multiplied in float32 before the cast (``norms.Float32ScaleRMSNorm``);
 - the sparse block (``moe.SparseMoE`` options): the router ``mlp.router`` has a bias and routes
   by the top-k logits, weighted by their softmax; experts have biases and a clamped SwiGLU
   (``moe.clamped_swiglu``); the checkpoint packs them ``gate_up_proj [E, D, 2 I]`` with gate
@@ -35,12 +35,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from loraplex.model.attention import sink_attend
 from loraplex.model.layer_ops import LayerOps
 from loraplex.model.moe import MoEConfig, MoEDecoderForCausalLM, moe_config_fields
-from loraplex.model.norms import RMSNorm
+from loraplex.model.norms import Float32ScaleRMSNorm
 from loraplex.types import ModelLoadError
 
 FP4_VALUES = (
@@ -91,17 +90,6 @@ class GptOssConfig(MoEConfig):
         return super().layer_bias_params() + self.num_heads  # + self_attn.sinks [H]
 
 
-class GptOssRMSNorm(RMSNorm):
-    """GPT-OSS's RMSNorm, HF-exact: ``(x / rms(x)) * w`` in float32, then cast (Llama scales in
-    the model dtype instead; the same in float32). Torch only (no C kernel mode)."""
-
-    kernel_mode = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.rms_norm(x.float(), self.dim, None, self.eps) * self.weight.float()
-        return out.to(x.dtype)
-
-
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     """Gate (even) then up (odd) entries along dim 1: ``[E, 2 I, ...]``."""
     return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
@@ -112,7 +100,7 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
 
     model_type = "gpt_oss"
     config_class = GptOssConfig
-    norm_class = GptOssRMSNorm
+    norm_class = Float32ScaleRMSNorm
     supports_tensor_parallel = False  # sinks, expert biases: not sharded yet
     own_quant_methods: ClassVar[frozenset[str]] = frozenset({"mxfp4"})
 

@@ -361,7 +361,7 @@ def self_check(ops: CLayerOps) -> None:
         sdpa_attend,
         softcap_attend,
     )
-    from loraplex.model.norms import GemmaRMSNorm, RMSNorm
+    from loraplex.model.norms import Float32ScaleRMSNorm, GemmaRMSNorm, RMSNorm
 
     ref = TorchLayerOps()
     g = torch.Generator().manual_seed(0)
@@ -395,7 +395,7 @@ def self_check(ops: CLayerOps) -> None:
     for dtype in ELEMENT_TYPES:
         h = torch.randn(5, 37, generator=g).to(dtype)
         delta = torch.randn(5, 37, generator=g).to(dtype)
-        for cls in (RMSNorm, GemmaRMSNorm):
+        for cls in (RMSNorm, GemmaRMSNorm, Float32ScaleRMSNorm):
             norm = cls((torch.randn(37, generator=g) * 0.5 + 1).to(dtype), 1e-6)
             gh, gn = ops.add_norm(h.clone(), delta, norm)
             wh, wn = ref.add_norm(h.clone(), delta, norm)

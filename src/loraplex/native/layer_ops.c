@@ -9,6 +9,7 @@
  *       r = 1 / sqrt(mean(h[t]^2) + eps)
  *       mode 0 (Llama):  out[t] = E == float32 ? (h[t] * r) * w : rnd(w * rnd(h[t] * r))
  *       mode 1 (Gemma):  out[t] = rnd((h[t] * r) * (1 + w))
+ *       mode 2 (GPT-OSS): out[t] = rnd((h[t] * r) * w)
  *   loraplex_rotary:  in place, per row t and head, on the first rd values (half = rd / 2):
  *       x[i]        = rnd(rnd(x[i] * cos[i]) + rnd(-x[i + half] * sin[i]))          i < half
  *       x[i + half] = rnd(rnd(x[i + half] * cos[i + half]) + rnd(x[i] * sin[i + half]))
@@ -110,7 +111,7 @@ INLINE void add_norm_row(void *h, const void *delta, const void *w, int64_t D, f
     float r = 1.0f / sqrtf(sum / (float)D + eps);
     if (mode == 1) {
         for (int64_t i = 0; i < D; i++) st(out, i, e, (ld(h, i, e) * r) * (1.0f + ld(w, i, e)));
-    } else if (e == F32) {
+    } else if (e == F32 || mode == 2) {
         for (int64_t i = 0; i < D; i++) st(out, i, e, (ld(h, i, e) * r) * ld(w, i, e));
     } else {
         for (int64_t i = 0; i < D; i++) st(out, i, e, ld(w, i, e) * rnd(ld(h, i, e) * r, e));
