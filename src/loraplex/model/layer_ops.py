@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.config import layer_cpu_kernel_enabled
-from loraplex.model.attention import headwise_decode, sink_attend
+from loraplex.model.attention import gathered_decode, sink_attend
 from loraplex.model.rotary import apply_rotary
 from loraplex.native.build import (
     ELEMENT_TYPES,
@@ -140,24 +140,9 @@ class TorchLayerOps:
     ) -> torch.Tensor:
         if sinks is not None:  # per-head sinks: the heads stay heads (not G queries of one)
             attend = functools.partial(sink_attend, sinks=sinks)
-            return headwise_decode(q, out, layer, cache, meta, scale, masks, attend, softcap)
-        qd = q if meta.decode_all else q[meta.decode_tokens]  # [Bd, H, hd]
-        kc, vc = cache.gather_blocks(layer, meta.decode_block_table)  # [Bd, L, KVH, hd]
-        bd, kvh = qd.shape[0], kc.shape[2]
-        # The G = H / KVH query heads sharing a KV head (HF's repeat_kv order) attend as G
-        # queries of one head: no K/V repeat, and the fused CPU kernel takes it as is.
-        od = attend(
-            qd.reshape(bd, kvh, -1, qd.shape[-1]),  # [Bd, KVH, G, hd]
-            kc.transpose(1, 2),  # [Bd, KVH, L, hd]
-            vc.transpose(1, 2),
-            meta.decode_mask if masks is None else masks.decode,  # [Bd, 1, 1, L]
-            scale,
-            False,
-        ).reshape(bd, -1, qd.shape[-1])  # [Bd, H, hd]
-        if meta.decode_all:
-            return od
-        out[meta.decode_tokens] = od
-        return out
+        return gathered_decode(
+            q, out, layer, cache, meta, scale, masks, attend, fold_gqa=sinks is None
+        )
 
 
 class LayerOpsKernel:

@@ -53,12 +53,24 @@ class RotaryEmbedding:
         """The rotated dims of each head (HF: ``int(head_dim * partial_rotary_factor)``)."""
         self.base = base
         self.scaling = scaling
-        self.attention_factor = 1.0
-        """Scale of the cos/sin tables (LongRoPE's attention factor; 1 for the others)."""
+        missing = [k for k in self.required_keys if (scaling or {}).get(k) is None]
+        if missing:
+            rtype = (scaling or {}).get("rope_type")
+            raise ModelLoadError(f"rope_scaling type {rtype!r} is missing {missing}")
+        self.attention_factor = self.cos_sin_scale()
+        """Scale of the cos/sin tables (LongRoPE's and YaRN's attention factor; 1 for the
+        others)."""
         self.dtype = dtype
         self.device = device
         self._len = 0
         self._cos = self._sin = torch.empty(0)
+
+    required_keys: tuple[str, ...] = ()
+    """What the ``rope_scaling`` of this type must say (refused at load, naming them)."""
+
+    def cos_sin_scale(self) -> float:
+        """The attention factor the cos/sin tables are scaled by (1: none)."""
+        return 1.0
 
     def inv_freq(self) -> torch.Tensor:
         """Inverse frequencies [rd / 2], float32."""
@@ -122,6 +134,8 @@ _LONGROPE_KEYS = ("short_factor", "long_factor", "original_max_position_embeddin
 
 
 class LongRoPERotaryEmbedding(RotaryEmbedding):
+    required_keys = _LONGROPE_KEYS
+
     """``rope_type: longrope`` (Phi-3/4 128k, transformers' ``_compute_longrope_parameters``)::
 
         inv_freq_s[i] = 1 / (short_factor[i] * base ** (2i / rd))   # short sequences
@@ -141,6 +155,8 @@ class LongRoPERotaryEmbedding(RotaryEmbedding):
     steps keep the set of their own step (a chunked prompt's first chunks, a prefix-cache hit).
     The decoder calls :meth:`begin_step` with the step's positions and sequences first."""
 
+    required_keys = _LONGROPE_KEYS
+
     def __init__(
         self,
         head_dim: int,
@@ -150,9 +166,7 @@ class LongRoPERotaryEmbedding(RotaryEmbedding):
         device: torch.device,
     ) -> None:
         super().__init__(head_dim, base, scaling, dtype, device)
-        missing = [k for k in _LONGROPE_KEYS if (scaling or {}).get(k) is None]
-        if scaling is None or missing:
-            raise ModelLoadError(f"rope_scaling type 'longrope' is missing {missing}")
+        assert scaling is not None
         self.original = int(scaling["original_max_position_embeddings"])
         factor = float(scaling["factor"])
         attn = scaling.get("attention_factor")
@@ -218,31 +232,17 @@ class YaRNRotaryEmbedding(RotaryEmbedding):
     ``factor`` must be set (the architecture's ``config_fields`` fills it from
     ``max_position_embeddings / original_max_position_embeddings`` where HF would)."""
 
-    def __init__(
-        self,
-        head_dim: int,
-        base: float,
-        scaling: Mapping[str, Any] | None,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__(head_dim, base, scaling, dtype, device)
-        missing = [
-            k
-            for k in ("factor", "original_max_position_embeddings")
-            if (scaling or {}).get(k) is None
-        ]
-        if scaling is None or missing:
-            raise ModelLoadError(f"rope_scaling type 'yarn' is missing {missing}")
-        factor = float(scaling["factor"])
-        attn = scaling.get("attention_factor")
-        if attn is None:
-            mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-            if mscale and all_dim:
-                attn = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
-            else:
-                attn = _yarn_mscale(factor)
-        self.attention_factor = float(attn)
+    required_keys = ("factor", "original_max_position_embeddings")
+
+    def cos_sin_scale(self) -> float:
+        assert self.scaling is not None
+        rs, factor = self.scaling, float(self.scaling["factor"])
+        if rs.get("attention_factor") is not None:
+            return float(rs["attention_factor"])
+        mscale, all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+        if mscale and all_dim:
+            return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
+        return _yarn_mscale(factor)
 
     def inv_freq(self) -> torch.Tensor:
         assert self.scaling is not None

@@ -82,7 +82,7 @@ def build_family(root: Path, family: str) -> tuple[Path, list[Path]]:
     if not (model / "config.json").is_file():
         make_random_model(
             model, spec.pop("arch"), with_tokenizer=False, seed=0, init_std=0.02,
-            **WIDTH, **spec,
+            **{**WIDTH, **spec},  # a family may resize the MLP (its experts)
         )  # fmt: skip
     adapters = []
     for i in range(N_ADAPTERS):
