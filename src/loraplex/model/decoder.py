@@ -206,7 +206,8 @@ class DecoderForCausalLM:
     ) -> bool:
         """Load checkpoint tensor ``key`` (canonical name, ``shape``) the architecture's own way
         and return True, or False to leave it to the common loader. ``read()`` reads it in the
-        model's dtype. Every tensor comes here first (a MoE's experts and router)."""
+        model's dtype (``read(dtype=None)``: as stored, e.g. packed uint8 codes). Every tensor comes
+        here first (a MoE's experts and router)."""
         return False
 
     def check_own_tensors(self, src: object) -> None:

@@ -164,13 +164,19 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
             raise ModelLoadError(f"tensor {key!r}: MXFP4 needs in-features divisible by 32")
         want = (E, out, d_in // 32, 16) if kind == "_blocks" else (E, out, d_in // 32)
         self._check(key, shape, want)
-        # read() gives the model dtype; the uint8 codes (< 256) are exact in any float dtype
         parts = self._mxfp4.setdefault((layer, slot), {})
-        parts[kind] = read().to(torch.uint8)
+        parts[kind] = read(dtype=None).to(torch.uint8)  # the codes as stored
         if len(parts) == 2:
-            w = dequantize_mxfp4(parts["_blocks"], parts["_scales"]).to(self.dtype)  # [E, out, in]
             del self._mxfp4[(layer, slot)]
-            self._keep(layer, slot, self._rows(w, gate_up))
+            blocks, scales = parts["_blocks"], parts["_scales"]
+            rows = (
+                torch.cat((torch.arange(0, out, 2), torch.arange(1, out, 2))) if gate_up else None
+            )
+            w = torch.empty(E, out, d_in, dtype=self.dtype, device=self.device)  # [E, out, in]
+            for e in range(E):  # one expert's float32 at a time, gate rows before up rows
+                x = dequantize_mxfp4(blocks[e], scales[e])  # [out, in]
+                w[e] = x if rows is None else x[rows]
+            self._keep(layer, slot, w)
         return True
 
     def _rows(self, w: torch.Tensor, gate_up: bool) -> torch.Tensor:
