@@ -42,24 +42,7 @@ from loraplex.model.moe import MoEConfig, MoEDecoderForCausalLM, moe_config_fiel
 from loraplex.model.norms import Float32ScaleRMSNorm
 from loraplex.types import ModelLoadError
 
-FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
+FP4_VALUES = tuple(s * m for s in (1.0, -1.0) for m in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
 """The 16 FP4 (e2m1) values by their 4-bit code."""
 
 _TENSOR = re.compile(
@@ -141,6 +124,8 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
             return super().take_tensor(key, read, shape)
         c, layer = self.cfg, int(m["layer"])
         E, inter, D = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        if layer >= c.num_layers:
+            raise ModelLoadError(f"unexpected tensor {key!r} (layer {layer} >= {c.num_layers})")
         if m["sinks"]:
             self._check(key, shape, (c.num_heads,))
             return self._keep(layer, "sinks", read())
@@ -169,13 +154,11 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
         if len(parts) == 2:
             del self._mxfp4[(layer, slot)]
             blocks, scales = parts["_blocks"], parts["_scales"]
-            rows = (
-                torch.cat((torch.arange(0, out, 2), torch.arange(1, out, 2))) if gate_up else None
-            )
             w = torch.empty(E, out, d_in, dtype=self.dtype, device=self.device)  # [E, out, in]
             for e in range(E):  # one expert's float32 at a time, gate rows before up rows
-                x = dequantize_mxfp4(blocks[e], scales[e])  # [out, in]
-                w[e] = x if rows is None else x[rows]
+                w[e] = self._rows(dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1]), gate_up)[
+                    0
+                ]
             self._keep(layer, slot, w)
         return True
 
