@@ -10,7 +10,8 @@ reference: merging would write the one shared matrix; see ``load_merged_referenc
 
 ``FAMILIES`` holds one tiny model per family, shaped to hit what the family does differently;
 adding a family here runs it through every test of this file. A family whose checkpoint names
-its projections otherwise gives its target lists in ``proj``.
+its projections otherwise gives its target lists in ``proj`` (and a MoE's packed experts, PEFT's
+``target_parameters``, in ``proj["params"]``: the "all" adapters target them too).
 """
 
 from __future__ import annotations
@@ -126,6 +127,20 @@ FAMILIES: dict[str, dict] = {
     "llama4_text": dict(arch="llama4_text"),
     # the language model of a Llama 4 vision-language checkpoint (its vision tower skipped)
     "llama4": dict(arch="llama4"),
+    # GPT-OSS: attention sinks, biases on q/k/v/o, YaRN, a sliding layer (window 4) before a
+    # full one; every MLP a sparse block (8 experts, top-4, biases, clamped SwiGLU) whose packed
+    # experts the "all" adapters target through target_parameters (gate/up interleaved)
+    "gpt_oss": dict(
+        arch="gpt_oss",
+        intermediate_size=32,
+        proj={
+            "all": ATTN_PROJ,
+            "attn": ["q_proj", "k_proj"],
+            "mlp": ["v_proj", "o_proj"],
+            "qv": ["q_proj", "v_proj"],
+            "params": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        },
+    ),
     # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE with an original length (6)
     # every prompt passes (its long factors and attention factor from the prefill on; a
     # sequence crossing it while decoding is tests/model/test_phi3.py's)
@@ -153,8 +168,11 @@ FAMILIES: dict[str, dict] = {
 
 def adapters_for(proj: dict[str, list[str]]) -> dict[str, dict]:
     """The adapters every family is tested with, over its projection names."""
+    params = proj.get("params")
     return {
-        "all_r8": dict(r=8, lora_alpha=16, target_modules=proj["all"], seed=1),
+        "all_r8": dict(
+            r=8, lora_alpha=16, target_modules=proj["all"], target_parameters=params, seed=1
+        ),
         "attn_r4_rslora": dict(
             r=4, lora_alpha=8, target_modules=proj["attn"], use_rslora=True, seed=2
         ),
@@ -169,6 +187,7 @@ def adapters_for(proj: dict[str, list[str]]) -> dict[str, dict]:
             r=16,
             lora_alpha=16,
             target_modules=[*proj["all"], "lm_head", "embed_tokens"],
+            target_parameters=params,
             rank_pattern={"lm_head": 4},
             alpha_pattern={"embed_tokens": 24},
             std=0.1,

@@ -117,12 +117,24 @@ FAMILIES: dict[str, dict] = {
             ),
         },
     ),
+    # GPT-OSS: packed experts only (gate/up interleaved in the base and in B), biases, the
+    # clamped SwiGLU, top-4 logits softmaxed; its router is no Linear (adapters leave it)
+    "gpt_oss": dict(
+        arch="gpt_oss",
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        intermediate_size=32,
+        experts="packed",
+    ),
 }
 
 
-def adapters_for(experts: list[str] | None) -> dict[str, tuple[str, dict]]:
+def adapters_for(experts: list[str] | str | None) -> dict[str, tuple[str, dict]]:
     """name -> (builder, its arguments); per-expert adapters only where PEFT's conversion reads
-    them (module docstring)."""
+    them (module docstring); ``"packed"``: a base whose experts PEFT reaches only through
+    ``target_parameters`` and whose router it cannot adapt (GPT-OSS: its ``down_`` adapter
+    takes the vocabulary modules instead of the router)."""
+    router = "packed" != experts
     out: dict[str, tuple[str, dict]] = {
         "attn_r4_rslora": (
             "peft",
@@ -144,13 +156,22 @@ def adapters_for(experts: list[str] | None) -> dict[str, tuple[str, dict]]:
             dict(
                 r=16,
                 lora_alpha=8,
-                target_modules=["k_proj", "o_proj"],
-                target_parameters=["mlp.experts.down_proj", "mlp.gate.weight"],
+                target_modules=["k_proj", "o_proj"]
+                + ([] if router else ["lm_head", "embed_tokens"]),
+                target_parameters=["mlp.experts.down_proj"]
+                + (["mlp.gate.weight"] if router else []),
                 std=0.1,
                 seed=4,
             ),
         ),
     }
+    if experts == "packed":
+        out["gate_up_r4"] = (
+            "peft",
+            dict(r=4, lora_alpha=8, target_modules=["v_proj"],
+                 target_parameters=["mlp.experts.gate_up_proj"], std=0.2, seed=5),
+        )  # fmt: skip
+        return out
     if experts is None:  # PEFT moves the dense targets onto the packed experts (docstring)
         out["converted_r8"] = (
             "peft",

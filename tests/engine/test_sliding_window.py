@@ -42,6 +42,8 @@ FAMILIES: dict[str, dict] = {
     "gemma3_5to2": dict(arch="gemma3_text", num_layers=7, layer_types=[S, S, S, F, S, S, F]),
     # Qwen2: full layer 0, windowed from max_window_layers on -> 4 groups of one layer
     "qwen2": dict(arch="qwen2", use_sliding_window=True, max_window_layers=1),
+    # GPT-OSS: sliding / full alternate, attention sinks on both kinds (decode: torch)
+    "gpt_oss": dict(arch="gpt_oss", layer_types=ALTERNATE, intermediate_size=32),
 }
 GROUPS = {
     "gemma2": 2,
@@ -50,6 +52,7 @@ GROUPS = {
     "mistral": 1,
     "gemma3_5to2": 4,
     "qwen2": 4,
+    "gpt_oss": 2,
 }
 
 

@@ -167,10 +167,12 @@ def test_every_architecture_serves_a_mixed_batch_on_the_triton_path(
 
     root = tmp_path_factory.mktemp(family)
     spec = dict(_families()[family])
-    spec.pop("proj", None)
+    params = spec.pop("proj", {}).get("params")  # packed experts PEFT reaches as parameters
     model = make_random_model(root / "model", spec.pop("arch"), num_layers=2, seed=9, **spec)
-    adapters = {
-        "linear": make_random_adapter(model, root / "linear", r=8, seed=1),  # all-linear
+    adapters = {  # all-linear (and the packed experts where only target_parameters reach them)
+        "linear": make_random_adapter(
+            model, root / "linear", r=8, target_parameters=params, seed=1
+        ),
         "vocab": make_random_adapter(
             model, root / "vocab", r=4, target_modules=["lm_head", "embed_tokens"], std=0.1, seed=2
         ),

@@ -17,7 +17,7 @@ import torch
 
 from loraplex import LLM, LoRARequest, ModelLoadError, SamplingParams
 from loraplex.model.config import load_model_config, parse_model_config
-from loraplex.model.norms import Gemma4RMSNorm
+from loraplex.model.norms import Float32ScaleRMSNorm
 from loraplex.model.rotary import make_rotary
 from loraplex.testing import (
     ALL_PROJ,
@@ -268,7 +268,7 @@ def test_norm_equals_transformers(dtype: torch.dtype) -> None:
         ref.weight.copy_(1 + 0.3 * torch.randn(48, generator=g))
     ref = ref.to(dtype)
     x = (3 * torch.randn(5, 48, generator=g)).to(dtype)
-    got = Gemma4RMSNorm(ref.weight.detach(), 1e-6)(x)
+    got = Float32ScaleRMSNorm(ref.weight.detach(), 1e-6)(x)
     tol = 0 if dtype == torch.bfloat16 else 1e-6  # bf16: one rounding, the same one
     assert torch.allclose(got.float(), ref(x).float(), atol=tol, rtol=tol)
 

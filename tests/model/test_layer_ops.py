@@ -34,6 +34,7 @@ from loraplex.model.layer_ops import (
     select_layer_ops,
 )
 from loraplex.model.layers import GemmaRMSNorm, RMSNorm
+from loraplex.model.norms import Float32ScaleRMSNorm
 from loraplex.native.build import KERNEL_ISAS, KernelBuildError
 from loraplex.testing.kernels import runnable_build
 
@@ -58,7 +59,7 @@ def _within_one_bf16_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm, Float32ScaleRMSNorm])
 def test_residual_and_norm(ops, dtype, norm_cls):
     g = torch.Generator().manual_seed(3)
     h = (torch.randn(33, 1000, generator=g) * 4).to(dtype)
@@ -133,8 +134,9 @@ def _attention_case(dtype: torch.dtype, g: torch.Generator):
     return cache, meta, q, lens, blocks, bs
 
 
-def _float64_attention(q, cache, lens, blocks, bs, scale, window=None, cap=None):
-    """softmax(q k^T * scale) v per decode row, in float64 from the cache's slots."""
+def _float64_attention(q, cache, lens, blocks, bs, scale, window=None, cap=None, sinks=None):
+    """softmax(q k^T * scale) v per decode row, in float64 from the cache's slots (each head's
+    sink logit joining its softmax, then dropped)."""
     heads, kvh = q.shape[1], cache.k.shape[2]
     out = []
     for b, n in enumerate(lens.tolist()):
@@ -147,25 +149,32 @@ def _float64_attention(q, cache, lens, blocks, bs, scale, window=None, cap=None)
         s = torch.einsum("hd,lhd->hl", q[b].double(), k) * scale
         if cap is not None:
             s = torch.tanh(s / cap) * cap
-        out.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v))
+        if sinks is not None:
+            s = torch.cat((s, sinks.double()[:, None]), -1)
+        p = torch.softmax(s, -1)[:, : v.shape[0]]
+        out.append(torch.einsum("hl,lhd->hd", p, v))
     return torch.stack(out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("window", "cap"), [(None, None), (20, None), (None, 3.0)])
-def test_decode_attention_reads_the_blocks(ops, dtype, window, cap):
+@pytest.mark.parametrize(
+    ("window", "cap", "sink"), [(None, None, 0), (20, None, 0), (None, 3.0, 0), (20, None, 1)]
+)
+def test_decode_attention_reads_the_blocks(ops, dtype, window, cap, sink):
     g = torch.Generator().manual_seed(6)
     cache, meta, q, lens, blocks, bs = _attention_case(dtype, g)
+    sinks = (torch.randn(8, generator=g) * 3).to(dtype) if sink else None  # GPT-OSS's
     masks = None
     if window is not None:
         masks = WindowMasks(decode=decode_mask(lens, 4 * bs, window), size=window)
     attend = sdpa_attend if cap is None else functools.partial(softcap_attend, cap=cap)
     # rows that are not decode rows keep what they had
-    got = ops.decode_attention(q, torch.full_like(q, 7.0), 0, cache, meta, 0.2, masks, attend, cap)
-    want = REF.decode_attention(q, torch.full_like(q, 7.0), 0, cache, meta, 0.2, masks, attend, cap)
+    args = (0, cache, meta, 0.2, masks, attend, cap, sinks)
+    got = ops.decode_attention(q, torch.full_like(q, 7.0), *args)
+    want = REF.decode_attention(q, torch.full_like(q, 7.0), *args)
     rows = meta.decode_tokens
     assert bool((got[[1, 4]] == 7.0).all())
-    exact = _float64_attention(q[rows], cache, lens, blocks, bs, 0.2, window, cap)
+    exact = _float64_attention(q[rows], cache, lens, blocks, bs, 0.2, window, cap, sinks)
     if dtype == torch.float32:  # sums of at most 64 terms in float32
         torch.testing.assert_close(got[rows].double(), exact, atol=64 * F32_EPS, rtol=0)
     else:  # float32 inside, one rounding to bf16 at the end

@@ -236,6 +236,10 @@ class MoESpec:
     shared_gate: bool = False
     """Whether a one-output linear gates the shared expert (:data:`SHARED_EXPERT_GATE`,
     Qwen-MoE's ``sigmoid(shared_expert_gate(x))``), adaptable as any linear."""
+    gate_up_interleaved: bool = False
+    """The packed ``gate_up_proj`` interleaves gate and up (GPT-OSS: ``[E, hidden, 2 I]``, gate
+    the even columns, up the odd ones), and so does its LoRA's ``B``: gate's rows are ``B[0::2]``,
+    up's ``B[1::2]``."""
 
     @property
     def mlp_block(self) -> str:
@@ -261,8 +265,8 @@ class MoESpec:
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any]) -> MoESpec | None:
-        """The sparse blocks of a Qwen2/3-MoE, Mixtral or Llama 4 text ``config.json`` (None for
-        a dense one): ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``,
+        """The sparse blocks of a Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, GPT-OSS or Llama 4 text
+        ``config.json`` (None for a dense one): ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``,
         ``decoder_sparse_step`` and ``mlp_only_layers`` (Llama 4: ``moe_layers`` or
         ``interleave_moe_layer_step``, a shared expert as wide as an expert, experts packed
         ``[E, in, out]``) as transformers reads them."""
@@ -275,6 +279,11 @@ class MoESpec:
             inter = int(raw["intermediate_size"])
             hidden = int(raw["hidden_size"])
             return cls(n, layers, hidden, inter, "feed_forward", inter, True, "router")
+        if mtype == "gpt_oss":  # every layer sparse, experts of intermediate_size, interleaved
+            n = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+            layers = tuple(range(int(raw["num_hidden_layers"])))
+            return cls(n, layers, int(raw["hidden_size"]), int(raw["intermediate_size"]),
+                       gate_up_interleaved=True)  # fmt: skip
         if mtype == "mixtral":
             n = int(raw.get("num_local_experts") or 8)
             layers = tuple(range(int(raw["num_hidden_layers"])))

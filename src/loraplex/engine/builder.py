@@ -50,6 +50,7 @@ from loraplex.model.linear import cpu_has_fast_bf16
 from loraplex.model.loading import load_model
 from loraplex.model.lora_binding import LoRABinding
 from loraplex.model.quant.formats import parse_quantization
+from loraplex.model.registry import ARCHITECTURES
 from loraplex.model.tensor_parallel.lora_binding import FullyShardedLoRABinding
 from loraplex.types import ModelLoadError
 
@@ -378,9 +379,10 @@ def _parse(config: EngineConfig) -> tuple[ModelConfig, torch.device, torch.dtype
     )
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, mc, device)
-    quant = parse_quantization(
-        mc.raw.get("quantization_config"), config.quantization, config.quantization_group_size
-    )
+    qc = mc.raw.get("quantization_config")
+    if qc and qc.get("quant_method") in ARCHITECTURES[mc.architecture].own_quant_methods:
+        qc = None  # the architecture dequantizes these tensors at load
+    quant = parse_quantization(qc, config.quantization, config.quantization_group_size)
     return mc, device, dtype, quant
 
 

@@ -479,9 +479,10 @@ def _expert_weights(
     PEFT's ``target_parameters`` layout (``A [E r, d_in]`` expert-major, ``B [d_out, r E]``
     rank-major, as its ``ParamWrapper.get_delta_weight`` reads them) is
     ``a = A.view(E, r, d_in)`` and ``b[e] = B.view(d_out, r, E)[:, :, e]``; a fused parameter's
-    parts (``gate_up_proj``) share ``a`` and take their rows of ``b``. A parameter stored
-    ``[E, d_in, d_out]`` (``m.in_out``, Llama 4) swaps the roles: ``a[e] = B.view(d_in, r,
-    E)[:, :, e].T`` and ``b[e] = A.view(E, r, d_out)[e].T``."""
+    parts (``gate_up_proj``) share ``a`` and take their rows of ``b`` (every other row where the
+    base interleaves them). A parameter stored ``[E, d_in, d_out]`` (``m.in_out``, Llama 4)
+    swaps the roles: ``a[e] = B.view(d_in, r, E)[:, :, e].T`` and ``b[e] = A.view(E, r,
+    d_out)[e].T``."""
     E, R = m.num_experts, m.rank
     if m.packed is not None and m.in_out:
         f = m.packed
@@ -493,7 +494,8 @@ def _expert_weights(
             converted[f"{f.b_name}#experts"] = a  # [E, r, d_in]
         b = A.float().reshape(E, R, -1).transpose(1, 2)  # [E, d_out (all), r]
         if m.b_rows is not None:
-            b = b[:, m.b_rows[0] : m.b_rows[1]]
+            lo, hi, step = m.b_rows
+            b = b[:, lo:hi:step]
         return LoRAModuleWeights(a=a, b=(b * f.scale).to(dtype).contiguous(), scale=1.0)
     if m.packed is not None:
         f = m.packed
@@ -503,7 +505,8 @@ def _expert_weights(
             a = converted[f"{f.a_name}#experts"] = A.to(dtype).reshape(E, R, -1).clone()
         b = B.float().reshape(B.shape[0], R, E).permute(2, 0, 1)  # [E, d_out (all), r]
         if m.b_rows is not None:
-            b = b[:, m.b_rows[0] : m.b_rows[1]]
+            lo, hi, step = m.b_rows
+            b = b[:, lo:hi:step]
         return LoRAModuleWeights(a=a, b=(b * f.scale).to(dtype).contiguous(), scale=1.0)
     factors = m.per_expert or ()
     first = next(f for f in factors if f is not None)

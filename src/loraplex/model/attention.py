@@ -15,7 +15,10 @@ masks (the C decode kernel reads a chunk as a negative window: ``WindowMasks.siz
 runner builds each distinct window's masks once per step (``WindowMasks``); a layer picks its
 set by index. Soft-capped scores (``tanh(s / cap) * cap`` before the mask, Gemma 2) cannot
 go through SDPA: a block built with a cap attends with :func:`softcap_attend`, every other
-block with :func:`sdpa_attend` (chosen once, at construction).
+block with :func:`sdpa_attend` (chosen once, at construction). A layer with attention sinks
+(GPT-OSS) carries its own functions, bound to its sinks at load: :func:`sink_attend` for
+prefill, and its ops' decode attention with the sinks for decode rows (the torch path:
+:func:`gathered_decode` through :func:`sink_attend`, heads in place).
 """
 
 from __future__ import annotations
@@ -70,6 +73,29 @@ def sdpa_attend(
     )
 
 
+def eager_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    gqa: bool,
+    cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's eager attention up to the softmax: ``(s [..., H, Lq, Lk], v)`` with
+    ``s = q k^T * scale`` (soft-capped: ``tanh(s / cap) * cap``), ``s[~mask] = -inf`` (mask
+    None: causal), K and V repeated per query head under GQA (HF's ``repeat_kv``)."""
+    if gqa:  # KV head j serves query heads j * G .. j * G + G - 1
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., H, Lq, Lk]
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    return s.masked_fill(~mask, float("-inf")), v
+
+
 def softcap_attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -85,16 +111,71 @@ def softcap_attend(
     s = tanh((q k^T * scale) / cap) * cap;  s[~mask] = -inf
     out = softmax(s in float32).to(q.dtype) v
     """
-    if gqa:  # HF's repeat_kv: KV head j serves query heads j * G .. j * G + G - 1
-        g = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., H, Lq, Lk]
-    s = torch.tanh(s / cap) * cap
-    if mask is None:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-    s = s.masked_fill(~mask, float("-inf"))
+    s, v = eager_scores(q, k, v, mask, scale, gqa, cap)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(p, v)  # [..., H, Lq, hd]
+
+
+def sink_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    gqa: bool,
+    *,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """HF's eager attention with attention sinks (GPT-OSS; see ``AttendFn``): one learned logit
+    per query head (``sinks [H]``) joins each row's softmax and is dropped after it::
+
+    s = q k^T * scale;  s[~mask] = -inf
+    p = softmax([s, sinks[h]] - max)[..., :-1]        (in q's dtype, as HF)
+    out = p.to(v.dtype) v
+
+    The heads are ``q``'s dim -3, so GQA decode must keep them there (not fold the G query
+    heads of a KV head into queries): :func:`gathered_decode` with ``fold_gqa=False``."""
+    s, v = eager_scores(q, k, v, mask, scale, gqa)
+    sink = sinks.to(s.dtype).view(-1, 1, 1).expand(*s.shape[:-1], 1)  # [..., H, Lq, 1]
+    s = torch.cat((s, sink), dim=-1)
+    s = s - s.max(dim=-1, keepdim=True).values
+    p = torch.softmax(s, dim=-1, dtype=s.dtype)[..., :-1].to(v.dtype)
+    return torch.matmul(p, v)  # [..., H, Lq, hd]
+
+
+def gathered_decode(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    layer: int,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    masks: WindowMasks | None,
+    attend: AttendFn,
+    fold_gqa: bool = True,
+) -> torch.Tensor:
+    """Decode attention over each row's context gathered from the cache into a padded copy
+    (the torch ``LayerOps.decode_attention``), under the layer's window ``masks`` (None:
+    global). ``fold_gqa``: the G = H / KVH query heads sharing a KV head (HF's repeat_kv order)
+    attend as G queries of one head (no K/V repeat; the fused CPU kernel takes it as is);
+    else one query per head with the heads in place (``attend``'s GQA), for attention that
+    reads per-head values (sinks). Fills ``out``'s decode rows, or returns its own tensor when
+    every token is one."""
+    qd = q if meta.decode_all else q[meta.decode_tokens]  # [Bd, H, hd]
+    kc, vc = cache.gather_blocks(layer, meta.decode_block_table)  # [Bd, L, KVH, hd]
+    bd, kvh, hd = qd.shape[0], kc.shape[2], qd.shape[-1]
+    od = attend(
+        qd.reshape(bd, kvh, -1, hd) if fold_gqa else qd[:, :, None],  # [Bd, KVH, G | H, 1, hd]
+        kc.transpose(1, 2),  # [Bd, KVH, L, hd]
+        vc.transpose(1, 2),
+        meta.decode_mask if masks is None else masks.decode,  # [Bd, 1, 1, L]
+        scale,
+        not fold_gqa and qd.shape[1] != kvh,
+    ).reshape(bd, -1, hd)  # [Bd, H, hd]
+    if meta.decode_all:
+        return od
+    out[meta.decode_tokens] = od
+    return out
 
 
 def causal_mask(q_start: int, ctx: int, window: Window = None) -> torch.Tensor:

@@ -96,6 +96,10 @@ class DecoderForCausalLM:
     """Whether quantized projections load (a MoE's experts have no quantized path yet)."""
     supports_tensor_parallel: ClassVar[bool] = True
     """Whether the weights shard over tensor-parallel ranks (a MoE's experts do not yet)."""
+    own_quant_methods: ClassVar[frozenset[str]] = frozenset()
+    """``quantization_config.quant_method`` values whose tensors the architecture reads itself
+    (``take_tensor``, dequantizing at load: GPT-OSS's MXFP4 experts); the base then loads as a
+    float one."""
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -217,7 +221,8 @@ class DecoderForCausalLM:
     ) -> bool:
         """Load checkpoint tensor ``key`` (canonical name, ``shape``) the architecture's own way
         and return True, or False to leave it to the common loader. ``read()`` reads it in the
-        model's dtype. Every tensor comes here first (a MoE's experts and router)."""
+        model's dtype (``read(dtype=None)``: as stored, e.g. packed uint8 codes). Every tensor comes
+        here first (a MoE's experts and router)."""
         return False
 
     def check_own_tensors(self, src: object) -> None:

@@ -1,7 +1,7 @@
 """Gemma 4 (text): Gemma 3's layers (four ``x * w`` norms, GeGLU, scaled embeddings, five
 sliding layers per full one) with these differences, as transformers' ``modeling_gemma4``:
 
-- every norm is ``(x / rms(x)) * w`` in float32 (no ``1 +``: ``Gemma4RMSNorm``);
+- every norm is ``(x / rms(x)) * w`` in float32 (no ``1 +``: ``Float32ScaleRMSNorm``);
 - attention scores are not scaled (scale 1: the q/k norms set their size); v is RMS-normed
   too, without a weight;
 - the full-attention layers rotate with the ``proportional`` rope (``partial_rotary_factor``
@@ -65,7 +65,7 @@ from loraplex.model.layers import (
     make_rotary,
 )
 from loraplex.model.linear import Linear
-from loraplex.model.norms import Gemma4RMSNorm
+from loraplex.model.norms import Float32ScaleRMSNorm
 from loraplex.model.spec import ModelConfig
 from loraplex.types import ModelLoadError
 
@@ -245,7 +245,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     model_type = "gemma4_text"
     config_class = Gemma4Config
     layer_weights = GEMMA4_LAYER_WEIGHTS
-    norm_class = Gemma4RMSNorm
+    norm_class = Float32ScaleRMSNorm
     qk_norm = False  # q and k norms are the layer's own slots (a KV-sharing layer has no k's)
     supports_tensor_parallel = False  # its per-layer stream and layer shapes do not shard yet
     supports_quantization = False  # its own projections (the per-layer stream's, a KV-sharing
@@ -301,7 +301,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         self.ple_scale = torch.tensor(P**0.5).to(dtype).to(device)  # HF: float32, to the dtype
         self.embed_tokens_per_layer: torch.Tensor | None = None  # [V_ple, L * P]
         self.per_layer_model_projection: Linear | None = None  # [L * P, D]
-        self.per_layer_projection_norm: Gemma4RMSNorm | None = None  # [P]
+        self.per_layer_projection_norm: Float32ScaleRMSNorm | None = None  # [P]
         # the per-layer stream's LoRA groups: (proj, first column, end column)
         self.ple_gate_parts = (("per_layer_input_gate", 0, P),)
         self.ple_proj_parts = (("per_layer_projection", 0, c.hidden_size),)
@@ -400,7 +400,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             self.per_layer_model_projection = make(
                 own.pop("model.per_layer_model_projection.weight"), None
             )
-            self.per_layer_projection_norm = Gemma4RMSNorm(
+            self.per_layer_projection_norm = Float32ScaleRMSNorm(
                 own.pop("model.per_layer_projection_norm.weight"), eps
             )
         for i, L in enumerate(self.layers):
@@ -411,7 +411,9 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             if self.cfg.hidden_size_per_layer_input:
                 L.ple_gate = make(own.pop(p + "per_layer_input_gate.weight"), None)  # [P, D]
                 L.ple_proj = make(own.pop(p + "per_layer_projection.weight"), None)  # [D, P]
-                L.ple_norm = Gemma4RMSNorm(own.pop(p + "post_per_layer_input_norm.weight"), eps)
+                L.ple_norm = Float32ScaleRMSNorm(
+                    own.pop(p + "post_per_layer_input_norm.weight"), eps
+                )
 
     def per_layer_inputs(
         self, h: torch.Tensor, ids: torch.Tensor, step: LayerStep, lora: bool

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.config import layer_cpu_kernel_enabled
+from loraplex.model.attention import gathered_decode, sink_attend
 from loraplex.model.rotary import apply_rotary
 from loraplex.native.build import (
     ELEMENT_TYPES,
@@ -92,13 +93,16 @@ class LayerOps(Protocol):
         masks: WindowMasks | None,
         attend: AttendFn,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's attention output [T, H, hd] with its decode rows filled (q: [T, H, hd];
         the step's K/V already written): each decode row over its context in the cache, under
         the layer's window masks (``masks``, None: global), scores soft-capped at ``softcap``
-        if given. Written into ``out`` ([T, H, hd], the caller fills the other rows) and
-        returned, or, when every token is a decode row, returned in a tensor of its own (no
-        copy). ``attend`` is the block's attention function (what the gathered path calls)."""
+        if given, with one sink logit per query head in each softmax if ``sinks [H]`` is given
+        (``attention.sink_attend``'s semantics). Written into ``out`` ([T, H, hd], the caller
+        fills the other rows) and returned, or, when every token is a decode row, returned in a
+        tensor of its own (no copy). ``attend`` is the block's attention function (what the
+        gathered path calls)."""
         ...
 
 
@@ -132,24 +136,13 @@ class TorchLayerOps:
         masks: WindowMasks | None,
         attend: AttendFn,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        qd = q if meta.decode_all else q[meta.decode_tokens]  # [Bd, H, hd]
-        kc, vc = cache.gather_blocks(layer, meta.decode_block_table)  # [Bd, L, KVH, hd]
-        bd, kvh = qd.shape[0], kc.shape[2]
-        # The G = H / KVH query heads sharing a KV head (HF's repeat_kv order) attend as G
-        # queries of one head: no K/V repeat, and the fused CPU kernel takes it as is.
-        od = attend(
-            qd.reshape(bd, kvh, -1, qd.shape[-1]),  # [Bd, KVH, G, hd]
-            kc.transpose(1, 2),  # [Bd, KVH, L, hd]
-            vc.transpose(1, 2),
-            meta.decode_mask if masks is None else masks.decode,  # [Bd, 1, 1, L]
-            scale,
-            False,
-        ).reshape(bd, -1, qd.shape[-1])  # [Bd, H, hd]
-        if meta.decode_all:
-            return od
-        out[meta.decode_tokens] = od
-        return out
+        if sinks is not None:  # per-head sinks: the heads stay heads (not G queries of one)
+            attend = functools.partial(sink_attend, sinks=sinks)
+        return gathered_decode(
+            q, out, layer, cache, meta, scale, masks, attend, fold_gqa=sinks is None
+        )
 
 
 class LayerOpsKernel:
@@ -167,7 +160,7 @@ class LayerOpsKernel:
         act.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, i32, i32]
         attn.argtypes = [
             ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, f32, f32, i64, ptr,
-            i64, i32, i32,
+            i64, i32, i32, ptr,
         ]  # fmt: skip
         for fn in (norm, rot, act, attn):
             fn.restype = i32
@@ -271,6 +264,7 @@ class CLayerOps:
         masks: WindowMasks | None,
         attend: AttendFn,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kc, vc = cache.layer_kv(layer)  # [slots, KVH, hd]
         e = ELEMENT_TYPES.get(q.dtype)
@@ -292,8 +286,10 @@ class CLayerOps:
             or not (meta.decode_all or meta.decode_tokens.dtype == torch.int64)
         ):
             return self.fallback.decode_attention(
-                q, out, layer, cache, meta, scale, masks, attend, softcap
+                q, out, layer, cache, meta, scale, masks, attend, softcap, sinks
             )
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()  # [H], what the kernel reads
         bd, nblk = table.shape
         _, heads, hd = q.shape
         rows = meta.decode_tokens
@@ -302,6 +298,7 @@ class CLayerOps:
             kc.shape[1], hd, kc.data_ptr(), vc.data_ptr(), table.data_ptr(), nblk,
             lens.data_ptr(), cache.block_size, scale, softcap or 0.0, window, out.data_ptr(),
             heads * hd, e, torch.get_num_threads() if self.kernel.shared_threads else 1,
+            0 if sinks is None else sinks.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode attention kernel: cannot allocate its scratch")
@@ -351,7 +348,7 @@ def self_check(ops: CLayerOps) -> None:
         sdpa_attend,
         softcap_attend,
     )
-    from loraplex.model.norms import Gemma4RMSNorm, GemmaRMSNorm, RMSNorm
+    from loraplex.model.norms import Float32ScaleRMSNorm, GemmaRMSNorm, RMSNorm
 
     ref = TorchLayerOps()
     g = torch.Generator().manual_seed(0)
@@ -376,16 +373,18 @@ def self_check(ops: CLayerOps) -> None:
     )
     window = WindowMasks(decode=decode_mask(lens, 3 * bs, 5), size=5)
     chunked = WindowMasks(decode=decode_mask(lens, 3 * bs, Chunked(4)), size=-4)
+    sinks = torch.randn(6, generator=g) * 2
     attends = (
-        (None, sdpa_attend, None),
-        (window, sdpa_attend, None),
-        (chunked, sdpa_attend, None),
-        (None, functools.partial(softcap_attend, cap=2.0), 2.0),
+        (None, sdpa_attend, None, None),
+        (window, sdpa_attend, None, None),
+        (chunked, sdpa_attend, None, None),
+        (None, functools.partial(softcap_attend, cap=2.0), 2.0, None),
+        (window, sdpa_attend, None, sinks),
     )
     for dtype in ELEMENT_TYPES:
         h = torch.randn(5, 37, generator=g).to(dtype)
         delta = torch.randn(5, 37, generator=g).to(dtype)
-        for cls in (RMSNorm, GemmaRMSNorm, Gemma4RMSNorm):
+        for cls in (RMSNorm, GemmaRMSNorm, Float32ScaleRMSNorm):
             norm = cls((torch.randn(37, generator=g) * 0.5 + 1).to(dtype), 1e-6)
             gh, gn = ops.add_norm(h.clone(), delta, norm)
             wh, wn = ref.add_norm(h.clone(), delta, norm)
@@ -405,12 +404,14 @@ def self_check(ops: CLayerOps) -> None:
         for t in cache.layer_kv(0):
             t.copy_(torch.randn(t.shape, generator=g))
         q = torch.randn(5, 6, hd, generator=g).to(dtype)
-        for masks, attend, cap in attends:
+        for masks, attend, cap, sk in attends:
+            sk = None if sk is None else sk.to(dtype)
             got = ops.decode_attention(
-                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap
+                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap, sk
             )
             want = ref.decode_attention(
-                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap
+                q, torch.zeros_like(q), 0, cache, meta, 0.3, masks, attend, cap, sk
             )
             size = None if masks is None else masks.size
-            check(f"decode attention (window {size}, cap {cap})", got, want, dtype)
+            what = f"decode attention (window {size}, cap {cap}, sinks {sk is not None})"
+            check(what, got, want, dtype)

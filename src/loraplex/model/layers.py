@@ -20,6 +20,7 @@ import torch
 from loraplex.model.attention import (
     AttendFn,
     AttentionMetadata,
+    DecodeAttendFn,
     paged_attention,
     sdpa_attend,
     softcap_attend,
@@ -61,6 +62,11 @@ class DecoderLayer:
         self.qk_norm: RMSNorm | None = None  # per-head q/k norm, weight [H + KVH, hd]
         self.rope = rope  # index of this layer's rotary in the model's ``rotaries`` (None: NoPE)
         self.window = window  # index of its window's (or chunk's) masks (None: global attention)
+        self.sinks: torch.Tensor | None = None  # per-head attention sink logits [H] (GPT-OSS)
+        self.attend: AttendFn | None = None
+        """The layer's own prefill attention (None: the block's), e.g. bound to its sinks."""
+        self.decode: DecodeAttendFn | None = None
+        """The layer's own decode attention (None: the model's ``LayerOps.decode_attention``)."""
 
     @property
     def nbytes(self) -> int:
@@ -121,7 +127,8 @@ class Attention:
     LoRA adds of the q/k/v and o groups; rotary and decode attention through ``ops``.
 
     Reads ``L.qkv``, ``L.o``, ``L.rope`` (index of the layer's rotary), ``L.window`` (its
-    sliding window's masks, None: global) and, with ``qk_norm``, ``L.qk_norm`` (an
+    sliding window's masks, None: global), ``L.attend`` / ``L.decode`` (the layer's own
+    attention functions, None: the block's and the ops') and, with ``qk_norm``, ``L.qk_norm`` (an
     :meth:`RMSNorm.per_head` norm) of the layer it is called with."""
 
     def __init__(
@@ -169,8 +176,8 @@ class Attention:
         qk = self.position_qk(L, qk, step)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, hd], [T, KVH, hd]
         a = paged_attention(
-            q, k, v, i, step.cache, step.attn_meta, self.scale, L.window, self.attend,
-            self.ops.decode_attention, self.softcap,
+            q, k, v, i, step.cache, step.attn_meta, self.scale, L.window,
+            L.attend or self.attend, L.decode or self.ops.decode_attention, self.softcap,
         ).reshape(T, self.q_size)  # fmt: skip
         if gate is not None:  # an output-gated attention's (Qwen3.5)
             a = a * torch.sigmoid(gate)

@@ -144,7 +144,9 @@ class CheckpointReader:
                     name
                 )  # raw dtype: unpacked once all of the module's tensors are in
                 continue
-            if m.take_tensor(key, functools.partial(st.read, name, dtype, device), shape):
+            if m.take_tensor(
+                key, functools.partial(st.read, name, dtype=dtype, device=device), shape
+            ):
                 continue
             if key in TOP_WEIGHTS:
                 self._check_shape(st.entries[name].shape, self._top_shape(key), name, model_dir)

@@ -2,11 +2,12 @@
 
 One sparse block per MoE layer (``SparseMoE``), for every token of the step at once::
 
-    logits = x @ router.T (+ the router's LoRA)            # [T, E]
+    logits = x @ router.T (+ bias) (+ the router's LoRA)   # [T, E]
     w, e   = top-k of softmax(logits) (renormalised)         # [T, k] each
+             (or softmax of the top-k logits: GPT-OSS)
     pairs (token, expert) sorted by expert (stable)         # [N = T k]
-    h = grouped(x[tok], W_gate_up)  (+ expert LoRA)          # [N, 2 I]: each expert over its rows
-    h = grouped(act(gate) * up, W_down)  (+ expert LoRA)     # [N, D]
+    h = grouped(x[tok], W_gate_up)  (+ expert LoRA) (+ b)    # [N, 2 I]: each expert over its rows
+    h = grouped(glu(h), W_down)  (+ expert LoRA) (+ b)       # [N, D]
     out[t] = sum over t's pairs of w * h                     # index_add in sorted order
     out += shared(x)  (+ its LoRA; times sigmoid(x @ g.T) with a shared gate)   # optional
 
@@ -15,6 +16,11 @@ each expert's input by its weight instead of its output (``scale_input``, Llama 
 expert (``MoEConfig.shared_expert_intermediate_size``) is a gated MLP every token runs, in
 its own LoRA groups (``shared_expert.{gate,up,down}_proj``), with an optional sigmoid gate
 ``[1, D]`` (``shared_expert_gate``, Qwen-MoE's).
+
+``glu`` is ``act(gate) * up`` or GPT-OSS's clamped SwiGLU (:func:`clamped_swiglu`); the biases
+(per expert, GPT-OSS) are optional. ``W_gate_up`` always holds gate rows then up rows: a
+checkpoint that interleaves them (GPT-OSS) is de-interleaved at load, and its adapters' ``B``
+rows with it (``MoESpec.gate_up_interleaved``).
 
 Tokens are routed once per layer and sorted by expert, so each expert's GEMM runs over one
 contiguous block of rows and an expert no token chose is never read (``GroupedExperts``: a loop
@@ -32,6 +38,7 @@ module's. Each (token, expert) row thus gets its own request's adapter for that 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -76,6 +83,17 @@ class MoEConfig(ModelConfig):
     """Packed experts stored ``[E, d_in, d_out]`` (Llama 4; ``MoESpec.packed_in_out``)."""
     router_name: str = ROUTER
     """The router's module name in checkpoints and adapters (Llama 4: ``router``)."""
+    softmax_after_topk: bool = False
+    """Route by the top-k logits, weights their softmax in the logits' dtype (GPT-OSS), instead
+    of the top-k of a float32 softmax over every expert."""
+    router_bias: bool = False
+    expert_bias: bool = False
+    """Per-expert biases on gate/up ``[E, 2 I]`` and down ``[E, D]`` (GPT-OSS)."""
+    gate_up_interleaved: bool = False
+    """The checkpoint's packed gate/up interleaves gate and up columns (GPT-OSS)."""
+    swiglu_limit: float | None = None
+    """GPT-OSS's clamped SwiGLU (:func:`clamped_swiglu`) with this limit; None: ``act(g) * u``."""
+    swiglu_alpha: float = 1.702
 
     def moe_spec(self) -> MoESpec | None:
         return MoESpec(
@@ -88,6 +106,7 @@ class MoEConfig(ModelConfig):
             self.packed_in_out,
             self.router_name,
             self.shared_expert_gate,
+            self.gate_up_interleaved,
         )
 
     def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
@@ -100,6 +119,13 @@ class MoEConfig(ModelConfig):
 
     def module_experts(self, proj: str) -> int:
         return self.num_experts if proj in EXPERT_PROJ_NAMES else 0
+
+    def layer_bias_params(self) -> int:
+        """The projections' biases, the router's and every expert's (GPT-OSS: every layer is
+        sparse, so a layer's count is the sparse block's)."""
+        e, i, d = self.num_experts, self.moe_intermediate_size, self.hidden_size
+        extra = e * self.router_bias + e * (2 * i + d) * self.expert_bias
+        return super().layer_bias_params() + extra
 
     def num_parameters(self) -> int:
         dense = super().num_parameters()
@@ -205,11 +231,24 @@ def _same(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def clamped_swiglu(gu: torch.Tensor, inter: int, limit: float, alpha: float) -> torch.Tensor:
+    """GPT-OSS's expert activation (transformers' ``GptOssExperts._apply_gate``), gate columns
+    first: ``[N, 2 I] -> [N, I]``::
+
+        g = min(gate, limit);  u = clamp(up, -limit, limit)
+        out = (u + 1) * (g * sigmoid(g * alpha))
+    """
+    g = gu[:, :inter].clamp(min=None, max=limit)
+    u = gu[:, inter:].clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
 class SparseMoE:
     """The sparse block of a MoE layer (module docstring). Reads ``L.router`` (a Linear
     ``[E, D]``), ``L.w_gate_up [E, 2 I, D]`` (gate rows, then up rows) and ``L.w_down
-    [E, D, I]`` of the layer it is called with, and with a shared expert ``L.shared_gate_up``
-    ``[2 Is, D]``, ``L.shared_down [D, Is]`` and, gated, ``L.shared_gate [1, D]``."""
+    [E, D, I]`` of the layer it is called with, with a shared expert ``L.shared_gate_up``
+    ``[2 Is, D]``, ``L.shared_down [D, Is]`` and, gated, ``L.shared_gate [1, D]``, and with
+    ``expert_bias`` ``L.b_gate_up [E, 2 I]`` and ``L.b_down [E, D]``."""
 
     scale_input = False
     """Whether the routing weights scale each expert's input (Llama 4) instead of its output."""
@@ -225,6 +264,14 @@ class SparseMoE:
         self.in_model_dtype = cfg.routing_in_model_dtype
         self.inter = cfg.moe_intermediate_size
         self.act: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[cfg.hidden_act]
+        self.glu: Callable[[torch.Tensor], torch.Tensor] = self._glu
+        """``[N, 2 I] -> [N, I]``, chosen once: ``act(gate) * up`` or the clamped SwiGLU."""
+        if cfg.swiglu_limit is not None:
+            self.glu = functools.partial(
+                clamped_swiglu, inter=self.inter, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha
+            )
+        self.softmax_after_topk = cfg.softmax_after_topk
+        self.expert_bias = cfg.expert_bias
         self.grouped = grouped
         i, d = self.inter, cfg.hidden_size
         self.gate_up_parts = (("experts.gate_proj", 0, i), ("experts.up_proj", i, 2 * i))
@@ -241,9 +288,16 @@ class SparseMoE:
         """Rows per expert of the last call (what the grouped GEMMs read; for tests and
         profiling)."""
 
+    def _glu(self, gu: torch.Tensor) -> torch.Tensor:
+        return self.act(gu[:, : self.inter]) * gu[:, self.inter :]
+
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], experts [T, k])`` of router ``logits [T, E]``, as transformers:
-        softmax in float32, top-k, renormalised when ``norm_topk_prob``."""
+        softmax in float32, top-k, renormalised when ``norm_topk_prob``; or, with
+        ``softmax_after_topk`` (GPT-OSS), top-k of the logits and the softmax of those."""
+        if self.softmax_after_topk:
+            top, e = torch.topk(logits, self.top_k, dim=-1)  # [T, k] each
+            return torch.softmax(top, dim=-1, dtype=top.dtype), e
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         w, e = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
         if self.norm_topk_prob:
@@ -279,10 +333,15 @@ class SparseMoE:
         gu = self.grouped(xs, L.w_gate_up, offsets, counts)  # [N, 2 I]
         if lora_plan is not None:
             lora.add(i, self.gate_up_parts, xs, gu, plan, lora_plan)
-        act = self.act(gu[:, : self.inter]) * gu[:, self.inter :]  # [N, I]
+        ex = flat[order] if self.expert_bias else None  # [N] the expert of each sorted pair
+        if ex is not None:
+            gu += L.b_gate_up[ex]
+        act = self.glu(gu)  # [N, I]
         h = self.grouped(act, L.w_down, offsets, counts)  # [N, D]
         if lora_plan is not None:
             lora.add(i, self.down_parts, act, h, plan, lora_plan)
+        if ex is not None:
+            h += L.b_down[ex]
         if not self.scale_input:
             h = h * w.reshape(-1)[order, None]  # [N, D] (float32 weights promote, as in HF)
         out = torch.zeros_like(x) if not self.shared_inter else self.shared(L, i, x, step)
@@ -409,12 +468,16 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
             want.update(dict.fromkeys(SHARED_EXPERT_PROJ_NAMES, 1))
         if c.shared_expert_gate:
             want["shared_expert_gate"] = 1
+        want.update(dict.fromkeys(("router_bias",) if c.router_bias else (), 1))
+        want.update(dict.fromkeys(("b_gate_up", "b_down") if c.expert_bias else (), 1))
         for layer in self.cfg.sparse_layers:
             for slot, n in want.items():
                 got = len(self._moe_seen.get((layer, slot), ()))
                 if got != n:
                     what = {"router": "the router (gate)", "w_gate_up": "gate/up experts",
-                            "w_down": "down experts"}.get(slot, slot)  # fmt: skip
+                            "w_down": "down experts", "router_bias": "the router's bias",
+                            "b_gate_up": "the gate/up experts' bias",
+                            "b_down": "the down experts' bias"}.get(slot, slot)  # fmt: skip
                     raise ModelLoadError(
                         f"{src}: layer {layer} is missing {what}: {got} of {n} tensors found"
                     )
@@ -424,7 +487,8 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
         assert make is not None
         for layer in self.cfg.sparse_layers:
             L = self.layers[layer]
-            L.router = make(self._moe_parts.pop((layer, "router")), None)  # [E, D]
+            bias = self._moe_parts.pop((layer, "router_bias"), None)  # [E]
+            L.router = make(self._moe_parts.pop((layer, "router")), bias)  # [E, D]
             L.w_gate_up = self._experts(layer, "w_gate_up")  # [E, 2 I, D]
             L.w_down = self._experts(layer, "w_down")  # [E, D, I]
             if self.cfg.shared_expert_intermediate_size:
@@ -433,6 +497,9 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
                 L.shared_down = make(dn, None)  # [D, Is]
             if self.cfg.shared_expert_gate:
                 L.shared_gate = make(self._moe_parts.pop((layer, "shared_expert_gate")), None)
+            if self.cfg.expert_bias:
+                L.b_gate_up = self._moe_parts.pop((layer, "b_gate_up"))  # [E, 2 I]
+                L.b_down = self._moe_parts.pop((layer, "b_down"))  # [E, D]
         self._moe_seen.clear()
 
     def _experts(self, layer: int, slot: str) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The RMSNorms of the decoders: Llama's (scale in the model dtype), Gemma's (``1 + w`` in
-float32) and Gemma 4's (``w`` in float32); each names its mode of the C layer ops
+float32) and Gemma 4's and GPT-OSS's (``w`` in float32); each names its mode of the C layer ops
 (``native/layer_ops.c``)."""
 
 from __future__ import annotations
@@ -64,12 +64,15 @@ class GemmaRMSNorm(RMSNorm):
         return out.to(x.dtype)
 
 
-class Gemma4RMSNorm(RMSNorm):
-    """Gemma 4's RMSNorm, HF-exact: ``(x / rms(x)) * w`` in float32, then cast to the input
-    dtype (no ``1 +``; Llama's scales in the model dtype instead)."""
+class Float32ScaleRMSNorm(RMSNorm):
+    """Gemma 4's and GPT-OSS's RMSNorm, HF-exact: ``(x / rms(x)) * w`` in float32, then cast
+    to the input dtype (no ``1 +``; Llama's scales in the model dtype instead; the same in
+    float32)."""
 
     kernel_mode = 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused and x.dtype == torch.float32:
+            return F.rms_norm(x, self.dim, self.weight, self.eps)
         out = F.rms_norm(x.float(), self.dim, None, self.eps) * self.weight.float()
         return out.to(x.dtype)

@@ -14,6 +14,7 @@ from loraplex.model.gemma import (
     Gemma3ForConditionalGeneration,
 )
 from loraplex.model.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from loraplex.model.gpt_oss import GptOssForCausalLM
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from loraplex.model.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from loraplex.model.mixtral import MixtralForCausalLM
@@ -47,6 +48,7 @@ ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

@@ -54,8 +54,13 @@ class RotaryEmbedding:
         """The dims of each head the tables cover (HF: ``int(head_dim * partial_rotary_factor)``)."""
         self.base = base
         self.scaling = scaling
-        self.attention_factor = 1.0
-        """Scale of the cos/sin tables (LongRoPE's attention factor; 1 for the others)."""
+        missing = [k for k in self.required_keys if (scaling or {}).get(k) is None]
+        if missing:
+            rtype = (scaling or {}).get("rope_type")
+            raise ModelLoadError(f"rope_scaling type {rtype!r} is missing {missing}")
+        self.attention_factor = self.cos_sin_scale()
+        """Scale of the cos/sin tables (LongRoPE's and YaRN's attention factor; 1 for the
+        others)."""
         self.dtype = dtype
         self.device = device
         self._len = 0
@@ -66,6 +71,13 @@ class RotaryEmbedding:
         """The dims of a head the cos/sin tables cover (and rotation reads): the first
         ``partial_rotary_factor`` of it."""
         return int(head_dim * float((scaling or {}).get("partial_rotary_factor", 1.0)))
+
+    required_keys: tuple[str, ...] = ()
+    """What the ``rope_scaling`` of this type must say (refused at load, naming them)."""
+
+    def cos_sin_scale(self) -> float:
+        """The attention factor the cos/sin tables are scaled by (1: none)."""
+        return 1.0
 
     def inv_freq(self) -> torch.Tensor:
         """Inverse frequencies [rd / 2], float32."""
@@ -129,6 +141,8 @@ _LONGROPE_KEYS = ("short_factor", "long_factor", "original_max_position_embeddin
 
 
 class LongRoPERotaryEmbedding(RotaryEmbedding):
+    required_keys = _LONGROPE_KEYS
+
     """``rope_type: longrope`` (Phi-3/4 128k, transformers' ``_compute_longrope_parameters``)::
 
         inv_freq_s[i] = 1 / (short_factor[i] * base ** (2i / rd))   # short sequences
@@ -148,6 +162,8 @@ class LongRoPERotaryEmbedding(RotaryEmbedding):
     steps keep the set of their own step (a chunked prompt's first chunks, a prefix-cache hit).
     The decoder calls :meth:`begin_step` with the step's positions and sequences first."""
 
+    required_keys = _LONGROPE_KEYS
+
     def __init__(
         self,
         head_dim: int,
@@ -157,9 +173,7 @@ class LongRoPERotaryEmbedding(RotaryEmbedding):
         device: torch.device,
     ) -> None:
         super().__init__(head_dim, base, scaling, dtype, device)
-        missing = [k for k in _LONGROPE_KEYS if (scaling or {}).get(k) is None]
-        if scaling is None or missing:
-            raise ModelLoadError(f"rope_scaling type 'longrope' is missing {missing}")
+        assert scaling is not None
         self.original = int(scaling["original_max_position_embeddings"])
         factor = float(scaling["factor"])
         attn = scaling.get("attention_factor")
@@ -235,12 +249,69 @@ class ProportionalRotaryEmbedding(RotaryEmbedding):
         return inv / float(rs.get("factor", 1.0))
 
 
+class YaRNRotaryEmbedding(RotaryEmbedding):
+    """``rope_type: yarn`` (GPT-OSS; transformers' ``_compute_yarn_parameters``)::
+
+        pos[i]  = base ** (2i / rd);  extra = 1 / pos;  inter = 1 / (factor * pos)
+        low, high = the dims where beta_fast and beta_slow rotations fit in the original length:
+                    d(n) = rd ln(original / (2 pi n)) / (2 ln base), floored / ceiled if
+                    ``truncate`` (default True), clipped to [0, rd - 1]
+        ramp[i] = clamp((i - low) / (high - low), 0, 1)    (high += 0.001 where low == high)
+        inv_freq = inter * ramp + extra * (1 - ramp)
+        attention_factor = scaling.attention_factor or mscale(factor, mscale) /
+                           mscale(factor, mscale_all_dim) (both given) or mscale(factor),
+                           mscale(s, m) = 1 if s <= 1 else 0.1 m ln(s) + 1
+        cos, sin = cos(p * inv_freq) * attention_factor, sin(...) * attention_factor
+
+    ``factor`` must be set (the architecture's ``config_fields`` fills it from
+    ``max_position_embeddings / original_max_position_embeddings`` where HF would)."""
+
+    required_keys = ("factor", "original_max_position_embeddings")
+
+    def cos_sin_scale(self) -> float:
+        assert self.scaling is not None
+        rs, factor = self.scaling, float(self.scaling["factor"])
+        if rs.get("attention_factor") is not None:
+            return float(rs["attention_factor"])
+        mscale, all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+        if mscale and all_dim:
+            return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
+        return _yarn_mscale(factor)
+
+    def inv_freq(self) -> torch.Tensor:
+        assert self.scaling is not None
+        rs, rd, base = self.scaling, self.rotary_dim, self.base
+        factor = float(rs["factor"])
+        original = float(rs["original_max_position_embeddings"])
+        fast, slow = float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1)
+
+        def dim_of(rotations: float) -> float:
+            return (rd * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = dim_of(fast), dim_of(slow)
+        if rs.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rd - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos = base ** (torch.arange(0, rd, 2).to(dtype=torch.float) / rd)
+        extra_factor = 1 - ramp
+        return (1.0 / (factor * pos)) * (1 - extra_factor) + (1.0 / pos) * extra_factor
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's ``mscale`` (Eq. 21): ``0.1 * mscale * ln(scale) + 1``, 1 for ``scale <= 1``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 ROPE_TYPES: dict[str, type[RotaryEmbedding]] = {
     "default": RotaryEmbedding,
     "linear": LinearScalingRotaryEmbedding,
     "llama3": Llama3RotaryEmbedding,
     "longrope": LongRoPERotaryEmbedding,
     "proportional": ProportionalRotaryEmbedding,
+    "yarn": YaRNRotaryEmbedding,
 }
 """``rope_scaling.rope_type`` -> its rotary class; ``parse_model_config`` refuses the others."""
 

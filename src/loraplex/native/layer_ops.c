@@ -9,7 +9,7 @@
  *       r = 1 / sqrt(mean(h[t]^2) + eps)
  *       mode 0 (Llama):  out[t] = E == float32 ? (h[t] * r) * w : rnd(w * rnd(h[t] * r))
  *       mode 1 (Gemma):  out[t] = rnd((h[t] * r) * (1 + w))
- *       mode 2 (Gemma 4): out[t] = rnd((h[t] * r) * w)
+ *       mode 2 (Gemma 4, GPT-OSS): out[t] = rnd((h[t] * r) * w)
  *   loraplex_rotary:  in place, per row t and head, on the first rd values (half = rd / 2):
  *       x[i]        = rnd(rnd(x[i] * cos[i]) + rnd(-x[i + half] * sin[i]))          i < half
  *       x[i + half] = rnd(rnd(x[i + half] * cos[i + half]) + rnd(x[i] * sin[i + half]))
@@ -22,6 +22,8 @@
  *       0) at cache slot block_table[b, p / bs] * bs + p % bs:
  *           s[p] = scale * dot(q[h], k[slot, j]),  with a cap: s[p] = tanh(s[p] / cap) * cap
  *           out[h] = rnd(sum_p softmax(s)[p] * v[slot, j])
+ *       with attention sinks (``sinks``, float32 [H], or NULL): sinks[h] joins the softmax's
+ *       denominator (max and sum) and takes no value row (GPT-OSS).
  *
  * These are what torch computes for the same ops (HF's rounding steps in bf16), except the
  * order of the sums (norm statistics, dot products) and exp / tanh, which are a polynomial
@@ -318,7 +320,8 @@ INLINE void weighted_values(const float *__restrict w, const char *__restrict v0
  * (queries) + G * ctx (scores) floats. */
 INLINE void attend_one(const void *q, const void *kc, const void *vc, const int64_t *table,
                        int64_t lo, int64_t len, int64_t bs, int64_t KVH, int64_t hd, int64_t G,
-                       int64_t j, float scale, float cap, void *out, float *scratch, int e) {
+                       int64_t j, float scale, float cap, const float *sinks, void *out,
+                       float *scratch, int e) {
     float *qf = scratch, *s = scratch + G * hd;
     int64_t n = len - lo;
     for (int64_t i = 0; i < G * hd; i++) qf[i] = ld(q, i, e);
@@ -345,10 +348,12 @@ INLINE void attend_one(const void *q, const void *kc, const void *vc, const int6
     for (int64_t g = 0; g < G; g++) {
         float *sg = s + g * n, m = sg[0], sum = 0.0f;
         for (int64_t i = 1; i < n; i++) m = sg[i] > m ? sg[i] : m;
+        if (sinks) m = sinks[g] > m ? sinks[g] : m;
         for (int64_t i = 0; i < n; i++) {
             sg[i] = exp_f32(sg[i] - m);
             sum += sg[i];
         }
+        if (sinks) sum += exp_f32(sinks[g] - m);
         float inv = 1.0f / sum;
         for (int64_t i = 0; i < n; i++) sg[i] *= inv;
     }
@@ -359,7 +364,8 @@ int loraplex_decode_attention(const void *q, int64_t q_stride, const int64_t *ro
                               int64_t H, int64_t KVH, int64_t hd, const void *kc,
                               const void *vc, const int64_t *block_table, int64_t nblk,
                               const int64_t *lens, int64_t bs, float scale, float cap,
-                              int64_t window, void *out, int64_t o_stride, int e, int threads) {
+                              int64_t window, void *out, int64_t o_stride, int e, int threads,
+                              const float *sinks) {
     int64_t G = H / KVH, esz = e == F32 ? 4 : 2, ctx = nblk * bs;
     int64_t per = G * hd + G * ctx;
     int failed = 0;
@@ -380,12 +386,13 @@ int loraplex_decode_attention(const void *q, int64_t q_stride, const int64_t *ro
             const void *qb = (const char *)q + (row * q_stride + j * G * hd) * esz;
             void *ob = (char *)out + (row * o_stride + j * G * hd) * esz;
             const int64_t *tb = block_table + b * nblk;
+            const float *sk = sinks ? sinks + j * G : NULL; /* this KV head's G query heads' */
             if (e == F32)
-                attend_one(qb, kc, vc, tb, lo, len, bs, KVH, hd, G, j, scale, cap, ob, scratch,
-                           F32);
+                attend_one(qb, kc, vc, tb, lo, len, bs, KVH, hd, G, j, scale, cap, sk, ob,
+                           scratch, F32);
             else
-                attend_one(qb, kc, vc, tb, lo, len, bs, KVH, hd, G, j, scale, cap, ob, scratch,
-                           BF16);
+                attend_one(qb, kc, vc, tb, lo, len, bs, KVH, hd, G, j, scale, cap, sk, ob,
+                           scratch, BF16);
         }
         free(scratch);
     }

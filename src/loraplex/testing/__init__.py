@@ -46,6 +46,7 @@ ARCH_CONFIGS = {
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
     "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -74,6 +75,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama4": dict(num_local_experts=4, intermediate_size_mlp=96, interleave_moe_layer_step=2,
                    no_rope_layer_interval=2, attention_chunk_size=4, floor_scale=4,
                    attn_scale=0.5),
+    # 8 experts, top-4; a window of 4 tokens every prompt crosses on the sliding layers
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=4, sliding_window=4),
 }  # fmt: skip
 """Config values a family's tiny model takes unless the caller says otherwise (a MoE's expert
 count and size: the config classes' defaults, 128 experts of 768, are a real model's)."""

@@ -48,8 +48,9 @@ class ExpertModuleLayout:
     rank: int  # rows per expert: the largest expert's rank
     per_expert: tuple[ExpertFactors | None, ...] | None = None
     packed: ExpertFactors | None = None
-    b_rows: tuple[int, int] | None = None
-    """The rows of the packed ``B`` this projection takes (``gate_up_proj``: gate's, up's)."""
+    b_rows: tuple[int, int, int] | None = None
+    """The rows ``(start, stop, step)`` of the packed ``B`` this projection takes
+    (``gate_up_proj``: gate's, up's; every other row of each where they interleave)."""
     in_out: bool = False
     """The packed parameter is stored ``[E, d_in, d_out]`` (``MoESpec.packed_in_out``): PEFT's
     ``A [E r, d_out]`` then expands and its ``B [d_in, r E]`` shrinks (``b_rows``: of ``A``'s
@@ -227,15 +228,17 @@ class ExpertTensors:
                     )
                 f = self._factors(mkey, a_name, b_name, n)
                 lo = 0
-                for part in PACKED_EXPERT_PARAMS[param]:
+                interleaved = moe.gate_up_interleaved and len(PACKED_EXPERT_PARAMS[param]) > 1
+                for k, part in enumerate(PACKED_EXPERT_PARAMS[param]):
                     hi = lo + shapes[part][1]
+                    rows = (k, d_out, 2) if interleaved else (lo, hi, 1)
                     if (layer, part) in out or (layer, part) in self.per_expert:
                         raise FormatError(
                             "unsupported_tensor",
                             f"module {mkey}: adapted twice (packed and per expert?)",
                         )
                     out[(layer, part)] = ExpertModuleLayout(
-                        mkey, n, f.rank, packed=f, b_rows=(lo, hi), in_out=moe.packed_in_out
+                        mkey, n, f.rank, packed=f, b_rows=rows, in_out=moe.packed_in_out
                     )
                     lo = hi
         for (layer, proj), by_expert in sorted(self.per_expert.items()):

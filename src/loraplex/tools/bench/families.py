@@ -85,9 +85,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
         floor_scale=8192,
         attn_scale=0.1,
     ),
+    # 8 experts of 384 (top-4: a token reads what the dense 1536-wide MLP reads), sinks,
+    # YaRN, biases, windows of 128 on every other layer; all-linear adapters are attention only
+    "gpt_oss": dict(
+        arch="gpt_oss",
+        num_local_experts=8,
+        num_experts_per_tok=4,
+        intermediate_size=384,
+        sliding_window=128,
+    ),
 }
 """Family -> its ``make_random_model`` arguments beyond ``WIDTH`` (Gemma's window is its real
-models' 512 at this width; every prompt here fits inside it)."""
+models' 512 at this width; every prompt here fits inside it; GPT-OSS's 128, as released)."""
 N_ADAPTERS = 16
 KINDS = (0, N_ADAPTERS)  # base, 16 distinct adapters
 BATCH = 16
@@ -102,7 +111,7 @@ def build_family(root: Path, family: str) -> tuple[Path, list[Path]]:
     if not (model / "config.json").is_file():
         make_random_model(
             model, spec.pop("arch"), with_tokenizer=False, seed=0, init_std=0.02,
-            **WIDTH, **spec,
+            **{**WIDTH, **spec},  # a family may resize the MLP (its experts)
         )  # fmt: skip
     adapters = []
     for i in range(N_ADAPTERS):
