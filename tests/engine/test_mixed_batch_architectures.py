@@ -253,16 +253,22 @@ def _prompt_reference(model: object, ids: list[int]) -> torch.Tensor:
 
 
 def check_mixed_batch(
-    llm: LLM, adapters: dict[str, Path], refs: dict, n_new: int, tol: float = SAMPLE_TOL
+    llm: LLM,
+    adapters: dict[str, Path],
+    refs: dict,
+    n_new: int,
+    tol: float = SAMPLE_TOL,
+    texts: list[str] = PROMPTS,
 ) -> list[tuple[str, str | None, RequestOutput]]:
-    """The base and each adapter twice (different prompts) in one batch: greedy tokens, sample
-    logprobs (within ``tol``) and prompt logprobs equal ``refs``' (transformers + PEFT, by
-    adapter name; None: the base). Returns (prompt, adapter name, output) per request."""
+    """The base and each adapter twice (different prompts of ``texts``) in one batch: greedy
+    tokens, sample logprobs (within ``tol``) and prompt logprobs equal ``refs``' (transformers
+    + PEFT, by adapter name; None: the base). Returns (prompt, adapter name, output) per
+    request."""
     names = [None, *adapters]
     prompts, loras, expect = [], [], []
     for i, name in enumerate(names):  # each adapter twice, with different prompts
         for j in range(2):
-            prompts.append(PROMPTS[(i + j) % len(PROMPTS)])
+            prompts.append(texts[(i + j) % len(texts)])
             loras.append(LoRARequest(name, str(adapters[name])) if name else None)
             expect.append(name)
     sp = SamplingParams(

@@ -27,6 +27,7 @@ from loraplex.testing import (
     reference_greedy,
 )
 from loraplex.tools import plan, verify
+from tests.engine.test_mixed_batch_architectures import check_mixed_batch
 
 S, F = "sliding_attention", "full_attention"
 PLE = ["per_layer_input_gate", "per_layer_projection"]
@@ -98,31 +99,8 @@ def llm(request: pytest.FixtureRequest, gemma4: dict) -> Iterator[LLM]:
 
 def test_mixed_batch_equals_peft_unmerged(llm: LLM, gemma4: dict) -> None:
     adapters, refs = gemma4["adapters"], gemma4["refs"]
-    names = [None, *adapters]
-    prompts = [PROMPTS[(i + j) % len(PROMPTS)] for i in range(len(names)) for j in range(2)]
-    expect = [n for n in names for _ in range(2)]
-    loras = [LoRARequest(n, str(adapters[n])) if n else None for n in expect]
-    sp = SamplingParams(
-        temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=5, prompt_logprobs=3
-    )
-    outs = llm.generate(prompts, sp, lora_request=loras)
+    check_mixed_batch(llm, adapters, refs, N_NEW, SAMPLE_TOL, PROMPTS)
     tok = llm.get_tokenizer()
-    for prompt, name, out in zip(prompts, expect, outs, strict=True):
-        ids = tok(prompt).input_ids
-        want, ref_lp = reference_greedy(refs[name], ids, N_NEW)
-        got = out.outputs[0]
-        assert got.token_ids == want, f"adapter {name} prompt {prompt!r}"
-        assert logprob_gap(got.logprobs, ref_lp) < SAMPLE_TOL, name
-        with torch.no_grad():
-            logits = refs[name](torch.tensor([ids])).logits[0].float()
-        want_prompt = torch.log_softmax(logits, dim=-1)[:-1]
-        assert out.prompt_logprobs is not None
-        worst = max(
-            abs(val - float(want_prompt[i, tid]))
-            for i, entry in enumerate(out.prompt_logprobs[1:])
-            for tid, val in entry.items()  # type: ignore[union-attr]
-        )
-        assert worst < PROMPT_TOL, f"adapter {name}: prompt logprob diff {worst}"
     ids = torch.tensor([tok(PROMPTS[0]).input_ids])
     with torch.no_grad():  # every adapter really moves the logits (no silent no-op passes)
         plain = refs[None](ids).logits

@@ -212,3 +212,23 @@ def test_snapshots_only_where_the_state_pool_has_room(hybrid: dict) -> None:
     for ids, out in ((first, a), (second, b)):
         check_greedy(out.outputs[0], hybrid["ref"], ids, SAMPLE_TOL)
     assert pool.num_free == pool.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_vl", "qwen3_5_moe_vl"])
+def test_vision_language_checkpoints_serve_their_language_model(arch: str, tmp_path: Path) -> None:
+    """``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (a real
+    vision tower in the checkpoint, skipped): the language model and an adapter on its
+    linear-attention and attention projections equal transformers + PEFT."""
+    model = make_random_model(tmp_path / "m", arch, num_layers=2, seed=4)
+    adapter = make_random_adapter(
+        model, tmp_path / "a", r=8, std=0.1, seed=9,
+        target_modules=["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj"],
+    )  # fmt: skip
+    llm = LLM(str(model), dtype="float32", max_lora_rank=8, block_size=BLOCK)
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
+    ids = _ids(40, seed=11)
+    for lora in (None, adapter):
+        req = LoRARequest("a", str(adapter)) if lora else None
+        out = llm.generate([{"prompt_token_ids": ids}], sp, lora_request=req)[0]
+        check_greedy(out.outputs[0], load_merged_reference(model, lora), ids, SAMPLE_TOL)
+    assert llm.engine.is_idle()

@@ -42,6 +42,8 @@ ARCH_CONFIGS = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "qwen3_5_vl": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
@@ -63,6 +65,13 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                         linear_num_value_heads=4, linear_key_head_dim=16,
                         linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
                         moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "qwen3_5_vl": dict(full_attention_interval=2, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16),
+    "qwen3_5_moe_vl": dict(full_attention_interval=2, linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=16,
+                           linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=48),
     # Gemma 4: a window prompts cross, per-layer inputs of 8 (the real 256 over 262144 tokens)
     "gemma4_text": dict(sliding_window=4, hidden_size_per_layer_input=8),
     "gemma4": dict(sliding_window=4, hidden_size_per_layer_input=8),
@@ -93,6 +102,8 @@ _TEXT_CONFIGS = {
     "Gemma3Config": "Gemma3TextConfig",
     "Gemma4Config": "Gemma4TextConfig",
     "Llama4Config": "Llama4TextConfig",
+    "Qwen3_5Config": "Qwen3_5TextConfig",
+    "Qwen3_5MoeConfig": "Qwen3_5MoeTextConfig",
 }
 """Multimodal config class -> the text config class it wraps: ``make_random_model`` builds the
 text config from its arguments and wraps it with a tiny vision tower (``_wrap_text_config``)."""
@@ -116,6 +127,16 @@ def _wrap_text_config(cfg_name: str, text: Any) -> Any:
             tie_word_embeddings=text.tie_word_embeddings,
             initializer_range=text.initializer_range,
         )
+    if cfg_name in ("Qwen3_5Config", "Qwen3_5MoeConfig"):  # one tiny vision block
+        vision_cls = getattr(transformers, cfg_name.replace("Config", "VisionConfig"))
+        tower = vision_cls(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+            out_hidden_size=text.hidden_size, num_position_embeddings=16,
+        )  # fmt: skip
+        return getattr(transformers, cfg_name)(
+            text_config=text.to_dict(), vision_config=tower.to_dict(),
+            tie_word_embeddings=text.tie_word_embeddings,
+        )  # fmt: skip
     if cfg_name == "Llama4Config":  # one tiny vision layer, its projector and pixel shuffle
         llama4_vision = transformers.Llama4VisionConfig(
             hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
