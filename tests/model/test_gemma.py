@@ -237,12 +237,12 @@ def test_gemma3_config_layouts() -> None:
     assert gemma2.layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
     with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
         parse_model_config(_gemma3_raw(use_bidirectional_attention=True))
-    with pytest.raises(ModelLoadError, match="unsupported rope_scaling type 'yarn'"):
+    with pytest.raises(ModelLoadError, match="unsupported rope_scaling type 'dynamic'"):
         parse_model_config(
             _gemma3_raw(
                 rope_parameters={
                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                    "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0},
+                    "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0},
                 }
             )
         )
