@@ -171,6 +171,8 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             for i in range(cfg.num_layers)
         ]
         self._own: dict[tuple[int, str], torch.Tensor] = {}
+        if not hasattr(self, "ffns"):  # a MoE's sparse blocks were set by its base class
+            self.ffns = [self.mlp] * cfg.num_layers
 
     # -- the recurrent layers ----------------------------------------------------------------
     def state_layers(self) -> tuple[int, ...]:
@@ -241,8 +243,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     # -- forward -----------------------------------------------------------------------------
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
-        ffns = getattr(self, "ffns", None) or [self.mlp] * len(self.layers)  # a MoE's: its own
-        return pre_norm_stack(self, h, step, ffns, mixers=self.mixers)
+        return pre_norm_stack(self, h, step, self.ffns, mixers=self.mixers)
 
 
 _TEXT_PREFIXES = (("model.language_model.", "model."),)
