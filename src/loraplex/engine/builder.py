@@ -282,10 +282,12 @@ def slot_bank(
         tp, full = model.tp, model.full_cfg
         lo, hi = tp.layout.vocab_rows
         vocab_shapes[LM_HEAD] = (mc.hidden_size, hi - lo)  # the rank's vocabulary rows
-        shapes = {key: tp.lora_shape(key[1], dims, full) for key, dims in shapes.items()}
+        shapes = {key: model.lora_shard_shape(key, dims) for key, dims in shapes.items()}
 
         def shard(key: tuple[int, str], a: torch.Tensor, b: torch.Tensor) -> tuple:
-            return tp.shard_lora(key[1], a, b, full)
+            if key[0] == VOCAB_LAYER:
+                return tp.shard_lora(key[1], a, b, full)
+            return model.shard_lora(key, a, b)
 
         if tp.fully_sharded:
             binding = functools.partial(FullyShardedLoRABinding, tp=tp, cfg=full)

@@ -35,7 +35,9 @@ from loraplex.model.layers import (
     ProjectionGroup,
     RMSNorm,
     RotaryEmbedding,
+    attention_groups,
     make_rotary,
+    mlp_groups,
 )
 from loraplex.model.linear import Linear, LinearFactory
 from loraplex.model.lora_binding import LoRABinding
@@ -43,7 +45,7 @@ from loraplex.model.quant.formats import QuantSpec
 from loraplex.model.quant.kernels import QuantKernels
 from loraplex.model.quant.weights import QuantizedEmbedding, QuantWeight
 from loraplex.model.spec import ModelConfig
-from loraplex.model.tensor_parallel.sharding import TensorParallel
+from loraplex.model.tensor_parallel.sharding import ShardLayout, TensorParallel
 
 
 @dataclass
@@ -236,6 +238,47 @@ class DecoderForCausalLM:
     def row_parallel_blocks(self) -> tuple[Any, ...]:
         """The blocks whose outputs are summed over tensor-parallel ranks (their ``reduce``)."""
         return (self.attn, self.mlp)
+
+    # -- tensor parallelism: how this architecture's tensors cut over the ranks. Each default
+    #    is the Llama-shaped cut of ``model/tensor_parallel/sharding.py``; an architecture with
+    #    tensors of its own overrides them for those and defers to these for the rest.
+    @classmethod
+    def shard_config(cls, cfg: ModelConfig, layout: ShardLayout) -> ModelConfig:
+        """The config of rank ``layout.rank``'s shard (its blocks, KV cache and slot tables
+        are built from it); ModelLoadError naming a field that does not split."""
+        return layout.local_config(cfg)
+
+    def whole_projection_groups(self, layer: int) -> tuple[ProjectionGroup, ...]:
+        """``layer_projection_groups`` as the whole checkpoint has them (a rank's ``cfg`` has
+        only its cut): the shapes its tensors are checked against and where each part of a
+        fused slot starts."""
+        c = self.full_cfg
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return (
+            *attention_groups(c.hidden_size, q, kv),
+            *mlp_groups(c.hidden_size, c.intermediate_size),
+        )
+
+    def shard_slot(
+        self, layer: int, slot: str, kind: str, t: torch.Tensor, offsets: dict[str, int]
+    ) -> torch.Tensor | None:
+        """This rank's part of fused slot ``slot``'s whole ``kind`` tensor in ``layer`` (None:
+        a row-parallel bias on a rank other than 0); ``offsets``: each part's first column."""
+        assert self.tp is not None
+        return self.tp.shard_slot(slot, kind, t, self.full_cfg, offsets)
+
+    def lora_shard_shape(self, key: tuple[int, str], dims: tuple[int, int]) -> tuple[int, int]:
+        """The rank's ``(d_in, d_out)`` of LoRA module ``key`` (layer, module) whose cut by
+        ``cfg`` is ``dims``."""
+        assert self.tp is not None
+        return self.tp.lora_shape(key[1], dims, self.full_cfg)
+
+    def shard_lora(
+        self, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (A, B) of LoRA module ``key`` from the adapter's whole A and B."""
+        assert self.tp is not None
+        return self.tp.shard_lora(key[1], a, b, self.full_cfg)
 
     def checkpoint_name(self, name: str) -> str | None:
         """The canonical name (``model/loading.py``'s ``TOP_WEIGHTS`` or

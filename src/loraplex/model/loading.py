@@ -30,7 +30,7 @@ import torch
 
 from loraplex.model.checkpoint_files import iter_checkpoint
 from loraplex.model.decoder import LINEAR_SLOTS, DecoderForCausalLM
-from loraplex.model.layers import attention_groups, mlp_groups
+from loraplex.model.layers import ProjectionGroup
 from loraplex.model.linear import Linear, select_linear_factory
 from loraplex.model.quant.formats import QuantSpec, is_quantized_tensor, unpack_projection
 from loraplex.model.quant.kernels import QuantKernels
@@ -97,7 +97,7 @@ def _sharded(
             f"{where}: quantized bases ({quant.label}) do not shard yet; serve the float "
             "checkpoint, or --tensor-parallel-size 1"
         )
-    model = cls(tp.layout.local_config(cfg), dtype, device)
+    model = cls(cls.shard_config(cfg, tp.layout), dtype, device)
     model.tp, model.full_cfg = tp, cfg
     for block in model.row_parallel_blocks():
         block.reduce = tp.all_reduce
@@ -112,16 +112,23 @@ class CheckpointReader:
 
     def __init__(self, model: DecoderForCausalLM) -> None:
         self.model = model
-        c = model.full_cfg  # the checkpoint's shapes: whole under tensor parallelism
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.groups = model.projection_groups
-        if model.tp is not None:
-            self.groups = (
-                *attention_groups(c.hidden_size, q, kv),
-                *mlp_groups(c.hidden_size, c.intermediate_size),
-            )
-        self.offsets = {p: lo for _, _, parts in self.groups for p, lo, _ in parts}
-        """A projection's first column in its (whole) slot, where the rank's cut starts."""
+        self._groups: dict[int, tuple[ProjectionGroup, ...]] = {}
+
+    def groups(self, layer: int) -> tuple[ProjectionGroup, ...]:
+        """``layer``'s projection groups as the checkpoint has them (whole under tensor
+        parallelism: ``whole_projection_groups``)."""
+        got = self._groups.get(layer)
+        if got is None:
+            m = self.model
+            whole = m.tp is not None
+            got = m.whole_projection_groups(layer) if whole else m.layer_projection_groups(layer)
+            self._groups[layer] = got
+        return got
+
+    def offsets(self, layer: int) -> dict[str, int]:
+        """Each projection's first column in its (whole) slot of ``layer``: where the rank's
+        cut starts."""
+        return {p: lo for _, _, parts in self.groups(layer) for p, lo, _ in parts}
 
     def read(self, model_dir: Path) -> tuple[Tensors, list[Tensors]]:
         """(top-level tensors by attribute, per layer ``{"<slot>.<weight|bias>": tensor}``)."""
@@ -172,14 +179,14 @@ class CheckpointReader:
             self._check_shape(st.entries[name].shape, want, name, model_dir)
             t = st.read(name, dtype, device)
             if nparts[slot] == 1:
-                t = self._shard_slot(slot, kind, t)
+                t = self._shard_slot(idx, slot, kind, t)
                 layers[idx][f"{slot}.{kind}"] = self._quantize_at_load(t, slot, kind, name)
                 continue
             got = pending.setdefault((idx, f"{slot}.{kind}"), {})
             got[part] = t
             if len(got) == nparts[slot]:
                 fused = self._shard_slot(
-                    slot, kind, torch.cat([got[p] for p in range(nparts[slot])])
+                    idx, slot, kind, torch.cat([got[p] for p in range(nparts[slot])])
                 )
                 layers[idx][f"{slot}.{kind}"] = self._quantize_at_load(fused, slot, kind, name)
                 del pending[(idx, f"{slot}.{kind}")]
@@ -189,12 +196,12 @@ class CheckpointReader:
         m.check_own_tensors(model_dir)
         return top, layers
 
-    def _shard_slot(self, slot: str, kind: str, t: Any) -> Any:
+    def _shard_slot(self, layer: int, slot: str, kind: str, t: Any) -> Any:
         """This rank's part of a fused slot's full tensor (as it is on one device)."""
         m = self.model
         if m.tp is None or slot not in LINEAR_SLOTS:
             return t
-        return m.tp.shard_slot(slot, kind, t, m.full_cfg, self.offsets)
+        return m.shard_slot(layer, slot, kind, t, self.offsets(layer))
 
     def _quantize_at_load(self, t: torch.Tensor, slot: str, kind: str, name: str) -> Any:
         """A projection weight quantized as soon as it is read (``--quantization int8/int4``),
@@ -264,8 +271,7 @@ class CheckpointReader:
         """The shape config.json implies for part ``part`` of ``slot`` (``nparts`` parts) in
         ``layer`` (whose groups and norms may be its own: ``layer_projection_groups``)."""
         m = self.model
-        groups = self.groups if m.tp is not None else m.layer_projection_groups(layer)
-        group = next((g for g in groups if g[0] == slot), None)
+        group = next((g for g in self.groups(layer) if g[0] == slot), None)
         if group is None:  # a norm: a weight of its width, never a bias
             if kind != "weight":
                 raise ModelLoadError(f"{src}: unexpected tensor {name!r}")
