@@ -10,7 +10,8 @@ import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.merge import build_merged, dense_weight, projection_rows, targeted_groups
+from loraplex.engine.merge import build_merged, projection_rows, targeted_groups
+from loraplex.model.linear import dense_weight
 from loraplex.testing import load_merged_reference, logprob_gap, reference_greedy
 from loraplex.testing.sync import EVENT_TIMEOUT_S
 

@@ -27,6 +27,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -230,16 +231,19 @@ def test_mixed_batch_equals_merged_references(llm: LLM, family: dict) -> None:
     assert llm.engine.is_idle()
 
 
-def _poison_unused(moe: SparseMoE, L: object, counts: list[int], lora: object) -> list:
+def _poison_unused(moe: SparseMoE, L: Any, counts: list[int], lora: object, make: Any) -> list:
     """NaN into the base weights (and every slot's LoRA rows) of the experts without rows;
     returns what to restore."""
     saved = []
     unused = [e for e, n in enumerate(counts) if n == 0]
     assert unused and len(unused) < len(counts)  # the batch touches a strict subset
     for attr in ("w_gate_up", "w_down"):
-        w = getattr(L, attr)
-        saved.append((w, w[unused].clone(), unused))
-        w[unused] = float("nan")
+        w = getattr(L, attr)  # ExpertLinears: one Linear per expert
+        _, m, k = w.shape
+        nan = make(torch.full((m, k), float("nan")), None)
+        saved.append((w.linears, [w.linears[e] for e in unused], unused))
+        for e in unused:
+            w.linears[e] = nan
     if lora is not None:
         cap = lora.bank.capacity  # type: ignore[attr-defined]
         for proj in EXPERT_PROJ_NAMES:
@@ -285,14 +289,18 @@ def test_experts_no_token_chose_are_not_read(family: dict) -> None:
                     if s == decode[0]:
                         L = model.layers[i]
                         L.index = i  # type: ignore[attr-defined]
-                        saved += _poison_unused(model.moe, L, counts, model.lora)
+                        saved += _poison_unused(model.moe, L, counts, model.lora, model.make_linear)
             try:
                 for out in eng.step():
                     if out.finished:
                         results[out.request_id[len(tag) :]] = out.outputs[0]
             finally:
                 for t, values, rows in saved:
-                    t[rows] = values
+                    if isinstance(t, list):  # an expert's Linears
+                        for e, lin in zip(rows, values, strict=True):
+                            t[e] = lin
+                    else:
+                        t[rows] = values
             step_no[0] += 1
         return results
 

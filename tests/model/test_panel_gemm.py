@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.merge import dense_weight
 from loraplex.model import linear
+from loraplex.model.linear import dense_weight
 from loraplex.model.panel_gemm import PanelKernel, PanelLinear, load_panel_kernel
 from loraplex.testing.kernels import runnable_build
 

@@ -48,8 +48,7 @@ from loraplex.checkpoint.modules import (
     VOCAB_LAYER,
 )
 from loraplex.model.decoder import DecoderForCausalLM
-from loraplex.model.linear import DenseLinear, Linear, LinearFactory, PackedCPULinear
-from loraplex.model.panel_gemm import PanelLinear
+from loraplex.model.linear import Linear, LinearFactory, dense_weight
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import LoRAModuleWeights
@@ -65,20 +64,6 @@ def projection_rows(model: DecoderForCausalLM, layer: int) -> dict[str, tuple[st
         for attr, d_in, parts in model.layer_projection_groups(layer)
         for proj, lo, _ in parts
     }
-
-
-def dense_weight(lin: Linear, in_features: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(W [out, in], bias)`` of a base Linear. A packed oneDNN weight is read back by
-    multiplying the identity without bias: each output is one exact product, so W is exact."""
-    if isinstance(lin, DenseLinear):
-        return lin.weight, lin.bias
-    if isinstance(lin, PanelLinear):
-        return lin.dense_weight(), lin.bias
-    if isinstance(lin, PackedCPULinear):
-        eye = torch.eye(in_features, dtype=lin.packed.dtype, device=lin.packed.device)
-        wt = torch.ops.mkldnn._linear_pointwise(eye, lin.packed, None, "none", [], "")  # [in, out]
-        return wt.t().contiguous(), lin.bias
-    raise TypeError(f"cannot read the weight of a {type(lin).__name__} to merge into it")
 
 
 def targeted_groups(

@@ -83,6 +83,20 @@ class PackedCPULinear:
 LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], Linear]
 
 
+def dense_weight(lin: Linear, in_features: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(W [out, in], bias)`` of a base Linear. A packed oneDNN weight is read back by
+    multiplying the identity without bias: each output is one exact product, so W is exact."""
+    if isinstance(lin, DenseLinear):
+        return lin.weight, lin.bias
+    if isinstance(lin, PanelLinear):
+        return lin.dense_weight(), lin.bias
+    if isinstance(lin, PackedCPULinear):
+        eye = torch.eye(in_features, dtype=lin.packed.dtype, device=lin.packed.device)
+        wt = torch.ops.mkldnn._linear_pointwise(eye, lin.packed, None, "none", [], "")  # [in, out]
+        return wt.t().contiguous(), lin.bias
+    raise TypeError(f"cannot read the weight of a {type(lin).__name__} to merge into it")
+
+
 def _packed_works(dtype: torch.dtype) -> bool:
     """Probe once: can oneDNN pack and run this dtype here, with a correct result?"""
     if not torch.backends.mkldnn.is_available():
@@ -183,6 +197,31 @@ def _panel_choice(
         "panel" if chosen else "oneDNN",
     )  # fmt: skip
     return make if chosen else None
+
+
+@functools.cache
+def expert_factory(make: LinearFactory, n: int, k: int, dtype: torch.dtype) -> LinearFactory:
+    """The Linear factory for a MoE's experts of ``[n, k]``: ``make`` (the dense projections'
+    choice) where it beats ``F.linear`` over the expert's slice of the packed tensor at an
+    expert's decode rows, else :class:`DenseLinear` (its views of that tensor, no copy). An
+    expert is far narrower than a dense projection and reads few rows, where a kernel's fixed
+    cost can outweigh its bandwidth; timed once per process and shape, logged."""
+    if make is DenseLinear:
+        return DenseLinear
+    g = torch.Generator().manual_seed(0)
+    n, k = min(n, PROBE_MAX), min(k, PROBE_MAX)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    ours, plain = make(w, None), DenseLinear(w, None)
+    rows = (1, 8)  # one sequence's token; a decode batch's share of an expert
+    times = {t: _time_pair(ours, plain, torch.randn(t, k, generator=g).to(dtype)) for t in rows}
+    chosen = sum(a for a, _ in times.values()) < sum(b for _, b in times.values())
+    log.info(
+        "experts %s [%d, %d]: %s vs F.linear us %s -> %s",
+        str(dtype).removeprefix("torch."), n, k, getattr(make, "__name__", type(ours).__name__),
+        ", ".join(f"{t} rows {a * 1e6:.0f}/{b * 1e6:.0f}" for t, (a, b) in times.items()),
+        "kernel" if chosen else "F.linear",
+    )  # fmt: skip
+    return make if chosen else DenseLinear
 
 
 def _time_pair(a: Linear, b: Linear, x: torch.Tensor, reps: int = 9) -> tuple[float, float]:

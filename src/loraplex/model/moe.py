@@ -58,6 +58,7 @@ from loraplex.checkpoint.modules import (
 from loraplex.lora.plan import plan_expert_rows
 from loraplex.model.decoder import DecoderForCausalLM, pre_norm_stack
 from loraplex.model.layers import ACTIVATIONS, DecoderLayer, LayerStep
+from loraplex.model.linear import LinearFactory, dense_weight, expert_factory
 from loraplex.model.spec import ModelConfig
 from loraplex.types import ModelLoadError
 
@@ -185,30 +186,59 @@ def moe_config_fields(
 
 class GroupedExperts(Protocol):
     """``out[offsets[e]:offsets[e+1]] = x[offsets[e]:offsets[e+1]] @ w[e].T`` for every expert
-    with rows (``x [N, K]`` sorted by expert, ``w [E, M, K]``, ``offsets [E + 1]`` on x's
-    device, ``counts`` the same as E Python ints); an expert without rows is never read."""
+    with rows (``x [N, K]`` sorted by expert, ``w`` what :meth:`prepare` made of ``[E, M, K]``,
+    ``offsets [E + 1]`` on x's device, ``counts`` the same as E Python ints); an expert without
+    rows is never read."""
 
     name: str
 
+    def prepare(self, w: torch.Tensor, make: LinearFactory) -> Any:
+        """The layer's experts ``w [E, M, K]`` as this GEMM reads them (once, at load;
+        ``make``: the dense projections' Linear factory)."""
+        ...
+
     def __call__(
-        self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int]
+        self, x: torch.Tensor, w: Any, offsets: torch.Tensor, counts: list[int]
     ) -> torch.Tensor: ...
+
+
+class ExpertLinears:
+    """A layer's experts as one ``Linear`` each: on the kernel the dense projections chose at
+    load (the panel kernel, oneDNN's packed layout) where it also wins at an expert's shape
+    and rows (``expert_factory``; 3.4x ``torch.mm`` over a slice at one row for gpt-oss-20b's
+    experts in bf16: scripts/bench_mxfp4.py), else plain views of the packed tensor."""
+
+    def __init__(self, w: torch.Tensor, make: LinearFactory) -> None:
+        self.shape = tuple(w.shape)  # [E, M, K]
+        make = expert_factory(make, self.shape[1], self.shape[2], w.dtype)
+        self.linears = [make(w[e], None) for e in range(w.shape[0])]
+        self.nbytes = sum(lin.nbytes for lin in self.linears)
+
+    def __len__(self) -> int:
+        return len(self.linears)
+
+    def dense(self) -> torch.Tensor:
+        """Every expert's weight ``[E, M, K]`` read back (exact; for tests and references)."""
+        return torch.stack([dense_weight(lin, self.shape[2])[0] for lin in self.linears])
 
 
 class TorchGroupedExperts:
     """One GEMM per expert that has rows, into its block of the output (the CPU path: a loop
-    over at most E experts per layer, never over tokens)."""
+    over at most E experts per layer, never over tokens), each on its expert's Linear."""
 
     name = "torch-grouped"
 
+    def prepare(self, w: torch.Tensor, make: LinearFactory) -> ExpertLinears:
+        return ExpertLinears(w, make)
+
     def __call__(
-        self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int]
+        self, x: torch.Tensor, w: ExpertLinears, offsets: torch.Tensor, counts: list[int]
     ) -> torch.Tensor:
         out = x.new_empty(x.shape[0], w.shape[1])  # [N, M]
         start = 0
-        for e, n in enumerate(counts):
+        for lin, n in zip(w.linears, counts, strict=True):
             if n:
-                torch.mm(x[start : start + n], w[e].t(), out=out[start : start + n])
+                out[start : start + n] = lin(x[start : start + n])
                 start += n
         return out
 
@@ -489,8 +519,8 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
             L = self.layers[layer]
             bias = self._moe_parts.pop((layer, "router_bias"), None)  # [E]
             L.router = make(self._moe_parts.pop((layer, "router")), bias)  # [E, D]
-            L.w_gate_up = self._experts(layer, "w_gate_up")  # [E, 2 I, D]
-            L.w_down = self._experts(layer, "w_down")  # [E, D, I]
+            L.w_gate_up = self._experts(layer, "w_gate_up", make)  # [E, 2 I, D]
+            L.w_down = self._experts(layer, "w_down", make)  # [E, D, I]
             if self.cfg.shared_expert_intermediate_size:
                 g, u, dn = (self._moe_parts.pop((layer, p)) for p in SHARED_EXPERT_PROJ_NAMES)
                 L.shared_gate_up = make(torch.cat((g, u)), None)  # [2 Is, D]
@@ -502,10 +532,13 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
                 L.b_down = self._moe_parts.pop((layer, "b_down"))  # [E, D]
         self._moe_seen.clear()
 
-    def _experts(self, layer: int, slot: str) -> torch.Tensor:
-        """A layer's expert weights as this rank holds them (all of them on one device)."""
+    def _experts(self, layer: int, slot: str, make: LinearFactory) -> Any:
+        """A layer's expert weights as this rank holds them (all of them on one device), as
+        the grouped GEMM reads them."""
         t = self._moe_parts.pop((layer, slot))
-        return t if self.tp is None else self.tp.shard_experts(slot, t, self.full_cfg)
+        if self.tp is not None:
+            t = self.tp.shard_experts(slot, t, self.full_cfg)
+        return self.moe.grouped.prepare(t, make)
 
     def row_parallel_blocks(self) -> tuple[Any, ...]:
         return (*super().row_parallel_blocks(), self.moe)

@@ -105,6 +105,10 @@ class TritonGroupedExperts:
         # the last call's tile table on its device: a layer's two GEMMs share one routing
         self._tiles: tuple[tuple[int, ...], torch.device, torch.Tensor] | None = None
 
+    def prepare(self, w: torch.Tensor, make: object) -> torch.Tensor:
+        """The experts as they are: one ``[E, M, K]`` tensor the kernel indexes."""
+        return w
+
     def __call__(
         self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int]
     ) -> torch.Tensor:

@@ -325,10 +325,19 @@ def decode_run(
 # ---------------------------------------------------------------------- grouped vs naive
 
 
-def naive_moe(L: Any, x: torch.Tensor, num_experts: int, top_k: int, act: Any) -> torch.Tensor:
+def naive_moe(
+    L: Any,
+    experts: tuple[torch.Tensor, torch.Tensor],
+    x: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    act: Any,
+) -> torch.Tensor:
     """transformers' eager sparse block (``Qwen3MoeTopKRouter`` + ``Qwen3MoeExperts.forward``,
-    norm_topk_prob) on layer ``L``'s weights: a loop over the experts hit, each masking its
+    norm_topk_prob) on layer ``L``'s router and its ``experts`` (``w_gate_up [E, 2 I, D]``,
+    ``w_down [E, D, I]`` as plain tensors): a loop over the experts hit, each masking its
     tokens out with ``torch.where``."""
+    w_gate_up, w_down = experts
     logits = L.router(x)  # [T, E]
     probs = torch.softmax(logits, dtype=torch.float, dim=-1)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)  # [T, k]
@@ -343,8 +352,8 @@ def naive_moe(L: Any, x: torch.Tensor, num_experts: int, top_k: int, act: Any) -
         if expert_idx == num_experts:
             continue
         pos, tok = torch.where(mask[expert_idx])
-        gate, up = F.linear(x[tok], L.w_gate_up[expert_idx]).chunk(2, dim=-1)
-        h = F.linear(act(gate) * up, L.w_down[expert_idx])
+        gate, up = F.linear(x[tok], w_gate_up[expert_idx]).chunk(2, dim=-1)
+        h = F.linear(act(gate) * up, w_down[expert_idx])
         h = h * top_w[tok, pos, None]
         final.index_add_(0, tok, h.to(final.dtype))
     return final
@@ -386,6 +395,7 @@ def grouped_vs_naive(
     layer = cfg.sparse_layers[0]
     L = m.layers[layer]
     act = ACTIVATIONS[cfg.hidden_act]
+    experts = (L.w_gate_up.dense(), L.w_down.dense())  # transformers' plain tensors
     step = LayerStep(cast(Any, None), cast(Any, None), [])  # no LoRA: the base path only
     g = torch.Generator().manual_seed(7)
     out = []
@@ -393,7 +403,9 @@ def grouped_vs_naive(
         x = torch.randn(T, cfg.hidden_size, generator=g, dtype=m.dtype)
         variants = {
             "grouped": lambda x=x: moe(L, layer, x, step),
-            "naive": lambda x=x: naive_moe(L, x, cfg.num_experts, cfg.num_experts_per_tok, act),
+            "naive": lambda x=x: naive_moe(
+                L, experts, x, cfg.num_experts, cfg.num_experts_per_tok, act
+            ),
         }
         if hf is not None:
             variants["hf"] = lambda x=x: _first(hf[0](x[None])).reshape(x.shape)
