@@ -24,6 +24,13 @@ Adapters: LoRA on q/k/v/o, PEFT's ``target_parameters`` on ``mlp.experts.gate_up
 ``mlp.experts.down_proj`` (their ``B`` rows interleaved as the base's columns:
 ``MoESpec.gate_up_interleaved``), ``lm_head`` and ``embed_tokens``. The router is no Linear
 (PEFT cannot target it as a module) and ``target_parameters`` on it is refused naming it.
+
+Tensor parallelism (``model/tensor_parallel/sharding.py``): each rank keeps its query heads'
+sinks (a sink joins only its own head's softmax), its rows of the q/k/v biases and its columns
+of every expert's gate/up weights and bias (gate, then up; the clamped SwiGLU is per column);
+the o and down experts' biases are added by rank 0 alone (before the all-reduce); the router
+is whole on every rank. MXFP4 experts are dequantized whole, then cut. Windows and YaRN are
+per head and need nothing.
 """
 
 from __future__ import annotations
@@ -84,7 +91,6 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
     model_type = "gpt_oss"
     config_class = GptOssConfig
     norm_class = Float32ScaleRMSNorm
-    supports_tensor_parallel = False  # sinks, expert biases: not sharded yet
     own_quant_methods: ClassVar[frozenset[str]] = frozenset({"mxfp4"})
 
     @classmethod
@@ -122,7 +128,7 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
         m = _TENSOR.fullmatch(key)
         if m is None:
             return super().take_tensor(key, read, shape)
-        c, layer = self.cfg, int(m["layer"])
+        c, layer = self.full_cfg, int(m["layer"])  # the checkpoint's (whole) shapes
         E, inter, D = c.num_experts, c.moe_intermediate_size, c.hidden_size
         if layer >= c.num_layers:
             raise ModelLoadError(f"unexpected tensor {key!r} (layer {layer} >= {c.num_layers})")
@@ -185,10 +191,18 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
 
     def build_own(self) -> None:
         for i, L in enumerate(self.layers):
-            L.sinks = self._moe_parts.pop((i, "sinks"))  # [H]
+            L.sinks = self._own_heads(self._moe_parts.pop((i, "sinks")))  # [H_r]: its heads
             L.attend = functools.partial(sink_attend, sinks=L.sinks)
         self._bind_decode()
         super().build_own()
+
+    def _own_heads(self, sinks: torch.Tensor) -> torch.Tensor:
+        """The sinks of this rank's query heads (``sinks [H]`` whole; all of them on one
+        device): head ``h``'s sink joins only head ``h``'s softmax, so it goes with the head."""
+        if self.tp is None:
+            return sinks
+        h = self.cfg.num_heads  # query heads per rank
+        return sinks[self.tp.rank * h : (self.tp.rank + 1) * h].contiguous()  # [H / size]
 
     def _bind_decode(self) -> None:
         """Each layer's decode attention: the model's ops' with the layer's sinks."""
