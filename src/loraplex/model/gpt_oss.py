@@ -145,12 +145,11 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
         kind = m["kind"]
         if kind == "_bias":
             self._check(key, shape, (E, out))
-            b = read()  # [E, out]
-            return self._keep(layer, "b" + slot[1:], _deinterleave(b) if gate_up else b)
+            bias = "b" + slot[1:]
+            return self._keep(layer, bias, self._ours(bias, read()))  # [E, out]
         if kind == "":  # float: [E, in, out], transposed from ours
             self._check(key, shape, (E, d_in, out))
-            w = read().transpose(1, 2)  # [E, out, in]
-            return self._keep(layer, slot, self._rows(w, gate_up))
+            return self._keep(layer, slot, self._ours(slot, read().transpose(1, 2)))
         if d_in % 32:
             raise ModelLoadError(f"tensor {key!r}: MXFP4 needs in-features divisible by 32")
         want = (E, out, d_in // 32, 16) if kind == "_blocks" else (E, out, d_in // 32)
@@ -160,21 +159,36 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
         if len(parts) == 2:
             del self._mxfp4[(layer, slot)]
             blocks, scales = parts["_blocks"], parts["_scales"]
-            w = torch.empty(E, out, d_in, dtype=self.dtype, device=self.device)  # [E, out, in]
-            for e in range(E):  # one expert's float32 at a time, gate rows before up rows
-                w[e] = self._rows(dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1]), gate_up)[
-                    0
-                ]
+            w = None  # [E, out_r, in_r], one expert's float32 at a time
+            for e in range(E):
+                one = self._ours(slot, dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1]))
+                assert one is not None  # [1, out_r, in_r]
+                if w is None:
+                    w = torch.empty(E, *one.shape[1:], dtype=self.dtype, device=self.device)
+                w[e] = one[0]
             self._keep(layer, slot, w)
         return True
 
-    def _rows(self, w: torch.Tensor, gate_up: bool) -> torch.Tensor:
-        """``[E, out, in]`` on the model's device, gate rows before up rows."""
-        return (_deinterleave(w) if gate_up else w).contiguous().to(self.device)
+    def _ours(self, slot: str, t: torch.Tensor) -> torch.Tensor | None:
+        """An expert slot's weight ``[E, out, in]`` or bias ``[E, out]`` (the checkpoint's rows)
+        as this rank keeps it, on the model's device: gate rows before up rows, its columns of
+        every expert (``TensorParallel.shard_experts``; None: the down experts' bias on a rank
+        other than 0). Cut as it is read, so a rank never holds every layer's whole experts."""
+        if slot.endswith("gate_up"):
+            t = _deinterleave(t)
+        if self.tp is not None:
+            cut = self.tp.shard_experts(slot, t, self.full_cfg)
+            if cut is None:
+                return None
+            t = cut
+        return t.contiguous().to(self.device)
 
-    def _keep(self, layer: int, slot: str, t: torch.Tensor) -> bool:
+    def _experts(self, layer: int, slot: str) -> torch.Tensor | None:
+        return self._moe_parts.pop((layer, slot))  # the rank's already (``_ours``)
+
+    def _keep(self, layer: int, slot: str, t: torch.Tensor | None) -> bool:
         E = self.cfg.num_experts
-        self._moe_parts[(layer, slot)] = t.to(self.device)
+        self._moe_parts[(layer, slot)] = t  # type: ignore[assignment]  # None: a rank's b_down
         n = {"w_gate_up": 2 * E, "w_down": E}.get(slot, 1)
         self._moe_seen[(layer, slot)] = set(range(n))
         return True
