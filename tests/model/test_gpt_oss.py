@@ -43,7 +43,7 @@ from loraplex.testing import (
 )
 from loraplex.types import AdapterError
 from tests.engine.test_moe_experts import adapters_for
-from tests.engine.test_tensor_parallel import LOGPROB_ATOL, _run
+from tests.engine.test_tensor_parallel import _run, assert_same_outputs
 
 YARN_CASES = [
     dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -313,15 +313,6 @@ def tp_family(mxfp4_pair: dict) -> dict:
     return {"adapters": adapters, "one": one}
 
 
-def _assert_same(one: list, two: list) -> None:
-    for a, b in zip(one, two, strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
-            for tok in la.top.keys() & lb.top.keys():  # a near tie may swap the last one
-                assert math.isclose(la.top[tok], lb.top[tok], abs_tol=LOGPROB_ATOL)
-
-
 @pytest.mark.parametrize(("weights", "fully_sharded"), [("float", False), ("float", True),
                                                          ("mxfp4", False)])  # fmt: skip
 def test_tp2_equals_tp1(
@@ -333,7 +324,7 @@ def test_tp2_equals_tp1(
     dequantization), so its ranks give the float checkpoint's one-device output too."""
     kw = {"fully_sharded_loras": True} if fully_sharded else {}
     two = _run(mxfp4_pair[weights], tp_family["adapters"], 2, max_lora_rank=16, **kw)
-    _assert_same(tp_family["one"], two)
+    assert_same_outputs(tp_family["one"], two)
 
 
 @pytest.mark.parametrize(
