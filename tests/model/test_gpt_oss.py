@@ -11,7 +11,11 @@
   loads to exactly transformers' dequantization, generates what transformers generates on the
   dequantized float checkpoint (with adapters on the experts), and holds its experts in the
   model dtype (resident bytes as a float checkpoint's);
-- the router is refused as an adapter target, naming it.
+- the router is refused as an adapter target, naming it;
+- two tensor-parallel ranks (gloo on this CPU) give one device's greedy tokens and logprobs
+  for a mixed batch of adapters on the experts, attention and the vocabulary, with LoRA's
+  default split and fully sharded, on the float checkpoint and on the MXFP4 one (each rank
+  dequantizes, then keeps its columns); a shape that does not split is refused by name.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import pytest
 import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
 from loraplex.model.attention import sink_attend
 from loraplex.model.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from loraplex.model.moe import SparseMoE, clamped_swiglu
@@ -36,6 +42,8 @@ from loraplex.testing import (
     reference_greedy,
 )
 from loraplex.types import AdapterError
+from tests.engine.test_moe_experts import adapters_for
+from tests.engine.test_tensor_parallel import _run, assert_same_outputs
 
 YARN_CASES = [
     dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -285,3 +293,54 @@ def test_bfloat16_prompt_logprobs_follow_transformers_bf16(tmp_path: Path) -> No
         for t, v in entry.items()  # type: ignore[union-attr]
     )
     assert gap < 2**-7
+
+
+# ------------------------------------------------------------------------ tensor parallelism
+
+
+@pytest.fixture(scope="module")
+def tp_family(mxfp4_pair: dict) -> dict:
+    """The MXFP4 pair's model (4 query heads and their sinks over 2 KV heads, 8 experts of 32
+    columns with their biases, q/k/v/o biases, a window of 4 every prompt crosses) with four
+    adapters (``test_moe_experts.adapters_for("packed")``): attention r4 (rsLoRA), q and both
+    packed experts r8, k/o + down experts + lm_head + embed_tokens r16, v + gate/up experts r4;
+    and one device's run of the base and all four in one batch."""
+    root = mxfp4_pair["root"] / "tp"
+    adapters = [
+        make_random_adapter(mxfp4_pair["float"], root / name, **kw)
+        for name, (_, kw) in adapters_for("packed").items()
+    ]
+    one = _run(mxfp4_pair["float"], adapters, 1, max_lora_rank=16)
+    return {"adapters": adapters, "one": one}
+
+
+@pytest.mark.parametrize(("weights", "fully_sharded"), [("float", False), ("float", True),
+                                                         ("mxfp4", False)])  # fmt: skip
+def test_tp2_equals_tp1(
+    weights: str, fully_sharded: bool, tp_family: dict, mxfp4_pair: dict
+) -> None:
+    """Each rank keeps its heads' sinks, its columns of q/k/v's biases and of every expert's
+    gate/up weights and bias; o's bias and the down experts' bias are added by rank 0 alone;
+    the router is whole. The MXFP4 checkpoint holds the float one's weights (its
+    dequantization), so its ranks give the float checkpoint's one-device output too."""
+    kw = {"fully_sharded_loras": True} if fully_sharded else {}
+    two = _run(mxfp4_pair[weights], tp_family["adapters"], 2, max_lora_rank=16, **kw)
+    assert_same_outputs(tp_family["one"], two)
+
+
+@pytest.mark.parametrize(
+    ("shape", "field"),
+    [(dict(num_heads=3, num_kv_heads=1, head_dim=16), "num_attention_heads=3 is not a multiple"),
+     (dict(intermediate_size=33), "intermediate_size=33 is not a multiple")],
+)  # fmt: skip
+def test_shapes_that_do_not_split_are_refused(shape: dict, field: str, tmp_path: Path) -> None:
+    """Three heads (and their sinks), or experts of an odd width, over two ranks:
+    refused at load in one line naming the config field."""
+    model = make_random_model(tmp_path / "m", "gpt_oss", with_tokenizer=False, **shape)
+    with pytest.raises(Exception, match=field) as info:
+        LLMEngine(
+            EngineConfig(
+                model=str(model), tensor_parallel_size=2, num_threads=1, skip_tokenizer_init=True
+            )
+        )
+    assert "\n" not in str(info.value)

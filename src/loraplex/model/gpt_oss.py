@@ -24,6 +24,13 @@ Adapters: LoRA on q/k/v/o, PEFT's ``target_parameters`` on ``mlp.experts.gate_up
 ``mlp.experts.down_proj`` (their ``B`` rows interleaved as the base's columns:
 ``MoESpec.gate_up_interleaved``), ``lm_head`` and ``embed_tokens``. The router is no Linear
 (PEFT cannot target it as a module) and ``target_parameters`` on it is refused naming it.
+
+Tensor parallelism (``model/tensor_parallel/sharding.py``): each rank keeps its query heads'
+sinks (a sink joins only its own head's softmax), its rows of the q/k/v biases and its columns
+of every expert's gate/up weights and bias (gate, then up; the clamped SwiGLU is per column);
+the o and down experts' biases are added by rank 0 alone (before the all-reduce); the router
+is whole on every rank. MXFP4 experts are dequantized whole, then cut. Windows and YaRN are
+per head and need nothing.
 """
 
 from __future__ import annotations
@@ -84,7 +91,6 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
     model_type = "gpt_oss"
     config_class = GptOssConfig
     norm_class = Float32ScaleRMSNorm
-    supports_tensor_parallel = False  # sinks, expert biases: not sharded yet
     own_quant_methods: ClassVar[frozenset[str]] = frozenset({"mxfp4"})
 
     @classmethod
@@ -122,7 +128,7 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
         m = _TENSOR.fullmatch(key)
         if m is None:
             return super().take_tensor(key, read, shape)
-        c, layer = self.cfg, int(m["layer"])
+        c, layer = self.full_cfg, int(m["layer"])  # the checkpoint's (whole) shapes
         E, inter, D = c.num_experts, c.moe_intermediate_size, c.hidden_size
         if layer >= c.num_layers:
             raise ModelLoadError(f"unexpected tensor {key!r} (layer {layer} >= {c.num_layers})")
@@ -139,12 +145,11 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
         kind = m["kind"]
         if kind == "_bias":
             self._check(key, shape, (E, out))
-            b = read()  # [E, out]
-            return self._keep(layer, "b" + slot[1:], _deinterleave(b) if gate_up else b)
+            bias = "b" + slot[1:]
+            return self._keep(layer, bias, self._ours(bias, read()))  # [E, out]
         if kind == "":  # float: [E, in, out], transposed from ours
             self._check(key, shape, (E, d_in, out))
-            w = read().transpose(1, 2)  # [E, out, in]
-            return self._keep(layer, slot, self._rows(w, gate_up))
+            return self._keep(layer, slot, self._ours(slot, read().transpose(1, 2)))
         if d_in % 32:
             raise ModelLoadError(f"tensor {key!r}: MXFP4 needs in-features divisible by 32")
         want = (E, out, d_in // 32, 16) if kind == "_blocks" else (E, out, d_in // 32)
@@ -154,21 +159,36 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
         if len(parts) == 2:
             del self._mxfp4[(layer, slot)]
             blocks, scales = parts["_blocks"], parts["_scales"]
-            w = torch.empty(E, out, d_in, dtype=self.dtype, device=self.device)  # [E, out, in]
-            for e in range(E):  # one expert's float32 at a time, gate rows before up rows
-                w[e] = self._rows(dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1]), gate_up)[
-                    0
-                ]
+            w = None  # [E, out_r, in_r], one expert's float32 at a time
+            for e in range(E):
+                one = self._ours(slot, dequantize_mxfp4(blocks[e : e + 1], scales[e : e + 1]))
+                assert one is not None  # [1, out_r, in_r]
+                if w is None:
+                    w = torch.empty(E, *one.shape[1:], dtype=self.dtype, device=self.device)
+                w[e] = one[0]
             self._keep(layer, slot, w)
         return True
 
-    def _rows(self, w: torch.Tensor, gate_up: bool) -> torch.Tensor:
-        """``[E, out, in]`` on the model's device, gate rows before up rows."""
-        return (_deinterleave(w) if gate_up else w).contiguous().to(self.device)
+    def _ours(self, slot: str, t: torch.Tensor) -> torch.Tensor | None:
+        """An expert slot's weight ``[E, out, in]`` or bias ``[E, out]`` (the checkpoint's rows)
+        as this rank keeps it, on the model's device: gate rows before up rows, its columns of
+        every expert (``TensorParallel.shard_experts``; None: the down experts' bias on a rank
+        other than 0). Cut as it is read, so a rank never holds every layer's whole experts."""
+        if slot.endswith("gate_up"):
+            t = _deinterleave(t)
+        if self.tp is not None:
+            cut = self.tp.shard_experts(slot, t, self.full_cfg)
+            if cut is None:
+                return None
+            t = cut
+        return t.contiguous().to(self.device)
 
-    def _keep(self, layer: int, slot: str, t: torch.Tensor) -> bool:
+    def _rank_experts(self, layer: int, slot: str) -> torch.Tensor | None:
+        return self._moe_parts.pop((layer, slot))  # the rank's already (``_ours``)
+
+    def _keep(self, layer: int, slot: str, t: torch.Tensor | None) -> bool:
         E = self.cfg.num_experts
-        self._moe_parts[(layer, slot)] = t.to(self.device)
+        self._moe_parts[(layer, slot)] = t  # type: ignore[assignment]  # None: a rank's b_down
         n = {"w_gate_up": 2 * E, "w_down": E}.get(slot, 1)
         self._moe_seen[(layer, slot)] = set(range(n))
         return True
@@ -185,10 +205,18 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
 
     def build_own(self) -> None:
         for i, L in enumerate(self.layers):
-            L.sinks = self._moe_parts.pop((i, "sinks"))  # [H]
+            L.sinks = self._own_heads(self._moe_parts.pop((i, "sinks")))  # [H_r]: its heads
             L.attend = functools.partial(sink_attend, sinks=L.sinks)
         self._bind_decode()
         super().build_own()
+
+    def _own_heads(self, sinks: torch.Tensor) -> torch.Tensor:
+        """The sinks of this rank's query heads (``sinks [H]`` whole; all of them on one
+        device): head ``h``'s sink joins only head ``h``'s softmax, so it goes with the head."""
+        if self.tp is None:
+            return sinks
+        h = self.cfg.num_heads  # query heads per rank
+        return sinks[self.tp.rank * h : (self.tp.rank + 1) * h].contiguous()  # [H / size]
 
     def _bind_decode(self) -> None:
         """Each layer's decode attention: the model's ops' with the layer's sinks."""

@@ -278,7 +278,8 @@ class SparseMoE:
     ``[E, D]``), ``L.w_gate_up [E, 2 I, D]`` (gate rows, then up rows) and ``L.w_down
     [E, D, I]`` of the layer it is called with, with a shared expert ``L.shared_gate_up``
     ``[2 Is, D]``, ``L.shared_down [D, Is]`` and, gated, ``L.shared_gate [1, D]``, and with
-    ``expert_bias`` ``L.b_gate_up [E, 2 I]`` and ``L.b_down [E, D]``."""
+    ``expert_bias`` ``L.b_gate_up [E, 2 I]`` and ``L.b_down [E, D]`` (None on a
+    tensor-parallel rank other than 0: a row-parallel bias is added once)."""
 
     scale_input = False
     """Whether the routing weights scale each expert's input (Llama 4) instead of its output."""
@@ -370,7 +371,7 @@ class SparseMoE:
         h = self.grouped(act, L.w_down, offsets, counts)  # [N, D]
         if lora_plan is not None:
             lora.add(i, self.down_parts, act, h, plan, lora_plan)
-        if ex is not None:
+        if ex is not None and L.b_down is not None:  # row-parallel: rank 0's alone
             h += L.b_down[ex]
         if not self.scale_input:
             h = h * w.reshape(-1)[order, None]  # [N, D] (float32 weights promote, as in HF)
@@ -528,17 +529,21 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
             if self.cfg.shared_expert_gate:
                 L.shared_gate = make(self._moe_parts.pop((layer, "shared_expert_gate")), None)
             if self.cfg.expert_bias:
-                L.b_gate_up = self._moe_parts.pop((layer, "b_gate_up"))  # [E, 2 I]
-                L.b_down = self._moe_parts.pop((layer, "b_down"))  # [E, D]
+                L.b_gate_up = self._experts(layer, "b_gate_up")  # [E, 2 I]
+                L.b_down = self._experts(layer, "b_down")  # [E, D] (None: a rank but 0's)
         self._moe_seen.clear()
 
-    def _experts(self, layer: int, slot: str, make: LinearFactory) -> Any:
-        """A layer's expert weights as this rank holds them (all of them on one device), as
-        the grouped GEMM reads them."""
+    def _experts(self, layer: int, slot: str, make: LinearFactory | None = None) -> Any:
+        """A layer's expert weights (``make`` given: as the grouped GEMM reads them) or biases
+        as this rank holds them."""
+        t = self._rank_experts(layer, slot)
+        return t if make is None or t is None else self.moe.grouped.prepare(t, make)
+
+    def _rank_experts(self, layer: int, slot: str) -> torch.Tensor | None:
+        """A layer's expert weights or biases as this rank holds them (all of them on one
+        device; ``TensorParallel.shard_experts``)."""
         t = self._moe_parts.pop((layer, slot))
-        if self.tp is not None:
-            t = self.tp.shard_experts(slot, t, self.full_cfg)
-        return self.moe.grouped.prepare(t, make)
+        return t if self.tp is None else self.tp.shard_experts(slot, t, self.full_cfg)
 
     def row_parallel_blocks(self) -> tuple[Any, ...]:
         return (*super().row_parallel_blocks(), self.moe)

@@ -8,8 +8,8 @@ Each of ``size`` ranks holds one shard of every weight::
     lm_head         vocab-parallel:  the rank's vocabulary rows; logits gathered on rank 0
 
 KV heads are split over ranks, or replicated when ``num_kv_heads < size`` (rank ``r`` keeps KV
-head ``r // (size / num_kv_heads)``, the one its query heads read). A row-parallel bias is
-added by rank 0 only (before the all-reduce, so once).
+head ``r // (size / num_kv_heads)``, the one its query heads read). A row-parallel bias (o's,
+down's, a MoE's down experts') is added by rank 0 only (before the all-reduce, so once).
 
 LoRA follows the same split (:meth:`TensorParallel.shard_lora`), in vLLM's two modes:
 
@@ -203,9 +203,12 @@ class TensorParallel:
         cols = lay.proj_rows(SLOT_PROJECTIONS[slot][0], cfg)
         return t.index_select(1, cols).contiguous()
 
-    def shard_experts(self, slot: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-        """The rank's columns of every expert: ``w_gate_up [E, 2 I, D]`` (gate rows, then up
-        rows) or ``w_down [E, D, I]``."""
+    def shard_experts(self, slot: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor | None:
+        """The rank's columns of every expert: ``w_gate_up [E, 2 I, D]`` and its bias
+        ``b_gate_up [E, 2 I]`` (gate rows, then up rows) or ``w_down [E, D, I]``; the
+        row-parallel ``b_down [E, D]`` whole on rank 0, None on the others (added once)."""
+        if slot == "b_down":
+            return t if self.rank == 0 else None
         cols = self.layout.proj_rows("experts.gate_proj", cfg)
         if slot == "w_down":
             return t.index_select(2, cols).contiguous()
