@@ -10,7 +10,6 @@ functions, and the one-line refusals at start-up."""
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from loraplex.testing import (
 )
 from loraplex.tools import plan, verify
 from tests.engine.test_mixed_batch_architectures import check_mixed_batch
-from tests.engine.test_tensor_parallel import GREEDY, LOGPROB_ATOL, _run
+from tests.engine.test_tensor_parallel import GREEDY, _run, assert_same_outputs
 from tests.engine.test_tensor_parallel import PROMPTS as TP_PROMPTS
 
 S, F = "sliding_attention", "full_attention"
@@ -341,12 +340,7 @@ def test_tp2_equals_tp1(gemma4_tp: dict, fully_sharded: bool) -> None:
     model, adapters = gemma4_tp["model"], gemma4_tp["adapters"]
     one = _run(model, adapters, 1, max_lora_rank=16)
     two = _run(model, adapters, 2, max_lora_rank=16, fully_sharded_loras=fully_sharded)
-    for a, b in zip(one, two, strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
-            for tok in la.top.keys() & lb.top.keys():  # a near tie may swap the last one
-                assert math.isclose(la.top[tok], lb.top[tok], abs_tol=LOGPROB_ATOL)
+    assert_same_outputs(one, two)
     if not fully_sharded:  # once: the adapters' rows are not the base's
         llm = LLM(str(model), dtype="float32", num_threads=1, skip_tokenizer_init=True)
         try:
