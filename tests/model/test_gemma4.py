@@ -3,8 +3,9 @@ transformers + PEFT unmerged: a mixed batch of the base and adapters of differen
 attention, MLP, the per-layer input modules (``per_layer_input_gate``, ``per_layer_projection``,
 ``per_layer_model_projection``), ``embed_tokens`` and ``lm_head``, over KV-sharing layers,
 sliding windows prompts cross, the proportional rope and a final soft-cap that bites; on the C
-kernels (LoRA and layer ops) and on the torch path. Also the proportional rope and Gemma 4's
-norm against transformers' own functions, and the one-line refusals at start-up."""
+kernels (LoRA and layer ops) and on the torch path; tensor parallelism (two ranks over gloo)
+against one device. Also the proportional rope and Gemma 4's norm against transformers' own
+functions, and the one-line refusals at start-up."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import torch
 
 from loraplex import LLM, LoRARequest, ModelLoadError, SamplingParams
 from loraplex.model.config import load_model_config, parse_model_config
+from loraplex.model.gemma4 import Gemma4ForCausalLM
 from loraplex.model.norms import Float32ScaleRMSNorm
 from loraplex.model.rotary import make_rotary
+from loraplex.model.tensor_parallel.sharding import ShardLayout
 from loraplex.testing import (
     ALL_PROJ,
     logprob_gap,
@@ -28,6 +31,8 @@ from loraplex.testing import (
 )
 from loraplex.tools import plan, verify
 from tests.engine.test_mixed_batch_architectures import check_mixed_batch
+from tests.engine.test_tensor_parallel import GREEDY, _run, assert_same_outputs
+from tests.engine.test_tensor_parallel import PROMPTS as TP_PROMPTS
 
 S, F = "sliding_attention", "full_attention"
 PLE = ["per_layer_input_gate", "per_layer_projection"]
@@ -298,13 +303,103 @@ def test_layer_geometry_follows_transformers(over: dict, want: list) -> None:
     assert list(parse_model_config(raw).geometry) == want
 
 
-def test_quantized_and_sharded_bases_are_refused_in_one_line(tmp_path: Path) -> None:
+def test_quantized_bases_are_refused_in_one_line(tmp_path: Path) -> None:
     model = make_random_model(tmp_path / "m", "gemma4_text", num_layers=2, layer_types=[S, F])
-    for kw, named in ((dict(quantization="int8"), "quantized bases are not supported"),
-                      (dict(tensor_parallel_size=2), "does not shard yet")):  # fmt: skip
-        with pytest.raises(ModelLoadError, match=named) as info:
-            LLM(str(model), dtype="float32", **kw)
-        assert "\n" not in str(info.value)
+    with pytest.raises(ModelLoadError, match="quantized bases are not supported") as info:
+        LLM(str(model), dtype="float32", quantization="int8")
+    assert "\n" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def gemma4_tp(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Four layers (sliding, full, then two sharing the KV of layers 0 and 1, their MLPs twice
+    as wide), the full layers' heads 32 wide beside the sliding layers' 16, their values their
+    keys' projection over one KV head (replicated on both ranks; the sliding layers' two KV
+    heads split), per-layer inputs, an odd vocabulary (uneven vocabulary cuts of the
+    embedding, the head and ``embed_tokens_per_layer``); adapters of four ranks on every
+    module Gemma 4 adapts."""
+    root = tmp_path_factory.mktemp("gemma4_tp")
+    model = make_random_model(
+        root / "model", "gemma4_text", num_layers=4, seed=7, layer_types=[S, F, S, F],
+        num_kv_shared_layers=2, use_double_wide_mlp=True, global_head_dim=32, init_std=0.05,
+        attention_k_eq_v=True, num_global_key_value_heads=1, with_tokenizer=False,
+        vocab_size=389,
+    )  # fmt: skip
+    specs = {**ADAPTERS, "ple_r16_layers": {**ADAPTERS["ple_r16_layers"],
+                                            "layers_to_transform": [1, 3]}}  # fmt: skip
+    adapters = [make_random_adapter(model, root / n, **kw) for n, kw in specs.items()]
+    return {"model": model, "adapters": adapters}
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True])
+def test_tp2_equals_tp1(gemma4_tp: dict, fully_sharded: bool) -> None:
+    """Two ranks give one device's greedy tokens and logprobs (within ``LOGPROB_ATOL``) for a
+    mixed batch of the base and four adapters (the per-layer projections, the full layers'
+    wider heads, k_proj on layers whose values are their keys), in the default LoRA split and
+    with ``--fully-sharded-loras``; each adapter really moves its row."""
+    model, adapters = gemma4_tp["model"], gemma4_tp["adapters"]
+    one = _run(model, adapters, 1, max_lora_rank=16)
+    two = _run(model, adapters, 2, max_lora_rank=16, fully_sharded_loras=fully_sharded)
+    assert_same_outputs(one, two)
+    if not fully_sharded:  # once: the adapters' rows are not the base's
+        llm = LLM(str(model), dtype="float32", num_threads=1, skip_tokenizer_init=True)
+        try:
+            base = [o.outputs[0] for o in llm.generate(TP_PROMPTS, GREEDY)]
+        finally:
+            llm.engine.shutdown()
+        for i in range(1, 1 + len(adapters)):
+            lps = zip(one[i].logprobs, base[i].logprobs, strict=True)
+            assert max(abs(x.logprob - y.logprob) for x, y in lps) > 1e-2, i
+
+
+def test_rank_config_cuts_each_layer_by_its_own_shape(gemma4_tp: dict) -> None:
+    """A rank's config: each layer's own head size kept, its KV heads split (two of the
+    sliding layers') or replicated (the full layers' one), its MLP width halved (twice as
+    wide in the KV-sharing layers); the per-layer modules whole."""
+    cfg = load_model_config(gemma4_tp["model"])
+    rank = Gemma4ForCausalLM.shard_config(cfg, ShardLayout.of(cfg, 1, 2))
+    assert rank.geometry == ((16, 1, 64), (32, 1, 64), (16, 1, 128), (32, 1, 128))
+    assert rank.kv_layer_shapes() == [(1, 16), (1, 32), (1, 16), (1, 32)]
+    shapes = rank.layer_module_shapes(1)
+    assert shapes["q_proj"] == (64, 2 * 32) and shapes["k_proj"] == (64, 32)
+    assert shapes["o_proj"] == (64, 64) and "v_proj" not in shapes
+    assert shapes["per_layer_input_gate"] == (64, 8) and shapes["per_layer_projection"] == (8, 64)
+    assert rank.layer_module_shapes(3)["down_proj"] == (128, 64)
+    assert "k_proj" not in rank.layer_module_shapes(3)  # a KV-sharing layer
+    assert rank.outer_module_shapes()["per_layer_model_projection"] == (64, 4 * 8)
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"attention_k_eq_v": True, "num_global_key_value_heads": 3, "per_layer_config": None},
+         "layer 1: num_global_key_value_heads=3"),
+        ({"per_layer_config": {"1": {"num_key_value_heads": 3}}},
+         r"layer 1: per_layer_config\[1\].num_key_value_heads=3"),
+    ],
+)  # fmt: skip
+def test_layers_that_do_not_split_are_refused_in_one_line(over: dict, named: str) -> None:
+    """A layer's KV heads that neither divide nor are a multiple of the ranks, named by the
+    field that sets them."""
+    raw = _config(num_attention_heads=6, num_key_value_heads=2, **over)
+    cfg = parse_model_config({k: v for k, v in raw.items() if v is not None})
+    with pytest.raises(ModelLoadError, match=named) as info:
+        Gemma4ForCausalLM.shard_config(cfg, ShardLayout.of(cfg, 0, 2))
+    assert "\n" not in str(info.value)
+
+
+def test_a_layer_that_does_not_split_is_refused_at_start_up(tmp_path: Path) -> None:
+    """Through the engine's start (both ranks load): one line naming the field (transformers 5
+    saves the full layer's KV heads as a ``per_layer_config`` override)."""
+    model = make_random_model(
+        tmp_path / "m", "gemma4_text", num_layers=2, layer_types=[S, F], num_heads=6,
+        head_dim=16, global_head_dim=16, attention_k_eq_v=True, num_global_key_value_heads=3,
+        with_tokenizer=False,
+    )  # fmt: skip
+    named = r"layer 1: per_layer_config\[1\]\.num_key_value_heads=3 neither divides"
+    with pytest.raises(ModelLoadError, match=named) as info:
+        LLM(str(model), dtype="float32", tensor_parallel_size=2, skip_tokenizer_init=True)
+    assert "\n" not in str(info.value)
 
 
 def test_config_defaults_follow_transformers() -> None:

@@ -27,18 +27,29 @@ sliding layers per full one) with these differences, as transformers' ``modeling
   one MLP block per distinct shape; the KV cache holds each layer in its own shape;
 - the final logit soft-cap applies to ``Gemma4ForConditionalGeneration`` too.
 
+Tensor parallelism cuts each layer by its own heads (its own head size and KV heads: a KV
+head count below the ranks is replicated, per layer) and its own MLP width, as the Llama cut
+does; the q/k norms (per head) and the layer scalars stay whole. A KV-sharing layer's q keeps
+the rank's heads and reads the rank's KV heads of its source layer, which the same per-layer
+rule chose. The per-layer stream stays whole on every rank, computed redundantly from the
+(whole) residual after the row-parallel all-reduces, so it is added once; only its
+vocabulary-sized table ``embed_tokens_per_layer`` is vocab-cut (looked up masked and summed
+over the ranks, as the embedding). LoRA on the per-layer projections is whole on every rank.
+
 ``Gemma4ForConditionalGeneration`` serves its language model (``model.language_model.*``);
 the vision and audio towers and their embedders are skipped. Refused at start-up, naming the
 field: the MoE block (``enable_moe_block``, the 26B-A4B), ``per_layer_config`` overrides other
 than head size and KV heads, bidirectional attention over everything, and a per-layer
-vocabulary smaller than the model's; quantized bases and tensor parallelism are refused too.
+vocabulary smaller than the model's; quantized bases are refused too, and under tensor
+parallelism a layer whose KV heads do not split over the ranks.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,9 +58,11 @@ import torch.nn.functional as F
 from loraplex.checkpoint import gemma4_layers
 from loraplex.checkpoint.gemma4_layers import FULL, SLIDING
 from loraplex.checkpoint.modules import (
+    PER_LAYER_INPUT_PROJ_NAMES,
     PER_LAYER_MODEL_PROJECTION,
     VOCAB_LAYER,
     per_layer_input_shapes,
+    projection_shapes,
 )
 from loraplex.model.attention import paged_attention
 from loraplex.model.decoder import LLAMA_LAYER_WEIGHTS
@@ -62,11 +75,14 @@ from loraplex.model.layers import (
     LayerStep,
     ProjectionGroup,
     RotaryEmbedding,
+    attention_groups,
     make_rotary,
+    mlp_groups,
 )
 from loraplex.model.linear import Linear
 from loraplex.model.norms import Float32ScaleRMSNorm
 from loraplex.model.spec import ModelConfig
+from loraplex.model.tensor_parallel.sharding import ShardLayout, TensorParallel, VocabShard
 from loraplex.types import ModelLoadError
 
 GEMMA4_LAYER_WEIGHTS: Mapping[str, tuple[str, int]] = {
@@ -137,11 +153,26 @@ class Gemma4Config(GemmaConfig):
         )
 
     def layer_modules(self) -> tuple[dict[str, tuple[int, int]], ...]:
-        return self._modules()[0]
+        if not self._modules()[0]:
+            return ()
+        return tuple(self.layer_module_shapes(i) for i in range(self.num_layers))
 
     def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
+        """The modules ``config.json`` gives ``layer``, each of this config's heads and MLP
+        width (a tensor-parallel rank's cut: ``Gemma4ForCausalLM.shard_config``); the
+        per-layer input modules as they are."""
         layers = self._modules()[0]
-        return layers[layer] if layers else self.module_shapes
+        if not layers:
+            return self.module_shapes
+        hd, kvh, inter = self.geometry[layer]
+        own = projection_shapes(self.hidden_size, self.num_heads, kvh, hd, inter)
+        return {p: own.get(p, dims) for p, dims in layers[layer].items()}
+
+    def layer_view(self, layer: int) -> Gemma4Config:
+        """This config with ``layer``'s head size, KV heads and MLP width as the model's (what
+        the Llama-shaped tensor-parallel cut of that layer reads)."""
+        hd, kvh, inter = self.geometry[layer]
+        return replace(self, head_dim=hd, num_kv_heads=kvh, intermediate_size=inter)
 
     def outer_module_shapes(self) -> dict[str, tuple[int, int]]:
         return {**super().outer_module_shapes(), **self._modules()[1]}
@@ -158,6 +189,26 @@ class Gemma4Config(GemmaConfig):
             total += self.layer_norm_params(i)
         # the per-layer stream's embedding, model projection and norm
         return total + (p * (self.vocab_size_per_layer_input * n + n * d + 1) if p else 0)
+
+
+def _kv_heads_field(c: Gemma4Config, layer: int) -> str:
+    """The config.json field that sets ``layer``'s KV heads (``layer_geometry``'s rule)."""
+    text = c.raw.get("text_config")
+    raw = text if isinstance(text, dict) else c.raw
+    per_layer = raw.get("per_layer_config")
+    if isinstance(per_layer, Mapping):
+        over = per_layer.get(str(layer)) or per_layer.get(layer) or {}  # type: ignore[call-overload]
+        if "num_key_value_heads" in over:
+            return f"per_layer_config[{layer}].num_key_value_heads"
+    elif c.values_from_keys[layer] and raw.get("num_global_key_value_heads"):
+        return "num_global_key_value_heads"
+    return "num_key_value_heads"
+
+
+def _with_values_from_keys(groups: tuple[ProjectionGroup, ...]) -> tuple[ProjectionGroup, ...]:
+    """Attention groups whose q/k/v Linear is q and k only (``attention_k_eq_v``)."""
+    name, d_in, parts = groups[0]
+    return ((name, d_in, parts[:2]), *groups[1:])
 
 
 def _refuse(c: Mapping[str, Any], source: str) -> None:
@@ -195,9 +246,8 @@ class Gemma4Attention(Attention):
     ) -> None:
         super().__init__(*args)
         if values_from_keys:  # q and k only: v is k's projection
-            name, d_in, parts = self.groups[0]
-            self.groups = ((name, d_in, parts[:2]), self.groups[1])
-            self.qkv_parts = parts[:2]
+            self.groups = _with_values_from_keys(self.groups)
+            self.qkv_parts = self.groups[0][2]
         self.values_from_keys = values_from_keys
         self.kv_source = kv_source
         self.eps = eps
@@ -247,7 +297,6 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     layer_weights = GEMMA4_LAYER_WEIGHTS
     norm_class = Float32ScaleRMSNorm
     qk_norm = False  # q and k norms are the layer's own slots (a KV-sharing layer has no k's)
-    supports_tensor_parallel = False  # its per-layer stream and layer shapes do not shard yet
     supports_quantization = False  # its own projections (the per-layer stream's, a KV-sharing
     # layer's q) load in float only: refused at start-up rather than half quantized
     cfg: Gemma4Config
@@ -299,7 +348,8 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         self._own: dict[str, torch.Tensor] = {}  # per-layer-input tensors, until build_own
         P, L = c.hidden_size_per_layer_input, c.num_layers
         self.ple_scale = torch.tensor(P**0.5).to(dtype).to(device)  # HF: float32, to the dtype
-        self.embed_tokens_per_layer: torch.Tensor | None = None  # [V_ple, L * P]
+        # [V_ple, L * P]; under tensor parallelism the rank's vocabulary rows
+        self.embed_tokens_per_layer: torch.Tensor | VocabShard | None = None
         self.per_layer_model_projection: Linear | None = None  # [L * P, D]
         self.per_layer_projection_norm: Float32ScaleRMSNorm | None = None  # [P]
         # the per-layer stream's LoRA groups: (proj, first column, end column)
@@ -330,6 +380,62 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     def layer_projection_groups(self, layer: int) -> tuple[ProjectionGroup, ...]:
         return (*self.attns[layer].groups, *self.mlps[layer].groups)
 
+    def row_parallel_blocks(self) -> tuple[Any, ...]:
+        return tuple(block for pair in self.blocks for block in pair)
+
+    # -- tensor parallelism: each layer cut by its own heads and MLP width ----------------------
+    @classmethod
+    def shard_config(cls, cfg: ModelConfig, layout: ShardLayout) -> ModelConfig:
+        """The rank's heads, and per layer its KV heads and MLP columns; ModelLoadError naming
+        the field that sets a layer's KV heads where they do not split."""
+        assert isinstance(cfg, Gemma4Config)
+        size = layout.size
+        for i, (_, kvh, _) in enumerate(cfg.geometry):
+            if kvh % size and size % kvh:
+                raise ModelLoadError(
+                    f"--tensor-parallel-size {size}: layer {i}: {_kv_heads_field(cfg, i)}={kvh} "
+                    f"neither divides nor is a multiple of {size}"
+                )
+        geometry = tuple(
+            (hd, lay.num_kv_heads, lay.intermediate)
+            for (hd, _, _), lay in zip(cfg.geometry, _layer_layouts(cfg, layout), strict=True)
+        )
+        return replace(layout.local_config(cfg), geometry=geometry)
+
+    @functools.cached_property
+    def _layer_cuts(self) -> list[tuple[TensorParallel, Gemma4Config]]:
+        """Per layer: the rank's tensor-parallel plan of it and the whole config seen with its
+        shape (``Gemma4Config.layer_view``)."""
+        tp, c = self.tp, self.full_cfg
+        assert tp is not None and isinstance(c, Gemma4Config)
+        layouts = _layer_layouts(c, tp.layout)
+        return [(replace(tp, layout=lay), c.layer_view(i)) for i, lay in enumerate(layouts)]
+
+    def whole_projection_groups(self, layer: int) -> tuple[ProjectionGroup, ...]:
+        c = self.full_cfg
+        assert isinstance(c, Gemma4Config)
+        hd, kvh, inter = c.geometry[layer]
+        attn = attention_groups(c.hidden_size, c.num_heads * hd, kvh * hd)
+        if c.values_from_keys[layer]:
+            attn = _with_values_from_keys(attn)  # type: ignore[assignment]
+        return (*attn, *mlp_groups(c.hidden_size, inter))
+
+    def shard_slot(
+        self, layer: int, slot: str, kind: str, t: torch.Tensor, offsets: dict[str, int]
+    ) -> torch.Tensor | None:
+        tp, view = self._layer_cuts[layer]
+        return tp.shard_slot(slot, kind, t, view, offsets)
+
+    def shard_lora(
+        self, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-layer input projections' LoRA whole (their stream is whole on every rank);
+        the layer's others cut by its own shape."""
+        if key[1] in PER_LAYER_INPUT_PROJ_NAMES:
+            return a, b
+        tp, view = self._layer_cuts[key[0]]
+        return tp.shard_lora(key[1], a, b, view)
+
     def layer_norm_dims(self, layer: int) -> dict[str, int]:
         hd = self.cfg.geometry[layer][0]
         return {**self.norm_dims(self.cfg), "q_norm": hd, "k_norm": hd}
@@ -340,8 +446,10 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             attn.ops = mlp.ops = ops
 
     def _own_shape(self, key: str) -> tuple[int, ...] | None:
-        """The shape of one of the architecture's own tensors (None: not one of them)."""
-        c = self.cfg
+        """The shape of one of the architecture's own tensors in the (whole) checkpoint
+        (None: not one of them)."""
+        c = self.full_cfg
+        assert isinstance(c, Gemma4Config)
         if key in _PLE_TOP:
             return self._ple_shapes[_PLE_TOP[key]] if c.hidden_size_per_layer_input else None
         m = _OWN_LAYER.fullmatch(key)
@@ -395,8 +503,13 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     def build_own(self) -> None:
         assert self.make_linear is not None
         own, eps, make = self._own, self.cfg.rms_norm_eps, self.make_linear
+        tp = self.tp
         if self.cfg.hidden_size_per_layer_input:
-            self.embed_tokens_per_layer = own.pop("model.embed_tokens_per_layer.weight")
+            table = own.pop("model.embed_tokens_per_layer.weight")  # [V_ple, L * P]
+            # a rank's vocabulary rows of it (V_ple >= V: rows past V are never looked up)
+            self.embed_tokens_per_layer = (
+                table if tp is None else VocabShard(tp.shard_vocab(table), tp)
+            )
             self.per_layer_model_projection = make(
                 own.pop("model.per_layer_model_projection.weight"), None
             )
@@ -406,8 +519,12 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         for i, L in enumerate(self.layers):
             p = f"model.layers.{i}."
             L.layer_scalar = own.pop(p + "layer_scalar")  # [1]
-            if self.cfg.kv_source[i] != i:
-                L.qkv = make(own.pop(p + "self_attn.q_proj.weight"), None)
+            if self.cfg.kv_source[i] != i:  # q alone: [H * hd, D], the rank's heads of it
+                q = own.pop(p + "self_attn.q_proj.weight")
+                if tp is not None:
+                    cut, view = self._layer_cuts[i]
+                    q = q.index_select(0, cut.layout.proj_rows("q_proj", view)).contiguous()
+                L.qkv = make(q, None)
             if self.cfg.hidden_size_per_layer_input:
                 L.ple_gate = make(own.pop(p + "per_layer_input_gate.weight"), None)  # [P, D]
                 L.ple_proj = make(own.pop(p + "per_layer_projection.weight"), None)  # [D, P]
@@ -467,6 +584,12 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         extra = [self.embed_tokens_per_layer, self.per_layer_model_projection,
                  self.per_layer_projection_norm]  # fmt: skip
         return super().nbytes + sum(t.nbytes for t in extra if t is not None)
+
+
+def _layer_layouts(c: Gemma4Config, layout: ShardLayout) -> list[ShardLayout]:
+    """Rank ``layout.rank``'s shard of each layer of ``c`` (its own head size and KV heads:
+    replicated per layer where they are fewer than the ranks)."""
+    return [ShardLayout.of(c.layer_view(i), layout.rank, layout.size) for i in range(c.num_layers)]
 
 
 _TEXT_PREFIXES = (("model.language_model.", "model."),)

@@ -39,7 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loraplex.checkpoint.modules import EMBED_TOKENS, EXPERT_PROJ_NAMES, LM_HEAD, ROUTER
+from loraplex.checkpoint.modules import (
+    EMBED_TOKENS,
+    EXPERT_PROJ_NAMES,
+    LM_HEAD,
+    PER_LAYER_MODEL_PROJECTION,
+    ROUTER,
+)
 from loraplex.model.tensor_parallel.collectives import GlooCollectives
 from loraplex.types import ModelLoadError
 
@@ -51,6 +57,10 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 EXPERT_COLUMN = frozenset({"experts.gate_proj", "experts.up_proj"})
 """A MoE's experts are tensor-parallel as the dense MLP is (each expert's columns cut); the
 router is whole on every rank."""
+WHOLE = frozenset({EMBED_TOKENS, ROUTER, PER_LAYER_MODEL_PROJECTION})
+"""Modules whose LoRA every rank holds whole: the embedding's (its delta is added after the
+lookup's all-reduce), the router's and Gemma 4's ``per_layer_model_projection`` (their inputs
+and outputs are whole on every rank)."""
 SLOT_PROJECTIONS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "gate_up": ("gate_proj", "up_proj"),
@@ -139,8 +149,10 @@ class ShardLayout:
 
     def slot_rows(self, slot: str, cfg: ModelConfig, offsets: dict[str, int]) -> torch.Tensor:
         """Rows of a fused column-parallel slot's weight this rank keeps: each projection's
-        rows, shifted by its first column in the full fused layout (``offsets``)."""
-        return torch.cat([self.proj_rows(p, cfg) + offsets[p] for p in SLOT_PROJECTIONS[slot]])
+        rows, shifted by its first column in the full fused layout (``offsets``; a projection
+        it does not name is not in the layer: Gemma 4's k-is-v layers have no v)."""
+        projs = [p for p in SLOT_PROJECTIONS[slot] if p in offsets]
+        return torch.cat([self.proj_rows(p, cfg) + offsets[p] for p in projs])
 
 
 @dataclass(frozen=True)
@@ -274,7 +286,7 @@ class TensorParallel:
             return a, b.index_select(1, lay.proj_rows(proj, cfg))
         if proj == "experts.down_proj":  # A [E, r, I] the rank's columns, B [E, D, r] whole
             return a.index_select(2, lay.proj_rows(proj, cfg)), b
-        if proj in (EMBED_TOKENS, ROUTER):
+        if proj in WHOLE:
             return a, b
         raise ModelLoadError(f"--tensor-parallel-size {lay.size}: LoRA on {proj} has no split")
 
