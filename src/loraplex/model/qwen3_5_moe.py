@@ -34,6 +34,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, MoEDecoderForCausalLM):
 
     model_type = "qwen3_5_moe_text"
     config_class = Qwen3_5MoeConfig
+    supports_tensor_parallel = False  # the shared expert does not shard yet
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
