@@ -28,6 +28,7 @@ from loraplex.testing import (
     make_random_model,
 )
 from loraplex.types import AdapterError, ModelLoadError
+from tests.engine.test_moe_experts import adapters_for
 from tests.engine.test_tensor_parallel import LOGPROB_ATOL, _generate, _run
 
 BLOCK = 16
@@ -325,5 +326,36 @@ def test_tp_refuses_linear_heads_that_do_not_split(tmp_path: Path) -> None:
     with pytest.raises(
         ModelLoadError, match=r"linear_num_key_heads=1 is not a multiple of 2$"
     ) as e:
+        LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=2, num_threads=1))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True])
+def test_moe_tp2_equals_tp1(fully_sharded: bool, tmp_path: Path) -> None:
+    """Qwen3.5-MoE: each expert's and the shared expert's columns cut (its gate whole); a
+    mixed batch of adapters on the packed experts, the router, the shared expert and its gate,
+    and the linear attention gives TP=1's tokens and logprobs, in both LoRA splits."""
+    model = make_random_model(
+        tmp_path / "model", "qwen3_5_moe", num_layers=2, seed=5, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        layer_types=["full_attention", "linear_attention"],
+    )  # fmt: skip
+    kinds = adapters_for(None)
+    shared = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
+    specs = {
+        "packed_r8": kinds["packed_r8"][1],  # q_proj and every expert's gate/up and down
+        "down_router_r16": kinds["down_router_r16"][1],  # k/o, the experts' down, the router
+        "gdn_shared_r4": dict(r=4, std=0.1, seed=8,
+                              target_modules=[*TP_LINEAR, *shared, "shared_expert_gate"]),
+    }  # fmt: skip
+    adapters = [make_random_adapter(model, tmp_path / n, **kw) for n, kw in specs.items()]
+    one = _run(model, adapters, 1, max_lora_rank=16)
+    two = _run(model, adapters, 2, max_lora_rank=16, fully_sharded_loras=fully_sharded)
+    _assert_tp_equal(one, two)
+
+
+def test_moe_tp_refuses_a_shared_expert_that_does_not_split(tmp_path: Path) -> None:
+    model = make_random_model(tmp_path / "m", "qwen3_5_moe", shared_expert_intermediate_size=47)
+    with pytest.raises(ModelLoadError, match="shared_expert_intermediate_size=47 is not a") as e:
         LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=2, num_threads=1))
     assert "\n" not in str(e.value)
