@@ -304,6 +304,9 @@ def test_tp2_prefix_hit_resumes_each_ranks_state(tmp_path: Path) -> None:
     e = engine(2)
     try:
         assert e.workers is not None
+        assert e.cache.recurrent.shape[-3:] == (2, 16, 16)  # rank 0's 2 of the 4 value heads
+        assert e.adapters is not None  # its key head's q and k, its value heads' v: 16+16+32
+        assert e.adapters.bank.module_shapes[(1, "in_proj_qkv")] == (64, 64)
         a = _generate(e, "a", first, lora)
         b = _generate(e, "b", second, lora)
         assert e.is_idle()
