@@ -97,6 +97,16 @@ def _run(model: Path, adapters: list[Path], tp: int, **kw: object) -> list:
         llm.engine.shutdown()
 
 
+def assert_tp_equal(one: list, two: list) -> None:
+    """Each completion of ``two`` has ``one``'s tokens, and logprobs within LOGPROB_ATOL."""
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
+            for tok in la.top.keys() & lb.top.keys():  # a near tie may swap the last one
+                assert math.isclose(la.top[tok], lb.top[tok], abs_tol=LOGPROB_ATOL)
+
+
 @pytest.mark.parametrize(
     ("name", "shm"), [*((name, "0") for name in FAMILIES), ("llama_gqa", "1"), ("qwen3", "1")]
 )
@@ -106,14 +116,7 @@ def test_tp2_equals_tp1(
     """Through gloo, and for two families through the shared-memory step traffic too."""
     monkeypatch.setenv("LORAPLEX_TP_SHM", shm)
     model, adapters = _family(tmp_path, name)
-    one = _run(model, adapters, 1)
-    two = _run(model, adapters, 2)
-    for a, b in zip(one, two, strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
-            for tok in la.top.keys() & lb.top.keys():  # a near tie may swap the last one
-                assert math.isclose(la.top[tok], lb.top[tok], abs_tol=LOGPROB_ATOL)
+    assert_tp_equal(_run(model, adapters, 1), _run(model, adapters, 2))
 
 
 def test_windowed_kv_groups_tp2_equal_tp1(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ and linear-attention heads that do not split refused. The every-family tests
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from loraplex.testing import (
 )
 from loraplex.types import AdapterError, ModelLoadError
 from tests.engine.test_moe_experts import adapters_for
-from tests.engine.test_tensor_parallel import LOGPROB_ATOL, _generate, _run
+from tests.engine.test_tensor_parallel import _generate, _run, assert_tp_equal
 
 BLOCK = 16
 SAMPLE_TOL = 1e-3
@@ -263,15 +262,6 @@ def _tp_family(root: Path, arch: str = "qwen3_5", **kw: object) -> tuple[Path, l
     return model, adapters
 
 
-def _assert_tp_equal(one: list, two: list) -> None:
-    for a, b in zip(one, two, strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert math.isclose(la.logprob, lb.logprob, abs_tol=LOGPROB_ATOL)
-            for tok in la.top.keys() & lb.top.keys():  # a near tie may swap the last one
-                assert math.isclose(la.top[tok], lb.top[tok], abs_tol=LOGPROB_ATOL)
-
-
 @pytest.mark.parametrize("fully_sharded", [False, True])
 def test_tp2_equals_tp1(fully_sharded: bool, tmp_path: Path) -> None:
     """TP=2 gives TP=1's greedy tokens and logprobs for a mixed batch of adapters on the
@@ -283,7 +273,7 @@ def test_tp2_equals_tp1(fully_sharded: bool, tmp_path: Path) -> None:
             assert all(any(f".{p}.lora_B" in k for k in f.keys()) for p in TP_LINEAR)
     one = _run(model, adapters, 1)
     two = _run(model, adapters, 2, fully_sharded_loras=fully_sharded)
-    _assert_tp_equal(one, two)
+    assert_tp_equal(one, two)
 
 
 def test_tp2_prefix_hit_resumes_each_ranks_state(tmp_path: Path) -> None:
@@ -354,7 +344,7 @@ def test_moe_tp2_equals_tp1(fully_sharded: bool, tmp_path: Path) -> None:
     adapters = [make_random_adapter(model, tmp_path / n, **kw) for n, kw in specs.items()]
     one = _run(model, adapters, 1, max_lora_rank=16)
     two = _run(model, adapters, 2, max_lora_rank=16, fully_sharded_loras=fully_sharded)
-    _assert_tp_equal(one, two)
+    assert_tp_equal(one, two)
 
 
 def test_moe_tp_refuses_a_shared_expert_that_does_not_split(tmp_path: Path) -> None:

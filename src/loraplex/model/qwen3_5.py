@@ -28,7 +28,7 @@ from loraplex.checkpoint.modules import ATTN_PROJ_NAMES, LinearAttentionSpec
 from loraplex.kv.cache import StateShape
 from loraplex.model.decoder import DecoderForCausalLM, pre_norm_stack
 from loraplex.model.gated_delta import GatedDeltaNet
-from loraplex.model.layers import Attention, DecoderLayer, LayerStep, ProjectionGroup, mlp_groups
+from loraplex.model.layers import Attention, DecoderLayer, LayerStep, ProjectionGroup
 from loraplex.model.norms import GemmaRMSNorm
 from loraplex.model.qwen3 import QWEN3_LAYER_WEIGHTS
 from loraplex.model.spec import ModelConfig
@@ -303,11 +303,9 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def whole_projection_groups(self, layer: int) -> tuple[ProjectionGroup, ...]:
         c = self.full_cfg
+        _, _, *mlp = super().whole_projection_groups(layer)  # Llama's attention, then the MLP's
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        return (
-            *gated_attention_groups(c.hidden_size, q, kv),
-            *mlp_groups(c.hidden_size, c.intermediate_size),
-        )
+        return (*gated_attention_groups(c.hidden_size, q, kv), *mlp)
 
     def shard_slot(
         self, layer: int, slot: str, kind: str, t: torch.Tensor, offsets: dict[str, int]
