@@ -3,8 +3,9 @@ rule against the token-by-token recurrence; prefix caching on a hybrid (a hit re
 recurrence from the state snapshot at the hit's end, keyed like KV blocks); chunked prefill
 across blocks; preemption and resume; the state pool's pages per sequence staying fixed
 however long it runs; adapters on the linear-attention projections refused on a base
-without them. The every-family tests (``tests/engine/test_mixed_batch_architectures.py``)
-cover mixed adapter batches on it."""
+without them; tensor parallelism (2 ranks) equal to one device, the prefix cache under it,
+and linear-attention heads that do not split refused. The every-family tests
+(``tests/engine/test_mixed_batch_architectures.py``) cover mixed adapter batches on it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
 from loraplex.kv.groups import state_pages_per_sequence
 from loraplex.model.gated_delta_ops import chunked_rule, l2norm, recurrent_step
 from loraplex.testing import (
@@ -22,7 +26,9 @@ from loraplex.testing import (
     make_random_adapter,
     make_random_model,
 )
-from loraplex.types import AdapterError
+from loraplex.types import AdapterError, ModelLoadError
+from tests.engine.test_moe_experts import adapters_for
+from tests.engine.test_tensor_parallel import _generate, _run, assert_same_outputs
 
 BLOCK = 16
 SAMPLE_TOL = 1e-3
@@ -232,3 +238,117 @@ def test_vision_language_checkpoints_serve_their_language_model(arch: str, tmp_p
         out = llm.generate([{"prompt_token_ids": ids}], sp, lora_request=req)[0]
         check_greedy(out.outputs[0], load_merged_reference(model, lora), ids, SAMPLE_TOL)
     assert llm.engine.is_idle()
+
+
+# -- tensor parallelism (2 ranks over gloo, tests/engine/test_tensor_parallel.py's harness) ---
+
+TP_LINEAR = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+
+
+def _tp_family(root: Path, arch: str = "qwen3_5", **kw: object) -> tuple[Path, list[Path]]:
+    """A full-attention layer, then a linear-attention one (2 key heads read by 4 value
+    heads: one key head and its two value heads per rank), an odd vocabulary (uneven shards);
+    adapters of three ranks: all-linear, and one on the linear attention, q/o and the vocab."""
+    model = make_random_model(
+        root / "model", arch, num_layers=2, seed=5, with_tokenizer=False, vocab_size=389,
+        layer_types=["full_attention", "linear_attention"], **kw,
+    )  # fmt: skip
+    own = [*TP_LINEAR, "q_proj", "o_proj", "lm_head", "embed_tokens"]
+    adapters = [
+        make_random_adapter(model, root / "r4", r=4, seed=1),
+        make_random_adapter(model, root / "r16", r=16, seed=2, std=0.08),
+        make_random_adapter(model, root / "own", r=8, target_modules=own, std=0.1, seed=3),
+    ]
+    return model, adapters
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True])
+def test_tp2_equals_tp1(fully_sharded: bool, tmp_path: Path) -> None:
+    """TP=2 gives TP=1's greedy tokens and logprobs for a mixed batch of adapters on the
+    gated attention, the linear attention's five projections, the MLP and the vocabulary,
+    with LoRA's default split and ``--fully-sharded-loras``."""
+    model, adapters = _tp_family(tmp_path)
+    for a in adapters:  # every adapter adapts all five linear-attention projections
+        with safe_open(str(a / "adapter_model.safetensors"), "pt") as f:
+            assert all(any(f".{p}.lora_B" in k for k in f.keys()) for p in TP_LINEAR)
+    one = _run(model, adapters, 1)
+    two = _run(model, adapters, 2, fully_sharded_loras=fully_sharded)
+    assert_same_outputs(one, two)
+
+
+def test_tp2_prefix_hit_resumes_each_ranks_state(tmp_path: Path) -> None:
+    """Under TP each rank's state pages hold its own heads' states, in as many pages as rank
+    0's: a second request on a shared prefix of four blocks reports them cached (attention KV
+    and the recurrent state snapshot at their end, on both ranks) and answers as a cold
+    one-device run."""
+    model, adapters = _tp_family(tmp_path)
+    shared = _ids(4 * 4 + 2, seed=8)
+    first, second = shared + _ids(5, seed=9), shared + _ids(3, seed=10)
+    lora = LoRARequest("own", str(adapters[2]))
+
+    def engine(tp: int, **kw: object) -> LLMEngine:
+        cfg = EngineConfig(model=str(model), tensor_parallel_size=tp, dtype="float32",
+                           num_threads=1, block_size=4, skip_tokenizer_init=True, **kw)  # fmt: skip
+        return LLMEngine(cfg)
+
+    e = engine(2)
+    try:
+        assert e.workers is not None
+        assert e.cache.recurrent.shape[-3:] == (2, 16, 16)  # rank 0's 2 of the 4 value heads
+        assert e.adapters is not None  # its key head's q and k, its value heads' v: 16+16+32
+        assert e.adapters.bank.module_shapes[(1, "in_proj_qkv")] == (64, 64)
+        a = _generate(e, "a", first, lora)
+        b = _generate(e, "b", second, lora)
+        assert e.is_idle()
+    finally:
+        e.shutdown()
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 16)
+    cold = engine(1, enable_prefix_caching=False)
+    try:
+        want = _generate(cold, "c", second, lora)
+    finally:
+        cold.shutdown()
+    assert b.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_tp_refuses_linear_heads_that_do_not_split(tmp_path: Path) -> None:
+    """One key head of the linear attention over two ranks: one line naming the field."""
+    model = make_random_model(
+        tmp_path / "m", "qwen3_5", linear_num_key_heads=1, linear_num_value_heads=2
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"linear_num_key_heads=1 is not a multiple of 2$"
+    ) as e:
+        LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=2, num_threads=1))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True])
+def test_moe_tp2_equals_tp1(fully_sharded: bool, tmp_path: Path) -> None:
+    """Qwen3.5-MoE: each expert's and the shared expert's columns cut (its gate whole); a
+    mixed batch of adapters on the packed experts, the router, the shared expert and its gate,
+    and the linear attention gives TP=1's tokens and logprobs, in both LoRA splits."""
+    model = make_random_model(
+        tmp_path / "model", "qwen3_5_moe", num_layers=2, seed=5, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        layer_types=["full_attention", "linear_attention"],
+    )  # fmt: skip
+    kinds = adapters_for(None)
+    shared = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
+    specs = {
+        "packed_r8": kinds["packed_r8"][1],  # q_proj and every expert's gate/up and down
+        "down_router_r16": kinds["down_router_r16"][1],  # k/o, the experts' down, the router
+        "gdn_shared_r4": dict(r=4, std=0.1, seed=8,
+                              target_modules=[*TP_LINEAR, *shared, "shared_expert_gate"]),
+    }  # fmt: skip
+    adapters = [make_random_adapter(model, tmp_path / n, **kw) for n, kw in specs.items()]
+    one = _run(model, adapters, 1, max_lora_rank=16)
+    two = _run(model, adapters, 2, max_lora_rank=16, fully_sharded_loras=fully_sharded)
+    assert_same_outputs(one, two)
+
+
+def test_moe_tp_refuses_a_shared_expert_that_does_not_split(tmp_path: Path) -> None:
+    model = make_random_model(tmp_path / "m", "qwen3_5_moe", shared_expert_intermediate_size=47)
+    with pytest.raises(ModelLoadError, match="shared_expert_intermediate_size=47 is not a") as e:
+        LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=2, num_threads=1))
+    assert "\n" not in str(e.value)

@@ -449,11 +449,11 @@ def _build(config: EngineConfig, workers: TPWorkers | None) -> EngineParts:
     budget = MemoryBudget(config, local, device, dtype, groups, model.state_shape())
     lora = wire_lora(config, model, budget, workers) if config.enable_lora else None
     num_blocks = budget.kv_blocks(lora.adapters.bank.nbytes if lora is not None else 0)
-    if workers is not None:  # every rank builds the same number of blocks and slots
-        layout = WorkerLayout(num_blocks, lora.adapters.bank.max_loras if lora else 0)
-        workers.cast(layout)
-        model = DriverModel(model, workers)  # type: ignore[assignment]
     state_pages = budget.state_pages()
+    if workers is not None:  # every rank builds the same number of blocks, pages and slots
+        slots = lora.adapters.bank.max_loras if lora else 0
+        workers.cast(WorkerLayout(num_blocks, slots, state_pages))
+        model = DriverModel(model, workers)  # type: ignore[assignment]
     cache = PagedKVCache(
         local.num_layers, num_blocks, config.block_size, local.num_kv_heads, local.head_dim,
         dtype, device, groups, local.kv_layer_shapes(), model.state_shape(), state_pages,

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -60,6 +60,7 @@ from loraplex.model.decoder import DecoderForCausalLM, pre_norm_stack
 from loraplex.model.layers import ACTIVATIONS, DecoderLayer, LayerStep
 from loraplex.model.linear import LinearFactory, dense_weight, expert_factory
 from loraplex.model.spec import ModelConfig
+from loraplex.model.tensor_parallel.sharding import ShardLayout
 from loraplex.types import ModelLoadError
 
 
@@ -524,8 +525,11 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
             L.w_down = self._experts(layer, "w_down", make)  # [E, D, I]
             if self.cfg.shared_expert_intermediate_size:
                 g, u, dn = (self._moe_parts.pop((layer, p)) for p in SHARED_EXPERT_PROJ_NAMES)
-                L.shared_gate_up = make(torch.cat((g, u)), None)  # [2 Is, D]
-                L.shared_down = make(dn, None)  # [D, Is]
+                if self.tp is not None:  # the rank's columns, as the dense MLP's
+                    cols = self._shared_cols()
+                    g, u, dn = g.index_select(0, cols), u.index_select(0, cols), dn[:, cols]
+                L.shared_gate_up = make(torch.cat((g, u)), None)  # [2 Is, D] (Is: the rank's)
+                L.shared_down = make(dn.contiguous(), None)  # [D, Is]
             if self.cfg.shared_expert_gate:
                 L.shared_gate = make(self._moe_parts.pop((layer, "shared_expert_gate")), None)
             if self.cfg.expert_bias:
@@ -547,6 +551,37 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
 
     def row_parallel_blocks(self) -> tuple[Any, ...]:
         return (*super().row_parallel_blocks(), self.moe)
+
+    # -- tensor parallelism: each expert's columns (``TensorParallel.shard_experts``) and the
+    #    shared expert's, as the dense MLP's (gate/up rows, down's input columns); the shared
+    #    expert's gate [1, D] is whole: ``sigmoid(gate(x))`` scales the rank's partial output
+    #    before the all-reduce, which is linear, so the sum is the whole expert's output.
+    @classmethod
+    def shard_config(cls, cfg: ModelConfig, layout: ShardLayout) -> ModelConfig:
+        local = super().shard_config(cfg, layout)
+        si = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        if si % layout.size:
+            raise ModelLoadError(
+                f"--tensor-parallel-size {layout.size}: shared_expert_intermediate_size={si} "
+                f"is not a multiple of {layout.size}"
+            )
+        return replace(local, shared_expert_intermediate_size=si // layout.size) if si else local
+
+    def _shared_cols(self) -> torch.Tensor:
+        """The shared expert's columns this rank holds."""
+        assert self.tp is not None
+        n = self.cfg.shared_expert_intermediate_size  # the rank's
+        return torch.arange(self.tp.rank * n, (self.tp.rank + 1) * n)
+
+    def shard_lora(
+        self, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key[1] == SHARED_EXPERT_GATE:  # A [r, D], B [1, r]: whole, as the gate
+            return a, b
+        if key[1] in SHARED_EXPERT_PROJ_NAMES:
+            assert self.tp is not None
+            return self.tp.cut_lora(key[1], a, b, self._shared_cols(), self.full_cfg)
+        return super().shard_lora(key, a, b)
 
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Llama's pre-norm wiring with each layer's own feed-forward block."""

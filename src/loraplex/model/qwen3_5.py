@@ -16,9 +16,10 @@ What differs from Llama:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from loraplex.model.layers import Attention, DecoderLayer, LayerStep, Projection
 from loraplex.model.norms import GemmaRMSNorm
 from loraplex.model.qwen3 import QWEN3_LAYER_WEIGHTS
 from loraplex.model.spec import ModelConfig
+from loraplex.model.tensor_parallel.sharding import ShardLayout
 from loraplex.types import ModelLoadError
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -40,6 +42,19 @@ _LINEAR_TENSORS = (
     "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
     "out_proj.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
 )  # fmt: skip
+
+
+def linear_tensor_shapes(lin: LinearAttentionSpec) -> dict[str, tuple[int, ...]]:
+    """The shape of each of a linear-attention layer's checkpoint tensors (``_LINEAR_TENSORS``)."""
+    d, hv = lin.hidden, lin.value_heads
+    ks, vs = lin.key_heads * lin.key_dim, hv * lin.value_dim
+    cd = 2 * ks + vs  # the convolution's channels: q, k, v
+    return {
+        "in_proj_qkv.weight": (cd, d), "in_proj_z.weight": (vs, d),
+        "in_proj_b.weight": (hv, d), "in_proj_a.weight": (hv, d),
+        "out_proj.weight": (d, vs), "conv1d.weight": (cd, 1, lin.kernel),
+        "dt_bias": (hv,), "A_log": (hv,), "norm.weight": (lin.value_dim,),
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,18 +105,27 @@ class Qwen3_5Config(ModelConfig):
         return total + embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
 
+def gated_attention_groups(
+    hidden_size: int, q_size: int, kv_size: int
+) -> tuple[ProjectionGroup, ProjectionGroup]:
+    """``attention_groups`` with ``q_proj`` twice as wide: each head's query, then its gate."""
+    q2, kvs = 2 * q_size, kv_size
+    return (
+        ("qkv", hidden_size, (("q_proj", 0, q2), ("k_proj", q2, q2 + kvs),
+                              ("v_proj", q2 + kvs, q2 + 2 * kvs))),
+        ("o", q_size, (("o_proj", 0, hidden_size),)),
+    )  # fmt: skip
+
+
 class GatedAttention(Attention):
     """Attention whose ``q_proj`` also yields a per-head output gate: the output is
     ``attn * sigmoid(gate)`` before ``o_proj``."""
 
     def __init__(self, hidden_size: int, *args: Any, **kwargs: Any) -> None:
         super().__init__(hidden_size, *args, **kwargs)
-        q2, kvs = 2 * self.q_size, self.kv_size
-        self.groups: tuple[ProjectionGroup, ...] = (
-            ("qkv", hidden_size, (("q_proj", 0, q2), ("k_proj", q2, q2 + kvs),
-                                  ("v_proj", q2 + kvs, q2 + 2 * kvs))),
-            ("o", self.q_size, (("o_proj", 0, hidden_size),)),
-        )  # fmt: skip
+        self.groups: tuple[ProjectionGroup, ...] = gated_attention_groups(
+            hidden_size, self.q_size, self.kv_size
+        )
         self.qkv_parts, self.o_parts = (g[2] for g in self.groups)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -122,7 +146,6 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     norm_class = GemmaRMSNorm
     qk_norm = True
     supports_quantization = False  # the linear-attention projections have no quantized path yet
-    supports_tensor_parallel = False  # nor a shard plan
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -190,17 +213,6 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             return weights
         return {k: v for k, v in weights.items() if not k.startswith("self_attn.")}
 
-    def _linear_shapes(self) -> dict[str, tuple[int, ...]]:
-        lin = self.linear
-        assert lin is not None
-        d, cd, vs, hv = self.cfg.hidden_size, lin.conv_dim, lin.value_size, lin.hv
-        return {
-            "in_proj_qkv.weight": (cd, d), "in_proj_z.weight": (vs, d),
-            "in_proj_b.weight": (hv, d), "in_proj_a.weight": (hv, d),
-            "out_proj.weight": (d, vs), "conv1d.weight": (cd, 1, lin.kernel),
-            "dt_bias": (hv,), "A_log": (hv,), "norm.weight": (lin.dv,),
-        }  # fmt: skip
-
     def take_tensor(
         self, key: str, read: Callable[[], torch.Tensor], shape: tuple[int, ...]
     ) -> bool:
@@ -208,12 +220,17 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         if m is None:
             return super().take_tensor(key, read, shape)  # a MoE's sparse blocks
         layer, name = int(m.group(1)), m.group(2)
-        want = self._linear_shapes().get(name) if layer in self.linear_layers else None
+        lin = self.full_cfg.linear  # type: ignore[attr-defined]  # the checkpoint's (whole)
+        want = linear_tensor_shapes(lin).get(name) if layer in self.linear_layers else None
         if want is None:
             raise ModelLoadError(f"unexpected tensor {key!r} for {self.cfg.architecture}")
         if tuple(shape) != want:
             raise ModelLoadError(f"tensor {key!r} has shape {tuple(shape)}, expected {want}")
-        self._own[(layer, name)] = read()
+        t = read()
+        rows = self.shard_rows.get(name.removesuffix(".weight")) if self.tp is not None else None
+        if rows is not None:  # the rank's heads: out_proj's input columns, others' rows
+            t = t.index_select(1 if name == "out_proj.weight" else 0, rows).contiguous()
+        self._own[(layer, name)] = t
         return True
 
     def check_own_tensors(self, src: object) -> None:
@@ -240,6 +257,82 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             L.dt_bias = own.pop((i, "dt_bias"))
             L.gnorm = own.pop((i, "norm.weight"))
         super().build_own()
+
+    # -- tensor parallelism: cut by heads. A full-attention rank keeps its heads' query and
+    #    gate rows of q_proj (and Llama's cut of the rest); a linear-attention rank its key
+    #    heads' q and k rows with the value heads that read them (value head j reads key head
+    #    j // (Hv / Hk): a rank's contiguous value heads read its contiguous key heads), their
+    #    v, z, a, b rows, convolution channels and decay terms, and out_proj's input columns
+    #    (row-parallel: its output summed over the ranks). The gated norm [dv] is whole.
+    @classmethod
+    def shard_config(cls, cfg: ModelConfig, layout: ShardLayout) -> ModelConfig:
+        """The rank's heads, and of the linear-attention layers' (``linear_num_value_heads``
+        is a multiple of ``linear_num_key_heads``: it splits when they do)."""
+        local = super().shard_config(cfg, layout)
+        lin, size = getattr(cfg, "linear", None), layout.size
+        if lin is None:
+            return local
+        if lin.key_heads % size:
+            raise ModelLoadError(
+                f"--tensor-parallel-size {size}: linear_num_key_heads={lin.key_heads} is not "
+                f"a multiple of {size}"
+            )
+        heads = replace(lin, key_heads=lin.key_heads // size, value_heads=lin.value_heads // size)
+        return replace(local, linear=heads)
+
+    @functools.cached_property
+    def shard_rows(self) -> dict[str, torch.Tensor]:
+        """The rank's rows (out_proj: input columns) of each tensor or LoRA module cut by
+        heads its own way, in the whole layout: q_proj, the linear attention's (by module or
+        tensor name; ``norm`` is whole)."""
+        tp, c, local = self.tp, self.full_cfg, self.cfg
+        assert tp is not None and isinstance(c, Qwen3_5Config) and isinstance(local, Qwen3_5Config)
+
+        def heads(n: int, width: int) -> torch.Tensor:  # the rank's n heads of width rows
+            return torch.arange(tp.rank * n * width, (tp.rank + 1) * n * width)
+
+        rows = {"q_proj": heads(local.num_heads, 2 * c.head_dim)}  # each head: query, gate
+        lin, mine = c.linear, local.linear
+        if lin is None or mine is None:
+            return rows
+        k, ks = heads(mine.key_heads, lin.key_dim), lin.key_heads * lin.key_dim
+        v, hv = heads(mine.value_heads, lin.value_dim), heads(mine.value_heads, 1)
+        qkv = torch.cat((k, ks + k, 2 * ks + v))  # [q | k | v] channels
+        return {**rows, "in_proj_qkv": qkv, "conv1d": qkv, "in_proj_z": v, "out_proj": v,
+                "in_proj_b": hv, "in_proj_a": hv, "A_log": hv, "dt_bias": hv}  # fmt: skip
+
+    def whole_projection_groups(self, layer: int) -> tuple[ProjectionGroup, ...]:
+        c = self.full_cfg
+        _, _, *mlp = super().whole_projection_groups(layer)  # Llama's attention, then the MLP's
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return (*gated_attention_groups(c.hidden_size, q, kv), *mlp)
+
+    def shard_slot(
+        self, layer: int, slot: str, kind: str, t: torch.Tensor, offsets: dict[str, int]
+    ) -> torch.Tensor | None:
+        if slot != "qkv":
+            return super().shard_slot(layer, slot, kind, t, offsets)
+        assert self.tp is not None
+        lay, c = self.tp.layout, self.full_cfg
+        rows = torch.cat(
+            (
+                self.shard_rows["q_proj"] + offsets["q_proj"],
+                *(lay.proj_rows(p, c) + offsets[p] for p in ("k_proj", "v_proj")),
+            )
+        )
+        return t.index_select(0, rows).contiguous()
+
+    def shard_lora(
+        self, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.shard_rows.get(key[1])
+        if rows is None:
+            return super().shard_lora(key, a, b)
+        assert self.tp is not None
+        return self.tp.cut_lora(key[1], a, b, rows, self.full_cfg)
+
+    def row_parallel_blocks(self) -> tuple[Any, ...]:
+        return (*super().row_parallel_blocks(), *([self.linear] if self.linear else []))
 
     # -- forward -----------------------------------------------------------------------------
     def run_layers(self, h: torch.Tensor, step: LayerStep) -> torch.Tensor:

@@ -9,6 +9,9 @@ back to the model dtype) over experts of ``moe_intermediate_size`` (packed ``exp
 target the linear-attention and attention projections, the router, the experts (PEFT's
 ``target_parameters``), the shared expert's projections and its gate (PEFT's ``all-linear``
 takes all of them but the router, a parameter).
+
+Tensor parallelism: Qwen3.5's cut (``qwen3_5.py``) and the sparse block's (``moe.py``: each
+expert's and the shared expert's columns, its gate and the router whole).
 """
 
 from __future__ import annotations

@@ -124,3 +124,4 @@ class WorkerLayout:
 
     num_blocks: int
     lora_slots: int  # 0: no LoRA
+    state_pages: int = 0  # the state pool's pages (0: no recurrent layers)

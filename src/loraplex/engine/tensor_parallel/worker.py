@@ -56,7 +56,7 @@ def worker_parts(
     bank = slot_bank(config, model, budget, layout.lora_slots) if layout.lora_slots else None
     cache = PagedKVCache(
         mc.num_layers, layout.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-        dtype, device, groups, mc.kv_layer_shapes(),  # each layer's own (Gemma 4's differ)
+        dtype, device, groups, mc.kv_layer_shapes(), model.state_shape(), layout.state_pages,
     )  # fmt: skip
     return model, cache, bank
 

@@ -16,7 +16,7 @@ from loraplex.lora.ops import LoRAOps
 from loraplex.lora.plan import LoRABatchPlan
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.model.lora_binding import LoRABinding
-from loraplex.model.tensor_parallel.sharding import COLUMN_PARALLEL, ROW_PARALLEL, TensorParallel
+from loraplex.model.tensor_parallel.sharding import HIDDEN_IN, HIDDEN_OUT, TensorParallel
 
 if TYPE_CHECKING:
     from loraplex.model.spec import ModelConfig
@@ -46,15 +46,15 @@ class FullyShardedLoRABinding(LoRABinding):
         plan: LoRABatchPlan,
         rows_plan: LoRABatchPlan | None = None,
     ) -> None:
-        if rows_plan is not None or parts[0][0] not in COLUMN_PARALLEL | ROW_PARALLEL:
-            # a MoE's experts and router keep the default split
+        if rows_plan is not None or parts[0][0] not in HIDDEN_IN | HIDDEN_OUT:
+            # a MoE's experts and router, a shared expert's gate: the default split
             super().add(layer, parts, x, out, plan, rows_plan)
             return
         modules = self.modules_of(layer, parts, plan)
         if not modules:
             return
         lo, hi = self.hidden
-        column = parts[0][0] in COLUMN_PARALLEL
+        column = parts[0][0] in HIDDEN_IN
         x_in = x[:, lo:hi].contiguous() if column else x  # [T, D / size] or the rank's own
         ys = [self.ops.shrink(x_in, a, plan) for a, _, _, _ in modules]  # [T, rows] each
         y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]

@@ -25,6 +25,11 @@ LoRA follows the same split (:meth:`TensorParallel.shard_lora`), in vLLM's two m
   in one all-reduce (far smaller than the ``[T, hidden]`` one), then each rank expands into
   its own output columns (``lora_binding.FullyShardedLoRABinding``).
 
+A family's own modules fall into the same two kinds (``HIDDEN_IN``: output rows cut, input
+the hidden state; ``HIDDEN_OUT``: input columns cut, output summed into the hidden state:
+Gated DeltaNet's in- and out-projections, a shared expert's); which rows a rank keeps of them
+is the family's to say (its ``shard_lora`` hook, through :meth:`TensorParallel.cut_lora`).
+
 The embedding's A is whole on every rank (its delta is added after the lookup's all-reduce);
 the head's B keeps the rank's vocabulary rows.
 
@@ -54,6 +59,15 @@ if TYPE_CHECKING:
 
 COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+HIDDEN_IN = COLUMN_PARALLEL | frozenset(
+    {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",  # Gated DeltaNet's in-projections
+     "shared_expert.gate_proj", "shared_expert.up_proj"}
+)  # fmt: skip
+"""Modules cut by their output rows whose input is the whole hidden state (each family says
+which rows: ``shard_lora``): ``--fully-sharded-loras`` cuts their A's hidden columns."""
+HIDDEN_OUT = ROW_PARALLEL | frozenset({"out_proj", "shared_expert.down_proj"})
+"""Modules cut by their input columns whose output is the hidden state (summed over the
+ranks): ``--fully-sharded-loras`` cuts their B's hidden rows."""
 EXPERT_COLUMN = frozenset({"experts.gate_proj", "experts.up_proj"})
 """A MoE's experts are tensor-parallel as the dense MLP is (each expert's columns cut); the
 router is whole on every rank."""
@@ -253,9 +267,9 @@ class TensorParallel:
         if not self.fully_sharded:
             return dims
         part = cfg.hidden_size // self.size
-        if proj in COLUMN_PARALLEL:
+        if proj in HIDDEN_IN:
             return part, dims[1]
-        if proj in ROW_PARALLEL:
+        if proj in HIDDEN_OUT:
             return dims[0], part
         return dims
 
@@ -271,14 +285,8 @@ class TensorParallel:
         """This rank's (A [r, d_in_r], B [d_out_r, r]) of a LoRA module of ``proj`` (full A
         [r, d_in], B [d_out, r]); see the module docstring for the split."""
         lay = self.layout
-        if proj in COLUMN_PARALLEL:
-            if self.fully_sharded:
-                a = a[:, slice(*self.hidden_cols(cfg))]
-            return a, b.index_select(0, lay.proj_rows(proj, cfg))
-        if proj in ROW_PARALLEL:
-            if self.fully_sharded:
-                b = b[slice(*self.hidden_cols(cfg))]
-            return a.index_select(1, lay.proj_rows(proj, cfg)), b
+        if proj in COLUMN_PARALLEL | ROW_PARALLEL:
+            return self.cut_lora(proj, a, b, lay.proj_rows(proj, cfg), cfg)
         if proj == LM_HEAD:
             lo, hi = lay.vocab_rows
             return a, b[lo:hi]
@@ -289,6 +297,18 @@ class TensorParallel:
         if proj in WHOLE:
             return a, b
         raise ModelLoadError(f"--tensor-parallel-size {lay.size}: LoRA on {proj} has no split")
+
+    def cut_lora(
+        self, proj: str, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, cfg: ModelConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) of module ``proj`` (``HIDDEN_IN`` or ``HIDDEN_OUT``) cut by ``rows``: the
+        output rows the rank keeps of a column-parallel module (B's rows; A whole, or its
+        hidden columns when ``fully_sharded``), the input columns of a row-parallel one (A's
+        columns; B whole, or its hidden rows)."""
+        hidden = slice(*self.hidden_cols(cfg))
+        if proj in HIDDEN_OUT:
+            return a.index_select(1, rows), (b[hidden] if self.fully_sharded else b)
+        return (a[:, hidden] if self.fully_sharded else a), b.index_select(0, rows)
 
 
 class VocabShard:
