@@ -32,6 +32,7 @@ from loraplex.testing import (
 )
 from loraplex.types import AdapterError
 from tests.engine.test_mixed_batch_architectures import SAMPLE_TOL, check_mixed_batch, llm_on
+from tests.engine.test_tensor_parallel import _run, assert_same_outputs
 
 CHUNK = 4  # ARCH_DEFAULTS["llama4_text"]["attention_chunk_size"]
 BLOCK = 4
@@ -217,3 +218,16 @@ def test_a_shared_expert_lora_on_a_dense_layer_is_refused(family: dict, tmp_path
     ):
         llm.generate("Hello", sp, lora_request=LoRARequest("odd", str(tmp_path)))
     assert llm.generate("Hello", sp)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True])
+def test_tp2_equals_tp1(family: dict, fully_sharded: bool) -> None:
+    """Over two ranks: each its heads (the NoPE layer's temperature and the rope layer's L2
+    norm per head), its columns of the dense MLP, of every expert and of the shared expert
+    (cut as the dense MLP), the router whole; chunked attention unchanged. The base and four
+    adapters (attention, dense MLP + shared expert, packed experts, all-linear with the
+    router) in one batch give one device's tokens, in both LoRA modes."""
+    adapters = [family["adapters"][n] for n in list(ADAPTERS)[:4]]
+    one = _run(family["model"], adapters, 1, max_lora_rank=16)
+    kw = {"fully_sharded_loras": True} if fully_sharded else {}
+    assert_same_outputs(one, _run(family["model"], adapters, 2, max_lora_rank=16, **kw))

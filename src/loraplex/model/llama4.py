@@ -22,6 +22,10 @@ names: ``feed_forward`` for ``mlp``, ``feed_forward.router`` for the router ``ml
 Adapters: attention, dense MLP, shared expert (``shared_expert.{gate,up,down}_proj``), packed
 experts (PEFT's ``target_parameters``), the router (``feed_forward.router``, PEFT's
 ``all-linear`` takes it), ``lm_head`` and ``embed_tokens``.
+
+Under tensor parallelism nothing here is its own: the q/k path is per head, chunks are a
+window kind, and the sparse block's experts and shared expert are cut as ``model/moe.py`` cuts
+them.
 """
 
 from __future__ import annotations
@@ -120,7 +124,6 @@ class Llama4ForCausalLM(MoEDecoderForCausalLM):
     cfg: Llama4Config
     attention_class = Llama4Attention
     sparse_class = Llama4SparseMoE
-    supports_tensor_parallel = False  # the shared expert does not shard yet
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
