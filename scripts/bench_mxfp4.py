@@ -27,6 +27,7 @@ passes is reported.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             nbytes["int4 g32"] += q4.nbytes
     per = {name: b / args.experts / 2**20 for name, b in nbytes.items()}
     print(f"{args.experts} experts of gpt-oss-20b [{2 * INTER}x{D}] + [{D}x{INTER}], "
-          f"{torch.get_num_threads()} threads; MiB per expert: "
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}; MiB per expert: "
           + ", ".join(f"{n} {v:.1f}" for n, v in per.items()))  # fmt: skip
     print(
         f"{'rows':>5}" + "".join(f"{name + ' ms':>15}" for name in kinds) + f"{'best/bf16 mm':>14}"
