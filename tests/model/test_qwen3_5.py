@@ -4,7 +4,8 @@ recurrence from the state snapshot at the hit's end, keyed like KV blocks); chun
 across blocks; preemption and resume; the state pool's pages per sequence staying fixed
 however long it runs; adapters on the linear-attention projections refused on a base
 without them; tensor parallelism (2 ranks) equal to one device, the prefix cache under it,
-and linear-attention heads that do not split refused. The every-family tests
+and linear-attention heads that do not split refused; ``--quantization int8/int4`` on every
+projection, the linear-attention ones included. The every-family tests
 (``tests/engine/test_mixed_batch_architectures.py``) cover mixed adapter batches on it."""
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from loraplex.testing import (
     make_random_adapter,
     make_random_model,
 )
+from loraplex.testing.quant import write_dequantized, write_gptq
 from loraplex.types import AdapterError, ModelLoadError
 from tests.engine.test_moe_experts import adapters_for
 from tests.engine.test_tensor_parallel import _generate, _run, assert_same_outputs
+from tests.model.test_quantized_bases import ON_THE_FLY, _check_mixed_batch
 
 BLOCK = 16
 SAMPLE_TOL = 1e-3
@@ -351,4 +354,40 @@ def test_moe_tp_refuses_a_shared_expert_that_does_not_split(tmp_path: Path) -> N
     model = make_random_model(tmp_path / "m", "qwen3_5_moe", shared_expert_intermediate_size=47)
     with pytest.raises(ModelLoadError, match="shared_expert_intermediate_size=47 is not a") as e:
         LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=2, num_threads=1))
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------- quantized bases
+
+QUANT_ADAPTERS = {  # all-linear (the linear-attention projections too), attention, linear only
+    "all8": dict(r=8),
+    "attn16": dict(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "linear4": dict(r=4, target_modules=["in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj"]),
+}
+
+
+@pytest.mark.parametrize("mode", list(ON_THE_FLY))
+def test_quantized_at_load(mode: str, tmp_path: Path) -> None:
+    """``--quantization int8/int4``: the linear-attention projections (fused in_proj_*,
+    out_proj) are quantized as q/k/v/o are; a mixed batch equals transformers + PEFT on the
+    model whose every projection is its quantized-then-dequantized weight."""
+    model = make_random_model(tmp_path / "m", "qwen3_5", num_layers=2, hidden_size=64, seed=5)
+    gs = ON_THE_FLY[mode]
+    ref = write_dequantized(model, tmp_path / "ref", bits=8 if mode == "int8" else 4, group_size=gs)
+    llm, _ = _check_mixed_batch(
+        model, ref, tmp_path, tol=SAMPLE_TOL, adapters=QUANT_ADAPTERS, quantization=mode,
+        quantization_group_size=gs,
+    )  # fmt: skip
+    m = llm.engine.model
+    L = m.layers[min(m.linear_layers)]
+    float_bytes = 4 * sum(a * b for _, (a, b) in m.cfg.linear.shapes.items())
+    assert L.lin_in.nbytes + L.lin_out.nbytes < float_bytes * (0.4 if mode == "int8" else 0.25)
+
+
+def test_quantized_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
+    """No checkpoint format's reader knows the linear-attention projections: refused by name."""
+    model = make_random_model(tmp_path / "m", "qwen3_5", num_layers=2, hidden_size=64, seed=5)
+    qdir, _ = write_gptq(model, tmp_path / "q", tmp_path / "ref", bits=4, group_size=32)
+    with pytest.raises(ModelLoadError, match=r"quantized checkpoints \(gptq") as e:
+        LLM(str(qdir), dtype="float32", skip_tokenizer_init=True)
     assert "\n" not in str(e.value)

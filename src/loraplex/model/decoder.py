@@ -46,6 +46,7 @@ from loraplex.model.quant.kernels import QuantKernels
 from loraplex.model.quant.weights import QuantizedEmbedding, QuantWeight
 from loraplex.model.spec import ModelConfig
 from loraplex.model.tensor_parallel.sharding import ShardLayout, TensorParallel
+from loraplex.types import ModelLoadError
 
 
 @dataclass
@@ -96,8 +97,11 @@ class DecoderForCausalLM:
     """The attention block (a subclass changes how q and k are positioned: ``position_qk``)."""
     supports_quantization: ClassVar[bool] = True
     """Whether quantized projections load (a MoE's experts have no quantized path yet)."""
+    supports_quantized_checkpoints: ClassVar[bool] = True
+    """Whether a quantized checkpoint's format loads too, beyond ``--quantization int8/int4``
+    at load (an architecture whose own projections no format reader knows: Qwen3.5's)."""
     supports_tensor_parallel: ClassVar[bool] = True
-    """Whether the weights shard over tensor-parallel ranks (a MoE's experts do not yet)."""
+    """Whether the weights shard over tensor-parallel ranks."""
     own_quant_methods: ClassVar[frozenset[str]] = frozenset()
     """``quantization_config.quant_method`` values whose tensors the architecture reads itself
     (``take_tensor``, dequantizing at load: GPT-OSS's MXFP4 experts); the base then loads as a
@@ -156,6 +160,9 @@ class DecoderForCausalLM:
         self.linear_impl = "unset"
         self.make_linear: LinearFactory | None = None
         """The float projections' Linear factory chosen at load (the merger builds with it)."""
+        self.make_projection: Callable[[Any, torch.Tensor | None], Linear] | None = None
+        """The projections' factory: ``make_linear``, or on a quantized base the quantized
+        kernels' for a quantized weight (:meth:`own_projection` builds with it)."""
         self.lora: LoRABinding | None = None
         self.quant: QuantSpec | None = None
         """The base's quantization (a checkpoint format, or int8/int4 at load); None: float."""
@@ -234,6 +241,18 @@ class DecoderForCausalLM:
     def build_own(self) -> None:
         """Build the modules of the tensors ``take_tensor`` kept, once the common ones are
         built (``make_linear`` is set); nothing for a dense architecture."""
+
+    def own_projection(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> Linear:
+        """A projection of the architecture's own tensors (``build_own``; ``name`` names it in
+        an error), quantized under ``--quantization int8/int4`` as the common ones are."""
+        make, spec = self.make_projection, self.quant
+        assert make is not None
+        if spec is None or not spec.on_the_fly:
+            return make(weight, bias)
+        try:
+            return make(QuantWeight.quantize(weight, spec.bits or 8, spec.group_size), bias)
+        except ValueError as e:
+            raise ModelLoadError(f"--quantization {spec.label}: {name}: {e}") from e
 
     def row_parallel_blocks(self) -> tuple[Any, ...]:
         """The blocks whose outputs are summed over tensor-parallel ranks (their ``reduce``)."""

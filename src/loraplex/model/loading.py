@@ -71,6 +71,12 @@ def load_model(
             f"{cfg.architecture}: quantized bases are not supported for this architecture "
             f"({quant.label}); serve its float checkpoint"
         )
+    if quant is not None and not quant.on_the_fly and not cls.supports_quantized_checkpoints:
+        raise ModelLoadError(
+            f"{cfg.architecture}: quantized checkpoints ({quant.label}) are not supported for "
+            "this architecture; serve its float checkpoint (--quantization int8/int4 quantizes "
+            "it at load)"
+        )
     model = cls(cfg, dtype, device) if tp is None else _sharded(cls, cfg, dtype, device, tp, quant)
     model.quant = quant
     top, layers = CheckpointReader(model).read(Path(model_dir))
@@ -325,6 +331,7 @@ def _build(model: DecoderForCausalLM, top: Tensors, layers: list[Tensors]) -> No
     if model.quant is not None:
         model.quant_kernels = QuantKernels(model.device, model.dtype)
         projection = _quantized_factory(model.quant_kernels, make)
+    model.make_projection = projection
     for L, w in zip(model.layers, layers, strict=True):
         for slot in LINEAR_SLOTS:
             if f"{slot}.weight" in w:  # a MoE layer has no dense gate_up / down

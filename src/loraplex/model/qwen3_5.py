@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from loraplex.checkpoint.modules import ATTN_PROJ_NAMES, LinearAttentionSpec
+from loraplex.checkpoint.modules import ATTN_PROJ_NAMES, LINEAR_ATTN_PROJ_NAMES, LinearAttentionSpec
 from loraplex.kv.cache import StateShape
 from loraplex.model.decoder import DecoderForCausalLM, pre_norm_stack
 from loraplex.model.gated_delta import GatedDeltaNet
@@ -39,8 +39,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 _LINEAR_KEY = re.compile(r"model\.layers\.(\d+)\.linear_attn\.(.+)")
 _LINEAR_TENSORS = (
-    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
-    "out_proj.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+    *(f"{p}.weight" for p in LINEAR_ATTN_PROJ_NAMES), "conv1d.weight", "dt_bias", "A_log",
+    "norm.weight",
 )  # fmt: skip
 
 
@@ -145,7 +145,9 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     layer_weights = QWEN3_LAYER_WEIGHTS
     norm_class = GemmaRMSNorm
     qk_norm = True
-    supports_quantization = False  # the linear-attention projections have no quantized path yet
+    supports_quantized_checkpoints = (
+        False  # no format reader knows the linear-attention projections
+    )
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -245,13 +247,14 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         super().check_own_tensors(src)
 
     def build_own(self) -> None:
-        make, own = self.make_linear, self._own
-        assert make is not None
+        own, make = self._own, self.own_projection  # quantized at load as q/k/v/o are
         for i in sorted(self.linear_layers):
             L = self.layers[i]
             parts = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-            L.lin_in = make(torch.cat([own.pop((i, f"{p}.weight")) for p in parts]), None)
-            L.lin_out = make(own.pop((i, "out_proj.weight")), None)
+            where = f"model.layers.{i}.linear_attn"
+            fused = torch.cat([own.pop((i, f"{p}.weight")) for p in parts])
+            L.lin_in = make(fused, None, f"{where}.in_proj_*")
+            L.lin_out = make(own.pop((i, "out_proj.weight")), None, f"{where}.out_proj")
             L.conv_w = own.pop((i, "conv1d.weight"))[:, 0, :].contiguous()  # [C, K]
             L.A = -own.pop((i, "A_log")).float().exp()  # [Hv]
             L.dt_bias = own.pop((i, "dt_bias"))

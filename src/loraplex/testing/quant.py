@@ -17,14 +17,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from loraplex.model.qwen3_5 import LINEAR_ATTN_PROJ_NAMES
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _is_projection(name: str) -> bool:
+def _is_projection(name: str, names: tuple[str, ...] = PROJECTIONS) -> bool:
     return (
         name.startswith("model.layers.")
-        and name.rsplit(".", 2)[-2] in PROJECTIONS
+        and name.rsplit(".", 2)[-2] in names
         and (name.endswith(".weight"))
     )
 
@@ -72,10 +74,16 @@ def _quantize(
 
 
 def _write(
-    float_dir: Path, out_dir: Path, ref_dir: Path, qconfig: dict, convert: object
+    float_dir: Path,
+    out_dir: Path,
+    ref_dir: Path,
+    qconfig: dict,
+    convert: object,
+    names: tuple[str, ...] = PROJECTIONS,
 ) -> tuple[Path, Path]:
-    """Copy the float checkpoint twice: quantized (``convert(name, w) -> (tensors, deq)``) into
-    ``out_dir`` with ``qconfig``, and dequantized into ``ref_dir``."""
+    """Copy the float checkpoint twice: the projections ``names`` quantized (``convert(name,
+    w) -> (tensors, deq)``) into ``out_dir`` with ``qconfig``, and dequantized into
+    ``ref_dir``."""
     for d in (out_dir, ref_dir):
         shutil.copytree(float_dir, d, dirs_exist_ok=True)
         for f in d.glob("*.safetensors"):
@@ -85,7 +93,7 @@ def _write(
         tensors.update(load_file(str(f)))
     quant, ref = {}, {}
     for name, t in tensors.items():
-        if _is_projection(name):
+        if _is_projection(name, names):
             parts, deq = convert(name, t.float())  # type: ignore[operator]
             prefix = name[: -len(".weight")]
             quant.update({f"{prefix}.{k}": v.contiguous() for k, v in parts.items()})
@@ -193,7 +201,15 @@ def write_dequantized(
         return {}, qw.dequantize(torch.float32)
 
     scratch = Path(ref_dir).with_name(Path(ref_dir).name + "-unused")
-    _write(Path(float_dir), scratch, Path(ref_dir), {}, convert)
+    # every projection --quantization quantizes: a hybrid's linear-attention ones too
+    _write(
+        Path(float_dir),
+        scratch,
+        Path(ref_dir),
+        {},
+        convert,
+        (*PROJECTIONS, *LINEAR_ATTN_PROJ_NAMES),
+    )
     shutil.rmtree(scratch)
     # the embedding and LM head: int8, one scale per row
     path = Path(ref_dir) / "model.safetensors"
