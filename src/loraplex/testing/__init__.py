@@ -264,8 +264,8 @@ def make_random_model(
     model = getattr(transformers, model_name)(cfg).to(dtype)
     with torch.no_grad():  # norms get non-trivial weights so they are exercised
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # Gemma 4's router scales too
             elif name.endswith("bias"):
                 p.copy_(0.05 * torch.randn_like(p))
         for name, b in model.named_buffers():  # Gemma 4's per-layer output scale
