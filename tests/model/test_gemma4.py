@@ -270,7 +270,7 @@ def _config(**over: object) -> dict:
     ("over", "named"),
     [
         ({"per_layer_config": {"1": {"sliding_window": 8}}}, "layer 1 overrides"),
-        ({"enable_moe_block": True}, "enable_moe_block"),
+        ({"enable_moe_block": True}, "enable_moe_block needs num_experts"),  # the MoE class's
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"num_kv_shared_layers": 1}, "num_kv_shared_layers 1"),
     ],

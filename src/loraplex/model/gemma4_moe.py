@@ -135,6 +135,12 @@ class Gemma4MoeForCausalLM(Gemma4ForCausalLM, MoEDecoderForCausalLM):
         spec = MoESpec.from_hf_config({**c, "model_type": gemma4_layers.MODEL_TYPE})
         if spec is None or spec.num_experts < 1:
             raise ModelLoadError(f"{source}: enable_moe_block needs num_experts >= 1")
+        top_k = int(c.get("top_k_experts") or 0)
+        if not 1 <= top_k <= spec.num_experts:
+            raise ModelLoadError(
+                f"{source}: top_k_experts must be in [1, num_experts={spec.num_experts}], "
+                f"got {top_k}"
+            )
         moe = moe_config_fields(
             {**c, "num_experts_per_tok": c.get("top_k_experts")}, source,
             num_experts=spec.num_experts, inter=spec.intermediate, sparse=spec.layers,
