@@ -23,9 +23,13 @@ from loraplex.model.registry import SUPPORTED_ARCHITECTURES, model_class
 from loraplex.testing import logprob_gap, make_random_adapter, make_random_model, reference_greedy
 from loraplex.tools import plan, verify
 from tests.engine.test_mixed_batch_architectures import check_mixed_batch, llm_on
-from tests.engine.test_tensor_parallel import GREEDY, _run, assert_same_outputs
-from tests.engine.test_tensor_parallel import PROMPTS as TP_PROMPTS
-from tests.model.test_gemma4 import PROMPTS, SAMPLE_TOL, _config, _reference
+from tests.model.test_gemma4 import (
+    PROMPTS,
+    SAMPLE_TOL,
+    _config,
+    _reference,
+    check_tp2_equals_tp1,
+)
 
 S, F = "sliding_attention", "full_attention"
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
@@ -180,19 +184,7 @@ def test_tp2_equals_tp1(moe_tp: dict, fully_sharded: bool) -> None:
     whole) give one device's greedy tokens and logprobs for a mixed batch of the base and
     the four adapters, in the default LoRA split and with ``--fully-sharded-loras``; each
     adapter really moves its row."""
-    model, adapters = moe_tp["model"], moe_tp["adapters"]
-    one = _run(model, adapters, 1, max_lora_rank=16)
-    two = _run(model, adapters, 2, max_lora_rank=16, fully_sharded_loras=fully_sharded)
-    assert_same_outputs(one, two)
-    if not fully_sharded:  # once: the adapters' rows are not the base's
-        llm = LLM(str(model), dtype="float32", num_threads=1, skip_tokenizer_init=True)
-        try:
-            base = [o.outputs[0] for o in llm.generate(TP_PROMPTS, GREEDY)]
-        finally:
-            llm.engine.shutdown()
-        for i in range(1, 1 + len(adapters)):
-            lps = zip(one[i].logprobs, base[i].logprobs, strict=True)
-            assert max(abs(x.logprob - y.logprob) for x, y in lps) > 1e-2, i
+    check_tp2_equals_tp1(moe_tp["model"], moe_tp["adapters"], fully_sharded)
 
 
 def test_tp_refuses_experts_that_do_not_split(tmp_path: Path) -> None:

@@ -37,11 +37,13 @@ vocabulary-sized table ``embed_tokens_per_layer`` is vocab-cut (looked up masked
 over the ranks, as the embedding). LoRA on the per-layer projections is whole on every rank.
 
 ``Gemma4ForConditionalGeneration`` serves its language model (``model.language_model.*``);
-the vision and audio towers and their embedders are skipped. Refused at start-up, naming the
-field: the MoE block (``enable_moe_block``, the 26B-A4B), ``per_layer_config`` overrides other
-than head size and KV heads, bidirectional attention over everything, and a per-layer
-vocabulary smaller than the model's; quantized bases are refused too, and under tensor
-parallelism a layer whose KV heads do not split over the ranks.
+the vision and audio towers and their embedders are skipped. The MoE block (``enable_moe_block``,
+the 26B-A4B) is ``model/gemma4_moe.py``'s (the registry picks that class from config.json; each
+layer's feed-forward output is :meth:`Gemma4ForCausalLM.feed_forward`). Refused at start-up,
+naming the field: ``per_layer_config`` overrides other than head size and KV heads,
+bidirectional attention over everything, and a per-layer vocabulary smaller than the model's;
+quantized bases are refused too, and under tensor parallelism a layer whose KV heads do not
+split over the ranks.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ One sparse block per MoE layer (``SparseMoE``), for every token of the step at o
     out += shared(x)  (+ its LoRA; times sigmoid(x @ g.T) with a shared gate)   # optional
 
 A subclass may route otherwise (``route``: Llama 4's sigmoid of the top-1 logit) and scale
-each expert's input by its weight instead of its output (``scale_input``, Llama 4). The shared
+each expert's input by its weight instead of its output (``scale_input``, Llama 4); the router
+may read an input of its own (``router_x``) and a layer may scale each expert's weight
+(``L.per_expert_scale``: Gemma 4's, ``model/gemma4_moe.py``). The shared
 expert (``MoEConfig.shared_expert_intermediate_size``) is a gated MLP every token runs, in
 its own LoRA groups (``shared_expert.{gate,up,down}_proj``), with an optional sigmoid gate
 ``[1, D]`` (``shared_expert_gate``, Qwen-MoE's).
