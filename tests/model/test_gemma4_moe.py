@@ -193,3 +193,10 @@ def test_tp_refuses_experts_that_do_not_split(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="moe_intermediate_size=31") as info:
         LLM(str(model), dtype="float32", tensor_parallel_size=2, skip_tokenizer_init=True)
     assert "\n" not in str(info.value)
+
+
+def test_quantized_bases_are_refused_in_one_line(moe_tp: dict) -> None:
+    """The experts (and Gemma 4's own projections) load in float only."""
+    with pytest.raises(ModelLoadError, match="quantized bases are not supported") as info:
+        LLM(str(moe_tp["model"]), dtype="float32", quantization="int8", skip_tokenizer_init=True)
+    assert "\n" not in str(info.value)
