@@ -120,6 +120,19 @@ FAMILIES: dict[str, dict] = {
         init_std=0.05,
         proj={**LLAMA_PROJ, "all": [*ALL_PROJ, *GEMMA4_PER_LAYER_PROJ]},
     ),
+    # ... with the MoE block beside each MLP (8 experts, top 2): the "all" adapters also on the
+    # router and, through target_parameters, the packed experts (tests/model/test_gemma4_moe.py)
+    "gemma4_moe_text": dict(
+        arch="gemma4_moe_text",
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=3.0,
+        init_std=0.05,
+        proj={
+            **LLAMA_PROJ,
+            "all": [*ALL_PROJ, *GEMMA4_PER_LAYER_PROJ, "router.proj"],
+            "params": ["experts.gate_up_proj", "experts.down_proj"],
+        },
+    ),
     # Llama 4: layer 0 chunked (4 tokens: every prompt and decode crosses chunks), rope in
     # the interleaved form, L2 q/k norm, a dense MLP; layer 1 NoPE with temperature tuning,
     # global, a top-1 sparse block whose shared expert the MLP targets adapt (its packed

@@ -270,7 +270,7 @@ def _config(**over: object) -> dict:
     ("over", "named"),
     [
         ({"per_layer_config": {"1": {"sliding_window": 8}}}, "layer 1 overrides"),
-        ({"enable_moe_block": True}, "enable_moe_block"),
+        ({"enable_moe_block": True}, "enable_moe_block needs num_experts"),  # the MoE class's
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"num_kv_shared_layers": 1}, "num_kv_shared_layers 1"),
     ],
@@ -337,7 +337,12 @@ def test_tp2_equals_tp1(gemma4_tp: dict, fully_sharded: bool) -> None:
     mixed batch of the base and four adapters (the per-layer projections, the full layers'
     wider heads, k_proj on layers whose values are their keys), in the default LoRA split and
     with ``--fully-sharded-loras``; each adapter really moves its row."""
-    model, adapters = gemma4_tp["model"], gemma4_tp["adapters"]
+    check_tp2_equals_tp1(gemma4_tp["model"], gemma4_tp["adapters"], fully_sharded)
+
+
+def check_tp2_equals_tp1(model: Path, adapters: list[Path], fully_sharded: bool) -> None:
+    """TP=2 gives TP=1's outputs for the base and ``adapters`` in one batch (``_run``); in
+    the default LoRA split also: each adapter's row is not the base's."""
     one = _run(model, adapters, 1, max_lora_rank=16)
     two = _run(model, adapters, 2, max_lora_rank=16, fully_sharded_loras=fully_sharded)
     assert_same_outputs(one, two)

@@ -188,10 +188,13 @@ EXPERT_CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
                          "w2": "experts.down_proj"},
     "feed_forward": {"gate_proj": "experts.gate_proj", "up_proj": "experts.up_proj",
                      "down_proj": "experts.down_proj"},
+    "": {"gate_proj": "experts.gate_proj", "up_proj": "experts.up_proj",
+         "down_proj": "experts.down_proj"},
 }  # fmt: skip
 """The sparse block's name in checkpoints and adapters -> its per-expert module names ->
 loraplex's (Qwen-MoE's ``mlp.experts.{e}.gate_proj``; Mixtral's ``block_sparse_moe.experts.{e}.w1``
-with ``w1`` gate, ``w3`` up, ``w2`` down; Llama 4 names its MLP blocks ``feed_forward``)."""
+with ``w1`` gate, ``w3`` up, ``w2`` down; Llama 4 names its MLP blocks ``feed_forward``; "": the
+experts directly under the layer, Gemma 4's, packed only)."""
 PACKED_EXPERT_PARAMS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
     "down_proj": ("experts.down_proj",),
@@ -240,13 +243,29 @@ class MoESpec:
     """The packed ``gate_up_proj`` interleaves gate and up (GPT-OSS: ``[E, hidden, 2 I]``, gate
     the even columns, up the odd ones), and so does its LoRA's ``B``: gate's rows are ``B[0::2]``,
     up's ``B[1::2]``."""
+    dense_mlp: bool = False
+    """The sparse layers keep their dense MLP beside the sparse block (Gemma 4's: both run on
+    the same residual), so an adapter names both its projections and the block's."""
+
+    def under(self, name: str, block: str | None = None) -> str:
+        """``name`` as a layer's submodule: under ``block`` (default: :attr:`block`), or
+        directly under the layer where the block is "" (Gemma 4's ``router.proj``,
+        ``experts``)."""
+        block = self.block if block is None else block
+        return f"{block}.{name}" if block else name
 
     @property
     def mlp_block(self) -> str:
         """The MLP block's name in transformers 5 (a dense layer's, and the sparse block's
         over its packed parameters, what ``target_parameters`` name): ``mlp`` for every MoE
         (Mixtral's ``block_sparse_moe`` too) but Llama 4 (``feed_forward``)."""
-        return "mlp" if self.block == "block_sparse_moe" else self.block
+        return "mlp" if self.block in ("block_sparse_moe", "") else self.block
+
+    @property
+    def v5_block(self) -> str:
+        """Where transformers 5 puts the sparse block's packed experts and router:
+        :attr:`mlp_block`, or "" (directly under the layer) for Gemma 4's."""
+        return self.block and self.mlp_block
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -265,8 +284,8 @@ class MoESpec:
 
     @classmethod
     def from_hf_config(cls, raw: Mapping[str, Any]) -> MoESpec | None:
-        """The sparse blocks of a Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, GPT-OSS or Llama 4 text
-        ``config.json`` (None for a dense one): ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``,
+        """The sparse blocks of a Qwen2/3-MoE, Qwen3.5-MoE, Mixtral, GPT-OSS, Llama 4 or
+        Gemma 4 text ``config.json`` (None for a dense one): ``num_experts`` / ``num_local_experts``, ``moe_intermediate_size``,
         ``decoder_sparse_step`` and ``mlp_only_layers`` (Llama 4: ``moe_layers`` or
         ``interleave_moe_layer_step``, a shared expert as wide as an expert, experts packed
         ``[E, in, out]``) as transformers reads them."""
@@ -284,6 +303,13 @@ class MoESpec:
             layers = tuple(range(int(raw["num_hidden_layers"])))
             return cls(n, layers, int(raw["hidden_size"]), int(raw["intermediate_size"]),
                        gate_up_interleaved=True)  # fmt: skip
+        if mtype == gemma4_layers.MODEL_TYPE:  # enable_moe_block: every layer, beside the MLP
+            if not raw.get("enable_moe_block"):
+                return None
+            n, layers = int(raw.get("num_experts") or 0), range(int(raw["num_hidden_layers"]))
+            return cls(n, tuple(layers), int(raw["hidden_size"]),
+                       int(raw.get("moe_intermediate_size") or 0), "", router_name="router.proj",
+                       dense_mlp=True)  # fmt: skip
         if mtype == "mixtral":
             n = int(raw.get("num_local_experts") or 8)
             layers = tuple(range(int(raw["num_hidden_layers"])))
@@ -446,12 +472,15 @@ class BaseModelSpec:
 
     def layer_shapes(self, layer: int) -> dict[str, tuple[int, int]]:
         """The modules an adapter may name in ``layer`` -> (d_in, d_out) (an expert
-        projection's are one expert's): attention, then the dense MLP or the sparse block."""
-        if self.layer_modules:
-            return self.layer_modules[layer]
-        shapes = self.adapter_shapes
-        linear = self.linear is not None and layer in self.linear.layers
+        projection's are one expert's): attention, then the dense MLP or the sparse block (or
+        both: ``MoESpec.dense_mlp``)."""
         sparse = self.moe is not None and layer in self.moe.layers
+        shapes = self.layer_modules[layer] if self.layer_modules else self.adapter_shapes
+        if self.moe is not None and sparse and self.moe.dense_mlp:  # the block beside the MLP
+            return {**shapes, **self.moe.shapes}
+        if self.layer_modules:
+            return shapes
+        linear = self.linear is not None and layer in self.linear.layers
         if not linear and not sparse:
             return shapes
         attn = {p: d for p, d in shapes.items() if p in ATTN_PROJ_NAMES}

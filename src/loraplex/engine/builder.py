@@ -50,7 +50,7 @@ from loraplex.model.linear import cpu_has_fast_bf16
 from loraplex.model.loading import load_model
 from loraplex.model.lora_binding import LoRABinding
 from loraplex.model.quant.formats import parse_quantization
-from loraplex.model.registry import ARCHITECTURES
+from loraplex.model.registry import model_class
 from loraplex.model.tensor_parallel.lora_binding import FullyShardedLoRABinding
 from loraplex.types import ModelLoadError
 
@@ -382,7 +382,7 @@ def _parse(config: EngineConfig) -> tuple[ModelConfig, torch.device, torch.dtype
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, mc, device)
     qc = mc.raw.get("quantization_config")
-    if qc and qc.get("quant_method") in ARCHITECTURES[mc.architecture].own_quant_methods:
+    if qc and qc.get("quant_method") in model_class(mc.architecture, mc.raw).own_quant_methods:
         qc = None  # the architecture dequantizes these tensors at load
     quant = parse_quantization(qc, config.quantization, config.quantization_group_size)
     return mc, device, dtype, quant

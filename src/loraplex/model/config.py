@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.model.layers import ACTIVATIONS, ROPE_TYPES
-from loraplex.model.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from loraplex.model.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES, model_class
 from loraplex.model.spec import ModelConfig
 from loraplex.types import ModelLoadError
 
@@ -140,7 +140,7 @@ def parse_model_config(raw: dict[str, Any], source: str = "config") -> ModelConf
             f"{source}: unsupported architecture {named}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    cls = ARCHITECTURES[arch]
+    cls = model_class(arch, raw)
     c = _text_config(raw)
 
     def req(key: str) -> Any:

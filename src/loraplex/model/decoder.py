@@ -220,6 +220,12 @@ class DecoderForCausalLM:
         """The per-sequence state of one of ``state_layers`` (None: no such layers)."""
         return None
 
+    @classmethod
+    def serves(cls, text: Mapping[str, Any]) -> bool:
+        """Whether this class serves text config ``text`` of its architecture (a variant
+        under another class's name, ``registry.VARIANTS``, says when it does)."""
+        return True
+
     def layer_weights_of(self, layer: int) -> Mapping[str, tuple[str, int]]:
         """``layer_weights`` of one layer (a MoE layer has no dense MLP: its sparse block's
         tensors are the architecture's own, see ``take_tensor``)."""

@@ -37,11 +37,13 @@ vocabulary-sized table ``embed_tokens_per_layer`` is vocab-cut (looked up masked
 over the ranks, as the embedding). LoRA on the per-layer projections is whole on every rank.
 
 ``Gemma4ForConditionalGeneration`` serves its language model (``model.language_model.*``);
-the vision and audio towers and their embedders are skipped. Refused at start-up, naming the
-field: the MoE block (``enable_moe_block``, the 26B-A4B), ``per_layer_config`` overrides other
-than head size and KV heads, bidirectional attention over everything, and a per-layer
-vocabulary smaller than the model's; quantized bases are refused too, and under tensor
-parallelism a layer whose KV heads do not split over the ranks.
+the vision and audio towers and their embedders are skipped. The MoE block (``enable_moe_block``,
+the 26B-A4B) is ``model/gemma4_moe.py``'s (the registry picks that class from config.json; each
+layer's feed-forward output is :meth:`Gemma4ForCausalLM.feed_forward`). Refused at start-up,
+naming the field: ``per_layer_config`` overrides other than head size and KV heads,
+bidirectional attention over everything, and a per-layer vocabulary smaller than the model's;
+quantized bases are refused too, and under tensor parallelism a layer whose KV heads do not
+split over the ranks.
 """
 
 from __future__ import annotations
@@ -185,7 +187,8 @@ class Gemma4Config(GemmaConfig):
         d, n, p = self.hidden_size, self.num_layers, self.hidden_size_per_layer_input
         total = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
         for i in range(n):
-            total += sum(a * b for a, b in self.layer_module_shapes(i).values())
+            shapes = self.layer_module_shapes(i).items()  # an expert module: each expert's
+            total += sum(a * b * max(1, self.module_experts(p)) for p, (a, b) in shapes)
             total += self.layer_norm_params(i)
         # the per-layer stream's embedding, model projection and norm
         return total + (p * (self.vocab_size_per_layer_input * n + n * d + 1) if p else 0)
@@ -211,8 +214,9 @@ def _with_values_from_keys(groups: tuple[ProjectionGroup, ...]) -> tuple[Project
     return ((name, d_in, parts[:2]), *groups[1:])
 
 
-def _refuse(c: Mapping[str, Any], source: str) -> None:
-    """One line naming what this server cannot run (see the module docstring)."""
+def _refuse(c: Mapping[str, Any], source: str, moe: bool = False) -> None:
+    """One line naming what this server cannot run (see the module docstring; ``moe``: the
+    class serves the MoE block, ``model/gemma4_moe.py``)."""
     for layer, over in (c.get("per_layer_config") or {}).items():
         other = sorted(set(over) - {"head_dim", "num_key_value_heads"})
         if other:
@@ -225,8 +229,12 @@ def _refuse(c: Mapping[str, Any], source: str) -> None:
             f"{source}: vocab_size_per_layer_input {ple_vocab} < vocab_size {c['vocab_size']} "
             "(tokens without a per-layer input) is not supported"
         )
-    if c.get("enable_moe_block"):
-        raise ModelLoadError(f"{source}: enable_moe_block (the MoE block) is not supported yet")
+    if bool(c.get("enable_moe_block")) != moe:
+        want = "Gemma4MoeForCausalLM" if not moe else "Gemma4ForCausalLM"
+        raise ModelLoadError(
+            f"{source}: enable_moe_block={bool(c.get('enable_moe_block'))}: a {want} config "
+            "(the registry picks the class from config.json)"
+        )
     if c.get("use_bidirectional_attention") == "all":
         raise ModelLoadError(f"{source}: use_bidirectional_attention 'all' is not supported")
 
@@ -300,10 +308,12 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     supports_quantization = False  # its own projections (the per-layer stream's, a KV-sharing
     # layer's q) load in float only: refused at start-up rather than half quantized
     cfg: Gemma4Config
+    serves_moe_block = False
+    """Whether this class serves ``enable_moe_block`` configs (``model/gemma4_moe.py``)."""
 
     @classmethod
     def config_fields(cls, c: Mapping[str, Any], source: str) -> dict[str, Any]:
-        _refuse(c, source)
+        _refuse(c, source, cls.serves_moe_block)
         types = gemma4_layers.layer_types(c)
         rp = c.get("rope_parameters") or {}
         rope = {t: rp.get(t) or _DEFAULT_ROPE[t] for t in (SLIDING, FULL)}
@@ -472,7 +482,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     ) -> bool:
         want = self._own_shape(key)
         if want is None:
-            return False
+            return super().take_tensor(key, read, shape)  # a MoE's sparse blocks
         if tuple(shape) != want:
             raise ModelLoadError(
                 f"tensor {key!r} has shape {tuple(shape)}, config.json implies {want}"
@@ -499,6 +509,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             raise ModelLoadError(
                 f"{src}: missing tensor(s) {missing[:4]}{'...' if len(missing) > 4 else ''}"
             )
+        super().check_own_tensors(src)
 
     def build_own(self) -> None:
         assert self.make_linear is not None
@@ -531,6 +542,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                 L.ple_norm = Float32ScaleRMSNorm(
                     own.pop(p + "post_per_layer_input_norm.weight"), eps
                 )
+        super().build_own()
 
     def per_layer_inputs(
         self, h: torch.Tensor, ids: torch.Tensor, step: LayerStep, lora: bool
@@ -565,7 +577,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         for i, (L, attn, mlp) in enumerate(zip(self.layers, self.attns, self.mlps, strict=True)):
             h, x = ops.add_norm(h, None, L.ln1)
             h, x = ops.add_norm(h, L.post_attn(attn(L, i, x, step)), L.ln2)
-            h = h + L.post_mlp(mlp(L, i, x, step))
+            h = h + L.post_mlp(self.feed_forward(L, i, mlp, h, x, step))
             if ple is not None:
                 g = L.ple_gate(h)  # [T, P]
                 if on[0]:
@@ -578,6 +590,14 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             h = h * L.layer_scalar
         self._shared.clear()
         return h
+
+    def feed_forward(
+        self, L: DecoderLayer, i: int, mlp: GatedMLP, h: torch.Tensor, x: torch.Tensor,
+        step: LayerStep,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer ``i``'s feed-forward output before ``post_feedforward_layernorm``: its MLP
+        of ``x`` (the normed residual ``h``; the MoE variant adds its sparse block of ``h``)."""
+        return mlp(L, i, x, step)
 
     @property
     def nbytes(self) -> int:

@@ -35,7 +35,7 @@ from loraplex.model.linear import Linear, select_linear_factory
 from loraplex.model.quant.formats import QuantSpec, is_quantized_tensor, unpack_projection
 from loraplex.model.quant.kernels import QuantKernels
 from loraplex.model.quant.weights import FP8Weight, QuantizedEmbedding, QuantWeight
-from loraplex.model.registry import ARCHITECTURES
+from loraplex.model.registry import model_class
 from loraplex.model.spec import ModelConfig
 from loraplex.model.tensor_parallel.sharding import TensorParallel, VocabShard
 from loraplex.types import ModelLoadError
@@ -65,7 +65,7 @@ def load_model(
     other) with the checkpoint's weights, loaded tensor by tensor into their final buffers.
     ``quant``: the checkpoint's quantization format, or int8/int4 to quantize at load. ``tp``:
     load only this tensor-parallel rank's shard (each tensor checked whole, then cut)."""
-    cls = ARCHITECTURES[cfg.architecture]
+    cls = model_class(cfg.architecture, cfg.raw)
     if quant is not None and not cls.supports_quantization:
         raise ModelLoadError(
             f"{cfg.architecture}: quantized bases are not supported for this architecture "

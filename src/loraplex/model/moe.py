@@ -12,7 +12,9 @@ One sparse block per MoE layer (``SparseMoE``), for every token of the step at o
     out += shared(x)  (+ its LoRA; times sigmoid(x @ g.T) with a shared gate)   # optional
 
 A subclass may route otherwise (``route``: Llama 4's sigmoid of the top-1 logit) and scale
-each expert's input by its weight instead of its output (``scale_input``, Llama 4). The shared
+each expert's input by its weight instead of its output (``scale_input``, Llama 4); the router
+may read an input of its own (``router_x``) and a layer may scale each expert's weight
+(``L.per_expert_scale``: Gemma 4's, ``model/gemma4_moe.py``). The shared
 expert (``MoEConfig.shared_expert_intermediate_size``) is a gated MLP every token runs, in
 its own LoRA groups (``shared_expert.{gate,up,down}_proj``), with an optional sigmoid gate
 ``[1, D]`` (``shared_expert_gate``, Qwen-MoE's).
@@ -336,14 +338,23 @@ class SparseMoE:
             w = w / w.sum(dim=-1, keepdim=True)
         return (w.to(logits.dtype) if self.in_model_dtype else w), e
 
-    def __call__(self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep) -> torch.Tensor:
-        """Layer ``i``'s sparse-block output [T, D] for normed input ``x [T, D]``."""
+    def __call__(
+        self, L: DecoderLayer, i: int, x: torch.Tensor, step: LayerStep,
+        router_x: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer ``i``'s sparse-block output [T, D] for normed input ``x [T, D]`` (``router_x``:
+        the router's own input where it is not ``x``, Gemma 4's). A layer with
+        ``L.per_expert_scale [E]`` (Gemma 4's) scales each pair's weight by its expert's."""
         k = self.top_k
-        logits = L.router(x)  # [T, E]
+        rx = x if router_x is None else router_x
+        logits = L.router(rx)  # [T, E]
         lora, plan = step.lora, step.plan
         if lora is not None and plan is not None and plan.uses((i, ROUTER)):
-            lora.add(i, self.router_parts, x, logits, plan)
+            lora.add(i, self.router_parts, rx, logits, plan)
         w, e = self.route(logits)  # [T, k], [T, k]
+        scale = getattr(L, "per_expert_scale", None)
+        if scale is not None:
+            w = w * scale[e]  # [T, k] (float32 weights stay float32, as in HF)
         flat = e.reshape(-1)  # [T k]: pair p is token p // k's (p % k)-th expert
         order = torch.argsort(flat, stable=True)  # [N]: pairs sorted by expert
         tok = order // k  # [N] the token of each sorted pair

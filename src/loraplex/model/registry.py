@@ -2,10 +2,15 @@
 
 Adding an architecture is its file in ``model/`` (a ``DecoderForCausalLM`` subclass saying how
 it differs) and its line here; ``parse_model_config`` refuses every other name at start-up, and
-``load_model`` (``model/loading.py``) builds the class named here.
+``load_model`` (``model/loading.py``) builds the class :func:`model_class` picks: the one named
+here, or a variant of it that serves the config (:data:`VARIANTS`: Gemma 4's MoE, which keeps
+the dense model's name).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from loraplex.model.decoder import DecoderForCausalLM
 from loraplex.model.gemma import (
@@ -14,6 +19,7 @@ from loraplex.model.gemma import (
     Gemma3ForConditionalGeneration,
 )
 from loraplex.model.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from loraplex.model.gemma4_moe import Gemma4MoeForCausalLM, Gemma4MoeForConditionalGeneration
 from loraplex.model.gpt_oss import GptOssForCausalLM
 from loraplex.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from loraplex.model.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
@@ -55,3 +61,19 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     name: cls.model_type for name, cls in ARCHITECTURES.items()
 }
 """Architecture name -> its ``model_type`` (what adapters are checked against)."""
+
+VARIANTS: dict[str, tuple[type[DecoderForCausalLM], ...]] = {
+    "Gemma4ForCausalLM": (Gemma4MoeForCausalLM,),
+    "Gemma4ForConditionalGeneration": (Gemma4MoeForConditionalGeneration,),
+}
+"""Architecture name -> the classes that serve some of its configs instead of the named one,
+each saying which (``serves``: Gemma 4's ``enable_moe_block``)."""
+
+
+def model_class(name: str, raw: Mapping[str, Any]) -> type[DecoderForCausalLM]:
+    """The class that serves ``config.json`` ``raw`` of architecture ``name`` (one of
+    :data:`ARCHITECTURES`): the first of its :data:`VARIANTS` that serves the (text) config,
+    else the named class."""
+    text = raw.get("text_config")
+    text = text if isinstance(text, Mapping) else raw
+    return next((v for v in VARIANTS.get(name, ()) if v.serves(text)), ARCHITECTURES[name])

@@ -46,6 +46,8 @@ ARCH_CONFIGS = {
     "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
+    "gemma4_moe_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),  # enable_moe_block
+    "gemma4_moe": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
     "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
@@ -75,6 +77,12 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # Gemma 4: a window prompts cross, per-layer inputs of 8 (the real 256 over 262144 tokens)
     "gemma4_text": dict(sliding_window=4, hidden_size_per_layer_input=8),
     "gemma4": dict(sliding_window=4, hidden_size_per_layer_input=8),
+    # ... and the MoE block (enable_moe_block, the 26B-A4B's): 8 experts of 32, top 2
+    "gemma4_moe_text": dict(sliding_window=4, hidden_size_per_layer_input=8,
+                            enable_moe_block=True, num_experts=8, top_k_experts=2,
+                            moe_intermediate_size=32),
+    "gemma4_moe": dict(sliding_window=4, hidden_size_per_layer_input=8, enable_moe_block=True,
+                       num_experts=8, top_k_experts=2, moe_intermediate_size=32),
     # 4 experts (of intermediate_size, the shared expert's width too) in every other layer,
     # dense layers of 96, chunks of 4 on the rope layers (every prompt crosses them), every
     # other layer NoPE with a temperature that moves from position 3 on
@@ -93,6 +101,8 @@ count and size: the config classes' defaults, 128 experts of 768, are a real mod
 SIZED_DEFAULTS: dict[str, dict[str, str]] = {
     "gemma4_text": {"global_head_dim": "head_dim", "vocab_size_per_layer_input": "vocab_size"},
     "gemma4": {"global_head_dim": "head_dim", "vocab_size_per_layer_input": "vocab_size"},
+    "gemma4_moe_text": {"global_head_dim": "head_dim", "vocab_size_per_layer_input": "vocab_size"},
+    "gemma4_moe": {"global_head_dim": "head_dim", "vocab_size_per_layer_input": "vocab_size"},
 }
 """Config values a family's tiny model sizes after its own (key -> ``head_dim`` or
 ``vocab_size``), unless the caller says otherwise (Gemma 4's full-layer head size and
@@ -264,8 +274,8 @@ def make_random_model(
     model = getattr(transformers, model_name)(cfg).to(dtype)
     with torch.no_grad():  # norms get non-trivial weights so they are exercised
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # Gemma 4's router scales too
             elif name.endswith("bias"):
                 p.copy_(0.05 * torch.randn_like(p))
         for name, b in model.named_buffers():  # Gemma 4's per-layer output scale

@@ -144,7 +144,8 @@ def _expert_tensor(key: str, sh: list[int], m: ModelShape) -> tuple[tuple[int, s
     if hit is None:
         return None
     layer, ab, proj = int(hit["layer"]), hit["ab"], ROUTER
-    if hit["block"] not in ("mlp", moe.block):  # transformers 5 names every sparse block mlp
+    # transformers 5 names every sparse block mlp (Gemma 4's sits under the layer: "")
+    if (hit["block"] or "") not in ("mlp", moe.block):
         return (layer, proj), (
             f"{key}: names the sparse block {hit['block']!r} (another architecture's); this "
             f"base's is {moe.block!r}"

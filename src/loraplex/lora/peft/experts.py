@@ -267,15 +267,15 @@ class ExpertTensors:
         names = {v: k for k, v in EXPERT_CHECKPOINT_NAMES[block].items()}
         for layer in moe.layers:
             for param, parts in PACKED_EXPERT_PARAMS.items():
-                mkey = f"{prefix}layers.{layer}.{moe.mlp_block}.experts.{param}"
+                mkey = f"{prefix}layers.{layer}.{moe.under(f'experts.{param}', moe.v5_block)}"
                 if settings.is_param_targeted(mkey) and any((layer, q) not in out for q in parts):
                     raise FormatError(
                         "incomplete_adapter",
                         f"parameter {mkey} is targeted by the config (target_parameters) but "
                         "has no LoRA tensors (adapter made for another model?)",
                     )
-            router = f"{prefix}layers.{layer}.{block}.{moe.router_name}"
-            router_v5 = f"{prefix}layers.{layer}.{moe.mlp_block}.{moe.router_name}"
+            router = f"{prefix}layers.{layer}.{moe.under(moe.router_name)}"
+            router_v5 = f"{prefix}layers.{layer}.{moe.under(moe.router_name, moe.v5_block)}"
             wants_router = settings.is_param_targeted(f"{router_v5}.weight") or (
                 self._strict() and settings.is_targeted(router)
             )
@@ -284,14 +284,15 @@ class ExpertTensors:
                     "incomplete_adapter",
                     f"module {router} is targeted by the config but has no LoRA tensors",
                 )
-            if not self._strict() or moe.packed_in_out:
-                continue  # (packed-only experts, Llama 4's, have no per-expert modules)
+            if not self._strict() or moe.packed_in_out or not moe.block:
+                continue  # (packed-only experts, Llama 4's and Gemma 4's, have no per-expert
+                # modules)
             for proj in EXPERT_PROJ_NAMES:
                 if (layer, proj) in out and out[(layer, proj)].packed is not None:
                     continue
                 have = self.per_expert.get((layer, proj), {})
                 for e in range(moe.num_experts):
-                    mkey = f"{prefix}layers.{layer}.{block}.experts.{e}.{names[proj]}"
+                    mkey = f"{prefix}layers.{layer}.{moe.under(f'experts.{e}.{names[proj]}')}"
                     if e not in have and settings.is_targeted(mkey):
                         raise FormatError(
                             "incomplete_adapter",

@@ -117,7 +117,7 @@ def check_layout(
         if experts is not None and experts.collect(name):
             continue
         if experts is not None and (m := ROUTER_KEY_RE.match(name)) is not None:
-            k = TensorKey(m["module"], int(m["layer"]), m["block"], ROUTER, m["ab"])
+            k = TensorKey(m["module"], int(m["layer"]), m["block"] or "", ROUTER, m["ab"])
             slot = pairs.setdefault((k.layer, ROUTER), {})
             if k.ab in slot:
                 raise FormatError(

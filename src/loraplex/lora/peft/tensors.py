@@ -71,17 +71,18 @@ EXPERT_KEY_RE = re.compile(
 )
 # base_model.model.model.layers.3.mlp.experts[.base_layer].lora_A[.default].weight: PEFT's
 # target_parameters on the packed parameters, one ParamWrapper around the other (which is
-# inner depends on PEFT's order; the shapes say which parameter each pair adapts)
+# inner depends on PEFT's order; the shapes say which parameter each pair adapts); Gemma 4's
+# experts sit directly under the layer (layers.3.experts)
 PACKED_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
-    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.experts)"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?:{_MOE_BLOCK}\.)?experts)"
     r"(?P<inner>(?:\.base_layer)*)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
 # base_model.model.model.layers.3.mlp.gate.lora_A[.default].weight (the router; Llama 4's
-# feed_forward.router)
+# feed_forward.router; Gemma 4's router.proj, directly under the layer)
 ROUTER_KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?"
-    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.{_MOE_BLOCK}\.(?:gate|router))"
+    rf"(?P<module>{_DECODER}layers\.(?P<layer>\d+)\.(?:{_MOE_BLOCK}\.(?:gate|router)|router\.proj))"
     r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
 )
 

@@ -167,18 +167,19 @@ def _sparse_layer_modules(
     pre, block, n = f"model.layers.{layer}", m.moe_block, m.num_experts
     moe = m.moe
     assert moe is not None
-    router, v5 = f"{pre}.{block}.{moe.router_name}", f"{pre}.{moe.mlp_block}"
+    router = f"{pre}.{moe.under(moe.router_name)}"
+    router_v5 = f"{pre}.{moe.under(moe.router_name, moe.v5_block)}"
     if settings.is_targeted(router):
         a.modules[(layer, ROUTER)] = int(settings.rank_of(router))
-    elif settings.is_param_targeted(f"{v5}.{moe.router_name}.weight"):
-        a.modules[(layer, ROUTER)] = int(settings.rank_of(f"{v5}.{moe.router_name}"))
+    elif settings.is_param_targeted(f"{router_v5}.weight"):
+        a.modules[(layer, ROUTER)] = int(settings.rank_of(router_v5))
     shared = (*SHARED_EXPERT_PROJ_NAMES, *((SHARED_EXPERT_GATE,) if moe.shared_gate else ()))
     for proj in shared if moe.shared_intermediate else ():
         if settings.is_targeted(full := f"{pre}.{block}.{proj}"):
             a.modules[(layer, proj)] = int(settings.rank_of(full))
     packed: set[str] = set()
     for param, parts in PACKED_EXPERT_PARAMS.items():
-        full = f"{v5}.experts.{param}"
+        full = f"{pre}.{moe.under(f'experts.{param}', moe.v5_block)}"
         if settings.is_param_targeted(full):
             name = PACKED_GATE_UP if len(parts) > 1 else parts[0]
             r = int(settings.rank_of(full))
@@ -186,8 +187,8 @@ def _sparse_layer_modules(
             a.packed.add((layer, name))
             packed.update(parts)
     for ckpt, proj in EXPERT_CHECKPOINT_NAMES[block].items():
-        if proj in packed or moe.packed_in_out:  # (packed-only experts: no per-expert keys)
-            continue
+        if proj in packed or moe.packed_in_out or not block:  # packed-only experts (Llama
+            continue  # 4's, Gemma 4's): no per-expert keys
         keys = [f"{pre}.{block}.experts.{e}.{ckpt}" for e in range(n)]
         ranks = tuple(int(settings.rank_of(k)) if settings.is_targeted(k) else 0 for k in keys)
         if any(ranks):
@@ -227,6 +228,8 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
     settings = LoraSettings.of({**cfg, "r": r, "target_modules": targets or []})
     a = AdapterShape(name, {}, alora=bool(cfg.get("alora_invocation_tokens")))
     sparse = set(m.sparse)
+    block_shapes = m.moe.shapes if m.moe is not None else {}
+    dense_mlp = m.moe is not None and m.moe.dense_mlp  # Gemma 4: the MLP beside the block
     try:
         for v in m.outer_modules:
             full = vocab_module_key(v)
@@ -234,7 +237,10 @@ def adapter_from_config(cfg: dict[str, Any], m: ModelShape, name: str) -> Adapte
                 a.modules[(VOCAB_LAYER, v)] = int(settings.rank_of(full))
         for layer in range(m.num_layers):
             for p in m.layer_adapter_projs(layer):
-                if layer in sparse and p not in (*ATTN_PROJ_NAMES, *LINEAR_ATTN_PROJ_NAMES):
+                own = p in (*ATTN_PROJ_NAMES, *LINEAR_ATTN_PROJ_NAMES) or (
+                    dense_mlp and p not in block_shapes
+                )
+                if layer in sparse and not own:
                     continue  # a sparse layer's block (router, experts, shared): below
                 full = module_key(layer, p, mlp=m.moe.mlp_block if m.moe else "mlp")
                 if settings.is_targeted(full):

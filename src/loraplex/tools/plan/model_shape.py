@@ -94,6 +94,7 @@ class ModelShape:
     packed_in_out: bool = False  # packed experts stored [E, in, out] (Llama 4)
     router_name: str = ROUTER  # the router's module name (Llama 4: router)
     shared_gate: bool = False  # a one-output gate of the shared expert (Qwen-MoE's)
+    dense_mlp: bool = False  # the sparse layers keep their dense MLP beside the block (Gemma 4)
 
     @property
     def hd(self) -> int:
@@ -118,7 +119,7 @@ class ModelShape:
         return MoESpec(
             self.num_experts, self.sparse, self.hidden_size, self.moe_intermediate_size,
             self.moe_block, self.shared_intermediate, self.packed_in_out, self.router_name,
-            self.shared_gate,
+            self.shared_gate, dense_mlp=self.dense_mlp,
         )  # fmt: skip
 
     @property
@@ -345,11 +346,12 @@ def _positive(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
-def _architecture(archs: list[str]) -> Any:
-    """The served architecture class of the first of ``archs`` loraplex serves."""
-    from loraplex.model.registry import ARCHITECTURES
+def _architecture(archs: list[str], raw: dict[str, Any]) -> Any:
+    """The served architecture class of the first of ``archs`` loraplex serves, for
+    ``config.json`` ``raw``."""
+    from loraplex.model.registry import ARCHITECTURES, model_class
 
-    return next(ARCHITECTURES[a] for a in archs if a in ARCHITECTURES)
+    return next(model_class(a, raw) for a in archs if a in ARCHITECTURES)
 
 
 def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
@@ -393,7 +395,7 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             moe_intermediate_size=moe.intermediate if moe else 0,
             sparse_layers=tuple(moe.layers) if moe else None,
             moe_block=moe.block if moe else "mlp",
-            layer_windows=tuple(_architecture(archs).windows_of(mc)),
+            layer_windows=tuple(_architecture(archs, cfg).windows_of(mc)),
             linear=mc.linear_spec(),
             gated_q=mc.model_type in GATED_Q_MODEL_TYPES,
             per_layer_input=int(getattr(mc, "hidden_size_per_layer_input", 0)),
@@ -405,6 +407,7 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             packed_in_out=moe.packed_in_out if moe else False,
             router_name=moe.router_name if moe else ROUTER,
             shared_gate=moe.shared_gate if moe else False,
+            dense_mlp=moe.dense_mlp if moe else False,
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
