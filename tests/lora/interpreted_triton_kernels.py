@@ -181,9 +181,8 @@ def test_every_architecture_serves_a_mixed_batch_on_the_triton_path(
     llm = LLM(str(model), max_loras=2, max_lora_rank=16, dtype="float32")
     assert llm.engine.model.lora is not None
     llm.engine.model.lora.ops = TritonLoRAOps()  # what a CUDA engine picks at start-up
-    moe = getattr(llm.engine.model, "moe", None)
-    if moe is not None:
-        moe.grouped = TritonGroupedExperts()  # the experts' GEMMs too (an expert LoRA: "linear")
+    if hasattr(llm.engine.model, "moe"):  # the experts' GEMMs too (an expert LoRA: "linear")
+        llm.engine.model.use_grouped_experts(TritonGroupedExperts())
     names = [None, "linear", "vocab"]
     loras = [LoRARequest(n, str(adapters[n])) if n else None for n in names]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)

@@ -560,6 +560,18 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
         t = self._moe_parts.pop((layer, slot))
         return t if self.tp is None else self.tp.shard_experts(slot, t, self.full_cfg)
 
+    def use_grouped_experts(self, grouped: GroupedExperts) -> None:
+        """Run the experts on ``grouped`` from now on, each layer's re-prepared for it (a test
+        puts Triton's kernel, under its interpreter, into a model built on CPU)."""
+        assert self.make_linear is not None
+        self.moe.grouped = grouped
+        for i in self.cfg.sparse_layers:
+            L = self.layers[i]
+            for attr in ("w_gate_up", "w_down"):
+                w = getattr(L, attr)
+                dense = w.dense() if isinstance(w, ExpertLinears) else w  # [E, M, K]
+                setattr(L, attr, grouped.prepare(dense, self.make_linear))
+
     def row_parallel_blocks(self) -> tuple[Any, ...]:
         return (*super().row_parallel_blocks(), self.moe)
 
