@@ -20,6 +20,7 @@ from loraplex import LLM, LoRARequest, ModelLoadError, SamplingParams
 from loraplex.model.config import load_model_config, parse_model_config
 from loraplex.model.gemma4 import Gemma4ForCausalLM
 from loraplex.model.norms import Float32ScaleRMSNorm
+from loraplex.model.quant.weights import QuantizedEmbedding
 from loraplex.model.rotary import make_rotary
 from loraplex.model.tensor_parallel.sharding import ShardLayout
 from loraplex.testing import (
@@ -29,10 +30,12 @@ from loraplex.testing import (
     make_random_model,
     reference_greedy,
 )
+from loraplex.testing.quant import write_dequantized, write_gptq
 from loraplex.tools import plan, verify
 from tests.engine.test_mixed_batch_architectures import check_mixed_batch
 from tests.engine.test_tensor_parallel import GREEDY, _run, assert_same_outputs
 from tests.engine.test_tensor_parallel import PROMPTS as TP_PROMPTS
+from tests.model.test_quantized_bases import ON_THE_FLY, _check_mixed_batch
 
 S, F = "sliding_attention", "full_attention"
 PLE = ["per_layer_input_gate", "per_layer_projection"]
@@ -303,11 +306,41 @@ def test_layer_geometry_follows_transformers(over: dict, want: list) -> None:
     assert list(parse_model_config(raw).geometry) == want
 
 
-def test_quantized_bases_are_refused_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", list(ON_THE_FLY))
+def test_quantized_at_load(mode: str, tmp_path: Path) -> None:
+    """``--quantization int8/int4`` quantizes Gemma 4's own projections as q/k/v/o (the
+    per-layer stream's, a KV-sharing layer's q) and its per-layer table as the embedding (int8
+    per row): a mixed batch equals transformers + PEFT on the model holding each of them
+    quantized-then-dequantized."""
+    model = make_random_model(
+        tmp_path / "m", "gemma4_text", num_layers=4, layer_types=[S, F, S, F],
+        num_kv_shared_layers=2, hidden_size_per_layer_input=32, seed=5,
+    )  # fmt: skip  # int4's groups of 32 along every projection's input
+    gs = ON_THE_FLY[mode]
+    ref = write_dequantized(model, tmp_path / "ref", bits=8 if mode == "int8" else 4, group_size=gs)
+    llm, _ = _check_mixed_batch(
+        model, ref, tmp_path, adapters=QUANT_ADAPTERS, quantization=mode,
+        quantization_group_size=gs,
+    )  # fmt: skip
+    m = llm.engine.model
+    assert isinstance(m.embed_tokens_per_layer, QuantizedEmbedding)
+    L = m.layers[-1]  # a KV-sharing layer: its q is its own
+    assert L.qkv.nbytes < 4 * L.qkv.out_features * m.cfg.hidden_size * 0.4
+
+
+def test_quantized_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
     model = make_random_model(tmp_path / "m", "gemma4_text", num_layers=2, layer_types=[S, F])
-    with pytest.raises(ModelLoadError, match="quantized bases are not supported") as info:
-        LLM(str(model), dtype="float32", quantization="int8")
+    qdir, _ = write_gptq(model, tmp_path / "q", tmp_path / "ref", bits=8, group_size=-1)
+    with pytest.raises(ModelLoadError, match=r"quantized checkpoints \(gptq") as info:
+        LLM(str(qdir), dtype="float32", skip_tokenizer_init=True)
     assert "\n" not in str(info.value)
+
+
+QUANT_ADAPTERS = {  # all-linear (the per-layer projections too), attention, the per-layer stream
+    "all8": dict(r=8),
+    "attn16": dict(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "ple4": dict(r=4, target_modules=["per_layer_input_gate", "per_layer_projection"]),
+}
 
 
 @pytest.fixture(scope="module")

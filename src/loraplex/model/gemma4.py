@@ -83,6 +83,7 @@ from loraplex.model.layers import (
 )
 from loraplex.model.linear import Linear
 from loraplex.model.norms import Float32ScaleRMSNorm
+from loraplex.model.quant.weights import QuantizedEmbedding, QuantWeight
 from loraplex.model.spec import ModelConfig
 from loraplex.model.tensor_parallel.sharding import ShardLayout, TensorParallel, VocabShard
 from loraplex.types import ModelLoadError
@@ -305,8 +306,8 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     layer_weights = GEMMA4_LAYER_WEIGHTS
     norm_class = Float32ScaleRMSNorm
     qk_norm = False  # q and k norms are the layer's own slots (a KV-sharing layer has no k's)
-    supports_quantization = False  # its own projections (the per-layer stream's, a KV-sharing
-    # layer's q) load in float only: refused at start-up rather than half quantized
+    supports_quantized_checkpoints = False  # no format reader knows its own projections (the
+    # per-layer stream's, a KV-sharing layer's q); --quantization int8/int4 quantizes them
     cfg: Gemma4Config
     serves_moe_block = False
     """Whether this class serves ``enable_moe_block`` configs (``model/gemma4_moe.py``)."""
@@ -512,18 +513,20 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         super().check_own_tensors(src)
 
     def build_own(self) -> None:
-        assert self.make_linear is not None
-        own, eps, make = self._own, self.cfg.rms_norm_eps, self.make_linear
+        own, eps, make = self._own, self.cfg.rms_norm_eps, self.own_projection
         tp = self.tp
         if self.cfg.hidden_size_per_layer_input:
             table = own.pop("model.embed_tokens_per_layer.weight")  # [V_ple, L * P]
-            # a rank's vocabulary rows of it (V_ple >= V: rows past V are never looked up)
+            # a rank's vocabulary rows of it (V_ple >= V: rows past V are never looked up);
+            # quantized at load as the embedding is (int8, one scale per row)
             self.embed_tokens_per_layer = (
                 table if tp is None else VocabShard(tp.shard_vocab(table), tp)
             )
-            self.per_layer_model_projection = make(
-                own.pop("model.per_layer_model_projection.weight"), None
-            )
+            if self.quant is not None and self.quant.on_the_fly:
+                rows = QuantWeight.quantize(table, 8, None)
+                self.embed_tokens_per_layer = QuantizedEmbedding(rows, self.dtype)
+            name = "model.per_layer_model_projection"
+            self.per_layer_model_projection = make(own.pop(f"{name}.weight"), None, name)
             self.per_layer_projection_norm = Float32ScaleRMSNorm(
                 own.pop("model.per_layer_projection_norm.weight"), eps
             )
@@ -535,10 +538,11 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                 if tp is not None:
                     cut, view = self._layer_cuts[i]
                     q = q.index_select(0, cut.layout.proj_rows("q_proj", view)).contiguous()
-                L.qkv = make(q, None)
+                L.qkv = make(q, None, f"{p}self_attn.q_proj")
             if self.cfg.hidden_size_per_layer_input:
-                L.ple_gate = make(own.pop(p + "per_layer_input_gate.weight"), None)  # [P, D]
-                L.ple_proj = make(own.pop(p + "per_layer_projection.weight"), None)  # [D, P]
+                gate, proj = f"{p}per_layer_input_gate", f"{p}per_layer_projection"
+                L.ple_gate = make(own.pop(f"{gate}.weight"), None, gate)  # [P, D]
+                L.ple_proj = make(own.pop(f"{proj}.weight"), None, proj)  # [D, P]
                 L.ple_norm = Float32ScaleRMSNorm(
                     own.pop(p + "post_per_layer_input_norm.weight"), eps
                 )

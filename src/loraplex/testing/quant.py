@@ -20,6 +20,14 @@ from safetensors.torch import load_file, save_file
 from loraplex.model.qwen3_5 import LINEAR_ATTN_PROJ_NAMES
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+OWN_PROJECTIONS = (
+    *PROJECTIONS,
+    *LINEAR_ATTN_PROJ_NAMES,
+    "per_layer_input_gate",
+    "per_layer_projection",
+)
+"""Every projection ``--quantization int8/int4`` quantizes: the architectures' own too (Qwen3.5's
+linear attention, Gemma 4's per-layer inputs)."""
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -201,20 +209,18 @@ def write_dequantized(
         return {}, qw.dequantize(torch.float32)
 
     scratch = Path(ref_dir).with_name(Path(ref_dir).name + "-unused")
-    # every projection --quantization quantizes: a hybrid's linear-attention ones too
-    _write(
-        Path(float_dir),
-        scratch,
-        Path(ref_dir),
-        {},
-        convert,
-        (*PROJECTIONS, *LINEAR_ATTN_PROJ_NAMES),
-    )
+    # every projection --quantization quantizes: a hybrid's linear-attention ones and Gemma 4's
+    # per-layer ones too
+    _write(Path(float_dir), scratch, Path(ref_dir), {}, convert, OWN_PROJECTIONS)
     shutil.rmtree(scratch)
-    # the embedding and LM head: int8, one scale per row
     path = Path(ref_dir) / "model.safetensors"
     tensors = load_file(str(path))
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+    name = "model.per_layer_model_projection.weight"  # Gemma 4's, outside the layers
+    if name in tensors:
+        tensors[name] = convert(name, tensors[name].float())[1].to(tensors[name].dtype)
+    # the embeddings (Gemma 4's per-layer table too) and the LM head: int8, one scale per row
+    vocab = ("model.embed_tokens.weight", "lm_head.weight", "model.embed_tokens_per_layer.weight")
+    for name in vocab:
         if name in tensors:
             t = tensors[name]
             tensors[name] = QuantWeight.quantize(t.float(), 8, None).dequantize().to(t.dtype)
