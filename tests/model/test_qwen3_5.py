@@ -391,3 +391,18 @@ def test_quantized_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"quantized checkpoints \(gptq") as e:
         LLM(str(qdir), dtype="float32", skip_tokenizer_init=True)
     assert "\n" not in str(e.value)
+
+
+def test_moe_adapter_naming_the_shared_experts_projections(tmp_path: Path) -> None:
+    """PEFT saves ``all-linear`` on Qwen3.5-MoE as the names it wrapped: ``gate_proj`` /
+    ``up_proj`` / ``down_proj`` are the shared expert's (its experts are packed, in every
+    transformers version): the adapter loads and equals transformers + PEFT, not refused for
+    per-expert modules that never existed."""
+    model = make_random_model(tmp_path / "m", "qwen3_5_moe", num_layers=2, seed=5)
+    names = ["gate_proj", "up_proj", "down_proj", "q_proj", "in_proj_qkv"]
+    adapter = make_random_adapter(model, tmp_path / "a", r=8, target_modules=names, std=0.1)
+    llm = LLM(str(model), dtype="float32", block_size=BLOCK, max_lora_rank=8)
+    ids = _ids(12, seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=1)
+    out = llm.generate([ids], sp, LoRARequest("a", str(adapter)))[0]
+    check_greedy(out.outputs[0], load_merged_reference(model, adapter), ids, SAMPLE_TOL)

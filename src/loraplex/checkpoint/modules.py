@@ -246,6 +246,15 @@ class MoESpec:
     dense_mlp: bool = False
     """The sparse layers keep their dense MLP beside the sparse block (Gemma 4's: both run on
     the same residual), so an adapter names both its projections and the block's."""
+    packed_only: bool = False
+    """No transformers version has per-expert modules for this family (Qwen3.5-MoE and GPT-OSS
+    came with transformers 5's packed experts; Llama 4's and Gemma 4's are packed too): a
+    saved ``target_modules`` naming ``gate_proj`` (the shared expert's) never meant experts."""
+
+    @property
+    def per_expert_modules(self) -> bool:
+        """Whether an adapter may name each expert's projections (older transformers' layout)."""
+        return not (self.packed_only or self.packed_in_out or not self.block)
 
     def under(self, name: str, block: str | None = None) -> str:
         """``name`` as a layer's submodule: under ``block`` (default: :attr:`block`), or
@@ -302,7 +311,7 @@ class MoESpec:
             n = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
             layers = tuple(range(int(raw["num_hidden_layers"])))
             return cls(n, layers, int(raw["hidden_size"]), int(raw["intermediate_size"]),
-                       gate_up_interleaved=True)  # fmt: skip
+                       gate_up_interleaved=True, packed_only=True)  # fmt: skip
         if mtype == gemma4_layers.MODEL_TYPE:  # enable_moe_block: every layer, beside the MLP
             if not raw.get("enable_moe_block"):
                 return None
@@ -322,7 +331,7 @@ class MoESpec:
             inter = int(raw["moe_intermediate_size"])
             return cls(
                 n, layers, int(raw["hidden_size"]), inter, shared_intermediate=shared,
-                shared_gate=shared > 0,
+                shared_gate=shared > 0, packed_only=True,
             )  # fmt: skip
         if mtype not in ("qwen3_moe", "qwen2_moe"):
             return None

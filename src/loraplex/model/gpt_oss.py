@@ -102,6 +102,7 @@ class GptOssForCausalLM(MoEDecoderForCausalLM):
             block="mlp", in_model_dtype=True,
         )  # fmt: skip
         fields.update(
+            packed_only=True,
             softmax_after_topk=True,
             router_bias=True,
             expert_bias=True,

@@ -98,6 +98,8 @@ class MoEConfig(ModelConfig):
     swiglu_limit: float | None = None
     """GPT-OSS's clamped SwiGLU (:func:`clamped_swiglu`) with this limit; None: ``act(g) * u``."""
     swiglu_alpha: float = 1.702
+    packed_only: bool = False
+    """No per-expert modules in any transformers version (``MoESpec.packed_only``)."""
 
     def moe_spec(self) -> MoESpec | None:
         return MoESpec(
@@ -111,6 +113,7 @@ class MoEConfig(ModelConfig):
             self.router_name,
             self.shared_expert_gate,
             self.gate_up_interleaved,
+            packed_only=self.packed_only,
         )
 
     def layer_module_shapes(self, layer: int) -> dict[str, tuple[int, int]]:

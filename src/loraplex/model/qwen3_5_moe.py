@@ -48,7 +48,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, MoEDecoderForCausalLM):
             norm_topk_prob=True, block="mlp", in_model_dtype=True,
             shared=spec.shared_intermediate, shared_gate=spec.shared_intermediate > 0,
         )  # fmt: skip
-        return {**super().config_fields(c, source), **moe}
+        return {**super().config_fields(c, source), **moe, "packed_only": True}
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):

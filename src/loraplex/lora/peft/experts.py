@@ -284,9 +284,8 @@ class ExpertTensors:
                     "incomplete_adapter",
                     f"module {router} is targeted by the config but has no LoRA tensors",
                 )
-            if not self._strict() or moe.packed_in_out or not moe.block:
-                continue  # (packed-only experts, Llama 4's and Gemma 4's, have no per-expert
-                # modules)
+            if not self._strict() or not moe.per_expert_modules:
+                continue  # (packed-only experts have no per-expert modules a name could target)
             for proj in EXPERT_PROJ_NAMES:
                 if (layer, proj) in out and out[(layer, proj)].packed is not None:
                     continue

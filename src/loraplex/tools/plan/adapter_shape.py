@@ -187,8 +187,8 @@ def _sparse_layer_modules(
             a.packed.add((layer, name))
             packed.update(parts)
     for ckpt, proj in EXPERT_CHECKPOINT_NAMES[block].items():
-        if proj in packed or moe.packed_in_out or not block:  # packed-only experts (Llama
-            continue  # 4's, Gemma 4's): no per-expert keys
+        if proj in packed or not moe.per_expert_modules:  # packed-only experts: no
+            continue  # per-expert keys
         keys = [f"{pre}.{block}.experts.{e}.{ckpt}" for e in range(n)]
         ranks = tuple(int(settings.rank_of(k)) if settings.is_targeted(k) else 0 for k in keys)
         if any(ranks):

@@ -95,6 +95,7 @@ class ModelShape:
     router_name: str = ROUTER  # the router's module name (Llama 4: router)
     shared_gate: bool = False  # a one-output gate of the shared expert (Qwen-MoE's)
     dense_mlp: bool = False  # the sparse layers keep their dense MLP beside the block (Gemma 4)
+    packed_only: bool = False  # no per-expert modules in any transformers (Qwen3.5-MoE, GPT-OSS)
 
     @property
     def hd(self) -> int:
@@ -119,7 +120,7 @@ class ModelShape:
         return MoESpec(
             self.num_experts, self.sparse, self.hidden_size, self.moe_intermediate_size,
             self.moe_block, self.shared_intermediate, self.packed_in_out, self.router_name,
-            self.shared_gate, dense_mlp=self.dense_mlp,
+            self.shared_gate, dense_mlp=self.dense_mlp, packed_only=self.packed_only,
         )  # fmt: skip
 
     @property
@@ -408,6 +409,7 @@ def model_from_config(cfg: dict[str, Any], name: str) -> ModelShape:
             router_name=moe.router_name if moe else ROUTER,
             shared_gate=moe.shared_gate if moe else False,
             dense_mlp=moe.dense_mlp if moe else False,
+            packed_only=moe.packed_only if moe else False,
         )
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if any(_positive(text.get(k)) for k in _MOE_KEYS):
