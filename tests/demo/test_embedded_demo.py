@@ -355,3 +355,18 @@ def test_printed_examples_run_and_use_the_chat_formatted_prompt(
         for path, body in calls:
             r = client.post("/v1" + path, json={**body, "max_tokens": 2})
             assert r.status_code == 200, (path, body["model"], r.text)
+
+
+def test_random_arch_help_names_every_architecture() -> None:
+    """``--arch``'s help lists every architecture ``demo --random`` builds (ARCH_CONFIGS)."""
+    import argparse
+    import re
+
+    from loraplex.testing import ARCH_CONFIGS
+    from loraplex.tools.demo.command import add_demo_arguments
+
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    help_text = next(a.help for a in parser._actions if "--arch" in a.option_strings)
+    named = set(re.findall(r"\b[a-z][a-z0-9_]*\b", help_text or ""))
+    assert set(ARCH_CONFIGS) <= named, set(ARCH_CONFIGS) - named

@@ -32,7 +32,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         default="llama",
         help="with --random: the architecture of the random model (llama, mistral, qwen2, "
         "qwen3, gemma2, gemma3_text, gemma3, phi3, qwen3_moe, mixtral, smollm3, qwen3_5, "
-        "gemma4_text, gemma4, llama4_text)",
+        "qwen3_5_moe, gemma4_text, gemma4_moe_text, llama4_text, gpt_oss; the multimodal "
+        "wrappers qwen3_5_vl, qwen3_5_moe_vl, gemma3, gemma4, gemma4_moe, llama4)",
     )
 
 
