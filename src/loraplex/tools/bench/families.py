@@ -22,6 +22,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
         sliding_window=512,
         hidden_size_per_layer_input=64,
         num_kv_shared_layers=12,
+    ),
+    # Gemma 4's MoE variant (26B-A4B's layout): Gemma 4's layers with a sparse block of 8
+    # experts of 384 (top 2) beside each layer's MLP
+    "gemma4_moe_text": dict(
+        arch="gemma4_moe_text",
+        sliding_window=512,
+        hidden_size_per_layer_input=64,
+        num_kv_shared_layers=12,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=384,
     ),
     # Llama 4's layout at this width: every fourth layer NoPE (global), the others in chunks
     # of 8192 (every prompt inside one); every other layer a top-1 sparse block of 4 experts
@@ -195,8 +208,16 @@ def bench_vllm(
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return {int(k): v for k, v in json.loads(line[7:]).items()}
-    lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
-    return f"failed (rc {proc.returncode}): {lines[-1] if lines else 'no output'}"
+    lines = [ln for ln in (proc.stderr + "\n" + proc.stdout).splitlines() if ln.strip()]
+    # the root exception, not a warning printed after it (a resource tracker's at exit) nor
+    # the engine's "see the stack trace above" (EngineDeadError)
+    errors = [
+        ln.split("] ", 1)[-1]
+        for ln in lines
+        if re.search(r"[\w.]*(Error|Exception): ", ln) and "EngineDeadError" not in ln
+    ]
+    last = (errors or lines or ["no output"])[-1].strip()
+    return f"failed (rc {proc.returncode}): {last}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{BATCH} prompts x {args.new_tokens} new tokens, greedy; read bandwidth "
         f"{bw / 1e9:.1f} GB/s; load average {_loadavg()}"
     )
-    head = (f"{'family':<12}{'system':<10}{'base':>8}{'bound':>8}{'of it':>7}"
+    head = (f"{'family':<16}{'system':<10}{'base':>8}{'bound':>8}{'of it':>7}"
             f"{'16 ad.':>8}{'bound':>8}{'of it':>7}{'16/base':>9}")  # fmt: skip
     print(head)
     for family in families:
@@ -236,14 +257,14 @@ def main(argv: list[str] | None = None) -> int:
                                                 prompts, args.new_tokens, args.repeats)))  # fmt: skip
         for system, res in rows:
             if isinstance(res, str):
-                print(f"{family:<12}{system:<10}{res}")
+                print(f"{family:<16}{system:<10}{res}")
                 continue
             cells = "".join(
                 f"{res[k]:>8.1f}{bound[k]:>8.0f}{res[k] / bound[k]:>7.2f}" for k in KINDS
             )
-            print(f"{family:<12}{system:<10}{cells}{res[N_ADAPTERS] / res[0]:>9.3f}")
+            print(f"{family:<16}{system:<10}{cells}{res[N_ADAPTERS] / res[0]:>9.3f}")
         print(
-            f"{'':<12}{'bytes':<10}base step {nbytes[0] / 1e6:.1f} MB, with 16 adapters "
+            f"{'':<16}{'bytes':<10}base step {nbytes[0] / 1e6:.1f} MB, with 16 adapters "
             f"{nbytes[N_ADAPTERS] / 1e6:.1f} MB (byte bound of 16/base "
             f"{nbytes[0] / nbytes[N_ADAPTERS]:.3f})"
         )
