@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.types import AdapterSpec, InvalidRequestError
+from loraplex.types import AdapterComposition, AdapterSpec, InvalidRequestError
 
 _MAX_LOGPROBS = 20
 
@@ -254,7 +254,9 @@ class GenerationRequest:
 
     ``prompt``: text, or token ids. ``adapter``: the adapter as a spec (from a catalog, e.g. the
     server's registry view), an offline ``LoRARequest(name, path)`` that the engine's local
-    catalog turns into one, or None for the base model. ``arrival``: ``time.monotonic()`` when
+    catalog turns into one, several adapters with a scale each (an
+    :class:`~loraplex.types.AdapterComposition`; a single adapter at a per-request scale is one
+    of one component), or None for the base model. ``arrival``: ``time.monotonic()`` when
     the request arrived (None: when it is prepared). ``cache_salt`` (vLLM's field) salts its
     prefix-cache keys: its KV blocks are shared only with requests of the same adapter digest
     *and* the same salt (the server salts tenant traffic with the tenant), so a cache hit
@@ -267,6 +269,6 @@ class GenerationRequest:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    adapter: AdapterSpec | LoRARequest | None = None
+    adapter: AdapterSpec | LoRARequest | AdapterComposition | None = None
     arrival: float | None = None
     cache_salt: str | None = None

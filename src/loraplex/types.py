@@ -76,6 +76,53 @@ class AdapterSpec:
         return self.ref.name
 
 
+MAX_COMPOSED_ADAPTERS = 4
+"""The most adapters one request may compose (each costs one more LoRA pass over its tokens)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledAdapter:
+    """One component of a request's adapters: an adapter and the scale its delta is added with
+    (on top of its own alpha / r; 1.0 is the adapter as trained, 0 adds nothing, a negative
+    scale subtracts it)."""
+
+    spec: AdapterSpec
+    scale: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterComposition:
+    """The adapters one request runs with, each with its scale::
+
+        y = W x + sum_i scale_i * (alpha_i / r_i) * B_i A_i x
+
+    exact for any mix of ranks and target modules: every component is an ordinary resident
+    adapter (no merged weights, no new slot). A single adapter at a scale other than 1.0 (a
+    per-request ``lora_scale``) is a composition of one. Built where a catalog resolves a
+    request (the server's registry view, or the engine's local catalog for offline requests);
+    at most :data:`MAX_COMPOSED_ADAPTERS` components, each a distinct digest.
+    """
+
+    components: tuple[ScaledAdapter, ...]
+
+    def __post_init__(self) -> None:
+        if not self.components:
+            raise ValueError("an adapter composition needs at least one component")
+        if len(self.components) > MAX_COMPOSED_ADAPTERS:
+            raise ValueError(
+                f"an adapter composition has at most {MAX_COMPOSED_ADAPTERS} components, "
+                f"got {len(self.components)}"
+            )
+        digests = [c.spec.sha256 for c in self.components]
+        if len(set(digests)) != len(digests):
+            raise ValueError("an adapter composition names one adapter twice")
+
+    @property
+    def name(self) -> str:
+        """For people, metrics and logs: ``alpha*1+style*0.5``."""
+        return "+".join(f"{c.spec.name}*{c.scale:g}" for c in self.components)
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
