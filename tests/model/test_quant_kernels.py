@@ -9,16 +9,23 @@ order (1e-5 relative to the largest output), bfloat16 a few roundings of 2^-9 (T
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
-from loraplex.model.quant.cpu_kernel import load_qgemm
+from loraplex.model.quant.cpu_kernel import SOURCE, QGemmKernel, amx_probe_passes, load_qgemm
 from loraplex.model.quant.kernels import (
+    PROMPT_ROWS,
     CKernelLinear,
     DequantLinear,
     FP8Linear,
     KernelChoice,
     PanelQuantLinear,
+    PanelW4A8Linear,
     TorchInt4Linear,
     TorchInt8Linear,
     W8A8Int8Linear,
@@ -26,8 +33,9 @@ from loraplex.model.quant.kernels import (
     choose_kernel,
     quantize_activation,
 )
+from loraplex.model.quant.linear import QuantLinearBase
 from loraplex.model.quant.weights import ActQuant, FP8Weight, QuantWeight
-from loraplex.native.build import AVX2_CPU_FLAGS, KernelBuildError, cpu_flags
+from loraplex.native.build import AVX2_CPU_FLAGS, KernelBuildError, cpu_flags, find_compiler
 
 # bf16: up to four roundings of 2**-9 each (a bf16 scale, the product, the bias, their sum),
 # with a factor 2 of margin
@@ -151,6 +159,93 @@ def test_panel_quant(case: tuple) -> None:
         PanelQuantLinear(qw, torch.float32, kernel)  # bf16 x only
 
 
+AMX_CASES = [  # K and the group size multiples of 32 (a tile reads 32 inputs)
+    (40, 256, 4, 128, True, False),
+    (33, 128, 4, 32, False, True),
+    (18, 96, 8, 32, True, False),
+    (5, 512, 4, None, False, False),  # per channel: one group of eight tile steps
+    (10, 160, 8, None, False, True),
+    (70, 64, 8, 64, False, False),  # three panels, the last one mostly padding
+]
+
+
+def _amx_model() -> QGemmKernel:
+    """The kernel with ``native/amx.h``'s software model of the tiles (skips where the CPU
+    has no AVX512-BF16: the tiles' panels are built only beside those)."""
+    kernel = load_qgemm(isa="amx-model")
+    if not kernel.bf16_dot:
+        pytest.skip("no AVX512-BF16 in this CPU's panel build")
+    assert kernel.amx_compiled and kernel.amx_emulated
+    assert kernel.amx, "the tiles' panels failed their check against float64"
+    return kernel
+
+
+@pytest.mark.parametrize(
+    "case", AMX_CASES, ids=lambda c: f"{c[0]}x{c[1]}-int{c[2]}-g{c[3]}-zp{c[4]}-ao{c[5]}"
+)
+def test_panel_quant_on_amx_tiles(case: tuple) -> None:
+    """The quantized panels' second path on AMX-BF16 tiles, run through the tiles' software
+    model (the same C, every tile operation as Intel's SDM defines it, any misuse counted):
+    blocks of 16 rows and a last short one, the reference within bf16's tolerance, the
+    AVX-512 path's products in another order, and no misuse of the tiles."""
+    kernel = _amx_model()
+    qw = _weight(*case)
+    lin = PanelQuantLinear(qw, torch.bfloat16, kernel)
+    assert lin.alt_name == "amx" and lin.alt_rows is None
+    x = torch.randn(40, qw.in_features, generator=torch.Generator().manual_seed(4))
+    x = x.to(torch.bfloat16)
+    direct = lin(x)
+    lin.alt_rows = 2  # from two rows on: one row stays on the AVX-512 path
+    assert torch.equal(lin(x[:1]), direct[:1])
+    for rows in (2, 15, 16, 17, 33, 40):
+        got = lin(x[:rows])
+        _check(got, x[:rows], qw, torch.bfloat16)
+        assert torch.allclose(got.float(), direct[:rows].float(), rtol=TOL[torch.bfloat16],
+                              atol=TOL[torch.bfloat16] * direct.abs().max().item())  # fmt: skip
+    assert kernel.amx_faults() == 0
+
+
+def test_amx_tiles_need_whole_tiles_of_inputs() -> None:
+    """K or a group size not a multiple of 32 has no tile path (the AVX-512 panels serve it),
+    and the kernel refuses it if asked."""
+    kernel = _amx_model()
+    qw = _weight(12, 90, 8, None, False, False)
+    lin = PanelQuantLinear(qw, torch.bfloat16, kernel)
+    assert lin.alt_name is None
+    x = torch.randn(3, 90).to(torch.bfloat16)
+    with pytest.raises(KernelBuildError):
+        kernel.gemm_q_amx(x, lin.packed, 12, 8, 90, 1, None, torch.empty(3, 12).bfloat16())
+
+
+def test_amx_probe_runs_in_a_child_process() -> None:
+    """The first run of the tiles is a child process's (a fault there costs the child): the
+    model's build passes it; a build without tiles has none to offer."""
+    kernel = _amx_model()
+    assert amx_probe_passes(kernel.library)
+    assert not load_qgemm(isa="portable").amx
+
+
+def test_amx_build_for_the_hardware_compiles(tmp_path: Path) -> None:
+    """The tile code as a Xeon with AMX builds it (``-march=sapphirerapids``: the compiler's
+    own AMX intrinsics, not the model) compiles and says it has the tiles; it is only loaded
+    here, never run (this CPU may lack the instructions)."""
+    cc = find_compiler()
+    flags = ("-O3", "-march=sapphirerapids", "-fopenmp")
+    probe = tmp_path / "t.c"
+    probe.write_text("int f(void) { return 0; }\n")
+    if cc is None or subprocess.run([cc, *flags, "-c", "-o", os.devnull, str(probe)],
+                                    capture_output=True).returncode:  # fmt: skip
+        pytest.skip("no compiler that targets Sapphire Rapids")
+    lib = tmp_path / "qgemm_amx.so"
+    done = subprocess.run(
+        [cc, *flags, "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(lib), str(SOURCE)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    features = ctypes.CDLL(str(lib)).loraplex_qgemm_features()
+    assert features & 8 and not features & 16  # the tiles, on hardware
+
+
 W4A8_CASES = [  # 4-bit, K a multiple of 32, groups of a multiple of 8
     (40, 256, 4, 128, False, False),
     (33, 128, 4, 32, True, False),
@@ -200,6 +295,45 @@ def test_panel_w4a8(case: tuple, dtype: torch.dtype) -> None:
     # the emulated path (other CPUs, CUDA) computes the same product
     emulated = DequantLinear(qw)(x)
     assert (emulated.double() - want).abs().max().item() <= TOL[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case",
+    [(40, 256, 4, 128, False, False), (33, 128, 4, 64, True, True), (5, 512, 4, None, True, False)],
+    ids=lambda c: f"{c[0]}x{c[1]}-g{c[3]}-zp{c[4]}-ao{c[5]}",
+)
+def test_panel_w4a8_on_amx_int8_tiles(case: tuple, dtype: torch.dtype) -> None:
+    """W4A8's second path on AMX-INT8 tiles (through the tiles' software model): the same
+    exact int32 sums as on VNNI, so the same bits for every row count around the tiles' 16,
+    a zero row and an outlier; the start-up times it on a probe of the weight's kind."""
+    from dataclasses import replace
+
+    from loraplex.model.quant import kernels
+
+    kernel = _amx_model()
+    assert kernel.amx_int8
+    qw = replace(_weight(*case), act=ActQuant("int8"))
+    lin = PanelW4A8Linear(qw, kernel)
+    assert lin.alt_name == "amx-int8"
+    x = torch.randn(35, qw.in_features, generator=torch.Generator().manual_seed(6))
+    x[3] = 0.0
+    x[4, 7] = 300.0
+    x = x.to(dtype)
+    direct = lin(x)
+    lin.alt_rows = 2
+    assert torch.equal(lin(x[:1]), direct[:1])
+    for rows in (2, 15, 16, 17, 35):
+        assert torch.equal(lin(x[:rows]), direct[:rows])
+    assert kernel.amx_faults() == 0
+    factory = kernels.QuantKernels(torch.device("cpu"), dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "usable_quant_panels", lambda: kernel)
+        built = factory(qw)
+    assert isinstance(built, PanelW4A8Linear) and built.alt_name == "amx-int8"
+    assert "amx-int8@16" in factory.summary()
+    narrow = replace(_weight(10, 96, 4, 32, True, False), act=ActQuant("int8"))
+    assert PanelW4A8Linear(narrow, kernel).alt_name is None  # 96 inputs: no whole tiles
 
 
 def test_torch_int4_refuses_what_its_layout_cannot_hold() -> None:
@@ -295,3 +429,71 @@ def test_fp8(act: ActQuant | None, per_channel: bool) -> None:
     assert torch.equal(x, x_before)
     fused = FP8Weight.cat([fw, fw])
     assert torch.equal(fused.dequantize(), torch.cat([fw.dequantize(), fw.dequantize()]))
+
+
+class _Timed(QuantLinearBase):
+    """A candidate whose two paths compute the reference and whose time per path and row
+    count is a table (the start-up choice's logic, without a clock)."""
+
+    last: tuple[str, int] = ("", 0)
+
+    def __init__(self, qw: QuantWeight, name: str, alt_name: str | None) -> None:
+        super().__init__(qw)
+        self.name, self.alt_name = name, alt_name
+        self.w = qw.dequantize(torch.float64)
+
+    def _ref(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        _Timed.last = (path, x.shape[0])
+        return (x.double() @ self.w.T).to(x.dtype)  # the probe weight has no bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ref(self.name, x)
+
+    def alt(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.alt_name is not None
+        return self._ref(self.alt_name, x)
+
+
+def test_start_up_choice_takes_each_candidates_faster_path_per_row_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each candidate is timed at every decode size on the faster of its paths (one stored
+    weight serves both): the C kernel's dequantizing path where it wins at 16 rows, the AMX
+    tiles from 16 rows where they lose at one; the fastest sum over the sizes wins, its second
+    path from the fewest rows it won at, every time reported per row count."""
+    from loraplex.model.quant import kernels
+
+    table = {
+        ("c-kernel", 1): 0.2, ("c-kernel", 16): 1.578, ("dequant", 1): 1.0,
+        ("dequant", 16): 0.6, ("panel-int4", 1): 0.15, ("panel-int4", 16): 1.05,
+        ("amx", 1): 0.4, ("amx", 16): 0.3,
+    }  # fmt: skip
+    qw = _weight(64, 128, 4, 32, False, False)
+
+    def candidates(w: QuantWeight, dtype: torch.dtype, kernel: object) -> list[_Timed]:
+        return [_Timed(w, "c-kernel", "dequant"), _Timed(w, "panel-int4", "amx")]
+
+    def clock(fn: object, repeats: int = 5) -> float:
+        fn()  # type: ignore[operator]
+        return table[_Timed.last]
+
+    monkeypatch.setattr(kernels, "_candidates", candidates)
+    monkeypatch.setattr(kernels, "_time_ms", clock)
+    choice = choose_kernel(qw, torch.bfloat16, None)
+    assert (choice.name, choice.alt_name, choice.alt_rows) == ("panel-int4", "amx", 16)
+    assert choice.times_ms["panel-int4"] == pytest.approx(0.15 + 0.3)
+    assert choice.times_ms["c-kernel"] == pytest.approx(0.2 + 0.6)
+    assert {"c-kernel@1", "dequant@16", "panel-int4@16", "amx@1"} <= set(choice.times_ms)
+    table[("amx", 16)] = 1.2  # the tiles lose everywhere: the C kernel + dequant wins
+    table[("amx", PROMPT_ROWS)] = table[("panel-int4", PROMPT_ROWS)] = 1.0
+    choice = choose_kernel(qw, torch.bfloat16, None)
+    assert (choice.name, choice.alt_name, choice.alt_rows) == ("c-kernel", "dequant", 16)
+    table[("dequant", 16)] = 2.0  # and nothing's second path wins at a decode size
+    table[("dequant", PROMPT_ROWS)], table[("c-kernel", PROMPT_ROWS)] = 5.0, 9.0
+    choice = choose_kernel(qw, torch.bfloat16, None)
+    assert (choice.name, choice.alt_rows) == ("panel-int4", None)
+    built = build_quant_linear(
+        qw, torch.bfloat16, torch.device("cpu"),
+        KernelChoice("c-kernel", {}, 64, "dequant"), load_qgemm(),
+    )  # fmt: skip
+    assert isinstance(built, CKernelLinear) and built.dequant_rows == 64

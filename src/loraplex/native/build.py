@@ -77,13 +77,19 @@ KERNEL_ISAS: dict[str, tuple[tuple[str, ...], ...]] = {
     ),
     "avx2": ((*_AVX2, "-fopenmp"), _AVX2),
     "portable": (("-O3", "-fopenmp"), ("-O3",)),
+    "amx-model": (
+        ("-O3", "-march=native", "-DLORAPLEX_AMX_EMULATE", "-fopenmp"),
+        ("-O3", "-march=native", "-DLORAPLEX_AMX_EMULATE"),
+    ),
 }
 """Compiler flag sets per instruction set a kernel can be built for, tried in order: the
 first set the compiler accepts builds it. ``native``: this CPU's (``-march=native``; plain
 ``-O3`` for a compiler without it); ``avx2``: AVX2, FMA and F16C and nothing above (no
 AVX-512), the code an AVX2-only x86 CPU runs, whichever CPU builds it (a compiler that cannot
 target it fails the build: there is no fallback to another instruction set); ``portable``: the
-compiler's default target (what ``native`` falls back to)."""
+compiler's default target (what ``native`` falls back to); ``amx-model``: ``native`` with
+``native/amx.h``'s software model of the AMX tiles compiled in, so the tile code is tested on
+every CPU that runs the rest of its kernel (tests only: it is far slower than either)."""
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
 """``/proc/cpuinfo`` flags a CPU needs to run an ``avx2`` build."""
 KEEP_BUILDS = 8

@@ -26,6 +26,7 @@
  * Plain C, no torch headers; element types 0 = float32, 1 = bfloat16. The caller checks
  * shapes, strides and dtypes.
  */
+#include "amx.h"
 #include "panel.h"
 
 #define ROWS 4
@@ -223,9 +224,13 @@ static void gemm_block_avx512(const void *x, int64_t x_stride, int x_type, int64
 #endif
 
 /* bit 0: the AVX-512 path; bit 1: AVX512-BF16 dot products (bf16 x here, and the 4- and 8-bit
- * panels below); bit 2: the W4A8 panels below (AVX512-VNNI); the panels' width NR from bit 8. */
+ * panels below); bit 2: the W4A8 panels below (AVX512-VNNI); bit 3: the 4- and 8-bit panels on
+ * AMX-BF16 tiles (amx.h); bit 4: those tiles are amx.h's software model; bit 5: the W4A8
+ * panels on AMX-INT8 tiles; the panels' width NR from bit 8. */
 int loraplex_qgemm_features(void) {
-    return HAVE_AVX512 | (HAVE_DPBF16 << 1) | (HAVE_VNNI << 2) | (NR << 8);
+    return HAVE_AVX512 | (HAVE_DPBF16 << 1) | (HAVE_VNNI << 2) |
+           ((HAVE_DPBF16 && HAVE_AMX_BF16) << 3) | (AMX_EMULATED << 4) |
+           ((HAVE_VNNI && HAVE_AMX_INT8) << 5) | (NR << 8);
 }
 
 /* The generic path for rows n0.. (any instruction set): acc[r * T + t] = y[t, n0 + r]. */
@@ -572,11 +577,35 @@ INLINE void q_dots(const int32_t *xp, int mr, const uint8_t *val, int bits,
     }
 }
 
+#if HAVE_AMX_BF16
+/* sp[m][c] += the pair dot products of x's rows t0 + m (m below the configured A rows) with
+ * pairs kk0 .. kk1 of one panel, on AMX tiles (amx.h): A = 16 pairs of inputs of the rows,
+ * read from x as it is; B1 / B2 = the same pairs of the panel's two halves of 16 columns,
+ * from `pairs` (the chunk unpacked, pairs[kk - kk0][NR]: row k of a B tile is pair kk0 + k,
+ * 64 bytes, NR * 4 apart); C3 / C4 = the halves' sums, loaded from and stored back to sp.
+ * kk1 - kk0 is a multiple of 16. */
+static void amx_dots(const uint16_t *x, int64_t ldx, int64_t t0, const uint32_t *pairs,
+                     int64_t kk0, int64_t kk1, float *sp /* [rows][NR] */) {
+    TILE_LOAD(3, sp, NR * 4);
+    TILE_LOAD(4, sp + 16, NR * 4);
+    for (int64_t kk = kk0; kk < kk1; kk += 16) {
+        TILE_LOAD(0, x + t0 * ldx + 2 * kk, ldx * 2);
+        TILE_LOAD(1, pairs + (kk - kk0) * NR, NR * 4);
+        TILE_LOAD(2, pairs + (kk - kk0) * NR + 16, NR * 4);
+        TILE_DPBF16(3, 0, 1);
+        TILE_DPBF16(4, 0, 2);
+    }
+    TILE_STORE(3, sp, NR * 4);
+    TILE_STORE(4, sp + 16, NR * 4);
+}
+#endif
+
 /* acc[t][c] = row t's sums for the NR columns of one panel (pv its values, psc / pzp its
  * scales and zero points); bits a constant where it is inlined. */
 INLINE void q_panel(const int32_t *xp, int64_t T, int64_t K, const uint8_t *pv,
                     const float *psc, const int8_t *pzp, const float *xs, int64_t gs, int64_t G,
-                    int bits, uint32_t *pairs, float *acc /* [2][T][NR] */) {
+                    int bits, uint32_t *pairs, float *acc /* [2][T][NR] */, const uint16_t *x,
+                    int64_t ldx, int *amx_rows) {
     const float c0 = bits == 4 ? 128.0f : 0.0f;
     float *sp = acc + T * NR;
     memset(acc, 0, (size_t)(T * NR) * sizeof(float));
@@ -590,6 +619,18 @@ INLINE void q_panel(const int32_t *xp, int64_t T, int64_t K, const uint8_t *pv,
                     for (int h = 0; h < 2; h++)
                         _mm512_storeu_si512((void *)(pairs + (kk - c) * NR + 16 * h),
                                             (__m512i)q_pairs(pv, bits, kk, h));
+#if HAVE_AMX_BF16
+            if (amx_rows) { /* on tiles: blocks of 16 rows */
+                for (int64_t t0 = 0; t0 < T; t0 += 16) {
+                    int mr = T - t0 < 16 ? (int)(T - t0) : 16;
+                    if (mr != *amx_rows) amx_config(mr, 16), *amx_rows = mr;
+                    amx_dots(x, ldx, t0, pairs, c, ce, sp + t0 * NR);
+                }
+                continue;
+            }
+#else
+            (void)x, (void)ldx, (void)amx_rows;
+#endif
             for (int64_t t0 = 0; t0 < T; t0 += MRQ) {
                 int mr = T - t0 < MRQ ? (int)(T - t0) : MRQ;
                 const int32_t *xb = xp + t0 * (K / 2); /* the block's [K / 2][MRQ] pairs */
@@ -619,19 +660,19 @@ INLINE void q_panel(const int32_t *xp, int64_t T, int64_t K, const uint8_t *pv,
 
 #endif
 
-/* y [T, N] = x [T, K] (bf16) @ W.T + bias for the 4- or 8-bit W packed in p; -1 without
- * AVX512-BF16 (or an odd K or group size, or other bits), -2 if its scratch cannot be
- * allocated. */
-int loraplex_panel_q_gemm(const uint16_t *x, int64_t ldx, int64_t T, int64_t K, const void *p,
-                          int64_t N, int64_t gs, int64_t G, int bits, const float *bias,
-                          void *y, int64_t ldy, int e, int threads) {
 #if HAVE_DPBF16
-    if ((K & 1) || (gs & 1) || e != BF16 || (bits != 4 && bits != 8)) return -1;
+/* loraplex_panel_q_gemm (amx 0) and loraplex_panel_q_gemm_amx (amx 1): the same sums, the
+ * pair dot products on AVX512-BF16 or on AMX tiles (blocks of 16 rows; each chunk of the
+ * panel unpacked once into the pairs buffer that the tiles load). */
+static int panel_q_run(const uint16_t *x, int64_t ldx, int64_t T, int64_t K, const void *p,
+                       int64_t N, int64_t gs, int64_t G, int bits, const float *bias, void *y,
+                       int64_t ldy, int threads, int amx) {
     int64_t K2 = K / 2, Tp = (T + MRQ - 1) / MRQ * MRQ;
     float *xs = (float *)malloc((size_t)(T * G) * sizeof(float)); /* each row's group sums */
-    /* x's pairs per block of MRQ rows: xp[block][kk][r], one pointer for a block's loads */
-    int32_t *xp = (int32_t *)malloc((size_t)(Tp * K2) * sizeof(int32_t));
-    if (!xs || !xp) {
+    /* x's pairs per block of MRQ rows: xp[block][kk][r], one pointer for a block's loads
+     * (the tiles read x as it is) */
+    int32_t *xp = amx ? NULL : (int32_t *)malloc((size_t)(Tp * K2) * sizeof(int32_t));
+    if (!xs || (!amx && !xp)) {
         free(xs), free(xp);
         return -2;
     }
@@ -642,41 +683,61 @@ int loraplex_panel_q_gemm(const uint16_t *x, int64_t ldx, int64_t T, int64_t K, 
             for (int64_t k = g * gs; k < k1; k++) sum += bf16_to_f32(x[t * ldx + k]);
             xs[t * G + g] = sum;
         }
-        int32_t *xb = xp + (t / MRQ) * MRQ * K2;
-        for (int64_t kk = 0; kk < K2; kk++) memcpy(xb + kk * MRQ + t % MRQ, x + t * ldx + 2 * kk, 4);
+        if (xp) {
+            int32_t *xb = xp + (t / MRQ) * MRQ * K2;
+            for (int64_t kk = 0; kk < K2; kk++)
+                memcpy(xb + kk * MRQ + t % MRQ, x + t * ldx + 2 * kk, 4);
+        }
     }
     int64_t panels = (N + NR - 1) / NR, vbytes = q_nib_bytes(K, bits);
     const uint8_t *val = (const uint8_t *)p;
     const float *sc = (const float *)(val + panels * vbytes);
     const int8_t *zp = (const int8_t *)(sc + panels * G * NR);
-    int failed = 0;
+    int failed = 0, buffered = amx || T >= PAIRS_FROM;
 #pragma omp parallel num_threads(threads) if (threads > 1 && panels > 1)
     {
-        /* the rows' running and partial sums, and (more than one block) a chunk's pairs */
+        /* the rows' running and partial sums, and (tiles, or more than one block) a chunk's
+         * pairs; amx_rows: the A / C tiles' rows as configured on this thread (0: none yet) */
         float *acc = (float *)malloc((size_t)(2 * T * NR) * sizeof(float));
-        uint32_t *pairs = T >= PAIRS_FROM ? (uint32_t *)malloc((size_t)(CKK * NR) * sizeof(uint32_t))
-                                  : NULL;
-        if (!acc || (T >= PAIRS_FROM && !pairs)) {
+        uint32_t *pairs = buffered ? (uint32_t *)malloc((size_t)(CKK * NR) * sizeof(uint32_t))
+                                   : NULL;
+        int amx_rows = 0, *tiles = amx ? &amx_rows : NULL;
+        if (!acc || (buffered && !pairs)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t pi = 0; pi < panels; pi++) {
-            if (!acc || (T >= PAIRS_FROM && !pairs)) continue;
+            if (!acc || (buffered && !pairs)) continue;
             if (bits == 4)
                 q_panel(xp, T, K, val + pi * vbytes, sc + pi * G * NR, zp + pi * G * NR, xs,
-                        gs, G, 4, pairs, acc);
+                        gs, G, 4, pairs, acc, x, ldx, tiles);
             else
                 q_panel(xp, T, K, val + pi * vbytes, sc + pi * G * NR, zp + pi * G * NR, xs,
-                        gs, G, 8, pairs, acc);
+                        gs, G, 8, pairs, acc, x, ldx, tiles);
             for (int64_t t = 0; t < T; t++)
                 store_row(acc + t * NR, bias, pi * NR, N, y, ldy, t, BF16);
         }
+#if HAVE_AMX_BF16
+        if (amx_rows) TILE_RELEASE();
+#endif
         free(pairs);
         free(acc);
     }
     free(xs), free(xp);
     return failed ? -2 : 0;
+}
+#endif
+
+/* y [T, N] = x [T, K] (bf16) @ W.T + bias for the 4- or 8-bit W packed in p; -1 without
+ * AVX512-BF16 (or an odd K or group size, or other bits), -2 if its scratch cannot be
+ * allocated. */
+int loraplex_panel_q_gemm(const uint16_t *x, int64_t ldx, int64_t T, int64_t K, const void *p,
+                          int64_t N, int64_t gs, int64_t G, int bits, const float *bias,
+                          void *y, int64_t ldy, int e, int threads) {
+#if HAVE_DPBF16
+    if ((K & 1) || (gs & 1) || e != BF16 || (bits != 4 && bits != 8)) return -1;
+    return panel_q_run(x, ldx, T, K, p, N, gs, G, bits, bias, y, ldy, threads, 0);
 #else
     (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bits;
     (void)bias, (void)y, (void)ldy, (void)e, (void)threads;
@@ -684,6 +745,21 @@ int loraplex_panel_q_gemm(const uint16_t *x, int64_t ldx, int64_t T, int64_t K, 
 #endif
 }
 
+/* loraplex_panel_q_gemm on AMX tiles (the same panels and semantics); -1 without them here
+ * (or K or the group size not a multiple of 32: a tile reads 32 inputs), -2 if its scratch
+ * cannot be allocated. The caller has had amx_enable() (loraplex_amx_enable) succeed. */
+int loraplex_panel_q_gemm_amx(const uint16_t *x, int64_t ldx, int64_t T, int64_t K,
+                              const void *p, int64_t N, int64_t gs, int64_t G, int bits,
+                              const float *bias, void *y, int64_t ldy, int e, int threads) {
+#if HAVE_DPBF16 && HAVE_AMX_BF16
+    if ((K % 32) || (gs % 32) || e != BF16 || (bits != 4 && bits != 8)) return -1;
+    return panel_q_run(x, ldx, T, K, p, N, gs, G, bits, bias, y, ldy, threads, 1);
+#else
+    (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bits;
+    (void)bias, (void)y, (void)ldy, (void)e, (void)threads;
+    return -1;
+#endif
+}
 
 /* ------------------------------------------- 4-bit weights x int8 activations (W4A8, VNNI)
  *
@@ -774,6 +850,7 @@ INLINE void w4a8_group(const int32_t *xq4, int mr, const uint8_t *val, int64_t b
     case m: w4a8_dots_n(xq4, m, val, b0, b1, acc); break;
         W_CASE(1) W_CASE(2) W_CASE(3) W_CASE(4) W_CASE(5) W_CASE(6) W_CASE(7) W_CASE(8)
 #undef W_CASE
+    default: __builtin_unreachable(); /* 1 <= mr <= MRQ */
     }
     for (int h = 0; h < 2; h++) {
         __m512 z = _mm512_cvtepi32_ps(
@@ -789,28 +866,15 @@ INLINE void w4a8_group(const int32_t *xq4, int mr, const uint8_t *val, int64_t b
 }
 #endif
 
-/* y [T, N] = x [T, K] (float32 or bf16, element type e) @ W.T + bias under W4A8 (above), W
- * packed in p; -1 without AVX512-VNNI (or K not a multiple of 32, gs of 8), -2 if its scratch
- * cannot be allocated. */
-int loraplex_panel_w4a8_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const void *p,
-                             int64_t N, int64_t gs, int64_t G, const float *bias, void *y,
-                             int64_t ldy, int e, int threads) {
 #if HAVE_VNNI
-    if ((K % 32) || (gs % 8) || (e != F32 && e != BF16)) return -1;
-    int64_t K4 = K / 4, Tp = (T + MRQ - 1) / MRQ * MRQ;
-    float *st = (float *)malloc((size_t)T * sizeof(float));          /* each row's scale */
-    /* each row's group sums of xq, exact in float32 (|sum| <= 128 K < 2^24) [G][Tp] */
-    float *xsum = (float *)malloc((size_t)(Tp * G) * sizeof(float));
-    /* xq4[block][b][2][MRQ]: four int8 per int32, one pointer a block of rows */
-    int32_t *xq4 = (int32_t *)calloc((size_t)(Tp * K4), sizeof(int32_t));
-    int8_t *row = (int8_t *)malloc((size_t)K);
-    if (!st || !xsum || !xq4 || !row) {
-        free(st), free(xsum), free(xq4), free(row);
-        return -2;
-    }
+/* W4A8's activations (above): each row's scale st[t], its int8 values xq[t][K] and their
+ * group sums xsum[g][Tp] (exact in float32: |sum| <= 128 K < 2^24). */
+static void w4a8_quantize(const void *x, int64_t ldx, int64_t T, int64_t K, int64_t gs,
+                          int64_t G, int e, int64_t Tp, float *st, float *xsum, int8_t *xq) {
     for (int64_t t = 0; t < T; t++) {
         const void *xt = e == F32 ? (const void *)((const float *)x + t * ldx)
                                   : (const void *)((const uint16_t *)x + t * ldx); /* row t */
+        int8_t *row = xq + t * K;
         __m512 amax = _mm512_setzero_ps();
         for (int64_t k = 0; k < K; k += 16)
             amax = _mm512_max_ps(amax, _mm512_abs_ps(vload(xt, k, e)));
@@ -832,13 +896,74 @@ int loraplex_panel_w4a8_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, c
             for (int64_t k = g * gs; k < k1; k++) sum += row[k];
             xsum[g * Tp + t] = (float)sum;
         }
+    }
+}
+#endif
+
+#define WT_CHUNK 8 /* W4A8 on tiles: tiles of 64 inputs unpacked at a time, 8 x 2 KiB */
+#if HAVE_VNNI && HAVE_AMX_INT8
+
+/* The B tiles of tiles j < nt of one panel from input block b0 on (8 blocks of 8 inputs a
+ * tile): wb[j][h][16][64], row 2 i of half h the low nibbles of block b0 + 8 j + i (inputs
+ * 8 b .. 8 b + 3 of its 16 columns, four bytes a column), row 2 i + 1 the high ones. */
+static void w4a8_tiles(const uint8_t *pv, int64_t b0, int64_t nt, uint8_t *wb) {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+    for (int64_t j = 0; j < nt; j++)
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < 8; i++) {
+                __m512i v = _mm512_loadu_si512((const void *)(pv + (b0 + 8 * j + i) * 128 + 64 * h));
+                uint8_t *row = wb + ((j * 2 + h) * 16 + 2 * i) * 64;
+                _mm512_storeu_si512((void *)row, _mm512_and_si512(v, lo));
+                _mm512_storeu_si512((void *)(row + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), lo));
+            }
+}
+
+/* ip[m][c] (int32, exact) += xq[t0 + m] . q over the nt tiles in wb (inputs k0 on), for the
+ * configured A rows; C3 / C4 the halves, loaded from ip (zeroed where first) and stored back. */
+static void w4a8_amx_dots(const int8_t *xq, int64_t K, int64_t t0, int64_t k0, const uint8_t *wb,
+                          int64_t nt, int first, int32_t *ip /* [rows][NR] */) {
+    if (first) {
+        TILE_ZERO(3);
+        TILE_ZERO(4);
+    } else {
+        TILE_LOAD(3, ip, NR * 4);
+        TILE_LOAD(4, ip + 16, NR * 4);
+    }
+    for (int64_t j = 0; j < nt; j++) {
+        TILE_LOAD(0, xq + t0 * K + k0 + 64 * j, K);
+        TILE_LOAD(1, wb + (j * 2) * 1024, 64);
+        TILE_LOAD(2, wb + (j * 2 + 1) * 1024, 64);
+        TILE_DPBSUD(3, 0, 1);
+        TILE_DPBSUD(4, 0, 2);
+    }
+    TILE_STORE(3, ip, NR * 4);
+    TILE_STORE(4, ip + 16, NR * 4);
+}
+#endif
+
+/* W4A8 on AVX512-VNNI (amx 0) or AMX-INT8 tiles (amx 1): the same exact int32 group sums. */
+static int w4a8_run(const void *x, int64_t ldx, int64_t T, int64_t K, const void *p, int64_t N,
+                    int64_t gs, int64_t G, const float *bias, void *y, int64_t ldy, int e,
+                    int threads, int amx) {
+#if HAVE_VNNI
+    int64_t K4 = K / 4, Tp = (T + MRQ - 1) / MRQ * MRQ;
+    float *st = (float *)malloc((size_t)T * sizeof(float));          /* each row's scale */
+    float *xsum = (float *)malloc((size_t)(Tp * G) * sizeof(float)); /* [G][Tp] */
+    int8_t *xq = (int8_t *)malloc((size_t)(T * K));                  /* [T][K]: the tiles' A */
+    /* xq4[block][b][2][MRQ]: four int8 per int32, one pointer a block of rows (VNNI) */
+    int32_t *xq4 = amx ? NULL : (int32_t *)calloc((size_t)(Tp * K4), sizeof(int32_t));
+    if (!st || !xsum || !xq || (!amx && !xq4)) {
+        free(st), free(xsum), free(xq), free(xq4);
+        return -2;
+    }
+    w4a8_quantize(x, ldx, T, K, gs, G, e, Tp, st, xsum, xq);
+    for (int64_t t = 0; xq4 && t < T; t++) {
         int32_t *blk = xq4 + (t / MRQ) * MRQ * K4;
         for (int64_t b = 0; b < K / 8; b++) {
-            memcpy(blk + (b * 2) * MRQ + t % MRQ, row + 8 * b, 4);
-            memcpy(blk + (b * 2 + 1) * MRQ + t % MRQ, row + 8 * b + 4, 4);
+            memcpy(blk + (b * 2) * MRQ + t % MRQ, xq + t * K + 8 * b, 4);
+            memcpy(blk + (b * 2 + 1) * MRQ + t % MRQ, xq + t * K + 8 * b + 4, 4);
         }
     }
-    free(row);
     int64_t panels = (N + NR - 1) / NR, vbytes = (K / 2) * NR;
     const uint8_t *val = (const uint8_t *)p;
     const float *sc = (const float *)(val + panels * vbytes);
@@ -847,35 +972,168 @@ int loraplex_panel_w4a8_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, c
 #pragma omp parallel num_threads(threads) if (threads > 1 && panels > 1)
     {
         float *sums = (float *)malloc((size_t)(T * NR) * sizeof(float));
-        if (!sums) {
+        /* tiles: each group's int32 sums [T][NR] and a chunk's unpacked B tiles */
+        int32_t *ip = amx ? (int32_t *)malloc((size_t)(T * NR) * sizeof(int32_t)) : NULL;
+        uint8_t *wb = amx ? (uint8_t *)malloc((size_t)WT_CHUNK * 2048) : NULL;
+        int ok = sums && (!amx || (ip && wb)), amx_rows = 0;
+        (void)amx_rows; /* only with AMX-INT8 */
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t pi = 0; pi < panels; pi++) {
-            if (!sums) continue;
+            if (!ok) continue;
             memset(sums, 0, (size_t)(T * NR) * sizeof(float));
             const uint8_t *pv = val + pi * vbytes;
             for (int64_t g = 0; g < G; g++) {
                 int64_t b0 = g * gs / 8, b1 = ((g + 1) * gs < K ? (g + 1) * gs : K) / 8;
-                for (int64_t t0 = 0; t0 < T; t0 += MRQ) {
-                    int mr = T - t0 < MRQ ? (int)(T - t0) : MRQ;
-                    w4a8_group(xq4 + t0 * K4, mr, pv, b0, b1, sc + (pi * G + g) * NR,
-                               zp + (pi * G + g) * NR, xsum + g * Tp + t0, sums + t0 * NR);
+                const float *gsc = sc + (pi * G + g) * NR;
+                const int8_t *gzp = zp + (pi * G + g) * NR;
+                if (!amx) {
+                    for (int64_t t0 = 0; t0 < T; t0 += MRQ) {
+                        int mr = T - t0 < MRQ ? (int)(T - t0) : MRQ;
+                        w4a8_group(xq4 + t0 * K4, mr, pv, b0, b1, gsc, gzp, xsum + g * Tp + t0,
+                                   sums + t0 * NR);
+                    }
+                    continue;
                 }
+#if HAVE_AMX_INT8
+                for (int64_t c = b0; c < b1; c += 8 * WT_CHUNK) { /* blocks of 8 inputs */
+                    int64_t nt = (b1 - c) / 8 < WT_CHUNK ? (b1 - c) / 8 : WT_CHUNK;
+                    w4a8_tiles(pv, c, nt, wb);
+                    for (int64_t t0 = 0; t0 < T; t0 += 16) {
+                        int mr = T - t0 < 16 ? (int)(T - t0) : 16;
+                        if (mr != amx_rows) amx_config(mr, 16), amx_rows = mr;
+                        w4a8_amx_dots(xq, K, t0, 8 * c, wb, nt, c == b0, ip + t0 * NR);
+                    }
+                }
+                for (int h = 0; h < 2; h++) { /* the group's sums: as w4a8_group */
+                    __m512 z = _mm512_cvtepi32_ps(
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(gzp + 16 * h))));
+                    __m512 scale = _mm512_loadu_ps(gsc + 16 * h);
+                    for (int64_t t = 0; t < T; t++) {
+                        __m512i acc = _mm512_loadu_si512((const void *)(ip + t * NR + 16 * h));
+                        __m512 d = _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[g * Tp + t]),
+                                                    _mm512_cvtepi32_ps(acc));
+                        float *a = sums + t * NR + 16 * h;
+                        _mm512_storeu_ps(a, _mm512_fmadd_ps(scale, d, _mm512_loadu_ps(a)));
+                    }
+                }
+#endif
             }
             for (int64_t t = 0; t < T; t++) {
                 for (int64_t c = 0; c < NR; c++) sums[t * NR + c] *= st[t];
                 store_row(sums + t * NR, bias, pi * NR, N, y, ldy, t, e);
             }
         }
-        free(sums);
+#if HAVE_AMX_INT8
+        if (amx_rows) TILE_RELEASE();
+#endif
+        free(sums), free(ip), free(wb);
     }
-    free(st), free(xsum), free(xq4);
+    free(st), free(xsum), free(xq), free(xq4);
     return failed ? -2 : 0;
+#else
+    (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bias;
+    (void)y, (void)ldy, (void)e, (void)threads, (void)amx;
+    return -1;
+#endif
+}
+
+/* y [T, N] = x [T, K] (float32 or bf16, element type e) @ W.T + bias under W4A8 (above), W
+ * packed in p; -1 without AVX512-VNNI (or K not a multiple of 32, gs of 8), -2 if its scratch
+ * cannot be allocated. */
+int loraplex_panel_w4a8_gemm(const void *x, int64_t ldx, int64_t T, int64_t K, const void *p,
+                             int64_t N, int64_t gs, int64_t G, const float *bias, void *y,
+                             int64_t ldy, int e, int threads) {
+    if ((K % 32) || (gs % 8) || (e != F32 && e != BF16)) return -1;
+    return w4a8_run(x, ldx, T, K, p, N, gs, G, bias, y, ldy, e, threads, 0);
+}
+
+/* loraplex_panel_w4a8_gemm on AMX-INT8 tiles (the same panels and exact sums); -1 without
+ * them (or K or gs not a multiple of 64: a tile reads 64 inputs). The caller has had
+ * loraplex_amx_enable succeed. */
+int loraplex_panel_w4a8_gemm_amx(const void *x, int64_t ldx, int64_t T, int64_t K,
+                                 const void *p, int64_t N, int64_t gs, int64_t G,
+                                 const float *bias, void *y, int64_t ldy, int e, int threads) {
+#if HAVE_VNNI && HAVE_AMX_INT8
+    if ((K % 64) || (gs % 64) || (e != F32 && e != BF16)) return -1;
+    return w4a8_run(x, ldx, T, K, p, N, gs, G, bias, y, ldy, e, threads, 1);
 #else
     (void)x, (void)ldx, (void)T, (void)K, (void)p, (void)N, (void)gs, (void)G, (void)bias;
     (void)y, (void)ldy, (void)e, (void)threads;
     return -1;
+#endif
+}
+
+/* 0 where this process may use AMX tiles (amx.h's amx_enable; the software model: always),
+ * -1 where they are not compiled in or the OS refuses. */
+int loraplex_amx_enable(void) {
+#if HAVE_AMX_BF16
+    return amx_enable();
+#else
+    return -1;
+#endif
+}
+
+/* The misuses of the tiles amx.h's software model has seen (0 on hardware). */
+int loraplex_amx_faults(void) {
+#if AMX_EMULATED
+    return __atomic_load_n(&amx_faults, __ATOMIC_RELAXED);
+#else
+    return 0;
+#endif
+}
+
+/* A first run of the AMX panels on a small 4-bit weight against the AVX512-BF16 panels, one
+ * thread: 0 if they agree, else nonzero. Meant for a child process (cpu_kernel.py), so that
+ * a CPU, OS or hypervisor that faults on the tiles costs that process, not the caller. */
+int loraplex_amx_probe(void) {
+#if HAVE_DPBF16 && HAVE_AMX_BF16
+    enum { PN = 40, PK = 128, PG = 2, PT = 19 };
+    uint8_t q[PN * PK / 2];
+    float scales[PN * PG], bias[PN], got[PT * PN], want[PT * PN];
+    int8_t zeros[PN * PG];
+    uint16_t x[PT * PK], yg[PT * PN], yw[PT * PN];
+    uint32_t r = 12345u;
+    for (int i = 0; i < PN * PK / 2; i++) q[i] = (uint8_t)((r = r * 1103515245u + 12345u) >> 16);
+    for (int i = 0; i < PN * PG; i++) {
+        scales[i] = 0.01f * (float)(1 + i % 7);
+        zeros[i] = (int8_t)(i % 16);
+    }
+    for (int i = 0; i < PN; i++) bias[i] = 0.1f * (float)(i % 5);
+    for (int i = 0; i < PT * PK; i++)
+        x[i] = f32_to_bf16((float)((int)((r = r * 1103515245u + 12345u) >> 20) % 64 - 32) / 16.0f);
+    void *p = malloc((size_t)loraplex_panel_q_bytes(PN, PK, PG, 4));
+    if (!p || amx_enable() != 0) {
+        free(p);
+        return 2;
+    }
+    loraplex_panel_q_pack(q, scales, zeros, PN, PK, PG, 4, p);
+    int rc = loraplex_panel_q_gemm(x, PK, PT, PK, p, PN, PK / PG, PG, 4, bias, yw, PN, BF16, 1) |
+             loraplex_panel_q_gemm_amx(x, PK, PT, PK, p, PN, PK / PG, PG, 4, bias, yg, PN, BF16, 1);
+    free(p);
+    if (rc) return 3;
+    for (int i = 0; i < PT * PN; i++) {
+        got[i] = bf16_to_f32(yg[i]), want[i] = bf16_to_f32(yw[i]);
+        float d = got[i] - want[i], m = want[i] < 0 ? -want[i] : want[i];
+        if (d < 0) d = -d;
+        if (!(d <= 0.02f * (m + 1.0f))) return 4;
+    }
+#if HAVE_VNNI && HAVE_AMX_INT8
+    /* W4A8 on AMX-INT8 tiles: the same exact sums as on VNNI, so the same bits */
+    p = malloc((size_t)loraplex_panel_w4a8_bytes(PN, PK, PG));
+    if (!p) return 2;
+    loraplex_panel_w4a8_pack(q, scales, zeros, PN, PK, PG, p);
+    rc = loraplex_panel_w4a8_gemm(x, PK, PT, PK, p, PN, PK / PG, PG, bias, yw, PN, BF16, 1) |
+         loraplex_panel_w4a8_gemm_amx(x, PK, PT, PK, p, PN, PK / PG, PG, bias, yg, PN, BF16, 1);
+    free(p);
+    if (rc) return 6;
+    if (memcmp(yg, yw, sizeof yg)) return 7;
+#endif
+    return loraplex_amx_faults() ? 5 : 0;
+#else
+    return 1;
 #endif
 }

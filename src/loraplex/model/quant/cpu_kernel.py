@@ -15,6 +15,10 @@ check them on each weight they are built for.
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ from loraplex.native.build import (
     ELEMENT_TYPES,
     SOURCE_DIR,
     KernelBuildError,
+    cpu_flags,
     load_checked,
     open_kernel,
 )
@@ -42,8 +47,10 @@ class QGemmKernel:
             library, "loraplex_qgemm", "loraplex_qdequant", "loraplex_qgemm_features",
             "loraplex_panel_q_bytes", "loraplex_panel_q_pack", "loraplex_panel_q_gemm",
             "loraplex_panel_w4a8_bytes", "loraplex_panel_w4a8_pack", "loraplex_panel_w4a8_gemm",
+            "loraplex_panel_q_gemm_amx", "loraplex_amx_enable", "loraplex_amx_faults",
+            "loraplex_panel_w4a8_gemm_amx",
         )  # fmt: skip
-        gemm, deq, features, qsize, qpack, qgemm, wsize, wpack, wgemm = fns
+        gemm, deq, features, qsize, qpack, qgemm, wsize, wpack, wgemm, *amx = fns
         features.argtypes, features.restype = [], ctypes.c_int
         bits = features()
         self.avx512, self.bf16_dot = bool(bits & 1), bool(bits & 2)
@@ -52,6 +59,9 @@ class QGemmKernel:
         """Whether this build computes 4-bit weights x int8 activations (AVX512-VNNI)."""
         self.panel = bits >> 8
         """The quantized panels' width in output columns."""
+        self.amx_compiled, self.amx_emulated = bool(bits & 8), bool(bits & 16)
+        """Whether this build has the 4- and 8-bit panels on AMX tiles (``native/amx.h``), and
+        whether those tiles are its software model (the ``amx-model`` build: tests)."""
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         gemm.argtypes = [
             ptr, i64, i32, i64, i64, ptr, i32, ptr, ptr, i64, i64, ptr, ptr, i64, i32, i32
@@ -66,6 +76,15 @@ class QGemmKernel:
         wpack.argtypes, wpack.restype = [ptr, ptr, ptr, i64, i64, i64, ptr], None
         wgemm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32]
         wgemm.restype = i32
+        amx_gemm, self._amx_enable, self._amx_faults, w4a8_amx = amx
+        amx_gemm.argtypes, amx_gemm.restype = qgemm.argtypes, i32
+        w4a8_amx.argtypes, w4a8_amx.restype = wgemm.argtypes, i32
+        self._w4a8_amx = w4a8_amx
+        self.amx_int8_compiled = bool(bits & 32)
+        """Whether this build has the W4A8 panels on AMX-INT8 tiles."""
+        self._amx_enable.argtypes = self._amx_faults.argtypes = []
+        self._amx_enable.restype = self._amx_faults.restype = i32
+        self._amx_gemm = amx_gemm
         self._lib, self._gemm, self._deq = lib, gemm, deq
         self._qsize, self._qpack, self._qgemm = qsize, qpack, qgemm
         self._wsize, self._wpack, self._wgemm = wsize, wpack, wgemm
@@ -145,6 +164,64 @@ class QGemmKernel:
         return self._quantized(self._qgemm, "quantized GEMM", x, packed, n,
                                (group_size, groups, bits), bias, out)  # fmt: skip
 
+    @functools.cached_property
+    def amx(self) -> bool:
+        """Whether :meth:`gemm_q_amx` may run here: compiled in, and (on hardware) the CPU says
+        AMX-TILE and AMX-BF16, a child process ran the tiles once and agreed with the AVX-512
+        panels (:func:`amx_probe_passes`: a CPU, kernel or hypervisor that faults on them
+        costs that child only), and the OS lets this process use them."""
+        if not self.amx_compiled:
+            return False
+        if not self.amx_emulated:
+            flags = cpu_flags() or frozenset()
+            if not {"amx_tile", "amx_bf16"} <= flags or not amx_probe_passes(self.library):
+                return False
+        return self._amx_enable() == 0 and _amx_agrees(self)
+
+    @functools.cached_property
+    def amx_int8(self) -> bool:
+        """Whether :meth:`gemm_w4a8_amx` may run here: :attr:`amx`, AMX-INT8 compiled in and
+        (on hardware) in the CPU's flags, and its sums the same bits as the VNNI panels'."""
+        if not (self.amx and self.amx_int8_compiled and self.w4a8):
+            return False
+        if not self.amx_emulated and "amx_int8" not in (cpu_flags() or frozenset()):
+            return False
+        return _amx_int8_agrees(self)
+
+    def amx_faults(self) -> int:
+        """Misuses of the tiles the software model has seen (0 on hardware)."""
+        return int(self._amx_faults())
+
+    def gemm_q_amx(
+        self,
+        x: torch.Tensor,  # bf16 [T, K] rows contiguous
+        packed: torch.Tensor,
+        n: int,
+        bits: int,
+        group_size: int,
+        groups: int,
+        bias: torch.Tensor | None,  # float32 [N]
+        out: torch.Tensor,  # bf16 [T, N]
+    ) -> torch.Tensor:
+        """:meth:`gemm_q` on AMX tiles (same panels, same semantics); only where :attr:`amx`."""
+        return self._quantized(self._amx_gemm, "AMX quantized GEMM", x, packed, n,
+                               (group_size, groups, bits), bias, out)  # fmt: skip
+
+    def gemm_w4a8_amx(
+        self,
+        x: torch.Tensor,  # [T, K] float32 or bf16, rows contiguous
+        packed: torch.Tensor,
+        n: int,
+        group_size: int,
+        groups: int,
+        bias: torch.Tensor | None,  # float32 [N]
+        out: torch.Tensor,  # [T, N] x's dtype
+    ) -> torch.Tensor:
+        """:meth:`gemm_w4a8` on AMX-INT8 tiles (same panels, same bits); only where
+        :attr:`amx_int8`."""
+        return self._quantized(self._w4a8_amx, "AMX W4A8", x, packed, n,
+                               (group_size, groups), bias, out)  # fmt: skip
+
     def _quantized(
         self,
         fn: Any,
@@ -190,6 +267,29 @@ class QGemmKernel:
         out: torch.Tensor,  # [T, N] x's dtype
     ) -> torch.Tensor:
         return self._quantized(self._wgemm, "W4A8", x, packed, n, (group_size, groups), bias, out)
+
+
+AMX_PROBE_SECONDS = 60.0
+"""How long the child process that first runs the AMX tiles may take (it runs in
+milliseconds; a hung one counts as a failure)."""
+
+
+@functools.cache
+def amx_probe_passes(library: Path) -> bool:
+    """Run ``loraplex_amx_probe`` of ``library`` in a child Python (ctypes only, no torch):
+    whether it exited 0, the tiles agreeing with the AVX-512 panels. Once per process and
+    library."""
+    code = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).loraplex_amx_probe())"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(library)],
+            capture_output=True,
+            timeout=AMX_PROBE_SECONDS,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def usable_quant_panels() -> QGemmKernel | None:
@@ -239,3 +339,59 @@ def _self_check(kernel: QGemmKernel) -> None:
                 )
             if not torch.allclose(deq.double(), ref[1:], atol=0, rtol=tol):
                 raise KernelBuildError(f"quantized dequantization kernel is wrong: int{bits}")
+
+
+def _amx_agrees(kernel: QGemmKernel) -> bool:
+    """The AMX panels against float64 on both bit widths, groups and per channel, with and
+    without zero points, 1 to 33 rows (one, two and three blocks of 16), a panel's padding
+    columns; and no misuse of the tiles seen by the software model. A disagreement disables
+    only the tiles (the AVX-512 panels were checked on their own)."""
+    from loraplex.model.quant.weights import QuantWeight
+
+    g = torch.Generator().manual_seed(2)
+    for bits, gs, zeros in ((4, 32, True), (4, 128, False), (8, 64, True), (8, 128, False)):
+        n, k = 40, 128
+        qw = QuantWeight.random(n, k, bits, gs, asymmetric=zeros, generator=g)
+        packed = kernel.pack_q(qw.q, bits, qw.scales, qw.zeros, k)
+        bias = torch.randn(n, generator=g)
+        for t in (1, 5, 17, 33):
+            x = torch.randn(t, k, generator=g).to(torch.bfloat16)
+            want = x.double() @ qw.dequantize(torch.float64).T + bias.double()
+            got = torch.empty(t, n, dtype=torch.bfloat16)
+            groups = qw.scales.shape[1]
+            try:
+                kernel.gemm_q_amx(x, packed, n, bits, gs, groups, bias, got)
+            except KernelBuildError:
+                return False
+            tol = 2e-2
+            scale = want.abs().max().item() + 1.0
+            if not torch.allclose(got.double(), want, atol=tol * scale, rtol=tol):
+                return False
+    return kernel.amx_faults() == 0
+
+
+def _amx_int8_agrees(kernel: QGemmKernel) -> bool:
+    """W4A8 on AMX-INT8 tiles gives the VNNI panels' bits (both sum exactly in int32, then
+    scale the same way): groups of 64 and 128 and per channel, with and without zero points,
+    float32 and bf16 x, 1 to 33 rows; and no misuse of the tiles seen by the model."""
+    from loraplex.model.quant.weights import QuantWeight
+
+    g = torch.Generator().manual_seed(3)
+    for gs, zeros, dtype in ((64, True, torch.bfloat16), (128, False, torch.float32),
+                             (256, True, torch.float32)):  # fmt: skip
+        n, k = 40, 256
+        qw = QuantWeight.random(n, k, 4, gs, asymmetric=zeros, generator=g)
+        packed = kernel.pack_w4a8(qw.q, qw.scales, qw.zeros, k)
+        bias = torch.randn(n, generator=g)
+        groups = qw.scales.shape[1]
+        for t in (1, 17, 33):
+            x = (torch.randn(t, k, generator=g) * 3).to(dtype)
+            want = kernel.gemm_w4a8(x, packed, n, gs, groups, bias, torch.empty(t, n, dtype=dtype))
+            got = torch.empty(t, n, dtype=dtype)
+            try:
+                kernel.gemm_w4a8_amx(x, packed, n, gs, groups, bias, got)
+            except KernelBuildError:
+                return False
+            if not torch.equal(got, want):
+                return False
+    return kernel.amx_faults() == 0

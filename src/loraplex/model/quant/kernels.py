@@ -78,6 +78,7 @@ class CKernelLinear(QuantLinearBase):
     start-up timing found that faster)."""
 
     name = "c-kernel"
+    alt_name = "dequant"
     BLOCK_ROWS = 256  # output rows dequantized at a time (a few hundred KiB)
 
     def __init__(self, weight: QuantWeight, kernel: object) -> None:
@@ -86,7 +87,18 @@ class CKernelLinear(QuantLinearBase):
             raise KernelBuildError("the C kernel reads unquantized activations only")
         self.kernel = kernel
         self.bias32 = None if weight.bias is None else weight.bias.float().contiguous()
-        self.dequant_rows: int | None = None
+
+    @property
+    def dequant_rows(self) -> int | None:
+        """From how many rows x takes the dequantizing path (:attr:`alt_rows`)."""
+        return self.alt_rows
+
+    @dequant_rows.setter
+    def dequant_rows(self, rows: int | None) -> None:
+        self.alt_rows = rows
+
+    def alt(self, x: torch.Tensor) -> torch.Tensor:
+        return self.via_dequant(x)
 
     def via_dequant(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + b`` by dequantized row blocks and the float GEMM (x gathered already)."""
@@ -105,7 +117,7 @@ class CKernelLinear(QuantLinearBase):
         q = self.quant
         assert isinstance(q, QuantWeight)
         x = self._gather(x).contiguous()
-        if self.dequant_rows is not None and x.shape[0] >= self.dequant_rows:
+        if self.alt_rows is not None and x.shape[0] >= self.alt_rows:
             return self.via_dequant(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         return self.kernel.gemm(x, q.q, q.bits, q.scales, q.zeros, q.group_size, self.bias32, out)
@@ -115,7 +127,8 @@ class PanelQuantLinear(QuantLinearBase):
     """4- and 8-bit weights on the quantized panel GEMM (``native/quant_gemm.c``: bf16 x with
     AVX512-BF16; each pair of values made an exact bf16 pair, 4-bit nibbles OR'd into 128 + q,
     each group's offset and scale applied to its float32 sums); the weight is repacked into
-    its panels (ours is dropped)."""
+    its panels (ours is dropped). Where the CPU has AMX tiles (``QGemmKernel.amx``), its second
+    path runs the same panels' pair products on AMX-BF16 tiles, blocks of 16 rows a tile."""
 
     def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: QGemmKernel | None) -> None:
         super().__init__(weight)
@@ -138,6 +151,8 @@ class PanelQuantLinear(QuantLinearBase):
         self.bias32 = None if weight.bias is None else weight.bias.float().contiguous()
         self._nbytes = self.packed.nbytes
         self.quant = None  # type: ignore[assignment]  # only the panels are kept
+        tiles = kernel.amx and weight.in_features % 32 == 0 and weight.group_size % 32 == 0
+        self.alt_name = "amx" if tiles else None
 
     @property
     def nbytes(self) -> int:
@@ -174,10 +189,17 @@ class PanelQuantLinear(QuantLinearBase):
             raise ValueError("rows() reads a weight in its stored column order")
         return self._columns(ids // self.kernel.panel, ids % self.kernel.panel).float()
 
+    def alt(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(self.kernel.gemm_q_amx, x.contiguous())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = self._gather(x).contiguous()
+        tiles = self.alt_rows is not None and x.shape[0] >= self.alt_rows
+        return self._run(self.kernel.gemm_q_amx if tiles else self.kernel.gemm_q, x)
+
+    def _run(self, gemm: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        return self.kernel.gemm_q(
+        return gemm(
             x, self.packed, self.out_features, self.bits, self.group_size, self.groups,
             self.bias32, out,
         )  # fmt: skip
@@ -203,7 +225,9 @@ class PanelW4A8Linear(QuantLinearBase):
     """W4A8 (compressed-tensors' preset): 4-bit weights, the base product's input quantized to
     int8 per token (dynamic, symmetric, ``absmax / 127`` as vLLM and
     :func:`quantize_activation`), exact int32 group sums on AVX512-VNNI in the quantized panel
-    GEMM (``native/quant_gemm.c``), float32 or bf16 x. LoRA reads the unquantized x (module docstring)."""
+    GEMM (``native/quant_gemm.c``), float32 or bf16 x. LoRA reads the unquantized x (module docstring).
+    Where the CPU has AMX-INT8 (``QGemmKernel.amx_int8``), its second path sums the same panels
+    on tiles, the same bits; ``QuantKernels`` times from how many rows it runs."""
 
     name = "panel-w4a8"
 
@@ -219,6 +243,8 @@ class PanelW4A8Linear(QuantLinearBase):
         ):
             raise KernelBuildError("the W4A8 panel kernel: 4-bit weights, int8 x, AVX512-VNNI")
         self.kernel = kernel
+        tiles = kernel.amx_int8 and weight.in_features % 64 == 0 and weight.group_size % 64 == 0
+        self.alt_name = "amx-int8" if tiles else None
         self.packed = kernel.pack_w4a8(weight.q, weight.scales, weight.zeros, weight.in_features)
         self.group_size, self.groups = weight.group_size, weight.scales.shape[1]
         self.bias32 = None if weight.bias is None else weight.bias.float().contiguous()
@@ -246,13 +272,20 @@ class PanelW4A8Linear(QuantLinearBase):
             wt = wt[:, torch.argsort(self.perm)]
         return wt.to(dtype)
 
+    def alt(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(self.kernel.gemm_w4a8_amx, x)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = self._gather(x)
+        tiles = self.alt_rows is not None and x.shape[0] >= self.alt_rows
+        return self._run(self.kernel.gemm_w4a8_amx if tiles else self.kernel.gemm_w4a8, x)
+
+    def _run(self, gemm: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        return self.kernel.gemm_w4a8(
+        return gemm(
             x, self.packed, self.out_features, self.group_size, self.groups, self.bias32, out
         )
 
@@ -406,23 +439,28 @@ class FP8Linear(QuantLinearBase):
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """The kernel picked for one weight kind and the times it was picked by."""
+    """The kernel picked for one weight kind, the times it was picked by, and from how many
+    rows its second path runs (``alt_rows``; None: never)."""
 
     name: str
     times_ms: dict[str, float]
-    dequant_rows: int | None = None
+    alt_rows: int | None = None
+    alt_name: str | None = None
 
 
 QuantLinearFactory = Callable[[QuantWeight | FP8Weight], QuantLinearBase]
 
 DECODE_ROWS = (1, 16)
-"""The rows of x the start-up timing runs (decode steps: one sequence, and a batch of 16; the
-sum of both times decides, so neither end is given up for the other)."""
+"""The rows of x the start-up timing runs (decode steps: one sequence, and a batch of 16). Each
+candidate runs its faster path at each of them (a weight stored once serves both); the sum of
+those times decides between candidates, so neither end is given up for the other."""
 PROBE_ROWS = 4096
 """Output rows of the random weight the candidates are timed on (at most: a kernel's time per
 row does not depend on the row count, and a vocabulary-sized probe would cost seconds)."""
 PROMPT_ROWS = 256
-"""The rows of a prompt chunk the C kernel's dequantizing path is timed at."""
+"""The rows of a prompt chunk a second path is timed at where it lost at every decode size."""
+PROMPT_ALT_ROWS = 64
+"""From how many rows a second path runs that won only at :data:`PROMPT_ROWS`."""
 
 
 def _candidates(
@@ -455,21 +493,53 @@ def _time_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     return best * 1e3
 
 
-def _self_check(lin: QuantLinearBase, weight: QuantWeight, dtype: torch.dtype) -> bool:
-    """The candidate agrees with the dequantized reference on a few rows of x."""
+def _self_check(
+    fn: Callable[[torch.Tensor], torch.Tensor], weight: QuantWeight, dtype: torch.dtype
+) -> bool:
+    """``fn`` (a candidate, or its second path) agrees with the dequantized reference on a few
+    rows of x (17 of them: a second path may work in blocks of 16)."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, weight.in_features, generator=g).to(dtype)
+    x = torch.randn(17, weight.in_features, generator=g).to(dtype)
     want = x.double() @ weight.dequantize(torch.float64).T
     if weight.bias is not None:
         want = want + weight.bias.double()
-    got = lin(x).double()
+    got = fn(x).double()
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     return bool(torch.allclose(got, want, atol=tol * (want.abs().max().item() + 1), rtol=tol))
 
 
-def choose_kernel(weight: QuantWeight, dtype: torch.dtype, kernel: object | None) -> KernelChoice:
-    """Time every candidate that passes its self-check on a weight of this shape and kind
-    (random values: only the layout matters for speed) and return the fastest."""
+def _alt_from(
+    lin: QuantLinearBase, xs: dict[int, torch.Tensor], direct: dict[int, float],
+    times: dict[str, float],
+) -> int | None:  # fmt: skip
+    """From how many rows ``lin``'s second path should run: the fewest decode rows from which
+    it was faster at every larger decode size, else :data:`PROMPT_ALT_ROWS` where it was faster
+    on a prompt chunk, else None. Lowers ``direct`` to the path taken at each size."""
+    alt = {t: _time_ms(lambda x=x: lin.alt(x)) for t, x in xs.items()}
+    for t, ms in alt.items():
+        times[f"{lin.alt_name}@{t}"] = ms
+    rows = None
+    for t in sorted(xs, reverse=True):
+        if alt[t] >= direct[t]:
+            break
+        rows = t
+    if rows is not None:
+        for t in xs:
+            if t >= rows:
+                direct[t] = alt[t]
+        return rows
+    x = torch.randn(PROMPT_ROWS, lin.in_features).to(next(iter(xs.values())).dtype)
+    on_direct = _time_ms(lambda: lin(x), repeats=2)
+    on_alt = _time_ms(lambda: lin.alt(x), repeats=2)
+    times[f"{lin.name}@prompt"], times[f"{lin.alt_name}@prompt"] = on_direct, on_alt
+    return PROMPT_ALT_ROWS if on_alt < on_direct else None
+
+
+def _probe(weight: QuantWeight) -> QuantWeight:
+    """A random weight of ``weight``'s kind and shape (at most :data:`PROBE_ROWS` rows) to time
+    kernels on: only the layout matters for speed."""
+    from dataclasses import replace
+
     probe = QuantWeight.random(
         min(weight.out_features, PROBE_ROWS),
         weight.in_features,
@@ -478,37 +548,51 @@ def choose_kernel(weight: QuantWeight, dtype: torch.dtype, kernel: object | None
         asymmetric=weight.zeros is not None,
         generator=torch.Generator().manual_seed(0),
     )
+    return replace(probe, act=weight.act)
+
+
+def choose_alt_rows(
+    lin: QuantLinearBase, dtype: torch.dtype
+) -> tuple[int | None, dict[str, float]]:
+    """For a Linear built by its weight's kind that has a second path (W4A8 on AMX-INT8 tiles,
+    checked bit-equal to the first when the kernel loaded): from how many rows it runs, timed
+    as :func:`choose_kernel` times a candidate's paths, and the times."""
+    xs = {t: torch.randn(t, lin.in_features).to(dtype) for t in DECODE_ROWS}
+    times = {f"{lin.name}@{t}": _time_ms(lambda x=x: lin(x)) for t, x in xs.items()}
+    direct = {t: times[f"{lin.name}@{t}"] for t in xs}
+    rows = _alt_from(lin, xs, direct, times)
+    return rows, {k: round(v, 4) for k, v in times.items()}
+
+
+def choose_kernel(weight: QuantWeight, dtype: torch.dtype, kernel: object | None) -> KernelChoice:
+    """Time every candidate that passes its self-check on a weight of this shape and kind
+    (random values: only the layout matters for speed), each at every decode size on the
+    faster of its paths, and return the fastest over the decode sizes together."""
+    probe = _probe(weight)
     times: dict[str, float] = {}
-    best: tuple[float, QuantLinearBase] | None = None
-    dequant_rows: int | None = None
+    best: tuple[float, QuantLinearBase, int | None] | None = None
     for lin in _candidates(probe, dtype, kernel):
         if not _self_check(lin, probe, dtype):
             log.warning("quantized kernel %s failed its self-check; not used", lin.name)
             continue
         xs = {t: torch.randn(t, probe.in_features).to(dtype) for t in DECODE_ROWS}
         per_rows = {t: _time_ms(lambda x=x, lin=lin: lin(x)) for t, x in xs.items()}
-        rows_via = None
-        if isinstance(lin, CKernelLinear):  # its dequantizing path, from how many rows
-            big = max(DECODE_ROWS)
-            via = _time_ms(lambda lin=lin, x=xs[big]: lin.via_dequant(x))
-            times[f"c-kernel@{big}"], times[f"dequant@{big}"] = per_rows[big], via
-            if via < per_rows[big]:
-                per_rows[big], rows_via = via, big
+        for t, ms in per_rows.items():
+            times[f"{lin.name}@{t}"] = ms
+        rows_alt = None
+        if lin.alt_name is not None:
+            if _self_check(lin.alt, probe, dtype):
+                rows_alt = _alt_from(lin, xs, per_rows, times)
             else:
-                x = torch.randn(PROMPT_ROWS, probe.in_features).to(dtype)
-                lin.dequant_rows = None
-                direct = _time_ms(lambda lin=lin, x=x: lin(x), repeats=2)
-                via_p = _time_ms(lambda lin=lin, x=x: lin.via_dequant(x), repeats=2)
-                times["c-kernel@prompt"], times["dequant@prompt"] = direct, via_p
-                rows_via = 64 if via_p < direct else None
+                log.warning("%s's %s path failed its self-check; not used", lin.name, lin.alt_name)
         ms = sum(per_rows.values())
         times[lin.name] = ms
         if best is None or ms < best[0]:
-            best, dequant_rows = (ms, lin), rows_via
+            best = (ms, lin, rows_alt)
     times = {k: round(v, 4) for k, v in times.items()}
     if best is None:
         return KernelChoice("dequant", times)
-    return KernelChoice(best[1].name, times, dequant_rows)
+    return KernelChoice(best[1].name, times, best[2], best[1].alt_name if best[2] else None)
 
 
 def build_quant_linear(
@@ -530,17 +614,20 @@ def build_quant_linear(
                     continue  # not its weight kind, or not this CPU
         return DequantLinear(weight)  # the same product, emulated: every device and format
     name = choice.name if choice is not None else "dequant"
+    lin: QuantLinearBase
     if name == "c-kernel":
         lin = CKernelLinear(weight, kernel)
-        lin.dequant_rows = choice.dequant_rows if choice is not None else None
-        return lin
-    if name == "torch-int4":
-        return TorchInt4Linear(weight, dtype)
-    if name in ("panel-int4", "panel-int8"):
-        return PanelQuantLinear(weight, dtype, usable_quant_panels())
-    if name == "torch-int8":
-        return TorchInt8Linear(weight, dtype)
-    return DequantLinear(weight)
+    elif name == "torch-int4":
+        lin = TorchInt4Linear(weight, dtype)
+    elif name in ("panel-int4", "panel-int8"):
+        lin = PanelQuantLinear(weight, dtype, usable_quant_panels())
+    elif name == "torch-int8":
+        lin = TorchInt8Linear(weight, dtype)
+    else:
+        lin = DequantLinear(weight)
+    if choice is not None and lin.alt_name is not None:
+        lin.alt_rows = choice.alt_rows
+    return lin
 
 
 class QuantKernels:
@@ -552,7 +639,9 @@ class QuantKernels:
         self.device, self.dtype, self.measure = device, dtype, measure
         self.kernel: object | None = None
         self.choices: dict[tuple[int, int, int, int, bool], KernelChoice] = {}
-        self.by_kind: dict[str, str] = {}  # weight kind -> the Linear built for it untimed
+        self.by_kind: dict[str, str] = {}  # weight kind -> the Linear built for it by kind
+        # (kind, N, K, zero points) -> a by-kind Linear's second path: from rows, its times
+        self.alt_rows: dict[tuple[str, int, int, bool], tuple[int | None, dict[str, float]]] = {}
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             try:
                 self.kernel = load_qgemm()
@@ -583,9 +672,25 @@ class QuantKernels:
                     choice = KernelChoice(name, {})
                 self.choices[key] = choice
         lin = build_quant_linear(weight, self.dtype, self.device, choice, self.kernel)
-        if choice is None:  # built by its kind (W8A8, W4A8, float8): no timing to report
-            self.by_kind[_kind(weight)] = lin.name
+        if choice is None:  # built by its kind (W8A8, W4A8, float8)
+            kind = _kind(weight)
+            self.by_kind[kind] = lin.name
+            if lin.alt_name is not None and self.measure and isinstance(weight, QuantWeight):
+                self._second_path(lin, weight, kind)
         return lin
+
+    def _second_path(self, lin: QuantLinearBase, weight: QuantWeight, kind: str) -> None:
+        """Set from how many rows ``lin``'s second path runs: timed once per kind and shape on
+        a probe weight (:func:`choose_alt_rows`)."""
+        key = (kind, weight.out_features, weight.in_features, weight.zeros is not None)
+        if key not in self.alt_rows:
+            probe = build_quant_linear(_probe(weight), self.dtype, self.device, None, self.kernel)
+            self.alt_rows[key] = choose_alt_rows(probe, self.dtype)
+        rows, times = self.alt_rows[key]
+        lin.alt_rows = rows
+        timed = ", ".join(f"{name} {ms:.3f} ms" for name, ms in times.items())
+        on = f" + {lin.alt_name} from {rows} rows" if rows is not None else ""
+        self.by_kind[kind] = f"{lin.name}{on} ({timed})"
 
     def _triton(self, weight: QuantWeight) -> object | None:
         """The Triton kernel for ``weight`` on CUDA, or None (no Triton: the dequantizing
@@ -604,7 +709,10 @@ class QuantKernels:
         for (n, k, bits, gs, zp), c in self.choices.items():
             times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in c.times_ms.items())
             g = "channel" if gs == k else f"g{gs}"
-            lines.append(f"int{bits} {g}{' zp' if zp else ''} [{n}, {k}]: {c.name} ({times})")
+            name = c.name
+            if c.alt_rows is not None:
+                name += f" + {c.alt_name} from {c.alt_rows} rows"
+            lines.append(f"int{bits} {g}{' zp' if zp else ''} [{n}, {k}]: {name} ({times})")
         lines += [f"{kind}: {name}" for kind, name in self.by_kind.items()]
         return "; ".join(lines)
 

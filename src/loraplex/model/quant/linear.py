@@ -12,6 +12,11 @@ class QuantLinearBase:
     """What every quantized Linear shares: sizes, bytes, the act-order gather and the bias."""
 
     name = "unset"
+    alt_name: str | None = None
+    """A second path over the same stored weight (one copy of the weight for both), or None:
+    inputs of at least :attr:`alt_rows` rows take it. The start-up timing sets ``alt_rows``
+    where it measured the second path faster (``kernels.choose_kernel``)."""
+    alt_rows: int | None = None
 
     def __init__(self, weight: QuantWeight | FP8Weight) -> None:
         self.out_features = weight.out_features
@@ -27,6 +32,10 @@ class QuantLinearBase:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight ``[N, K]`` as the reference computes it (tests)."""
         return self.quant.dequantize(dtype)
+
+    def alt(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` on the second path (``x`` gathered already)."""
+        raise NotImplementedError(f"{self.name} has no second path")
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.perm is None else x[:, self.perm]  # act order: stored column order
