@@ -35,6 +35,7 @@ from loraplex.requests import GenerationRequest, SamplingParams
 from loraplex.server.admission import Admission, UsageRecord, admit, owned
 from loraplex.server.auth import inference_principal
 from loraplex.server.catalog import registration_order
+from loraplex.server.composition import Served, engine_adapter, resolve_served
 from loraplex.server.errors import APIError
 from loraplex.server.generation import (
     Delta,
@@ -58,7 +59,7 @@ from loraplex.server.responses import (
     sse_events,
     usage_of,
 )
-from loraplex.server.state import ServedAdapter, ServerState, get_state
+from loraplex.server.state import ServerState, get_state
 from loraplex.server.tools import ToolCall, ToolParser, parse_required, tool_call_id, tool_parser
 from loraplex.types import InvalidRequestError
 
@@ -178,7 +179,7 @@ def _engine_request(
     body: CompletionRequest | ChatCompletionRequest,
     principal: Principal,
     params: SamplingParams,
-    lora: ServedAdapter | None,
+    lora: Served | None,
     arrival: float,
 ) -> GenerationRequest:
     """What one call asks the engine for, but its prompts: :func:`prepare_all` gives each prompt
@@ -188,7 +189,7 @@ def _engine_request(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt="",  # each prompt's own (prepare_all)
         params=params,
-        adapter=lora.spec if lora is not None else None,
+        adapter=engine_adapter(lora),
         arrival=arrival,
         cache_salt=prefix_cache_salt(principal, body.cache_salt),
     )
@@ -228,7 +229,7 @@ async def completions(
             code="too_many_prompts",
         )
     params = body.sampling_params(state.client.generation_defaults)
-    lora = await state.run_io(state.resolve_model, body.model, principal)
+    lora = await state.run_io(resolve_served, state, body, principal)
     per_prompt = max(params.n, params.best_of or 1)
     param = ("best_of" if per_prompt > params.n else "n") if per_prompt > 1 else "prompt"
     admission = admit(
@@ -246,7 +247,7 @@ async def _completions(
     body: CompletionRequest,
     request: Request,
     admission: Admission,
-    lora: ServedAdapter | None,
+    lora: Served | None,
     template: GenerationRequest,
     prompts: list[str | list[int]],
 ) -> Response:
@@ -449,7 +450,7 @@ async def chat_completions(
     params = body.sampling_params(state.client.generation_defaults)
     mode = _tool_mode(state, body)
     messages = body.template_messages()
-    lora = await state.run_io(state.resolve_model, body.model, principal)
+    lora = await state.run_io(resolve_served, state, body, principal)
     per_prompt = max(params.n, params.best_of or 1)
     param = "best_of" if per_prompt > params.n else "n"
     admission = admit(state, per_prompt, principal, requests=1, param=param, lora=lora)
@@ -466,7 +467,7 @@ async def _chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     admission: Admission,
-    lora: ServedAdapter | None,
+    lora: Served | None,
     template: GenerationRequest,
     messages: list[dict[str, Any]],
     mode: _ToolMode,
