@@ -14,6 +14,7 @@ model, and a canary revision of ``shared`` taking all its traffic.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import shutil
@@ -27,7 +28,7 @@ import httpx
 import pytest
 
 from loraplex.registry import Principal, base_model_info
-from loraplex.server.admission import RequestLog, UsageRecord
+from loraplex.server.admission import RequestLog, UsageRecord, admit
 from loraplex.server.composition import ServedComposition, resolve_served
 from loraplex.server.openai_routes import _engine_request
 from loraplex.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -278,6 +279,40 @@ def test_two_names_of_the_same_weights_are_refused(world: World) -> None:
     live.caught_up()
     err = _error(_post(world, {"model": BASE, **_merged(["a_only", "a_twin"])}))
     assert err["param"] == "merged_adapters.ids[1]" and "same weights" in err["message"]
+
+
+def test_a_composite_call_holds_a_slot_of_every_component(world: World, adapters: dict) -> None:
+    """Each component's ``max_concurrent_requests`` counts a composite call: while one composing
+    ``lim1`` and ``lim2`` (limit 1 each) is admitted, a call for ``lim2`` alone must wait."""
+    reg, live, state = world.live.registry, world.live, world.live.state
+    base = base_model_info(Path(state.config.engine.model), name=BASE)
+    root = world.served["a_only"].parent
+    for name, src in (("lim1", "alllinear_r12"), ("lim2", "patterns")):
+        d = Path(shutil.copytree(adapters[src], root / name))
+        m = reg.register(d, name, base=base, tenant="acme", max_concurrent_requests=1,
+                         actor="test")  # fmt: skip
+        reg.activate(name, m.revision, actor="test")
+    live.caught_up()
+    principal = state.catalog.authenticate(world.acme)
+
+    async def run() -> None:
+        both, _ = _resolve(world, {"model": BASE, **_merged(["lim1", "lim2"], [1, 0.5])})
+        held = admit(state, 1, principal, lora=both)
+        try:
+            assert held.slots is not None and held.slots.held
+            assert [k for k, _ in held.slots.claims] == ["name:lim1", "name:lim2"]
+            alone = await asyncio.to_thread(state.resolve_model, "lim2", principal)
+            waiting = admit(state, 1, principal, lora=alone)
+            assert waiting.slots is not None and not waiting.slots.held  # queued behind it
+            held.close()  # the composite call ends: the single call gets lim2's slot
+            await waiting.slots.wait()
+            assert waiting.slots.held
+            waiting.close()
+        finally:
+            held.close()
+
+    asyncio.run(run())
+    assert state.adapter_limits.in_flight("name:lim2") == 0
 
 
 # -- what names a composition: header, logs, metrics -------------------------------------------
