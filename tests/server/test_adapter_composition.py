@@ -139,7 +139,7 @@ def test_too_many_components_refused_before_any_is_read(world: World) -> None:
         (_merged(["a_only", "shared"], [1.0]), "merged_adapters.weights", "1 values for 2 ids"),
         (_merged(["a_only"], [1e3]), "merged_adapters.ids[0]", "finite number in [-100, 100]"),
         ({"lora_requests": [{"name": "a_only", "scale": -101}]}, "lora_requests[0]", "[-100, 100]"),
-        (_merged(["a_only"], density=1.5), "merged_adapters.density", "(0, 1]"),
+        (_merged(["a_only"], density=1.5), "merged_adapters.density", "[0, 1]"),
         (
             _merged(["a_only"], majority_sign_method="most"),
             "merged_adapters.majority_sign_method",
@@ -250,6 +250,15 @@ def test_composition_reaches_the_engine_with_resolved_revisions_and_canary(world
         {"lora_name": "shared", "lora_scale": 0}, {"name": "a_only", "scale": 2}]})  # fmt: skip
     assert isinstance(gen.adapter, AdapterComposition)
     assert gen.adapter.name == "shared*0+a_only*2"
+
+
+def test_the_body_lorax_s_client_sends_is_served(world: World) -> None:
+    """LoRAX's ``MergedAdapters`` serializes every field: no strategy (its default, linear), no
+    sign method, a density (required there, unused by linear)."""
+    lorax = {"ids": ["shared", "a_only"], "weights": [0.7, 0.3], "merge_strategy": None,
+             "density": 0.0, "majority_sign_method": None}  # fmt: skip
+    _, gen = _resolve(world, {"model": BASE, "merged_adapters": lorax})
+    assert gen.adapter.name == "shared*0.7+a_only*0.3"
 
 
 def test_a_scale_is_a_composition_of_one_and_scale_one_is_the_adapter(world: World) -> None:

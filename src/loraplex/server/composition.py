@@ -1,11 +1,12 @@
 """Which adapters, at which scales, serve one call: the body's ``model`` and its composition
 fields (:mod:`loraplex.server.protocol.composition`) resolved to a :data:`Served`.
 
-How ``model`` and a composition combine (LoRAX's rule, made strict): with ``merged_adapters``
-or ``lora_requests`` the composition is the call's adapters, and ``model`` names either the base
-model or one of the composed adapters (LoRAX's ``adapter_id`` is the base or is ignored; an
-adapter outside the list is a 400 here rather than silently dropped). Without them, ``model``
-is the adapter, at ``lora_scale``.
+How ``model`` and a composition combine: with ``merged_adapters`` or ``lora_requests`` the
+composition is the call's adapters, and ``model`` names either the base model (LoRAX's rule:
+``adapter_id`` and ``merged_adapters`` exclude each other) or one of the composed adapters
+(the issue's own example, ``model: alpha`` with alpha among the ids: it adds nothing); any
+other name is a 400 rather than silently dropped, and says nothing about whether that name
+exists. Without them, ``model`` is the adapter, at ``lora_scale``.
 
 Each component is resolved exactly as ``model`` is (:meth:`ServerState.resolve_adapter`):
 visible to the caller's tenant (an unknown name and another tenant's give the same 400), its

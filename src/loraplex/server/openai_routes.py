@@ -3,7 +3,9 @@ not), with vLLM's extensions.
 
 A call is authenticated, its body bounded (prompts per call and the per-field caps of
 :mod:`~loraplex.server.protocol`: 400 naming the field), its model name resolved to the base
-model or an adapter revision (:meth:`ServerState.resolve_model`, in the I/O pool), admitted
+model or an adapter revision, or with ``lora_scale`` / ``merged_adapters`` / ``lora_requests``
+to a composition of adapter revisions, each resolved like ``model``
+(:func:`~loraplex.server.composition.resolve_served`, in the I/O pool), admitted
 with its sequence count (:func:`~loraplex.server.admission.admit`), its prompts prepared in the
 worker pools and run by the engine; the admission closes when the response (or the stream) is
 done. Model entries never show server paths: ``root`` is the base model's served name or the

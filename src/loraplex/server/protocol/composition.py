@@ -5,8 +5,10 @@ Three spellings, one meaning (``y = W x + sum_i scale_i * (alpha_i / r_i) * B_i 
 - ``lora_scale`` (vLLM PR #52757's ``LoRARequest.lora_scale``): the scale of the adapter
   ``model`` names, 1.0 by default, on top of its own alpha / r. A scale is not a new adapter.
 - ``merged_adapters`` (LoRAX): ``{"ids": [...], "weights": [...], "merge_strategy": "linear",
-  "majority_sign_method": ..., "density": ...}``. ``linear`` is served exactly, as the weighted
-  sum of the adapters' deltas (``weights`` default to 1 each). The strategies that change the
+  "majority_sign_method": ..., "density": ...}``. ``linear`` (or no strategy: LoRAX's default)
+  is served exactly, as the weighted sum of the adapters' deltas (``weights`` default to 1
+  each); ``density`` and ``majority_sign_method`` are checked as LoRAX's client checks them
+  and have no effect on it. The strategies that change the
   weights (``ties``, ``dare_linear``, ``dare_ties``, PEFT's ``cat``, ``svd``, ...) are registry
   operations, not per-request arithmetic: the 400 names where to find them.
 - ``lora_requests`` (after vLLM RFC #51940 and vllm-omni's ``lora_requests``): a list of
@@ -60,7 +62,7 @@ class MergedAdapters(Body):
 
     ids: BoundedNames
     weights: BoundedScales | None = None
-    merge_strategy: Text = LINEAR
+    merge_strategy: Text | None = None  # None: linear (LoRAX's default)
     majority_sign_method: Text | None = None
     density: float | None = None
 
@@ -149,7 +151,7 @@ def check_scale(scale: float, param: str) -> None:
 
 def _check_merge(m: MergedAdapters) -> None:
     """400 for a strategy that is not per-request arithmetic, or bad strategy parameters."""
-    strategy = m.merge_strategy
+    strategy = m.merge_strategy or LINEAR
     if strategy != LINEAR:
         known = "" if strategy in WEIGHT_MERGES else (
             f" (strategies: {LINEAR}, {', '.join(WEIGHT_MERGES)})"
@@ -168,8 +170,8 @@ def _check_merge(m: MergedAdapters) -> None:
             f"(got {m.majority_sign_method[:64]!r})",
             param="merged_adapters.majority_sign_method",
         )
-    if m.density is not None and not (math.isfinite(m.density) and 0 < m.density <= 1):
-        raise InvalidRequestError(
-            f"merged_adapters.density must be in (0, 1] (got {m.density})",
+    if m.density is not None and not (math.isfinite(m.density) and 0 <= m.density <= 1):
+        raise InvalidRequestError(  # LoRAX's client always sends one; linear does not use it
+            f"merged_adapters.density must be in [0, 1] (got {m.density})",
             param="merged_adapters.density",
         )
