@@ -630,9 +630,9 @@ class ServerMetrics:
         )
         self.composed = Counter(
             "loraplex_composed_requests",
-            "Calls served by a composition of adapters (or one adapter at a per-request scale), "
-            "by its name (alpha*1+style*0.5): the first MAX_ADAPTER_LABELS distinct names each, "
-            "later ones under 'other'.",
+            "Calls admitted with a composition of adapters (or one adapter at a per-request "
+            "scale), by its name (alpha*1+style*0.5): the first MAX_ADAPTER_LABELS distinct "
+            "names each, later ones under 'other'.",
             ["composition"],
             registry=r,
         )
