@@ -75,6 +75,12 @@ def test_accepted_vllm_flags_with_vllm_meaning(model_dir: Path, tmp_path: Path) 
     assert cfg.disable_log_requests and cfg.disable_log_stats and cfg.max_waiting == 50
 
 
+def test_per_request_lora_scale_flag_is_accepted(model_dir: Path) -> None:
+    """vLLM PR #52757 gates ``lora_scale`` behind a flag; loraplex always serves it (issue 49)."""
+    for argv in (["--enable-per-request-lora-scale"], ["--no-enable-per-request-lora-scale"]):
+        parse([model_dir, *argv])  # no error
+
+
 def test_vllm_default_queues_instead_of_refusing(model_dir: Path) -> None:
     assert parse([model_dir]).max_waiting == 0  # no cap: requests queue, as in vLLM
     assert parse([model_dir, "--max-waiting", "7"]).max_waiting == 7

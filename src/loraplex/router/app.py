@@ -3,7 +3,7 @@
 ``create_router_app(config)`` builds it. Per request::
 
     body = the request body (413 beyond max_request_bytes, counted while reading)
-    adapter = body["model"]
+    adapter = body["model"], or a composition's adapters (route_adapters)
     for attempt in 1 .. 1 + max_retries:
         replica = Picker.pick(views of the replicas, adapter)   (loraplex.router.homes; the
                   home set, then scoring.choose)
@@ -49,6 +49,7 @@ from loraplex.router.config import RouterConfig
 from loraplex.router.homes import Picker
 from loraplex.router.relay import read_body, sse_error
 from loraplex.router.replicas import Replica, ReplicaSet
+from loraplex.types import MAX_COMPOSED_ADAPTERS
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,35 @@ class _Retry(Exception):
         self.body_503 = body_503  # the replica's own 503 answer, if that was the failure
 
 
+def route_adapters(body: Any, is_base: Callable[[str], bool]) -> tuple[str | None, tuple[str, ...]]:
+    """What a request body routes by: ``(adapter, components)``. One adapter (``model``, or
+    the only one a composition names): ``(name, ())``; the base model: ``(None, ())``; a
+    composition (``merged_adapters.ids`` or ``lora_requests[].lora_name``) of several:
+    ``(primary, names)``, the primary being ``model`` when it is one of them, else the first.
+    Reads at most :data:`MAX_COMPOSED_ADAPTERS` names (a replica refuses more); anything
+    malformed routes as ``model`` alone (the replica answers the 400)."""
+    if not isinstance(body, dict):
+        return None, ()
+    model = body.get("model")
+    model = model if isinstance(model, str) and model and not is_base(model) else None
+    listed: list[Any] = []
+    merged, loras = body.get("merged_adapters"), body.get("lora_requests")
+    if isinstance(merged, dict) and isinstance(merged.get("ids"), list):
+        listed = merged["ids"][:MAX_COMPOSED_ADAPTERS]
+    elif isinstance(loras, list):
+        listed = [
+            x.get("lora_name", x.get("name")) if isinstance(x, dict) else None
+            for x in loras[:MAX_COMPOSED_ADAPTERS]
+        ]
+    names = list(dict.fromkeys(n for n in listed if isinstance(n, str) and n and not is_base(n)))
+    if model in names:  # the primary first: its home set is the composition's
+        names.remove(model)
+        names.insert(0, model)
+    if len(names) > 1:
+        return names[0], tuple(names)
+    return (names[0] if names else model), ()
+
+
 class Router:
     """Replica set + policy + one HTTP client; ``forward`` proxies one request."""
 
@@ -179,11 +209,13 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.decisions: dict[str, int] = {}  # reason -> decisions (a handful of reasons)
 
-    def pick(self, adapter: str | None, tried: set[str]) -> Replica | None:
+    def pick(
+        self, adapter: str | None, tried: set[str], components: tuple[str, ...] = ()
+    ) -> Replica | None:
         reps = self.replicas.ordered()
         views = [r.view() for r in reps]
         exclude = frozenset(i for i, r in enumerate(reps) if r.url in tried)
-        d = self.picker.pick(views, adapter, exclude=exclude)
+        d = self.picker.pick(views, adapter, exclude=exclude, components=components)
         if d is None:
             return None
         self.metrics.decisions.labels(reason=d.reason).inc()
@@ -206,10 +238,17 @@ class Router:
             headers={"Retry-After": str(self.config.retry_after_s)},
         )
 
-    def _observe_headers(self, rep: Replica, adapter: str | None, resp: httpx.Response) -> None:
+    def _observe_headers(
+        self,
+        rep: Replica,
+        adapter: str | None,
+        resp: httpx.Response,
+        components: tuple[str, ...] = (),
+    ) -> None:
         """A replica's answer: a success with its adapter state is the replica vouching that it
-        served ``adapter`` (the name clients route by) from a device slot; nothing else
-        (errors, answers without the header) changes the view."""
+        served ``adapter`` (the name clients route by; a composition: each of its
+        ``components``) from a device slot; nothing else (errors, answers without the header)
+        changes the view."""
         state = resp.headers.get("x-loraplex-adapter-state")
         served = state in ("warm", "cold") and 200 <= resp.status_code < 300
         if adapter is not None and not served:
@@ -218,7 +257,9 @@ class Router:
             return
         self.metrics.arrivals.labels(state=state).inc()
         if adapter is not None and served:
-            rep.note_served(adapter, time.monotonic())
+            now = time.monotonic()
+            for a in components or (adapter,):
+                rep.note_served(a, now)
             self.picker.note_answered(adapter, rep.url)  # traffic for the home sets
 
     def check_status_key(self, request: Request) -> Response | None:
@@ -259,20 +300,18 @@ class Router:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             self.metrics.requests.labels(status="400").inc()
             return _error(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
-        model = body.get("model") if isinstance(body, dict) else None
-        adapter = model if isinstance(model, str) and model else None
-        if adapter is not None and self.replicas.is_base_model(adapter):
-            adapter = None  # the base model: no adapter to be near, route by load
+        # the base model: no adapter to be near, route by load
+        adapter, components = route_adapters(body, self.replicas.is_base_model)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         tried: set[str] = set()
         last: _Retry | None = None
         for attempt in range(self.config.max_retries + 1):
-            rep = self.pick(adapter, tried)
+            rep = self.pick(adapter, tried, components)
             if rep is None:
                 break
             tried.add(rep.url)
             try:
-                return await self._attempt(rep, adapter, path, raw, headers)
+                return await self._attempt(rep, adapter, path, raw, headers, components)
             except _Retry as e:
                 last = e
                 if attempt < self.config.max_retries:
@@ -284,7 +323,13 @@ class Router:
         return self._no_replica(tried, str(last) if last else None)
 
     async def _attempt(
-        self, rep: Replica, adapter: str | None, path: str, raw: bytes, headers: dict[str, str]
+        self,
+        rep: Replica,
+        adapter: str | None,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        components: tuple[str, ...] = (),
     ) -> Response:
         assert self.client is not None
         t0 = time.monotonic()
@@ -348,7 +393,7 @@ class Router:
                 content = await resp.aread()
                 await resp.aclose()
                 raise _Retry("status_503", f"{rep.url}: 503", content)
-            self._observe_headers(rep, adapter, resp)
+            self._observe_headers(rep, adapter, resp, components)
             out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
             out_headers["x-loraplex-replica"] = rep.url
             self.metrics.requests.labels(status=str(resp.status_code)).inc()

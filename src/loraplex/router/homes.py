@@ -490,8 +490,10 @@ class Picker:
         adapter: str | None,
         *,
         exclude: frozenset[int] = frozenset(),
+        components: Sequence[str] = (),
     ) -> Decision | None:
-        """Choose a replica for one attempt of a request."""
+        """Choose a replica for one attempt of a request (``components``: a composition's
+        adapters, ``adapter`` its first; see :func:`~loraplex.router.scoring.choose`)."""
         home: list[int] | None = None
         if self.policy == "home" and adapter is not None:
             home = self.homes.home(adapter, views)
@@ -504,6 +506,7 @@ class Picker:
             turn=self.turn,
             exclude=exclude,
             home=home,
+            components=components,
         )
         self.turn += 1
         return d

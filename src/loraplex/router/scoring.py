@@ -171,13 +171,27 @@ def rendezvous(adapter: str, url: str) -> float:
     return int.from_bytes(h, "big") / 2.0**64
 
 
-def score(v: ReplicaView, adapter: str | None, w: Weights, th: Thresholds) -> float:
-    """Affinity (zero once saturated) minus load, plus the small stable hash term."""
+def score(
+    v: ReplicaView,
+    adapter: str | None,
+    w: Weights,
+    th: Thresholds,
+    components: Sequence[str] = (),
+) -> float:
+    """Affinity (zero once saturated) minus load, plus the small stable hash term. A
+    composition's affinity is the mean of its ``components``' tier weights there, so the replica
+    holding most of them (in the best tiers) scores highest."""
     affinity = 0.0
     if adapter is not None and not is_saturated(v, th):
-        affinity = w.tier(v.tier_of(adapter))
+        names = components or (adapter,)
+        affinity = sum(w.tier(v.tier_of(a)) for a in names) / len(names)
     tie = w.hash * rendezvous(adapter, v.url) if adapter is not None else 0.0
     return affinity - load(v, w) + tie
+
+
+def _warm(v: ReplicaView, adapter: str, components: Sequence[str]) -> bool:
+    """Whether ``v`` holds the adapter (or any of a composition's components) in memory."""
+    return any(v.tier_of(a) in ("device", "host") for a in (components or (adapter,)))
 
 
 def choose(
@@ -190,8 +204,15 @@ def choose(
     turn: int = 0,
     exclude: frozenset[int] = frozenset(),
     home: Sequence[int] | None = None,
+    components: Sequence[str] = (),
 ) -> Decision | None:
     """Pick a replica for a request naming ``adapter`` (``None``: the base model).
+
+    ``components``: a request composing several adapters names them all here and its first
+    (its primary) as ``adapter``. Affinity is then the mean over the components (:func:`score`:
+    the replica holding most of them wins, until saturated or much busier), a replica is warm
+    when it holds any of them, and a composition held nowhere goes where its primary would
+    (its home set, or its rendezvous home).
 
     ``turn`` is a counter the caller advances per request (round-robin, and the starting point
     that breaks exact ties fairly); ``exclude`` holds indices already tried for this request.
@@ -220,7 +241,7 @@ def choose(
         scores = tuple(-load(v, w) for v in views)
         best = max(live, key=lambda i: scores[i])  # first of equals in rotating order
         return Decision(best, "load", scores)
-    scores = tuple(score(v, adapter, w, th) for v in views)
+    scores = tuple(score(v, adapter, w, th, components) for v in views)
     open_ = [i for i in live if not is_saturated(views[i], th)]
     if not open_:
         loads = {i: load(views[i], w) for i in live}
@@ -232,14 +253,18 @@ def choose(
             home = sorted(live, key=lambda i: rendezvous(adapter, views[i].url), reverse=True)[:1]
         members = [i for i in home if i in open_]
         if members:
+            if components:  # a composition: the members or any replica holding more of it
+                warm_ = [i for i in open_ if _warm(views[i], adapter, components)]
+                members = list(dict.fromkeys([*members, *warm_]))
             best = max(members, key=lambda i: scores[i])  # first of equals: home order
-            warm = views[best].tier_of(adapter) in ("device", "host")
+            warm = _warm(views[best], adapter, components)
             return Decision(best, "affinity" if warm else "home", scores)
         outside = [i for i in open_ if i not in home]
         if outside:
-            return Decision(_residency(views, adapter, outside, scores, w)[0], "spill", scores)
+            i = _residency(views, adapter, outside, scores, w, components)[0]
+            return Decision(i, "spill", scores)
         # every open replica is in the home set, yet none is open: cannot happen
-    best, reason = _residency(views, adapter, open_, scores, w)
+    best, reason = _residency(views, adapter, open_, scores, w, components)
     return Decision(best, reason, scores)
 
 
@@ -249,9 +274,14 @@ def _residency(
     open_: list[int],
     scores: tuple[float, ...],
     w: Weights,
+    components: Sequence[str] = (),
 ) -> tuple[int, str]:
     """The residency policy among ``open_``: a copy in memory by score, else the bounded-load
-    rendezvous home among the best tier (module docstring)."""
+    rendezvous home among the best tier (module docstring). A composition: by score wherever
+    any component is in memory, else as its primary ``adapter``."""
+    if components and any(_warm(views[i], adapter, components) for i in open_):
+        best = max(open_, key=lambda i: scores[i])
+        return best, "affinity" if _warm(views[best], adapter, components) else "load"
     rank = {i: TIERS.index(views[i].tier_of(adapter)) for i in open_}
     best_rank = min(rank.values())
     if TIERS[best_rank] in ("device", "host"):

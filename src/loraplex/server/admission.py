@@ -37,6 +37,7 @@ from loraplex.outputs import RequestOutput
 from loraplex.registry import CanaryPolicy, Principal
 from loraplex.server.adapter_limits import AdapterBusy, Claim, ConcurrencyLimiter, claims_of
 from loraplex.server.canary import CallOutcome, CanaryMonitor
+from loraplex.server.composition import Served, ServedComposition, parts_of, served_name
 from loraplex.server.errors import APIError, adapter_api_error
 from loraplex.server.limits import TenantLimitExceeded
 from loraplex.server.metrics import ServerMetrics
@@ -54,25 +55,32 @@ class UsageRecord:
 
     model: str
     principal: Principal
-    lora: ServedAdapter | None
+    lora: Served | None
 
     def log(self, prepared: list[PreparedRequest], finals: dict[int, RequestOutput]) -> None:
         if not usage_log.isEnabledFor(logging.INFO):
             return
-        ref = self.lora.spec.ref if self.lora else None
+        lora = self.lora
+        ref = lora.spec.ref if isinstance(lora, ServedAdapter) else None
         record = {
             "model": self.model,
             "tenant": self.principal.tenant,
             "key_id": self.principal.key_id,
-            "adapter": ref.name if ref else None,
+            "adapter": served_name(lora),
             "revision": ref.revision if ref else None,
             "sha256": ref.sha256 if ref else None,
-            "route": self.lora.route if self.lora else None,
+            "route": lora.route if isinstance(lora, ServedAdapter) else None,
             "requests": len(prepared),
             "finished": len(finals),
             "prompt_tokens": sum(len(p.prompt_token_ids) for p in prepared),
             "completion_tokens": sum(len(o.token_ids) for r in finals.values() for o in r.outputs),
         }
+        if isinstance(lora, ServedComposition):  # each component's revision, as for one adapter
+            record["components"] = [
+                {"adapter": p.spec.name, "revision": p.spec.ref.revision,
+                 "sha256": p.spec.sha256, "route": p.route, "scale": scale}
+                for p, scale in parts_of(lora)
+            ]  # fmt: skip
         usage_log.info(json.dumps(record, sort_keys=True), extra=fields_of(record))
 
 
@@ -97,14 +105,15 @@ class RequestLog:
         if not prepared or not request_log.isEnabledFor(logging.INFO):
             return
         call_id = prepared[0].request_id.rpartition("-")[0] or prepared[0].request_id
-        ref = usage.lora.spec.ref if usage is not None and usage.lora else None
+        lora = usage.lora if usage is not None else None
+        ref = lora.spec.ref if isinstance(lora, ServedAdapter) else None
         reasons = sorted(
             {o.finish_reason or "none" for r in finals.values() for o in r.outputs}
         ) or ["unfinished"]
         fields = {
             "request_id": call_id,
             "model": usage.model if usage is not None else None,
-            "adapter": ref.name if ref else None,
+            "adapter": served_name(lora),
             "revision": ref.revision if ref else None,
             "tenant": usage.principal.tenant if usage is not None else None,
             "prompts": len(prepared),
@@ -115,7 +124,12 @@ class RequestLog:
             "finish_reasons": reasons,
             "seconds": round(seconds, 4),
         }
-        adapter = f" adapter={ref.name}@{ref.revision} ({ref.sha256[:12]})" if ref else ""
+        adapter = ""
+        if ref is not None:
+            adapter = f" adapter={ref.name}@{ref.revision} ({ref.sha256[:12]})"
+        elif parts := parts_of(lora):  # alpha@r1*1+style@r2*0.5 (digest,digest)
+            names = "+".join(f"{p.spec.name}@{p.spec.ref.revision}*{k:g}" for p, k in parts)
+            adapter = f" adapter={names} ({','.join(p.spec.sha256[:12] for p, _ in parts)})"
         tenant = f" tenant={fields['tenant']}" if fields["tenant"] else ""
         request_log.info(
             "request %s model=%s%s%s prompts=%d prompt_tokens=%d completion_tokens=%d "
@@ -444,7 +458,7 @@ def admit(
     *,
     requests: int | None = None,
     param: str | None = None,
-    lora: ServedAdapter | None = None,
+    lora: Served | None = None,
 ) -> Admission:
     """Admit a call of ``requests`` engine requests (prompts; default ``n``) holding ``n``
     sequences (prompts x n) served by ``lora``: 400 if ``n`` exceeds ``--max-waiting`` on its
@@ -502,29 +516,44 @@ def admit(
 
 
 def _admit_adapter(
-    state: ServerState, admission: Admission, lora: ServedAdapter, principal: Principal
+    state: ServerState, admission: Admission, lora: Served, principal: Principal
 ) -> None:
-    """The adapter's concurrency slots (or a place in their queue) and, for a canary, its
-    health report."""
-    ref = lora.spec.ref
-    sv = state.catalog.lookup(ref.name, principal)
-    if sv is None:  # removed since the revision was chosen: nothing left to limit or judge
-        return
-    claims = claims_of(sv, ref.revision)
+    """The concurrency slots of every adapter of the call (or a place in their queue: one
+    call holds a slot of each of its components' limits at once) and, for a call served by a
+    canary revision alone (one adapter, at scale 1), its health report: a composition's output
+    is not the canary's own, so it is not judged against it."""
+    claims: list[Claim] = []
+    first = ""
+    for part, _ in parts_of(lora):
+        ref = part.spec.ref
+        sv = state.catalog.lookup(ref.name, principal)
+        if sv is None:  # removed since the revision was chosen: nothing left to limit or judge
+            continue
+        mine = claims_of(sv, ref.revision)
+        if mine and not claims:
+            first = ref.name
+        claims.extend(mine)
+        canary = sv.canary
+        if (
+            isinstance(lora, ServedAdapter)
+            and canary is not None
+            and canary.revision == ref.revision
+            and sv.canary_policy is not None
+        ):
+            admission.health = CanaryCall(
+                state.canary, ref.name, ref.revision, sv.canary_policy, state.metrics
+            )
     if claims:
         admission.slots = AdapterSlots(
             state.adapter_limits,
-            ref.name,
-            claims,
+            first,
+            tuple(claims),
             timeout_s=state.config.adapter_queue_timeout_s,
             retry_after=state.config.retry_after_seconds,
             metrics=state.metrics,
         )
-    canary = sv.canary
-    if canary is not None and canary.revision == ref.revision and sv.canary_policy is not None:
-        admission.health = CanaryCall(
-            state.canary, ref.name, ref.revision, sv.canary_policy, state.metrics
-        )
+    if isinstance(lora, ServedComposition):
+        state.metrics.count_composition(lora.name)
 
 
 def _admit_shared(state: ServerState, n: int, on_close: Callable[[], None] | None) -> Admission:

@@ -628,6 +628,16 @@ class ServerMetrics:
             "timed out.",
             registry=r,
         )
+        self.composed = Counter(
+            "loraplex_composed_requests",
+            "Calls admitted with a composition of adapters (or one adapter at a per-request "
+            "scale), by its name (alpha*1+style*0.5): the first MAX_ADAPTER_LABELS distinct "
+            "names each, later ones under 'other'.",
+            ["composition"],
+            registry=r,
+        )
+        self._composition_names: set[str] = set()  # bounded: MAX_ADAPTER_LABELS
+        self._composition_lock = threading.Lock()
         self.iteration_tokens = Histogram(
             "vllm:iteration_tokens_total",
             "Tokens computed per engine step.",
@@ -640,6 +650,18 @@ class ServerMetrics:
         r.register(_EngineCollector(client, adapter_names, model_name, cache_info or {}))
         client.add_step_observer(self._on_step)
         client.add_load_observer(self._on_load)
+
+    def count_composition(self, name: str) -> None:
+        """Count one call served by the composition ``name``. Its own series only for the
+        first :data:`MAX_ADAPTER_LABELS` distinct names (compositions are combinations of the
+        caller's adapters: unbounded), the rest under ``other``, so series are bounded and every
+        series stays monotonic."""
+        with self._composition_lock:
+            names = self._composition_names
+            if name not in names and len(names) < MAX_ADAPTER_LABELS:
+                names.add(name)
+            label = name if name in names else "other"
+        self.composed.labels(composition=label).inc()
 
     def _on_step(self, stats: StepStats) -> None:
         # the token counters move every step, as vLLM's do: prompt tokens when a prefill

@@ -3,7 +3,9 @@ not), with vLLM's extensions.
 
 A call is authenticated, its body bounded (prompts per call and the per-field caps of
 :mod:`~loraplex.server.protocol`: 400 naming the field), its model name resolved to the base
-model or an adapter revision (:meth:`ServerState.resolve_model`, in the I/O pool), admitted
+model or an adapter revision, or with ``lora_scale`` / ``merged_adapters`` / ``lora_requests``
+to a composition of adapter revisions, each resolved like ``model``
+(:func:`~loraplex.server.composition.resolve_served`, in the I/O pool), admitted
 with its sequence count (:func:`~loraplex.server.admission.admit`), its prompts prepared in the
 worker pools and run by the engine; the admission closes when the response (or the stream) is
 done. Model entries never show server paths: ``root`` is the base model's served name or the
@@ -35,6 +37,7 @@ from loraplex.requests import GenerationRequest, SamplingParams
 from loraplex.server.admission import Admission, UsageRecord, admit, owned
 from loraplex.server.auth import inference_principal
 from loraplex.server.catalog import registration_order
+from loraplex.server.composition import Served, engine_adapter, resolve_served
 from loraplex.server.errors import APIError
 from loraplex.server.generation import (
     Delta,
@@ -58,7 +61,7 @@ from loraplex.server.responses import (
     sse_events,
     usage_of,
 )
-from loraplex.server.state import ServedAdapter, ServerState, get_state
+from loraplex.server.state import ServerState, get_state
 from loraplex.server.tools import ToolCall, ToolParser, parse_required, tool_call_id, tool_parser
 from loraplex.types import InvalidRequestError
 
@@ -178,7 +181,7 @@ def _engine_request(
     body: CompletionRequest | ChatCompletionRequest,
     principal: Principal,
     params: SamplingParams,
-    lora: ServedAdapter | None,
+    lora: Served | None,
     arrival: float,
 ) -> GenerationRequest:
     """What one call asks the engine for, but its prompts: :func:`prepare_all` gives each prompt
@@ -188,7 +191,7 @@ def _engine_request(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt="",  # each prompt's own (prepare_all)
         params=params,
-        adapter=lora.spec if lora is not None else None,
+        adapter=engine_adapter(lora),
         arrival=arrival,
         cache_salt=prefix_cache_salt(principal, body.cache_salt),
     )
@@ -228,7 +231,7 @@ async def completions(
             code="too_many_prompts",
         )
     params = body.sampling_params(state.client.generation_defaults)
-    lora = await state.run_io(state.resolve_model, body.model, principal)
+    lora = await state.run_io(resolve_served, state, body, principal)
     per_prompt = max(params.n, params.best_of or 1)
     param = ("best_of" if per_prompt > params.n else "n") if per_prompt > 1 else "prompt"
     admission = admit(
@@ -246,7 +249,7 @@ async def _completions(
     body: CompletionRequest,
     request: Request,
     admission: Admission,
-    lora: ServedAdapter | None,
+    lora: Served | None,
     template: GenerationRequest,
     prompts: list[str | list[int]],
 ) -> Response:
@@ -449,7 +452,7 @@ async def chat_completions(
     params = body.sampling_params(state.client.generation_defaults)
     mode = _tool_mode(state, body)
     messages = body.template_messages()
-    lora = await state.run_io(state.resolve_model, body.model, principal)
+    lora = await state.run_io(resolve_served, state, body, principal)
     per_prompt = max(params.n, params.best_of or 1)
     param = "best_of" if per_prompt > params.n else "n"
     admission = admit(state, per_prompt, principal, requests=1, param=param, lora=lora)
@@ -466,7 +469,7 @@ async def _chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     admission: Admission,
-    lora: ServedAdapter | None,
+    lora: Served | None,
     template: GenerationRequest,
     messages: list[dict[str, Any]],
     mode: _ToolMode,

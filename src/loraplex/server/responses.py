@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from loraplex.engine.client import EngineClient, PreparedRequest, StreamStalledError
 from loraplex.outputs import RequestOutput, TokenLogprob
 from loraplex.server.admission import Admission, EngineStreamingResponse
+from loraplex.server.composition import Served, parts_of
 from loraplex.server.errors import as_api_error
 from loraplex.server.metrics import ServerMetrics
 from loraplex.server.state import ServedAdapter
@@ -184,19 +185,25 @@ def prompt_logprobs_json(
     return out
 
 
-def adapter_header(outs: list[PreparedRequest], lora: ServedAdapter | None) -> dict[str, str]:
+def adapter_header(outs: list[PreparedRequest], lora: Served | None) -> dict[str, str]:
     """Which adapter revision served the request, whether it was warm on arrival, whether
     it came through the active revision or a canary, and for an activated LoRA whether each
     prompt held its invocation (``x-loraplex-alora: invoked``, ``not-invoked``: the base model
-    served it; a list in prompt order when the prompts differ)."""
-    if lora is None:
+    served it; a list in prompt order when the prompts differ). A composition lists each
+    component (``alpha;revision=..;sha256=..;scale=0.5, style;...``) and each one's route."""
+    parts = parts_of(lora)
+    if not parts:
         return {}
-    ref = lora.spec.ref
+    composed = not isinstance(lora, ServedAdapter)
     warm = all(p.adapter_warm for p in outs)
     headers = {
-        "x-loraplex-adapter": f"{ref.name};revision={ref.revision};sha256={ref.sha256[:16]}",
+        "x-loraplex-adapter": ", ".join(
+            f"{p.spec.name};revision={p.spec.ref.revision};sha256={p.spec.sha256[:16]}"
+            + (f";scale={k:g}" if composed else "")
+            for p, k in parts
+        ),
         "x-loraplex-adapter-state": "warm" if warm else "cold",
-        "x-loraplex-adapter-route": lora.route,
+        "x-loraplex-adapter-route": ", ".join(p.route for p, _ in parts),
     }
     invoked = ["invoked" if p.alora_invoked else "not-invoked" for p in outs]
     if outs and outs[0].alora_invoked is not None:  # an activated LoRA: one value per prompt

@@ -299,26 +299,47 @@ class ServerState:
         Checks the adapter's files: call it in the I/O pool (:meth:`run_io`)."""
         if name in self.base_names:
             return None
+        return self.resolve_adapter(name, principal)
+
+    def resolve_adapter(
+        self, name: str, principal: Principal, *, param: str | None = None
+    ) -> ServedAdapter:
+        """The revision of adapter ``name`` that serves a call: the active one, or the canary
+        with its traffic weight (unless the canary is at its cap here), checked to be for this
+        server's base model and to lie under the allowed roots. ``param`` None: the call's
+        ``model`` (404 for a name the caller may not see, 409 for another base model); else
+        the request field naming one component of a composition (400 for both, naming
+        ``param``; an unknown name and another tenant's read the same). I/O pool only."""
+        component = param is not None
+        where = f"{param}: " if component else ""
+        if component and name in self.base_names:
+            raise APIError(
+                400,
+                f"{where}`{name}` is the base model, not an adapter; compose adapters only",
+                param=param,
+                code="adapter_not_found",
+            )
         s = self.catalog.lookup(name, principal)
         if s is None:
             raise APIError(
-                404,
-                f"The model `{name}` does not exist.",
-                "NotFoundError",
-                param="model",
-                code="model_not_found",
+                400 if component else 404,
+                f"{where}The {'adapter' if component else 'model'} `{name}` does not exist.",
+                "invalid_request_error" if component else "NotFoundError",
+                param=param or "model",
+                code="adapter_not_found" if component else "model_not_found",
             )
         manifest, via = s.choose(self._rng.random())
         if via == "canary" and canary_full(self.adapter_limits, s):
             manifest, via = s.active, "active"  # the canary has its share in flight
         if not self.catalog.compatible(manifest):
             raise APIError(
-                409,
-                f"adapter {name!r} revision {manifest.revision} was registered for base model "
-                f"{manifest.base_model_name!r} (digest {manifest.base_model_digest[:12]}...), "
-                f"not the one this server runs ({self.base.name!r}, {self.base.digest[:12]}...)",
-                "conflict_error",
-                param="model",
+                400 if component else 409,
+                f"{where}adapter {name!r} revision {manifest.revision} was registered for base "
+                f"model {manifest.base_model_name!r} (digest {manifest.base_model_digest[:12]}"
+                f"...), not the one this server runs ({self.base.name!r}, "
+                f"{self.base.digest[:12]}...)",
+                "invalid_request_error" if component else "conflict_error",
+                param=param or "model",
                 code="adapter_incompatible_base",
             )
         local = local_source(manifest)
@@ -330,7 +351,7 @@ class ServerState:
                 log.warning("adapter %r refused: %s", name, e)
                 raise APIError(
                     403,
-                    f"adapter {name!r}: {scrub(str(e), {str(local): name})}",
+                    f"{where}adapter {name!r}: {scrub(str(e), {str(local): name})}",
                     "permission_error",
                     code="adapter_path_refused",
                 ) from e

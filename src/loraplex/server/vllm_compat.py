@@ -104,6 +104,8 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--enable-tokenizer-info-endpoint", "bool", ("false",), ""),
     ("--enable-log-outputs", "bool", ("false",), ""),
     ("--enable-log-deltas", "bool", ANY, ""),  # only meaningful with --enable-log-outputs
+    # vLLM PR #52757 (open): per-request lora_scale off unless asked; loraplex always takes it
+    ("--enable-per-request-lora-scale", "bool", ANY, ""),
     ("--log-error-stack", "bool", ("false",), ""),
     ("--exclude-tools-when-tool-choice-none", "bool", ("false",), ""),
     ("--sse-keep-alive-interval", "one", ("0",), ""),

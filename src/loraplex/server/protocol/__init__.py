@@ -11,7 +11,9 @@ One module per part: ``base`` (what every body shares), ``sampling`` (the fields
 and chat share, their bounds and their SamplingParams), ``structured`` (structured outputs:
 ``response_format``, ``guided_*``, ``structured_outputs``, all one
 :class:`~loraplex.requests.StructuredOutput`; more than one source in a request is a 400),
-``completions``, ``chat`` (messages, tools, the chat template's options), ``tokenizer``
+``composition`` (the adapters a call composes beyond ``model``: ``lora_scale``,
+``merged_adapters``, ``lora_requests``), ``completions``, ``chat`` (messages, tools, the chat
+template's options), ``tokenizer``
 (``/tokenize``, ``/detokenize``) and ``admin`` (the adapter routes' bodies).
 
 Everything the engine would scan per token or keep per sequence is bounded per request, a 400
@@ -47,6 +49,12 @@ from loraplex.server.protocol.chat import (
     template_tools,
 )
 from loraplex.server.protocol.completions import CompletionRequest
+from loraplex.server.protocol.composition import (
+    MAX_LORA_SCALE,
+    AdapterFields,
+    LoRAComponent,
+    MergedAdapters,
+)
 from loraplex.server.protocol.sampling import (
     MAX_CACHE_SALT,
     MAX_LOGPROBS,
@@ -70,6 +78,7 @@ __all__ = [
     "MAX_CACHE_SALT",
     "MAX_CHOICES",
     "MAX_LOGPROBS",
+    "MAX_LORA_SCALE",
     "MAX_N",
     "MAX_STOP",
     "MAX_STOP_CHARS",
@@ -79,6 +88,7 @@ __all__ = [
     "MIN_TOP_P",
     "RESERVED_TEMPLATE_KWARGS",
     "AdapterFeedbackRequest",
+    "AdapterFields",
     "CanaryAdapterRequest",
     "CanaryPolicyBody",
     "ChatCompletionRequest",
@@ -90,7 +100,9 @@ __all__ = [
     "EvictLoRAAdapterRequest",
     "FunctionDefinition",
     "JsonSchemaFormat",
+    "LoRAComponent",
     "LoadLoRAAdapterRequest",
+    "MergedAdapters",
     "NamedFunction",
     "NamedToolChoice",
     "PinLoRAAdapterRequest",

@@ -17,6 +17,7 @@ from pydantic import Field
 
 from loraplex.requests import SamplingParams, StructuredOutput
 from loraplex.server.protocol.base import Body, Text, refuse
+from loraplex.server.protocol.composition import AdapterFields
 from loraplex.server.protocol.structured import (
     ResponseFormat,
     StructuredOutputsBody,
@@ -43,8 +44,9 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False
 
 
-class SamplingBody(Body):
-    """The fields completions and chat share (OpenAI's, then vLLM's sampling extensions)."""
+class SamplingBody(AdapterFields):
+    """The fields completions and chat share (OpenAI's, then vLLM's sampling extensions, and
+    the adapters a call composes: :class:`AdapterFields`)."""
 
     model: Text
     n: int = 1
