@@ -20,7 +20,8 @@ source             what it computes                                  loaded by
 
 What the kernels share (element types, bf16 <-> float32, the instruction sets a build has, the
 float32 vector macros) is in ``kernels.h``; the column-panel layout the dense and the quantized
-panel GEMMs share is in ``panel.h``. A new kernel is one more ``.c`` here that includes
+panel GEMMs share is in ``panel.h``; Intel AMX tiles, and a software model of them that tests run
+anywhere (the ``amx-model`` build), in ``amx.h``. A new kernel is one more ``.c`` here that includes
 ``kernels.h`` and exports plain C functions named ``loraplex_*`` (no torch headers), and one
 Python class that opens it (:func:`open_kernel`) with a self-check against a float64 or torch
 reference, loaded with :func:`load_checked` (pyproject.toml's package-data ships
