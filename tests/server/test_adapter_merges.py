@@ -196,3 +196,10 @@ def test_dry_run_names_the_payload_to_sign(env: Env) -> None:
     assert not [m for m in env.registry.list() if m.name == "dry"]
     r = env.merge(**body)
     assert r.status_code == 201 and r.json()["sha256"] == draft["sha256"]  # seeded: the same
+
+
+def test_the_bad_parameter_is_named(env: Env) -> None:
+    r = env.merge(name="bad", adapters=["attn8", "mlp4"], combination_type="svd", svd_clamp=3.0)
+    assert _error(r, 400, "svd_clamp must be a quantile")["param"] == "svd_clamp"
+    r = env.merge(name="bad", adapters=["attn8", "mlp4"], combination_type="cat", seed=1)
+    assert _error(r, 400, "seed is not used")["param"] == "seed"

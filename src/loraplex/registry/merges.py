@@ -142,6 +142,13 @@ def merge_adapters(
         check_name("tenant name", tenant, TENANT_RE)
     if revision is not None:
         check_name("revision", revision, REVISION_RE)
+    try:  # the name is free or the tenant's own (checked again when registering)
+        owner: str | None = registry.release(name).tenant
+    except NotFoundError:
+        owner = tenant
+    if owner != tenant:
+        raise RegistryError(f"adapter name {name!r} is already taken "
+                            f"({'shared' if owner is None else 'owned by another tenant'})")  # fmt: skip
     inputs = resolve_inputs(registry, refs, tenant=tenant, base=base)
     if len(inputs) != len(spec.weights):
         raise ValidationError(
@@ -166,8 +173,12 @@ def merge_adapters(
             merger([(m.path, m.sha256) for m in inputs], spec, work, max_rank=max_rank)
             draft, _ = registry.prepare(work, name, base=base, tenant=tenant, allow_any_source=True)
             final = root / draft.sha256
-            if not final.is_dir():  # the same merge before: the same bytes are there already
-                os.replace(work, final)
+            try:  # an existing directory: the same merge before, the same bytes
+                if not final.is_dir():
+                    os.replace(work, final)
+            except OSError:
+                if not final.is_dir():  # not a concurrent merge of the same adapters
+                    raise
     except FormatError as e:
         raise ValidationError(e.reason, str(e)) from None
     except AdapterError as e:

@@ -348,7 +348,8 @@ def admin_merge_adapters(
             seed=body.seed,
         )
     except FormatError as e:
-        raise APIError(400, str(e), param="combination_type", code=e.reason) from None
+        param = getattr(e, "param", None)
+        raise APIError(400, str(e), param=param, code=e.reason) from None
     if not state.merge_lock.acquire(blocking=False):
         raise APIError(429, "another adapter merge is running on this server; retry when it "
                        "is done", "rate_limit_error", code="merge_in_progress")  # fmt: skip

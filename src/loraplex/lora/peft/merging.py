@@ -68,8 +68,17 @@ MAX_WEIGHT = 1000.0
 """The largest ``|weight|`` of one adapter in a merge."""
 
 
-def merge_error(message: str) -> FormatError:
-    return FormatError("invalid_merge", message)
+class MergeError(FormatError):
+    """A merge that cannot be done (reason ``invalid_merge``); ``param`` names the parameter at
+    fault where one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__("invalid_merge", message)
+        self.param = param
+
+
+def merge_error(message: str, param: str | None = None) -> MergeError:
+    return MergeError(message, param)
 
 
 def is_svd_type(combination_type: str) -> bool:
@@ -99,24 +108,30 @@ class MergeSpec:
         t = self.combination_type
         if t not in COMBINATION_TYPES:
             raise merge_error(
-                f"combination_type must be one of {', '.join(COMBINATION_TYPES)}, got {t!r}"
+                f"combination_type must be one of {', '.join(COMBINATION_TYPES)}, got {t!r}",
+                "combination_type",
             )
         if not isinstance(self.weights, tuple) or not 1 <= len(self.weights) <= MAX_MERGED_ADAPTERS:
-            raise merge_error(f"weights: give 1 to {MAX_MERGED_ADAPTERS} numbers, one per adapter")
+            raise merge_error(
+                f"weights: give 1 to {MAX_MERGED_ADAPTERS} numbers, one per adapter", "weights"
+            )
         for w in self.weights:
             if not _number(w) or abs(w) > MAX_WEIGHT:
                 raise merge_error(f"weights: each must be a finite number in [-{MAX_WEIGHT:g}, "
-                                  f"{MAX_WEIGHT:g}], got {w!r}")  # fmt: skip
+                                  f"{MAX_WEIGHT:g}], got {w!r}", "weights")  # fmt: skip
         self._only("density", self.density, DENSITY_TYPES)
         if t in DENSITY_TYPES:
             d = self.density
             if d is None or not _number(d) or not 0 < d <= 1:
-                raise merge_error(f"{t} needs density in (0, 1] (the fraction kept), got {d!r}")
+                raise merge_error(
+                    f"{t} needs density in (0, 1] (the fraction kept), got {d!r}", "density"
+                )
         self._only("majority_sign_method", self.majority_sign_method, SIGN_TYPES)
         if self.majority_sign_method not in (None, *MAJORITY_SIGN_METHODS):
             raise merge_error(
                 f"majority_sign_method must be one of {', '.join(MAJORITY_SIGN_METHODS)}, "
-                f"got {self.majority_sign_method!r}"
+                f"got {self.majority_sign_method!r}",
+                "majority_sign_method",
             )
         svd = tuple(x for x in COMBINATION_TYPES if is_svd_type(x))
         self._only("svd_rank", self.svd_rank, svd)
@@ -124,24 +139,26 @@ class MergeSpec:
         self._only("svd_full_matrices", self.svd_full_matrices, svd)
         r = self.svd_rank
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r <= 0):
-            raise merge_error(f"svd_rank must be a positive integer, got {r!r}")
+            raise merge_error(f"svd_rank must be a positive integer, got {r!r}", "svd_rank")
         c = self.svd_clamp
         if c is not None and (not _number(c) or not 0 <= c <= 1):
-            raise merge_error(f"svd_clamp must be a quantile in [0, 1], got {c!r}")
+            raise merge_error(f"svd_clamp must be a quantile in [0, 1], got {c!r}", "svd_clamp")
         if self.svd_full_matrices not in (None, True, False):
             raise merge_error(
-                f"svd_full_matrices must be a boolean, got {self.svd_full_matrices!r}"
+                f"svd_full_matrices must be a boolean, got {self.svd_full_matrices!r}",
+                "svd_full_matrices",
             )
         self._only("seed", self.seed, RANDOM_TYPES)
         s = self.seed
         if s is not None and (not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2**63):
-            raise merge_error(f"seed must be an integer in [0, 2**63), got {s!r}")
+            raise merge_error(f"seed must be an integer in [0, 2**63), got {s!r}", "seed")
 
     def _only(self, field: str, value: Any, types: tuple[str, ...]) -> None:
         if value is not None and self.combination_type not in types:
             raise merge_error(
                 f"{field} is not used by combination_type {self.combination_type!r} "
-                f"(only by {', '.join(types)})"
+                f"(only by {', '.join(types)})",
+                field,
             )
 
     def effective_type(self) -> str:
