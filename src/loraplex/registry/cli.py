@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 from loraplex.config.argtypes import byte_size, fraction, positive_int
 from loraplex.lora.peft.errors import FormatError
 from loraplex.lora.peft.merging import COMBINATION_TYPES, MAJORITY_SIGN_METHODS, MergeSpec
+from loraplex.lora.peft.merging import PARAMS as MERGE_PARAMS
 from loraplex.registry import signing
 from loraplex.registry.db import ADAPTER_STATUSES
 from loraplex.registry.errors import RegistryError, RegistryUnavailableError
@@ -182,6 +183,11 @@ def cmd_register(args: argparse.Namespace, reg: Registry) -> int:
         max_concurrent_requests=args.max_concurrent_requests,
         warm=_warm_arg(args.warm),
     )
+    return _settle(args, reg, m, "registered")
+
+
+def _settle(args: argparse.Namespace, reg: Registry, m: Manifest, done: str) -> int:
+    """A new revision ``m``: ``--activate`` or ``--stage`` it, then show it."""
     if args.activate:
         reg.activate(m.name, m.revision, actor=args.actor)
         m = reg.get(m.name, m.revision)
@@ -190,7 +196,7 @@ def cmd_register(args: argparse.Namespace, reg: Registry) -> int:
     _emit(
         args,
         m.to_dict(),
-        lambda: f"registered {m.name}@{m.revision} ({m.status})\n" + _manifest_text(m),
+        lambda: f"{done} {m.name}@{m.revision} ({m.status})\n" + _manifest_text(m),
     )
     return 0
 
@@ -201,18 +207,9 @@ def cmd_merge(args: argparse.Namespace, reg: Registry) -> int:
     merger: Merger | None = args.merger
     if merger is None:
         raise RegistryError(f"merging needs torch: run it as `{MERGE_COMMAND}`")
-    weights = args.weights if args.weights is not None else [1.0] * len(args.adapters)
     try:
-        spec = MergeSpec(
-            args.combination_type,
-            tuple(weights),
-            density=args.density,
-            majority_sign_method=args.majority_sign_method,
-            svd_rank=args.svd_rank,
-            svd_clamp=args.svd_clamp,
-            svd_full_matrices=args.svd_full_matrices,
-            seed=args.seed,
-        )
+        params = {k: getattr(args, k) for k in MERGE_PARAMS}
+        spec = MergeSpec.of(args.combination_type, args.weights, len(args.adapters), **params)
     except FormatError as e:
         raise RegistryError(str(e)) from None
     private_pem = _private_key(args.sign_key) if args.sign_key else None
@@ -235,17 +232,7 @@ def cmd_merge(args: argparse.Namespace, reg: Registry) -> int:
         data = {**m.to_dict(), "signed_payload": m.signed_payload().decode()}
         _emit(args, data, lambda: f"would register {m.name} ({m.sha256[:12]}) from {m.path}")
         return 0
-    if args.activate:
-        reg.activate(m.name, m.revision, actor=args.actor)
-        m = reg.get(m.name, m.revision)
-    elif args.stage and m.status in ("validated", "disabled"):
-        m = reg.stage(m.name, m.revision, actor=args.actor)
-    _emit(
-        args,
-        m.to_dict(),
-        lambda: f"merged into {m.name}@{m.revision} ({m.status})\n" + _manifest_text(m),
-    )
-    return 0
+    return _settle(args, reg, m, "merged into")
 
 
 def cmd_list(args: argparse.Namespace, reg: Registry) -> int:

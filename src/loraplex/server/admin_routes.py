@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loraplex.lora.merging import merge_adapter_dirs
 from loraplex.lora.peft.errors import FormatError
 from loraplex.lora.peft.merging import MAX_MERGED_ADAPTERS, MergeSpec
+from loraplex.lora.peft.merging import PARAMS as MERGE_PARAMS
 from loraplex.registry import CanaryPolicy, Manifest, Principal, RegistryError
 from loraplex.registry.merges import merge_adapters
 from loraplex.server.adapters import check_allowed_path
@@ -332,21 +333,9 @@ def admin_merge_adapters(
         raise APIError(400, f"{body.name!r} is the base model's name", param="name")
     tenant = _tenant_of(body.tenant, principal, "merge")
     _owned_name(state, body.name, principal)
-    weights = body.weights if body.weights is not None else [1.0] * len(body.adapters)
-    if len(weights) != len(body.adapters):
-        raise APIError(400, f"{len(body.adapters)} adapters but {len(weights)} weights: give "
-                       "one weight per adapter", param="weights", code="invalid_merge")  # fmt: skip
     try:
-        spec = MergeSpec(
-            body.combination_type,
-            tuple(weights),
-            density=body.density,
-            majority_sign_method=body.majority_sign_method,
-            svd_rank=body.svd_rank,
-            svd_clamp=body.svd_clamp,
-            svd_full_matrices=body.svd_full_matrices,
-            seed=body.seed,
-        )
+        params = body.model_dump(include=set(MERGE_PARAMS))
+        spec = MergeSpec.of(body.combination_type, body.weights, len(body.adapters), **params)
     except FormatError as e:
         param = getattr(e, "param", None)
         raise APIError(400, str(e), param=param, code=e.reason) from None

@@ -153,6 +153,22 @@ class MergeSpec:
         if s is not None and (not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2**63):
             raise merge_error(f"seed must be an integer in [0, 2**63), got {s!r}", "seed")
 
+    @classmethod
+    def of(
+        cls, combination_type: str, weights: Sequence[float] | None, adapters: int, **params: Any
+    ) -> MergeSpec:
+        """The spec of a request naming ``adapters`` adapters: ``weights`` default to 1 each
+        and must be one per adapter; ``params`` are the strategy parameters (:data:`PARAMS`,
+        None where not given)."""
+        if weights is None:
+            weights = [1.0] * adapters
+        if len(weights) != adapters:
+            raise merge_error(
+                f"{adapters} adapters but {len(weights)} weights: give one weight per adapter",
+                "weights",
+            )
+        return cls(combination_type, tuple(weights), **{k: params.get(k) for k in PARAMS})
+
     def _only(self, field: str, value: Any, types: tuple[str, ...]) -> None:
         if value is not None and self.combination_type not in types:
             raise merge_error(
@@ -194,6 +210,17 @@ class MergeSpec:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["weights"] = list(self.weights)
         return {k: v for k, v in d.items() if v is not None}
+
+
+PARAMS = (
+    "density",
+    "majority_sign_method",
+    "svd_rank",
+    "svd_clamp",
+    "svd_full_matrices",
+    "seed",
+)
+"""The strategy parameters of :class:`MergeSpec` (PEFT's names)."""
 
 
 def _number(v: Any) -> bool:
