@@ -186,13 +186,17 @@ def test_cat_is_the_exact_weighted_sum(merge_adapters: dict[str, Path]) -> None:
     for module, (a, b) in ours.items():
         want = torch.zeros(b.shape[0], a.shape[1])
         for w, (config, tensors) in zip(WEIGHTS, inputs, strict=True):
-            pair = [t for n, t in tensors.items() if f".{module}.lora_" in f".{n}"]
+            pair = {
+                "A" if ".lora_A" in n or ".lora_embedding_A" in n else "B": t
+                for n, t in tensors.items()
+                if f".{module}.lora_" in f".{n}"
+            }
             if not pair:
                 continue
-            a_i, b_i = sorted(pair, key=lambda t: t.shape[0] == b.shape[0])
+            a_i, b_i = pair["A"], pair["B"]  # [r, d_in], [d_out, r]
             _, s = LoraSettings.of(config).rank_and_scale(module)
             delta = b_i @ a_i
-            want += w * s * (delta if delta.shape == want.shape else delta.T)
+            want += w * s * delta
         torch.testing.assert_close(b @ a, want, atol=TOL, rtol=0)
 
 
