@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from loraplex.config import EngineConfig, ServerConfig
 from loraplex.lora.adapter import read_adapter
 from loraplex.registry import Registry, RegistryPolicy, base_model_info
-from loraplex.server.app import create_app
+from loraplex.server.app import ServerState, create_app
 from loraplex.testing import (
     ATTN_PROJ,
     MLP_PROJ,
@@ -36,6 +36,7 @@ PROMPT = "Merged adapters are registered like any other adapter, and served the 
 @dataclass
 class Env:
     url: str
+    state: ServerState
     registry: Registry
     model: Path
     keys: dict[str, str]  # "acme" / "bravo": inference keys; "register" / "promote": admin scopes
@@ -86,7 +87,7 @@ def env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     app = create_app(config, registry=registry)
     try:
         with serve_in_thread(app) as url:
-            yield Env(url, registry, tiny_model, keys)
+            yield Env(url, app.state.loraplex, registry, tiny_model, keys)
     finally:
         registry.close()
 
@@ -203,3 +204,17 @@ def test_the_bad_parameter_is_named(env: Env) -> None:
     assert _error(r, 400, "svd_clamp must be a quantile")["param"] == "svd_clamp"
     r = env.merge(name="bad", adapters=["attn8", "mlp4"], combination_type="cat", seed=1)
     assert _error(r, 400, "seed is not used")["param"] == "seed"
+
+
+def test_one_merge_at_a_time(env: Env) -> None:
+    """A merge while another runs is a 429 to retry, not a second copy of the work in memory."""
+    assert env.state.merge_lock.acquire(blocking=False)
+    try:
+        r = env.merge(name="busy", adapters=["attn8", "mlp4"], combination_type="cat")
+        assert _error(r, 429, "another adapter merge is running")["code"] == "merge_in_progress"
+    finally:
+        env.state.merge_lock.release()
+    assert (
+        env.merge(name="busy", adapters=["attn8", "mlp4"], combination_type="cat").status_code
+        == 201
+    )
