@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from loraplex.config.fields import FieldError
 from loraplex.config.settings import Settings
@@ -129,12 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _merge_adapter_dirs(*args: Any, **kwargs: Any) -> None:
+    """The registry command's merger: :func:`loraplex.lora.merging.merge_adapter_dirs`, torch
+    imported only when a merge runs."""
+    from loraplex.lora.merging import merge_adapter_dirs
+
+    merge_adapter_dirs(*args, **kwargs)
+
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": (
         "loraplex.tools.sim.cli",
         "replay an adapter trace through the cache policies (no torch)",
     ),
     "adapters": ("loraplex.registry.cli", "adapter registry: register, list, promote, canary, ..."),
+    "registry": ("loraplex.registry.cli", "the adapter registry (same as `adapters`), merge"),
     "tenants": ("loraplex.registry.cli", "tenants and their API keys"),
     "bench": ("loraplex.tools.bench.cli", "load generator against any OpenAI-compatible server"),
     "plan": (
@@ -145,7 +155,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "route": ("loraplex.router.cli", "residency-aware router over many replicas (no torch)"),
 }
 """``command -> (module, help)``; the module's ``main(argv) -> int`` gets the arguments after
-the command (``loraplex.registry.cli`` gets the command name too: it serves two)."""
+the command (``loraplex.registry.cli`` gets the command name too: it serves three)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
-        rest = argv if module.__name__ == "loraplex.registry.cli" else argv[1:]
-        return int(module.main(rest))
+        if module.__name__ == "loraplex.registry.cli":  # serves three commands; merges need torch
+            return int(module.main(argv, merger=_merge_adapter_dirs))
+        return int(module.main(argv[1:]))
     if argv and argv[0] == "serve":  # vLLM's spellings: --max_model_len as --max-model-len
         from loraplex.server.vllm_compat import normalize_argv
 

@@ -104,6 +104,7 @@ TORCH_FREE_LORA = {
     "loraplex.lora.peft.experts",
     "loraplex.lora.peft.files",
     "loraplex.lora.peft.layout",
+    "loraplex.lora.peft.merging",
     "loraplex.lora.peft.targets",
     "loraplex.lora.peft.tensors",
 }

@@ -4,12 +4,16 @@
     loraplex adapters list | show NAME | validate NAME | promote NAME | canary NAME REV --weight W
     [--window S --min-requests N --max-error-rate R ...]
     loraplex adapters rollback NAME [--reason TEXT] | disable NAME | audit | keygen --out DIR
+    loraplex adapters merge NAME ADAPTER[@REV] ... --base-model DIR --combination-type TYPE
+    [--weights W ...] [--density D] [--svd-rank R] ... [--sign-key PRIVATE.pem] [--activate]
     loraplex tenants create NAME [--max-waiting N] [--rate-limit RPS] [--host-bytes 2GiB]
     loraplex tenants list | keys create (--tenant T | --admin) | keys list | keys revoke KEY_ID
 
+``loraplex registry ...`` is the same as ``loraplex adapters ...``.
 Every command takes ``--registry-url`` (default ``$LORAPLEX_REGISTRY_URL`` or the SQLite file
 in ``$LORAPLEX_HOME``), ``--json`` and ``--actor``. Errors are one line on stderr, exit 2.
-Never imports torch.
+Never imports torch: ``merge`` computes with the merger the ``loraplex`` command hands
+:func:`main` (:func:`loraplex.lora.merging.merge_adapter_dirs`).
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from loraplex.config.argtypes import byte_size, fraction, positive_int
+from loraplex.lora.peft.errors import FormatError
+from loraplex.lora.peft.merging import COMBINATION_TYPES, MAJORITY_SIGN_METHODS, MergeSpec
+from loraplex.lora.peft.merging import PARAMS as MERGE_PARAMS
 from loraplex.registry import signing
 from loraplex.registry.db import ADAPTER_STATUSES
 from loraplex.registry.errors import RegistryError, RegistryUnavailableError
 from loraplex.registry.inspect import base_model_info
+from loraplex.registry.merges import MERGE_COMMAND, Merger, merge_adapters
 from loraplex.registry.policy import RegistryPolicy
 from loraplex.registry.records import SCOPES, CanaryPolicy, Manifest, Release
 from loraplex.registry.service import Registry
@@ -137,14 +145,18 @@ def _warm_arg(text: str | None) -> object:
         raise RegistryError(f"--warm: not a JSON object ({e.msg})") from None
 
 
+def _private_key(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise RegistryError(f"cannot read signing key {path}: {e.strerror}") from e
+
+
 def cmd_register(args: argparse.Namespace, reg: Registry) -> int:
     base = base_model_info(args.base_model, args.base_name)
     signature = args.signature
     if args.sign_key:
-        try:
-            private_pem = Path(args.sign_key).read_text()
-        except OSError as e:
-            raise RegistryError(f"cannot read signing key {args.sign_key}: {e.strerror}") from e
+        private_pem = _private_key(args.sign_key)
         draft, _ = reg.prepare(
             args.path,
             args.name,
@@ -171,6 +183,11 @@ def cmd_register(args: argparse.Namespace, reg: Registry) -> int:
         max_concurrent_requests=args.max_concurrent_requests,
         warm=_warm_arg(args.warm),
     )
+    return _settle(args, reg, m, "registered")
+
+
+def _settle(args: argparse.Namespace, reg: Registry, m: Manifest, done: str) -> int:
+    """A new revision ``m``: ``--activate`` or ``--stage`` it, then show it."""
     if args.activate:
         reg.activate(m.name, m.revision, actor=args.actor)
         m = reg.get(m.name, m.revision)
@@ -179,9 +196,43 @@ def cmd_register(args: argparse.Namespace, reg: Registry) -> int:
     _emit(
         args,
         m.to_dict(),
-        lambda: f"registered {m.name}@{m.revision} ({m.status})\n" + _manifest_text(m),
+        lambda: f"{done} {m.name}@{m.revision} ({m.status})\n" + _manifest_text(m),
     )
     return 0
+
+
+def cmd_merge(args: argparse.Namespace, reg: Registry) -> int:
+    """Merge registered adapters into a new revision of ``args.name`` (PEFT's
+    ``add_weighted_adapter``), signed with ``--sign-key`` if given."""
+    merger: Merger | None = args.merger
+    if merger is None:
+        raise RegistryError(f"merging needs torch: run it as `{MERGE_COMMAND}`")
+    try:
+        params = {k: getattr(args, k) for k in MERGE_PARAMS}
+        spec = MergeSpec.of(args.combination_type, args.weights, len(args.adapters), **params)
+    except FormatError as e:
+        raise RegistryError(str(e)) from None
+    private_pem = _private_key(args.sign_key) if args.sign_key else None
+    m = merge_adapters(
+        reg,
+        args.adapters,
+        spec,
+        name=args.name,
+        base=base_model_info(args.base_model, args.base_name),
+        tenant=args.tenant,
+        actor=args.actor,
+        merger=merger,
+        out_root=Path(args.out) if args.out else None,
+        revision=args.revision,
+        signature=args.signature,
+        sign=None if private_pem is None else (lambda p: signing.sign(p, private_pem)),
+        dry_run=args.dry_run,
+    )
+    if args.dry_run:
+        data = {**m.to_dict(), "signed_payload": m.signed_payload().decode()}
+        _emit(args, data, lambda: f"would register {m.name} ({m.sha256[:12]}) from {m.path}")
+        return 0
+    return _settle(args, reg, m, "merged into")
 
 
 def cmd_list(args: argparse.Namespace, reg: Registry) -> int:
@@ -415,6 +466,7 @@ def _policy_opts() -> argparse.ArgumentParser:
 
 
 def build_parser(command: str) -> argparse.ArgumentParser:
+    """``command``: ``adapters`` (or its other name, ``registry``) or ``tenants``."""
     common, policy = _common(), _policy_opts()
     parser = _Parser(prog=f"loraplex {command}")
     sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
@@ -427,7 +479,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    if command == "adapters":
+    if command in ("adapters", "registry"):
         p = add("register", cmd_register, "validate and record an adapter revision", pol=True)
         p.add_argument("name")
         p.add_argument("path", help="local adapter directory (PEFT, safetensors)")
@@ -455,6 +507,32 @@ def build_parser(command: str) -> argparse.ArgumentParser:
             action="store_true",
             help="operator override: skip the allowed roots/prefixes check",
         )
+        p = add("merge", cmd_merge, "merge registered adapters into a new revision", pol=True)
+        p.add_argument("name", help="the new adapter's name")
+        p.add_argument("adapters", nargs="+", metavar="ADAPTER", help="NAME or NAME@REVISION")
+        p.add_argument("--base-model", required=True, metavar="DIR", help="served base model")
+        p.add_argument("--base-name", default=None, help="base model name (default: dir name)")
+        p.add_argument("--combination-type", required=True, choices=COMBINATION_TYPES)
+        p.add_argument("--weights", type=float, nargs="+", default=None, metavar="W",
+                       help="one per adapter (default 1 each); negative subtracts")  # fmt: skip
+        p.add_argument("--density", type=float, default=None, help="fraction kept (ties, dare, "
+                       "magnitude_prune)")  # fmt: skip
+        p.add_argument("--majority-sign-method", choices=MAJORITY_SIGN_METHODS, default=None)
+        p.add_argument("--svd-rank", type=positive_int, default=None)
+        p.add_argument("--svd-clamp", type=float, default=None, metavar="QUANTILE")
+        p.add_argument("--svd-full-matrices", action=argparse.BooleanOptionalAction, default=None)
+        p.add_argument("--seed", type=int, default=None, help="DARE's mask seed (default 0)")
+        p.add_argument("--tenant", default=None, help="owning tenant (default: shared)")
+        p.add_argument("--revision", default=None, help="revision label (default r1, r2, ...)")
+        p.add_argument("--out", default=None, metavar="DIR",
+                       help="where merged adapters are written (default $LORAPLEX_HOME/merged)")  # fmt: skip
+        sig = p.add_mutually_exclusive_group()
+        sig.add_argument("--sign-key", metavar="PRIVATE.pem", help="sign with this ed25519 key")
+        sig.add_argument("--signature", metavar="B64", help="signature made elsewhere")
+        p.add_argument("--dry-run", action="store_true",
+                       help="write the merge and show its manifest and payload to sign; register nothing")  # fmt: skip
+        p.add_argument("--stage", action="store_true", help="stage it after validation")
+        p.add_argument("--activate", action="store_true", help="stage and promote it")
         p = add("list", cmd_list, "list adapter revisions")
         p.add_argument("--tenant", default=None)
         p.add_argument("--status", choices=ADAPTER_STATUSES, default=None)
@@ -522,11 +600,12 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``argv[0]`` is ``adapters`` or ``tenants``, the rest its arguments."""
+def main(argv: list[str] | None = None, *, merger: Merger | None = None) -> int:
+    """Entry point: ``argv[0]`` is ``adapters`` (or ``registry``) or ``tenants``, the rest its
+    arguments. ``merger`` computes ``merge`` (the registry imports no torch)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in ("adapters", "tenants"):
-        print("loraplex: error: expected 'adapters' or 'tenants'", file=sys.stderr)
+    if not argv or argv[0] not in ("adapters", "registry", "tenants"):
+        print("loraplex: error: expected 'adapters', 'registry' or 'tenants'", file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
     parser = build_parser(command)
@@ -537,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
+    args.merger = merger
     try:
         if args.func is cmd_keygen:
             return cmd_keygen(args)

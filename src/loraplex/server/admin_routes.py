@@ -1,6 +1,6 @@
 """Admin routes: vLLM's runtime loading (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``),
-pins and evictions, and the registry (``/v1/admin/adapters``: register, promote, canary with its
-health policy, rollback, disable; ``/v1/admin/audit``); and the one release route open to
+pins and evictions, and the registry (``/v1/admin/adapters``: register, merge, promote, canary
+with its health policy, rollback, disable; ``/v1/admin/audit``); and the one release route open to
 inference keys, ``POST /v1/adapters/{name}/feedback`` (a user's score of a canary's response).
 
 Each route needs an admin scope: ``admin:load``, ``admin:pin``, ``admin:register`` or
@@ -17,9 +17,15 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.registry import CanaryPolicy, Principal, RegistryError
+from loraplex.lora.merging import merge_adapter_dirs
+from loraplex.lora.peft.errors import FormatError
+from loraplex.lora.peft.merging import MAX_MERGED_ADAPTERS, MergeSpec
+from loraplex.lora.peft.merging import PARAMS as MERGE_PARAMS
+from loraplex.registry import CanaryPolicy, Manifest, Principal, RegistryError
+from loraplex.registry.merges import merge_adapters
 from loraplex.server.adapters import check_allowed_path
 from loraplex.server.auth import admin_principal, inference_principal, runtime_lora_principal
 from loraplex.server.catalog import ADMIN_KEY, Servable
@@ -36,6 +42,7 @@ from loraplex.server.protocol import (
     RollbackAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from loraplex.server.protocol.base import Text
 from loraplex.server.state import ServerState, get_state
 from loraplex.types import AdapterError
 from loraplex.warm import parse_warm
@@ -74,6 +81,16 @@ def _servable(state: ServerState, name: str, principal: Principal) -> Servable:
 
 def _changed(state: ServerState) -> None:
     state.catalog.refresh(force=True)
+
+
+def _tenant_of(body_tenant: str | None, principal: Principal, verb: str) -> str | None:
+    """The tenant a registry write is for: a tenant-bound key's own (403 for another)."""
+    if principal.tenant is None:
+        return body_tenant
+    if body_tenant not in (None, principal.tenant):
+        raise APIError(403, f"a tenant key may {verb} only for its own tenant",
+                       "permission_error", param="tenant")  # fmt: skip
+    return principal.tenant
 
 
 def _owned_name(state: ServerState, name: str, principal: Principal) -> None:
@@ -239,12 +256,7 @@ def admin_register_adapter(
     ``activate`` it in the same call."""
     if body.name in state.base_names:
         raise APIError(400, f"{body.name!r} is the base model's name", param="name")
-    tenant = body.tenant
-    if principal.tenant is not None:
-        if tenant not in (None, principal.tenant):
-            raise APIError(403, "a tenant key may register only for its own tenant",
-                           "permission_error", param="tenant")  # fmt: skip
-        tenant = principal.tenant
+    tenant = _tenant_of(body.tenant, principal, "register")
     _owned_name(state, body.name, principal)
     if body.warm is not None:
         try:
@@ -272,6 +284,92 @@ def admin_register_adapter(
         state.registry.stage(body.name, m.revision, actor=principal.key_id)
     _changed(state)
     return state.registry.get(body.name, m.revision).to_dict()
+
+
+class MergeAdaptersRequest(BaseModel):
+    """``POST /v1/admin/adapters/merge``: merge registered adapters (``name`` or
+    ``name@revision``) into a new revision of ``name`` with PEFT's ``add_weighted_adapter``
+    (``combination_type`` and its parameters, PEFT's names; ``weights`` default to 1 each)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Text = Field(min_length=1, max_length=200)
+    adapters: list[Text] = Field(min_length=1, max_length=MAX_MERGED_ADAPTERS)
+    weights: list[float] | None = Field(default=None, min_length=1, max_length=MAX_MERGED_ADAPTERS)
+    combination_type: Text = Field(min_length=1, max_length=64)
+    density: float | None = None
+    majority_sign_method: Text | None = Field(default=None, max_length=64)
+    svd_rank: int | None = None
+    svd_clamp: float | None = None
+    svd_full_matrices: bool | None = None
+    seed: int | None = None
+    tenant: Text | None = None
+    revision: Text | None = Field(default=None, min_length=1, max_length=100)
+    signature: Text | None = Field(default=None, max_length=512)
+    stage: bool = False
+    activate: bool = False
+    dry_run: bool = False
+
+
+def _merge_view(m: Manifest) -> dict[str, Any]:
+    """A merged revision for the client: its manifest without server paths."""
+    d = m.to_dict()
+    for k in ("path", "source_uri"):
+        d.pop(k, None)
+    return {"object": "adapter.revision", **d}
+
+
+@router.post("/v1/admin/adapters/merge", status_code=201)
+def admin_merge_adapters(
+    body: MergeAdaptersRequest,
+    principal: Principal = Depends(register_auth),
+    state: ServerState = Depends(get_state),
+) -> Response:
+    """Merge registered adapters into a new adapter revision (signed, versioned, with its
+    digest, validated against the served base): 201 with its manifest. ``dry_run`` answers
+    200 with the manifest it would get and ``signed_payload``, the bytes to sign for a registry
+    that wants signatures (then send the same merge with ``signature``)."""
+    if body.name in state.base_names:
+        raise APIError(400, f"{body.name!r} is the base model's name", param="name")
+    tenant = _tenant_of(body.tenant, principal, "merge")
+    _owned_name(state, body.name, principal)
+    try:
+        params = body.model_dump(include=set(MERGE_PARAMS))
+        spec = MergeSpec.of(body.combination_type, body.weights, len(body.adapters), **params)
+    except FormatError as e:
+        param = getattr(e, "param", None)
+        raise APIError(400, str(e), param=param, code=e.reason) from None
+    if not state.merge_lock.acquire(blocking=False):
+        raise APIError(429, "another adapter merge is running on this server; retry when it "
+                       "is done", "rate_limit_error", code="merge_in_progress")  # fmt: skip
+    try:
+        m = merge_adapters(
+            state.registry,
+            body.adapters,
+            spec,
+            name=body.name,
+            base=state.base,
+            tenant=tenant,
+            actor=principal.key_id,
+            merger=merge_adapter_dirs,
+            revision=body.revision,
+            signature=body.signature,
+            dry_run=body.dry_run,
+        )
+    except RegistryError as e:
+        raise registry_api_error(e, param="adapters") from e
+    finally:
+        state.merge_lock.release()
+    if body.dry_run:
+        return JSONResponse({**_merge_view(m), "signed_payload": m.signed_payload().decode()})
+    if body.activate:
+        state.registry.activate(body.name, m.revision, actor=principal.key_id)
+    elif body.stage:
+        state.registry.stage(body.name, m.revision, actor=principal.key_id)
+    _changed(state)
+    log.info("merged %s into %s@%s (%s)", ", ".join(body.adapters), m.name, m.revision,
+             m.sha256[:12])  # fmt: skip
+    return JSONResponse(_merge_view(state.registry.get(body.name, m.revision)), status_code=201)
 
 
 @router.post("/v1/admin/adapters/{name}/promote")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,7 @@ class ServerState:
         self.started = int(time.time())
         self.base_names = config.model_names
         self.owns_registry = registry is None
+        self.merge_lock = threading.Lock()  # one adapter merge at a time (CPU and memory heavy)
         self.registry = registry if registry is not None else open_registry(config)
         self.base = base_model_info(
             config.engine.model, name=self.base_names[0], quantization=config.engine.quantization
