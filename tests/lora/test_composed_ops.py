@@ -34,7 +34,9 @@ def composed_plan(dtype: torch.dtype, costs=None) -> LoRABatchPlan:
     return plan_lora_batch(T, PRIMARY, dtype, "cpu", costs, weights=WEIGHTS, extra=EXTRA)
 
 
-def explicit(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+def explicit(
+    x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, base: torch.Tensor
+) -> torch.Tensor:
     """The semantics, written out: every (tokens, rows, weight) triple adds its delta."""
     out = base.double().clone()
     for ts, te, rs, re, w in [(*s, w) for s, w in zip(PRIMARY, WEIGHTS, strict=True)] + EXTRA:
@@ -73,7 +75,7 @@ def test_zero_weights_drop_their_segments_and_bad_weights_are_refused() -> None:
         plan_lora_batch(4, [(0, 2, 0, 8)], torch.float32, "cpu", weights=[float("nan")])
 
 
-@pytest.mark.parametrize("variant", list(FAST_OPS) + ["reference"])
+@pytest.mark.parametrize("variant", [*FAST_OPS, "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("coalesce", [False, True])
 def test_every_backend_adds_each_component_with_its_scale(
@@ -127,7 +129,9 @@ def test_embedding_head_rows_and_expert_rows_keep_the_weights(variant: str) -> N
     a = 0.3 * torch.randn(CAP, d, generator=g)
     got = torch.zeros(len(rows), d)
     ops.apply(x[rows], a, bt, got, head)
-    torch.testing.assert_close(got.double(), explicit(x, a, bt, torch.zeros(T, d))[rows], **TOL[torch.float32])
+    torch.testing.assert_close(
+        got.double(), explicit(x, a, bt, torch.zeros(T, d))[rows], **TOL[torch.float32]
+    )
     # MoE: (token, expert) pairs sorted by expert, rows offset by expert * capacity
     tok = torch.tensor([0, 5, 9, 2, 5, 8, 11, 6]).numpy()
     exp = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]).numpy()

@@ -199,7 +199,9 @@ class CPUKernelLoRAOps:
         self.kernel = kernel
         self.fallback = fallback
         self.max_run_tokens = max_run_tokens
-        self._split_of: tuple[LoRABatchPlan, list[KernelSegments], LoRABatchPlan | None] | None = None
+        self._split_of: tuple[LoRABatchPlan, list[KernelSegments], LoRABatchPlan | None] | None = (
+            None
+        )
         # id(modules) -> (modules, its PreparedModules or None if the kernel cannot read it)
         self._groups: dict[int, tuple[Sequence[ModuleTables], PreparedModules | None]] = {}
         self._singles: dict[tuple[int, int, int], tuple[ModuleTables]] = {}  # apply()'s groups

@@ -195,7 +195,11 @@ class TritonLoRAOps(PerModuleOps):
         y = y.contiguous()
         d_out = out.shape[1]
         for segs, w, max_t in layers:  # one launch per layer: disjoint tokens within it
-            grid = (segs.shape[0], triton.cdiv(max_t, self.BLOCK_M), triton.cdiv(d_out, self.EXPAND_N))
+            grid = (
+                segs.shape[0],
+                triton.cdiv(max_t, self.BLOCK_M),
+                triton.cdiv(d_out, self.EXPAND_N),
+            )
             _expand_kernel[grid](
                 y, bt, out, segs, segs, d_out, y.stride(0), bt.stride(0), out.stride(0),
                 segs if w is None else w,
@@ -221,7 +225,11 @@ class TritonLoRAOps(PerModuleOps):
             raise ValueError("TritonLoRAOps.embed needs out and at with unit column stride")
         d_out = out.shape[1]
         for segs, w, max_t in layers:  # one launch per layer: disjoint tokens within it
-            grid = (segs.shape[0], triton.cdiv(max_t, self.BLOCK_M), triton.cdiv(d_out, self.EXPAND_N))
+            grid = (
+                segs.shape[0],
+                triton.cdiv(max_t, self.BLOCK_M),
+                triton.cdiv(d_out, self.EXPAND_N),
+            )
             _expand_kernel[grid](
                 at, bt, out, segs, ids, d_out, at.stride(0), bt.stride(0), out.stride(0),
                 segs if w is None else w,
