@@ -352,3 +352,35 @@ def test_compositions_under_tensor_parallelism_equal_one_device(llama: dict) -> 
             llm.engine.shutdown()
     assert_same_outputs(runs[0], runs[1])
     check_against(llama["ref"], JOBS, runs[1])
+
+
+def test_the_merger_never_takes_a_composition_for_its_lone_adapter(llama: dict) -> None:
+    """dLoRA merging (``lora_merge_after_steps``): steps of only a composition, or only one
+    adapter at a scale, never merge (the merged weights would hold the adapter at 1.0), and
+    stay exact; the adapter alone at 1.0 still merges."""
+    llm = _engine(llama["model"], "cpu-kernel", lora_merge_after_steps=1)
+    ad, eng = llama["adapters"], llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=4)
+    for job in ((("r4", 1.0), ("r8", 0.5)), (("r4", 0.5),)):
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+        eng_outs: list = []
+        for i, prompt in enumerate(prompts):
+            eng.add_request(
+                f"{job}-{i}", prompt["prompt_token_ids"], sp, llm._compose(list(_as_list(ad, job)))
+            )
+        while eng.has_unfinished_requests():
+            eng_outs += [o for o in eng.step() if o.finished]
+            assert eng.runner.merged_slot is None and eng.merger.merges == 0
+        eng_outs.sort(key=lambda o: o.request_id)
+        check_against(llama["ref"], [job, job], [o.outputs[0] for o in eng_outs])
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}] * 2,
+        sp,
+        lora_request=[[LoRARequest("r4", str(ad["r4"]))]] * 2,
+    )
+    assert eng.merger.merges == 1  # a composition of one at 1.0 is the adapter: it may merge
+    check_against(llama["ref"], [(("r4", 1.0),)], [outs[0].outputs[0]])
+
+
+def _as_list(adapters: dict[str, Path], parts: tuple[tuple[str, float], ...]) -> list[LoRARequest]:
+    return [LoRARequest(n, str(adapters[n]), lora_scale=s) for n, s in parts]
