@@ -192,20 +192,32 @@ class TritonLoRAOps(PerModuleOps):
             return
         if out.stride(1) != 1:
             raise ValueError("TritonLoRAOps.expand needs out with unit column stride")
-        y = y.contiguous()
+        # y is a float32 accumulator: the precision follows the model's tables
+        self._expand_layers(y.contiguous(), bt, out, None, layers, self._precision(bt))
+
+    def _expand_layers(
+        self,
+        y: torch.Tensor,
+        bt: torch.Tensor,
+        out: torch.Tensor,
+        ids: torch.Tensor | None,
+        layers: list,
+        prec: str,
+    ) -> None:
+        """The expand kernel over each layer of a plan, one launch per layer (disjoint tokens
+        within it); ``ids``: y's row of each token (the embedding's gather), else its own."""
         d_out = out.shape[1]
-        for segs, w, max_t in layers:  # one launch per layer: disjoint tokens within it
+        for segs, w, max_t in layers:
             grid = (
                 segs.shape[0],
                 triton.cdiv(max_t, self.BLOCK_M),
                 triton.cdiv(d_out, self.EXPAND_N),
             )
             _expand_kernel[grid](
-                y, bt, out, segs, segs, d_out, y.stride(0), bt.stride(0), out.stride(0),
-                segs if w is None else w,
+                y, bt, out, segs, segs if ids is None else ids, d_out, y.stride(0),
+                bt.stride(0), out.stride(0), segs if w is None else w,
                 BLOCK_M=self.BLOCK_M, BLOCK_N=self.EXPAND_N, BLOCK_K=self.EXPAND_K,
-                PREC=self._precision(bt),  # y is a float32 accumulator; precision: the model's
-                GATHER=False, WEIGHTED=w is not None,
+                PREC=prec, GATHER=ids is not None, WEIGHTED=w is not None,
             )  # fmt: skip
 
     def embed(
@@ -223,19 +235,7 @@ class TritonLoRAOps(PerModuleOps):
             return
         if out.stride(1) != 1 or at.stride(1) != 1:
             raise ValueError("TritonLoRAOps.embed needs out and at with unit column stride")
-        d_out = out.shape[1]
-        for segs, w, max_t in layers:  # one launch per layer: disjoint tokens within it
-            grid = (
-                segs.shape[0],
-                triton.cdiv(max_t, self.BLOCK_M),
-                triton.cdiv(d_out, self.EXPAND_N),
-            )
-            _expand_kernel[grid](
-                at, bt, out, segs, ids, d_out, at.stride(0), bt.stride(0), out.stride(0),
-                segs if w is None else w,
-                BLOCK_M=self.BLOCK_M, BLOCK_N=self.EXPAND_N, BLOCK_K=self.EXPAND_K,
-                PREC=self._precision(at, bt), GATHER=True, WEIGHTED=w is not None,
-            )  # fmt: skip
+        self._expand_layers(at, bt, out, ids, layers, self._precision(at, bt))
 
     def apply(
         self,

@@ -107,6 +107,21 @@ def step_bytes(
     return {k: base + sum(per_adapter[:k]) for k in DISTINCT}
 
 
+def _bench_llm(model: Path, dtype: str) -> Any:
+    """The engine every loraplex measurement runs on: a slot per adapter, 16 sequences."""
+    from loraplex import LLM
+
+    return LLM(
+        str(model),
+        dtype=dtype,
+        max_loras=16,
+        max_lora_rank=16,
+        max_num_seqs=16,
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=256 << 20,
+    )
+
+
 def generate_rate(llm: Any, reqs: list[Any], prompts: list[list[int]], sp: Any, k: int) -> float:
     """Output tok/s of one ``llm.generate`` over ``prompts``, the first ``k`` of ``reqs``
     round-robin (``k = 0``: the base model)."""
@@ -125,17 +140,9 @@ def bench_loraplex(
     repeats: int,
     bytes_out: dict[int, int] | None = None,
 ) -> dict[int, float]:
-    from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex import LoRARequest, SamplingParams
 
-    llm = LLM(
-        str(model),
-        dtype=dtype,
-        max_loras=16,
-        max_lora_rank=16,
-        max_num_seqs=16,
-        skip_tokenizer_init=True,
-        kv_cache_memory_bytes=256 << 20,
-    )
+    llm = _bench_llm(model, dtype)
     reqs = [LoRARequest(f"a{i}", p) for i, p in enumerate(adapters)]
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
 
@@ -168,17 +175,9 @@ def bench_compose(
 ) -> None:
     """Print tok/s of the prompts one adapter each against each composing ``k`` adapters, with
     the byte model's bound (see the module docstring)."""
-    from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex import LoRARequest, SamplingParams
 
-    llm = LLM(
-        str(model),
-        dtype=dtype,
-        max_loras=16,
-        max_lora_rank=16,
-        max_num_seqs=16,
-        skip_tokenizer_init=True,
-        kv_cache_memory_bytes=256 << 20,
-    )
+    llm = _bench_llm(model, dtype)
     reqs = [LoRARequest(f"a{i}", p) for i, p in enumerate(adapters)]
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     choices = {c: composed_requests(reqs, c, len(prompts)) for c in (1, k)}
