@@ -335,23 +335,30 @@ def test_prefix_cache_hits_only_within_one_composition(llama: dict) -> None:
     assert cached(-0.5) == 0
 
 
-def test_compositions_under_tensor_parallelism_equal_one_device(llama: dict) -> None:
-    """TP=2 (gloo, one worker process): the same greedy tokens and logprobs as one device
-    (itself equal to the summed deltas above) for the whole mixed batch."""
+@pytest.mark.parametrize(
+    ("family", "sharded"), [("llama", False), ("llama", True), ("qwen3_moe", False)]
+)
+def test_compositions_under_tensor_parallelism_equal_one_device(
+    family: str, sharded: bool, request: pytest.FixtureRequest
+) -> None:
+    """TP=2 (gloo, one worker process; ``--fully-sharded-loras`` too): the same greedy tokens
+    and logprobs as one device for the whole mixed batch, and equal to the summed deltas."""
     from tests.engine.test_tensor_parallel import assert_same_outputs
 
+    fam = request.getfixturevalue(family)
     runs = []
     for tp in (1, 2):
         llm = LLM(
-            str(llama["model"]), tensor_parallel_size=tp, dtype="float32", num_threads=1,
+            str(fam["model"]), tensor_parallel_size=tp, dtype="float32", num_threads=1,
             max_loras=3, max_lora_rank=32, skip_tokenizer_init=True,
+            fully_sharded_loras=sharded and tp > 1,
         )  # fmt: skip
         try:
-            runs.append(run_jobs(llm, llama["adapters"]))
+            runs.append(run_jobs(llm, fam["adapters"]))
         finally:
             llm.engine.shutdown()
     assert_same_outputs(runs[0], runs[1])
-    check_against(llama["ref"], JOBS, runs[1])
+    check_against(fam["ref"], JOBS, runs[1])
 
 
 def test_the_merger_never_takes_a_composition_for_its_lone_adapter(llama: dict) -> None:
