@@ -412,11 +412,11 @@ class Scheduler:
     def _free_a_slot(self, seq: Sequence, batch: ScheduledBatch) -> int | None:
         """Preempt the running sequence ``seq`` outranks that alone holds a device slot (so
         preempting it frees the slot); the budget given back, or None when there is none."""
-        users = Counter(r.slot for r in self.running if r.slot is not None)
+        users = Counter(s for r in self.running for s in r.slots)  # compositions' too
         victims = [
             r
             for r in self.running
-            if r.slot is not None and users[r.slot] == 1 and self._outranks(seq, r)
+            if any(users[s] == 1 for s in r.slots) and self._outranks(seq, r)
         ]
         return self._make_room(seq, batch, victims) if victims else None
 
