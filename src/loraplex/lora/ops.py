@@ -7,6 +7,7 @@ Backends implement the small ``LoRAOps`` protocol and are chosen once at start-u
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Protocol
 
 import torch
@@ -245,13 +246,14 @@ class TorchLoRAOps(PerModuleOps):
     ) -> None:
         """See ``LoRAOps.expand``."""
         cd = self._compute_dtype(y.dtype, bt.dtype)
-        scales = plan.run_scales
-        for i, (ts, te, rs, re, mask) in enumerate(plan.runs):
+        for (ts, te, rs, re, mask), c in zip(plan.runs, plan.run_scales or repeat(1), strict=False):
             y_run = y[ts:te, rs:re].to(cd)  # [n, r]
             if mask is not None:
                 y_run = y_run * mask  # y may hold values outside a token's own rows
+            if c != 1:
+                y_run = y_run * c  # a composed or scaled adapter's run
             delta = torch.mm(y_run, bt[rs:re].to(cd))  # [n, d_out]
-            out[ts:te].add_(delta, alpha=1.0 if scales is None else scales[i])
+            out[ts:te].add_(delta)
 
     def apply(
         self,
@@ -267,16 +269,17 @@ class TorchLoRAOps(PerModuleOps):
         xc = x if x.dtype == cd else None  # x: [T, d_in] in cd, converted once, at first need
         convert_w = a.dtype != cd  # tables not in table_dtype(): correct, but converts per run
         in_place = out.dtype == cd
-        scales = plan.run_scales  # None: every run at 1.0 (no request scales its adapter)
-        for i, (ts, te, rs, re, mask) in enumerate(plan.runs):
-            c = 1.0 if scales is None else scales[i]
+        # each run's scale: 1 (an int: no cast) unless a request scales its adapter
+        for (ts, te, rs, re, mask), c in zip(plan.runs, plan.run_scales or repeat(1), strict=False):
             a_run, bt_run = a[rs:re], bt[rs:re]  # [r, d_in], [r, d_out]: contiguous views
             if long_native and te - ts > NATIVE_RUN_TOKENS:
                 lp = x.dtype  # a prefill-sized run: x's own dtype, the rows converted
                 y = F.linear(x[ts:te], a_run.to(lp))  # [n, r]
                 if mask is not None:
                     y.mul_(mask)
-                out[ts:te].addmm_(y, bt_run.to(lp), alpha=c)  # out has x's dtype
+                if c != 1:
+                    y.mul_(c)
+                out[ts:te].addmm_(y, bt_run.to(lp))  # out has x's dtype
                 continue
             if xc is None:
                 xc = x.to(cd)
@@ -285,10 +288,12 @@ class TorchLoRAOps(PerModuleOps):
             y = F.linear(xc[ts:te], a_run)  # [n, r] = [n, d_in] @ [r, d_in].T
             if mask is not None:
                 y.mul_(mask)  # coalesced run: each token keeps only its own rows
+            if c != 1:  # a weighted run (a composed or scaled adapter's): y is [n, r], small
+                y.mul_(c)
             if in_place:
-                out[ts:te].addmm_(y, bt_run, alpha=c)  # [n, d_out] += c [n, r] @ [r, d_out]
+                out[ts:te].addmm_(y, bt_run)  # [n, d_out] += [n, r] @ [r, d_out]
             else:
-                out[ts:te].add_(torch.mm(y, bt_run), alpha=c)  # [n, d_out], cast into out's dtype
+                out[ts:te].add_(torch.mm(y, bt_run))  # [n, d_out], cast into out's dtype
 
     def embed(
         self,
