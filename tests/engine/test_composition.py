@@ -224,7 +224,7 @@ def test_abort_and_errors_give_every_component_back(llama: dict, tmp_path: Path)
     engine, ad = llm.engine, llama["adapters"]
     comp = [LoRARequest("r4", str(ad["r4"])), LoRARequest("r8", str(ad["r8"]), lora_scale=0.3)]
     llm_sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    engine.add_request("a", PROMPTS[0], llm_sp, llm._compose(comp))
+    engine.add_request("a", PROMPTS[0], llm_sp, llm.adapters_of(comp))
     engine.step()
     running = engine.running_sequences()
     assert len(running) == 1 and len(running[0].slots) == 2
@@ -283,7 +283,7 @@ def test_prefix_cache_key_is_the_set_of_digests_and_scales(llama: dict) -> None:
 
     def namespace(lora: object, salt: str | None = None) -> bytes:
         if isinstance(lora, list):
-            lora = llm._compose(lora)
+            lora = llm.adapters_of(lora)
         prepared = llm.engine.prepare_request(
             GenerationRequest("k", PROMPTS[0], adapter=lora, cache_salt=salt)  # type: ignore[arg-type]
         )
@@ -373,7 +373,10 @@ def test_the_merger_never_takes_a_composition_for_its_lone_adapter(llama: dict) 
         eng_outs: list = []
         for i, prompt in enumerate(prompts):
             eng.add_request(
-                f"{job}-{i}", prompt["prompt_token_ids"], sp, llm._compose(list(_as_list(ad, job)))
+                f"{job}-{i}",
+                prompt["prompt_token_ids"],
+                sp,
+                llm.adapters_of(list(_as_list(ad, job))),
             )
         while eng.has_unfinished_requests():
             eng_outs += [o for o in eng.step() if o.finished]

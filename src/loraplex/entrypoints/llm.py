@@ -89,7 +89,7 @@ class LLM:
         params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         choices = self._per_prompt(lora_request, n, "lora_request")
         paths = {lr.path for c in choices for lr in _lora_requests(c)}
-        loras = [self._compose(c) for c in choices]
+        loras = [self.adapters_of(c) for c in choices]
         ids = [f"gen-{next(self._ids)}" for _ in range(n)]
         cache = self.engine.adapters
         if cache is None:
@@ -97,7 +97,7 @@ class LLM:
         with cache.host_copies_at_least(len(paths)):
             return self._generate(ids, prompts, params, loras, use_tqdm)
 
-    def _compose(self, choice: LoRAChoice) -> LoRARequest | AdapterComposition | None:
+    def adapters_of(self, choice: LoRAChoice) -> LoRARequest | AdapterComposition | None:
         """A prompt's adapters as the engine takes them: a list of LoRARequests becomes an
         :class:`AdapterComposition` of their specs (the engine's local catalog hashes each
         directory once), each at its ``lora_scale``."""

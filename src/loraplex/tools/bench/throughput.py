@@ -189,19 +189,48 @@ def bench_compose(
 
     run(k)  # warm-up: every adapter in its slot
     rates = _best_of(repeats, {c: functools.partial(run, c) for c in (1, k)})
+    steps = {c: decode_step_ms(llm, prompts, choices[c], new_tokens) for c in (1, k)}
     nbytes = step_bytes(llm, adapters, llm.engine.adapters.bank.dtype.itemsize)
     distinct = {c: len({a for ch in choices[c] for a in _paths(ch)}) for c in (1, k)}
     b1, bk = (nbytes[16] if distinct[c] == 16 else float("nan") for c in (1, k))
+    for c, label in (
+        (1, "one adapter each (16 distinct)"),
+        (k, f"each composing {k} (16 distinct)"),
+    ):
+        print(
+            f"{label:<34}{rates[c]:>8.1f} tok/s   decode step min {steps[c][0]:6.2f} ms, "
+            f"median {steps[c][1]:6.2f} ms   step reads {(b1 if c == 1 else bk) / 2**20:.1f} MiB"
+        )
     print(
-        f"{'one adapter each (16 distinct)':<40}{rates[1]:>10.1f} tok/s   step reads {b1 / 2**20:.1f} MiB"
+        f"composed / single: tok/s {rates[k] / rates[1]:.3f}, min step "
+        f"{steps[1][0] / steps[k][0]:.3f}  (byte bound {b1 / bk:.3f}: each distinct adapter "
+        "read once per step)"
     )
-    print(
-        f"{f'each composing {k} (16 distinct)':<40}{rates[k]:>10.1f} tok/s   step reads {bk / 2**20:.1f} MiB"
-    )
-    print(
-        f"composed / single = {rates[k] / rates[1]:.3f}  (byte bound {b1 / bk:.3f}: each distinct "
-        f"adapter read once per step; = {rates[k] / rates[1] / (b1 / bk):.3f} of it)"
-    )
+
+
+def decode_step_ms(
+    llm: Any, prompts: list[list[int]], choices: list[Any], steps: int
+) -> tuple[float, float]:
+    """(min, median) ms of a decode step with every prompt in decode, one request per prompt
+    with its adapters of ``choices`` (single steps: the minimum is robust to a busy machine)."""
+    from loraplex import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i, (prompt, choice) in enumerate(zip(prompts, choices, strict=True)):
+        eng.add_request(f"step-{i}", prompt, sp, llm.adapters_of(choice))
+    while (
+        any(s.num_computed_tokens < len(s.prompt_token_ids) for s in eng.running_sequences())
+        or eng.num_waiting
+    ):
+        eng.step()  # prefill
+    times = []
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times = times[:-1] or times  # the last step finishes the requests
+    return min(times), sorted(times)[len(times) // 2]
 
 
 def _paths(choice: Any) -> list[str]:
