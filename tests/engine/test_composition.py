@@ -14,7 +14,6 @@ when it ends, aborts or fails; bad compositions fail alone with a clear error.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -310,7 +309,6 @@ def test_prefix_cache_key_is_the_set_of_digests_and_scales(llama: dict) -> None:
     assert salted != namespace([lr("r4"), lr("r8", 0.5)], salt="tenant-b")
     d4 = llm.engine.intake.adapter_spec(lr("r4")).sha256
     assert composition_namespace([(d4, 1.0)]) == bytes.fromhex(d4)
-    assert math.isfinite(len(salted))
     assert llm.engine.is_idle()
 
 
