@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.types import AdapterComposition, AdapterSpec, InvalidRequestError
+from loraplex.types import (
+    AdapterComposition,
+    AdapterSpec,
+    InvalidRequestError,
+    check_adapter_scale,
+)
 
 _MAX_LOGPROBS = 20
 
@@ -209,11 +214,19 @@ class LoRARequest:
     hashes the directory's files: the digest, never the name or the path, is the cache key).
     Accepts vLLM's form too: ``LoRARequest("sql", 1, "/path")`` (the integer id is ignored —
     loraplex identifies adapters by the sha256 of their contents, never by an id).
+
+    ``lora_scale`` (vLLM PR #52757's name): the strength the adapter's delta is added with, on
+    top of its own alpha / r; 1.0 is the adapter as trained, 0 the base model, a negative scale
+    subtracts it. Finite and ``|lora_scale| <= MAX_ADAPTER_SCALE`` (100). Not part of the
+    request's identity (``==``): a scale takes no adapter slot of its own. Several
+    ``LoRARequest`` s for one prompt (``LLM.generate``'s per-prompt list) compose, each at its
+    ``lora_scale``.
     """
 
     name: str
     path: str
     revision: str | None = None
+    lora_scale: float = field(default=1.0, compare=False)
 
     def __init__(
         self,
@@ -223,6 +236,7 @@ class LoRARequest:
         *,
         revision: str | None = None,
         lora_path: str | Path | None = None,
+        lora_scale: float = 1.0,
     ) -> None:
         if isinstance(path_or_id, int) and not isinstance(path_or_id, bool):
             path_or_id = None
@@ -236,6 +250,7 @@ class LoRARequest:
         self.name = name
         self.path = str(p)
         self.revision = revision
+        self.lora_scale = check_adapter_scale(lora_scale, param="lora_scale")
 
     @property
     def lora_name(self) -> str:

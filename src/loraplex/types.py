@@ -9,6 +9,7 @@ cache: so they live here, at the bottom layer.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 BASE_NAMESPACE = b"loraplex-base"
@@ -79,6 +80,28 @@ class AdapterSpec:
 MAX_COMPOSED_ADAPTERS = 4
 """The most adapters one request may compose (each costs one more LoRA pass over its tokens)."""
 
+MAX_ADAPTER_SCALE = 100.0
+"""The largest ``|scale|`` a request may give an adapter (``lora_scale``, a composition's
+weights): far past any useful strength (1.0 is the adapter as trained), small enough that a
+scaled delta stays well inside every float dtype's range."""
+
+
+def check_adapter_scale(scale: object, *, param: str = "lora_scale") -> float:
+    """``scale`` as a float when it is a real number, finite and ``|scale| <=``
+    :data:`MAX_ADAPTER_SCALE`; else :class:`InvalidRequestError` naming ``param``."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise InvalidRequestError(
+            f"{param} must be a number, got {type(scale).__name__}", param=param
+        )
+    value = float(scale)
+    if not math.isfinite(value) or abs(value) > MAX_ADAPTER_SCALE:
+        raise InvalidRequestError(
+            f"{param} must be finite and within [-{MAX_ADAPTER_SCALE:g}, {MAX_ADAPTER_SCALE:g}], "
+            f"got {scale!r}",
+            param=param,
+        )
+    return value
+
 
 @dataclass(frozen=True, slots=True)
 class ScaledAdapter:
@@ -88,6 +111,9 @@ class ScaledAdapter:
 
     spec: AdapterSpec
     scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scale", check_adapter_scale(self.scale, param="scale"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,16 +132,18 @@ class AdapterComposition:
     components: tuple[ScaledAdapter, ...]
 
     def __post_init__(self) -> None:
+        # InvalidRequestError is a ValueError: callers catching ValueError still do
         if not self.components:
-            raise ValueError("an adapter composition needs at least one component")
+            raise InvalidRequestError("an adapter composition needs at least one component")
         if len(self.components) > MAX_COMPOSED_ADAPTERS:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"an adapter composition has at most {MAX_COMPOSED_ADAPTERS} components, "
                 f"got {len(self.components)}"
             )
         digests = [c.spec.sha256 for c in self.components]
         if len(set(digests)) != len(digests):
-            raise ValueError("an adapter composition names one adapter twice")
+            twice = next(c.spec.name for c in self.components if digests.count(c.spec.sha256) > 1)
+            raise InvalidRequestError(f"an adapter composition names one adapter twice ({twice!r})")
 
     @property
     def name(self) -> str:

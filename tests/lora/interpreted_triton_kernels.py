@@ -244,3 +244,63 @@ def test_activated_lora_in_a_mixed_batch_on_the_triton_path(
         assert got.token_ids == want, (name, ids)
         worst = logprob_gap(got.logprobs, ref_lp)
         assert worst < SAMPLE_TOL, (name, worst)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_adds_each_composed_adapter_with_its_weight(dtype: torch.dtype) -> None:
+    """A weighted plan in layers (composed requests, a scaled adapter, base tokens): the
+    expand kernel scales each segment and runs one layer per launch."""
+    from tests.lora.test_composed_ops import CAP, T, composed_plan, explicit
+
+    g = torch.Generator().manual_seed(_seed("composed", dtype))
+    x = torch.randn(T, 40, generator=g).to(dtype)
+    a = (0.3 * torch.randn(CAP, 40, generator=g)).to(dtype)
+    bt = (0.3 * torch.randn(CAP, 24, generator=g)).to(dtype)
+    at = (0.3 * torch.randn(30, CAP, generator=g)).to(dtype)
+    ids = torch.randint(0, 30, (T,), generator=g)
+    base = torch.randn(T, 24, generator=g).to(dtype)
+    plan = composed_plan(dtype)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.03)
+    got = base.clone()
+    TritonLoRAOps().apply(x, a, bt, got, plan)
+    torch.testing.assert_close(got.double(), explicit(x, a, bt, base), **tol)
+    got = base.clone()
+    TritonLoRAOps().embed(ids, at, bt, got, plan)
+    onehot = torch.eye(30, dtype=torch.float64)[ids]
+    want = explicit(onehot, at.T.contiguous(), bt, base)
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_compositions_in_a_mixed_batch_on_the_triton_path(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``tests/engine/test_composition.py``'s batch (ranks 4/8/32 on different modules,
+    compositions of 2 and 3 with a negative and a zero scale, a scaled adapter, the base) on
+    the Triton kernels (a MoE's grouped experts too): equal to the summed deltas."""
+    from loraplex import LLM
+    from loraplex.model.moe_triton import TritonGroupedExperts
+    from loraplex.testing import make_random_model
+    from tests.engine.test_composition import (
+        JOBS,
+        SummedReference,
+        _llama_adapters,
+        _moe_adapters,
+        check_against,
+        run_jobs,
+    )
+
+    root = tmp_path_factory.mktemp(f"compose-{family}")
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    model = make_random_model(
+        root / "model", family, num_layers=2, seed=9, with_tokenizer=False,
+        **(moe if family == "qwen3_moe" else {}),
+    )  # fmt: skip
+    adapters = (_moe_adapters if family == "qwen3_moe" else _llama_adapters)(model, root)
+    llm = LLM(str(model), max_loras=3, max_lora_rank=32, dtype="float32", skip_tokenizer_init=True)
+    assert llm.engine.model.lora is not None
+    llm.engine.model.lora.ops = TritonLoRAOps()
+    if hasattr(llm.engine.model, "moe"):
+        llm.engine.model.use_grouped_experts(TritonGroupedExperts())
+    outs = run_jobs(llm, adapters)
+    check_against(SummedReference(model, adapters), JOBS, outs)

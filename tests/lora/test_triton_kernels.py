@@ -15,6 +15,7 @@ from tests.interpreted import run_interpreted
 
 def test_triton_kernels_match_the_torch_reference_under_the_interpreter() -> None:
     # every case ran: 26 kernel cases, one served mixed batch per architecture family, the
-    # two MoE architectures, and an activated LoRA's mixed batch
-    want = 26 + len(FAMILIES) + 2 + 1
+    # two MoE architectures, an activated LoRA's mixed batch, and composed adapters (2 kernel
+    # cases, a served Llama and Qwen3-MoE batch)
+    want = 26 + len(FAMILIES) + 2 + 1 + 4
     run_interpreted(Path(__file__).parent / "interpreted_triton_kernels.py", want)

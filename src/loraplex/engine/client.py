@@ -273,9 +273,10 @@ class EngineClient:
         return self.engine.waiting_adapter_digests()
 
     def waiting_adapter_counts(self) -> dict[str, int]:
-        """Digest -> sequences waiting in the scheduler with that adapter."""
+        """Digest -> sequences waiting in the scheduler with that adapter (a composition
+        counts for each of its adapters)."""
         waiting = self.engine.scheduler.waiting_sequences()  # the loading queue too
-        return dict(Counter(s.adapter.ref.sha256 for s in waiting if s.adapter is not None))
+        return dict(Counter(a.ref.sha256 for s in waiting for a in s.adapters))
 
     def device_adapter_digests(self) -> list[str]:
         """Digests of the adapters whose weights are in a device slot (idle or busy)."""

@@ -22,8 +22,18 @@ from loraplex.engine.detokenizer import make_detokenizer
 from loraplex.engine.scheduling import SchedulingPolicy
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.structured import GrammarState, StructuredOutputBackend
+from loraplex.lora.adapter import LoRAAdapter
 from loraplex.requests import GenerationRequest, LoRARequest, SamplingParams
-from loraplex.types import AdapterRef, AdapterSpec, InvalidRequestError
+from loraplex.types import (
+    MAX_COMPOSED_ADAPTERS,
+    AdapterComposition,
+    AdapterError,
+    AdapterRef,
+    AdapterSpec,
+    InvalidRequestError,
+    ScaledAdapter,
+    check_adapter_scale,
+)
 
 
 @dataclass
@@ -37,6 +47,8 @@ class EngineRequest:
     seqs: list[Sequence]
     adapter_ref: AdapterRef | None
     arrival: float
+    composition: AdapterComposition | None = None
+    """The adapters it composes as asked (names, scales; zero scales included), if it does."""
 
 
 @dataclass
@@ -232,16 +244,19 @@ class RequestIntake:
         return max_tokens
 
     def _check_params(
-        self, params: SamplingParams, adapter: AdapterSpec | LoRARequest | None
+        self, params: SamplingParams, adapter: AdapterSpec | LoRARequest | AdapterComposition | None
     ) -> None:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(
                 "stop strings need a tokenizer (skip_tokenizer_init=True was set); "
                 "use stop_token_ids"
             )
-        if adapter is not None and not isinstance(adapter, (AdapterSpec, LoRARequest)):
+        if adapter is not None and not isinstance(
+            adapter, (AdapterSpec, LoRARequest, AdapterComposition)
+        ):
             raise InvalidRequestError(
-                f"lora_request must be a LoRARequest (or None), got {type(adapter).__name__}",
+                "lora_request must be a LoRARequest, a list of them (composed) or None, got "
+                f"{type(adapter).__name__}",
                 param="lora_request",
             )
         if adapter is not None and self.adapters is None:
@@ -268,6 +283,72 @@ class RequestIntake:
         assert self.catalog is not None
         return self.catalog.spec(adapter)
 
+    def composition(
+        self, adapter: AdapterSpec | LoRARequest | AdapterComposition | None
+    ) -> AdapterComposition | None:
+        """The request's adapters as a composition when they are one: an
+        :class:`AdapterComposition` (checked again here: at most ``MAX_COMPOSED_ADAPTERS``,
+        distinct, finite bounded scales), or a ``LoRARequest`` whose ``lora_scale`` is not 1.0
+        (a composition of one). None for a plain adapter or the base model."""
+        if isinstance(adapter, LoRARequest) and adapter.lora_scale != 1.0:
+            spec = self.adapter_spec(adapter)
+            assert spec is not None
+            return AdapterComposition((ScaledAdapter(spec, adapter.lora_scale),))
+        if not isinstance(adapter, AdapterComposition):
+            return None
+        comps = adapter.components
+        if not 1 <= len(comps) <= MAX_COMPOSED_ADAPTERS:
+            raise InvalidRequestError(
+                f"a request composes 1 to {MAX_COMPOSED_ADAPTERS} adapters, got {len(comps)}",
+                param="lora_request",
+            )
+        for c in comps:
+            check_adapter_scale(c.scale, param=f"scale of {c.spec.name!r}")
+        if len({c.spec.sha256 for c in comps}) != len(comps):
+            raise InvalidRequestError(
+                "a request's composition names one adapter twice", param="lora_request"
+            )
+        return adapter
+
+    def _acquire_components(
+        self, comp: AdapterComposition
+    ) -> tuple[list[LoRAAdapter], list[float], bool]:
+        """Host copies (one request reference each) of ``comp``'s adapters with a non-zero
+        scale, their scales, and whether all were warm. Zero-scale components are loaded too
+        (a component that cannot serve fails the request whatever its scale), then let go.
+        On error nothing is held."""
+        assert self.adapters is not None
+        held: list[LoRAAdapter] = []
+        kept: list[tuple[LoRAAdapter, float]] = []
+        warm = True
+        try:
+            for c in comp.components:
+                try:
+                    copy, was_warm = self.adapters.acquire(c.spec)
+                except AdapterError as e:
+                    if len(comp.components) > 1 and e.args:  # say which component failed
+                        e.args = (f"component {c.spec.name!r} of {comp.name}: {e.args[0]}",)
+                    raise
+                held.append(copy)
+                warm = warm and was_warm
+                composed = len(comp.components) > 1 or c.scale != 1.0
+                if composed and copy.alora_invocation_tokens is not None:
+                    raise InvalidRequestError(
+                        f"adapter {c.spec.name!r} is an activated LoRA (aLoRA): it cannot be "
+                        "composed or scaled; request it alone at scale 1.0",
+                        param="lora_request",
+                    )
+                if c.scale != 0.0:
+                    kept.append((copy, c.scale))
+        except BaseException:
+            for copy in held:
+                self.adapters.release(copy)
+            raise
+        for copy in held:  # zero-scale components: checked, not kept
+            if all(copy is not k for k, _ in kept):
+                self.adapters.release(copy)
+        return [k for k, _ in kept], [w for _, w in kept], warm
+
     # -- preparing -----------------------------------------------------------------------------
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Everything that can fail or take time, done before the engine loop sees the request:
@@ -291,20 +372,33 @@ class RequestIntake:
         compiled = None  # compiled on the backend's pool; this (worker) thread waits
         if params.structured is not None:
             compiled = self.structured_outputs.compile(params.structured)
-        spec = self.adapter_spec(request.adapter)
+        comp = self.composition(request.adapter)
+        if comp is not None:
+            spec: AdapterSpec | None = comp.components[0].spec
+        else:
+            spec = self.adapter_spec(request.adapter)  # type: ignore[arg-type]
         priority = self.rules.priority(params, spec)
         tenant = (spec.tenant or spec.ref.name) if spec is not None else None
-        host_copy, warm = None, True
-        if spec is not None and self.adapters is not None:
-            host_copy, warm = self.adapters.acquire(spec)
+        copies: list[LoRAAdapter] = []
+        scales: tuple[float, ...] | None = None
+        warm = True
+        if comp is not None and self.adapters is not None:
+            copies, kept, warm = self._acquire_components(comp)
+            if len(kept) > 1 or (kept and kept[0] != 1.0):
+                scales = tuple(kept)  # else: the base model, or one adapter as it is
+        elif spec is not None and self.adapters is not None:
+            copy, warm = self.adapters.acquire(spec)
+            copies = [copy]
+        host_copy = copies[0] if copies else None
         # nothing below may leave a reference behind if it raises
-        held = 1 if host_copy is not None else 0
+        held = list(copies)
         eos_ids = tuple(self.eos_token_ids)
         seqs = []
         try:
-            for _ in range(params.num_seqs - 1 if host_copy is not None else 0):
-                self.adapters.retain(host_copy)  # type: ignore[union-attr, arg-type]
-                held += 1  # one host reference per completion
+            for _ in range(params.num_seqs - 1):
+                for copy in copies:
+                    self.adapters.retain(copy)  # type: ignore[union-attr]
+                    held.append(copy)  # one host reference per completion and adapter
             for i in range(params.num_seqs):
                 gen = None
                 if params.seed is not None:  # torch seeds are 64-bit: wrap like torch does
@@ -319,6 +413,8 @@ class RequestIntake:
                     params=params,
                     max_tokens=max_tokens,
                     adapter=host_copy,
+                    composed=tuple(copies[1:]),
+                    scales=scales,
                     generator=gen,
                     eos_token_ids=eos_ids,
                     detokenizer=detok,
@@ -333,13 +429,14 @@ class RequestIntake:
                 )
                 seqs.append(seq)
         except BaseException:
-            for _ in range(held):
-                self.adapters.release(host_copy)  # type: ignore[union-attr, arg-type]
+            for copy in held:
+                self.adapters.release(copy)  # type: ignore[union-attr]
             raise
         # the ref reports the name (and revision) the request used; caches key on the digest only
+        # (a composition's: its first component's; ``composition`` names them all)
         ref = spec.ref if spec is not None else None
         arrival = request.arrival if request.arrival is not None else time.monotonic()
-        req = EngineRequest(request.request_id, text, ids, seqs, ref, arrival)
+        req = EngineRequest(request.request_id, text, ids, seqs, ref, arrival, comp)
         return PreparedRequest(req, adapter_warm=warm)
 
     def discard(self, prepared: PreparedRequest) -> None:
@@ -348,5 +445,6 @@ class RequestIntake:
             return
         prepared.consumed = True
         for seq in prepared.request.seqs:
-            if seq.adapter is not None and self.adapters is not None:
-                self.adapters.release(seq.adapter)
+            if self.adapters is not None:
+                for copy in seq.adapters:
+                    self.adapters.release(copy)

@@ -33,9 +33,12 @@ class GroupKeys:
         group: its chain is the base's or the adapter's throughout)."""
         if seq.adapter is None or len(self.groups) == 1:
             return frozenset()
-        d = seq.adapter.ref.sha256
+        d = seq.adapter_key  # a composition: its first KV layer is its adapters' first
+        assert d is not None
         if d not in self._base:
-            first = first_kv_layer(seq.adapter.weights, self.num_layers)
+            first = min(first_kv_layer(a.weights, self.num_layers) for a in seq.adapters)
+            if len(self._base) >= 4096:  # compositions are many: keep the memo bounded
+                self._base.clear()
             self._base[d] = base_groups(self.groups, first)
         return self._base[d]
 

@@ -36,7 +36,7 @@ from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.structured import StructuredOutputBackend
 from loraplex.outputs import RequestOutput
 from loraplex.requests import GenerationRequest, LoRARequest, SamplingParams
-from loraplex.types import AdapterSpec, FinishReason, InvalidRequestError
+from loraplex.types import AdapterComposition, AdapterSpec, FinishReason, InvalidRequestError
 
 _STAGING_WAIT_S = 0.05  # longest an engine with only loading sequences sleeps before rescheduling
 
@@ -59,7 +59,7 @@ class StepStats:
         return cls(
             num_seqs=len(batch.items),
             num_tokens=sum(n for _, n in batch.items),
-            distinct_adapters=len({s.adapter.ref.sha256 for s, _ in batch.items if s.adapter}),
+            distinct_adapters=len({a.ref.sha256 for s, _ in batch.items for a in s.adapters}),
             num_prompt_tokens=sum(
                 len(s.prompt_token_ids) for s in samplers if not s.output_token_ids
             ),
@@ -157,7 +157,7 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        lora_request: AdapterSpec | LoRARequest | None = None,
+        lora_request: AdapterSpec | LoRARequest | AdapterComposition | None = None,
     ) -> None:
         """Validate and queue a request (vLLM's signature: the :class:`GenerationRequest` is
         built here). Raises InvalidRequestError / AdapterError; on error nothing is queued and
@@ -223,7 +223,7 @@ class LLMEngine:
         loading = self.adapters.stage(batch)
         if not loading:
             return
-        batch.items = [(s, n) for s, n in batch.items if s.slot not in loading]
+        batch.items = [(s, n) for s, n in batch.items if loading.isdisjoint(s.slots)]
         if not batch.items:
             self.adapters.wait_staging(_STAGING_WAIT_S)
 
@@ -239,8 +239,9 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        if seq.adapter is not None and self.adapters is not None:
-            self.adapters.release(seq.adapter)
+        if self.adapters is not None:
+            for copy in seq.adapters:  # a composition's every component
+                self.adapters.release(copy)
 
     # -- introspection ---------------------------------------------------------------------------
     @property
@@ -271,7 +272,7 @@ class LLMEngine:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def waiting_adapter_digests(self) -> set[str]:
-        return {s.adapter.ref.sha256 for s in self.scheduler.waiting_sequences() if s.adapter}
+        return {a.ref.sha256 for s in self.scheduler.waiting_sequences() for a in s.adapters}
 
     def running_sequences(self) -> list[Sequence]:
         return [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING]

@@ -98,9 +98,11 @@ class ModelRunner:
         or several adapters, and it unmerges: a reference swap, never a wait); the slot that
         runs merged this step, else None."""
         assert self.merger is not None
-        digests = {s.adapter.ref.sha256 if s.adapter else None for s, _ in batch.items}
+        # a composition (several adapters, or one scaled) is keyed apart from its first
+        # adapter: a step with one is never a lone plain adapter's, and it never merges
+        digests = {s.adapter_key for s, _ in batch.items}
         seq = batch.items[0][0]
-        if len(digests) > 1 or seq.adapter is None or seq.is_alora:  # aLoRA: never merged
+        if len(digests) > 1 or seq.adapter is None or seq.is_alora or seq.is_composed:
             self.merger.before_step(None, None)
             self._merged_vocab = frozenset()
             return None
@@ -113,9 +115,9 @@ class ModelRunner:
         """Base-model sequences first, then grouped by adapter slot in row order (LoRA runs)."""
         rows = batch.slot_rows
 
-        def key(item: tuple[Sequence, int]) -> tuple[int, int]:
-            slot = item[0].slot
-            return (-1, -1) if slot is None else (rows[slot][0], slot)
+        def key(item: tuple[Sequence, int]) -> tuple[int, int, bool]:
+            slot = item[0].slot  # a composition: its first adapter's (the plan's layer 0)
+            return (-1, -1, False) if slot is None else (rows[slot][0], slot, item[0].is_composed)
 
         return sorted(batch.items, key=key)
 
@@ -253,6 +255,8 @@ class ModelRunner:
         logits_idx: list[int] = []
         samplers: list[Sequence] = []
         segments: list[tuple[int, int, int, int]] = []
+        weights: list[float] = []  # per segment: its sequence's (first) scale
+        extra: list[tuple[int, int, int, int, float]] = []  # compositions' other adapters
         prompt_rows: list[PromptLogprobRows] = []
         t = 0
         for seq, n in items:
@@ -290,12 +294,22 @@ class ModelRunner:
             if seq.slot is not None and lo is not None and (not merged or self._merged_vocab):
                 rs, re = slot_rows[seq.slot]
                 first = t + max(lo - start, 0)
+                w = seq.scales[0] if seq.scales is not None else 1.0
                 if first >= t + n:
                     pass  # the whole chunk lies before the activation point
-                elif segments and segments[-1][2] == rs and segments[-1][1] == first:
+                elif (
+                    segments
+                    and segments[-1][2] == rs
+                    and segments[-1][1] == first
+                    and weights[-1] == w
+                ):
                     segments[-1] = (segments[-1][0], t + n, rs, re)
                 else:
                     segments.append((first, t + n, rs, re))
+                    weights.append(w)
+                if seq.scales is not None and first < t + n:  # a composition's other adapters
+                    for slot, wk in zip(seq.composed_slots, seq.scales[1:], strict=True):
+                        extra.append((first, t + n, *slot_rows[slot], wk))
             t += n
         dev = self.device
         attn = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), prefills=prefills)
@@ -328,11 +342,14 @@ class ModelRunner:
         plan = None
         if segments:
             lora = self.model.lora  # the step's adapters decide which modules the plan covers
-            slots = {seq.slot for seq, _ in items if seq.slot not in (None, self._merged_slot)}
+            slots = {s for seq, _ in items for s in seq.slots if s != self._merged_slot}
             modules = lora.modules_for(slots) if lora is not None else None
             if modules is not None and self._merged_slot is not None:
                 modules |= self._merged_vocab  # a merged adapter's embed_tokens / lm_head
-            plan = plan_lora_batch(t, segments, self.model.dtype, dev, self.lora_costs, modules)
+            plan = plan_lora_batch(
+                t, segments, self.model.dtype, dev, self.lora_costs, modules,
+                weights=weights if any(w != 1.0 for w in weights) else None, extra=extra,
+            )  # fmt: skip
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),

@@ -72,10 +72,14 @@ class ScheduledBatch:
         return not self.items
 
     def slot_adapters(self) -> dict[int, LoRAAdapter]:
-        """slot -> the adapter reserved in it, for every slot this batch uses."""
-        return {
-            s.slot: s.adapter for s, _ in self.items if s.slot is not None and s.adapter is not None
-        }
+        """slot -> the adapter reserved in it, for every slot this batch uses (a composed
+        request's every component included)."""
+        got: dict[int, LoRAAdapter] = {}
+        for s, _ in self.items:
+            if s.slot is not None and s.adapter is not None:
+                got[s.slot] = s.adapter
+                got.update(zip(s.composed_slots, s.composed, strict=False))
+        return got
 
 
 def rank_bucket(rank: int, budgets: Mapping[int, int]) -> int | None:
@@ -195,9 +199,15 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.kv.free(seq.block_tables)
         seq.block_tables = []
-        if seq.slot is not None and self.adapters is not None:
-            self.adapters.release_slot(seq.slot)
+        self._release_slots(seq)
+
+    def _release_slots(self, seq: Sequence) -> None:
+        """Give back every device slot ``seq`` holds (a composition's components' too)."""
+        if self.adapters is not None:
+            for slot in seq.slots:
+                self.adapters.release_slot(slot)
         seq.slot = None
+        seq.composed_slots = []
 
     def _preempt(self, seq: Sequence) -> None:
         """Free everything and requeue at the front; its tokens are recomputed later."""
@@ -316,40 +326,48 @@ class Scheduler:
         return batch
 
     def _slot_budget_full(self, seq: Sequence, in_use: dict[int, set[int]]) -> bool:
-        """Whether ``seq``'s adapter would need one more slot of a rank bucket at its budget."""
+        """Whether ``seq``'s adapters (a composition's every component) would need more slots
+        of a rank bucket than its budget leaves."""
         if not self.rank_slot_budgets or seq.adapter is None:
             return False
-        bucket = rank_bucket(seq.adapter.rank, self.rank_slot_budgets)
-        if bucket is None:
-            return False
-        d = seq.adapter.ref.sha256
-        if any(s.adapter is not None and s.adapter.ref.sha256 == d for s in self.running):
-            return False  # its slot is in use already
-        return len(in_use.get(bucket, ())) >= self.rank_slot_budgets[bucket]
+        running = {a.ref.sha256 for s in self.running for a in s.adapters}
+        need: dict[int, int] = {}
+        for a in seq.adapters:
+            bucket = rank_bucket(a.rank, self.rank_slot_budgets)
+            if bucket is not None and a.ref.sha256 not in running:  # else: its slot is in use
+                need[bucket] = need.get(bucket, 0) + 1
+        return any(len(in_use.get(b, ())) + n > self.rank_slot_budgets[b] for b, n in need.items())
 
     def _slots_in_use(self) -> dict[int, set[int]]:
         """Rank bucket -> slots that running sequences hold."""
         used: dict[int, set[int]] = {}
         for s in self.running:
-            if s.adapter is not None and s.slot is not None:
-                b = rank_bucket(s.adapter.rank, self.rank_slot_budgets)
+            for a, slot in zip(s.adapters, s.slots, strict=False):
+                b = rank_bucket(a.rank, self.rank_slot_budgets)
                 if b is not None:
-                    used.setdefault(b, set()).add(s.slot)
+                    used.setdefault(b, set()).add(slot)
         return used
 
     def _reserve(self, seq: Sequence, in_use: dict[int, set[int]]) -> bool:
-        """Give ``seq`` its adapter's slot; False (nothing held) when it must wait for one."""
+        """Give ``seq`` its adapters' slots (all of a composition's, or none); False (nothing
+        held) when it must wait for one."""
         if seq.adapter is None or self.adapters is None or seq.slot is not None:
             return True
         if self._slot_budget_full(seq, in_use):
             return False
-        slot = self.adapters.reserve_slot(seq.adapter)
-        if slot is None:
-            return False
-        seq.slot = slot
-        b = rank_bucket(seq.adapter.rank, self.rank_slot_budgets)
-        if b is not None:
-            in_use.setdefault(b, set()).add(slot)
+        got: list[int] = []
+        for a in seq.adapters:
+            slot = self.adapters.reserve_slot(a)
+            if slot is None:
+                for s in got:
+                    self.adapters.release_slot(s)
+                return False
+            got.append(slot)
+        seq.slot, seq.composed_slots = got[0], got[1:]
+        for a, slot in zip(seq.adapters, got, strict=True):
+            b = rank_bucket(a.rank, self.rank_slot_budgets)
+            if b is not None:
+                in_use.setdefault(b, set()).add(slot)
         return True
 
     def _retry_loading(self, in_use: dict[int, set[int]]) -> None:
@@ -361,7 +379,7 @@ class Scheduler:
         ready: list[Sequence] = []
         still: deque[Sequence] = deque()
         for seq in self.loading:
-            d = seq.adapter.ref.sha256 if seq.adapter is not None else ""
+            d = seq.adapter_key or ""
             if d not in failed and self._reserve(seq, in_use):
                 ready.append(seq)
             else:
@@ -394,11 +412,11 @@ class Scheduler:
     def _free_a_slot(self, seq: Sequence, batch: ScheduledBatch) -> int | None:
         """Preempt the running sequence ``seq`` outranks that alone holds a device slot (so
         preempting it frees the slot); the budget given back, or None when there is none."""
-        users = Counter(r.slot for r in self.running if r.slot is not None)
+        users = Counter(s for r in self.running for s in r.slots)  # compositions' too
         victims = [
             r
             for r in self.running
-            if r.slot is not None and users[r.slot] == 1 and self._outranks(seq, r)
+            if any(users[s] == 1 for s in r.slots) and self._outranks(seq, r)
         ]
         return self._make_room(seq, batch, victims) if victims else None
 
@@ -460,9 +478,7 @@ class Scheduler:
                     break
                 budget += freed
             if not self.kv.fits(hits, computed + n, hits):
-                if seq.slot is not None and self.adapters is not None:
-                    self.adapters.release_slot(seq.slot)
-                    seq.slot = None
+                self._release_slots(seq)
                 break  # memory is FCFS: stop admitting
             self.kv.touch(hits)
             seq.kv_shared = [len(t) for t in hits]
@@ -482,9 +498,8 @@ class Scheduler:
             budget -= n
         self._rebuild_waiting(to_loading)  # admitted ones are RUNNING now
         for seq in self.waiting:  # reserved by the loading retry but not admitted: give back
-            if seq.slot is not None and self.adapters is not None:
-                self.adapters.release_slot(seq.slot)
-                seq.slot = None
+            if seq.slot is not None:
+                self._release_slots(seq)
 
     def _record_sharing(self, seq: Sequence, hit_blocks: int) -> None:
         """Count ``seq``'s prefix lookup by adapter, and its hits on base-keyed blocks."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.kv.block_pool import alora_namespace, salted_namespace
+from loraplex.kv.block_pool import alora_namespace, composition_namespace, salted_namespace
 from loraplex.kv.groups import NULL_BLOCK
 from loraplex.lora.peft.activation import activation_start
 from loraplex.outputs import TokenLogprob
@@ -56,6 +56,14 @@ class Sequence:
     in them are never written (a group may hit further than the tokens the sequence skips)."""
     num_published_blocks: int = 0
     slot: int | None = None  # device LoRA slot while running
+    composed: tuple[LoRAAdapter, ...] = ()
+    """A composed request's other adapters (host copies, one request reference each), after
+    ``adapter``, its first; empty for a plain adapter."""
+    scales: tuple[float, ...] | None = None
+    """Per component (``adapter`` first, then ``composed``), the scale its delta is added with;
+    None: a plain adapter at 1.0. Zero scales never get here (the intake drops them)."""
+    composed_slots: list[int] = field(default_factory=list)
+    """The device slots of ``composed``, in order, while running (reserved with ``slot``)."""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
@@ -94,6 +102,12 @@ class Sequence:
         self._namespace = self._base_namespace
         if self.adapter is None:
             return
+        if self.scales is not None:  # a composition (never of an aLoRA: the intake refuses it)
+            self.lora_start = 0
+            parts = zip(self.adapters, self.scales, strict=True)
+            ns = composition_namespace([(a.ref.sha256, s) for a, s in parts])
+            self._namespace = salted_namespace(ns, self.cache_salt)
+            return
         ns = self.adapter.ref.namespace
         invocation = self.adapter.alora_invocation_tokens
         if invocation is None:
@@ -104,6 +118,34 @@ class Sequence:
                 return  # the base model throughout: base KV, base keys
             ns = alora_namespace(ns, self.lora_start)
         self._namespace = salted_namespace(ns, self.cache_salt)
+
+    @property
+    def adapters(self) -> tuple[LoRAAdapter, ...]:
+        """Every adapter of the request (one request reference each): ``adapter``, then
+        ``composed``; empty for the base model."""
+        return () if self.adapter is None else (self.adapter, *self.composed)
+
+    @property
+    def is_composed(self) -> bool:
+        """Several adapters, or one at a scale other than 1.0: the plan weighs them."""
+        return self.scales is not None
+
+    @property
+    def slots(self) -> list[int]:
+        """The device slots the sequence holds (``slot``, then ``composed_slots``)."""
+        return ([] if self.slot is None else [self.slot]) + self.composed_slots
+
+    @property
+    def adapter_key(self) -> str | None:
+        """What the sequence's LoRA work is keyed by: its adapter's digest, or for a
+        composition ``"composed:"`` and its namespace's hex (never a plain digest); None for
+        the base model."""
+        if self.adapter is None:
+            return None
+        if self.scales is None:
+            return self.adapter.ref.sha256
+        parts = zip(self.adapters, self.scales, strict=True)
+        return "composed:" + composition_namespace([(a.ref.sha256, s) for a, s in parts]).hex()
 
     @property
     def is_alora(self) -> bool:

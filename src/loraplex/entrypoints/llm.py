@@ -11,10 +11,27 @@ from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.outputs import RequestOutput
 from loraplex.requests import LoRARequest, SamplingParams
-from loraplex.types import InvalidRequestError
+from loraplex.types import (
+    MAX_COMPOSED_ADAPTERS,
+    AdapterComposition,
+    InvalidRequestError,
+    ScaledAdapter,
+)
 
 Prompt = str | list[int] | dict[str, Any]
 """A string, token ids, or vLLM's dict forms ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``."""
+
+LoRAChoice = LoRARequest | Sequence[LoRARequest] | None
+"""One prompt's adapters: one (at its ``lora_scale``), several that compose, or None (base)."""
+
+
+def _lora_requests(choice: Any) -> list[LoRARequest]:
+    """The LoRARequests of one prompt's choice (for counting distinct directories)."""
+    if isinstance(choice, LoRARequest):
+        return [choice]
+    if isinstance(choice, (list, tuple)):
+        return [c for c in choice if isinstance(c, LoRARequest)]
+    return []
 
 
 class LLM:
@@ -37,12 +54,23 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRAChoice] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         ``lora_request`` is one request for all prompts or a list with one per prompt (None = base).
+        A prompt's entry may itself be a list of ``LoRARequest`` s: they compose (vLLM RFC
+        #51940), each added at its ``lora_scale``::
+
+            llm.generate(["q1", "q2"], lora_request=[
+                [LoRARequest("domain", path=d), LoRARequest("style", path=s, lora_scale=0.5)],
+                LoRARequest("domain", path=d, lora_scale=0.8),   # one adapter, scaled
+            ])
+
+        At most ``MAX_COMPOSED_ADAPTERS`` (4) distinct adapters per prompt; a bad list (empty,
+        too long, an adapter twice, a non-finite or out-of-range scale) raises
+        InvalidRequestError.
         Any invalid prompt or adapter raises before anything runs. Every adapter of the call is
         held in host memory until the call ends, so for its duration the ``max_cpu_loras``
         count grows to the number of distinct adapter paths in the call (the byte budget,
@@ -59,20 +87,57 @@ class LLM:
         prompts = [self._unwrap(p) for p in prompts]  # type: ignore[union-attr]
         n = len(prompts)
         params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
-        loras = self._per_prompt(lora_request, n, "lora_request")
+        choices = self._per_prompt(lora_request, n, "lora_request")
+        paths = {lr.path for c in choices for lr in _lora_requests(c)}
+        loras = [self.adapters_of(c) for c in choices]
         ids = [f"gen-{next(self._ids)}" for _ in range(n)]
         cache = self.engine.adapters
         if cache is None:
             return self._generate(ids, prompts, params, loras, use_tqdm)
-        with cache.host_copies_at_least(len({lr.path for lr in loras if lr is not None})):
+        with cache.host_copies_at_least(len(paths)):
             return self._generate(ids, prompts, params, loras, use_tqdm)
+
+    def adapters_of(self, choice: LoRAChoice) -> LoRARequest | AdapterComposition | None:
+        """A prompt's adapters as the engine takes them: a list of LoRARequests becomes an
+        :class:`AdapterComposition` of their specs (the engine's local catalog hashes each
+        directory once), each at its ``lora_scale``."""
+        if not isinstance(choice, (list, tuple)):
+            return choice
+        if not choice:
+            raise InvalidRequestError(
+                "an empty list of LoRA requests for a prompt; pass None for the base model",
+                param="lora_request",
+            )
+        if len(choice) > MAX_COMPOSED_ADAPTERS:
+            raise InvalidRequestError(
+                f"a prompt composes at most {MAX_COMPOSED_ADAPTERS} adapters, got {len(choice)}",
+                param="lora_request",
+            )
+        bad = next((c for c in choice if not isinstance(c, LoRARequest)), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"a prompt's list of adapters holds a {type(bad).__name__}, not a LoRARequest",
+                param="lora_request",
+            )
+        if self.engine.adapters is None:
+            raise InvalidRequestError(
+                "adapters requested but LoRA is disabled (enable_lora)", param="lora_request"
+            )
+        specs = [self.engine.intake.adapter_spec(lr) for lr in choice]
+        return AdapterComposition(
+            tuple(
+                ScaledAdapter(spec, lr.lora_scale)
+                for spec, lr in zip(specs, choice, strict=True)
+                if spec is not None
+            )
+        )
 
     def _generate(
         self,
         ids: list[str],
         prompts: list[str | list[int]],
         params: list[SamplingParams],
-        loras: list[LoRARequest | None],
+        loras: list[LoRARequest | AdapterComposition | None],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         n = len(ids)

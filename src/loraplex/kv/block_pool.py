@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from loraplex.types import BASE_NAMESPACE
 
@@ -32,6 +32,28 @@ def salted_namespace(namespace: bytes, salt: str | None) -> bytes:
     h.update(namespace)
     h.update(salt.encode("utf-8", "surrogatepass"))
     return b"salt:" + h.digest()
+
+
+def composition_namespace(components: Iterable[tuple[str, float]]) -> bytes:
+    """The prefix-cache namespace of a request composing adapters ``(sha256 hex, scale)``: the
+    same set in any order gives the same key, a zero-scale component is left out, and what is
+    left decides::
+
+        nothing left                      -> BASE_NAMESPACE
+        one adapter at scale 1.0          -> that adapter's own namespace (its digest)
+        else  blake2b("loraplex-compose" || for (digest, scale) sorted: digest || float64 scale)
+
+    (``-0.0`` and ``0.0`` alike are dropped; a scale is keyed by its exact float64 bits.)"""
+    kept = sorted((d, float(s)) for d, s in components if float(s) != 0.0)
+    if not kept:
+        return BASE_NAMESPACE
+    if len(kept) == 1 and kept[0][1] == 1.0:
+        return bytes.fromhex(kept[0][0])
+    h = hashlib.blake2b(digest_size=32, person=b"loraplex-compose")
+    for digest, scale in kept:
+        h.update(bytes.fromhex(digest))
+        h.update(struct.pack("<d", scale))
+    return b"compose:" + h.digest()
 
 
 def alora_namespace(namespace: bytes, start: int) -> bytes:

@@ -86,12 +86,22 @@ class PreparedModules:
 
 
 class KernelSegments:
-    """``(ts, te, rs, re)`` segments as the int64 array the kernel reads, and its address."""
+    """``(ts, te, rs, re)`` segments (disjoint in tokens) as the int64 array the kernel reads,
+    and its address; their weights as float32 (None: all 1.0, a null pointer)."""
 
-    def __init__(self, segments: Sequence[tuple[int, int, int, int]]) -> None:
+    def __init__(
+        self,
+        segments: Sequence[tuple[int, int, int, int]],
+        weights: Sequence[float] | None = None,
+    ) -> None:
         self.array = np.array(segments, dtype=np.int64).reshape(-1, 4)  # [n, 4], C order
         self.count = self.array.shape[0]
         self.address = self.array.ctypes.data
+        self.weights = None
+        self.weights_address = None
+        if weights is not None and any(w != 1.0 for w in weights):
+            self.weights = np.array(weights, dtype=np.float32)  # [n]
+            self.weights_address = self.weights.ctypes.data
 
 
 class KernelCannotRead(Exception):
@@ -111,7 +121,7 @@ class LoRAKernel:
         self.features = frozenset(name for name, bit in FEATURE_BITS.items() if bits & bit)
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         fn.argtypes = [
-            ptr, i64, i32, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, i64, i32, ptr, i64, i32
+            ptr, i64, i32, i64, i64, ptr, ptr, i32, ptr, ptr, ptr, i64, i32, ptr, i64, ptr, i32
         ]  # fmt: skip
         fn.restype = i32
         self._lib, self._fn = lib, fn
@@ -121,14 +131,14 @@ class LoRAKernel:
         self, x: torch.Tensor, out: torch.Tensor, group: PreparedModules, segments: KernelSegments
     ) -> None:
         """For every module ``(a, bt, lo, hi)`` of ``group``:
-        ``out[t, lo:hi] += x[t] @ a[rs:re].T @ bt[rs:re]`` for every ``(ts, te, rs, re)`` row
-        of ``segments`` and ``t`` in ``[ts, te)``. The caller has checked x,
+        ``out[t, lo:hi] += w * x[t] @ a[rs:re].T @ bt[rs:re]`` for every ``(ts, te, rs, re)``
+        row of ``segments`` (weight ``w``) and ``t`` in ``[ts, te)``. The caller has checked x,
         out and the segments against ``group`` (``CPUKernelLoRAOps.apply_many``)."""
         rc = self._fn(
             x.data_ptr(), x.stride(0), ELEMENT_TYPES[x.dtype], group.d_in, group.count,
             group.a_ptrs, group.bt_ptrs, group.w_type, out.data_ptr(), group.cols, group.d_out,
             out.stride(0), ELEMENT_TYPES[out.dtype], segments.address, segments.count,
-            torch.get_num_threads() if self.shared_threads else 1,
+            segments.weights_address, torch.get_num_threads() if self.shared_threads else 1,
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("LoRA CPU kernel: cannot allocate its scratch rows")
@@ -147,8 +157,9 @@ def _self_check(kernel: LoRAKernel) -> None:
     (tails of every vector loop) and ranks 3 and 8 (the four-row blocks and their remainder)."""
     g = torch.Generator().manual_seed(0)
     segs = [(0, 2, 0, 8), (3, 4, 8, 11), (4, 7, 11, 19)]
-    plan = plan_lora_batch(7, segs, torch.float32, "cpu")
-    arr = KernelSegments(segs)
+    weights = [1.0, -0.5, 2.0]  # a composed request's scales (the ones a plain step leaves out)
+    plan = plan_lora_batch(7, segs, torch.float32, "cpu", weights=weights)
+    arr = KernelSegments(segs, weights)
     for dtype in ELEMENT_TYPES:
         x = torch.randn(7, 37, generator=g).to(dtype)
         a = (torch.randn(19, 37, generator=g) * 0.3).to(dtype)
@@ -188,7 +199,9 @@ class CPUKernelLoRAOps:
         self.kernel = kernel
         self.fallback = fallback
         self.max_run_tokens = max_run_tokens
-        self._split_of: tuple[LoRABatchPlan, KernelSegments, LoRABatchPlan | None] | None = None
+        self._split_of: tuple[LoRABatchPlan, list[KernelSegments], LoRABatchPlan | None] | None = (
+            None
+        )
         # id(modules) -> (modules, its PreparedModules or None if the kernel cannot read it)
         self._groups: dict[int, tuple[Sequence[ModuleTables], PreparedModules | None]] = {}
         self._singles: dict[tuple[int, int, int], tuple[ModuleTables]] = {}  # apply()'s groups
@@ -299,21 +312,33 @@ class CPUKernelLoRAOps:
             and out.stride(1) == 1
         )
 
-    def _split(self, plan: LoRABatchPlan) -> tuple[KernelSegments, LoRABatchPlan | None]:
-        """The plan's short segments for the kernel, its long ones as a plan of single-segment
-        runs for the fallback; computed once per plan (every adapted module of a step shares it)."""
+    def _split(self, plan: LoRABatchPlan) -> tuple[list[KernelSegments], LoRABatchPlan | None]:
+        """The plan's short segments for the kernel, one array per layer of the plan (disjoint
+        in tokens: the kernel's threads split tokens), its long ones as a plan of
+        single-segment runs for the fallback; computed once per plan (every adapted module of a
+        step shares it)."""
         cached = self._split_of
         if cached is not None and cached[0] is plan:
             return cached[1], cached[2]
-        short = [s for s in plan.segments if s[1] - s[0] <= self.max_run_tokens]
-        longs = [s for s in plan.segments if s[1] - s[0] > self.max_run_tokens]
-        segments = KernelSegments(short)
+        limit = self.max_run_tokens
+        layers = []
+        for l0, l1 in plan.layer_bounds():
+            short = [j for j in range(l0, l1) if plan.segments[j][1] - plan.segments[j][0] <= limit]
+            if short:
+                segs = [plan.segments[j] for j in short]
+                w = [plan.segment_weight(j) for j in short] if plan.weights is not None else None
+                layers.append(KernelSegments(segs, w))
+        longs = [j for j, s in enumerate(plan.segments) if s[1] - s[0] > limit]
         long_plan = None
         if longs:
-            runs = [LoRARun(*s, None) for s in longs]
-            long_plan = LoRABatchPlan(plan.num_tokens, plan.num_rows, runs, tuple(longs))
-        self._split_of = (plan, segments, long_plan)
-        return segments, long_plan
+            segs = tuple(plan.segments[j] for j in longs)
+            runs = [LoRARun(*s, None) for s in segs]
+            w = tuple(plan.segment_weight(j) for j in longs) if plan.weights is not None else None
+            long_plan = LoRABatchPlan(
+                plan.num_tokens, plan.num_rows, runs, segs, weights=w, run_scales=w
+            )
+        self._split_of = (plan, layers, long_plan)
+        return layers, long_plan
 
     def _run(
         self,
@@ -323,8 +348,8 @@ class CPUKernelLoRAOps:
         group: PreparedModules,
         plan: LoRABatchPlan,
     ) -> None:
-        short, long_plan = self._split(plan)
-        if short.count:
+        layers, long_plan = self._split(plan)
+        for short in layers:  # one call per layer: no two threads add into one row
             self.kernel(x, out, group, short)
         if long_plan is not None:
             self.fallback.apply_many(x, out, modules, long_plan)

@@ -7,6 +7,7 @@ Backends implement the small ``LoRAOps`` protocol and are chosen once at start-u
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Protocol
 
 import torch
@@ -26,6 +27,10 @@ class LoRAOps(Protocol):
 
     Shapes: ``x [T, d_in]``, ``a [capacity, d_in]``, ``bt [capacity, d_out]``,
     ``out [T, d_out]`` (x's dtype), ``y [T, plan.num_rows]``.
+
+    ``w_j`` below is segment ``j``'s weight (``plan.weights``, 1.0 without them); a token may
+    lie in several segments (a composed request's adapters, in distinct rows; see
+    ``loraplex.lora.plan``), and each adds its own delta.
     """
 
     name: str
@@ -40,7 +45,7 @@ class LoRAOps(Protocol):
         y = zeros(T, plan.num_rows)
         for ts, te, rs, re in plan.segments:
             for t in range(ts, te):
-                y[t, rs:re] = x[t] @ a[rs:re].T
+                y[t, rs:re] = x[t] @ a[rs:re].T   # unweighted: expand applies w_j
         return y
         """
         ...
@@ -50,9 +55,9 @@ class LoRAOps(Protocol):
     ) -> None:
         """Add each token's rank-row activations times its adapter's (scale * B).T, in place::
 
-        for ts, te, rs, re in plan.segments:
+        for j, (ts, te, rs, re) in enumerate(plan.segments):
             for t in range(ts, te):
-                out[t] += y[t, rs:re] @ bt[rs:re]   # y outside a token's own rows: ignored
+                out[t] += w_j * y[t, rs:re] @ bt[rs:re]   # y outside t's own rows: ignored
         """
         ...
 
@@ -66,7 +71,7 @@ class LoRAOps(Protocol):
     ) -> None:
         """The hot path; may skip materialising y::
 
-        expand(shrink(x, a, plan), bt, out, plan)   # out[t] += x[t] @ a[rs:re].T @ bt[rs:re]
+        expand(shrink(x, a, plan), bt, out, plan)   # out[t] += w_j x[t] @ a[rs:re].T @ bt[rs:re]
         """
         ...
 
@@ -98,9 +103,9 @@ class LoRAOps(Protocol):
     ) -> None:
         """The token embedding's LoRA, whose shrink is a gather of A by token id::
 
-        for ts, te, rs, re in plan.segments:
+        for j, (ts, te, rs, re) in enumerate(plan.segments):
             for t in range(ts, te):
-                out[t] += at[ids[t], rs:re] @ bt[rs:re]
+                out[t] += w_j * at[ids[t], rs:re] @ bt[rs:re]
 
         ``ids [T]`` token ids, ``at [vocab, capacity]`` (A transposed, contiguous),
         ``bt [capacity, d]``, ``out [T, d]`` (the looked-up embeddings).
@@ -151,9 +156,10 @@ class TorchReferenceOps(PerModuleOps):
     def expand(
         self, y: torch.Tensor, bt: torch.Tensor, out: torch.Tensor, plan: LoRABatchPlan
     ) -> None:
-        for ts, te, rs, re in plan.segments:
+        for j, (ts, te, rs, re) in enumerate(plan.segments):
+            w = plan.segment_weight(j)
             for t in range(ts, te):
-                delta = y[t, rs:re].double() @ bt[rs:re].double()  # [d_out]
+                delta = w * (y[t, rs:re].double() @ bt[rs:re].double())  # [d_out]
                 out[t] = (out[t].double() + delta).to(out.dtype)
 
     def apply(
@@ -164,9 +170,10 @@ class TorchReferenceOps(PerModuleOps):
         out: torch.Tensor,
         plan: LoRABatchPlan,
     ) -> None:
-        for ts, te, rs, re in plan.segments:
+        for j, (ts, te, rs, re) in enumerate(plan.segments):
+            w = plan.segment_weight(j)
             for t in range(ts, te):
-                delta = (x[t].double() @ a[rs:re].double().T) @ bt[rs:re].double()  # [d_out]
+                delta = w * ((x[t].double() @ a[rs:re].double().T) @ bt[rs:re].double())  # [d_out]
                 out[t] = (out[t].double() + delta).to(out.dtype)
 
     def embed(
@@ -177,9 +184,10 @@ class TorchReferenceOps(PerModuleOps):
         out: torch.Tensor,
         plan: LoRABatchPlan,
     ) -> None:
-        for ts, te, rs, re in plan.segments:
+        for j, (ts, te, rs, re) in enumerate(plan.segments):
+            w = plan.segment_weight(j)
             for t in range(ts, te):
-                delta = at[int(ids[t]), rs:re].double() @ bt[rs:re].double()  # [d]
+                delta = w * (at[int(ids[t]), rs:re].double() @ bt[rs:re].double())  # [d]
                 out[t] = (out[t].double() + delta).to(out.dtype)
 
 
@@ -224,6 +232,8 @@ class TorchLoRAOps(PerModuleOps):
         cd = self._compute_dtype(x.dtype, a.dtype)
         x = x.to(cd)  # x: [T, d_in]; no-op unless upcasting
         y = torch.zeros(plan.num_tokens, plan.num_rows, dtype=cd, device=x.device)
+        # a coalesced run writes zeros into its gap rows; a later layer's run (same tokens,
+        # other rows) comes after every layer-0 run, so its values stay
         for ts, te, rs, re, mask in plan.runs:
             y_run = F.linear(x[ts:te], a[rs:re].to(cd))  # [n, r] = [n, d_in] @ [r, d_in].T
             if mask is not None:
@@ -236,10 +246,12 @@ class TorchLoRAOps(PerModuleOps):
     ) -> None:
         """See ``LoRAOps.expand``."""
         cd = self._compute_dtype(y.dtype, bt.dtype)
-        for ts, te, rs, re, mask in plan.runs:
+        for (ts, te, rs, re, mask), c in zip(plan.runs, plan.run_scales or repeat(1), strict=False):
             y_run = y[ts:te, rs:re].to(cd)  # [n, r]
             if mask is not None:
                 y_run = y_run * mask  # y may hold values outside a token's own rows
+            if c != 1:
+                y_run = y_run * c  # a composed or scaled adapter's run
             delta = torch.mm(y_run, bt[rs:re].to(cd))  # [n, d_out]
             out[ts:te].add_(delta)
 
@@ -257,13 +269,16 @@ class TorchLoRAOps(PerModuleOps):
         xc = x if x.dtype == cd else None  # x: [T, d_in] in cd, converted once, at first need
         convert_w = a.dtype != cd  # tables not in table_dtype(): correct, but converts per run
         in_place = out.dtype == cd
-        for ts, te, rs, re, mask in plan.runs:
+        # each run's scale: 1 (an int: no cast) unless a request scales its adapter
+        for (ts, te, rs, re, mask), c in zip(plan.runs, plan.run_scales or repeat(1), strict=False):
             a_run, bt_run = a[rs:re], bt[rs:re]  # [r, d_in], [r, d_out]: contiguous views
             if long_native and te - ts > NATIVE_RUN_TOKENS:
                 lp = x.dtype  # a prefill-sized run: x's own dtype, the rows converted
                 y = F.linear(x[ts:te], a_run.to(lp))  # [n, r]
                 if mask is not None:
                     y.mul_(mask)
+                if c != 1:
+                    y.mul_(c)
                 out[ts:te].addmm_(y, bt_run.to(lp))  # out has x's dtype
                 continue
             if xc is None:
@@ -273,6 +288,8 @@ class TorchLoRAOps(PerModuleOps):
             y = F.linear(xc[ts:te], a_run)  # [n, r] = [n, d_in] @ [r, d_in].T
             if mask is not None:
                 y.mul_(mask)  # coalesced run: each token keeps only its own rows
+            if c != 1:  # a weighted run (a composed or scaled adapter's): y is [n, r], small
+                y.mul_(c)
             if in_place:
                 out[ts:te].addmm_(y, bt_run)  # [n, d_out] += [n, r] @ [r, d_out]
             else:

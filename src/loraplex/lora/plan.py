@@ -14,12 +14,34 @@ segments are coalesced into one run with a 0/1 mask (each token keeps only its o
 extra masked work costs less than the dispatch of the extra GEMM pairs it saves; decode steps
 (one token per adapter) become one or a few runs, prefill stays one run per segment.
 
+Weights and composed adapters (several adapters per request, each with a scale: issue 49).
+Every segment has a float *weight* (1.0 unless a request scales its adapter), and a token may
+lie in several segments, one per adapter of its request: the segments come in *layers*, each
+sorted and disjoint in tokens as above; layer 0 holds every adapted token's first (or only)
+adapter, layer ``k`` the ``k + 1``-th component of the composed requests' tokens. A component
+owns its own rows (distinct adapters never share rows), so the segments of one token never
+share rows. The semantics every backend implements::
+
+    for (ts, te, rs, re), w in zip(plan.segments, plan.weights or [1.0] * len(plan.segments)):
+        for t in range(ts, te):
+            out[t] += w * (x[t] @ a[rs:re].T) @ bt[rs:re]   # bt = (alpha / r * B).T
+
+(``y = W x + sum_i scale_i * (alpha_i / r_i) * B_i A_i x``, exact for any mix of ranks and
+modules: no merged weights, no slot per composition or scale.) Backends that write ``out`` from
+several workers at once (the C kernel's threads, Triton's programs) run one layer at a time,
+so no two workers ever add into one token's row concurrently. Runs: a weighted segment (``w !=
+1``) is never coalesced and a weight-1 run has no scale: it runs as one run with
+``plan.run_scales[i] = w``; every layer ``k >= 1`` segment is its own run, after layer 0's.
+A plan of unit weights (no request scales its adapter) is exactly the plan of before
+(``weights`` and ``run_scales`` None): the plain path pays nothing.
+
 The plan is backend-neutral: every backend of ``loraplex.lora.ops`` (torch, Triton) consumes it.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,6 +52,9 @@ import torch
 Segment = tuple[int, int, int, int]
 """``(tok_start, tok_end, row_start, row_end)``: tokens ``[tok_start, tok_end)`` use rows
 ``[row_start, row_end)`` of every module's tables."""
+
+WeightedSegment = tuple[int, int, int, int, float]
+"""A segment and the weight its delta is added with (a composed request's component scale)."""
 
 # ------------------------------------------------------------------------------------ plan
 
@@ -57,6 +82,28 @@ class LoRABatchPlan:
     modules: frozenset[tuple[int, str]] | None = None
     """``(layer, proj)`` modules any of the step's adapters targets; the model skips the rest
     (their rows are zero for every segment). ``None``: apply every module."""
+    weights: tuple[float, ...] | None = None
+    """Per segment, the weight its delta is added with; ``None``: all 1.0."""
+    layers: tuple[int, ...] = (0,)
+    """Index in ``segments`` where each layer starts (layer 0 at 0; see the module docstring):
+    the segments of one layer are disjoint in tokens, those of different layers may overlap."""
+    run_scales: tuple[float, ...] | None = None
+    """Per run, the scalar its delta is multiplied by (a weighted segment's run); ``None``:
+    all 1.0."""
+
+    def layer_bounds(self) -> list[tuple[int, int]]:
+        """``[start, end)`` in ``segments`` of each layer."""
+        ends = (*self.layers[1:], len(self.segments))
+        return list(zip(self.layers, ends, strict=True))
+
+    def segment_weight(self, j: int) -> float:
+        """The weight of segment ``j``."""
+        return 1.0 if self.weights is None else self.weights[j]
+
+    def weighted_segments(self) -> list[WeightedSegment]:
+        """``(ts, te, rs, re, weight)`` of every segment, in order."""
+        w = self.weights or (1.0,) * len(self.segments)
+        return [(*seg, wj) for seg, wj in zip(self.segments, w, strict=True)]
 
     def uses(self, module: tuple[int, str]) -> bool:
         """Whether the step applies LoRA on ``module`` (some adapter of it targets it)."""
@@ -102,6 +149,9 @@ def plan_lora_batch(
     device: torch.device | str,
     costs: LoRAPlanCosts | None = None,
     modules: frozenset[tuple[int, str]] | None = None,
+    *,
+    weights: Sequence[float] | None = None,
+    extra: Sequence[WeightedSegment] = (),
 ) -> LoRABatchPlan:
     """Plan one step: group the sorted segments into runs minimising ``costs``' model.
 
@@ -110,8 +160,17 @@ def plan_lora_batch(
     between). Segments with no tokens or no rows are dropped. ``dtype``/``device``: the masks' (the
     ops' compute dtype is fine too; masks are exactly 0/1 in any float dtype). ``modules``:
     see ``LoRABatchPlan.modules``.
+
+    ``weights``: per segment of ``segments``, its weight (None: all 1.0; a zero-weight segment
+    is dropped). ``extra``: the other components of composed requests, ``(ts, te, rs, re, w)``
+    each, overlapping ``segments`` in tokens; each goes to the first layer >= 1 it does not
+    overlap (see the module docstring) and runs alone.
     """
     costs = costs or LoRAPlanCosts()
+    if weights is not None and len(weights) != len(segments):
+        raise ValueError(f"{len(weights)} weights for {len(segments)} segments")
+    if weights is not None or extra:
+        return _weighted_plan(num_tokens, segments, weights, extra, dtype, device, costs, modules)
     segs = _check_segments(num_tokens, segments)
     num_rows = max((s[3] for s in segs), default=0)
     itemsize = dtype.itemsize
@@ -149,6 +208,81 @@ def plan_lora_batch(
     return LoRABatchPlan(num_tokens, num_rows, runs, tuple(segs), modules)
 
 
+def _weighted_plan(
+    num_tokens: int,
+    segments: Sequence[Segment],
+    weights: Sequence[float] | None,
+    extra: Sequence[WeightedSegment],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    costs: LoRAPlanCosts,
+    modules: frozenset[tuple[int, str]] | None,
+) -> LoRABatchPlan:
+    """``plan_lora_batch`` with weights or extra layers: layer 0's unit-weight stretches are
+    planned (and coalesced) as ever, each weighted segment and each extra one is a run alone
+    with its weight as the run's scale."""
+    w0 = list(weights) if weights is not None else [1.0] * len(segments)
+    for w in (*w0, *(e[4] for e in extra)):
+        if not math.isfinite(w):
+            raise ValueError(f"segment weights must be finite, got {w}")
+    kept = [(tuple(seg), w) for seg, w in zip(segments, w0, strict=True) if w != 0.0]
+    segs0 = _check_segments(num_tokens, [seg for seg, _ in kept])
+    # _check_segments drops empty segments: keep the weights of the others, in order
+    wts0 = [w for seg, w in kept if seg[0] < seg[1] and seg[2] < seg[3]]
+    runs: list[LoRARun] = []
+    scales: list[float] = []
+    i = 0
+    while i < len(segs0):  # maximal unit-weight stretches keep the cost model's coalescing
+        j = i
+        while j < len(segs0) and wts0[j] == 1.0:
+            j += 1
+        if j > i:
+            stretch = plan_lora_batch(num_tokens, segs0[i:j], dtype, device, costs)
+            runs += stretch.runs
+            scales += [1.0] * len(stretch.runs)
+            i = j
+        else:
+            runs.append(LoRARun(*segs0[i], None))
+            scales.append(float(wts0[i]))
+            i += 1
+    # extra segments: layers >= 1, each the first that the segment does not overlap
+    layer_ends: list[int] = []  # per extra layer, its last segment's tok_end
+    layered: list[list[WeightedSegment]] = []
+    for ts, te, rs, re, w in sorted(extra, key=lambda e: e[0]):
+        if not (0 <= ts <= te <= num_tokens and 0 <= rs <= re):
+            raise ValueError(f"bad segment {(ts, te, rs, re)} for {num_tokens} tokens")
+        if ts == te or rs == re or w == 0.0:
+            continue
+        k = next((k for k, end in enumerate(layer_ends) if end <= ts), len(layer_ends))
+        if k == len(layer_ends):
+            layer_ends.append(te)
+            layered.append([])
+        layer_ends[k] = te
+        layered[k].append((int(ts), int(te), int(rs), int(re), float(w)))
+    all_segs: list[Segment] = list(segs0)
+    all_w: list[float] = [float(w) for w in wts0]
+    starts = [0]
+    for layer in layered:
+        starts.append(len(all_segs))
+        for ts, te, rs, re, w in layer:
+            all_segs.append((ts, te, rs, re))
+            all_w.append(w)
+            runs.append(LoRARun(ts, te, rs, re, None))
+            scales.append(w)
+    num_rows = max((seg[3] for seg in all_segs), default=0)
+    unit = all(w == 1.0 for w in all_w)
+    return LoRABatchPlan(
+        num_tokens,
+        num_rows,
+        runs,
+        tuple(all_segs),
+        modules,
+        weights=None if unit else tuple(all_w),
+        layers=tuple(starts),
+        run_scales=None if all(c == 1.0 for c in scales) else tuple(scales),
+    )
+
+
 def plan_rows(plan: LoRABatchPlan, rows: Sequence[int]) -> LoRABatchPlan:
     """``plan`` over a subset of its tokens: row ``i`` of the result is token ``rows[i]``
     (ascending, e.g. the step's logits rows or a chunk of prompt positions) with that token's
@@ -157,6 +291,8 @@ def plan_rows(plan: LoRABatchPlan, rows: Sequence[int]) -> LoRABatchPlan:
 
         for ts, te, rs, re in plan.segments:
             the rows i with ts <= rows[i] < te form one segment (i0, i1, rs, re)
+
+    (each with its segment's weight, in its segment's layer).
     """
     n = len(rows)
     if any(rows[i] >= rows[i + 1] for i in range(n - 1)):
@@ -164,58 +300,88 @@ def plan_rows(plan: LoRABatchPlan, rows: Sequence[int]) -> LoRABatchPlan:
     if n and not 0 <= rows[0] <= rows[-1] < plan.num_tokens:
         raise ValueError(f"rows must lie in [0, {plan.num_tokens}), got {rows[0]}..{rows[-1]}")
     segs: list[Segment] = []
-    for ts, te, rs, re in plan.segments:
-        i0, i1 = bisect.bisect_left(rows, ts), bisect.bisect_left(rows, te)
-        if i0 < i1:
-            segs.append((i0, i1, rs, re))
+    weights: list[float] = []
+    starts: list[int] = []
+    for l0, l1 in plan.layer_bounds():
+        starts.append(len(segs))
+        for j in range(l0, l1):
+            ts, te, rs, re = plan.segments[j]
+            i0, i1 = bisect.bisect_left(rows, ts), bisect.bisect_left(rows, te)
+            if i0 < i1:
+                segs.append((i0, i1, rs, re))
+                weights.append(plan.segment_weight(j))
+    return _single_runs(n, segs, weights if plan.weights is not None else None, starts, plan)
+
+
+def _single_runs(
+    num_tokens: int,
+    segs: list[Segment],
+    weights: list[float] | None,
+    starts: list[int],
+    plan: LoRABatchPlan,
+) -> LoRABatchPlan:
+    """A plan of one run per segment (no masks), ``plan``'s modules, the given layers."""
     runs = [LoRARun(*seg, None) for seg in segs]
     num_rows = max((seg[3] for seg in segs), default=0)
-    return LoRABatchPlan(n, num_rows, runs, tuple(segs), plan.modules)
+    w = tuple(weights) if weights is not None else None
+    return LoRABatchPlan(
+        num_tokens, num_rows, runs, tuple(segs), plan.modules, w, tuple(starts) or (0,), w
+    )
 
 
-def token_segments(plan: LoRABatchPlan) -> tuple[np.ndarray, np.ndarray]:
-    """``(seg [T] int64: each token's segment of the step's plan, -1 for base tokens,
-    rows [S, 2]: each segment's (row_start, row_end))``."""
-    seg = np.full(plan.num_tokens, -1, dtype=np.int64)
+def token_segments(plan: LoRABatchPlan) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer of the plan: ``(seg [T] int64: each token's segment of that layer (its index
+    in ``plan.segments``), -1 for tokens outside the layer, rows [S, 2]: each segment's
+    (row_start, row_end), over every segment of the plan)``."""
     rows = np.zeros((len(plan.segments), 2), dtype=np.int64)
-    for j, (ts, te, rs, r_end) in enumerate(plan.segments):
-        seg[ts:te] = j
+    for j, (_, _, rs, r_end) in enumerate(plan.segments):
         rows[j] = (rs, r_end)
-    return seg, rows
+    out = []
+    for l0, l1 in plan.layer_bounds():
+        seg = np.full(plan.num_tokens, -1, dtype=np.int64)
+        for j in range(l0, l1):
+            ts, te = plan.segments[j][:2]
+            seg[ts:te] = j
+        out.append((seg, rows))
+    return out
 
 
 def plan_expert_rows(
     plan: LoRABatchPlan,
-    seg_rows: tuple[np.ndarray, np.ndarray],
+    seg_rows: list[tuple[np.ndarray, np.ndarray]],
     tok: np.ndarray,
     expert: np.ndarray,
     capacity: int,
 ) -> LoRABatchPlan:
     """The LoRA plan over a layer's (token, expert) pairs sorted by expert::
 
-        for each maximal run p0..p1 of pairs with one expert e and one segment (ts, te, rs, re)
-        of the step's plan (the pairs' tokens in [ts, te)):
-            segment (p0, p1, e * capacity + rs, e * capacity + re)
+        for each layer of the step's plan:
+            for each maximal run p0..p1 of pairs with one expert e and one segment (ts, te, rs, re)
+            of that layer (the pairs' tokens in [ts, te)):
+                segment (p0, p1, e * capacity + rs, e * capacity + re), the segment's weight
 
-    ``tok`` / ``expert``: the sorted pairs' tokens and experts (``[N]`` each); the order keeps
-    both ranges increasing (the sort is stable; a slot's rows lie within ``capacity``). One run
-    per segment (no masks: an expert's rows are far apart from the next one's)."""
-    seg, rows = seg_rows
+    ``seg_rows``: ``token_segments(plan)``. ``tok`` / ``expert``: the sorted pairs' tokens and
+    experts (``[N]`` each); the order keeps both ranges increasing (the sort is stable; a slot's
+    rows lie within ``capacity``). One run per segment (no masks: an expert's rows are far apart
+    from the next one's)."""
     n = len(tok)
-    sp = seg[tok]  # [N] each pair's segment (-1: base)
-    key = expert * (len(rows) + 1) + sp + 1  # [N] non-decreasing
-    cuts = np.flatnonzero(np.diff(key)) + 1
-    starts = np.concatenate(([0], cuts)) if n else np.zeros(0, dtype=np.int64)
-    ends = np.concatenate((cuts, [n])) if n else np.zeros(0, dtype=np.int64)
-    segs = []
-    for p0, p1 in zip(starts.tolist(), ends.tolist(), strict=True):
-        j = int(sp[p0])
-        if j >= 0:
-            base = int(expert[p0]) * capacity
-            segs.append((p0, p1, base + int(rows[j, 0]), base + int(rows[j, 1])))
-    runs = [LoRARun(*s, None) for s in segs]
-    num_rows = max((s[3] for s in segs), default=0)
-    return LoRABatchPlan(n, num_rows, runs, tuple(segs), plan.modules)
+    segs: list[Segment] = []
+    weights: list[float] = []
+    starts: list[int] = []
+    for seg, rows in seg_rows:
+        starts.append(len(segs))
+        sp = seg[tok]  # [N] each pair's segment in this layer (-1: none)
+        key = expert * (len(rows) + 1) + sp + 1  # [N] non-decreasing within a layer
+        cuts = np.flatnonzero(np.diff(key)) + 1
+        begins = np.concatenate(([0], cuts)) if n else np.zeros(0, dtype=np.int64)
+        ends = np.concatenate((cuts, [n])) if n else np.zeros(0, dtype=np.int64)
+        for p0, p1 in zip(begins.tolist(), ends.tolist(), strict=True):
+            j = int(sp[p0])
+            if j >= 0:
+                base = int(expert[p0]) * capacity
+                segs.append((p0, p1, base + int(rows[j, 0]), base + int(rows[j, 1])))
+                weights.append(plan.segment_weight(j))
+    return _single_runs(n, segs, weights if plan.weights is not None else None, starts, plan)
 
 
 def _check_segments(num_tokens: int, segments: Sequence[Segment]) -> list[Segment]:

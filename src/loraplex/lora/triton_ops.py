@@ -10,6 +10,10 @@ models (exact), ``tf32`` otherwise (exact for bf16/fp16 inputs, whose mantissas 
 The embedding's LoRA (``embed``) is the expand kernel reading y's rows at the tokens' ids in
 the transposed A table: its shrink is a gather.
 
+Weighted plans (a composed request's scales, ``loraplex.lora.plan``): the expand multiplies
+each segment's tile by its weight; it is launched once per layer of the plan, so no two
+programs add into one token's output row (a shrink writes each (token, row) cell once).
+
 The kernels also run under Triton's CPU interpreter (``TRITON_INTERPRET=1``), which is how the
 test suite checks them against the torch reference on machines without a GPU.
 """
@@ -85,14 +89,17 @@ def _expand_kernel(
     stride_y,
     stride_bt,
     stride_out,
+    w_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREC: tl.constexpr,
     GATHER: tl.constexpr,
+    WEIGHTED: tl.constexpr,
 ):
-    """out[t, c] += sum_{r in [rs, re)} y[t, r] * bt[r, c] for t in [ts, te) of one segment;
-    with ``GATHER`` y's row of token t is ``ids[t]`` (the embedding: y is A transposed)."""
+    """out[t, c] += w * sum_{r in [rs, re)} y[t, r] * bt[r, c] for t in [ts, te) of one segment
+    (``w``: the segment's weight with ``WEIGHTED``, else 1); with ``GATHER`` y's row of token t
+    is ``ids[t]`` (the embedding: y is A transposed)."""
     ts, te, rs, re = _segment(seg_ptr, tl.program_id(0))
     toks = ts + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
@@ -109,6 +116,8 @@ def _expand_kernel(
         y = _tile(y_ptr, y_rows, rows, stride_y, tmask, rmask)  # [BM, BK]
         bt = _tile(bt_ptr, rows, cols, stride_bt, rmask, cmask)  # [BK, BN]
         acc += tl.dot(y, bt, input_precision=PREC)
+    if WEIGHTED:
+        acc = acc * tl.load(w_ptr + tl.program_id(0))
     ptrs = out_ptr + toks[:, None] * stride_out + cols[None, :]
     omask = tmask[:, None] & cmask[None, :]
     cur = tl.load(ptrs, mask=omask, other=0.0).to(tl.float32)
@@ -125,20 +134,34 @@ class TritonLoRAOps(PerModuleOps):
     EXPAND_N, EXPAND_K = 64, 16
 
     def __init__(self) -> None:
-        # (plan, segment table, max tokens, max rows); holds the plan so its identity stays unique
-        self._meta: tuple[LoRABatchPlan, torch.Tensor, int, int] | None = None
+        # (plan, segment table, max tokens, max rows, per layer (segments, weights or None,
+        # max tokens)); holds the plan so its identity stays unique
+        self._meta: tuple[LoRABatchPlan, torch.Tensor, int, int, list] | None = None
 
     def table_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
 
     def _segments(self, plan: LoRABatchPlan, device: torch.device) -> tuple[torch.Tensor, int, int]:
         """Segment table [S, 4] int32 on the device, built once per plan (shared by all modules)."""
+        return self._plan_meta(plan, device)[:3]
+
+    def _plan_meta(self, plan: LoRABatchPlan, device: torch.device) -> tuple:
+        """``(segments [S, 4], max tokens, max rows, layers)``: ``layers`` per layer of the plan
+        ``(its segments [S_l, 4], their weights [S_l] float32 or None, max tokens)``."""
         if self._meta is None or self._meta[0] is not plan or self._meta[1].device != device:
             segs = torch.tensor(plan.segments, dtype=torch.int32).reshape(-1, 4).to(device)
             max_t = max((te - ts for ts, te, _, _ in plan.segments), default=0)
             max_r = max((re - rs for _, _, rs, re in plan.segments), default=0)
-            self._meta = (plan, segs, max_t, max_r)
-        return self._meta[1], self._meta[2], self._meta[3]
+            w_all = None
+            if plan.weights is not None:
+                w_all = torch.tensor(plan.weights, dtype=torch.float32).to(device)  # [S]
+            layers = []
+            for l0, l1 in plan.layer_bounds():
+                if l1 > l0:
+                    lt = max(te - ts for ts, te, _, _ in plan.segments[l0:l1])
+                    layers.append((segs[l0:l1], None if w_all is None else w_all[l0:l1], lt))
+            self._meta = (plan, segs, max_t, max_r, layers)
+        return self._meta[1:]
 
     @staticmethod
     def _precision(*tensors: torch.Tensor) -> str:
@@ -164,20 +187,38 @@ class TritonLoRAOps(PerModuleOps):
         self, y: torch.Tensor, bt: torch.Tensor, out: torch.Tensor, plan: LoRABatchPlan
     ) -> None:
         """See ``LoRAOps.expand``; ``out`` may be a column slice (row stride != width)."""
-        segs, max_t, _ = self._segments(plan, out.device)
+        layers = self._plan_meta(plan, out.device)[3]
         if not plan.segments:
             return
         if out.stride(1) != 1:
             raise ValueError("TritonLoRAOps.expand needs out with unit column stride")
-        y = y.contiguous()
+        # y is a float32 accumulator: the precision follows the model's tables
+        self._expand_layers(y.contiguous(), bt, out, None, layers, self._precision(bt))
+
+    def _expand_layers(
+        self,
+        y: torch.Tensor,
+        bt: torch.Tensor,
+        out: torch.Tensor,
+        ids: torch.Tensor | None,
+        layers: list,
+        prec: str,
+    ) -> None:
+        """The expand kernel over each layer of a plan, one launch per layer (disjoint tokens
+        within it); ``ids``: y's row of each token (the embedding's gather), else its own."""
         d_out = out.shape[1]
-        grid = (segs.shape[0], triton.cdiv(max_t, self.BLOCK_M), triton.cdiv(d_out, self.EXPAND_N))
-        _expand_kernel[grid](
-            y, bt, out, segs, segs, d_out, y.stride(0), bt.stride(0), out.stride(0),
-            BLOCK_M=self.BLOCK_M, BLOCK_N=self.EXPAND_N, BLOCK_K=self.EXPAND_K,
-            PREC=self._precision(bt),  # y is a float32 accumulator; precision follows the model
-            GATHER=False,
-        )  # fmt: skip
+        for segs, w, max_t in layers:
+            grid = (
+                segs.shape[0],
+                triton.cdiv(max_t, self.BLOCK_M),
+                triton.cdiv(d_out, self.EXPAND_N),
+            )
+            _expand_kernel[grid](
+                y, bt, out, segs, segs if ids is None else ids, d_out, y.stride(0),
+                bt.stride(0), out.stride(0), segs if w is None else w,
+                BLOCK_M=self.BLOCK_M, BLOCK_N=self.EXPAND_N, BLOCK_K=self.EXPAND_K,
+                PREC=prec, GATHER=ids is not None, WEIGHTED=w is not None,
+            )  # fmt: skip
 
     def embed(
         self,
@@ -189,18 +230,12 @@ class TritonLoRAOps(PerModuleOps):
     ) -> None:
         """See ``LoRAOps.embed``: the expand kernel reading each token's rank-row activations
         straight from row ``ids[t]`` of ``at`` (no gathered copy)."""
-        segs, max_t, _ = self._segments(plan, out.device)
+        layers = self._plan_meta(plan, out.device)[3]
         if not plan.segments:
             return
         if out.stride(1) != 1 or at.stride(1) != 1:
             raise ValueError("TritonLoRAOps.embed needs out and at with unit column stride")
-        d_out = out.shape[1]
-        grid = (segs.shape[0], triton.cdiv(max_t, self.BLOCK_M), triton.cdiv(d_out, self.EXPAND_N))
-        _expand_kernel[grid](
-            at, bt, out, segs, ids, d_out, at.stride(0), bt.stride(0), out.stride(0),
-            BLOCK_M=self.BLOCK_M, BLOCK_N=self.EXPAND_N, BLOCK_K=self.EXPAND_K,
-            PREC=self._precision(at, bt), GATHER=True,
-        )  # fmt: skip
+        self._expand_layers(at, bt, out, ids, layers, self._precision(at, bt))
 
     def apply(
         self,

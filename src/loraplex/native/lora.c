@@ -163,6 +163,7 @@ typedef struct {
     const void *const *a, *const *bt;
     char *out;
     const int64_t *cols, *d_out, *segs;
+    const float *weights; /* per segment, or NULL: all 1 */
 } Job;
 
 /* The job's tokens with global index in [g0, g1) (counted over the segments in order). */
@@ -176,6 +177,7 @@ static int run_range(const Job *j, int64_t g0, int64_t g1, int64_t max_rows) {
     for (int64_t s = 0; s < j->nseg && g < g1; s++) {
         const int64_t *seg = j->segs + 4 * s;
         const int64_t ts = seg[0], te = seg[1], rs = seg[2], r = seg[3] - seg[2];
+        const float w = j->weights ? j->weights[s] : 1.0f;
         if (g + (te - ts) <= g0) {
             g += te - ts;
             continue;
@@ -210,9 +212,13 @@ static int run_range(const Job *j, int64_t g0, int64_t g1, int64_t max_rows) {
                     else
 #endif
                         shrink_bf16(xf, a_seg, r, j->d_in, y);
+                    if (w != 1.0f)
+                        for (int64_t k = 0; k < r; k++) y[k] *= w;
                     expand_bf16(y, b_seg, r, d_out, o, j->out_type);
                 } else {
                     shrink_f32(xf, a_seg, r, j->d_in, y);
+                    if (w != 1.0f)
+                        for (int64_t k = 0; k < r; k++) y[k] *= w;
                     expand_f32(y, b_seg, r, d_out, o, j->out_type);
                 }
             }
@@ -247,15 +253,17 @@ int loraplex_lora_features(void) {
 
 /* x: [T, d_in] rows x_stride elements apart; out: [T, *] rows out_stride elements apart; for
  * each of n_mod modules: a[m] [rows, d_in] and bt[m] [rows, d_out[m]], contiguous, adding into
- * out's columns [cols[m], cols[m] + d_out[m]); segs: nseg x (ts, te, rs, re). Bounds are
- * checked by the caller. Up to nthreads OpenMP threads split the tokens. Returns 0, or 1 if a
+ * out's columns [cols[m], cols[m] + d_out[m]); segs: nseg x (ts, te, rs, re), disjoint in
+ * tokens (threads split the tokens); weights: nseg floats each segment's delta is multiplied
+ * by (a composed request's scale), or NULL for all 1. Bounds are checked by the caller. Up to nthreads OpenMP threads split the tokens. Returns 0, or 1 if a
  * scratch row cannot be allocated (then some rows may be unwritten). */
 int loraplex_lora_apply(const void *x, int64_t x_stride, int x_type, int64_t d_in,
                         int64_t n_mod, const void *const *a, const void *const *bt, int w_type,
                         void *out, const int64_t *cols, const int64_t *d_out, int64_t out_stride,
-                        int out_type, const int64_t *segs, int64_t nseg, int nthreads) {
+                        int out_type, const int64_t *segs, int64_t nseg, const float *weights,
+                        int nthreads) {
     Job job = {(const char *)x, x_stride, d_in, n_mod, out_stride, nseg, x_type, w_type,
-               out_type, a, bt, (char *)out, cols, d_out, segs};
+               out_type, a, bt, (char *)out, cols, d_out, segs, weights};
     int64_t tokens = 0, max_rows = 0, macs = 0, width = d_in * n_mod;
     for (int64_t m = 0; m < n_mod; m++) width += d_out[m];
     for (int64_t s = 0; s < nseg; s++) {

@@ -8,6 +8,14 @@ rank, all seven projections). For 16 prompts (<= 26 tokens) and 64 forced new to
 it prints tokens/s for the base model and for 1, 4 and 16 distinct adapters, for loraplex and for
 PEFT's ``generate(adapter_names=...)`` side by side, and the ratios the targets are stated in.
 Also reports peak resident memory while loading (measured in a fresh subprocess).
+
+    python -m loraplex.tools.bench.throughput --compose 2 [--dtypes float32] [--new-tokens 64]
+
+instead compares composition (issue 49): the 16 prompts over the 16 adapters one each, against
+the same prompts each composing ``K`` of them (prompt ``i``: adapters ``i, i+1, ...`` mod 16,
+scales 1.0, 0.5, ...), beside the byte model: a step reads each distinct adapter once, and both
+steps hold the same 16 adapters, so the bound of the ratio is 1.0 (composition reads no extra
+adapter bytes; it adds ``K - 1`` rank-row passes per token, which this shape leaves cheap).
 """
 
 from __future__ import annotations
@@ -99,6 +107,21 @@ def step_bytes(
     return {k: base + sum(per_adapter[:k]) for k in DISTINCT}
 
 
+def _bench_llm(model: Path, dtype: str) -> Any:
+    """The engine every loraplex measurement runs on: a slot per adapter, 16 sequences."""
+    from loraplex import LLM
+
+    return LLM(
+        str(model),
+        dtype=dtype,
+        max_loras=16,
+        max_lora_rank=16,
+        max_num_seqs=16,
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=256 << 20,
+    )
+
+
 def generate_rate(llm: Any, reqs: list[Any], prompts: list[list[int]], sp: Any, k: int) -> float:
     """Output tok/s of one ``llm.generate`` over ``prompts``, the first ``k`` of ``reqs``
     round-robin (``k = 0``: the base model)."""
@@ -117,17 +140,9 @@ def bench_loraplex(
     repeats: int,
     bytes_out: dict[int, int] | None = None,
 ) -> dict[int, float]:
-    from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex import LoRARequest, SamplingParams
 
-    llm = LLM(
-        str(model),
-        dtype=dtype,
-        max_loras=16,
-        max_lora_rank=16,
-        max_num_seqs=16,
-        skip_tokenizer_init=True,
-        kv_cache_memory_bytes=256 << 20,
-    )
+    llm = _bench_llm(model, dtype)
     reqs = [LoRARequest(f"a{i}", p) for i, p in enumerate(adapters)]
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
 
@@ -137,6 +152,89 @@ def bench_loraplex(
         itemsize = llm.engine.adapters.bank.dtype.itemsize
         bytes_out.update(step_bytes(llm, adapters, itemsize))
     return _best_of(repeats, {k: functools.partial(run, k) for k in DISTINCT})
+
+
+def composed_requests(reqs: list[Any], k: int, n: int) -> list[Any]:
+    """Per prompt ``i < n``: adapter ``i`` alone (``k = 1``), or a composition of adapters
+    ``i, i+1, ..., i+k-1`` (mod ``len(reqs)``) at scales 1.0, 0.5, 0.25, ..."""
+    from loraplex import LoRARequest
+
+    if k == 1:
+        return [reqs[i % len(reqs)] for i in range(n)]
+    return [
+        [
+            LoRARequest(r.name, r.path, lora_scale=0.5**j)
+            for j, r in enumerate(reqs[(i + j) % len(reqs)] for j in range(k))
+        ]
+        for i in range(n)
+    ]
+
+
+def bench_compose(
+    model: Path, adapters: list[Path], dtype: str, prompts, new_tokens: int, repeats: int, k: int
+) -> None:
+    """Print tok/s of the prompts one adapter each against each composing ``k`` adapters, with
+    the byte model's bound (see the module docstring)."""
+    from loraplex import LoRARequest, SamplingParams
+
+    llm = _bench_llm(model, dtype)
+    reqs = [LoRARequest(f"a{i}", p) for i, p in enumerate(adapters)]
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    choices = {c: composed_requests(reqs, c, len(prompts)) for c in (1, k)}
+
+    def run(c: int) -> float:
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, sp, lora_request=choices[c])
+        return sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t0)
+
+    run(k)  # warm-up: every adapter in its slot
+    rates = _best_of(repeats, {c: functools.partial(run, c) for c in (1, k)})
+    steps = {c: decode_step_ms(llm, prompts, choices[c], new_tokens) for c in (1, k)}
+    nbytes = step_bytes(llm, adapters, llm.engine.adapters.bank.dtype.itemsize)
+    distinct = {c: len({a for ch in choices[c] for a in _paths(ch)}) for c in (1, k)}
+    b1, bk = (nbytes[16] if distinct[c] == 16 else float("nan") for c in (1, k))
+    for c, label in (
+        (1, "one adapter each (16 distinct)"),
+        (k, f"each composing {k} (16 distinct)"),
+    ):
+        print(
+            f"{label:<34}{rates[c]:>8.1f} tok/s   decode step min {steps[c][0]:6.2f} ms, "
+            f"median {steps[c][1]:6.2f} ms   step reads {(b1 if c == 1 else bk) / 2**20:.1f} MiB"
+        )
+    print(
+        f"composed / single: tok/s {rates[k] / rates[1]:.3f}, min step "
+        f"{steps[1][0] / steps[k][0]:.3f}  (byte bound {b1 / bk:.3f}: each distinct adapter "
+        "read once per step)"
+    )
+
+
+def decode_step_ms(
+    llm: Any, prompts: list[list[int]], choices: list[Any], steps: int
+) -> tuple[float, float]:
+    """(min, median) ms of a decode step with every prompt in decode, one request per prompt
+    with its adapters of ``choices`` (single steps: the minimum is robust to a busy machine)."""
+    from loraplex import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i, (prompt, choice) in enumerate(zip(prompts, choices, strict=True)):
+        eng.add_request(f"step-{i}", prompt, sp, llm.adapters_of(choice))
+    while (
+        any(s.num_computed_tokens < len(s.prompt_token_ids) for s in eng.running_sequences())
+        or eng.num_waiting
+    ):
+        eng.step()  # prefill
+    times = []
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times = times[:-1] or times  # the last step finishes the requests
+    return min(times), sorted(times)[len(times) // 2]
+
+
+def _paths(choice: Any) -> list[str]:
+    return [r.path for r in (choice if isinstance(choice, list) else [choice])]
 
 
 def bench_peft(
@@ -245,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--targets", default="q_proj,v_proj")
     ap.add_argument("--skip-memory", action="store_true", help="skip the RSS measurements")
+    ap.add_argument(
+        "--compose",
+        type=int,
+        metavar="K",
+        help="only compare 16 prompts one adapter each against each composing K adapters",
+    )
     args = ap.parse_args(argv)
     if args.model:
         from loraplex.tools.bench.step_bytes import make_adapters
@@ -259,6 +363,16 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; 16 prompts, "
         f"{args.new_tokens} new tokens, greedy; tok/s (higher is better)"
     )
+    if args.compose:
+        if not 2 <= args.compose <= 4:
+            ap.error("--compose takes 2 to 4 (MAX_COMPOSED_ADAPTERS)")
+        for dtype in args.dtypes:
+            load = _loadavg()
+            print(f"\n{dtype}  (load average {load} before)")
+            bench_compose(
+                model, adapters, dtype, prompts, args.new_tokens, args.repeats, args.compose
+            )
+        return 0
     for dtype in args.dtypes:
         load = _loadavg()
         nbytes: dict[int, int] = {}
