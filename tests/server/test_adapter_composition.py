@@ -383,7 +383,6 @@ def test_one_component_at_scale_one_is_served_as_the_adapter(
     assert "scale=" not in r.headers["x-loraplex-adapter"]
 
 
-@pytest.mark.xfail(strict=False, reason="needs compose-engine")
 def test_composed_request_equals_the_sum_of_the_scaled_adapters(
     world: World, tiny_model: Path, tmp_path: Path
 ) -> None:
