@@ -11,7 +11,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.outputs import RequestOutput
 from loraplex.requests import LoRARequest, SamplingParams
-from loraplex.types import InvalidRequestError
+from loraplex.types import AdapterRef, InvalidRequestError
 
 Prompt = str | list[int] | dict[str, Any]
 """A string, token ids, or vLLM's dict forms ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``."""
@@ -29,6 +29,11 @@ class LLM:
             )
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._ids = itertools.count()
+
+    def add_lora(self, lora_request: LoRARequest, *, persist_disk: bool = False) -> AdapterRef:
+        """Load or push an adapter and make it its name's active revision (see
+        :meth:`LLMEngine.add_lora`); ``LoRARequest(name)`` then serves it."""
+        return self.engine.add_lora(lora_request, persist_disk=persist_disk)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -64,7 +69,7 @@ class LLM:
         cache = self.engine.adapters
         if cache is None:
             return self._generate(ids, prompts, params, loras, use_tqdm)
-        with cache.host_copies_at_least(len({lr.path for lr in loras if lr is not None})):
+        with cache.host_copies_at_least(len({lr.path or lr.name for lr in loras if lr})):
             return self._generate(ids, prompts, params, loras, use_tqdm)
 
     def _generate(
