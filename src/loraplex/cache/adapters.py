@@ -528,12 +528,14 @@ class TieredAdapterCache:
             self.warm_policy[d] = WARM_DEVICE if device else WARM_HOST
         return d
 
-    def unpin(self, digest: str) -> str:
-        """Remove every pin of the adapter (it becomes ``on-demand``). Returns the digest."""
+    def unpin(self, digest: str, owner: str | None = None) -> str:
+        """Remove every pin of the adapter, or ``owner``'s alone (e.g. :data:`PIN_PUSH`); once
+        none is left it is ``on-demand``. Returns the digest."""
         d = self._digest(digest)
         with self._cond:
-            self.tiers.unpin(d)
-            self.warm_policy[d] = WARM_ON_DEMAND
+            self.tiers.unpin(d, owner)
+            if not self.tiers.is_pinned(d):
+                self.warm_policy[d] = WARM_ON_DEMAND
             self._cond.notify_all()
         return d
 

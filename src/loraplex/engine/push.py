@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 
-from loraplex.cache.adapters import TieredAdapterCache
+from loraplex.cache.adapters import PIN_PUSH, TieredAdapterCache
 from loraplex.cache.controller import TIER_DEVICE, TIER_HOST
 from loraplex.lora.adapter import read_pushed
 from loraplex.lora.push import encode_config, encode_tensors
@@ -117,7 +117,7 @@ class PushedAdapters:
             if self.cache.request_refs.get(d, 0):
                 continue
             try:
-                self.cache.unpin(d)
+                self.cache.unpin(d, PIN_PUSH)
                 self.cache.evict(d, tiers=(TIER_DEVICE, TIER_HOST))
             except AdapterInUseError:
                 continue  # a request took it meanwhile: next time
