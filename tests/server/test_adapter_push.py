@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from loraplex.registry import Registry
 from loraplex.server.app import ServerState, create_app
 from loraplex.testing import ALL_PROJ, make_random_adapter, reference_greedy
 from loraplex.testing.server import serve_in_thread
+from loraplex.testing.sync import StepGate, wait_idle, wait_until
 from tests.engine.push_cases import PeftReference, read_peft_dir, revision_tensors
 
 ADMIN = "sk-admin-push"
@@ -155,8 +157,6 @@ def test_push_serves_each_revision_exactly_and_swaps(env: Env) -> None:
     assert again.status_code == 201 and again.json()["sha256"] == second["sha256"]
     # the replaced revision leaves host memory once no request holds it (no swap delay)
     state = env.state
-    from loraplex.testing.sync import wait_until
-
     wait_until(lambda: state.client.tier_of(first["sha256"]) is None, what="step-1 retired")
     with env.client() as c:
         audit = c.get("/v1/admin/audit", params={"target": "live"}).json()["data"]
@@ -218,3 +218,34 @@ def test_bad_pushes_are_refused_and_change_nothing(env: Env) -> None:
     r = env.push("live", revision_tensors(env.base, 4), headers=big)
     assert r.status_code == 400 and "65536 bytes" in r.text, r.text
     assert env.active("live") == before[0]
+
+
+def test_admitted_requests_finish_on_their_revision(env: Env) -> None:
+    """A request admitted on revision A waits in the held engine while B is pushed: it ends on
+    A (A's text, A named), A's host copy stays until it ends and then goes; the next request
+    gets B with no KV of A reused."""
+    ta, tb = revision_tensors(env.base, 30), revision_tensors(env.base, 31)
+    a = env.push("held", ta, revision="A").json()
+    assert served_revision(env.complete("held")) == "A"  # A's prompt blocks now cached
+    results: dict[str, httpx.Response] = {}
+    engine = env.state.engine
+    with StepGate(engine) as gate:
+        gate.hold()
+        queued = threading.Thread(target=lambda: results.update(q=env.complete("held")))
+        queued.start()
+        gate.wait_held()
+        wait_until(lambda: engine.num_waiting == 1, what="the A request queued")
+        b = env.push("held", tb, revision="B")
+        assert b.status_code == 201 and b.json()["previous_revision"] == "A"
+        assert a["sha256"] not in env.state.retire_due()  # due now, but a request holds it
+        assert env.state.client.tier_of(a["sha256"]) is not None
+        gate.open()
+        queued.join()
+    assert served_revision(results["q"]) == "A"
+    assert results["q"].json()["choices"][0]["text"] == env.expected_text(ta)
+    r = env.complete("held")
+    assert served_revision(r) == "B"
+    assert r.json()["choices"][0]["text"] == env.expected_text(tb)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # no KV of A
+    wait_until(lambda: env.state.client.tier_of(a["sha256"]) is None, what="A retired")
+    wait_idle(engine)
