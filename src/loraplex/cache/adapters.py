@@ -62,7 +62,7 @@ from loraplex.cache.staging import SlotStager, StagingJob
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.cache.store import ObjectStore
 from loraplex.checkpoint.modules import BaseModelSpec
-from loraplex.lora.adapter import AdapterRead, LoRAAdapter, build_adapter
+from loraplex.lora.adapter import AdapterRead, LoRAAdapter
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.types import (
     AdapterCapacityError,
@@ -365,17 +365,7 @@ class TieredAdapterCache:
             raise AdapterError(f"adapter {spec.ref.name!r}: the pushed bytes are not {spec.sha256}")
         if persist_disk and self.disk is None:
             raise AdapterError("persist=disk needs a disk tier on this server (--disk-cache-dir)")
-        built = build_adapter(
-            read.config,
-            read.tensors,
-            self.spec,
-            path=spec.source_uri,
-            name=spec.ref.name,
-            revision=spec.ref.revision,
-            max_lora_rank=self.max_lora_rank,
-            dtype=self.dtype,
-            digest=spec.sha256,
-        )
+        built = self.loader.build(spec, read.config, read.tensors)
         if persist_disk:
             self.loader.put_pushed(spec, read.files.config_bytes, read.files.data)
         adapter, warm = self._acquire(spec, False, lambda: (built, 0.0))

@@ -249,8 +249,14 @@ class AdapterLoader:
         else:
             assert src.uri is not None
             config, tensors = self._read_store(spec, src.uri, count)
-        # the tensors were parsed from owned bytes whose digest is spec.sha256: no re-hash
-        adapter = build_adapter(
+        return self.build(spec, config, tensors), time.perf_counter() - t0
+
+    def build(
+        self, spec: AdapterSpec, config: dict, tensors: dict[str, torch.Tensor]
+    ) -> LoRAAdapter:
+        """Validate and convert ``(config, tensors)``, parsed from owned bytes whose digest is
+        ``spec.sha256`` (so no re-hash), for the base model (AdapterError naming the problem)."""
+        return build_adapter(
             config,
             tensors,
             self.model,
@@ -261,7 +267,6 @@ class AdapterLoader:
             dtype=self.dtype,
             digest=spec.sha256,
         )
-        return adapter, time.perf_counter() - t0
 
     def _read_local(self, spec: AdapterSpec, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         """The verified copy of a local directory: the registered files, read now. A copy that

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from safetensors.torch import save as save_safetensors
 
+from loraplex.checkpoint.safetensors import SAFETENSORS_DTYPES
 from loraplex.types import AdapterError
 
 MAX_CONFIG_BYTES = 64 << 10
@@ -44,16 +44,43 @@ def encode_config(config: Mapping[str, Any], *, name: str) -> bytes:
 
 
 def encode_tensors(tensors: Mapping[str, torch.Tensor], *, name: str) -> bytearray:
-    """A state dict (PEFT's key names) as ``adapter_model.safetensors`` bytes in a buffer the
-    engine owns (the caller may change its tensors afterwards: a training step does)."""
+    """A state dict (PEFT's key names) as ``adapter_model.safetensors`` bytes, written straight
+    into one buffer the engine owns (one copy of each tensor; the caller may change its tensors
+    afterwards: a training step does). Layout: 8-byte little-endian header length, the JSON
+    header (padded with spaces to 8 bytes), then each tensor's bytes in header order."""
     if not isinstance(tensors, Mapping) or not tensors:
         raise AdapterError(f"adapter {name!r}: the tensors must be a non-empty dict")
-    out: dict[str, torch.Tensor] = {}
+    header: dict[str, Any] = {}
+    flat: list[torch.Tensor] = []  # [numel * itemsize] uint8 views, in header order
+    offset = 0
     for k, t in tensors.items():
         if not isinstance(k, str) or not isinstance(t, torch.Tensor):
             raise AdapterError(f"adapter {name!r}: entry {k!r} is not a named tensor")
-        out[k] = t.detach().to("cpu").contiguous()
-    try:
-        return bytearray(save_safetensors(out))
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise AdapterError(f"adapter {name!r}: cannot encode the tensors ({e})") from e
+        code = _CODES.get(str(t.dtype))
+        if code is None:
+            raise AdapterError(f"adapter {name!r}: tensor {k!r} has dtype {t.dtype}, not storable")
+        t = t.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        header[k] = {
+            "dtype": code,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        flat.append(
+            t.reshape(-1).view(torch.uint8) if nbytes else t.new_empty(0, dtype=torch.uint8)
+        )
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    buf = bytearray(8 + len(head) + offset)
+    buf[:8] = len(head).to_bytes(8, "little")
+    buf[8 : 8 + len(head)] = head
+    out = torch.frombuffer(buf, dtype=torch.uint8)  # [file bytes], shares buf
+    pos = 8 + len(head)
+    for t in flat:
+        out[pos : pos + t.numel()].copy_(t)
+        pos += t.numel()
+    return buf
+
+
+_CODES = {torch_name: code for code, (torch_name, _) in SAFETENSORS_DTYPES.items()}

@@ -13,9 +13,10 @@ layer, ranks ``--ranks`` (default 16 and 64), in the engine's dtype.
 - **HTTP**: ``POST /v1/admin/adapters/{name}/push`` (body pre-encoded, as a trainer sends it)
   then ``POST /v1/completions`` with ``max_tokens=1``, timed at the client; the push's own
   answer time beside it.
-- **decode under pushes** (HTTP): ``--streams`` streaming completions of ``--tokens`` tokens on
-  a resident adapter, with no pushes and with a rank-16 push back to back in a thread, A B A B;
-  aggregate tokens/s of the streams.
+- **decode under pushes** (HTTP): ``--streams`` concurrent completions of ``--tokens`` tokens
+  on a resident adapter, with no pushes and with rank-16 pushes (bodies encoded beforehand)
+  every ``--push-gaps`` seconds (0: back to back) in a thread, A B A B; aggregate tokens/s of
+  the streams (best of two) and the pushes made meanwhile.
 
 Each latency is the median of ``--repeats`` pushes of fresh weights (a new revision each).
 Numbers, not assertions: these machines are shared and noisy.
@@ -151,7 +152,13 @@ def _encode(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> tuple[b
 
 
 def bench_http(
-    model: Path, ranks: list[int], repeats: int, dtype: str, streams: int, tokens: int
+    model: Path,
+    ranks: list[int],
+    repeats: int,
+    dtype: str,
+    streams: int,
+    tokens: int,
+    push_gaps: list[float],
 ) -> tuple[list[dict], dict]:
     import httpx
 
@@ -171,9 +178,13 @@ def bench_http(
     auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=600, headers=auth) as c:
 
-        def push(name: str, rank: int, seed: int, label: str) -> float:
+        def push(name: str, rank: int, seed: int, label: str | None) -> float:
             body, headers = _encode(*random_adapter(model, rank, seed, tdtype))
-            headers["X-Loraplex-Revision"] = label
+            return send(name, body, headers, label)
+
+        def send(name: str, body: bytes, headers: dict[str, str], label: str | None) -> float:
+            if label is not None:
+                headers = {**headers, "X-Loraplex-Revision": label}
             t0 = time.perf_counter()
             r = c.post(f"/v1/admin/adapters/{name}/push", content=body, headers=headers)
             assert r.status_code == 201, r.text
@@ -196,15 +207,24 @@ def bench_http(
                     totals.append(t2 - t0)
             rows.append({"path": "http", "rank": rank, "push_ms": _ms(pushes),
                          "push_to_first_token_ms": _ms(totals)})  # fmt: skip
-        decode = _decode_under_pushes(c, push, streams, tokens)
+        # the pushes' bodies made before the rounds: the client's own work stays out of them
+        bodies = [_encode(*random_adapter(model, 16, 50_000 + i, tdtype)) for i in range(12)]
+        push("steady", 16, 7, "v1")
+        decode = {
+            f"every {gap:g}s" if gap else "back to back": _decode_under_pushes(
+                c, lambda i: send("churn", *bodies[i % len(bodies)], None), streams, tokens, gap
+            )
+            for gap in push_gaps
+        }
     return rows, decode
 
 
-def _decode_under_pushes(c: Any, push: Any, streams: int, tokens: int) -> dict:
-    """Aggregate tokens/s of ``streams`` concurrent completions, without and with back-to-back
-    rank-16 pushes to another name (A B A B)."""
-    push("steady", 16, 7, "v1")
-    seeds = iter(range(10_000, 1 << 30))
+def _decode_under_pushes(c: Any, push: Any, streams: int, tokens: int, gap: float) -> dict:
+    """Aggregate tokens/s of ``streams`` concurrent completions on a resident adapter, without
+    and with pushes to another name every ``gap`` seconds (0: back to back), A B A B; each
+    push sends one of a dozen pre-encoded bodies (new bytes to the registry each time it comes
+    round: pruned revisions are gone)."""
+    count = iter(range(1 << 30))
 
     def one_round(with_pushes: bool) -> tuple[float, int]:
         stop = threading.Event()
@@ -212,8 +232,9 @@ def _decode_under_pushes(c: Any, push: Any, streams: int, tokens: int) -> dict:
 
         def pusher() -> None:
             while not stop.is_set():
-                push("churn", 16, next(seeds), f"p{next(seeds)}")
+                push(next(count))
                 n_push[0] += 1
+                stop.wait(gap)
 
         def stream(out: list[int]) -> None:
             r = c.post("/v1/completions", json={"model": "steady", "prompt": PROMPT,
@@ -256,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--push-gaps", default="0,1", help="seconds between pushes (0: back to back)")
     args = ap.parse_args(argv)
     root = Path(args.cache_dir)
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -265,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in bench_in_process(model, ranks, args.repeats, args.dtype):
             print(json.dumps({"shape": shape, **row}), flush=True)
         if not args.no_http:
+            gaps = [float(g) for g in args.push_gaps.split(",")]
             rows, decode = bench_http(model, ranks, args.repeats, args.dtype, args.streams,
-                                      args.tokens)  # fmt: skip
+                                      args.tokens, gaps)  # fmt: skip
             for row in rows:
                 print(json.dumps({"shape": shape, **row}), flush=True)
             print(json.dumps({"shape": shape, "decode_tok_s": decode}), flush=True)
