@@ -219,8 +219,9 @@ class LoRARequest:
     name: str
     path: str
     revision: str | None = None
-    lora_tensors: Mapping[str, Any] | None = None
-    peft_config: Mapping[str, Any] | None = None
+    # left out of == and repr (a state dict can be gigabytes; its digest is its identity)
+    lora_tensors: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    peft_config: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __init__(
         self,

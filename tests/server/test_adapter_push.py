@@ -213,6 +213,13 @@ def test_bad_pushes_are_refused_and_change_nothing(env: Env) -> None:
         err = r.json()["error"]
         assert re.search(needle, err["message"]), (what, err)
         assert (env.active("live"), len(env.registry.list())) == before, what
+    # a chunked body (no Content-Length) is cut off at the bound while it streams in
+    with env.client() as c:
+        chunks = (b"\0" * (64 << 10) for _ in range(CAP // (64 << 10) + 1))
+        r = c.post("/v1/admin/adapters/live/push", content=chunks, headers={
+            "Content-Type": "application/octet-stream", "X-Loraplex-Body-SHA256": "0" * 64,
+            "X-Loraplex-Adapter-Config": base64.b64encode(b"{}").decode()})  # fmt: skip
+    assert r.status_code == 413 and "max-adapter-push-bytes" in r.text, r.text
     # a config header over 64 KiB decoded is refused before it is decoded
     big = {"X-Loraplex-Adapter-Config": "A" * (90 << 10)}
     r = env.push("live", revision_tensors(env.base, 4), headers=big)

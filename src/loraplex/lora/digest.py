@@ -262,12 +262,14 @@ def read_adapter_dir(path: str | Path) -> AdapterFiles:
     return adapter_files_of(read_safetensors_adapter(root))
 
 
-def adapter_files_of(a: SafetensorsAdapter) -> AdapterFiles:
+def adapter_files_of(a: SafetensorsAdapter, weights_sha256: str | None = None) -> AdapterFiles:
     """The :class:`AdapterFiles` of an adapter read (or pushed) into owned memory: its digest
-    and the hashes its two files have (or would have, written as received)."""
+    and the hashes its two files have (or would have, written as received).
+    ``weights_sha256``: the weights' file hash when the caller has just checked it (a push's
+    body digest), else it is computed."""
     return AdapterFiles(
         digest=a.digest,
-        weights_sha256=hashlib.sha256(a.data).hexdigest(),
+        weights_sha256=weights_sha256 or hashlib.sha256(a.data).hexdigest(),
         config_sha256=hashlib.sha256(a.config_bytes).hexdigest(),
         config=a.config,
         tensors=a.tensors,

@@ -117,7 +117,7 @@ async def push_adapter(
         raise _bad(f"the body's sha256 {got[:16]}... does not match {SHA_HEADER} {sha[:16]}...",
                    SHA_HEADER, "digest_mismatch")  # fmt: skip
     out = await state.run_io(
-        _push, state, name, principal, config, bytearray(body), revision, persist == "disk"
+        _push, state, name, principal, config, bytearray(body), sha, revision, persist == "disk"
     )
     return JSONResponse(out, status_code=201)
 
@@ -140,6 +140,7 @@ def _push(
     principal: Principal,
     config: bytes,
     weights: bytearray,
+    weights_sha256: str,
     revision: str | None,
     persist_disk: bool,
 ) -> dict[str, Any]:
@@ -156,10 +157,10 @@ def _push(
         except RegistryError:
             previous = None  # a new name
         try:
+            files = adapter_files_of(read.files, weights_sha256)
             m, _ = state.registry.register_pushed(
-                adapter_files_of(read.files), name, base=state.base, revision=revision,
-                tenant=tenant, actor=actor,
-            )  # fmt: skip
+                files, name, base=state.base, revision=revision, tenant=tenant, actor=actor
+            )
         except RegistryError as e:
             raise registry_api_error(e, param="name") from e
         spec = state.adapter_spec(m)
@@ -175,6 +176,7 @@ def _push(
             name, state.config.max_pushed_revisions, protect=busy, actor=actor
         )
         state.catalog.refresh(force=True)  # the swap: new requests resolve the new revision
+    state.pushed_digests.difference_update(p.sha256 for p in pruned)  # gone: bounded set
     for p in pruned:
         log.info("pruned pushed revision %s@%s (%s)", name, p.revision, p.sha256[:12])
     log.info("pushed adapter %s@%s (%s)", name, m.revision, m.sha256[:12])
