@@ -112,12 +112,9 @@ async def push_adapter(
     if persist == "disk" and not state.client.has_disk_tier:
         raise _bad("persist=disk needs a disk tier on this server (--disk-cache-dir)", "persist")
     body = await request.body()  # bounded by the gate (--max-adapter-push-bytes)
-    got = hashlib.sha256(body).hexdigest()
-    if got != sha:
-        raise _bad(f"the body's sha256 {got[:16]}... does not match {SHA_HEADER} {sha[:16]}...",
-                   SHA_HEADER, "digest_mismatch")  # fmt: skip
+    # hashing and copying up to a GiB: in the I/O pool, never on the event loop
     out = await state.run_io(
-        _push, state, name, principal, config, bytearray(body), sha, revision, persist == "disk"
+        _push, state, name, principal, config, body, sha, revision, persist == "disk"
     )
     return JSONResponse(out, status_code=201)
 
@@ -139,15 +136,20 @@ def _push(
     name: str,
     principal: Principal,
     config: bytes,
-    weights: bytearray,
+    body: bytes,
     weights_sha256: str,
     revision: str | None,
     persist_disk: bool,
 ) -> dict[str, Any]:
-    """Validate, record, admit, activate, prune (I/O pool; one push at a time)."""
+    """Check the body's digest, then validate, record, admit, activate, prune (I/O pool; one
+    push at a time)."""
     actor = principal.key_id
+    got = hashlib.sha256(body).hexdigest()
+    if got != weights_sha256:
+        raise _bad(f"the body's sha256 {got[:16]}... does not match {SHA_HEADER} "
+                   f"{weights_sha256[:16]}...", SHA_HEADER, "digest_mismatch")  # fmt: skip
     try:
-        read = read_pushed(config, weights, name=name)
+        read = read_pushed(config, bytearray(body), name=name)
     except AdapterError as e:
         raise _bad(scrub(str(e)), code="unreadable") from e
     with state.push_lock:
