@@ -44,3 +44,9 @@ class RequestOutput:
     # per prompt token: {token id: logprob} with the prompt token and the top-k alternatives
     # given its prefix; None for the first token (no prefix), as vLLM
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def lora_revision(self) -> str | None:
+        """The adapter revision this request was served with, from admission to its last
+        token (a later push under the same name does not change it); None: the base model."""
+        return None if self.adapter is None else self.adapter.revision

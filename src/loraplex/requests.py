@@ -5,6 +5,7 @@ intake passes on unchanged."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,7 +209,11 @@ class SamplingParams:
 
 @dataclass(init=False)
 class LoRARequest:
-    """Which adapter serves an offline request: a name and a PEFT adapter directory (vLLM's shape).
+    """Which adapter serves an offline request: a name and a PEFT adapter directory (vLLM's shape),
+    or a name and the adapter itself as tensors (verl's ``TensorLoRARequest``:
+    ``lora_tensors``, a state dict with PEFT's key names, and ``peft_config``, the
+    ``adapter_config.json`` dict), or a name alone: the revision last added under it with
+    ``LLMEngine.add_lora``.
 
     The engine turns it into an :class:`~loraplex.types.AdapterSpec` once (its local catalog
     hashes the directory's files: the digest, never the name or the path, is the cache key).
@@ -227,6 +232,9 @@ class LoRARequest:
     path: str
     revision: str | None = None
     lora_scale: float = field(default=1.0, compare=False)
+    # left out of == and repr (a state dict can be gigabytes; its digest is its identity)
+    lora_tensors: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    peft_config: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __init__(
         self,
@@ -237,20 +245,26 @@ class LoRARequest:
         revision: str | None = None,
         lora_path: str | Path | None = None,
         lora_scale: float = 1.0,
+        lora_tensors: Mapping[str, Any] | None = None,
+        peft_config: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(path_or_id, int) and not isinstance(path_or_id, bool):
             path_or_id = None
         p = path_or_id if path_or_id is not None else (path if path is not None else lora_path)
         if not name or not isinstance(name, str):
             raise InvalidRequestError("LoRARequest needs a non-empty name")
-        if p is None:
+        if (lora_tensors is None) != (peft_config is None):
             raise InvalidRequestError(
-                f"LoRARequest {name!r} needs a path to a PEFT adapter directory"
+                f"LoRARequest {name!r}: lora_tensors and peft_config go together"
             )
+        if lora_tensors is not None and p is not None:
+            raise InvalidRequestError(f"LoRARequest {name!r}: give a path or tensors, not both")
         self.name = name
-        self.path = str(p)
+        self.path = "" if p is None else str(p)
         self.revision = revision
         self.lora_scale = check_adapter_scale(lora_scale, param="lora_scale")
+        self.lora_tensors = lora_tensors
+        self.peft_config = peft_config
 
     @property
     def lora_name(self) -> str:

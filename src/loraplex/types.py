@@ -15,6 +15,21 @@ from dataclasses import dataclass
 BASE_NAMESPACE = b"loraplex-base"
 """Prefix-cache namespace of requests served by the base model (no adapter)."""
 
+PUSHED_SCHEME = "pushed"
+"""The ``source_uri`` scheme of an adapter whose bytes were pushed (HTTP or in-process), not
+read from a directory: ``pushed://<sha256>``. Its copies live in host memory and, when asked,
+the disk tier, found by digest; there is no file to read again."""
+
+
+def pushed_source(sha256: str) -> str:
+    """The ``source_uri`` of pushed bytes with adapter digest ``sha256``."""
+    return f"{PUSHED_SCHEME}://{sha256}"
+
+
+def is_pushed_source(source_uri: str) -> bool:
+    """Whether ``source_uri`` names pushed bytes (see :data:`PUSHED_SCHEME`)."""
+    return source_uri.startswith(f"{PUSHED_SCHEME}://")
+
 
 @dataclass(frozen=True, slots=True)
 class AdapterRef:

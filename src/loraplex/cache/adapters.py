@@ -62,7 +62,7 @@ from loraplex.cache.staging import SlotStager, StagingJob
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.cache.store import ObjectStore
 from loraplex.checkpoint.modules import BaseModelSpec
-from loraplex.lora.adapter import LoRAAdapter
+from loraplex.lora.adapter import AdapterRead, LoRAAdapter
 from loraplex.lora.slots import LoRASlotBank
 from loraplex.types import (
     AdapterCapacityError,
@@ -77,8 +77,10 @@ if TYPE_CHECKING:
     from loraplex.config import EngineConfig
 
 WARM_DEVICE, WARM_HOST, WARM_ON_DEMAND = WARM_POLICIES
+PIN_PUSH = "push"  # the pin of pushed bytes while their revision may be served (see push)
 
 __all__ = [
+    "PIN_PUSH",
     "TIERS",
     "WARM_POLICIES",
     "AdapterCapacityError",
@@ -281,6 +283,12 @@ class TieredAdapterCache:
         timeout, then :class:`AdapterCapacityError`). Raises AdapterError subclasses:
         StoreError, AdapterCopyError, DiskTierError, :class:`AdapterCapacityError`.
         """
+        return self._acquire(spec, count, lambda: self.loader.load(spec, count=count))
+
+    def _acquire(
+        self, spec: AdapterSpec, count: bool, load: Callable[[], tuple[LoRAAdapter, float]]
+    ) -> tuple[LoRAAdapter, bool]:
+        """:meth:`acquire` whose leader gets its copy from ``load()`` (copy, seconds)."""
         t0 = time.perf_counter()
         d = spec.sha256
         with self._lock:
@@ -296,7 +304,7 @@ class TieredAdapterCache:
             self._observe(STAGE_RESOLVE, time.perf_counter() - t0)
             return adapter, warm
         try:
-            adapter, load_s = self.loader.load(spec, count=count)
+            adapter, load_s = load()
             adapter, warm = self._admit(spec, adapter, load_s, flight)
         except BaseException as e:
             with self._lock:
@@ -344,6 +352,30 @@ class TieredAdapterCache:
                 self._refs.setdefault(d, adapter.ref)
             self.loader.finish(d, flight, adapter, adm.warm)
         return adapter, adm.warm
+
+    def push(self, spec: AdapterSpec, read: AdapterRead, *, persist_disk: bool = False) -> bool:
+        """Admit pushed bytes (``read``: :func:`~loraplex.lora.adapter.read_pushed`, whose
+        digest is ``spec.sha256``, with a ``pushed://`` source) into host memory, and into the
+        disk tier with ``persist_disk``, exactly as a loaded directory is: validated against
+        the base model first (:class:`AdapterError`, nothing changes), then admitted
+        (waiting for room like a load) and pinned there by :data:`PIN_PUSH` (pushed bytes have
+        no file to come back from); :meth:`unpin` (a replaced revision's retirement) lifts it.
+        Returns whether a copy was already in host memory."""
+        if read.digest != spec.sha256 or read.files is None:
+            raise AdapterError(f"adapter {spec.ref.name!r}: the pushed bytes are not {spec.sha256}")
+        if persist_disk and self.disk is None:
+            raise AdapterError("persist=disk needs a disk tier on this server (--disk-cache-dir)")
+        built = self.loader.build(spec, read.config, read.tensors)
+        if persist_disk:
+            self.loader.put_pushed(spec, read.files.config_bytes, read.files.data)
+        adapter, warm = self._acquire(spec, False, lambda: (built, 0.0))
+        try:
+            with self._cond:
+                self.tiers.pin(spec.sha256, owner=PIN_PUSH)
+                self.warm_policy.setdefault(spec.sha256, WARM_HOST)
+        finally:
+            self.release(adapter)
+        return warm
 
     @contextlib.contextmanager
     def host_copies_at_least(self, n: int) -> Iterator[None]:
@@ -486,12 +518,14 @@ class TieredAdapterCache:
             self.warm_policy[d] = WARM_DEVICE if device else WARM_HOST
         return d
 
-    def unpin(self, digest: str) -> str:
-        """Remove every pin of the adapter (it becomes ``on-demand``). Returns the digest."""
+    def unpin(self, digest: str, owner: str | None = None) -> str:
+        """Remove every pin of the adapter, or ``owner``'s alone (e.g. :data:`PIN_PUSH`); once
+        none is left it is ``on-demand``. Returns the digest."""
         d = self._digest(digest)
         with self._cond:
-            self.tiers.unpin(d)
-            self.warm_policy[d] = WARM_ON_DEMAND
+            self.tiers.unpin(d, owner)
+            if not self.tiers.is_pinned(d):
+                self.warm_policy[d] = WARM_ON_DEMAND
             self._cond.notify_all()
         return d
 

@@ -9,6 +9,9 @@ Where the bytes come from (keys are content digests, never names):
   adapters, content-addressed, surviving restarts (stage ``disk_load``). A bad copy heals
   itself: it is deleted and the adapter fetched again from L3 within the same load, so a
   request never fails because of L2;
+- **pushed bytes** (``pushed://<sha256>``, :mod:`loraplex.lora.push`): admitted into host
+  memory by :meth:`~loraplex.cache.adapters.TieredAdapterCache.push`; once they leave it, only
+  the L2 copy written with ``persist=disk`` can bring them back (else: push them again);
 - the **L3 object store** (:class:`~loraplex.cache.store.ObjectStore`, the source of truth):
   ``s3://`` URIs, or paths under a configured local store root; downloaded (stage
   ``remote_download``), verified (``disk_load``) and, with a disk tier, admitted into L2
@@ -51,6 +54,7 @@ from loraplex.cache.store import LocalDirStore, ObjectStore
 from loraplex.cache.verify import fetch_verified, mismatch_cause, verified_read
 from loraplex.checkpoint.modules import BaseModelSpec
 from loraplex.lora.adapter import LoRAAdapter, build_adapter
+from loraplex.lora.peft.files import CONFIG_NAME, SAFETENSORS_NAME
 from loraplex.paths import contained
 from loraplex.types import (
     AdapterCapacityError,
@@ -59,6 +63,7 @@ from loraplex.types import (
     AdapterIntegrityError,
     AdapterLoadTimeoutError,
     AdapterSpec,
+    is_pushed_source,
 )
 
 log = logging.getLogger(__name__)
@@ -77,7 +82,7 @@ __all__ = ["AdapterLoader", "Flight", "Source"]
 class Source:
     """Where an adapter's bytes come from: a local directory or a URI of the object store."""
 
-    kind: str  # "local" | "store"
+    kind: str  # "local" | "store" | "pushed" (bytes pushed: host memory, else the disk tier)
     path: Path | None = None
     uri: str | None = None
 
@@ -199,6 +204,8 @@ class AdapterLoader:
     def source(self, spec: AdapterSpec) -> Source:
         """Local directory or object-store URI of ``spec`` (store URIs must lie in the store)."""
         raw, name = spec.source_uri, spec.ref.name
+        if is_pushed_source(raw):
+            return Source("pushed")
         scheme = raw.split("://", 1)[0].lower() if "://" in raw else ""
         if scheme and scheme != "file":
             if self.store is None:
@@ -237,11 +244,19 @@ class AdapterLoader:
         if src.kind == "local":
             assert src.path is not None
             config, tensors = self._read_local(spec, src.path)
+        elif src.kind == "pushed":
+            config, tensors = self._read_pushed(spec, count)
         else:
             assert src.uri is not None
             config, tensors = self._read_store(spec, src.uri, count)
-        # the tensors were parsed from owned bytes whose digest is spec.sha256: no re-hash
-        adapter = build_adapter(
+        return self.build(spec, config, tensors), time.perf_counter() - t0
+
+    def build(
+        self, spec: AdapterSpec, config: dict, tensors: dict[str, torch.Tensor]
+    ) -> LoRAAdapter:
+        """Validate and convert ``(config, tensors)``, parsed from owned bytes whose digest is
+        ``spec.sha256`` (so no re-hash), for the base model (AdapterError naming the problem)."""
+        return build_adapter(
             config,
             tensors,
             self.model,
@@ -252,7 +267,6 @@ class AdapterLoader:
             dtype=self.dtype,
             digest=spec.sha256,
         )
-        return adapter, time.perf_counter() - t0
 
     def _read_local(self, spec: AdapterSpec, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         """The verified copy of a local directory: the registered files, read now. A copy that
@@ -273,6 +287,31 @@ class AdapterLoader:
             )
         self._observe(STAGE_DISK_LOAD, time.perf_counter() - t0)
         return read.config, read.tensors
+
+    def _read_pushed(self, spec: AdapterSpec, count: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The verified L2 copy of pushed bytes (persisted with ``persist=disk``): pushed bytes
+        have no other source once they left host memory."""
+        got = self._read_disk(spec, count) if self.disk is not None else None
+        if got is None:
+            where = "host memory or the disk tier" if self.disk is not None else "host memory"
+            raise AdapterError(
+                f"adapter {spec.ref.name!r} revision {spec.ref.revision}: its pushed bytes are "
+                f"no longer in {where}; push it again"
+            )
+        return got
+
+    def put_pushed(self, spec: AdapterSpec, config_bytes: bytes, weights: bytes) -> None:
+        """Write pushed bytes (already verified to be ``spec.sha256``) into the disk tier as
+        ``adapter_config.json`` + ``adapter_model.safetensors``, evicting (policy-chosen) first;
+        a no-op when it holds them already."""
+        assert self.disk is not None
+        with self._lock:
+            if self.tiers.disk is not None and spec.sha256 in self.tiers.disk:
+                return
+        with self.disk.staging() as tmp:
+            (tmp / CONFIG_NAME).write_bytes(config_bytes)
+            (tmp / SAFETENSORS_NAME).write_bytes(weights)
+            self._put_disk(spec, tmp, 0.0)
 
     def _read_store(
         self, spec: AdapterSpec, uri: str, count: bool

@@ -137,6 +137,26 @@ class ServerConfig:
             "work; larger bodies get 413 (default: {default})",
         ),
     )
+    max_adapter_push_bytes: int = field(
+        default=1 << 30,
+        metadata=setting(
+            "--max-adapter-push-bytes",
+            parse=parse_byte_size,
+            ge=1,
+            metavar="BYTES",
+            help="largest adapter body POST /v1/admin/adapters/{name}/push takes (instead of "
+            "--max-request-bytes), checked before and while reading it: 413 (default: {default})",
+        ),
+    )
+    max_pushed_revisions: int = field(
+        default=8,
+        metadata=setting(
+            "--max-pushed-revisions",
+            ge=1,
+            help="pushed revisions the registry keeps per adapter name; older ones no request "
+            "uses (and not active, canary or the rollback target) are deleted (default: {default})",
+        ),
+    )
     max_prompts_per_request: int = field(
         default=1024,
         metadata=setting(

@@ -14,7 +14,8 @@ adapter cache, and offers what a server needs:
     gauges     num_waiting, num_running, kv_cache_usage, waiting / device adapter digests,
                step observers
     adapters   lora_enabled, max_loras, max_cpu_loras, policy_name, check_loadable,
-               pin / unpin / evict / has_copy / prewarm, tier_of, residency, loaded_adapters,
+               pin / unpin / evict / has_copy / prewarm, push / release_push /
+               has_disk_tier (pushed adapters), tier_of, residency, loaded_adapters,
                resident_bytes, tier_counters, tier_budgets, cache_stats, set_tenant_budget,
                is_local_source, staged_source, load observers
 
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.cache.adapters import AdapterResidency, TieredAdapterCache
+from loraplex.cache.adapters import PIN_PUSH, AdapterResidency, TieredAdapterCache
 from loraplex.cache.prewarm import PrewarmScheduler
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.config import EngineConfig
@@ -58,6 +59,7 @@ from loraplex.engine.intake import PreparedRequest
 from loraplex.engine.llm_engine import LLMEngine, StepStats
 from loraplex.engine.vocab import TokenVocab
 from loraplex.kv.stats import SharingStats
+from loraplex.lora.adapter import AdapterRead
 from loraplex.requests import GenerationRequest
 from loraplex.types import AdapterError, AdapterRef, AdapterSpec, InvalidRequestError
 
@@ -359,6 +361,22 @@ class EngineClient:
         """Load ``spec`` if needed and pin it in host memory and disk (and its device slot with
         ``device``); returns the digest pinned."""
         return self._pin_with(spec, lambda d: self._adapters.pin(d, device=device))
+
+    def push(self, spec: AdapterSpec, read: AdapterRead, *, persist_disk: bool = False) -> bool:
+        """Admit pushed bytes into host memory (and the disk tier with ``persist_disk``),
+        validated against the base and pinned while their revision may be served (see
+        :meth:`TieredAdapterCache.push`); whether host memory held them already. AdapterError:
+        nothing changed."""
+        return self._adapters.push(spec, read, persist_disk=persist_disk)
+
+    def release_push(self, digest: str) -> None:
+        """Lift the push pin of a replaced pushed revision: its copies become evictable (the
+        retirement of replaced revisions drops them once no request holds them)."""
+        self._adapters.unpin(digest, PIN_PUSH)
+
+    @property
+    def has_disk_tier(self) -> bool:
+        return self._adapters.disk is not None
 
     def unpin(self, digest: str) -> str:
         """Remove every pin of the adapter ``digest``; returns the digest."""

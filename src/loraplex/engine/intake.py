@@ -19,6 +19,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.chat import render_chat
 from loraplex.engine.detokenizer import make_detokenizer
+from loraplex.engine.push import PushedAdapters
 from loraplex.engine.scheduling import SchedulingPolicy
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.structured import GrammarState, StructuredOutputBackend
@@ -148,6 +149,8 @@ class RequestIntake:
         self.eos_token_ids = eos_token_ids
         self.adapters = adapters
         self.catalog = catalog
+        # in-process pushes (LLMEngine.add_lora, LoRARequests with tensors); set by the engine
+        self.pushed: PushedAdapters | None = None
         self.rules = rules
         self.json_whitespace = json_whitespace  # --structured-outputs-whitespace
         self.tokenizer_lock = threading.Lock()  # HF tokenizers are not safe to share for encode
@@ -280,6 +283,8 @@ class RequestIntake:
         """The spec of an offline LoRARequest (the local catalog hashes its files), or the spec."""
         if adapter is None or isinstance(adapter, AdapterSpec):
             return adapter
+        if not adapter.path and self.pushed is not None:  # tensors, or a name added before
+            return self.pushed.resolve(adapter)
         assert self.catalog is not None
         return self.catalog.spec(adapter)
 

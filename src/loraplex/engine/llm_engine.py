@@ -28,6 +28,7 @@ from loraplex.config import EngineConfig
 from loraplex.engine.builder import build_parts
 from loraplex.engine.intake import EngineRequest, PreparedRequest, PriorityRules, RequestIntake
 from loraplex.engine.postprocess import append_token, take_outputs
+from loraplex.engine.push import PushedAdapters
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler
@@ -36,7 +37,13 @@ from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.structured import StructuredOutputBackend
 from loraplex.outputs import RequestOutput
 from loraplex.requests import GenerationRequest, LoRARequest, SamplingParams
-from loraplex.types import AdapterComposition, AdapterSpec, FinishReason, InvalidRequestError
+from loraplex.types import (
+    AdapterComposition,
+    AdapterRef,
+    AdapterSpec,
+    FinishReason,
+    InvalidRequestError,
+)
 
 _STAGING_WAIT_S = 0.05  # longest an engine with only loading sequences sleeps before rescheduling
 
@@ -112,6 +119,8 @@ class LLMEngine:
             rules=rules,
             json_whitespace=config.structured_outputs_whitespace,
         )
+        self.pushed = PushedAdapters(self.adapters) if self.adapters is not None else None
+        self.intake.pushed = self.pushed
         self.runner = ModelRunner(self.model, self.cache, self.merger)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, EngineRequest] = {}
@@ -165,6 +174,29 @@ class LLMEngine:
         params = params or SamplingParams()
         request = GenerationRequest(request_id, prompt, params, adapter=lora_request)
         self.add_prepared(self.prepare_request(request))
+
+    def add_lora(self, lora_request: LoRARequest, *, persist_disk: bool = False) -> AdapterRef:
+        """vLLM's ``add_lora``: load (a path) or push (``lora_tensors`` + ``peft_config``) an
+        adapter, verified and in host memory (and the disk tier with ``persist_disk``), and make
+        it the active revision of its name: a later ``LoRARequest(name)`` (no path) gets it;
+        requests already added finish on the revision they had. Returns its ref (vLLM returns
+        True). Raises AdapterError / InvalidRequestError; bad input changes nothing."""
+        if self.pushed is None or self.adapters is None:
+            raise InvalidRequestError("add_lora needs LoRA enabled (enable_lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError("add_lora takes a LoRARequest")
+        if lora_request.lora_tensors is not None:
+            return self.pushed.push_request(lora_request, persist_disk=persist_disk).ref
+        if not lora_request.path:
+            raise InvalidRequestError(f"LoRARequest {lora_request.name!r} has no path or tensors")
+        if persist_disk:
+            raise InvalidRequestError("persist_disk is for pushed tensors; a path is on disk")
+        assert self.adapter_catalog is not None
+        spec = self.adapter_catalog.spec(lora_request)
+        adapter, _ = self.adapters.acquire(spec, count=False)  # load and verify now
+        self.adapters.release(adapter)
+        self.pushed.activate(spec)
+        return spec.ref
 
     # -- requests (loop thread) ------------------------------------------------------------------
     def add_prepared(self, prepared: PreparedRequest) -> None:
@@ -242,6 +274,8 @@ class LLMEngine:
         if self.adapters is not None:
             for copy in seq.adapters:  # a composition's every component
                 self.adapters.release(copy)
+            if self.pushed is not None and self.pushed.retiring:  # a replaced revision's last?
+                self.pushed.retire()
 
     # -- introspection ---------------------------------------------------------------------------
     @property

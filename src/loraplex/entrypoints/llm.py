@@ -14,6 +14,7 @@ from loraplex.requests import LoRARequest, SamplingParams
 from loraplex.types import (
     MAX_COMPOSED_ADAPTERS,
     AdapterComposition,
+    AdapterRef,
     InvalidRequestError,
     ScaledAdapter,
 )
@@ -46,6 +47,11 @@ class LLM:
             )
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._ids = itertools.count()
+
+    def add_lora(self, lora_request: LoRARequest, *, persist_disk: bool = False) -> AdapterRef:
+        """Load or push an adapter and make it its name's active revision (see
+        :meth:`LLMEngine.add_lora`); ``LoRARequest(name)`` then serves it."""
+        return self.engine.add_lora(lora_request, persist_disk=persist_disk)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -88,7 +94,7 @@ class LLM:
         n = len(prompts)
         params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         choices = self._per_prompt(lora_request, n, "lora_request")
-        paths = {lr.path for c in choices for lr in _lora_requests(c)}
+        paths = {lr.path or lr.name for c in choices for lr in _lora_requests(c)}
         loras = [self.adapters_of(c) for c in choices]
         ids = [f"gen-{next(self._ids)}" for _ in range(n)]
         cache = self.engine.adapters

@@ -47,8 +47,10 @@ from loraplex.lora.digest import (
     DigestError,
     SafetensorsAdapter,
     config_digest_line,
+    parse_config_bytes,
     read_owned,
     read_safetensors_adapter,
+    safetensors_adapter_of,
     tensor_header_line,
 )
 from loraplex.lora.filehash import SEGMENT, read_digest, segmented_digest
@@ -385,6 +387,22 @@ def read_adapter(path: str | Path, *, allow_pickle: bool = True) -> AdapterRead:
         BIN_NAME,
         lambda: compute_adapter_digest(config, tensors, legacy=True),
     )
+
+
+def read_pushed(config_bytes: bytes, weights: bytearray, *, name: str) -> AdapterRead:
+    """Parse and hash pushed adapter bytes (``config_bytes``: an ``adapter_config.json``,
+    ``weights``: a whole ``adapter_model.safetensors``, both owned by the caller) exactly as a
+    directory holding those two files is read: same digest, same tensors. Only checks that
+    they parse (:class:`AdapterError` naming the adapter); :func:`build_adapter` validates
+    content."""
+    where = f"pushed adapter {name!r}"
+    try:
+        config = parse_config_bytes(config_bytes, f"{where}: {CONFIG_NAME}")
+        st = safetensors_adapter_of(config_bytes, config, weights, f"{where}: body")
+        tensors = _tensors_of(st)
+    except DigestError as e:
+        raise AdapterError(str(e)) from e
+    return AdapterRead(config, tensors, st.digest, SAFETENSORS_NAME, st.legacy_digest, files=st)
 
 
 def read_adapter_files(

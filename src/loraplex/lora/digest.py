@@ -88,13 +88,7 @@ def read_json_object(path: Path, what: str) -> tuple[bytes, dict[str, Any]]:
     """The bytes of a JSON file holding one object, and the object; :class:`DigestError`
     starting with ``what`` when it is not valid JSON or not an object."""
     raw = path.read_bytes()
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DigestError(f"{what} is not valid JSON ({e})") from e
-    if not isinstance(obj, dict):
-        raise DigestError(f"{what} must hold a JSON object")
-    return raw, obj
+    return raw, parse_config_bytes(raw, what)
 
 
 def _as_float(v: Any) -> Any:
@@ -218,11 +212,31 @@ def read_safetensors_adapter(path: str | Path) -> SafetensorsAdapter:
         data = read_owned(st_path)
     except OSError as e:
         raise DigestError(f"{path}: cannot read the adapter files ({e.strerror or e})") from e
+    return safetensors_adapter_of(cfg_bytes, config, data, st_path)
+
+
+def safetensors_adapter_of(
+    config_bytes: bytes, config: dict[str, Any], data: bytearray, where: str | Path
+) -> SafetensorsAdapter:
+    """Parse and hash an adapter already in owned memory (``data``: a whole safetensors file,
+    e.g. a pushed body); :class:`DigestError` naming ``where`` when the header does not parse."""
     try:
-        tensors = parse_safetensors_header(data, st_path)
+        tensors = parse_safetensors_header(data, where)
     except SafetensorsError as e:  # the message names the file and what is wrong
         raise DigestError(str(e)) from e
-    return SafetensorsAdapter(config, cfg_bytes, data, tensors, _digest(config, data, tensors))
+    return SafetensorsAdapter(config, config_bytes, data, tensors, _digest(config, data, tensors))
+
+
+def parse_config_bytes(raw: bytes, what: str) -> dict[str, Any]:
+    """The JSON object in ``raw`` (e.g. an ``adapter_config.json``); :class:`DigestError`
+    starting with ``what`` when it is not valid JSON or not an object."""
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DigestError(f"{what} is not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise DigestError(f"{what} must hold a JSON object")
+    return obj
 
 
 @dataclass(frozen=True)
@@ -245,10 +259,17 @@ def read_adapter_dir(path: str | Path) -> AdapterFiles:
     root = Path(path)
     if root.is_dir() and not (root / SAFETENSORS_NAME).is_file():
         raise DigestError(f"{path}: missing {SAFETENSORS_NAME} (only safetensors is supported)")
-    a = read_safetensors_adapter(root)
+    return adapter_files_of(read_safetensors_adapter(root))
+
+
+def adapter_files_of(a: SafetensorsAdapter, weights_sha256: str | None = None) -> AdapterFiles:
+    """The :class:`AdapterFiles` of an adapter read (or pushed) into owned memory: its digest
+    and the hashes its two files have (or would have, written as received).
+    ``weights_sha256``: the weights' file hash when the caller has just checked it (a push's
+    body digest), else it is computed."""
     return AdapterFiles(
         digest=a.digest,
-        weights_sha256=hashlib.sha256(a.data).hexdigest(),
+        weights_sha256=weights_sha256 or hashlib.sha256(a.data).hexdigest(),
         config_sha256=hashlib.sha256(a.config_bytes).hexdigest(),
         config=a.config,
         tensors=a.tensors,

@@ -6,6 +6,7 @@ Never imports torch (nor the engine, cache or server): the CLI and tools use it 
 
 from loraplex.registry.db import ADAPTER_STATUSES, default_url, loraplex_home
 from loraplex.registry.errors import (
+    ConflictError,
     NotFoundError,
     RegistryError,
     RegistryUnavailableError,
@@ -35,6 +36,7 @@ __all__ = [
     "AuditEntry",
     "BaseModelInfo",
     "CanaryPolicy",
+    "ConflictError",
     "Manifest",
     "NotFoundError",
     "Principal",

@@ -34,3 +34,8 @@ class ValidationError(RegistryError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+
+
+class ConflictError(RegistryError):
+    """The change conflicts with what is recorded (a revision label already names other
+    content, or this content already has another label): HTTP 409."""

@@ -195,6 +195,12 @@ def inspect_adapter(path: str | Path, base: BaseModelInfo, *, max_rank: int) -> 
         files = read_adapter_dir(root)
     except (DigestError, OSError) as e:
         raise ValidationError("unreadable", str(e)) from e
+    return inspect_files(files, base, max_rank=max_rank)
+
+
+def inspect_files(files: AdapterFiles, base: BaseModelInfo, *, max_rank: int) -> AdapterInfo:
+    """:func:`inspect_adapter` of an adapter already read into memory (a directory's files, or
+    pushed bytes): the same format rules and :class:`ValidationError` reasons."""
     config = files.config
     try:
         settings = parse_lora_config(config)

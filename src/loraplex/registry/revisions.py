@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 
+from loraplex.lora.digest import AdapterFiles
 from loraplex.registry.audit import add_entry
 from loraplex.registry.checks import NAME_RE, REVISION_RE, TENANT_RE, check_name
 from loraplex.registry.db import ADAPTER_STATUSES, ReleaseRow, RevisionRow, TenantRow
-from loraplex.registry.errors import NotFoundError, RegistryError, ValidationError
-from loraplex.registry.inspect import AdapterInfo, BaseModelInfo, inspect_adapter
+from loraplex.registry.errors import (
+    ConflictError,
+    NotFoundError,
+    RegistryError,
+    ValidationError,
+)
+from loraplex.registry.inspect import AdapterInfo, BaseModelInfo, inspect_adapter, inspect_files
 from loraplex.registry.lifecycle import check_transition
 from loraplex.registry.policy import RegistryPolicy, check_signature, check_source
 from loraplex.registry.records import Manifest, check_concurrency
@@ -30,6 +38,7 @@ from loraplex.registry.rows import (
     row_or_active,
 )
 from loraplex.registry.sessions import Database
+from loraplex.types import is_pushed_source, pushed_source
 from loraplex.warm import WARM_POLICIES, WarmSchedule, parse_warm
 
 _AUTO_REV_RE = re.compile(r"r(\d+)")
@@ -82,26 +91,8 @@ class Revisions:
         if tenant is not None:
             check_name("tenant name", tenant, TENANT_RE)
         resolved, src = check_source(self.policy, path, source_uri, allow_any_source)
-        info: AdapterInfo = inspect_adapter(resolved, base, max_rank=self.policy.max_rank)
-        manifest = Manifest(
-            name=name,
-            tenant=tenant,
-            revision="",
-            sha256=info.files.digest,
-            weights_sha256=info.files.weights_sha256,
-            config_sha256=info.files.config_sha256,
-            base_model_name=base.name,
-            base_model_digest=base.digest,
-            rank=info.rank,
-            alpha=info.alpha,
-            dtype=info.dtype,
-            target_modules=info.target_modules,
-            nbytes=info.nbytes,
-            alora_invocation_tokens=info.alora_invocation_tokens,
-            source_uri=src,
-            path=str(resolved),
-        )
-        return manifest, resolved
+        info = inspect_adapter(resolved, base, max_rank=self.policy.max_rank)
+        return _draft(name, tenant, info, base, src, str(resolved)), resolved
 
     def register(
         self,
@@ -169,6 +160,32 @@ class Revisions:
                     {"reason": e.reason, "error": str(e), "path": str(path), "tenant": tenant},
                 )
             raise
+        extra = {
+            "priority": priority,
+            "slo_class": slo_class,
+            "warm_policy": warm_policy,
+            "warm_schedule": warm_schedule,
+            "max_concurrent_requests": max_concurrent_requests,
+            "signature": signature,
+            "signed_by": signer,
+        }
+        return self._record(draft, revision, actor, base.quantization, extra)[0]
+
+    def _record(
+        self,
+        draft: Manifest,
+        revision: str | None,
+        actor: str,
+        quantization: str | None,
+        extra: dict[str, Any],
+        action: str = "register",
+    ) -> tuple[Manifest, bool]:
+        """Record ``draft`` (validated) as a revision of its name in one transaction, audited
+        as ``action``: ``(the manifest, whether it is new)``. The same content already recorded
+        is returned as is when no other label is asked for; a label naming other content, or
+        other label for the same content, is a :class:`ConflictError`. ``extra``: manifest
+        fields set by the caller."""
+        name, tenant = draft.name, draft.tenant
         now = time.time()
         with self._db.write() as s:
             if tenant is not None and s.get(TenantRow, tenant) is None:
@@ -197,8 +214,8 @@ class Revisions:
                 if revision is None or revision == same.revision:
                     # idempotent: the same content is already this revision (no audit noise,
                     # but the transaction still bumped the generation harmlessly)
-                    return manifest_of(same)
-                raise RegistryError(
+                    return manifest_of(same), False
+                raise ConflictError(
                     f"adapter {name!r}: this content is already registered as revision "
                     f"{same.revision!r}"
                 )
@@ -211,32 +228,81 @@ class Revisions:
                     RevisionRow.name == name, RevisionRow.revision == revision
                 )
             ).first():
-                raise RegistryError(
+                raise ConflictError(
                     f"adapter {name!r} already has a revision {revision!r} with other content"
                 )
             check_transition("uploaded", "validated", f"{name}@{revision}")
             row = revision_row_of(
-                replace(
-                    draft,
-                    revision=revision,
-                    priority=priority,
-                    slo_class=slo_class,
-                    warm_policy=warm_policy,
-                    warm_schedule=warm_schedule,
-                    max_concurrent_requests=max_concurrent_requests,
-                    status="validated",
-                    created_at=now,
-                    signature=signature,
-                    signed_by=signer,
-                )
+                replace(draft, revision=revision, status="validated", created_at=now, **extra)
             )
             s.add(row)
             rel.updated_at = now
             s.flush()
             manifest = manifest_of(row)
-            after = {**manifest.to_dict(), "base_quantization": base.quantization}
-            add_entry(s, actor, "register", f"{name}@{revision}", None, after)
-            return manifest
+            after = {**manifest.to_dict(), "base_quantization": quantization}
+            add_entry(s, actor, action, f"{name}@{revision}", None, after)
+            return manifest, True
+
+    def register_pushed(
+        self,
+        files: AdapterFiles,
+        name: str,
+        *,
+        base: BaseModelInfo,
+        revision: str | None = None,
+        tenant: str | None = None,
+        actor: str,
+    ) -> tuple[Manifest, bool]:
+        """Validate pushed adapter bytes (``files``: read from memory, not a directory) with
+        the same rules as :meth:`register` and record them as a ``validated`` revision of
+        ``name`` whose source is ``pushed://<sha256>`` (audited as ``push``): ``(manifest,
+        whether it is new)``. The same bytes pushed again return their revision; a refusal
+        raises ValidationError (audited as ``push.refused``) and records nothing else. A
+        registry that requires signatures refuses pushes (they carry none)."""
+        check_name("adapter name", name, NAME_RE)
+        if tenant is not None:
+            check_name("tenant name", tenant, TENANT_RE)
+        if revision is not None:
+            check_name("revision", revision, REVISION_RE)
+        try:
+            info = inspect_files(files, base, max_rank=self.policy.max_rank)
+            draft = _draft(name, tenant, info, base, pushed_source(files.digest), "")
+            check_signature(self.policy, draft.signed_payload(), None)
+        except ValidationError as e:
+            with self._db.write() as s:
+                after = {"reason": e.reason, "error": str(e), "tenant": tenant}
+                add_entry(s, actor, "push.refused", name, None, after)
+            raise
+        return self._record(draft, revision, actor, base.quantization, {}, "push")
+
+    def prune_pushed(
+        self, name: str, keep: int, *, protect: Collection[str] = (), actor: str
+    ) -> list[Manifest]:
+        """Delete the pushed revisions of ``name`` beyond the ``keep`` newest, except the
+        active one, the canary, the rollback target and those whose digest is in ``protect``
+        (in flight somewhere); each deletion is audited (``prune``). The manifests deleted."""
+        with self._db.write() as s:
+            rel = release_row(s, name, lock=True)
+            rows = (
+                s.execute(
+                    select(RevisionRow)
+                    .where(RevisionRow.name == name)
+                    .order_by(RevisionRow.id.desc())
+                )
+                .scalars()
+                .all()
+            )
+            pushed = [r for r in rows if is_pushed_source(r.source_uri)]
+            held = {rel.active_revision, rel.canary_revision, rel.previous_revision}
+            held |= {r.rollback_revision for r in rows if r.revision == rel.active_revision}
+            gone = []
+            for r in pushed[keep:]:
+                if r.revision in held or r.sha256 in protect:
+                    continue
+                gone.append(manifest_of(r))
+                s.delete(r)
+                add_entry(s, actor, "prune", f"{name}@{r.revision}", {"sha256": r.sha256}, None)
+            return gone
 
     def validate(self, name: str, revision: str, *, base: BaseModelInfo, actor: str) -> Manifest:
         """Re-check a revision's files now against its manifest and ``base``: base digest,
@@ -298,6 +364,30 @@ class Revisions:
                 {"status": after.status, "verified": checked},
             )  # fmt: skip
             return after
+
+
+def _draft(
+    name: str, tenant: str | None, info: AdapterInfo, base: BaseModelInfo, src: str, path: str
+) -> Manifest:
+    """The manifest an inspected adapter would get (``revision`` "", status "uploaded")."""
+    return Manifest(
+        name=name,
+        tenant=tenant,
+        revision="",
+        sha256=info.files.digest,
+        weights_sha256=info.files.weights_sha256,
+        config_sha256=info.files.config_sha256,
+        base_model_name=base.name,
+        base_model_digest=base.digest,
+        rank=info.rank,
+        alpha=info.alpha,
+        dtype=info.dtype,
+        target_modules=info.target_modules,
+        nbytes=info.nbytes,
+        alora_invocation_tokens=info.alora_invocation_tokens,
+        source_uri=src,
+        path=path,
+    )
 
 
 def _warm_of(warm_policy: str, warm: object) -> tuple[str, WarmSchedule | None]:

@@ -88,6 +88,8 @@ class Registry:
     list = _forward("_revisions", Revisions.list)
     prepare = _forward("_revisions", Revisions.prepare)
     register = _forward("_revisions", Revisions.register)
+    register_pushed = _forward("_revisions", Revisions.register_pushed)
+    prune_pushed = _forward("_revisions", Revisions.prune_pushed)
     validate = _forward("_revisions", Revisions.validate)
 
     # ------------------------------------------------------------------ releases and lifecycle

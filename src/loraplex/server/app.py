@@ -44,6 +44,7 @@ from loraplex.server import (
     dashboard,
     openai_routes,
     ops_routes,
+    push_routes,
     residency,
     tokenize_routes,
 )
@@ -184,6 +185,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(residency.router)
     app.include_router(admin_routes.router)
+    app.include_router(push_routes.router)
     app.include_router(tokenize_routes.router)
     app.include_router(dashboard.router)
     return app

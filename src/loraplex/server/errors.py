@@ -22,7 +22,13 @@ from loraplex.engine.client import (
     PrepareTimeoutError,
     StreamStalledError,
 )
-from loraplex.registry import NotFoundError, RegistryError, TransitionError, ValidationError
+from loraplex.registry import (
+    ConflictError,
+    NotFoundError,
+    RegistryError,
+    TransitionError,
+    ValidationError,
+)
 from loraplex.registry import errors as registry_errors
 from loraplex.types import (
     AdapterCapacityError,
@@ -200,7 +206,7 @@ def validation_api_error(errs: list[Any]) -> APIError:
 
 def registry_api_error(e: RegistryError, param: str | None = None) -> APIError:
     """Registry failures: an outage 503 (+ Retry-After), unknown names 404, illegal lifecycle
-    moves 409, refused content 400 (``code`` is the validation reason); other database errors
+    moves and revision conflicts 409, refused content 400 (``code`` is the validation reason); other database errors
     500 without the driver's text."""
     if registry_outage(e):
         log.warning("registry unavailable: %s", e)
@@ -211,6 +217,8 @@ def registry_api_error(e: RegistryError, param: str | None = None) -> APIError:
     msg = _public(e)
     if isinstance(e, NotFoundError):
         return APIError(404, msg, "NotFoundError", param=param, code="not_found")
+    if isinstance(e, ConflictError):
+        return APIError(409, msg, "conflict_error", param=param, code="revision_conflict")
     if isinstance(e, TransitionError):
         return APIError(409, msg, "conflict_error", param=param, code="illegal_transition")
     if isinstance(e, ValidationError):

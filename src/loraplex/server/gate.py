@@ -3,13 +3,14 @@ nothing a caller sends costs memory or parsing before it is bounded and authenti
 
 For each HTTP request, in order:
 
-1. ``Content-Length`` over ``--max-request-bytes``: 413 at once, body unread.
+1. ``Content-Length`` over ``--max-request-bytes`` (``--max-adapter-push-bytes`` for an adapter
+   push): 413 at once, body unread.
 2. Auth from the headers alone: where auth is required (see :mod:`~loraplex.server.auth`),
    a request to any route but ``/health`` without a valid key gets 401 before one byte of its
    body is read. A key not in the catalog's cache is looked up in the I/O pool, never on the
    event loop. The principal found is left in the request scope for the routes' dependencies.
 3. The body is read with a running count (for chunked bodies too) and reading stops at the
-   cap: 413. Only then do the routes see it (FastAPI parses JSON after this).
+   cap, or past a declared ``Content-Length``: 413. Only then do the routes see it (FastAPI parses JSON after this).
 
 Answers given before the body was read close the connection, so an unauthenticated client
 cannot make the server read (and discard) a huge body either.
@@ -18,6 +19,7 @@ cannot make the server read (and discard) a huge body either.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -35,6 +37,9 @@ from loraplex.server.state import ServerState
 
 log = logging.getLogger("loraplex.server.app")
 
+PUSH_PATH = re.compile(r"/v1/admin/adapters/[^/]+/push")
+"""The adapter push route: its body is bounded by ``--max-adapter-push-bytes`` instead."""
+
 OPEN_PATHS = frozenset({"/health", "/dashboard"})
 """Routes that never need a key: liveness probes, and the dashboard's page (it holds no data;
 the routes it polls need a key)."""
@@ -51,7 +56,9 @@ class RequestGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.state.config.max_request_bytes
+        limit, flag = self.state.config.max_request_bytes, "--max-request-bytes"
+        if scope["method"] == "POST" and PUSH_PATH.fullmatch(scope["path"]):
+            limit, flag = self.state.config.max_adapter_push_bytes, "--max-adapter-push-bytes"
         headers = Headers(scope=scope)
         unread = _has_body(headers)
         length = headers.get("content-length")
@@ -64,7 +71,7 @@ class RequestGate:
                 await self._refuse(scope, receive, send, APIError(400, "invalid Content-Length"))
                 return
             if declared > limit:
-                await self._refuse(scope, receive, send, _too_large(limit))
+                await self._refuse(scope, receive, send, _too_large(limit, flag))
                 return
         if scope["path"] not in OPEN_PATHS:
             required = auth_required(self.state)
@@ -88,6 +95,7 @@ class RequestGate:
             scope[SCOPE_KEY] = (key, principal)
         body: list[bytes] = []
         size = 0
+        declared_n = int(length) if length is not None else None
         more = True
         while more:
             message = await receive()
@@ -95,8 +103,8 @@ class RequestGate:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                await self._refuse(scope, receive, send, _too_large(limit), close=True)
+            if size > limit or (declared_n is not None and size > declared_n):
+                await self._refuse(scope, receive, send, _too_large(limit, flag), close=True)
                 return
             body.append(chunk)
             more = message.get("more_body", False)
@@ -138,10 +146,11 @@ def _has_body(headers: Headers) -> bool:
         return True
 
 
-def _too_large(limit: int) -> APIError:
+def _too_large(limit: int, flag: str = "--max-request-bytes") -> APIError:
     return APIError(
         413,
-        f"the request body is larger than this server accepts ({limit} bytes, --max-request-bytes)",
+        f"the request body is larger than this server accepts ({limit} bytes, {flag}), "
+        "or than its Content-Length",
         code="request_too_large",
     )
 

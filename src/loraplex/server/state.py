@@ -132,6 +132,10 @@ class ServerState:
         self.canary = CanaryMonitor(self.registry, self.run_io, on_rollback=self._rolled_back)
         self.unknown_fields = UnknownFields()  # request fields no API defines, logged once
         self._retiring: dict[str, float] = {}  # digest -> when its cached copies go
+        # digests of pushed revisions (POST .../push): retired as soon as no request holds
+        # them, and from the device and host tiers only (a disk copy is their only source)
+        self.pushed_digests: set[str] = set()
+        self.push_lock = threading.Lock()  # one push at a time: the swap and prune in order
         self._rng = random.Random()
         self._static_names = self._register_static_adapters()
         self.catalog.refresh(force=True)
@@ -214,7 +218,11 @@ class ServerState:
         now = time.monotonic()
         serving = digests_of(new.values())
         for d in retired_digests(old, new):
-            self._retiring.setdefault(d, now + self.config.swap_eviction_delay_s)
+            pushed = d in self.pushed_digests
+            if pushed and self.client.lora_enabled:
+                self.client.release_push(d)  # evictable now; dropped once no request holds it
+            delay = 0.0 if pushed else self.config.swap_eviction_delay_s
+            self._retiring.setdefault(d, now + delay)
         for d in serving:
             self._retiring.pop(d, None)
         self._prewarm_due_at = 0.0  # revisions or schedules may have changed: follow them now
@@ -244,7 +252,7 @@ class ServerState:
                 continue
             try:
                 client.unpin(d)
-                client.evict(d)
+                client.evict(d, tiers=("device", "host") if d in self.pushed_digests else None)
             except AdapterInUseError:
                 self._retiring[d] = now + 1.0  # requests still run on it
                 continue
