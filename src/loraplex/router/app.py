@@ -19,6 +19,22 @@
         a 2xx answer with ``x-loraplex-adapter-state``: the adapter is on that replica's device
             in the router's view (the only update between polls; never what a client asked)
 
+``POST /v1/admin/adapters/{name}/push`` (a training loop's new revision of an adapter, the
+wire format of :mod:`loraplex.client`) is not routed but fanned out::
+
+    body = the push body (413 beyond max_push_bytes), read once; its X-Loraplex-Body-SHA256
+           checked here first (400: no replica is sent a body that does not match it)
+    targets = every known replica (--push-targets all, the default), or the replicas whose
+              residency lists the name (holders; every replica while none does)
+    send the same bytes and the client's headers (Authorization included) to every target
+        concurrently; never retried (a push that timed out may have been applied)
+    every target 201 with one sha256: 201, the first replica's answer plus "replicas" (each
+        one's url, status, revision, sha256); each replica's view: the name in host memory,
+        at the revision it answered
+    every target the same 4xx: that answer (the push was refused everywhere, nothing changed)
+    otherwise: 502 push_incomplete (or push_diverged: different sha256s) naming in
+        "replicas" which took it and which did not, and why
+
 Also ``/v1/models`` (union over the replicas, with the client's Authorization),
 ``/v1/replicas`` (the router's view, every adapter name, its decisions by reason and, with the
 ``home`` policy, every answered adapter's home set: only with ``--status-api-key``, off
@@ -31,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -44,6 +61,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.client import SHA256_HEADER, push_path
 from loraplex.pages import read_page
 from loraplex.router.config import RouterConfig
 from loraplex.router.homes import Picker
@@ -451,6 +469,117 @@ class Router:
                 "replica_failed",
             )
 
+    def push_targets(self, name: str) -> list[Replica]:
+        """The replicas a push of ``name`` goes to (``--push-targets``), healthy or not: one
+        that cannot take it is named in the answer, never skipped in silence."""
+        reps = self.replicas.ordered()
+        if self.config.push_targets == "holders":
+            holders = [r for r in reps if r.tiers.get(name, "absent") != "absent"]
+            return holders or reps
+        return reps
+
+    async def push(self, request: Request, name: str) -> Response:
+        """Fan a push of ``name`` out to its target replicas (see the module docstring)."""
+        limit = self.config.max_push_bytes
+        raw = await read_body(request, limit)
+        if raw is None:
+            self.metrics.requests.labels(status="413").inc()
+            return _error(413, f"the push body is larger than {limit} bytes (--max-push-bytes)",
+                          "invalid_request_error", code="request_too_large")  # fmt: skip
+        declared = request.headers.get(SHA256_HEADER, "")
+        # hashed off the event loop: up to a GiB must not stall every other request
+        actual = await asyncio.to_thread(lambda: hashlib.sha256(raw).hexdigest())
+        if not hmac.compare_digest(declared.strip().lower().encode(), actual.encode()):
+            self.metrics.requests.labels(status="400").inc()
+            msg = (
+                f"the body's sha256 is {actual}, not the {SHA256_HEADER} header's {declared!r}"
+                if declared
+                else f"missing {SHA256_HEADER} (the lowercase hex sha256 of the body)"
+            )
+            return _error(400, msg, "invalid_request_error", code="digest_mismatch")
+        targets = self.push_targets(name)
+        if not targets:
+            return self._no_replica(set(), None)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers["content-length"] = str(len(raw))
+        path = push_path(name) + (f"?{request.url.query}" if request.url.query else "")
+        results = await asyncio.gather(*(self._push_one(r, path, raw, headers) for r in targets))
+        return self._push_answer(name, targets, results)
+
+    async def _push_one(
+        self, rep: Replica, path: str, raw: bytes, headers: dict[str, str]
+    ) -> tuple[int, Any, str | None]:
+        """One replica's answer to a push: (status or 0, parsed JSON body or None, error)."""
+        assert self.client is not None
+        t0 = time.monotonic()
+        rep.in_flight += 1
+        try:
+            resp = await self.client.post(f"{rep.url}{path}", content=raw, headers=headers)
+        except httpx.HTTPError as e:
+            if isinstance(e, httpx.ConnectError):
+                self.replicas.mark_failed(rep, f"push: {e}")
+            return 0, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        finally:
+            rep.in_flight -= 1
+        self.metrics.latency.labels(replica=rep.url, stage="total").observe(time.monotonic() - t0)
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if resp.status_code == 201:
+            ok = isinstance(body, dict) and isinstance(body.get("sha256"), str)
+            return 201, body, None if ok else "a 201 answer without a sha256"
+        err = body.get("error") if isinstance(body, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else None
+        return resp.status_code, body, str(msg) if msg else resp.text[:300]
+
+    def _push_answer(
+        self, name: str, targets: list[Replica], results: list[tuple[int, Any, str | None]]
+    ) -> Response:
+        now = time.monotonic()
+        rows: list[dict[str, Any]] = []
+        for rep, (status, body, err) in zip(targets, results, strict=True):
+            row: dict[str, Any] = {"url": rep.url, "status": status}
+            if status == 201 and err is None:
+                row.update(revision=body.get("revision"), sha256=body["sha256"])
+                if isinstance(body.get("revision"), str):
+                    rep.note_pushed(name, body["revision"], now)
+            else:
+                row["error"] = err
+            rows.append(row)
+        took = [r for r in rows if r["status"] == 201 and "error" not in r]
+        digests = {r["sha256"] for r in took}
+        if len(took) == len(rows) and len(digests) == 1:
+            self.metrics.requests.labels(status="201").inc()
+            first = results[0][1]
+            return JSONResponse({**first, "replicas": rows}, status_code=201)
+        statuses = {r["status"] for r in rows}
+        if not took and len(statuses) == 1 and 400 <= rows[0]["status"] < 500:
+            # refused alike everywhere (bad key, bad tensors, a name it may not write): the
+            # replicas' own answer, nothing changed anywhere
+            status, answer = rows[0]["status"], results[0][1]
+            self.metrics.requests.labels(status=str(status)).inc()
+            if isinstance(answer, dict):
+                return JSONResponse(answer, status_code=status)
+            return _error(status, str(rows[0]["error"]), "invalid_request_error")
+        self.metrics.requests.labels(status="502").inc()
+        if len(took) == len(rows):
+            msg = f"the replicas took the push of {name!r} with different sha256s: " + ", ".join(
+                f"{r['url']}={r['sha256']}" for r in took
+            )
+            code = "push_diverged"
+        else:
+            failed = [r for r in rows if r not in took]
+            msg = f"the push of {name!r} reached {len(took)} of {len(rows)} replicas; " + (
+                "; ".join(f"{r['url']}: {r['status'] or 'no answer'} {r['error']}" for r in failed)
+            )
+            code = "push_incomplete"
+        body = {
+            "error": {"message": msg, "type": "server_error", "param": None, "code": code},
+            "replicas": rows,
+        }
+        return JSONResponse(body, status_code=502)
+
     async def models(self, request: Request) -> Response:
         """Union of every healthy replica's ``/v1/models`` (first replica's entry wins)."""
         assert self.client is not None
@@ -530,6 +659,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await router.forward(request, "/v1/chat/completions")
+
+    @app.post("/v1/admin/adapters/{name}/push")
+    async def push(name: str, request: Request) -> Response:
+        return await router.push(request, name)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
