@@ -120,7 +120,8 @@ def encode_adapter(
         if which not in adapter.peft_config:
             raise ValueError(f"the model has no adapter {which!r}")
         tensors = get_peft_model_state_dict(adapter, adapter_name=which)
-        config = adapter.peft_config[which] if config is None else config
+        if config is None:  # as save_pretrained writes it: for inference
+            config = {**adapter.peft_config[which].to_dict(), "inference_mode": True}
     elif isinstance(adapter, (bytes, bytearray, memoryview)):
         if config is None:
             raise ValueError("pushing safetensors bytes needs config (the adapter_config.json)")

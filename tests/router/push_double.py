@@ -17,13 +17,38 @@ import binascii
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from safetensors.torch import load
 
 from loraplex.client import CONFIG_HEADER, MAX_CONFIG_BYTES, REVISION_HEADER, SHA256_HEADER
+
+
+def peft_trainee(base_dir: Path, seed: int = 3) -> Any:
+    """A PEFT model of the base in ``base_dir`` as a trainer holds it: LoRA r=4 on q, v and
+    down projections, random non-zero A and B (``seed``), float32."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                     lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
+    model = get_peft_model(base, cfg)
+    reseed(model, seed)
+    return model.eval()
+
+
+def reseed(model: Any, seed: int) -> None:
+    """New random LoRA weights in place (the next revision a training step would produce)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
