@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import json
 import logging
@@ -65,6 +64,7 @@ from loraplex.client import SHA256_HEADER, push_path
 from loraplex.pages import read_page
 from loraplex.router.config import RouterConfig
 from loraplex.router.homes import Picker
+from loraplex.router.push import Answer, answer_of, check_digest, fan_in
 from loraplex.router.relay import read_body, sse_error
 from loraplex.router.replicas import Replica, ReplicaSet
 from loraplex.types import MAX_COMPOSED_ADAPTERS
@@ -486,30 +486,31 @@ class Router:
             self.metrics.requests.labels(status="413").inc()
             return _error(413, f"the push body is larger than {limit} bytes (--max-push-bytes)",
                           "invalid_request_error", code="request_too_large")  # fmt: skip
-        declared = request.headers.get(SHA256_HEADER, "")
         # hashed off the event loop: up to a GiB must not stall every other request
-        actual = await asyncio.to_thread(lambda: hashlib.sha256(raw).hexdigest())
-        if not hmac.compare_digest(declared.strip().lower().encode(), actual.encode()):
+        bad = await asyncio.to_thread(check_digest, raw, request.headers.get(SHA256_HEADER))
+        if bad is not None:
             self.metrics.requests.labels(status="400").inc()
-            msg = (
-                f"the body's sha256 is {actual}, not the {SHA256_HEADER} header's {declared!r}"
-                if declared
-                else f"missing {SHA256_HEADER} (the lowercase hex sha256 of the body)"
-            )
-            return _error(400, msg, "invalid_request_error", code="digest_mismatch")
+            return _error(400, bad, "invalid_request_error", code="digest_mismatch")
         targets = self.push_targets(name)
         if not targets:
             return self._no_replica(set(), None)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         headers["content-length"] = str(len(raw))
         path = push_path(name) + (f"?{request.url.query}" if request.url.query else "")
-        results = await asyncio.gather(*(self._push_one(r, path, raw, headers) for r in targets))
-        return self._push_answer(name, targets, results)
+        answers = await asyncio.gather(*(self._push_one(r, path, raw, headers) for r in targets))
+        now = time.monotonic()
+        for rep, a in zip(targets, answers, strict=True):
+            if a.took and isinstance(a.body.get("revision"), str):
+                rep.note_pushed(name, a.body["revision"], now)
+        status, body = fan_in(name, answers)
+        self.metrics.requests.labels(status=str(status)).inc()
+        return JSONResponse(body, status_code=status)
 
     async def _push_one(
         self, rep: Replica, path: str, raw: bytes, headers: dict[str, str]
-    ) -> tuple[int, Any, str | None]:
-        """One replica's answer to a push: (status or 0, parsed JSON body or None, error)."""
+    ) -> Answer:
+        """One replica's answer to a push (the same bytes object for every replica: no copy).
+        Never retried: a push that timed out may have been applied."""
         assert self.client is not None
         t0 = time.monotonic()
         rep.in_flight += 1
@@ -518,67 +519,11 @@ class Router:
         except httpx.HTTPError as e:
             if isinstance(e, httpx.ConnectError):
                 self.replicas.mark_failed(rep, f"push: {e}")
-            return 0, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            return Answer(rep.url, 0, error=f"{type(e).__name__}: {e}".rstrip(": "))
         finally:
             rep.in_flight -= 1
         self.metrics.latency.labels(replica=rep.url, stage="total").observe(time.monotonic() - t0)
-        try:
-            body = resp.json()
-        except ValueError:
-            body = None
-        if resp.status_code == 201:
-            ok = isinstance(body, dict) and isinstance(body.get("sha256"), str)
-            return 201, body, None if ok else "a 201 answer without a sha256"
-        err = body.get("error") if isinstance(body, dict) else None
-        msg = err.get("message") if isinstance(err, dict) else None
-        return resp.status_code, body, str(msg) if msg else resp.text[:300]
-
-    def _push_answer(
-        self, name: str, targets: list[Replica], results: list[tuple[int, Any, str | None]]
-    ) -> Response:
-        now = time.monotonic()
-        rows: list[dict[str, Any]] = []
-        for rep, (status, body, err) in zip(targets, results, strict=True):
-            row: dict[str, Any] = {"url": rep.url, "status": status}
-            if status == 201 and err is None:
-                row.update(revision=body.get("revision"), sha256=body["sha256"])
-                if isinstance(body.get("revision"), str):
-                    rep.note_pushed(name, body["revision"], now)
-            else:
-                row["error"] = err
-            rows.append(row)
-        took = [r for r in rows if r["status"] == 201 and "error" not in r]
-        digests = {r["sha256"] for r in took}
-        if len(took) == len(rows) and len(digests) == 1:
-            self.metrics.requests.labels(status="201").inc()
-            first = results[0][1]
-            return JSONResponse({**first, "replicas": rows}, status_code=201)
-        statuses = {r["status"] for r in rows}
-        if not took and len(statuses) == 1 and 400 <= rows[0]["status"] < 500:
-            # refused alike everywhere (bad key, bad tensors, a name it may not write): the
-            # replicas' own answer, nothing changed anywhere
-            status, answer = rows[0]["status"], results[0][1]
-            self.metrics.requests.labels(status=str(status)).inc()
-            if isinstance(answer, dict):
-                return JSONResponse(answer, status_code=status)
-            return _error(status, str(rows[0]["error"]), "invalid_request_error")
-        self.metrics.requests.labels(status="502").inc()
-        if len(took) == len(rows):
-            msg = f"the replicas took the push of {name!r} with different sha256s: " + ", ".join(
-                f"{r['url']}={r['sha256']}" for r in took
-            )
-            code = "push_diverged"
-        else:
-            failed = [r for r in rows if r not in took]
-            msg = f"the push of {name!r} reached {len(took)} of {len(rows)} replicas; " + (
-                "; ".join(f"{r['url']}: {r['status'] or 'no answer'} {r['error']}" for r in failed)
-            )
-            code = "push_incomplete"
-        body = {
-            "error": {"message": msg, "type": "server_error", "param": None, "code": code},
-            "replicas": rows,
-        }
-        return JSONResponse(body, status_code=502)
+        return answer_of(rep.url, resp.status_code, resp.content)
 
     async def models(self, request: Request) -> Response:
         """Union of every healthy replica's ``/v1/models`` (first replica's entry wins)."""
