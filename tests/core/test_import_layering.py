@@ -93,7 +93,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "__main__": {"cli"},
     # on top too: other serving systems' entry points (Ray Serve) over a whole loraplex server
-    "integrations": BASE | {"server", "registry", "router", "testing"},
+    "integrations": BASE | {"server", "registry", "router", "testing", "client"},
 }
 
 TORCH_FREE_LORA = {
