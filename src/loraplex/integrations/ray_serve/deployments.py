@@ -363,7 +363,11 @@ class LoraplexIngress:
             results = await self.engine.broadcast("push", req).results_async(
                 timeout_s=s.push_timeout_s, return_exceptions=True
             )
-        except (TimeoutError, *RETRYABLE) as e:
+        except TimeoutError:
+            msg = (f"not every engine replica answered the push of {name!r} within "
+                   f"{s.push_timeout_s:g} s; some may have taken it (push again)")  # fmt: skip
+            return _response(error_start(504, msg, "server_error", "push_timeout"), 1)
+        except RETRYABLE as e:
             msg = f"the push of {name!r} could not reach the engine replicas ({type(e).__name__})"
             return _response(error_start(503, msg, "server_error", "replicas_unavailable"), 1)
         answers = []
