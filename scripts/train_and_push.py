@@ -12,8 +12,8 @@ Per step::
     push_adapter(url, name, peft_model, revision=f"step-{i}")  (loraplex.client: the adapter's
         state dict as safetensors bytes in memory, its config, their sha256)
     POST /v1/completions {model: name, greedy} on the server, and the same greedy decode with
-        the trainer's own PEFT model: the tokens must be equal (the server serves the revision
-        just pushed, never an older one); a response header naming a revision must name it
+        the trainer's own PEFT model: the tokens must be equal, and the response's
+        x-loraplex-adapter header must name the revision just pushed (never an older one)
 
 Without ``--url`` it builds a tiny random Llama (``loraplex.testing.make_random_model``: a
 transformers config, random weights, a small tokenizer) in a temp dir and starts
@@ -130,14 +130,19 @@ def train_and_push(
             resp.raise_for_status()
             served = resp.json()["choices"][0]["token_ids"]
             want = greedy(model, PROMPT_IDS, len(served))
-            named = {k: v for k, v in resp.headers.items() if "revision" in k.lower()}
-            step_ok = served == want and all(v == answer["revision"] for v in named.values())
+            # x-loraplex-adapter: NAME;revision=REV;sha256=DIGEST16 (the revision that served it)
+            fields = dict(
+                kv.partition("=")[::2]
+                for kv in resp.headers.get("x-loraplex-adapter", "").split(";")
+            )
+            used = fields.get("revision")
+            step_ok = served == want and used == answer["revision"]
             ok &= step_ok
             print(
                 f"step {step}: loss {loss.item():.4f}  pushed {answer['revision']} "
                 f"(sha256 {answer['sha256'][:12]}, {push_ms:.0f} ms)  served {served} "
-                f"{'== trainer' if served == want else f'!= trainer {want}'}"
-                + (f"  {named}" if named else ""),
+                f"{'== trainer' if served == want else f'!= trainer {want}'}  "
+                f"(served by revision {used})",
                 flush=True,
             )
     return ok

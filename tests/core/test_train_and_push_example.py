@@ -25,4 +25,6 @@ def test_the_training_loop_example_serves_every_revision_it_pushes() -> None:
     for step in (1, 2, 3):
         assert f"pushed step-{step}" in out.stdout
     assert out.stdout.count("== trainer") == 3
+    for step in (1, 2, 3):
+        assert f"(served by revision step-{step})" in out.stdout
     assert "every step served the revision it pushed" in out.stdout

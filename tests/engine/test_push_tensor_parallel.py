@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from loraplex.client import push_adapter
@@ -20,7 +19,13 @@ from loraplex.server.app import create_app
 from loraplex.testing import make_random_model, reference_greedy
 from loraplex.testing.server import serve_in_thread
 from loraplex.testing.sync import EVENT_TIMEOUT_S
-from tests.router.push_double import peft_trainee, reseed
+from tests.router.push_double import (
+    PROMPT,
+    greedy_tokens,
+    peft_trainee,
+    reseed,
+    served_revision,
+)
 
 ADMIN = "sk-admin-tp-push"
 
@@ -35,17 +40,11 @@ def test_each_rank_serves_its_cut_of_a_pushed_adapter(tmp_path: Path) -> None:
         served_model_name=["tiny"], admin_api_key=ADMIN, log_level="warning",
     )  # fmt: skip
     trainee = peft_trainee(model, seed=31)
-    prompt = [5, 17, 42, 99, 7, 64]
     with serve_in_thread(create_app(config), timeout=EVENT_TIMEOUT_S) as url:
         for step in (1, 2):
             if step == 2:
                 reseed(trainee, seed=32)
             push_adapter(url, "trainee", trainee, api_key=ADMIN, revision=f"step-{step}")
-            want, _ = reference_greedy(trainee, prompt, 6)
-            r = httpx.post(f"{url}/v1/completions", timeout=EVENT_TIMEOUT_S,
-                           headers={"Authorization": f"Bearer {ADMIN}"}, json={
-                "model": "trainee", "prompt": prompt, "max_tokens": 6, "temperature": 0,
-                "return_token_ids": True,
-            })  # fmt: skip
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == want, step
+            want, _ = reference_greedy(trainee, PROMPT, 6)
+            tokens, headers = greedy_tokens(url, "trainee", ADMIN)
+            assert tokens == want and served_revision(headers) == f"step-{step}", step

@@ -43,7 +43,14 @@ from loraplex.integrations.ray_serve.local_cluster import (  # noqa: E402
 from loraplex.integrations.ray_serve.testbed import TinyFleet  # noqa: E402
 from loraplex.testing import reference_greedy  # noqa: E402
 from loraplex.testing.server import free_port  # noqa: E402
-from tests.router.push_double import PushReplicaDouble, peft_trainee, reseed  # noqa: E402
+from tests.router.push_double import (  # noqa: E402
+    PROMPT,
+    PushReplicaDouble,
+    greedy_tokens,
+    peft_trainee,
+    reseed,
+    served_revision,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -181,24 +188,18 @@ def test_push_reaches_every_real_engine_replica(cluster: Cluster, testbed: TinyF
     deploy(build_app(testbed.server_config(admin_api_key=ADMIN), options))
     try:
         trainee = peft_trainee(testbed.model, seed=21)
-        prompt = [5, 17, 42, 99, 7, 64]
         for step in (1, 2):
             if step == 2:
                 reseed(trainee, seed=22)
             answer = push_adapter(cluster.url, "trainee", trainee, api_key=ADMIN,
                                   revision=f"step-{step}")  # fmt: skip
             assert len(answer["replicas"]) == 2
-            want, _ = reference_greedy(trainee, prompt, 5)
+            want, _ = reference_greedy(trainee, PROMPT, 5)
             seen = set()
             for _ in range(8):
-                r = httpx.post(f"{cluster.url}/v1/completions", timeout=120,
-                               headers={"Authorization": f"Bearer {ADMIN}"}, json={
-                    "model": "trainee", "prompt": prompt, "max_tokens": 5, "temperature": 0,
-                    "return_token_ids": True,
-                })  # fmt: skip
-                assert r.status_code == 200, r.text
-                assert r.json()["choices"][0]["token_ids"] == want
-                seen.add(r.headers.get("x-loraplex-replica"))
+                tokens, headers = greedy_tokens(cluster.url, "trainee", ADMIN, 5)
+                assert tokens == want and served_revision(headers) == f"step-{step}"
+                seen.add(headers.get("x-loraplex-replica"))
             assert len(seen) == 2  # both replicas answered with the new revision
     finally:
         serve.delete("loraplex")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -49,6 +50,26 @@ def reseed(model: Any, seed: int) -> None:
         for n, p in model.named_parameters():
             if "lora_" in n:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+PROMPT = [5, 17, 42, 99, 7, 64]
+"""Token ids every tiny test vocabulary has."""
+
+
+def greedy_tokens(url: str, model: str, api_key: str, n: int = 6) -> tuple[list[int], Any]:
+    """``n`` greedy tokens of ``model`` after :data:`PROMPT` from the server at ``url``, and
+    the response's headers."""
+    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {api_key}"},
+                   timeout=120, json={"model": model, "prompt": PROMPT, "max_tokens": n,
+                                      "temperature": 0, "return_token_ids": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"], r.headers
+
+
+def served_revision(headers: Any) -> str | None:
+    """The revision a response names (``x-loraplex-adapter: NAME;revision=REV;sha256=...``)."""
+    fields = dict(kv.partition("=")[::2] for kv in headers.get("x-loraplex-adapter", "").split(";"))
+    return fields.get("revision")
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:

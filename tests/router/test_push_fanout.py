@@ -23,7 +23,14 @@ from loraplex.router.app import RouterConfig, create_router_app
 from loraplex.testing import reference_greedy
 from loraplex.testing.server import free_port, serve_in_thread
 from loraplex.testing.sync import wait_until
-from tests.router.push_double import PushReplicaDouble, peft_trainee, reseed
+from tests.router.push_double import (
+    PROMPT,
+    PushReplicaDouble,
+    greedy_tokens,
+    peft_trainee,
+    reseed,
+    served_revision,
+)
 
 ADMIN = "sk-admin-push-5e1d"
 STATUS = "sk-router-status-push"
@@ -183,8 +190,6 @@ def test_push_reaches_real_replicas(tiny_model: Path) -> None:
     from loraplex.server.app import create_app
 
     trainee = peft_trainee(tiny_model, seed=11)
-    prompt = [5, 17, 42, 99, 7, 64]
-    auth = {"Authorization": f"Bearer {ADMIN}"}
     with contextlib.ExitStack() as stack:
         urls = []
         for _ in range(2):
@@ -203,12 +208,8 @@ def test_push_reaches_real_replicas(tiny_model: Path) -> None:
             answer = push_adapter(router, "trainee", trainee, api_key=ADMIN,
                                   revision=f"step-{step}")  # fmt: skip
             assert {r["status"] for r in answer["replicas"]} == {201}
-            want, _ = reference_greedy(trainee, prompt, 6)
+            want, _ = reference_greedy(trainee, PROMPT, 6)
             for url in urls:
-                r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=120, json={
-                    "model": "trainee", "prompt": prompt, "max_tokens": 6, "temperature": 0,
-                    "return_token_ids": True,
-                })  # fmt: skip
-                assert r.status_code == 200, r.text
-                assert r.json()["choices"][0]["token_ids"] == want, (url, step)
+                tokens, headers = greedy_tokens(url, "trainee", ADMIN)
+                assert tokens == want and served_revision(headers) == f"step-{step}", (url, step)
             assert {v["revisions"]["trainee"] for v in _view(router).values()} == {f"step-{step}"}
