@@ -20,6 +20,7 @@ import torch
 
 from loraplex.client import SHA256_HEADER, PushError, encode_adapter, push_adapter, push_headers
 from loraplex.router.app import RouterConfig, create_router_app
+from loraplex.router.replicas import Replica
 from loraplex.testing import reference_greedy
 from loraplex.testing.server import free_port, serve_in_thread
 from loraplex.testing.sync import wait_until
@@ -213,3 +214,17 @@ def test_push_reaches_real_replicas(tiny_model: Path) -> None:
                 tokens, headers = greedy_tokens(url, "trainee", ADMIN)
                 assert tokens == want and served_revision(headers) == f"step-{step}", (url, step)
             assert {v["revisions"]["trainee"] for v in _view(router).values()} == {f"step-{step}"}
+
+
+def test_a_push_outlives_a_poll_that_began_before_it() -> None:
+    """A poll's answer older than a push does not undo it; a newer one replaces the view."""
+    rep = Replica("http://r1", max_loras=1, max_cpu_loras=2)
+    rep.apply_poll(0.0, {"trainee": "device", "other": "host"}, 1, None, 2, {"trainee": "step-1"})
+    rep.note_pushed("trainee", "step-2", now=10.0)
+    # the new revision is in host memory, not on the device the old one held
+    assert (rep.tiers["trainee"], rep.revisions["trainee"]) == ("host", "step-2")
+    assert "trainee" not in rep.device_lru
+    rep.apply_poll(5.0, {"trainee": "device", "other": "host"}, 1, None, 2, {"trainee": "step-1"})
+    assert (rep.tiers["trainee"], rep.revisions["trainee"]) == ("host", "step-2")
+    rep.apply_poll(11.0, {"trainee": "device"}, 1, None, 2, {"trainee": "step-2"})
+    assert (rep.tiers["trainee"], rep.revisions["trainee"]) == ("device", "step-2")
