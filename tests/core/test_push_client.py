@@ -29,9 +29,7 @@ from loraplex.client import (
     push_path,
 )
 from loraplex.testing.server import free_port, serve_in_thread
-from tests.router.push_double import PushReplicaDouble, peft_trainee
-
-CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+from tests.router.push_double import LORA_CONFIG, PushReplicaDouble, peft_trainee
 
 
 def _lists_as_sets(d: dict[str, Any]) -> dict[str, Any]:
@@ -77,19 +75,19 @@ def test_bad_arguments_are_refused_before_anything_is_sent() -> None:
     with pytest.raises(ValueError, match="needs config"):
         encode_adapter(b"\0" * 8)
     with pytest.raises(ValueError, match="no tensors"):
-        encode_adapter({}, CONFIG)
+        encode_adapter({}, LORA_CONFIG)
     with pytest.raises(TypeError, match="PEFT model, a state dict"):
-        encode_adapter([1, 2], CONFIG)
+        encode_adapter([1, 2], LORA_CONFIG)
     with pytest.raises(ValueError, match=f"at most {MAX_CONFIG_BYTES}"):
-        encode_adapter(tensors, {**CONFIG, "pad": "x" * MAX_CONFIG_BYTES})
+        encode_adapter(tensors, {**LORA_CONFIG, "pad": "x" * MAX_CONFIG_BYTES})
     with pytest.raises(TypeError, match="config must be"):
         encode_adapter(tensors, 3)
     with pytest.raises(ValueError, match="non-empty"):
-        push_adapter("http://127.0.0.1:1", "", tensors, config=CONFIG)
+        push_adapter("http://127.0.0.1:1", "", tensors, config=LORA_CONFIG)
     # JSON text and a set (as PEFT configs hold target_modules) are accepted
-    _, cfg = encode_adapter(tensors, {**CONFIG, "target_modules": {"v_proj", "q_proj"}})
+    _, cfg = encode_adapter(tensors, {**LORA_CONFIG, "target_modules": {"v_proj", "q_proj"}})
     assert json.loads(cfg)["target_modules"] == ["q_proj", "v_proj"]
-    assert json.loads(encode_adapter(tensors, json.dumps(CONFIG))[1]) == CONFIG
+    assert json.loads(encode_adapter(tensors, json.dumps(LORA_CONFIG))[1]) == LORA_CONFIG
     assert push_path("a b/c") == "/v1/admin/adapters/a%20b%2Fc/push"
 
 
@@ -98,15 +96,15 @@ def test_a_refusal_raises_the_servers_message() -> None:
     tensors = {"base_model.model.x.lora_A.weight": torch.ones(2, 4)}
     with serve_in_thread(double.app()) as url:
         with pytest.raises(PushError) as e:
-            push_adapter(url, "t", tensors, config=CONFIG, api_key="sk-nope")
+            push_adapter(url, "t", tensors, config=LORA_CONFIG, api_key="sk-nope")
         assert e.value.status == 401 and e.value.code == "invalid_api_key"
         assert "invalid API key" in str(e.value) and "'t'" in str(e.value)
         with httpx.Client() as http:  # a reused client, the persist flag, the answer returned
-            answer = push_adapter(url, "t", tensors, config=CONFIG, api_key="sk-admin",
+            answer = push_adapter(url, "t", tensors, config=LORA_CONFIG, api_key="sk-admin",
                                   persist=True, client=http)  # fmt: skip
         assert answer["revision"] == "r1" and answer["persisted"] == ["host", "disk"]
     with pytest.raises(PushError) as e:
-        push_adapter(f"http://127.0.0.1:{free_port()}", "t", tensors, config=CONFIG)
+        push_adapter(f"http://127.0.0.1:{free_port()}", "t", tensors, config=LORA_CONFIG)
     assert e.value.status == 0 and "ConnectError" in str(e.value)
 
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 ray = pytest.importorskip("ray", reason="needs Ray Serve: pip install 'loraplex[ray]'")
 serve = pytest.importorskip("ray.serve", reason="needs Ray Serve: pip install 'loraplex[ray]'")
@@ -44,9 +43,11 @@ from loraplex.integrations.ray_serve.testbed import TinyFleet  # noqa: E402
 from loraplex.testing import reference_greedy  # noqa: E402
 from loraplex.testing.server import free_port  # noqa: E402
 from tests.router.push_double import (  # noqa: E402
+    LORA_CONFIG,
     PROMPT,
     PushReplicaDouble,
     greedy_tokens,
+    lora_tensors,
     peft_trainee,
     reseed,
     served_revision,
@@ -56,8 +57,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ADMIN = "sk-admin-ray-push"
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
-TENSORS = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 8)}
+TENSORS = lora_tensors(1)
 
 
 class _DoubleEngine(LoraplexEngine.func_or_class):  # type: ignore[misc,name-defined]
@@ -137,17 +137,17 @@ def _deploy_doubles(refuse_dir: str | None) -> Any:
 def test_a_push_reaches_both_engine_replicas_through_the_ingress(cluster: Cluster) -> None:
     handle = _deploy_doubles(None)
     try:
-        answer = push_adapter(cluster.url, "trainee", TENSORS, config=CONFIG, api_key=ADMIN,
+        answer = push_adapter(cluster.url, "trainee", TENSORS, config=LORA_CONFIG, api_key=ADMIN,
                               revision="step-1")  # fmt: skip
         assert answer["revision"] == "step-1" and len(answer["replicas"]) == 2
         assert {r["status"] for r in answer["replicas"]} == {201}
-        body, _ = encode_adapter(TENSORS, CONFIG)
+        body, _ = encode_adapter(TENSORS, LORA_CONFIG)
         want = [("trainee", "step-1", hashlib.sha256(body).hexdigest())]
         taken = handle.broadcast("taken").results(timeout_s=60)
         assert taken == [want, want]  # one push on each of the two replicas
         # a corrupt body and an oversized one stop at the ingress
         url = f"{cluster.url}/v1/admin/adapters/trainee/push"
-        headers = push_headers(body, encode_adapter(TENSORS, CONFIG)[1], api_key=ADMIN)
+        headers = push_headers(body, encode_adapter(TENSORS, LORA_CONFIG)[1], api_key=ADMIN)
         r = httpx.post(url, content=body[:-1] + b"!", headers=headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["code"] == "digest_mismatch"
         big = b"\0" * ((1 << 20) + 1)
@@ -156,7 +156,7 @@ def test_a_push_reaches_both_engine_replicas_through_the_ingress(cluster: Cluste
         assert handle.broadcast("taken").results(timeout_s=60) == [want, want]
         # refused alike everywhere: the replicas' own answer
         with pytest.raises(PushError) as e:
-            push_adapter(cluster.url, "trainee", TENSORS, config=CONFIG, api_key="sk-bad")
+            push_adapter(cluster.url, "trainee", TENSORS, config=LORA_CONFIG, api_key="sk-bad")
         assert e.value.status == 401
     finally:
         serve.delete("doubles")
@@ -167,7 +167,7 @@ def test_a_replica_that_refuses_makes_the_push_502_naming_it(cluster: Cluster) -
         _deploy_doubles(refuse_dir)
         try:
             with pytest.raises(PushError) as e:
-                push_adapter(cluster.url, "trainee", TENSORS, config=CONFIG, api_key=ADMIN)
+                push_adapter(cluster.url, "trainee", TENSORS, config=LORA_CONFIG, api_key=ADMIN)
             assert e.value.status == 502 and e.value.code == "push_incomplete"
             rows = e.value.body["replicas"]
             assert sorted(r["status"] for r in rows) == [201, 409]

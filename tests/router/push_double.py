@@ -52,6 +52,23 @@ def reseed(model: Any, seed: int) -> None:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
 
 
+LORA_CONFIG = {
+    "peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
+    "base_model_name_or_path": "tiny", "task_type": "CAUSAL_LM",
+}  # fmt: skip
+"""A small adapter_config.json for pushes of :func:`lora_tensors`."""
+
+
+def lora_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """A rank-2 LoRA state dict on one q_proj (PEFT's key names), random from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    return {
+        f"{prefix}.lora_A.weight": torch.randn(2, 8, generator=g),  # [r, d_in]
+        f"{prefix}.lora_B.weight": torch.randn(8, 2, generator=g),  # [d_out, r]
+    }
+
+
 PROMPT = [5, 17, 42, 99, 7, 64]
 """Token ids every tiny test vocabulary has."""
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from loraplex.client import SHA256_HEADER, PushError, encode_adapter, push_adapter, push_headers
 from loraplex.router.app import RouterConfig, create_router_app
@@ -25,9 +24,11 @@ from loraplex.testing import reference_greedy
 from loraplex.testing.server import free_port, serve_in_thread
 from loraplex.testing.sync import wait_until
 from tests.router.push_double import (
+    LORA_CONFIG,
     PROMPT,
     PushReplicaDouble,
     greedy_tokens,
+    lora_tensors,
     peft_trainee,
     reseed,
     served_revision,
@@ -35,19 +36,6 @@ from tests.router.push_double import (
 
 ADMIN = "sk-admin-push-5e1d"
 STATUS = "sk-router-status-push"
-CONFIG = {
-    "peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
-    "base_model_name_or_path": "tiny", "task_type": "CAUSAL_LM",
-}  # fmt: skip
-
-
-def _tensors(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    return {
-        f"{prefix}.lora_A.weight": torch.randn(2, 8, generator=g),  # [r, d_in]
-        f"{prefix}.lora_B.weight": torch.randn(8, 2, generator=g),  # [d_out, r]
-    }
 
 
 def _view(router: str) -> dict[str, dict[str, Any]]:
@@ -79,7 +67,7 @@ def test_a_push_reaches_every_replica_and_the_view_knows_its_revision() -> None:
     a, b = PushReplicaDouble(ADMIN), PushReplicaDouble(ADMIN)
     with _fleet(a, b) as (router, urls):
         answer = push_adapter(
-            router, "trainee", _tensors(1), config=CONFIG, api_key=ADMIN, revision="step-1",
+            router, "trainee", lora_tensors(1), config=LORA_CONFIG, api_key=ADMIN, revision="step-1",
             persist=True,
         )  # fmt: skip
         assert answer["object"] == "adapter.revision" and answer["revision"] == "step-1"
@@ -87,18 +75,18 @@ def test_a_push_reaches_every_replica_and_the_view_knows_its_revision() -> None:
         assert {r["status"] for r in answer["replicas"]} == {201}
         assert {r["sha256"] for r in answer["replicas"]} == {answer["sha256"]}
         # every replica got the same bytes, the config, the label, the key and persist=disk
-        body, _ = encode_adapter(_tensors(1), CONFIG)
+        body, _ = encode_adapter(lora_tensors(1), LORA_CONFIG)
         for d in (a, b):
             (p,) = d.pushes
             assert (p.name, p.revision, p.body, p.persist) == ("trainee", "step-1", body, True)
-            assert p.config == CONFIG and p.authorization == f"Bearer {ADMIN}"
+            assert p.config == LORA_CONFIG and p.authorization == f"Bearer {ADMIN}"
         view = _view(router)
         for u in urls:
             assert view[u]["revisions"]["trainee"] == "step-1"
             assert view[u]["tiers"]["trainee"] == "host"
         # the next revision replaces it on both
         push_adapter(
-            router, "trainee", _tensors(2), config=CONFIG, api_key=ADMIN, revision="step-2"
+            router, "trainee", lora_tensors(2), config=LORA_CONFIG, api_key=ADMIN, revision="step-2"
         )
         assert [d.active["trainee"] for d in (a, b)] == ["step-2", "step-2"]
         assert {v["revisions"]["trainee"] for v in _view(router).values()} == {"step-2"}
@@ -108,7 +96,7 @@ def test_a_replica_that_refuses_is_named_and_the_push_is_502() -> None:
     good, bad = PushReplicaDouble(ADMIN), PushReplicaDouble(ADMIN, mode="refuse")
     with _fleet(good, bad) as (router, urls):
         with pytest.raises(PushError) as e:
-            push_adapter(router, "trainee", _tensors(1), config=CONFIG, api_key=ADMIN)
+            push_adapter(router, "trainee", lora_tensors(1), config=LORA_CONFIG, api_key=ADMIN)
         assert e.value.status == 502 and e.value.code == "push_incomplete"
         bad_url = urls[1]
         assert f"{bad_url}: 409" in e.value.message and "being rolled back" in e.value.message
@@ -123,7 +111,7 @@ def test_an_unreachable_replica_makes_the_push_incomplete() -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with _fleet(PushReplicaDouble(ADMIN), extra=(dead,)) as (router, _):
         with pytest.raises(PushError) as e:
-            push_adapter(router, "trainee", _tensors(1), config=CONFIG, api_key=ADMIN)
+            push_adapter(router, "trainee", lora_tensors(1), config=LORA_CONFIG, api_key=ADMIN)
         assert e.value.status == 502
         assert f"{dead}: no answer ConnectError" in e.value.message
 
@@ -131,14 +119,14 @@ def test_an_unreachable_replica_makes_the_push_incomplete() -> None:
 def test_different_digests_are_502_push_diverged() -> None:
     with _fleet(PushReplicaDouble(ADMIN), PushReplicaDouble(ADMIN, mode="diverge")) as (r, _):
         with pytest.raises(PushError) as e:
-            push_adapter(r, "trainee", _tensors(1), config=CONFIG, api_key=ADMIN)
+            push_adapter(r, "trainee", lora_tensors(1), config=LORA_CONFIG, api_key=ADMIN)
         assert e.value.status == 502 and e.value.code == "push_diverged"
 
 
 def test_a_201_without_a_digest_is_not_success() -> None:
     with _fleet(PushReplicaDouble(ADMIN), PushReplicaDouble(ADMIN, mode="no_sha")) as (r, _):
         with pytest.raises(PushError) as e:
-            push_adapter(r, "trainee", _tensors(1), config=CONFIG, api_key=ADMIN)
+            push_adapter(r, "trainee", lora_tensors(1), config=LORA_CONFIG, api_key=ADMIN)
         assert e.value.status == 502 and "without a sha256" in e.value.message
 
 
@@ -146,14 +134,14 @@ def test_a_refusal_shared_by_every_replica_is_passed_through() -> None:
     a, b = PushReplicaDouble(ADMIN), PushReplicaDouble(ADMIN)
     with _fleet(a, b) as (router, _):
         with pytest.raises(PushError) as e:
-            push_adapter(router, "trainee", _tensors(1), config=CONFIG, api_key="sk-wrong")
+            push_adapter(router, "trainee", lora_tensors(1), config=LORA_CONFIG, api_key="sk-wrong")
         assert e.value.status == 401 and "invalid API key" in e.value.message
         assert a.pushes == b.pushes == []
 
 
 def test_a_digest_mismatch_or_an_oversized_body_never_leaves_the_router() -> None:
     a, b = PushReplicaDouble(ADMIN), PushReplicaDouble(ADMIN)
-    body, config_json = encode_adapter(_tensors(1), CONFIG)
+    body, config_json = encode_adapter(lora_tensors(1), LORA_CONFIG)
     with _fleet(a, b, max_push_bytes=len(body) + 16) as (router, _):
         url = f"{router}/v1/admin/adapters/trainee/push"
         headers = push_headers(body, config_json, api_key=ADMIN)
@@ -174,11 +162,11 @@ def test_a_digest_mismatch_or_an_oversized_body_never_leaves_the_router() -> Non
 def test_holders_targets_only_the_replicas_that_hold_the_name() -> None:
     holder, other = PushReplicaDouble(ADMIN, holds={"trainee"}), PushReplicaDouble(ADMIN)
     with _fleet(holder, other, push_targets="holders") as (router, urls):
-        answer = push_adapter(router, "trainee", _tensors(1), config=CONFIG, api_key=ADMIN)
+        answer = push_adapter(router, "trainee", lora_tensors(1), config=LORA_CONFIG, api_key=ADMIN)
         assert [r["url"] for r in answer["replicas"]] == [urls[0]]
         assert len(holder.pushes) == 1 and other.pushes == []
         # a name no replica holds goes to every replica
-        answer = push_adapter(router, "fresh", _tensors(2), config=CONFIG, api_key=ADMIN)
+        answer = push_adapter(router, "fresh", lora_tensors(2), config=LORA_CONFIG, api_key=ADMIN)
         assert len(answer["replicas"]) == 2 and len(other.pushes) == 1
 
 
