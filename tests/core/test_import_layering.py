@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"warm"},  # the package: declarations, value lists, environment, config objects
     "outputs": {"types"},
     "requests": {"types"},
+    "client": set(),  # the push client's wire format (httpx; torch and peft only when called)
     "hub": set(),  # hub ids -> local snapshot directories (huggingface_hub only)
     "workers": set(),  # a background thread that exits when idle (threading only)
     "warm": set(),  # an adapter's warm policy or window schedule (the standard library only)
@@ -51,7 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     # layer 5: talks to the engine through its client interface, never to the cache
     "server": BASE | {"engine", "registry", "lora", "hub", "logs", "pages"},
     # layer 6: HTTP only, never torch
-    "router": BASE | {"pages"},
+    "router": BASE | {"pages", "client"},
     # layer 7: on top; nothing imports them. The user tools (``tools/``) are layered one by one.
     "tools": set(),  # the package's own docstring
     "tools.sim": BASE | {"cache"},
@@ -92,7 +93,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "__main__": {"cli"},
     # on top too: other serving systems' entry points (Ray Serve) over a whole loraplex server
-    "integrations": BASE | {"server", "registry", "router", "testing"},
+    "integrations": BASE | {"server", "registry", "router", "testing", "client"},
 }
 
 TORCH_FREE_LORA = {

@@ -19,6 +19,22 @@
         a 2xx answer with ``x-loraplex-adapter-state``: the adapter is on that replica's device
             in the router's view (the only update between polls; never what a client asked)
 
+``POST /v1/admin/adapters/{name}/push`` (a training loop's new revision of an adapter, the
+wire format of :mod:`loraplex.client`) is not routed but fanned out::
+
+    body = the push body (413 beyond max_push_bytes), read once; its X-Loraplex-Body-SHA256
+           checked here first (400: no replica is sent a body that does not match it)
+    targets = every known replica (--push-targets all, the default), or the replicas whose
+              residency lists the name (holders; every replica while none does)
+    send the same bytes and the client's headers (Authorization included) to every target
+        concurrently; never retried (a push that timed out may have been applied)
+    every target 201 with one sha256: 201, the first replica's answer plus "replicas" (each
+        one's url, status, revision, sha256); each replica's view: the name in host memory,
+        at the revision it answered
+    every target the same 4xx: that answer (the push was refused everywhere, nothing changed)
+    otherwise: 502 push_incomplete (or push_diverged: different sha256s) naming in
+        "replicas" which took it and which did not, and why
+
 Also ``/v1/models`` (union over the replicas, with the client's Authorization),
 ``/v1/replicas`` (the router's view, every adapter name, its decisions by reason and, with the
 ``home`` policy, every answered adapter's home set: only with ``--status-api-key``, off
@@ -44,9 +60,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.client import SHA256_HEADER, push_path
 from loraplex.pages import read_page
 from loraplex.router.config import RouterConfig
 from loraplex.router.homes import Picker
+from loraplex.router.push import Answer, answer_of, check_digest, fan_in
 from loraplex.router.relay import read_body, sse_error
 from loraplex.router.replicas import Replica, ReplicaSet
 from loraplex.types import MAX_COMPOSED_ADAPTERS
@@ -451,6 +469,62 @@ class Router:
                 "replica_failed",
             )
 
+    def push_targets(self, name: str) -> list[Replica]:
+        """The replicas a push of ``name`` goes to (``--push-targets``), healthy or not: one
+        that cannot take it is named in the answer, never skipped in silence."""
+        reps = self.replicas.ordered()
+        if self.config.push_targets == "holders":
+            holders = [r for r in reps if r.tiers.get(name, "absent") != "absent"]
+            return holders or reps
+        return reps
+
+    async def push(self, request: Request, name: str) -> Response:
+        """Fan a push of ``name`` out to its target replicas (see the module docstring)."""
+        limit = self.config.max_push_bytes
+        raw = await read_body(request, limit)
+        if raw is None:
+            self.metrics.requests.labels(status="413").inc()
+            return _error(413, f"the push body is larger than {limit} bytes (--max-push-bytes)",
+                          "invalid_request_error", code="request_too_large")  # fmt: skip
+        # hashed off the event loop: up to a GiB must not stall every other request
+        bad = await asyncio.to_thread(check_digest, raw, request.headers.get(SHA256_HEADER))
+        if bad is not None:
+            self.metrics.requests.labels(status="400").inc()
+            return _error(400, bad, "invalid_request_error", code="digest_mismatch")
+        targets = self.push_targets(name)
+        if not targets:
+            return self._no_replica(set(), None)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers["content-length"] = str(len(raw))
+        path = push_path(name) + (f"?{request.url.query}" if request.url.query else "")
+        answers = await asyncio.gather(*(self._push_one(r, path, raw, headers) for r in targets))
+        now = time.monotonic()
+        for rep, a in zip(targets, answers, strict=True):
+            if a.took and isinstance(a.body.get("revision"), str):
+                rep.note_pushed(name, a.body["revision"], now)
+        status, body = fan_in(name, answers)
+        self.metrics.requests.labels(status=str(status)).inc()
+        return JSONResponse(body, status_code=status)
+
+    async def _push_one(
+        self, rep: Replica, path: str, raw: bytes, headers: dict[str, str]
+    ) -> Answer:
+        """One replica's answer to a push (the same bytes object for every replica: no copy).
+        Never retried: a push that timed out may have been applied."""
+        assert self.client is not None
+        t0 = time.monotonic()
+        rep.in_flight += 1
+        try:
+            resp = await self.client.post(f"{rep.url}{path}", content=raw, headers=headers)
+        except httpx.HTTPError as e:
+            if isinstance(e, httpx.ConnectError):
+                self.replicas.mark_failed(rep, f"push: {e}")
+            return Answer(rep.url, 0, error=f"{type(e).__name__}: {e}".rstrip(": "))
+        finally:
+            rep.in_flight -= 1
+        self.metrics.latency.labels(replica=rep.url, stage="total").observe(time.monotonic() - t0)
+        return answer_of(rep.url, resp.status_code, resp.content)
+
     async def models(self, request: Request) -> Response:
         """Union of every healthy replica's ``/v1/models`` (first replica's entry wins)."""
         assert self.client is not None
@@ -530,6 +604,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await router.forward(request, "/v1/chat/completions")
+
+    @app.post("/v1/admin/adapters/{name}/push")
+    async def push(name: str, request: Request) -> Response:
+        return await router.push(request, name)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

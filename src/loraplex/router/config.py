@@ -14,6 +14,8 @@ from loraplex.router.scoring import POLICIES, Thresholds, Weights
 
 _HEALTH = "health and retries"  # an argparse group of `loraplex route --help`
 ENV_STATUS_API_KEY = "LORAPLEX_ROUTER_STATUS_API_KEY"
+PUSH_TARGETS = ("all", "holders")
+"""Where ``loraplex route`` sends an adapter push (``--push-targets``)."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,29 @@ class RouterConfig:
             group="server",
             help="largest request body, counted while reading (413 beyond it), e.g. 16MiB "
             "(default: 16MiB)",
+        ),
+    )
+    max_push_bytes: int = field(
+        default=1 << 30,
+        metadata=setting(
+            "--max-push-bytes",
+            parse=parse_byte_size,
+            ge=1,
+            metavar="BYTES",
+            group="server",
+            help="largest adapter push body (POST /v1/admin/adapters/NAME/push), read once and "
+            "sent to every target replica, 413 beyond it (default: 1GiB)",
+        ),
+    )
+    push_targets: str = field(
+        default="all",
+        metadata=setting(
+            "--push-targets",
+            choices=PUSH_TARGETS,
+            group="replicas",
+            help="which replicas an adapter push goes to: all (every known replica, the "
+            "default: a name pushed anywhere is served the same everywhere) or holders (the "
+            "replicas whose residency lists the name; every replica while none does)",
         ),
     )
     host: str = field(

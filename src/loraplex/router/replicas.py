@@ -7,7 +7,8 @@ running, KV usage, device evictions, and the Gateway API Inference Extension's
 ``vllm:lora_requests_info``), so vLLM replicas, which have no ``/v1/adapters``, are routed by
 their metrics alone. Between polls the view is updated from the replicas' successful answers
 only: a 2xx response carrying ``x-loraplex-adapter-state`` puts its adapter on that replica's
-device (evicting the least recently used one beyond ``max_loras``), as the replica itself did.
+device (evicting the least recently used one beyond ``max_loras``), as the replica itself did,
+and a push the replica took (201) puts the pushed revision in its host memory.
 What a client asks for never enters the view: a name no replica has answered for (a bogus one,
 or one refused with 401/404) cannot push a real adapter out of it. The one hint taken from
 requests in flight: an adapter the replica itself reported (any tier) with a request
@@ -133,6 +134,20 @@ def parse_residency(body: Any) -> tuple[dict[str, str], int | None, int | None]:
     return tiers, positive("max_loras"), positive("max_cpu_loras")
 
 
+def parse_revisions(body: Any) -> dict[str, str]:
+    """``/v1/adapters`` of a loraplex replica -> {adapter name: its active revision} (rows
+    without a string revision are left out)."""
+    rows = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError("expected {'object': 'list', 'data': [...]} from /v1/adapters")
+    return {
+        r["name"]: r["revision"]
+        for r in rows
+        if isinstance(r, dict) and isinstance(r.get("name"), str)
+        and isinstance(r.get("revision"), str)
+    }  # fmt: skip
+
+
 def parse_base_models(body: Any) -> frozenset[str]:
     """``/v1/models`` -> the names of base models (entries whose ``parent`` is null, as in
     loraplex and vLLM); requests for them have no adapter to be near."""
@@ -173,6 +188,8 @@ class Replica:
     last_error: str | None = None
     _evictions: tuple[float, float] | None = None  # (monotonic time, counter) at last poll
     _served: dict[str, float] = field(default_factory=dict)  # adapter -> when it was answered
+    revisions: dict[str, str] = field(default_factory=dict)  # adapter -> its active revision
+    _pushed: dict[str, tuple[float, str]] = field(default_factory=dict)  # -> (when, revision)
     pending: dict[str, int] = field(default_factory=dict)  # reported adapter -> requests here
 
     def view(self) -> ReplicaView:
@@ -236,9 +253,30 @@ class Replica:
 
     def note_served(self, adapter: str, now: float) -> None:
         """The replica answered a request for ``adapter`` with success (2xx and its adapter
-        state): the adapter is on its device now. The only update between polls."""
+        state): the adapter is on its device now. One of two updates between polls."""
         self._served[adapter] = now
         self.note_on_device(adapter)
+
+    def note_pushed(self, adapter: str, revision: str, now: float) -> None:
+        """The replica took a push of ``adapter`` (201) as its new active ``revision``, the
+        other update between polls: the new revision's bytes are in its host memory, and no
+        device slot holds them yet (the old revision's slot serves only requests already
+        admitted), so the adapter is in the host tier, most recently used."""
+        self._pushed[adapter] = (now, revision)
+        self._apply_push(adapter, revision)
+
+    def _apply_push(self, adapter: str, revision: str) -> None:
+        self.revisions[adapter] = revision
+        self.tiers[adapter] = "host"
+        self.device_lru.pop(adapter, None)
+        self.host_lru.pop(adapter, None)
+        self.host_lru[adapter] = None
+        if self.max_cpu_loras is not None:
+            while len(self.host_lru) > 1 and (
+                len(self.device_lru) + len(self.host_lru) > self.max_cpu_loras
+            ):
+                old, _ = self.host_lru.popitem(last=False)
+                self.tiers[old] = self.base_tiers.get(old, "absent")
 
     # -- polls ----------------------------------------------------------------------------------
     def apply_poll(
@@ -248,9 +286,11 @@ class Replica:
         max_loras: int | None,
         m: MetricsSnapshot | None,
         max_cpu_loras: int | None = None,
+        revisions: dict[str, str] | None = None,
     ) -> None:
-        """Replace the view with what a poll begun at ``started`` saw; adapters served here
-        since then stay on device (the poll could not see them yet)."""
+        """Replace the view with what a poll begun at ``started`` saw; adapters served or
+        pushed here since then stay as those answers left them (the poll could not see them
+        yet), in the order they happened."""
         new: dict[str, str] = dict(tiers or {})
         device = [a for a, t in new.items() if t == "device"]
         if m is not None:
@@ -275,9 +315,16 @@ class Replica:
         self.base_tiers = {a: t for a, t in new.items() if t in ("disk", "absent")}
         self.device_lru = OrderedDict((a, None) for a in device)
         self.host_lru = OrderedDict((a, None) for a, t in new.items() if t == "host")
+        self.revisions = dict(revisions or {})
         self._served = {a: t for a, t in self._served.items() if t >= started}
-        for a in sorted(self._served, key=self._served.__getitem__):
-            self.note_on_device(a)
+        self._pushed = {a: p for a, p in self._pushed.items() if p[0] >= started}
+        events = [(t, a, None) for a, t in self._served.items()]
+        events += [(t, a, rev) for a, (t, rev) in self._pushed.items()]
+        for _, a, rev in sorted(events, key=lambda e: e[0]):
+            if rev is None:
+                self.note_on_device(a)
+            else:
+                self._apply_push(a, rev)
         self.last_poll = started
 
 
@@ -440,6 +487,7 @@ class ReplicaSet:
             if health.status_code != 200:
                 raise RuntimeError(f"/health answered {health.status_code}")
             tiers: dict[str, str] | None = None
+            revisions: dict[str, str] | None = None
             max_loras: int | None = None
             max_cpu: int | None = None
             if r.kind != "vllm":
@@ -447,7 +495,9 @@ class ReplicaSet:
                 if res.status_code == 404:
                     r.kind = "vllm"
                 elif res.status_code == 200:
-                    tiers, max_loras, max_cpu = parse_residency(res.json())
+                    listing = res.json()
+                    tiers, max_loras, max_cpu = parse_residency(listing)
+                    revisions = parse_revisions(listing)
                     r.kind = "loraplex"
                 else:
                     log.warning("replica %s /v1/adapters: %s", r.url, res.status_code)
@@ -463,7 +513,7 @@ class ReplicaSet:
             self._poll_failed(r, f"{type(e).__name__}: {e}")
             return
         if r.url in self.replicas:
-            r.apply_poll(started, tiers, max_loras, m, max_cpu)
+            r.apply_poll(started, tiers, max_loras, m, max_cpu, revisions)
             self._mark_good(r)
 
     async def poll(self) -> None:
@@ -508,6 +558,7 @@ class ReplicaSet:
                 "base_models": sorted(r.base_models),
                 "device": list(r.device_lru),
                 "tiers": dict(sorted(r.tiers.items())),
+                "revisions": dict(sorted(r.revisions.items())),
                 "last_error": r.last_error,
             }
             for r in self.ordered()

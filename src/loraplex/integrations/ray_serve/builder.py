@@ -51,15 +51,20 @@ class RayServeOptions:
     failover_timeout_s: float = 60.0
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 10.0
+    max_push_bytes: int = 1 << 30  # an adapter push's body (read once, sent to every replica)
+    push_timeout_s: float = 300.0  # every engine replica's answer to a push, at most
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("give num_replicas or autoscaling_config, not both")
-        for name in ("max_ongoing_requests", "ingress_replicas", "saturation", "max_attempts"):
+        for name in ("max_ongoing_requests", "ingress_replicas", "saturation", "max_attempts",
+                     "max_push_bytes"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.push_timeout_s <= 0:
+            raise ValueError("push_timeout_s must be positive")
 
 
 def build_app(config: ServerConfig, options: RayServeOptions | None = None) -> Application:
@@ -95,6 +100,8 @@ def build_app(config: ServerConfig, options: RayServeOptions | None = None) -> A
         max_request_bytes=config.max_request_bytes,
         max_attempts=o.max_attempts,
         failover_timeout_s=o.failover_timeout_s,
+        max_push_bytes=o.max_push_bytes,
+        push_timeout_s=o.push_timeout_s,
     )
     return LoraplexIngress.options(
         num_replicas=o.ingress_replicas, ray_actor_options=dict(o.ingress_actor_options)

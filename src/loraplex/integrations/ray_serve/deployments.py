@@ -20,11 +20,21 @@ to ``max_attempts`` within ``failover_timeout_s``; a stream cut after its first 
 an OpenAI error event instead (its tokens were already sent). Per-replica admin calls (runtime
 load/unload, pins, evictions) are refused: behind a load balancer they would reach one replica
 at random; adapters come from ``--lora-modules`` or a shared ``--registry-url``.
+
+An adapter push (``POST /v1/admin/adapters/{name}/push``, a training loop's new revision) is
+the one admin call that reaches every replica: the ingress reads its body once (up to
+``max_push_bytes``), checks its ``X-Loraplex-Body-SHA256`` (400 before any replica sees it),
+calls ``LoraplexEngine.push`` on every running replica (``DeploymentHandle.broadcast``) and
+answers as ``loraplex route`` does (:func:`loraplex.router.push.fan_in`): 201 once every
+replica took it with one sha256, else the replicas' shared refusal or a 502 naming the
+replicas that did not take it. Each replica reports the new revision's residency to the
+request router with its next routing stats, as for any adapter it holds.
 """
 
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -49,6 +59,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from loraplex.client import SHA256_HEADER
 from loraplex.config import ServerConfig
 from loraplex.integrations.ray_serve.asgi import (
     ForwardedRequest,
@@ -57,6 +68,7 @@ from loraplex.integrations.ray_serve.asgi import (
     end_to_end,
     error_start,
 )
+from loraplex.router.push import Answer, answer_of, check_digest, fan_in
 from loraplex.router.relay import read_body, sse_error
 
 __all__ = ["IngressSettings", "LoraplexEngine", "LoraplexIngress"]
@@ -90,6 +102,9 @@ PER_REPLICA_ROUTES = frozenset(
     }
 )
 """Admin calls that change one replica's cache: refused behind the ingress."""
+
+PUSH_ROUTE = re.compile(r"/v1/admin/adapters/([^/]+)/push")
+"""The push route: fanned out to every replica (``LoraplexEngine.push``)."""
 
 ADAPTER_HEADER = "x-loraplex-adapter"
 REPLICA_HEADER = b"x-loraplex-replica"
@@ -150,6 +165,18 @@ class LoraplexEngine:
                 self._serving[adapter] -= 1
                 if self._serving[adapter] <= 0:
                     del self._serving[adapter]
+
+    async def push(self, req: ForwardedRequest) -> dict[str, Any]:
+        """An adapter push (one of a broadcast to every replica) through this replica's app:
+        ``{"replica": its id, "status", "body": the whole answer}``."""
+        status, chunks = 0, []
+        async for part in self._asgi.request(req):
+            if isinstance(part, ResponseStart):
+                status = part.status
+                chunks.append(part.body)
+            else:
+                chunks.append(part)
+        return {"replica": self.replica_id, "status": status, "body": b"".join(chunks)}
 
     def _note_served(self, name: str) -> None:
         """Tell Ray's multiplexing this replica holds ``name`` (in the background)."""
@@ -221,6 +248,8 @@ class IngressSettings:
     max_attempts: int = 5
     failover_timeout_s: float = 60.0
     overload_retries: int = 2  # loraplex 503s retried elsewhere before one is passed on
+    max_push_bytes: int = 1 << 30  # an adapter push body, read once for every replica
+    push_timeout_s: float = 300.0  # every replica's answer to a push, at most
 
 
 async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
@@ -294,6 +323,9 @@ class LoraplexIngress:
                 ),
                 0,
             )
+        pushed = PUSH_ROUTE.fullmatch(route)
+        if pushed is not None and request.method == "POST":
+            return await self._push(request, route, pushed.group(1))
         body = await read_body(request, self.settings.max_request_bytes)
         if body is None:
             return _response(_too_large(self.settings.max_request_bytes), 0)
@@ -309,6 +341,46 @@ class LoraplexIngress:
         if stream is None:
             return _response(start, attempts)
         return _response(start, attempts, _relay(stream))
+
+    async def _push(self, request: Request, route: str, name: str) -> Response:
+        """Fan a push out to every engine replica (see the module docstring)."""
+        s = self.settings
+        body = await read_body(request, s.max_push_bytes)
+        if body is None:
+            return _response(_too_large(s.max_push_bytes), 0)
+        bad = await asyncio.to_thread(check_digest, body, request.headers.get(SHA256_HEADER))
+        if bad is not None:
+            return _response(error_start(400, bad, "invalid_request_error", "digest_mismatch"), 0)
+        req = ForwardedRequest(
+            method="POST",
+            path=route,
+            query=request.url.query.encode(),
+            headers=list(request.headers.raw),
+            body=body,
+            client=(request.client.host, request.client.port) if request.client else None,
+        )
+        try:
+            results = await self.engine.broadcast("push", req).results_async(
+                timeout_s=s.push_timeout_s, return_exceptions=True
+            )
+        except TimeoutError:
+            msg = (f"not every engine replica answered the push of {name!r} within "
+                   f"{s.push_timeout_s:g} s; some may have taken it (push again)")  # fmt: skip
+            return _response(error_start(504, msg, "server_error", "push_timeout"), 1)
+        except RETRYABLE as e:
+            msg = f"the push of {name!r} could not reach the engine replicas ({type(e).__name__})"
+            return _response(error_start(503, msg, "server_error", "replicas_unavailable"), 1)
+        answers = []
+        for i, r in enumerate(results):
+            if isinstance(r, dict):
+                answers.append(answer_of(str(r["replica"]), int(r["status"]), r["body"]))
+            else:  # the replica died or raised: it did not take the push
+                err = f"{type(r).__name__}: {str(r).splitlines()[0] if str(r) else ''}"
+                answers.append(Answer(f"replica #{i}", 0, error=err[:300]))
+        status, out = fan_in(name, answers)
+        start = ResponseStart(status, [(b"content-type", b"application/json")],
+                              json.dumps(out).encode())  # fmt: skip
+        return _response(start, len(results))
 
     def _adapter_of(self, req: ForwardedRequest) -> str:
         """The adapter a request names (its JSON body's ``model``), or ``""``."""
