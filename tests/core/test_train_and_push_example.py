@@ -9,12 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_and_push.py"
 
 
-@pytest.mark.xfail(strict=False, reason="needs push-core (the server's push route)")
 def test_the_training_loop_example_serves_every_revision_it_pushes() -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(

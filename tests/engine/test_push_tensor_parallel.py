@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from loraplex.client import push_adapter
 from loraplex.config import EngineConfig, ServerConfig
 from loraplex.server.app import create_app
@@ -30,7 +28,6 @@ from tests.router.push_double import (
 ADMIN = "sk-admin-tp-push"
 
 
-@pytest.mark.xfail(strict=False, reason="needs push-core (the server's push route)")
 def test_each_rank_serves_its_cut_of_a_pushed_adapter(tmp_path: Path) -> None:
     # two KV heads, one per rank; float32 so greedy tokens match PEFT's exactly
     model = make_random_model(tmp_path / "model", num_kv_heads=2, num_layers=2, seed=4)

@@ -176,7 +176,6 @@ def test_a_replica_that_refuses_makes_the_push_502_naming_it(cluster: Cluster) -
             serve.delete("doubles")
 
 
-@pytest.mark.xfail(strict=False, reason="needs push-core (the engine replicas' push route)")
 def test_push_reaches_every_real_engine_replica(cluster: Cluster, testbed: TinyFleet) -> None:
     """The fleet proof: two real engine replicas (one per node); once each push returns, a
     burst of greedy requests (spread by Ray's default router) all equal PEFT's with it."""

@@ -170,7 +170,6 @@ def test_holders_targets_only_the_replicas_that_hold_the_name() -> None:
         assert len(answer["replicas"]) == 2 and len(other.pushes) == 1
 
 
-@pytest.mark.xfail(strict=False, reason="needs push-core (the replicas' push route)")
 def test_push_reaches_real_replicas(tiny_model: Path) -> None:
     """The fleet proof: two real loraplex servers behind the router; once a push returns, each
     replica serves the pushed revision (greedy tokens equal PEFT's with those weights), and a
