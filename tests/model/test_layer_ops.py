@@ -1,5 +1,5 @@
 """The C layer ops (``loraplex.model.layer_ops``: residual + RMSNorm, rotary, the gated
-activation, the KV write, decode attention) against the torch ops and float64, on every build this CPU
+activation, decode attention) against the torch ops and float64, on every build this CPU
 can run (``native``, ``avx2``, ``portable``), and how the model chooses them.
 
 Tolerances come from the arithmetic: the residual add and rotary are the same float32 / bf16
@@ -207,33 +207,6 @@ def test_decode_attention_all_rows_and_single_position(ops):
         torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_kv_write_is_cache_write_bit_for_bit(ops, dtype):
-    """Strided K and V rows (views of a fused projection) into slots out of order, the cache's
-    last slot among them: what ``cache.write`` writes, and nothing else."""
-    g = torch.Generator().manual_seed(11)
-    fused = torch.randn(6, 5 * 2 * 16, generator=g).to(dtype)  # [T, q 6 heads + k 2 + v 2]
-    k, v = fused[:, 96:128].view(6, 2, 16), fused[:, 128:].view(6, 2, 16)
-    slots = torch.tensor([9, 2, 35, 0, 17, 4])
-    got, want = (PagedKVCache(2, 9, 4, 2, 16, dtype, CPU) for _ in range(2))
-    for c in (got, want):
-        c.k.fill_(3.0), c.v.fill_(-3.0)
-    ops.write_kv(got, 1, k, v, slots)
-    REF.write_kv(want, 1, k, v, slots)
-    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
-    assert torch.equal(got.k[1][slots], k) and torch.equal(got.v[0], torch.full_like(got.v[0], -3))
-
-
-def test_kv_write_refuses_a_slot_outside_the_cache(ops):
-    """A slot past the cache's end (or negative) raises and writes nothing, as index_copy_."""
-    cache = PagedKVCache(1, 2, 4, 1, 16, torch.float32, CPU)
-    k = torch.ones(2, 1, 16)
-    for bad in (8, -1):
-        with pytest.raises(IndexError):
-            ops.write_kv(cache, 0, k, k, torch.tensor([0, bad]))
-        assert not cache.k.any() and not cache.v.any()
-
-
 def test_what_the_kernel_does_not_read_goes_to_torch(ops):
     """float16, a norm without a kernel mode, a non-unit inner stride and metadata without
     lengths: the torch ops' results."""
@@ -257,13 +230,6 @@ def test_what_the_kernel_does_not_read_goes_to_torch(ops):
         q, torch.zeros_like(q), 0, cache, meta, 0.2, None, sdpa_attend, None
     )
     assert torch.equal(got, want)
-    # a layer narrower than the cache's slots (Gemma 4's sliding layers): strided slot rows
-    narrow = PagedKVCache(2, 2, 4, 1, 16, torch.float32, CPU, layer_shapes=[(1, 16), (1, 8)])
-    assert not narrow.layer_kv(1)[0].is_contiguous()
-    k = torch.randn(2, 1, 8, generator=g)
-    ops.write_kv(narrow, 1, k, -k, torch.tensor([5, 1]))
-    assert torch.equal(narrow.layer_kv(1)[0][[5, 1]], k)
-    assert torch.equal(narrow.layer_kv(1)[1][[5, 1]], -k)
 
 
 def test_the_model_chooses_the_kernel_on_cpu_and_torch_elsewhere(monkeypatch, caplog):

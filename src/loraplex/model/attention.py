@@ -58,10 +58,6 @@ DecodeAttendFn = Callable[
 """``decode(q, out, layer, cache, meta, scale, masks, attend, softcap)``: the step's attention
 output with its decode rows filled (``LayerOps.decode_attention`` states it)."""
 
-KVWriteFn = Callable[[PagedKVCache, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
-"""``write_kv(cache, layer, k, v, slots)``: ``cache.write(layer, k, v, slots)``
-(``LayerOps.write_kv`` states it)."""
-
 
 def sdpa_attend(
     q: torch.Tensor,
@@ -303,11 +299,9 @@ def paged_attention(
     decode: DecodeAttendFn,
     softcap: float | None = None,
     write: bool = True,
-    write_kv: KVWriteFn | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache (unless ``write`` is False: a layer reading another
-    layer's KV, which that layer wrote this step) through ``write_kv`` (the model's
-    ``LayerOps.write_kv``; None: ``cache.write``), then attend: decode rows through ``decode``
+    layer's KV, which that layer wrote this step), then attend: decode rows through ``decode``
     (the model's ``LayerOps.decode_attention``), prefill chunks with ``attend``.
 
     q: [T, H, hd]; k, v: [T, KVH, hd]. ``window``: index of the layer's masks in
@@ -316,9 +310,7 @@ def paged_attention(
     """
     if meta.kv_groups:
         meta = meta.kv_groups[cache.group_of[layer]]
-    if write and write_kv is not None:
-        write_kv(cache, layer, k, v, meta.slot_mapping)
-    elif write:
+    if write:
         cache.write(layer, k, v, meta.slot_mapping)
     masks = None if window is None else meta.windowed[window]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -290,7 +290,7 @@ class Gemma4Attention(Attention):
             k, v = self.shared[src]
         a = paged_attention(
             q, k, v, src, step.cache, step.attn_meta, self.scale, L.window, self.attend,
-            self.ops.decode_attention, self.softcap, write=src == i, write_kv=self.ops.write_kv,
+            self.ops.decode_attention, self.softcap, write=src == i,
         ).reshape(T, self.q_size)  # fmt: skip
         o = L.o(a)  # [T, D]
         if step.lora_o:

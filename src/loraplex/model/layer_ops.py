@@ -83,18 +83,6 @@ class LayerOps(Protocol):
         """``ACTIVATIONS[act](gu[:, :inter]) * gu[:, inter:]``: [T, 2 I] -> [T, I]."""
         ...
 
-    def write_kv(
-        self,
-        cache: PagedKVCache,
-        layer: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        """``cache.write(layer, k, v, slots)``: the step's K and V rows ``[T, KVH, hd]`` into
-        ``layer``'s slots ``[T]``."""
-        ...
-
     def decode_attention(
         self,
         q: torch.Tensor,
@@ -138,16 +126,6 @@ class TorchLayerOps:
     def gated(self, gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
         return ACTIVATIONS[act](gu[:, :inter]) * gu[:, inter:]
 
-    def write_kv(
-        self,
-        cache: PagedKVCache,
-        layer: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        cache.write(layer, k, v, slots)
-
     def decode_attention(
         self,
         q: torch.Tensor,
@@ -173,14 +151,11 @@ class LayerOpsKernel:
     while they run)."""
 
     def __init__(self, library: Path) -> None:
-        lib, (norm, rot, act, attn, kvw), self.shared_threads = open_kernel(
+        lib, (norm, rot, act, attn), self.shared_threads = open_kernel(
             library, "loraplex_add_rms_norm", "loraplex_rotary", "loraplex_gated_act",
-            "loraplex_decode_attention", "loraplex_kv_write",
+            "loraplex_decode_attention",
         )  # fmt: skip
         i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-        kvw.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64]
-        kvw.restype = i32
-        self.kv_write = kvw
         norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32, i32]
         rot.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i32, i32]
         act.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, i32, i32]
@@ -205,11 +180,6 @@ class LayerOpsKernel:
 def _rows(t: torch.Tensor) -> bool:
     """Rows of unit inner stride (the kernel's ``[T, n]`` with a row stride)."""
     return t.dim() == 2 and t.stride(1) == 1
-
-
-def _heads_rows(t: torch.Tensor) -> bool:
-    """``[T, heads, hd]`` whose heads of a row lie back to back (a row stride of its own)."""
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
 class CLayerOps:
@@ -283,36 +253,6 @@ class CLayerOps:
             self.kernel.threads(t * inter),
         )  # fmt: skip
         return out
-
-    def write_kv(
-        self,
-        cache: PagedKVCache,
-        layer: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        kc, vc = cache.layer_kv(layer)  # [slots, KVH, hd]
-        if (
-            k.dtype != kc.dtype
-            or v.dtype != kc.dtype
-            or k.shape != v.shape
-            or k.shape[1:] != kc.shape[1:]
-            or not (kc.is_cpu and kc.is_contiguous() and vc.is_contiguous())
-            or not (_heads_rows(k) and _heads_rows(v))
-            or slots.dtype != torch.int64
-            or not slots.is_contiguous()
-            or slots.shape != k.shape[:1]
-        ):
-            return self.fallback.write_kv(cache, layer, k, v, slots)
-        esz = k.element_size()
-        rc = self.kernel.kv_write(
-            k.data_ptr(), k.stride(0) * esz, v.data_ptr(), v.stride(0) * esz, slots.data_ptr(),
-            k.shape[0], k.shape[1] * k.shape[2] * esz, kc.data_ptr(), vc.data_ptr(),
-            kc.stride(0) * esz, kc.shape[0],
-        )  # fmt: skip
-        if rc != 0:
-            raise IndexError(f"KV write: a slot outside the cache's {kc.shape[0]} slots")
 
     def decode_attention(
         self,
@@ -397,7 +337,7 @@ def _warn_once(reason: str) -> None:
 def self_check(ops: CLayerOps) -> None:
     """Every op in both dtypes against ``TorchLayerOps`` on odd sizes (every vector loop's
     tail, strided q/k rows, partial rotary, GQA, blocks out of order, a window, a chunk and a
-    soft cap; the KV write bit for bit from strided rows into slots out of order);
+    soft cap);
     ``KernelBuildError`` on a mismatch. Tolerances: float32's own rounding (sums in another
     order, exp within a few ulp) and, in bf16, about one unit in the last place."""
     from loraplex.kv.cache import PagedKVCache
@@ -461,14 +401,6 @@ def self_check(ops: CLayerOps) -> None:
         gu = (torch.randn(5, 2 * 41, generator=g) * 3).to(dtype)
         for act in ACTIVATION_CODES:
             check(act, ops.gated(gu, 41, act), ref.gated(gu, 41, act), dtype)
-        fused = torch.randn(5, 6 * hd, generator=g).to(dtype)  # rows of 2 q, 2 k and 2 v heads
-        k, v = fused[:, 2 * hd : 4 * hd].view(5, 2, hd), fused[:, 4 * hd :].view(5, 2, hd)
-        slots = torch.tensor([17, 3, 35, 8, 0])  # out of order, the last slot among them
-        got_kv, want_kv = (PagedKVCache(1, 9, bs, 2, hd, dtype, torch.device("cpu")) for _ in "ab")
-        ops.write_kv(got_kv, 0, k, v, slots)
-        ref.write_kv(want_kv, 0, k, v, slots)
-        if not (torch.equal(got_kv.k, want_kv.k) and torch.equal(got_kv.v, want_kv.v)):
-            raise KernelBuildError(f"layer ops kernel: KV write disagrees with torch in {dtype}")
         cache = PagedKVCache(1, 9, bs, 2, hd, dtype, torch.device("cpu"))  # GQA: 6 q on 2 kv
         for t in cache.layer_kv(0):
             t.copy_(torch.randn(t.shape, generator=g))

@@ -178,7 +178,6 @@ class Attention:
         a = paged_attention(
             q, k, v, i, step.cache, step.attn_meta, self.scale, L.window,
             L.attend or self.attend, L.decode or self.ops.decode_attention, self.softcap,
-            write_kv=self.ops.write_kv,
         ).reshape(T, self.q_size)  # fmt: skip
         if gate is not None:  # an output-gated attention's (Qwen3.5)
             a = a * torch.sigmoid(gate)

@@ -16,8 +16,6 @@
  *   loraplex_gated_act:  out[t, i] = rnd(rnd(act(gu[t, i])) * gu[t, I + i]),
  *       act 0: silu(g) = g / (1 + exp(-g)); act 1: gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi)
  *       (g + 0.044715 g^3)))
- *   loraplex_kv_write:  kc[slots[t]] = k[t], vc[slots[t]] = v[t] for t < T (rows of ``bytes``
- *       bytes; -1 and nothing written if a slot lies outside [0, nslots))
  *   loraplex_decode_attention:  for each decode row b (query row rows[b], or b) and query head
  *       h (KV head j = h / G, G = H / KVH), over the positions p of [lo, len[b]) (lo = len - window
  *       with a window > 0; a window -C < 0 is chunked attention, lo = (len - 1) / C * C; else
@@ -191,23 +189,6 @@ int loraplex_gated_act(const void *gu, int64_t gu_stride, int64_t T, int64_t I, 
     return 0;
 }
 
-/* ------------------------------------------------------------------------------ KV write */
-
-/* A step's new K and V rows into their cache slots: two row copies per token (the torch path is
- * two index_copy_ calls per layer, each more dispatch than copy at decode sizes). Strides in
- * bytes. */
-int loraplex_kv_write(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
-                      const int64_t *slots, int64_t T, int64_t bytes, void *kc, void *vc,
-                      int64_t c_stride, int64_t nslots) {
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= nslots) return -1;
-    for (int64_t t = 0; t < T; t++) {
-        memcpy((char *)kc + slots[t] * c_stride, (const char *)k + t * k_stride, (size_t)bytes);
-        memcpy((char *)vc + slots[t] * c_stride, (const char *)v + t * v_stride, (size_t)bytes);
-    }
-    return 0;
-}
-
 /* ----------------------------------------------------------------------- decode attention */
 
 /* Vectors of float32 for the attention's dot products and sums (kernels.h: AVX-512 or AVX2
@@ -335,30 +316,6 @@ INLINE void weighted_values(const float *__restrict w, const char *__restrict v0
         }
 }
 
-/* max(x[0 .. n)), n >= 1: a maximum is the same in any order, so VW lanes at a time (a NaN
- * after x[0] is passed over, as the scalar compare does). */
-INLINE float max_of(const float *x, int64_t n) {
-    float m = x[0];
-    int64_t i = 1;
-#if HAVE_VEC
-    if (n >= 2 * VW) {
-#if defined(__AVX512F__)
-#define VMAX(a, b) _mm512_max_ps(a, b)
-#else
-#define VMAX(a, b) _mm256_max_ps(a, b)
-#endif
-        vec mv = VLOAD(x);
-        for (i = VW; i + VW <= n; i += VW) mv = VMAX(VLOAD(x + i), mv); /* NaN: keeps mv */
-#undef VMAX
-        float lanes[VW];
-        VSTORE(lanes, mv);
-        for (int l = 0; l < VW; l++) m = lanes[l] > m ? lanes[l] : m;
-    }
-#endif
-    for (; i < n; i++) m = x[i] > m ? x[i] : m;
-    return m;
-}
-
 /* One (decode row, KV head): its G query heads over the row's context. scratch: G * hd
  * (queries) + G * ctx (scores) floats. */
 INLINE void attend_one(const void *q, const void *kc, const void *vc, const int64_t *table,
@@ -389,7 +346,8 @@ INLINE void attend_one(const void *q, const void *kc, const void *vc, const int6
     else
         for (int64_t i = 0; i < G * n; i++) s[i] *= scale;
     for (int64_t g = 0; g < G; g++) {
-        float *sg = s + g * n, m = max_of(sg, n), sum = 0.0f;
+        float *sg = s + g * n, m = sg[0], sum = 0.0f;
+        for (int64_t i = 1; i < n; i++) m = sg[i] > m ? sg[i] : m;
         if (sinks) m = sinks[g] > m ? sinks[g] : m;
         for (int64_t i = 0; i < n; i++) {
             sg[i] = exp_f32(sg[i] - m);

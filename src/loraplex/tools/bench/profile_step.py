@@ -131,7 +131,6 @@ def instrumented(engine: LLMEngine, timer: ScopeTimer) -> Iterator[Callable[[], 
     patch(layers_mod, "paged_attention", "attention")
     for name in ("write", "gather", "gather_decode"):
         patch(cache, name, "KV write/gather")
-    patch(model.ops, "write_kv", "KV write/gather")  # the C layer ops write without cache.write
     patch(model, "hidden_states", "norms/rope/act")
     patch(model, "compute_logits", "logits")
     patch(engine, "sampler", "sampler")
