@@ -143,12 +143,22 @@ class ModelRunner:
             slots[: len(pos)] = trash + pos % self.block_size
         return slots
 
+    def _decode_slot(self, seq: Sequence, group: int) -> int:
+        """``_write_slots(seq, p, p + 1, group)``'s one slot for a decode row at ``p =
+        seq.num_computed_tokens`` (a plain int: no tensor ops per sequence and step)."""
+        bs, p = self.block_size, seq.num_computed_tokens
+        if seq.kv_shared and p < seq.kv_shared[group] * bs:  # a block from the prefix cache
+            assert self.cache.trash_block is not None
+            return self.cache.trash_block * bs + p % bs
+        block = seq.block_tables[group][p // bs]
+        if group in self.windowed_groups:
+            block = max(block, 0)  # NULL_BLOCK
+        return block * bs + p % bs
+
     def _decode_table(self, dec_seqs: list[Sequence], nblk: int, group: int) -> torch.Tensor:
         """[Bd, nblk] block ids of group ``group`` (padded with 0; released blocks at 0)."""
-        table = torch.zeros(len(dec_seqs), nblk, dtype=torch.long)
-        for r, s in enumerate(dec_seqs):
-            ids = s.block_tables[group][:nblk]
-            table[r, : len(ids)] = torch.tensor(ids)
+        rows = [s.block_tables[group][:nblk] for s in dec_seqs]
+        table = torch.tensor([r + [0] * (nblk - len(r)) for r in rows], dtype=torch.long)
         return table.clamp_(min=0) if group in self.windowed_groups else table
 
     def _group_metadata(
@@ -161,13 +171,15 @@ class ModelRunner:
         """``attn`` (group 0's) for KV-cache group ``group``: its slots, context slots and
         decode block table; the same spans, masks and lengths."""
         dev = self.device
-        slots, spans = [], []
+        slots: list[int] = []
+        spans = []
         it = iter(attn.prefills)
         for seq, n in items:
             start = seq.num_computed_tokens
-            slots.append(self._write_slots(seq, start, start + n, group))
             if n == 1 and start > 0:
+                slots.append(self._decode_slot(seq, group))
                 continue
+            slots += self._write_slots(seq, start, start + n, group).tolist()
             span = next(it)
             if span.ctx_slots is not None:
                 ctx = self._slots(seq, 0, start + n, group).to(dev)
@@ -178,7 +190,7 @@ class ModelRunner:
             table = self._decode_table(dec_seqs, table.shape[1], group).to(dev)
         return replace(
             attn,
-            slot_mapping=torch.cat(slots).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             prefills=spans,
             decode_block_table=table,
             kv_groups=[],
@@ -247,7 +259,7 @@ class ModelRunner:
         ``slot_rows``: slot -> (row_start, row_end) of the adapters in ``items``."""
         ids: list[int] = []
         positions: list[int] = []
-        slot_chunks: list[torch.Tensor] = []
+        slots: list[int] = []  # group 0's write slot of each token
         dec_tokens: list[int] = []
         dec_seqs: list[Sequence] = []
         prefills: list[PrefillSpan] = []
@@ -268,9 +280,13 @@ class ModelRunner:
                 if lo < hi:
                     rows = list(range(t + lo - start, t + hi - start))
                     prompt_rows.append(PromptLogprobRows(seq, rows, lo + 1))
-            ids += seq.all_token_ids[start : start + n]
             positions += range(start, start + n)
-            slot_chunks.append(self._write_slots(seq, start, start + n, 0))
+            if n == 1 and start > 0:  # a decode row: its token is the last one
+                ids.append(seq.token_at(start))
+                slots.append(self._decode_slot(seq, 0))
+            else:
+                ids += seq.all_token_ids[start : start + n]
+                slots += self._write_slots(seq, start, start + n, 0).tolist()
             if n == 1 and start > 0:
                 dec_tokens.append(t)
                 dec_seqs.append(seq)
@@ -312,7 +328,8 @@ class ModelRunner:
                         extra.append((first, t + n, *slot_rows[slot], wk))
             t += n
         dev = self.device
-        attn = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), prefills=prefills)
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        attn = AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills)
         if dec_seqs:
             lens = [s.num_computed_tokens + 1 for s in dec_seqs]
             lmax = max(lens)

@@ -341,10 +341,10 @@ INLINE void attend_one(const void *q, const void *kc, const void *vc, const int6
             scores_row(qf, k, G, hd, n, s + p - lo, e);
         }
     }
-    for (int64_t i = 0; i < G * n; i++) {
-        float v = s[i] * scale;
-        s[i] = cap > 0.0f ? tanh_f32(v / cap) * cap : v;
-    }
+    if (cap > 0.0f) /* two loops: in one, the compiler computes the tanh of every score */
+        for (int64_t i = 0; i < G * n; i++) s[i] = tanh_f32(s[i] * scale / cap) * cap;
+    else
+        for (int64_t i = 0; i < G * n; i++) s[i] *= scale;
     for (int64_t g = 0; g < G; g++) {
         float *sg = s + g * n, m = sg[0], sum = 0.0f;
         for (int64_t i = 1; i < n; i++) m = sg[i] > m ? sg[i] : m;
