@@ -493,17 +493,14 @@ def _time_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     return best * 1e3
 
 
-def _self_check(
-    fn: Callable[[torch.Tensor], torch.Tensor], weight: QuantWeight, dtype: torch.dtype
-) -> bool:
-    """``fn`` (a candidate, or its second path) agrees with the dequantized reference on a few
-    rows of x (17 of them: a second path may work in blocks of 16)."""
+def _self_check(lin: QuantLinearBase, weight: QuantWeight, dtype: torch.dtype) -> bool:
+    """The candidate agrees with the dequantized reference on a few rows of x."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(17, weight.in_features, generator=g).to(dtype)
+    x = torch.randn(3, weight.in_features, generator=g).to(dtype)
     want = x.double() @ weight.dequantize(torch.float64).T
     if weight.bias is not None:
         want = want + weight.bias.double()
-    got = fn(x).double()
+    got = lin(x).double()
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     return bool(torch.allclose(got, want, atol=tol * (want.abs().max().item() + 1), rtol=tol))
 
@@ -513,13 +510,13 @@ def _alt_from(
     times: dict[str, float],
 ) -> int | None:  # fmt: skip
     """From how many rows ``lin``'s second path should run: the fewest decode rows from which
-    it was faster at every larger decode size, else :data:`PROMPT_ALT_ROWS` where it was faster
-    on a prompt chunk, else None. Lowers ``direct`` to the path taken at each size."""
-    alt = {t: _time_ms(lambda x=x: lin.alt(x)) for t, x in xs.items()}
-    for t, ms in alt.items():
-        times[f"{lin.alt_name}@{t}"] = ms
+    it was faster at every larger decode size (timed from the largest down, stopping where it
+    loses), else :data:`PROMPT_ALT_ROWS` where it was faster on a prompt chunk, else None.
+    Lowers ``direct`` to the path taken at each size."""
+    alt: dict[int, float] = {}
     rows = None
     for t in sorted(xs, reverse=True):
+        alt[t] = times[f"{lin.alt_name}@{t}"] = _time_ms(lambda x=xs[t]: lin.alt(x))
         if alt[t] >= direct[t]:
             break
         rows = t
@@ -580,11 +577,8 @@ def choose_kernel(weight: QuantWeight, dtype: torch.dtype, kernel: object | None
         for t, ms in per_rows.items():
             times[f"{lin.name}@{t}"] = ms
         rows_alt = None
-        if lin.alt_name is not None:
-            if _self_check(lin.alt, probe, dtype):
-                rows_alt = _alt_from(lin, xs, per_rows, times)
-            else:
-                log.warning("%s's %s path failed its self-check; not used", lin.name, lin.alt_name)
+        if lin.alt_name is not None:  # checked when its kernel loaded (its dequantization,
+            rows_alt = _alt_from(lin, xs, per_rows, times)  # the tiles against float64)
         ms = sum(per_rows.values())
         times[lin.name] = ms
         if best is None or ms < best[0]:
