@@ -214,7 +214,7 @@ def test_amx_tiles_need_whole_tiles_of_inputs() -> None:
     assert lin.alt_name is None
     x = torch.randn(3, 90).to(torch.bfloat16)
     with pytest.raises(KernelBuildError):
-        kernel.gemm_q_amx(x, lin.packed, 12, 8, 90, 1, None, torch.empty(3, 12).bfloat16())
+        kernel.gemm_q(x, lin.packed, 12, 8, 90, 1, None, torch.empty(3, 12).bfloat16(), tiles=True)
 
 
 def test_amx_probe_runs_in_a_child_process() -> None:

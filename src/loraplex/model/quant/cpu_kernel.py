@@ -160,13 +160,19 @@ class QGemmKernel:
         groups: int,
         bias: torch.Tensor | None,  # float32 [N]
         out: torch.Tensor,  # bf16 [T, N]
+        *,
+        tiles: bool = False,
     ) -> torch.Tensor:
-        return self._quantized(self._qgemm, "quantized GEMM", x, packed, n,
-                               (group_size, groups, bits), bias, out)  # fmt: skip
+        """``out = x @ W.T + bias`` over the 4- or 8-bit panels: AVX512-BF16 dots, or AMX-BF16
+        tiles (``tiles``: the same semantics; only where :attr:`amx`)."""
+        fn, what = (
+            (self._amx_gemm, "AMX quantized GEMM") if tiles else (self._qgemm, "quantized GEMM")
+        )
+        return self._quantized(fn, what, x, packed, n, (group_size, groups, bits), bias, out)
 
     @functools.cached_property
     def amx(self) -> bool:
-        """Whether :meth:`gemm_q_amx` may run here: compiled in, and (on hardware) the CPU says
+        """Whether :meth:`gemm_q` may run on tiles here: compiled in, and (on hardware) the CPU says
         AMX-TILE and AMX-BF16, a child process ran the tiles once and agreed with the AVX-512
         panels (:func:`amx_probe_passes`: a CPU, kernel or hypervisor that faults on them
         costs that child only), and the OS lets this process use them."""
@@ -180,7 +186,7 @@ class QGemmKernel:
 
     @functools.cached_property
     def amx_int8(self) -> bool:
-        """Whether :meth:`gemm_w4a8_amx` may run here: :attr:`amx`, AMX-INT8 compiled in and
+        """Whether :meth:`gemm_w4a8` may run on tiles here: :attr:`amx`, AMX-INT8 compiled in and
         (on hardware) in the CPU's flags, and its sums the same bits as the VNNI panels'."""
         if not (self.amx and self.amx_int8_compiled and self.w4a8):
             return False
@@ -191,36 +197,6 @@ class QGemmKernel:
     def amx_faults(self) -> int:
         """Misuses of the tiles the software model has seen (0 on hardware)."""
         return int(self._amx_faults())
-
-    def gemm_q_amx(
-        self,
-        x: torch.Tensor,  # bf16 [T, K] rows contiguous
-        packed: torch.Tensor,
-        n: int,
-        bits: int,
-        group_size: int,
-        groups: int,
-        bias: torch.Tensor | None,  # float32 [N]
-        out: torch.Tensor,  # bf16 [T, N]
-    ) -> torch.Tensor:
-        """:meth:`gemm_q` on AMX tiles (same panels, same semantics); only where :attr:`amx`."""
-        return self._quantized(self._amx_gemm, "AMX quantized GEMM", x, packed, n,
-                               (group_size, groups, bits), bias, out)  # fmt: skip
-
-    def gemm_w4a8_amx(
-        self,
-        x: torch.Tensor,  # [T, K] float32 or bf16, rows contiguous
-        packed: torch.Tensor,
-        n: int,
-        group_size: int,
-        groups: int,
-        bias: torch.Tensor | None,  # float32 [N]
-        out: torch.Tensor,  # [T, N] x's dtype
-    ) -> torch.Tensor:
-        """:meth:`gemm_w4a8` on AMX-INT8 tiles (same panels, same bits); only where
-        :attr:`amx_int8`."""
-        return self._quantized(self._w4a8_amx, "AMX W4A8", x, packed, n,
-                               (group_size, groups), bias, out)  # fmt: skip
 
     def _quantized(
         self,
@@ -265,8 +241,13 @@ class QGemmKernel:
         groups: int,
         bias: torch.Tensor | None,  # float32 [N]
         out: torch.Tensor,  # [T, N] x's dtype
+        *,
+        tiles: bool = False,
     ) -> torch.Tensor:
-        return self._quantized(self._wgemm, "W4A8", x, packed, n, (group_size, groups), bias, out)
+        """W4A8 over its panels: AVX512-VNNI, or AMX-INT8 tiles (``tiles``: the same bits; only
+        where :attr:`amx_int8`)."""
+        fn, what = (self._w4a8_amx, "AMX W4A8") if tiles else (self._wgemm, "W4A8")
+        return self._quantized(fn, what, x, packed, n, (group_size, groups), bias, out)
 
 
 AMX_PROBE_SECONDS = 60.0
@@ -360,7 +341,7 @@ def _amx_agrees(kernel: QGemmKernel) -> bool:
             got = torch.empty(t, n, dtype=torch.bfloat16)
             groups = qw.scales.shape[1]
             try:
-                kernel.gemm_q_amx(x, packed, n, bits, gs, groups, bias, got)
+                kernel.gemm_q(x, packed, n, bits, gs, groups, bias, got, tiles=True)
             except KernelBuildError:
                 return False
             tol = 2e-2
@@ -389,7 +370,7 @@ def _amx_int8_agrees(kernel: QGemmKernel) -> bool:
             want = kernel.gemm_w4a8(x, packed, n, gs, groups, bias, torch.empty(t, n, dtype=dtype))
             got = torch.empty(t, n, dtype=dtype)
             try:
-                kernel.gemm_w4a8_amx(x, packed, n, gs, groups, bias, got)
+                kernel.gemm_w4a8(x, packed, n, gs, groups, bias, got, tiles=True)
             except KernelBuildError:
                 return False
             if not torch.equal(got, want):

@@ -190,18 +190,18 @@ class PanelQuantLinear(QuantLinearBase):
         return self._columns(ids // self.kernel.panel, ids % self.kernel.panel).float()
 
     def alt(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(self.kernel.gemm_q_amx, x.contiguous())
+        return self._run(x.contiguous(), tiles=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = self._gather(x).contiguous()
         tiles = self.alt_rows is not None and x.shape[0] >= self.alt_rows
-        return self._run(self.kernel.gemm_q_amx if tiles else self.kernel.gemm_q, x)
+        return self._run(x, tiles=tiles)
 
-    def _run(self, gemm: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, *, tiles: bool) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        return gemm(
+        return self.kernel.gemm_q(
             x, self.packed, self.out_features, self.bits, self.group_size, self.groups,
-            self.bias32, out,
+            self.bias32, out, tiles=tiles,
         )  # fmt: skip
 
 
@@ -273,21 +273,22 @@ class PanelW4A8Linear(QuantLinearBase):
         return wt.to(dtype)
 
     def alt(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(self.kernel.gemm_w4a8_amx, x)
+        return self._run(x, tiles=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = self._gather(x)
         tiles = self.alt_rows is not None and x.shape[0] >= self.alt_rows
-        return self._run(self.kernel.gemm_w4a8_amx if tiles else self.kernel.gemm_w4a8, x)
+        return self._run(x, tiles=tiles)
 
-    def _run(self, gemm: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, *, tiles: bool) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        return gemm(
-            x, self.packed, self.out_features, self.group_size, self.groups, self.bias32, out
-        )
+        return self.kernel.gemm_w4a8(
+            x, self.packed, self.out_features, self.group_size, self.groups, self.bias32, out,
+            tiles=tiles,
+        )  # fmt: skip
 
 
 class TorchInt4Linear(QuantLinearBase):
