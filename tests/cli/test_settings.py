@@ -219,6 +219,7 @@ ROUTE_SAMPLES = {
     "weights": "device=2",
     "replica_api_key": "k",
     "status_api_key": "s",
+    "push_api_key": "p",
     "push_targets": "holders",
     "host": "0.0.0.0",
     "log_level": "debug",

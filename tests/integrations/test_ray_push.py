@@ -129,7 +129,7 @@ def _deploy_doubles(refuse_dir: str | None) -> Any:
     ).bind(refuse_dir)
     ingress = LoraplexIngress.options(
         ray_actor_options={"num_cpus": 0, "resources": {"lp_ingress": 0.01}}
-    ).bind(engine, IngressSettings(routing="default", max_push_bytes=1 << 20))
+    ).bind(engine, IngressSettings(routing="default", max_push_bytes=1 << 20, push_api_key=ADMIN))
     deploy(ingress, name="doubles")
     return serve.get_deployment_handle("PushEngineDouble", app_name="doubles")
 
@@ -154,10 +154,11 @@ def test_a_push_reaches_both_engine_replicas_through_the_ingress(cluster: Cluste
         r = httpx.post(url, content=big, headers=headers, timeout=60)
         assert r.status_code == 413
         assert handle.broadcast("taken").results(timeout_s=60) == [want, want]
-        # refused alike everywhere: the replicas' own answer
+        # a wrong key stops at the ingress, before the body is read
         with pytest.raises(PushError) as e:
             push_adapter(cluster.url, "trainee", TENSORS, config=LORA_CONFIG, api_key="sk-bad")
-        assert e.value.status == 401
+        assert e.value.status == 401 and e.value.code == "invalid_api_key"
+        assert handle.broadcast("taken").results(timeout_s=60) == [want, want]
     finally:
         serve.delete("doubles")
 

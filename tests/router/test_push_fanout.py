@@ -51,6 +51,7 @@ def _fleet(
     """The doubles on loopback behind a router that has polled them once: (router, urls)."""
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(serve_in_thread(d.app())) for d in doubles]
+        kw.setdefault("push_api_key", ADMIN)
         config = RouterConfig(
             replicas=[*urls, *extra], poll_interval_s=3600.0, status_api_key=STATUS,
             read_timeout_s=60.0, **kw,
@@ -131,12 +132,29 @@ def test_a_201_without_a_digest_is_not_success() -> None:
 
 
 def test_a_refusal_shared_by_every_replica_is_passed_through() -> None:
-    a, b = PushReplicaDouble(ADMIN), PushReplicaDouble(ADMIN)
+    """The router's push key is not the replicas' admin key: every replica refuses alike."""
+    a, b = PushReplicaDouble("sk-replicas-only"), PushReplicaDouble("sk-replicas-only")
     with _fleet(a, b) as (router, _):
         with pytest.raises(PushError) as e:
-            push_adapter(router, "trainee", lora_tensors(1), config=LORA_CONFIG, api_key="sk-wrong")
+            push_adapter(router, "trainee", lora_tensors(1), config=LORA_CONFIG, api_key=ADMIN)
         assert e.value.status == 401 and "invalid API key" in e.value.message
         assert a.pushes == b.pushes == []
+
+
+def test_the_push_key_is_checked_before_the_body_is_read() -> None:
+    """Fails closed: without --push-api-key the route is off (404); a missing or wrong key is
+    the router's 401; neither reaches a replica, whatever the body's size."""
+    a = PushReplicaDouble(ADMIN)
+    with _fleet(a) as (router, _):
+        url = f"{router}/v1/admin/adapters/trainee/push"
+        for auth in ({}, {"Authorization": "Bearer sk-wrong"}):
+            r = httpx.post(url, content=b"x" * 4096, headers=auth)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert a.pushes == []
+    with _fleet(PushReplicaDouble(ADMIN), push_api_key=None) as (router, _):
+        r = httpx.post(f"{router}/v1/admin/adapters/trainee/push", content=b"x",
+                       headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
+        assert r.status_code == 404 and r.json()["error"]["code"] == "push_api_disabled"
 
 
 def test_a_digest_mismatch_or_an_oversized_body_never_leaves_the_router() -> None:
@@ -188,7 +206,7 @@ def test_push_reaches_real_replicas(tiny_model: Path) -> None:
             )  # fmt: skip
             urls.append(stack.enter_context(serve_in_thread(create_app(config), timeout=120)))
         router_config = RouterConfig(replicas=urls, poll_interval_s=3600.0, read_timeout_s=120.0,
-                                     status_api_key=STATUS)  # fmt: skip
+                                     status_api_key=STATUS, push_api_key=ADMIN)  # fmt: skip
         router = stack.enter_context(serve_in_thread(create_router_app(router_config)))
         for step in (1, 2):
             if step == 2:

@@ -22,6 +22,8 @@
 ``POST /v1/admin/adapters/{name}/push`` (a training loop's new revision of an adapter, the
 wire format of :mod:`loraplex.client`) is not routed but fanned out::
 
+    the caller's bearer must be --push-api-key, checked before the body is read (none
+           configured: 404 push_api_disabled, the route is off; a wrong or missing one: 401)
     body = the push body (413 beyond max_push_bytes), read once; its X-Loraplex-Body-SHA256
            checked here first (400: no replica is sent a body that does not match it)
     targets = every known replica (--push-targets all, the default), or the replicas whose
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -62,9 +63,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.client import SHA256_HEADER, push_path
 from loraplex.pages import read_page
-from loraplex.router.config import RouterConfig
+from loraplex.router.config import ENV_PUSH_API_KEY, ENV_STATUS_API_KEY, RouterConfig
 from loraplex.router.homes import Picker
-from loraplex.router.push import Answer, answer_of, check_digest, fan_in
+from loraplex.router.push import Answer, answer_of, bearer_refusal, check_digest, fan_in
 from loraplex.router.relay import read_body, sse_error
 from loraplex.router.replicas import Replica, ReplicaSet
 from loraplex.types import MAX_COMPOSED_ADAPTERS
@@ -78,6 +79,20 @@ _HOP = {
     "accept-encoding",
 }  # fmt: skip
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+def _check_key(
+    request: Request, key: str | None, route: str, flag: str, env: str
+) -> JSONResponse | None:
+    """:func:`~loraplex.router.push.bearer_refusal` as the router's JSON error (401s say
+    ``WWW-Authenticate: Bearer``)."""
+    hint = f"start the router with {flag} (or {env})"
+    refused = bearer_refusal(request.headers.get("authorization"), key, route, hint)
+    if refused is None:
+        return None
+    status, message, type_, code = refused
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return _error(status, message, type_, code=code, headers=headers)
 
 
 def _error(
@@ -283,25 +298,15 @@ class Router:
     def check_status_key(self, request: Request) -> Response | None:
         """None if the caller holds the status key; else the error to answer (404 while no
         status key is configured: the route is off; 401 for a missing or wrong key)."""
-        key = self.config.status_api_key
-        if key is None:
-            return _error(
-                404,
-                "the router's status route is disabled; start the router with "
-                "--status-api-key (or LORAPLEX_ROUTER_STATUS_API_KEY)",
-                "not_found_error",
-                code="status_api_disabled",
-            )
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
-            return None
-        return _error(
-            401,
-            "missing status API key" if not given.strip() else "invalid status API key",
-            "authentication_error",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        return _check_key(request, self.config.status_api_key, "status", "--status-api-key",
+                          ENV_STATUS_API_KEY)  # fmt: skip
+
+    def check_push_key(self, request: Request) -> Response | None:
+        """As :meth:`check_status_key` for adapter pushes (``--push-api-key``): checked before
+        a byte of the body is read, so nobody without it makes the router buffer and fan out
+        up to ``--max-push-bytes`` a call."""
+        return _check_key(request, self.config.push_api_key, "push", "--push-api-key",
+                          ENV_PUSH_API_KEY)  # fmt: skip
 
     async def forward(self, request: Request, path: str) -> Response:
         raw = await read_body(request, self.config.max_request_bytes)
@@ -480,6 +485,10 @@ class Router:
 
     async def push(self, request: Request, name: str) -> Response:
         """Fan a push of ``name`` out to its target replicas (see the module docstring)."""
+        refused = self.check_push_key(request)
+        if refused is not None:
+            self.metrics.requests.labels(status=str(refused.status_code)).inc()
+            return refused
         limit = self.config.max_push_bytes
         raw = await read_body(request, limit)
         if raw is None:

@@ -14,6 +14,7 @@ from loraplex.router.scoring import POLICIES, Thresholds, Weights
 
 _HEALTH = "health and retries"  # an argparse group of `loraplex route --help`
 ENV_STATUS_API_KEY = "LORAPLEX_ROUTER_STATUS_API_KEY"
+ENV_PUSH_API_KEY = "LORAPLEX_ROUTER_PUSH_API_KEY"
 PUSH_TARGETS = ("all", "holders")
 """Where ``loraplex route`` sends an adapter push (``--push-targets``)."""
 
@@ -192,6 +193,18 @@ class RouterConfig:
             group="server",
             help="key for GET /v1/replicas, the router's view with every adapter name "
             "(default: {env}; none: that route is off)",
+        ),
+    )
+    push_api_key: str | None = field(  # adapter pushes: up to --max-push-bytes each
+        default=None,
+        metadata=setting(
+            "--push-api-key",
+            env=(ENV_PUSH_API_KEY,),
+            metavar="KEY",
+            group="server",
+            help="key for POST /v1/admin/adapters/{name}/push, checked before the body is "
+            "read (the replicas' admin key, whose Authorization header is passed on to them; "
+            "default: {env}; none: that route is off)",
         ),
     )
     max_request_bytes: int = field(

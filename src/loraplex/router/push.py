@@ -1,6 +1,10 @@
 """An adapter push fanned out to several replicas, and their answers fanned back in to one: what
 ``loraplex route`` and the Ray Serve ingress share (torch-free, HTTP-free).
 
+    bearer_refusal(Authorization, key, route, hint) -> None, or (status, message, type, code):
+                                                 404 while no key is configured (the route is
+                                                 off), 401 for a missing or wrong one; checked
+                                                 before a byte of the body is read
     check_digest(body, X-Loraplex-Body-SHA256)   -> None, or why the body is refused (400)
     one answer per target: Answer(target, status (0: none came), JSON body, error)
     fan_in(name, answers):
@@ -21,7 +25,24 @@ from typing import Any
 
 from loraplex.client import SHA256_HEADER
 
-__all__ = ["Answer", "answer_of", "check_digest", "fan_in"]
+__all__ = ["Answer", "answer_of", "bearer_refusal", "check_digest", "fan_in"]
+
+
+def bearer_refusal(
+    authorization: str | None, key: str | None, route: str, hint: str
+) -> tuple[int, str, str, str] | None:
+    """None if ``authorization`` is ``Bearer <key>``; else ``(status, message, type, code)``:
+    404 ``{route}_api_disabled`` while no key is configured (fails closed; ``hint`` says how to
+    turn it on), 401 ``invalid_api_key`` for a missing or wrong key (compared in constant
+    time)."""
+    if key is None:
+        return (404, f"the {route} route is disabled; {hint}", "not_found_error",
+                f"{route}_api_disabled")  # fmt: skip
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
+        return None
+    what = f"missing {route} API key" if not given.strip() else f"invalid {route} API key"
+    return 401, what, "authentication_error", "invalid_api_key"
 
 
 def check_digest(body: bytes, declared: str | None) -> str | None:

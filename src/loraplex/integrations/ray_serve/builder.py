@@ -101,6 +101,7 @@ def build_app(config: ServerConfig, options: RayServeOptions | None = None) -> A
         max_attempts=o.max_attempts,
         failover_timeout_s=o.failover_timeout_s,
         max_push_bytes=o.max_push_bytes,
+        push_api_key=config.admin_api_key,
         push_timeout_s=o.push_timeout_s,
     )
     return LoraplexIngress.options(

@@ -68,7 +68,7 @@ from loraplex.integrations.ray_serve.asgi import (
     end_to_end,
     error_start,
 )
-from loraplex.router.push import Answer, answer_of, check_digest, fan_in
+from loraplex.router.push import Answer, answer_of, bearer_refusal, check_digest, fan_in
 from loraplex.router.relay import read_body, sse_error
 
 __all__ = ["IngressSettings", "LoraplexEngine", "LoraplexIngress"]
@@ -249,6 +249,7 @@ class IngressSettings:
     failover_timeout_s: float = 60.0
     overload_retries: int = 2  # loraplex 503s retried elsewhere before one is passed on
     max_push_bytes: int = 1 << 30  # an adapter push body, read once for every replica
+    push_api_key: str | None = None  # the replicas' admin key; None: pushes are off (404)
     push_timeout_s: float = 300.0  # every replica's answer to a push, at most
 
 
@@ -345,6 +346,12 @@ class LoraplexIngress:
     async def _push(self, request: Request, route: str, name: str) -> Response:
         """Fan a push out to every engine replica (see the module docstring)."""
         s = self.settings
+        refused = bearer_refusal(  # before a byte of the body: nobody else makes it buffer one
+            request.headers.get("authorization"), s.push_api_key, "push",
+            "serve with an admin key (--admin-api-key) for the ingress to check",
+        )  # fmt: skip
+        if refused is not None:
+            return _response(error_start(*refused), 0)
         body = await read_body(request, s.max_push_bytes)
         if body is None:
             return _response(_too_large(s.max_push_bytes), 0)
