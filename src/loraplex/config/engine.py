@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from loraplex.config.engine_fields import DEFAULT_MAX_CPU_LORAS, EngineFields
 from loraplex.config.fields import FieldError, check_fields
 from loraplex.config.parallel import Rendezvous
+from loraplex.config.speculative import SpeculativeConfig, parse_speculative_config
 from loraplex.config.values import rank_budget_map, slo_class_table, tenant_class_map
 
 
@@ -32,6 +33,12 @@ class EngineConfig(EngineFields):
             return {}
         value = json.loads(self.override_generation_config)
         return dict(value) if isinstance(value, dict) else {}
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (None: no speculative decoding)."""
+        if self.speculative_config is None:
+            return None
+        return parse_speculative_config(self.speculative_config)
 
     def slo_class_weights(self) -> tuple[tuple[str, float], ...]:
         """``slo_classes`` as ((name, weight), ...), most important first."""

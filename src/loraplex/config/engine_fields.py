@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraplex.config.fields import human_int, seconds, setting, stripped
+from loraplex.config.speculative import speculative_config_text
 from loraplex.config.values import (
     ADAPTER_EVICTION_POLICIES,
     DTYPES,
@@ -478,5 +479,19 @@ class EngineFields:
             "--num-threads",
             ge=1,
             help="CPU intra-op threads (default: torch's; serve on CPU: one fewer, for HTTP)",
+        ),
+    )
+    speculative_config: str | None = field(  # a JSON object: loraplex.config.speculative
+        default=None,
+        metadata=setting(
+            "--speculative-config",
+            "-sc",
+            parse=speculative_config_text,
+            metavar="JSON",
+            help="speculative decoding, vLLM's JSON object: method ngram (prompt lookup), "
+            "suffix (the request's context and past outputs per tenant and adapter) or "
+            "draft_model (a small model sharing the tokenizer), num_speculative_tokens, ... "
+            "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (see "
+            "docs/speculative.md)",
         ),
     )

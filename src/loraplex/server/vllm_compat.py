@@ -45,7 +45,7 @@ _ONE_DEVICE_EXPERTS = (
 )
 _NO_GRAPHS = "loraplex runs eagerly (no CUDA graphs or compilation)"
 _NO_OFFLOAD = "loraplex keeps weights and KV on the device (no offloading or KV transfer)"
-_NO_SPEC = "loraplex has no speculative decoding"
+_SPEC_JSON = "set speculative decoding with --speculative-config (vLLM's JSON object)"
 _QUANT_CONFIG = "loraplex reads quantization from the checkpoint's config.json (--quantization)"
 
 # (spellings, takes, accepted values, why) -- groups share their reason
@@ -86,7 +86,7 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--swap-space", "one", ANY, ""),  # vLLM's V1 engine ignores it as well: preemption recomputes
     ("--preemption-mode", "one", ("recompute",), "preempted sequences are recomputed"),
     ("--num-scheduler-steps", "one", ("1",), "loraplex schedules every step"),
-    ("--num-lookahead-slots", "one", ("0",), _NO_SPEC),
+    ("--num-lookahead-slots", "one", ("0",), _SPEC_JSON),
     ("--tokenizer-pool-size", "one", ("0",), "tokenization runs in the --prepare-workers pool"),
     ("--code-revision", "one", ANY, ""),  # loraplex runs no model code from the hub
     ("--stream-interval", "one", ("1",), "loraplex streams one chunk per token"),
@@ -116,8 +116,8 @@ _TABLE: list[tuple[str, str, tuple[str, ...], str]] = [
     ("--allow-deprecated-quantization", "bool", ("false",), ""),
     ("--qlora-adapter-name-or-path", "one", (), "serve the QLoRA adapter with --lora-modules"),
     # speculative decoding
-    ("--speculative-config -sc --spec-method --spec-model --spec-tokens", "one", (), _NO_SPEC),
-    ("--speculative-model --num-speculative-tokens", "one", (), _NO_SPEC),
+    ("--spec-method --spec-model --spec-tokens", "one", (), _SPEC_JSON),
+    ("--speculative-model --num-speculative-tokens", "one", (), _SPEC_JSON),
     # compilation and kernels
     ("--compilation-config -cc --cudagraph-capture-sizes", "many", (), _NO_GRAPHS),
     ("--max-cudagraph-capture-size --optimization-level --performance-mode", "one", (), _NO_GRAPHS),
