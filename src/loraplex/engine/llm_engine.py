@@ -34,6 +34,7 @@ from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler
 from loraplex.engine.scheduling import make_policy
 from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.spec.stats import SpecStepStats
 from loraplex.engine.structured import StructuredOutputBackend
 from loraplex.outputs import RequestOutput
 from loraplex.requests import GenerationRequest, LoRARequest, SamplingParams
@@ -59,6 +60,7 @@ class StepStats:
     distinct_adapters: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    spec: SpecStepStats | None = None  # drafts verified this step (None: none carried)
 
     @classmethod
     def of(cls, batch: ScheduledBatch, samplers: list[Sequence]) -> StepStats:
