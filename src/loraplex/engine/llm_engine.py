@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from loraplex.config import EngineConfig
 from loraplex.engine.builder import build_parts
@@ -34,6 +36,7 @@ from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler import ScheduledBatch, Scheduler
 from loraplex.engine.scheduling import make_policy
 from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.spec.speculator import build_speculator
 from loraplex.engine.spec.stats import SpecStepStats
 from loraplex.engine.structured import StructuredOutputBackend
 from loraplex.outputs import RequestOutput
@@ -125,14 +128,18 @@ class LLMEngine:
         self.intake.pushed = self.pushed
         self.runner = ModelRunner(self.model, self.cache, self.merger)
         self.sampler = Sampler(config.seed)
+        self.spec = build_speculator(config, parts)  # speculative decoding (None: off)
         self.requests: dict[str, EngineRequest] = {}
         self.num_steps = 0
         self.last_step = StepStats()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; nothing to do otherwise)."""
+        """Stop the tensor-parallel workers, if any, and release the drafting method's
+        resources (idempotent)."""
         if self.workers is not None:
             self.workers.close()
+        if self.spec is not None:
+            self.spec.proposer.close()
 
     @property
     def failure(self) -> str | None:
@@ -240,13 +247,39 @@ class LLMEngine:
         if batch.empty:
             self.last_step = StepStats()  # nothing ran: observers must not see the last step again
             return []
+        t0 = time.perf_counter()
         logits, samplers = self.runner.run(batch)
-        # sample before advancing: if sampling raises, the step is simply redone next time
-        tokens = self.sampler(logits, samplers) if samplers else []
-        self.scheduler.after_step(batch)
+        if self.spec is not None and any(s.spec_tokens for s in samplers):
+            outputs = self._verify(batch, logits, samplers)
+        else:
+            # sample before advancing: if sampling raises, the step is simply redone next time
+            tokens = self.sampler(logits, samplers) if samplers else []
+            self.scheduler.after_step(batch)
+            self.num_steps += 1
+            self.last_step = StepStats.of(batch, samplers)
+            outputs = self._postprocess(samplers, tokens)
+        if self.spec is not None:  # measure the step, then draft for the next one
+            self.spec.observe_step(self.last_step.num_tokens, time.perf_counter() - t0)
+            self.spec.propose(self.scheduler.running, self.config.max_num_batched_tokens)
+        return outputs
+
+    def _verify(
+        self, batch: ScheduledBatch, logits: torch.Tensor, samplers: list[Sequence]
+    ) -> list[RequestOutput]:
+        """A step that carried drafts: verify them (appending what the target keeps), advance
+        without counting rejected draft positions as computed, apply the finishes."""
+        assert self.spec is not None
+        finishes, rejected, appended, spec = self.spec.verify(
+            logits, samplers, self.sampler.generator, self.eos_token_ids
+        )
+        self.scheduler.after_step(batch, rejected)
         self.num_steps += 1
-        self.last_step = StepStats.of(batch, samplers)
-        return self._postprocess(samplers, tokens)
+        self.last_step = replace(
+            StepStats.of(batch, samplers), num_generation_tokens=appended, spec=spec
+        )
+        for seq, reason in finishes:
+            self._finish(seq, reason)
+        return take_outputs(self.requests, dict.fromkeys(s.request_id for s in samplers))
 
     def _stage_adapters(self, batch: ScheduledBatch) -> None:
         """Newly reserved slots get their weights on a background thread: the sequences whose
@@ -273,6 +306,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if self.spec is not None:
+            self.spec.finish(seq)
         if self.adapters is not None:
             for copy in seq.adapters:  # a composition's every component
                 self.adapters.release(copy)

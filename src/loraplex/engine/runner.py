@@ -17,6 +17,10 @@ table. A windowed group's released blocks read as block 0 (the window masks hide
 positions a sequence took from the prefix cache in one group but recomputes for the others
 are written to the cache's trash page, never into the shared blocks.
 
+Speculative decoding: a sequence carrying draft tokens (``seq.spec_tokens``) runs its last token
+and the draft as one row of ``1 + k`` tokens, attended like a prompt chunk (causal over its
+context), with logits at every one of them.
+
 Prompt logprobs: for a sequence that asked for them, the hidden state of every prompt position
 in the step's chunk is kept, and ``logprob(prompt[p + 1] | prompt[:p + 1])`` (with the top-k) is
 computed from it in row chunks that bound the [rows, vocab] logits' memory.
@@ -281,11 +285,16 @@ class ModelRunner:
                     rows = list(range(t + lo - start, t + hi - start))
                     prompt_rows.append(PromptLogprobRows(seq, rows, lo + 1))
             positions += range(start, start + n)
+            k = len(seq.spec_tokens)  # a draft rides on a decode row: n == 1 + k
             if n == 1 and start > 0:  # a decode row: its token is the last one
                 ids.append(seq.token_at(start))
                 slots.append(self._decode_slot(seq, 0))
             else:
-                ids += seq.all_token_ids[start : start + n]
+                ids += (
+                    [seq.token_at(start), *seq.spec_tokens]
+                    if k
+                    else (seq.all_token_ids[start : start + n])
+                )
                 slots += self._write_slots(seq, start, start + n, 0).tolist()
             if n == 1 and start > 0:
                 dec_tokens.append(t)
@@ -302,8 +311,8 @@ class ModelRunner:
                         t, t + n, self._slots(seq, 0, ctx).to(self.device), mask.to(self.device)
                     )
                 )
-            if start + n == seq.num_tokens:
-                logits_idx.append(t + n - 1)
+            if start + n - k == seq.num_tokens:  # a drafted row: logits at all 1 + k tokens
+                logits_idx.extend(range(t + n - 1 - k, t + n))
                 samplers.append(seq)
             merged = seq.slot == self._merged_slot
             lo = seq.lora_start  # an aLoRA's rows before its activation point are base rows
@@ -378,8 +387,10 @@ class ModelRunner:
         return fb, samplers, prompt_rows
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Forward the step; returns logits [S, vocab] (float32) and the sampling sequences.
-        Prompt logprobs due this step are appended to their sequences."""
+        """Forward the step; returns logits [S, vocab] (float32) and the sampling sequences:
+        one row per sequence, ``1 + k`` rows for one carrying a draft of ``k`` tokens (its
+        ``spec_tokens``, run after its last token: row ``j`` predicts the token after the
+        draft's first ``j``). Prompt logprobs due this step are appended to their sequences."""
         if self.merger is not None:
             self._merged_slot = self._merge_for(batch)
         fb, samplers, prompt_rows = self.prepare(self.order(batch), batch.slot_rows)

@@ -90,7 +90,7 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tens
     return row
 
 
-def _processed(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> torch.Tensor:
+def process_row(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> torch.Tensor:
     """The row after logit_bias and penalties (the row itself when neither applies)."""
     if p.logit_bias:
         row = apply_logit_bias(row, p.logit_bias)
@@ -104,6 +104,47 @@ def _processed(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> torch.Ten
             p.repetition_penalty,
         )
     return row
+
+
+def mask_min_tokens(logits: torch.Tensor, i: int, seq: Sequence) -> None:
+    """No EOS and no stop id for row ``i`` of ``logits`` [S, V] (in place) while ``seq`` has
+    fewer than ``min_tokens`` outputs, unless that leaves nothing (the grammar may allow only
+    those)."""
+    p = seq.params
+    if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
+        row = logits[i].clone()
+        for t in (*seq.eos_token_ids, *(p.stop_token_ids or ())):
+            row[t] = float("-inf")
+        if bool(torch.isfinite(row).any()):
+            logits[i] = row
+
+
+def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
+    """The distribution a non-greedy request draws from: ``row`` (processed logits [V]) over
+    its temperature, min_p, top-k and top-p; None when it overflows (the limit is greedy)."""
+    row = row / p.temperature
+    if p.min_p > 0.0:
+        row = _filter_min_p(row, p.min_p)
+    row = _filter_top_k_top_p(row, p.top_k, p.top_p)
+    probs = row.softmax(-1)
+    return probs if bool(torch.isfinite(probs).all()) else None
+
+
+def record_logprob(seq: Sequence, lp: torch.Tensor, token: int) -> None:
+    """Record ``token``'s logprob (and the top-k asked for) on ``seq``. lp: [V], the log-softmax
+    of the masked logits (the model's, before penalties and temperature, like vLLM's default)."""
+    chosen = float(lp[token])
+    seq.cumulative_logprob += chosen
+    k = seq.params.logprobs
+    if k is None:  # only ranked (best_of)
+        return
+    top: dict[int, float] = {}
+    if k > 0:
+        vals, idx = torch.topk(lp, k)
+        top = dict(zip(idx.tolist(), vals.tolist(), strict=True))
+    if seq.logprobs is None:
+        seq.logprobs = []
+    seq.logprobs.append(TokenLogprob(token, chosen, top))
 
 
 class Sampler:
@@ -120,13 +161,7 @@ class Sampler:
         }
         apply_grammars(logits, grammars)
         for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
-                row = logits[i].clone()  # no EOS and no stop id before min_tokens
-                for t in (*seq.eos_token_ids, *(p.stop_token_ids or ())):
-                    row[t] = float("-inf")
-                if bool(torch.isfinite(row).any()):  # the grammar may allow nothing else
-                    logits[i] = row
+            mask_min_tokens(logits, i, seq)
         tokens = logits.argmax(dim=-1).tolist()
         lp = None
         if any(s.tracks_logprobs for s in seqs):
@@ -134,39 +169,17 @@ class Sampler:
         for i, seq in enumerate(seqs):
             p = seq.params
             raw = logits[i]  # [V]
-            row = _processed(raw, seq, p)
+            row = process_row(raw, seq, p)
             if row is not raw:
                 tokens[i] = int(row.argmax())
             if not p.greedy:
-                row = row / p.temperature
-                if p.min_p > 0.0:
-                    row = _filter_min_p(row, p.min_p)
-                row = _filter_top_k_top_p(row, p.top_k, p.top_p)
-                probs = row.softmax(-1)
-                if not bool(torch.isfinite(probs).all()):  # overflow: the limit is greedy
+                probs = sampling_probs(row, p)
+                if probs is None:  # overflow: the limit is greedy
                     continue
                 gen = seq.generator if seq.generator is not None else self.generator
                 tokens[i] = draw(probs, gen)
-        if lp is not None:
-            self._logprobs(lp, seqs, tokens)
+        if lp is not None:  # lp: [S, V] log-softmax of the (masked) logits
+            for i, seq in enumerate(seqs):
+                if seq.tracks_logprobs:
+                    record_logprob(seq, lp[i], tokens[i])
         return tokens
-
-    @staticmethod
-    def _logprobs(lp: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
-        """Record the model's (pre-temperature) log-probabilities, like vLLM's default.
-        lp: [S, V] log-softmax of the (masked) logits."""
-        for i, seq in enumerate(seqs):
-            if not seq.tracks_logprobs:
-                continue
-            chosen = float(lp[i, tokens[i]])
-            seq.cumulative_logprob += chosen
-            k = seq.params.logprobs
-            if k is None:  # only ranked (best_of)
-                continue
-            top: dict[int, float] = {}
-            if k > 0:
-                vals, idx = torch.topk(lp[i], k)
-                top = dict(zip(idx.tolist(), vals.tolist(), strict=True))
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.append(TokenLogprob(tokens[i], chosen, top))

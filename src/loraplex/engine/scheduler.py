@@ -209,9 +209,17 @@ class Scheduler:
         seq.slot = None
         seq.composed_slots = []
 
+    @staticmethod
+    def drop_drafts(seq: Sequence, keep: int = 0) -> None:
+        """Keep only the first ``keep`` of ``seq``'s draft tokens (and their distributions)."""
+        del seq.spec_tokens[keep:]
+        if seq.spec_probs is not None:
+            seq.spec_probs = seq.spec_probs[:keep] if keep else None
+
     def _preempt(self, seq: Sequence) -> None:
         """Free everything and requeue at the front; its tokens are recomputed later."""
         self.running.remove(seq)
+        self.drop_drafts(seq)
         self._free(seq)
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
@@ -297,10 +305,20 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._capped(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            left = seq.num_tokens - seq.num_computed_tokens
+            if seq.spec_tokens and left != 1:  # drafts only ride on a decode row
+                self.drop_drafts(seq)
+            n = self._capped(seq, min(left + len(seq.spec_tokens), budget))
             if n == 0:  # its class used its prefill share of this step
                 i += 1
                 continue
+            if seq.spec_tokens and (
+                n < 1 + len(seq.spec_tokens)
+                or not self.kv.fits(seq.block_tables, seq.num_computed_tokens + n)
+            ):  # what the budget or the free blocks do not hold is not drafted (no preemption)
+                keep = n - 1 if self.kv.fits(seq.block_tables, seq.num_computed_tokens + n) else 0
+                self.drop_drafts(seq, keep)
+                n = 1 + len(seq.spec_tokens)
             need = self._blocks_for(seq, seq.num_computed_tokens + n)
             while need and not self.kv.fits(seq.block_tables, seq.num_computed_tokens + n):
                 victim = self._victim(self.running[i:])  # never already batched
@@ -530,10 +548,16 @@ class Scheduler:
     def _insert_running(self, seq: Sequence) -> None:
         bisect.insort_right(self.running, seq, key=self._running_key)
 
-    def after_step(self, batch: ScheduledBatch) -> None:
+    def after_step(
+        self, batch: ScheduledBatch, rejected: Mapping[Sequence, int] | None = None
+    ) -> None:
         """Advance computed counts, publish newly full blocks to the prefix cache and release
-        the blocks windowed layers no longer see."""
+        the blocks windowed layers no longer see. ``rejected[seq]``: draft tokens of ``seq``
+        the step ran but verification rejected: their KV is not counted as computed (later
+        steps overwrite those positions before any block holding them is published)."""
         for seq, n in batch.items:
+            if rejected:
+                n -= rejected.get(seq, 0)
             seq.num_computed_tokens += n
             if self.pool.enable_prefix_caching:
                 self._publish(seq)

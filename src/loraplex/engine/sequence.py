@@ -86,6 +86,11 @@ class Sequence:
     priority: int = 0
     tenant: str | None = None
     preempted_at_step: int | None = None  # the scheduler step that last preempted it
+    spec_tokens: list[int] = field(default_factory=list)
+    """Draft tokens proposed to follow ``all_token_ids`` (speculative decoding): the next step
+    runs them after the last token and verifies them; empty: none. The scheduler drops them
+    when the sequence is not decoding or its step cannot hold them."""
+    spec_probs: torch.Tensor | None = None  # [len(spec_tokens), V] the draft's distributions
     # the first position the adapter applies to (0: a standard LoRA; an aLoRA's activation
     # point; None: no adapter, or an aLoRA whose invocation the prompt lacks: base throughout)
     lora_start: int | None = field(init=False, default=None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,9 @@ class LLM:
             raise TypeError(
                 f"LLM() got unknown option(s) {unknown}; known: {sorted(known - {'model'})}"
             )
+        spec = kwargs.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM takes the object itself; the config holds its text
+            kwargs["speculative_config"] = json.dumps(spec)
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._ids = itertools.count()
 

@@ -1,0 +1,177 @@
+"""How many tokens to draft, per sequence and step (adaptive k).
+
+A step's time grows with the tokens it runs: ``T(N) ~ a + b N`` (plus ``c`` per sequential
+draft-model position). At low concurrency ``a`` (reading the weights) dominates and verifying
+extra positions is nearly free; at high concurrency a step is compute bound and every drafted
+token costs about what a decoded one does. A draft of ``k`` tokens from an adapter whose drafts
+are accepted position by position with probability ``alpha`` yields, in expectation,
+``1 + alpha + alpha^2 + ... + alpha^k`` tokens for the sequence this step.
+
+The controller fits ``a`` and ``b`` to the measured steps (least squares with exponential
+forgetting) and keeps ``alpha`` per adapter (a running estimate over accept/reject events).
+Each step it starts every sequence at ``k = 0`` and adds draft positions greedily, the one with
+the largest expected gain first, while the step's expected tokens per second still rise:
+
+    O = decoding sequences, N = tokens the step runs, gain(i, j) = alpha_i ** j
+    add (i, j) while gain * T(N) > O * (b + c [j beyond every k so far])
+
+so k falls to 0 where drafting does not pay, and reaches ``num_speculative_tokens`` where it
+does. With ``adaptive: false`` every sequence drafts ``num_speculative_tokens`` (vLLM's fixed k).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+ALPHA_PRIOR = 0.5  # acceptance assumed for an adapter before its first verified draft
+ALPHA_PRIOR_WEIGHT = 4.0  # ... worth this many accept/reject events
+ALPHA_DECAY = 0.98  # each new event's weight relative to the past (about 50 events remembered)
+MAX_TRACKED = 4096  # adapters whose acceptance is kept (least recently drafted dropped)
+COST_DECAY = 0.97  # per measured step
+PRIOR_TOKEN_SHARE = 1 / 64  # b / a assumed before the steps tell (a 64-token knee)
+PROBE_EVERY = 32  # steps: a key drafting nothing gets one token this often (to re-measure)
+
+
+class Acceptance:
+    """Running per-position acceptance of one adapter's drafts: accept events / all events,
+    exponentially forgetting, starting from :data:`ALPHA_PRIOR`."""
+
+    __slots__ = ("accepted", "events", "last_drafted")
+
+    def __init__(self) -> None:
+        self.accepted = ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT
+        self.events = ALPHA_PRIOR_WEIGHT
+        self.last_drafted = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.events
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` tokens of which the first ``accepted`` were kept: that many
+        accept events, and one reject event unless all were kept."""
+        events = accepted + (accepted < drafted)
+        w = ALPHA_DECAY**events
+        self.accepted = self.accepted * w + accepted
+        self.events = self.events * w + events
+
+
+class StepCost:
+    """``T(N) = a + b N``: seconds of a step that runs ``N`` tokens, fitted by least squares
+    over the measured steps with exponential forgetting; ``c``: seconds per sequential draft
+    position (a draft model's forward), a running mean."""
+
+    def __init__(self) -> None:
+        self._s = [0.0] * 5  # weighted sums of 1, N, T, N^2, N T
+        self.c = 0.0
+        self._c_weight = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        s = self._s
+        for i in range(5):
+            s[i] *= COST_DECAY
+        n = float(tokens)
+        s[0] += 1.0
+        s[1] += n
+        s[2] += seconds
+        s[3] += n * n
+        s[4] += n * seconds
+
+    def observe_draft(self, positions: int, seconds: float) -> None:
+        """A proposer spent ``seconds`` for ``positions`` sequential draft positions."""
+        if positions <= 0:
+            return
+        self._c_weight = self._c_weight * COST_DECAY + positions
+        self.c += (seconds - self.c * positions) / self._c_weight
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, b)``: intercept and seconds per token (b >= 0; before the measured steps
+        vary in size, ``b = a`` x :data:`PRIOR_TOKEN_SHARE`)."""
+        w, sn, st, snn, snt = self._s
+        if w <= 0:
+            return 1.0, PRIOR_TOKEN_SHARE
+        mean_n, mean_t = sn / w, st / w
+        var = snn / w - mean_n * mean_n
+        if var <= 1e-6 * max(1.0, mean_n * mean_n):  # every step the same size: b unknown
+            a = mean_t / (1.0 + PRIOR_TOKEN_SHARE * mean_n)
+            return a, a * PRIOR_TOKEN_SHARE
+        b = max((snt / w - mean_n * mean_t) / var, 0.0)
+        a = max(mean_t - b * mean_n, 1e-9)
+        return a, b
+
+
+class SpecController:
+    """Per step: the draft length of each decoding sequence (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        adaptive: bool = True,
+        disable_by_batch_size: int | None = None,
+    ) -> None:
+        self.k_max = num_speculative_tokens
+        self.adaptive = adaptive
+        self.disable_by_batch_size = disable_by_batch_size
+        self.cost = StepCost()
+        self._acceptance: OrderedDict[str, Acceptance] = OrderedDict()
+        self.step = 0
+
+    def acceptance(self, key: str) -> Acceptance:
+        """The tracker of adapter ``key`` (created at the prior; most recent last)."""
+        acc = self._acceptance.get(key)
+        if acc is None:
+            acc = self._acceptance[key] = Acceptance()
+            if len(self._acceptance) > MAX_TRACKED:
+                self._acceptance.popitem(last=False)
+        else:
+            self._acceptance.move_to_end(key)
+        return acc
+
+    def alpha(self, key: str) -> float:
+        acc = self._acceptance.get(key)
+        return ALPHA_PRIOR if acc is None else acc.alpha
+
+    def observe(self, key: str, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.acceptance(key).observe(drafted, accepted)
+
+    def limits(self, keys: Seq[str], caps: Seq[int], batch_tokens: int) -> list[int]:
+        """Draft lengths for the decoding sequences whose adapter keys are ``keys`` (each at
+        most ``caps[i]``: what its length and max_tokens allow); ``batch_tokens``: the tokens
+        the next step runs without drafts (its decode rows and prompt chunks)."""
+        self.step += 1
+        n = len(keys)
+        if self.disable_by_batch_size is not None and n >= self.disable_by_batch_size:
+            return [0] * n
+        if not self.adaptive:
+            return [min(self.k_max, c) for c in caps]
+        a, b = self.cost.coefficients()
+        c = self.cost.c
+        alphas = [self.alpha(k) for k in keys]
+        ks = [0] * n
+        out_tokens, tokens, deepest = float(n), float(max(batch_tokens, n)), 0
+        heap = [(-alphas[i], i) for i in range(n) if caps[i] > 0 and alphas[i] > 0]
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, i = heapq.heappop(heap)
+            gain = -neg_gain
+            j = ks[i] + 1
+            extra = b + (c if j > deepest else 0.0)
+            if gain * (a + b * tokens + c * deepest) <= out_tokens * extra:
+                break  # the best remaining position does not pay: neither does any other
+            ks[i] = j
+            out_tokens += gain
+            tokens += 1
+            deepest = max(deepest, j)
+            if j < min(self.k_max, caps[i]):
+                heapq.heappush(heap, (-(gain * alphas[i]), i))
+        for i, key in enumerate(keys):  # re-measure adapters that stopped drafting now and then
+            acc = self._acceptance.get(key)
+            if ks[i] == 0 and caps[i] > 0 and acc is not None:
+                if self.step - acc.last_drafted >= PROBE_EVERY:
+                    ks[i] = 1
+            if ks[i] and acc is not None:
+                acc.last_drafted = self.step
+        return ks
