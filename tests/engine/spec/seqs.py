@@ -25,6 +25,7 @@ def make_seq(
     tenant: str | None = "t0",
     adapters: Seq[LoRAAdapter] = (),
     scales: tuple[float, ...] | None = None,
+    cache_salt: str | None = None,
     rid: str = "r",
 ) -> Sequence:
     """A running sequence: ``prompt`` computed, ``output`` sampled so far, ``adapters`` (the
@@ -40,6 +41,7 @@ def make_seq(
         composed=tuple(adapters[1:]),
         scales=scales,
         tenant=tenant,
+        cache_salt=cache_salt,
     )
     seq.output_token_ids.extend(output)
     return seq

@@ -83,7 +83,7 @@ def test_limit_zero_and_no_match_draft_nothing() -> None:
 # -- past outputs ---------------------------------------------------------------------------------
 
 
-def test_past_outputs_draft_for_the_same_tenant_and_adapter_only() -> None:
+def test_past_outputs_draft_for_the_same_tenant_salt_and_adapter_only() -> None:
     p = suffix()
     learned(p, OUT, tenant="t0", adapters=[A])
     ctx = [5, 6, 102, 103, 104]  # m = 3 in t0/A's past output; nothing repeats in the context
@@ -92,6 +92,11 @@ def test_past_outputs_draft_for_the_same_tenant_and_adapter_only() -> None:
     assert drafted(p, make_seq(ctx, tenant="t0", adapters=[B])) == []  # another adapter
     assert drafted(p, make_seq(ctx, tenant="t0")) == []  # the base model
     assert drafted(p, make_seq(ctx, tenant=None, adapters=[A])) == []  # no tenant is a key too
+    salted = make_seq(ctx, tenant="t0", adapters=[A], cache_salt="user-1")
+    assert drafted(p, salted) == []  # a salt shares only with the same salt
+    learned(p, OUT, tenant="t0", adapters=[A], cache_salt="user-1")
+    assert drafted(p, salted) == [105, 106, 107]
+    assert drafted(p, make_seq(ctx, tenant="t0", adapters=[A], cache_salt="user-2")) == []
     comp = make_seq(ctx, tenant="t0", adapters=[A, B], scales=(1.0, 0.5))
     assert drafted(p, comp) == []  # a composition has its own key
     learned(p, OUT, tenant="t0", adapters=[A, B], scales=(1.0, 0.5))
@@ -232,7 +237,7 @@ def test_outputs_are_learned_over_the_next_steps() -> None:
     first = list(range(1000, 1250))
     p.finish(make_seq([1], first))
     p.finish(make_seq([1], OUT))
-    tree = p._trees[("t0", None)]
+    tree = p._trees[("t0", None, None)]
     assert tree.root.count == 0 and p.num_cached_requests == 2
     ctx = make_seq([5, 102, 103])
     assert drafted(p, ctx) == [] and tree.root.count == 100  # the first 100 of the first

@@ -10,10 +10,13 @@ Two sources, each matched and walked the same way:
   would be ~800k Python nodes built on the loop thread; the window answers the same question
   (which positions end with the current suffix, and what followed each) with one vectorized
   comparison per step, and holds 4 bytes per token.
-- **past outputs**: one suffix tree per ``(tenant, adapter_key)`` (the adapter's digest, the
-  ``composed:...`` key of a composition, None for the base model), built from finished requests'
-  outputs in :meth:`SuffixProposer.finish`. A tenant's outputs never draft for another tenant,
-  an adapter's never for another adapter. The tree holds every suffix of each recorded output
+- **past outputs**: one suffix tree per ``(tenant, cache_salt, adapter_key)`` (the adapter's
+  digest, the ``composed:...`` key of a composition, None for the base model), built from
+  finished requests' outputs in :meth:`SuffixProposer.finish`. A tenant's outputs never draft
+  for another tenant, an adapter's never for another adapter; and requests with a
+  ``cache_salt`` share drafts only with the same salt, as they share prefix-cache blocks (a draft
+  that is accepted makes a step faster: without the salt, timing would tell one user that
+  another's output was seen before, the side channel the salt closes for the prefix cache). The tree holds every suffix of each recorded output
   truncated to ``suffix_decoding_max_tree_depth`` tokens, each node counting the recorded
   suffixes that pass through it.
 
@@ -80,8 +83,13 @@ LEARN_PER_STEP = 128
 """Suffixes of recorded outputs added to the trees per ``propose`` call (3 to 9 microseconds
 each): a finished request's output is learned over the next steps, never in one stall."""
 
-TreeKey = tuple[str | None, str | None]
-"""``(tenant, adapter_key)``: whose outputs a past-output tree holds."""
+TreeKey = tuple[str | None, str | None, str | None]
+"""``(tenant, cache_salt, adapter_key)``: whose outputs a past-output tree holds."""
+
+
+def tree_key(seq: Sequence) -> TreeKey:
+    """The past-output tree ``seq`` drafts from and teaches."""
+    return (seq.tenant, seq.cache_salt, seq.adapter_key)
 
 
 class _Tail:
@@ -435,7 +443,7 @@ class SuffixProposer(Proposer):
         m, ends = longest_suffix_match(a, self.depth)
         if m:
             best = _walk_context(a, ends, self._max_len(limit, m), self.min_prob)
-        tree = self._trees.get((seq.tenant, seq.adapter_key))
+        tree = self._trees.get(tree_key(seq))
         if tree is not None and self.depth > 1:
             node, k, m = tree.match(a[-(self.depth - 1) :].tolist())
             if node is not None:
@@ -447,7 +455,7 @@ class SuffixProposer(Proposer):
     # -- past outputs ----------------------------------------------------------------------------
     def _record(self, seq: Sequence, out: list[int]) -> None:
         """Keep ``out`` for its key's tree; its suffixes are added by :meth:`_learn`."""
-        key: TreeKey = (seq.tenant, seq.adapter_key)
+        key = tree_key(seq)
         tree = self._trees.get(key)
         if tree is None:
             tree = self._trees[key] = _SuffixTree(self.depth)
