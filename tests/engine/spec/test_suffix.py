@@ -17,7 +17,8 @@ import pytest
 
 from loraplex.config.speculative import SpeculativeConfig, parse_speculative_config
 from loraplex.engine.spec.proposer import NO_DRAFT
-from loraplex.engine.spec.suffix import SuffixProposer, _Node, _SuffixTree, _Tail
+from loraplex.engine.spec.suffix import SuffixProposer
+from loraplex.engine.spec.suffix_tree import NIL, NODE_BYTES, SuffixForest
 from tests.engine.spec.seqs import adapter, make_seq
 
 SPEC = SpeculativeConfig("suffix", 8)  # vLLM's defaults: depth 24, factor 1.0, min prob 0.1
@@ -121,6 +122,19 @@ def test_the_better_scoring_source_wins() -> None:
     assert drafted(q, make_seq(ctx)) == [9, 7, 8]
 
 
+def test_past_outputs_follow_the_most_frequent_continuation() -> None:
+    p, strict = suffix(), suffix(suffix_decoding_min_token_prob=0.7)
+    for q in (p, strict):
+        for out in ([7, 8, 3, 4], [7, 8, 5, 6], [7, 8, 3, 4]):
+            learned(q, out)
+    ctx = make_seq([9, 7, 8])  # after [7, 8]: 3 (2 of 3), then 4 (2 of 2)
+    assert drafted(p, ctx) == [3, 4] and drafted(strict, ctx) == []
+    tie = suffix()
+    learned(tie, [7, 8, 3])
+    learned(tie, [7, 8, 5])
+    assert drafted(tie, ctx, 1) == [5]  # a tie: the continuation first seen last
+
+
 def test_past_output_drafts_stop_at_the_tree_depth() -> None:
     p = suffix(suffix_decoding_max_tree_depth=4, suffix_decoding_max_spec_factor=4.0)
     learned(p, OUT)
@@ -132,10 +146,13 @@ def test_finish_drops_the_window_and_records_the_output() -> None:
     p = suffix()
     seqs = [make_seq([3, 4, 3, 4] * 20, [3], rid=f"r{i}") for i in range(3)]
     p.propose(seqs, [4, 4, 4])
-    assert p.memory_bytes() > p.cache_bytes == 0
+    windows = sum(w.nbytes for w in p._windows.values())
+    assert len(p._windows) == 3 and p.memory_bytes() == windows > 0 and p.cache_bytes == 0
     for s in seqs:
         p.finish(s)
-    assert p.memory_bytes() == p.cache_bytes > 0 and p.num_cached_requests == 3
+    assert not p._windows and p.num_cached_requests == 3 and p.cache_bytes > 0
+    trees = p._forest.held_bytes() + 256 * len(p._trees)
+    assert p.memory_bytes() == trees + sum(r.nbytes for r in p._recorded.values())
     assert suffix(suffix_decoding_max_cached_requests=0).cache_bytes == 0
     none = suffix(suffix_decoding_max_cached_requests=0)
     none.finish(seqs[0])
@@ -145,55 +162,62 @@ def test_finish_drops_the_window_and_records_the_output() -> None:
 # -- memory ---------------------------------------------------------------------------------------
 
 
-def count_tree(node: _Node) -> tuple[int, int]:
-    """(nodes, tails) below ``node`` by walking the trie, checking on the way that every
-    count is positive, that children never count more than their parent, and that only
-    count-1 nodes keep a tail."""
-    kids = node.kids
-    if type(kids) is _Tail:
-        assert node.count == 1 and kids.pos < kids.end
-        return 0, 1
-    children = [] if kids is None else list(kids.values()) if type(kids) is dict else [kids]
-    assert len(children) != 1 or type(kids) is not dict  # a dict only from two children on
-    assert sum(c.count for c in children) <= node.count
-    nodes, tails = 0, 0
-    for c in children:
-        assert c.count > 0
-        sub_nodes, sub_tails = count_tree(c)
-        nodes, tails = nodes + 1 + sub_nodes, tails + sub_tails
-    return nodes, tails
+def children(f: SuffixForest, node: int) -> list[int]:
+    out, c = [], f.kid[node]
+    while c != NIL:
+        out.append(c)
+        c = f.nxt[c]
+    return out
+
+
+def count_tree(f: SuffixForest, root: int) -> int:
+    """The nodes of the tree at ``root`` (root included), checking on the way that every
+    count is positive, that children never count more than their parent, that only count-1
+    nodes keep a tail (and no child), and that the edge index and sibling links agree."""
+    nodes, stack = 0, [root]
+    while stack:
+        n = stack.pop()
+        nodes += 1
+        kids = children(f, n)
+        if f.trun[n] != NIL:
+            assert f.cnt[n] == 1 and not kids and f.tpos[n] < f.tend[n]
+        assert sum(f.cnt[c] for c in kids) <= f.cnt[n]
+        prev = NIL
+        for c in kids:
+            assert f.cnt[c] > 0 and f.prv[c] == prev and f.edges[n * (1 << 32) + f.tok[c]] == c
+            prev = c
+        stack.extend(kids)
+    return nodes
 
 
 def check_trees(p: SuffixProposer) -> None:
-    """Every tree's node and tail counts match a walk, and the total bytes are the trees' and
-    records' sum."""
-    total = 0
+    """Every tree's bookkeeping matches a walk of the pool: its records, its root's count, the
+    live nodes and edges, the runs the tails may point into, and the bytes the budget counts."""
+    f, nodes = p._forest, 0
     for key, tree in p._trees.items():
         recs = [r for r in p._recorded.values() if r.key == key]
-        assert tree.records == len(recs) > 0 and tree.root.count == sum(r.added for r in recs)
-        assert count_tree(tree.root) == (tree.nodes, tree.tails)
-        total += tree.nbytes
-    total += sum(r.nbytes for r in p._recorded.values())
-    assert total == p.cache_bytes
+        assert tree.records == len(recs) > 0 and f.cnt[tree.root] == sum(r.added for r in recs)
+        nodes += count_tree(f, tree.root)
+    assert nodes == f.live and len(f.edges) == nodes - len(p._trees)
+    assert set(f.runs) == {rid for rid, r in p._recorded.items() if r.added > 0}
+    records = sum(r.nbytes for r in p._recorded.values())
+    assert p.cache_bytes == nodes * NODE_BYTES + records + 256 * len(p._trees)
 
 
-def paths(tree: _SuffixTree) -> Counter[tuple[int, ...]]:
+def paths(f: SuffixForest, root: int) -> Counter[tuple[int, ...]]:
     """Every path of the tree with its count, tails read as the count-1 nodes they stand for."""
     out: Counter[tuple[int, ...]] = Counter()
-
-    def visit(node: _Node, path: tuple[int, ...]) -> None:
-        kids = node.kids
-        if type(kids) is _Tail:
-            for i in range(kids.pos, kids.end):
-                path = (*path, kids.run[i])
+    stack: list[tuple[int, tuple[int, ...]]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if f.trun[node] != NIL:
+            for t in f.runs[f.trun[node]][f.tpos[node] : f.tend[node]]:
+                path = (*path, t)
                 out[path] = 1
-            return
-        children = [] if kids is None else list(kids.values()) if type(kids) is dict else [kids]
-        for c in children:
-            out[(*path, c.tok)] = c.count
-            visit(c, (*path, c.tok))
-
-    visit(tree.root, ())
+            continue
+        for c in children(f, node):
+            out[(*path, f.tok[c])] = f.cnt[c]
+            stack.append((c, (*path, f.tok[c])))
     return out
 
 
@@ -214,19 +238,26 @@ def test_compressed_tree_counts_every_substring_through_adds_and_removals(vocab:
     bookkeeping matches a walk."""
     rng = random.Random(vocab)
     depth = 5
-    tree = _SuffixTree(depth)
-    live: list[array.array] = []
+    f = SuffixForest(depth)
+    other = f.new_tree()  # a second tree in the same pool, which nothing may disturb
+    f.add(other, 1000, array.array("i", [1, 0, 1, 1]), 0, 4)
+    root = f.new_tree()
+    live: dict[int, array.array] = {}
     for step in range(60):
         if live and rng.random() < 0.4:
-            run = live.pop(rng.randrange(len(live)))
-            tree.remove(run)
+            rid = rng.choice(list(live))
+            run = live.pop(rid)
+            f.remove(root, rid, run, len(run))
         else:
             run = array.array("i", [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))])
-            tree.add(run)
-            live.append(run)
-        assert paths(tree) == substrings([list(r) for r in live], depth), step
-        assert count_tree(tree.root) == (tree.nodes, tree.tails)
-        assert tree.root.count == sum(len(r) for r in live)
+            live[step] = run
+            f.add(root, step, run, 0, len(run))
+        assert paths(f, root) == substrings([list(r) for r in live.values()], depth), step
+        assert f.cnt[root] == sum(len(r) for r in live.values())
+        assert count_tree(f, root) + count_tree(f, other) == f.live
+        assert paths(f, other) == substrings([[1, 0, 1, 1]], depth)
+    f.drop_tree(root, list(live))
+    assert f.live == count_tree(f, other) and set(f.runs) == {1000}
 
 
 def test_outputs_are_learned_over_the_next_steps() -> None:
@@ -237,14 +268,14 @@ def test_outputs_are_learned_over_the_next_steps() -> None:
     first = list(range(1000, 1250))
     p.finish(make_seq([1], first))
     p.finish(make_seq([1], OUT))
-    tree = p._trees[("t0", None, None)]
-    assert tree.root.count == 0 and p.num_cached_requests == 2
+    cnt, root = p._forest.cnt, p._trees[("t0", None, None)].root
+    assert cnt[root] == 0 and p.num_cached_requests == 2
     ctx = make_seq([5, 102, 103])
-    assert drafted(p, ctx) == [] and tree.root.count == 100  # the first 100 of the first
+    assert drafted(p, ctx) == [] and cnt[root] == 100  # the first 100 of the first
     check_trees(p)
     for _ in range(2):
         drafted(p, ctx)
-    assert tree.root.count == 260 and drafted(p, ctx) == [104, 105]  # 250 + 10: all of it
+    assert cnt[root] == 260 and drafted(p, ctx) == [104, 105]  # 250 + 10: all of it
     p.finish(make_seq([1], first))
     drafted(p, make_seq([2]))  # half of it learned
     p.max_requests = 2
@@ -280,7 +311,7 @@ def test_byte_bound_holds_under_many_requests_and_empties_cleanly() -> None:
     for i in range(300):
         out = [rng.randrange(50) for _ in range(rng.randrange(1, 120))]
         learned(p, out, tenant=rng.choice(tenants), adapters=rng.choice(adapters))
-        assert 0 < p.cache_bytes <= bound
+        assert 0 < p.cache_bytes <= bound and p.memory_bytes() <= 1.1 * bound
         if i % 50 == 0:
             check_trees(p)
     assert 1 < p.num_cached_requests < 300
@@ -288,24 +319,28 @@ def test_byte_bound_holds_under_many_requests_and_empties_cleanly() -> None:
     while p._recorded:
         p._remove_oldest()
     assert p.cache_bytes == 0 and not p._trees and not p._key_digests
+    assert p._forest.live == 0 and not p._forest.edges and not p._forest.runs
 
 
 def test_tree_bytes_are_counted_honestly() -> None:
-    """The tree's estimate covers what Python really allocates for it (tracemalloc), within
-    a margin for allocator rounding."""
+    """What the pool holds covers what Python really allocates for it (tracemalloc), within a
+    margin for allocator rounding, and the budget's per-node count covers what it holds."""
     rng = random.Random(5)
     for vocab in (4, 60, 50_000):
         run = array.array("i", [rng.randrange(vocab) + 1000 for _ in range(2000)])
         tracemalloc.start()
         try:
-            tree = _SuffixTree(24)
-            tree.add(run)
+            f = SuffixForest(24)
+            root = f.new_tree()
+            f.add(root, 0, run, 0, len(run))
             traced, _ = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        assert traced <= tree.nbytes <= 1.5 * traced, (vocab, traced, tree.nbytes)
-        tree.remove(run)
-        assert (tree.nodes, tree.tails, tree.dict_bytes, tree.root.kids) == (0, 0, 0, None)
+        held = f.held_bytes()
+        assert 0.95 * traced <= held <= 1.5 * traced, (vocab, traced, held)
+        assert traced <= f.live_bytes and held <= f.live_bytes, (vocab, f.live_bytes)
+        f.remove(root, 0, run, len(run))
+        assert f.live == 1 and not f.edges and f.cnt[root] == 0 and not f.runs
 
 
 # -- forgetting adapters ----------------------------------------------------------------------------
