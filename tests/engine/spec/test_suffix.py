@@ -343,7 +343,7 @@ def test_tree_bytes_are_counted_honestly() -> None:
         assert f.live == 1 and not f.edges and f.cnt[root] == 0 and not f.runs
 
 
-# -- forgetting adapters ----------------------------------------------------------------------------
+# -- forgetting adapters -----------------------------------------------------------------------
 
 
 def test_forget_adapter_drops_its_trees_and_its_compositions() -> None:

@@ -16,9 +16,10 @@ Two sources, each matched and walked the same way:
   for another tenant, an adapter's never for another adapter; and requests with a
   ``cache_salt`` share drafts only with the same salt, as they share prefix-cache blocks (a draft
   that is accepted makes a step faster: without the salt, timing would tell one user that
-  another's output was seen before, the side channel the salt closes for the prefix cache). The tree holds every suffix of each recorded output
-  truncated to ``suffix_decoding_max_tree_depth`` tokens, each node counting the recorded
-  suffixes that pass through it.
+  another's output was seen before, the side channel the salt closes for the prefix cache).
+  The tree holds every suffix of each recorded output truncated to
+  ``suffix_decoding_max_tree_depth`` tokens, each node counting the recorded suffixes that pass
+  through it.
 
 Proposal for one sequence (``D`` = ``suffix_decoding_max_tree_depth``):
 
@@ -26,10 +27,10 @@ Proposal for one sequence (``D`` = ``suffix_decoding_max_tree_depth``):
    token after it (own context), or that is a path of the tree with a child (past outputs;
    there the path's depth bounds ``m + draft <= D``);
 2. walk: from the match, repeatedly take the most frequent next token (ties: the most recent
-   one in the own context, the first recorded in a tree) while its empirical probability
-   (its count / the count of the occurrences continuing from here) is at least
-   ``suffix_decoding_min_token_prob``, for at most ``min(limit, D, floor(spec_factor * m))``
-   tokens;
+   occurrence's in the own context, the continuation first seen last in a tree) while its
+   empirical probability (its count / the count of the occurrences continuing from here) is at
+   least ``suffix_decoding_min_token_prob``, for at most
+   ``min(limit, D, floor(spec_factor * m))`` tokens;
 3. score: the sum over the draft of the product of the probabilities so far (the expected
    number of accepted tokens if each is accepted with its probability); the higher-scoring of
    the two drafts is proposed (ties: the longer one, then the own context's).
