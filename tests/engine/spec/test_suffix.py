@@ -146,7 +146,7 @@ def test_finish_drops_the_window_and_records_the_output() -> None:
     p = suffix()
     seqs = [make_seq([3, 4, 3, 4] * 20, [3], rid=f"r{i}") for i in range(3)]
     p.propose(seqs, [4, 4, 4])
-    windows = sum(w.nbytes for w in p._windows.values())
+    windows = p._windows.nbytes
     assert len(p._windows) == 3 and p.memory_bytes() == windows > 0 and p.cache_bytes == 0
     for s in seqs:
         p.finish(s)

@@ -21,7 +21,11 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from loraplex.engine.spec.proposer import NO_DRAFT, Draft, Proposer
-from loraplex.engine.spec.window import DEFAULT_WINDOW_TOKENS, TokenWindow, longest_suffix_match
+from loraplex.engine.spec.window import (
+    DEFAULT_WINDOW_TOKENS,
+    SequenceWindows,
+    longest_suffix_match,
+)
 
 if TYPE_CHECKING:
     from loraplex.config.speculative import SpeculativeConfig
@@ -41,8 +45,7 @@ class NgramProposer(Proposer):
             )
         self.min_n = spec.prompt_lookup_min
         self.max_n = spec.prompt_lookup_max
-        self.window = window
-        self._windows: dict[Sequence, TokenWindow] = {}
+        self._windows = SequenceWindows(window)
 
     def propose(self, seqs: Seq[Sequence], limits: Seq[int]) -> list[Draft]:
         return [self._one(seq, k) for seq, k in zip(seqs, limits, strict=True)]
@@ -50,10 +53,7 @@ class NgramProposer(Proposer):
     def _one(self, seq: Sequence, limit: int) -> Draft:
         if limit <= 0:
             return NO_DRAFT
-        win = self._windows.get(seq)
-        if win is None:
-            win = self._windows[seq] = TokenWindow(self.window)
-        a = win.sync(seq)  # [n] int32
+        a = self._windows.tokens(seq)  # [n] int32
         m, ends = longest_suffix_match(a, self.max_n)
         if m < self.min_n:
             return NO_DRAFT
@@ -61,7 +61,7 @@ class NgramProposer(Proposer):
         return Draft(a[start : start + limit].tolist())
 
     def finish(self, seq: Sequence) -> None:
-        self._windows.pop(seq, None)
+        self._windows.drop(seq)
 
     def memory_bytes(self) -> int:
-        return sum(w.nbytes for w in list(self._windows.values()))
+        return self._windows.nbytes

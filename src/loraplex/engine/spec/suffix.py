@@ -71,7 +71,11 @@ import numpy as np
 
 from loraplex.engine.spec.proposer import NO_DRAFT, Draft, Proposer
 from loraplex.engine.spec.suffix_tree import NIL, CandidateDraft, SuffixForest
-from loraplex.engine.spec.window import DEFAULT_WINDOW_TOKENS, TokenWindow, longest_suffix_match
+from loraplex.engine.spec.window import (
+    DEFAULT_WINDOW_TOKENS,
+    SequenceWindows,
+    longest_suffix_match,
+)
 
 if TYPE_CHECKING:
     from loraplex.config.speculative import SpeculativeConfig
@@ -154,8 +158,7 @@ class SuffixProposer(Proposer):
         self.min_prob = spec.suffix_decoding_min_token_prob
         self.max_requests = spec.suffix_decoding_max_cached_requests
         self.max_bytes = spec.suffix_decoding_max_cache_bytes
-        self.window = window
-        self._windows: dict[Sequence, TokenWindow] = {}
+        self._windows = SequenceWindows(window)
         self._forest = SuffixForest(self.depth)
         self._trees: dict[TreeKey, _Tree] = {}
         self._key_digests: dict[TreeKey, frozenset[str]] = {}
@@ -173,7 +176,7 @@ class SuffixProposer(Proposer):
         return [self._one(seq, k) for seq, k in zip(seqs, limits, strict=True)]
 
     def finish(self, seq: Sequence) -> None:
-        self._windows.pop(seq, None)
+        self._windows.drop(seq)
         self._apply_forgets()
         out = seq.output_token_ids
         if not out or self.max_requests <= 0:
@@ -192,8 +195,8 @@ class SuffixProposer(Proposer):
     def memory_bytes(self) -> int:
         """What the trees hold now (the pool with its spare capacity), their records, and the
         sequences' windows."""
-        windows = sum(w.nbytes for w in list(self._windows.values()))
-        return self._forest.held_bytes() + self._record_bytes + self._trees_bytes + windows
+        held = self._forest.held_bytes() + self._record_bytes + self._trees_bytes
+        return held + self._windows.nbytes
 
     @property
     def cache_bytes(self) -> int:
@@ -225,10 +228,7 @@ class SuffixProposer(Proposer):
     def _one(self, seq: Sequence, limit: int) -> Draft:
         if limit <= 0:
             return NO_DRAFT
-        win = self._windows.get(seq)
-        if win is None:
-            win = self._windows[seq] = TokenWindow(self.window)
-        a = win.sync(seq)  # [n] int32
+        a = self._windows.tokens(seq)  # [n] int32
         best = CandidateDraft()
         m, ends = longest_suffix_match(a, self.depth)
         if m:

@@ -85,6 +85,34 @@ class TokenWindow:
         self.n += k
 
 
+class SequenceWindows:
+    """Each sequence's :class:`TokenWindow`, made on its first draft, dropped when it ends."""
+
+    def __init__(self, size: int = DEFAULT_WINDOW_TOKENS) -> None:
+        self.size = size
+        self._by_seq: dict[Sequence, TokenWindow] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_seq)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in list(self._by_seq.values()))
+
+    def tokens(self, seq: Sequence) -> np.ndarray:
+        """``seq``'s last tokens (``[n]`` int32), caught up with it."""
+        win = self._by_seq.get(seq)
+        if win is None:
+            win = self._by_seq[seq] = TokenWindow(self.size)
+        return win.sync(seq)
+
+    def drop(self, seq: Sequence) -> None:
+        self._by_seq.pop(seq, None)
+
+    def clear(self) -> None:
+        self._by_seq.clear()
+
+
 def longest_suffix_match(a: np.ndarray, max_n: int) -> tuple[int, np.ndarray]:
     """The longest suffix of ``a`` (at most ``max_n`` tokens) that also occurs earlier in ``a``
     with at least one token after it, and where each such occurrence ends.
