@@ -90,6 +90,18 @@ def test_matches_a_from_scratch_search_as_sequences_grow_slide_and_roll_back() -
     assert 0 < p.memory_bytes() <= 4 * (2 * window * 4)  # each window at most 2 x 64 int32
 
 
+def test_a_context_of_one_repeated_token_drafts_it() -> None:
+    """Thousands of occurrences of the last token: the match extends from the most recent
+    ``MAX_CANDIDATES`` of them (bounded work) and still finds the longest n."""
+    p = ngram(1, 64)
+    run = make_seq([7] * 20_000)  # a 64-gram of 7s last ended at 19998: one token after it
+    assert p.propose([run], [5])[0].tokens == [7]
+    seq = make_seq([7] * 20_000, [9, 7, 7])  # [7, 7] last ended at 19999 (at 20001: [9, 7])
+    assert p.propose([seq], [5])[0].tokens == [9, 7, 7]
+    seq.output_token_ids.append(9)  # [7, 7, 9] ended at 20000
+    assert p.propose([seq], [3])[0].tokens == [7, 7, 9]
+
+
 def test_finish_drops_the_sequences_state() -> None:
     p = ngram(1, 1)
     seqs = [make_seq([1, 2, 1, 2] * 50, rid=f"r{i}") for i in range(3)]

@@ -252,7 +252,17 @@ def test_compressed_tree_counts_every_substring_through_adds_and_removals(vocab:
             run = array.array("i", [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))])
             live[step] = run
             f.add(root, step, run, 0, len(run))
-        assert paths(f, root) == substrings([list(r) for r in live.values()], depth), step
+        subs = substrings([list(r) for r in live.values()], depth)
+        assert paths(f, root) == subs, step
+        for _ in range(5):  # the match is the longest suffix followed by a token somewhere
+            ctx = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+            longest = max(
+                (m for m in range(1, min(len(ctx), depth - 1) + 1)
+                 if any(k[:-1] == tuple(ctx[len(ctx) - m :]) for k in subs if len(k) == m + 1)),
+                default=0,
+            )  # fmt: skip
+            node, _, m = f.match(root, ctx[-(depth - 1) :])
+            assert m == longest and (node == NIL) == (m == 0), (step, ctx)
         assert f.cnt[root] == sum(len(r) for r in live.values())
         assert count_tree(f, root) + count_tree(f, other) == f.live
         assert paths(f, other) == substrings([[1, 0, 1, 1]], depth)

@@ -6,7 +6,8 @@ Two sources, each matched and walked the same way:
 
 - **the request's own context** (prompt + outputs so far): the sequence's
   :class:`~loraplex.engine.spec.window.TokenWindow` (its last ``DEFAULT_WINDOW_TOKENS`` tokens,
-  appended to incrementally) searched with numpy. A trie of every suffix of a 32k-token prompt
+  appended to incrementally) searched with numpy (from the last token's ``MAX_CANDIDATES``
+  most recent occurrences). A trie of every suffix of a 32k-token prompt
   would be ~800k Python nodes built on the loop thread; the window answers the same question
   (which positions end with the current suffix, and what followed each) with one vectorized
   comparison per step, and holds 4 bytes per token.

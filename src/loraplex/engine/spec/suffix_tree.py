@@ -208,34 +208,49 @@ class SuffixForest:
             self.runs.pop(rid, None)
 
     # -- drafting --------------------------------------------------------------------------------
+    def _follow(self, root: int, path: list[int]) -> tuple[int, int] | None:
+        """Where ``path`` leads from ``root`` if it is a path with a continuation: ``(node,
+        k)``, ``k`` tokens into ``node``'s tail (0: at ``node``); None otherwise."""
+        trun, tpos, tend, edges = self.trun, self.tpos, self.tend, self.edges
+        node, k = root, 0
+        for t in path:
+            rid = trun[node]
+            if rid != NIL:
+                p = tpos[node] + k
+                if p >= tend[node] or self.runs[rid][p] != t:
+                    return None
+                k += 1
+                continue
+            child = edges.get(node * _STRIDE + t)
+            if child is None:
+                return None
+            node = child
+        more = tpos[node] + k < tend[node] if trun[node] != NIL else self.kid[node] != NIL
+        return (node, k) if more else None
+
     def match(self, root: int, ctx: list[int]) -> tuple[int, int, int]:
         """The longest suffix of ``ctx`` that is a path of the tree with a continuation:
         ``(node, k, m)``, the path of ``m`` tokens ending ``k`` tokens into ``node``'s tail (0:
-        at ``node``); ``(NIL, 0, 0)`` when no suffix is."""
-        cnt, kid, trun, tpos, tend, edges = (
-            self.cnt, self.kid, self.trun, self.tpos, self.tend, self.edges
-        )  # fmt: skip
-        if cnt[root] == 0:
+        at ``node``); ``(NIL, 0, 0)`` when no suffix is.
+
+        A binary search on ``m``, ``O(len(ctx) log len(ctx))`` lookups: the tree holds every
+        substring (of at most ``depth`` tokens) of its runs, so if ``ctx[-m:]`` continues, so
+        does every shorter suffix. (A run still being learned holds only its first suffixes:
+        there the search may settle on a shorter match, never on a wrong one.)"""
+        best = self._follow(root, [])
+        if best is None:
             return NIL, 0, 0
-        for s in range(len(ctx)):
-            node, k = root, 0
-            for t in ctx[s:]:
-                rid = trun[node]
-                if rid != NIL:
-                    p = tpos[node] + k
-                    if p >= tend[node] or self.runs[rid][p] != t:
-                        break
-                    k += 1
-                    continue
-                child = edges.get(node * _STRIDE + t)
-                if child is None:
-                    break
-                node = child
+        lo, hi = 0, len(ctx)  # ctx[-lo:] continues; longer than hi is not tried
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            found = self._follow(root, ctx[len(ctx) - mid :])
+            if found is None:
+                hi = mid - 1
             else:
-                more = tpos[node] + k < tend[node] if trun[node] != NIL else kid[node] != NIL
-                if more:
-                    return node, k, len(ctx) - s
-        return NIL, 0, 0
+                lo, best = mid, found
+        if lo == 0:
+            return NIL, 0, 0
+        return best[0], best[1], lo
 
     def walk(self, node: int, k: int, max_len: int, min_prob: float) -> CandidateDraft:
         """From ``node`` (``k`` tokens into its tail), follow the child most suffixes continue

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 DEFAULT_WINDOW_TOKENS = 1 << 15
 """How far back a lookup drafter searches (the last 32768 tokens of a sequence): bounds each
 step's scan and each request's buffer (``2 x window x 4`` bytes at most)."""
+MAX_CANDIDATES = 1024
+"""The most recent occurrences of the last token a match is extended from: bounds a step's
+work on a context that repeats one token thousands of times (``max_n x 1024`` comparisons)."""
 _MIN_WINDOW_TOKENS = 64
 _APPEND_AT_MOST = 64  # more new tokens than this at once (a first look, a rollback): rebuild
 
@@ -115,7 +118,8 @@ class SequenceWindows:
 
 def longest_suffix_match(a: np.ndarray, max_n: int) -> tuple[int, np.ndarray]:
     """The longest suffix of ``a`` (at most ``max_n`` tokens) that also occurs earlier in ``a``
-    with at least one token after it, and where each such occurrence ends.
+    with at least one token after it, and where each such occurrence ends; searched among the
+    ``MAX_CANDIDATES`` most recent occurrences of the last token.
 
     Returns ``(m, ends)``: ``ends`` ascending int64 indices ``e < len(a) - 1`` with
     ``a[e - m + 1 : e + 1] == a[-m:]``; ``(0, [])`` when the last token never occurred before.
@@ -124,7 +128,7 @@ def longest_suffix_match(a: np.ndarray, max_n: int) -> tuple[int, np.ndarray]:
     n = int(a.shape[0])
     if n < 2 or max_n < 1:
         return 0, _EMPTY
-    ends = np.flatnonzero(a[: n - 1] == a[n - 1])
+    ends = np.flatnonzero(a[: n - 1] == a[n - 1])[-MAX_CANDIDATES:]
     if ends.size == 0:
         return 0, _EMPTY
     m = 1
