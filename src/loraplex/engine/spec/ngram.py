@@ -11,7 +11,8 @@ is most often repeating what it just wrote.
 Cost per step and sequence: the tokens appended since the last step are copied into the
 sequence's :class:`~loraplex.engine.spec.window.TokenWindow`; the search compares the last
 ``DEFAULT_WINDOW_TOKENS`` tokens once (numpy), then only positions that still match, among the
-``MAX_CANDIDATES`` (1024) most recent occurrences of the last token. The
+``MAX_CANDIDATES`` (1024; fewer when ``prompt_lookup_max`` exceeds 64) most recent
+occurrences of the last token. The
 window is the only per-sequence state, at most ``2 x window x 4`` bytes, dropped in
 :meth:`NgramProposer.finish`.
 """

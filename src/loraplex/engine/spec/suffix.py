@@ -7,7 +7,7 @@ Two sources, each matched and walked the same way:
 - **the request's own context** (prompt + outputs so far): the sequence's
   :class:`~loraplex.engine.spec.window.TokenWindow` (its last ``DEFAULT_WINDOW_TOKENS`` tokens,
   appended to incrementally) searched with numpy (from the last token's ``MAX_CANDIDATES``
-  most recent occurrences). A trie of every suffix of a 32k-token prompt
+  most recent occurrences, fewer for depths over 64). A trie of every suffix of a 32k-token prompt
   would be ~800k Python nodes built on the loop thread; the window answers the same question
   (which positions end with the current suffix, and what followed each) with one vectorized
   comparison per step, and holds 4 bytes per token.
@@ -116,13 +116,16 @@ def _walk_context(a: np.ndarray, ends: np.ndarray, max_len: int, min_prob: float
     p = 1.0
     while len(out.tokens) < max_len and nxt_pos.size:
         nxt = a[nxt_pos]  # [occurrences] the token each one continued with
-        vals, counts = np.unique(nxt, return_counts=True)
-        top = counts.max()
-        if counts.size > 1 and int((counts == top).sum()) > 1:  # a tie: the most recent
-            tok = int(nxt[np.isin(nxt, vals[counts == top])][-1])
+        if (nxt == nxt[0]).all():  # one continuation (a repetitive context's usual case)
+            tok, top = int(nxt[0]), nxt.size
         else:
-            tok = int(vals[counts.argmax()])
-        prob = float(top) / nxt.size
+            vals, counts = np.unique(nxt, return_counts=True)
+            top = int(counts.max())
+            if int((counts == top).sum()) > 1:  # a tie: the most recent
+                tok = int(nxt[np.isin(nxt, vals[counts == top])][-1])
+            else:
+                tok = int(vals[counts.argmax()])
+        prob = top / nxt.size
         if prob < min_prob:
             break
         p *= prob

@@ -20,8 +20,11 @@ DEFAULT_WINDOW_TOKENS = 1 << 15
 """How far back a lookup drafter searches (the last 32768 tokens of a sequence): bounds each
 step's scan and each request's buffer (``2 x window x 4`` bytes at most)."""
 MAX_CANDIDATES = 1024
-"""The most recent occurrences of the last token a match is extended from: bounds a step's
-work on a context that repeats one token thousands of times (``max_n x 1024`` comparisons)."""
+"""The most recent occurrences of the last token a match is extended from (fewer for long
+matches: ``min(1024, 65536 // max_n)``): bounds a step's work on a context that repeats one
+token thousands of times to about 64k token comparisons per sequence."""
+_MAX_COMPARED = 1 << 16
+_BLOCK = 32  # tokens compared per pass when extending a match
 _MIN_WINDOW_TOKENS = 64
 _APPEND_AT_MOST = 64  # more new tokens than this at once (a first look, a rollback): rebuild
 
@@ -119,23 +122,33 @@ class SequenceWindows:
 def longest_suffix_match(a: np.ndarray, max_n: int) -> tuple[int, np.ndarray]:
     """The longest suffix of ``a`` (at most ``max_n`` tokens) that also occurs earlier in ``a``
     with at least one token after it, and where each such occurrence ends; searched among the
-    ``MAX_CANDIDATES`` most recent occurrences of the last token.
+    ``min(MAX_CANDIDATES, 65536 // max_n)`` (at least 16) most recent occurrences of the last
+    token.
 
     Returns ``(m, ends)``: ``ends`` ascending int64 indices ``e < len(a) - 1`` with
     ``a[e - m + 1 : e + 1] == a[-m:]``; ``(0, [])`` when the last token never occurred before.
-    Cost: one comparison over ``a``, then one per matched length over the surviving ``ends``.
+    Cost: one comparison over ``a``, then one ``[candidates, 32]`` comparison per 32 tokens
+    of match length.
     """
     n = int(a.shape[0])
     if n < 2 or max_n < 1:
         return 0, _EMPTY
-    ends = np.flatnonzero(a[: n - 1] == a[n - 1])[-MAX_CANDIDATES:]
+    keep = max(16, min(MAX_CANDIDATES, _MAX_COMPARED // max_n))
+    ends = np.flatnonzero(a[: n - 1] == a[n - 1])[-keep:]
     if ends.size == 0:
         return 0, _EMPTY
     m = 1
-    while m < max_n:
-        cand = ends[ends >= m]
-        cand = cand[a[cand - m] == a[n - 1 - m]]
-        if cand.size == 0:
-            break
-        ends, m = cand, m + 1
-    return m, ends
+    while True:  # extend by up to _BLOCK tokens per pass
+        b = min(_BLOCK, max_n - m, n - 1 - m)  # an earlier occurrence ends at n - 2 at most
+        if b <= 0:
+            return m, ends
+        offs = np.arange(m, m + b)  # [b] how far back from each end
+        back = ends[:, None] - offs[None, :]  # [c, b] positions compared, row per candidate
+        same = (a[np.maximum(back, 0)] == a[n - 1 - offs][None, :]) & (back >= 0)  # [c, b]
+        run = np.where(same.all(axis=1), b, same.argmin(axis=1))  # [c] tokens matched further
+        longest = int(run.max())
+        if longest == 0:
+            return m, ends
+        ends, m = ends[run == longest], m + longest
+        if longest < b:
+            return m, ends
