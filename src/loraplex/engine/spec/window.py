@@ -35,7 +35,8 @@ class TokenWindow:
     """The last ``size`` tokens of one sequence (``view()``: int32, oldest first).
 
     :meth:`sync` appends what the sequence gained since the last call; a sequence that got
-    shorter or whose last seen token changed (a rollback) is read again from scratch."""
+    shorter or whose last seen token changed (a rollback) is read again from scratch. (A
+    change it cannot see would only cost draft quality: drafts are verified.)"""
 
     __slots__ = ("buf", "n", "seen", "size")
 
