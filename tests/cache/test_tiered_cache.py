@@ -744,6 +744,64 @@ def test_prewarm_pins_and_admin_evict(tiny_adapters: list[tuple[Path, str]]) -> 
     cache.check_invariants()
 
 
+class EvictionLog:
+    """An eviction listener recording each digest and whether the cache's lock was held."""
+
+    def __init__(self, cache: TieredAdapterCache) -> None:
+        self.cache = cache
+        self.digests: list[str] = []
+        self.under_lock = False
+
+    def __call__(self, digest: str) -> None:
+        self.under_lock |= self.cache._lock._is_owned()  # type: ignore[attr-defined]
+        self.digests.append(digest)
+
+
+def test_eviction_listeners_hear_every_host_copy_that_leaves(
+    tiny_adapters: list[tuple[Path, str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each way a host copy leaves host memory (room for a load, the count cap trimmed after
+    ``host_copies_at_least``, an admin eviction of the host tier) calls every listener once
+    with its digest, outside the cache's lock; a slot-only eviction calls none; a listener that
+    raises is logged and neither the cache nor the other listeners notice."""
+    cache = make_cache(max_loras=1, max_cpu_loras=2)
+
+    def broken(digest: str) -> None:
+        raise RuntimeError("listener bug")
+
+    heard = EvictionLog(cache)
+    cache.add_eviction_listener(broken)
+    cache.add_eviction_listener(heard)
+    (p0, d0), (p1, d1), (p2, _) = tiny_adapters[:3]
+    for i, p in enumerate((p0, p1)):
+        cache.release(resolve(cache, spec(f"a{i}", p)))
+    assert heard.digests == []
+    caplog.set_level("ERROR", logger="loraplex.cache.adapters")
+    cache.release(resolve(cache, spec("a2", p2)))  # the count cap: one of a0, a1 leaves
+    assert len(heard.digests) == 1 and heard.digests[0] in (d0, d1)
+    assert cache.tier_of(heard.digests[0]) is None and len(cache.host) == 2
+    assert "eviction listener" in caplog.text and "listener bug" in caplog.text
+    with cache.host_copies_at_least(4):
+        held = [resolve(cache, spec(f"a{i}", tiny_adapters[i][0])) for i in range(4)]
+        for a in held:
+            cache.release(a)
+    assert len(cache.host) == 2 and len(heard.digests) == 3  # trimmed back to two copies
+    assert set(heard.digests[1:]).isdisjoint(cache.host)
+    kept = sorted(cache.host)
+    path = {d: p for p, d in tiny_adapters}[kept[0]]
+    a = resolve(cache, spec("kept", path))
+    slot = cache.reserve_slot(a)
+    assert slot is not None
+    cache.activate(Batch({slot: a}))
+    cache.release_slot(slot)
+    cache.release(a)
+    assert cache.evict(kept[0], tiers=["device"]) == ["device"]
+    assert len(heard.digests) == 3  # the host copy stays: nothing to forget
+    assert cache.evict(kept[0]) == ["host"]
+    assert heard.digests[3:] == [kept[0]] and not heard.under_lock
+    cache.check_invariants()
+
+
 def test_more_device_preferred_adapters_than_slots(tiny_adapters: list[tuple[Path, str]]) -> None:
     cache = make_cache(max_loras=1, max_cpu_loras=2)
     with pytest.raises(AdapterCapacityError, match="device slot"):

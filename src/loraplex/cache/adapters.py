@@ -32,6 +32,10 @@ blocking form (start-up, tests). Copies run outside the cache lock, timed as ``h
 
 Pins (``pin``/``unpin``, and the warm policies ``device-preferred``/``host``/``on-demand`` of
 ``prewarm``) are never evicted.
+
+Eviction listeners (:meth:`TieredAdapterCache.add_eviction_listener`) hear the digest of each
+host copy that leaves host memory, outside the lock (speculative drafts learned from an adapter
+leave with it).
 """
 
 from __future__ import annotations
@@ -189,6 +193,8 @@ class TieredAdapterCache:
             room_wait_s=self.load_wait_timeout_s,
         )
         self.host: dict[str, LoRAAdapter] = {}  # digest -> host copy (L1)
+        self._eviction_listeners: list[Callable[[str], None]] = []
+        self._evicted: list[str] = []  # host copies dropped, not yet announced (under the lock)
         self.warm_policy: dict[str, str] = {}  # digest -> warm policy given to prewarm/pin
         self._refs: dict[str, AdapterRef] = {}  # digest -> ref of its first host copy
         self._active: list[str | None] = [None] * max_loras  # digest whose rows each slot has
@@ -265,10 +271,35 @@ class TieredAdapterCache:
             rank=adapter.rank,
         )
 
+    def add_eviction_listener(self, fn: Callable[[str], None]) -> None:
+        """Call ``fn(digest)`` each time an adapter's host copy leaves host memory (evicted
+        for room, trimmed to the count cap, or evicted by an admin): what was learned from the
+        adapter (speculative drafts keyed by its digest) can go with it. Called outside the
+        cache's lock, on whichever thread dropped the copy (a loader thread, the engine's, an
+        admin request's); a listener that raises is logged and the cache carries on."""
+        with self._lock:
+            self._eviction_listeners.append(fn)
+
     def _drop(self, digests: Iterable[str]) -> None:
-        """Forget the host copies the controller dropped (already out of the L1 index)."""
+        """Forget the host copies the controller dropped (already out of the L1 index); the
+        caller announces them (:meth:`_announce_evictions`) once it lets go of the lock."""
         for d in digests:
-            self.host.pop(d, None)
+            if self.host.pop(d, None) is not None:
+                self._evicted.append(d)
+
+    def _announce_evictions(self) -> None:
+        """Tell the eviction listeners about the host copies dropped since the last call."""
+        with self._lock:
+            if not self._evicted:
+                return
+            evicted, self._evicted = self._evicted, []
+            listeners = list(self._eviction_listeners)
+        for d in evicted:
+            for fn in listeners:
+                try:
+                    fn(d)
+                except Exception:
+                    log.exception("adapter eviction listener %r failed for %s", fn, d[:12])
 
     # -- L1 host: requests' references -----------------------------------------------------------
     def acquire(self, spec: AdapterSpec, *, count: bool = True) -> tuple[LoRAAdapter, bool]:
@@ -351,6 +382,7 @@ class TieredAdapterCache:
                 self.host[d] = adapter
                 self._refs.setdefault(d, adapter.ref)
             self.loader.finish(d, flight, adapter, adm.warm)
+        self._announce_evictions()
         return adapter, adm.warm
 
     def push(self, spec: AdapterSpec, read: AdapterRead, *, persist_disk: bool = False) -> bool:
@@ -385,12 +417,14 @@ class TieredAdapterCache:
         request holds are evicted). Not for concurrent callers (a server never uses it)."""
         with self._cond:
             self._drop(self.tiers.set_max_host_copies(max(self.max_cpu_loras, n)))
+        self._announce_evictions()
         try:
             yield
         finally:
             with self._cond:
                 self._drop(self.tiers.set_max_host_copies(self.max_cpu_loras))
                 self._cond.notify_all()
+            self._announce_evictions()
 
     def retain(self, adapter: LoRAAdapter) -> None:
         """One more request reference on an adapter already held (from :meth:`acquire`)."""
@@ -410,6 +444,7 @@ class TieredAdapterCache:
                 ) from None
             self._drop(dropped)
             self._cond.notify_all()
+        self._announce_evictions()
 
     def is_local_source(self, spec: AdapterSpec) -> bool:
         """True when ``spec`` is read from a local directory (not through the object store), so
@@ -589,6 +624,7 @@ class TieredAdapterCache:
             if TIER_HOST in left:
                 self._drop([d])
             self._cond.notify_all()
+        self._announce_evictions()
         if self.disk is not None and self.tiers.disk_name in left:
             self.disk.remove(d)
         return left
