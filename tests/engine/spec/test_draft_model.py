@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -273,8 +274,10 @@ def test_a_different_tokenizer_is_refused(
     a, b = sorted(v, key=v.get)[100:102]
     v[a], v[b] = v[b], v[a]
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(ValueError, match=r"draft model .*swapped.* does not share the target"):
-        DraftModelProposer.build(config, spec_of(models, model=str(swapped)), target)
+    bare = replace(target, tokenizer=None)  # skip_tokenizer_init: the target's files decide
+    for cfg, parts in ((config, target), (replace(config, skip_tokenizer_init=True), bare)):
+        with pytest.raises(ValueError, match=r"draft model .*swapped.* does not share the target"):
+            DraftModelProposer.build(cfg, spec_of(models, model=str(swapped)), parts)
     # not a decoder loraplex runs, and no model at all
     bert = tmp_path / "bert"
     bert.mkdir()
