@@ -108,6 +108,8 @@ def test_page_shows_true_tiers_follows_eviction_and_pins(
         assert "/ 2 slots" in (page.text_content("#occupancy .card[data-tier=device]") or "")
         page.wait_for_selector("#chart-rps svg path")  # operator keys get the charts
         page.wait_for_selector("#chart-prefix svg")
+        # no speculative decoding on this server: no section, no chart for it
+        assert page.locator("#spec").is_hidden() and page.locator("#chart-spec").count() == 0
 
         # an eviction elsewhere: the page follows
         victim = "charlie"

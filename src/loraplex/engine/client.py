@@ -12,7 +12,7 @@ adapter cache, and offers what a server needs:
                vocab_size, max_model_len
     life cycle start, shutdown, is_running
     gauges     num_waiting, num_running, kv_cache_usage, waiting / device adapter digests,
-               step observers
+               step observers, speculative (the speculative decoding it runs, if any)
     adapters   lora_enabled, max_loras, max_cpu_loras, policy_name, check_loadable,
                pin / unpin / evict / has_copy / prewarm, push / release_push /
                has_disk_tier (pushed adapters), tier_of, residency, loaded_adapters,
@@ -46,6 +46,7 @@ from loraplex.cache.adapters import PIN_PUSH, AdapterResidency, TieredAdapterCac
 from loraplex.cache.prewarm import PrewarmScheduler
 from loraplex.cache.stats import CacheStats, TierCounters
 from loraplex.config import EngineConfig
+from loraplex.config.speculative import SpeculativeConfig
 from loraplex.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -307,6 +308,12 @@ class EngineClient:
     def kv_cache_shape(self) -> tuple[int, int]:
         """(KV blocks, tokens per block)."""
         return self.engine.pool.num_blocks, self.engine.pool.block_size
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The engine's speculative decoding (``--speculative-config``: method, draft tokens,
+        ...), None when it runs without: steps may then carry :attr:`StepStats.spec`."""
+        return self.engine.config.speculative()
 
     def add_step_observer(self, fn: Callable[[StepStats], None]) -> None:
         """Call ``fn`` on the loop thread after every step that ran sequences (one that raises

@@ -5,9 +5,12 @@ A :class:`DashboardSampler` ticks once a second for the app's lifetime (a worker
 the event loop never waits on the cache's lock): it reads the server's counters and the
 residency snapshot, keeps a bounded ring of per-interval samples (requests/s, TTFT p50/p99
 warm/cold, distinct adapters per step, per-tier hit ratio, load seconds per stage, evictions,
-thrash ratio, KV usage) and a bounded strip of events found by diffing consecutive snapshots
-(loads, evictions, pins, unpins, promotions, canary changes). Each tick and each poll cost
-O(adapters); memory is bounded by ``max_samples`` and ``max_events``.
+thrash ratio, KV usage, speculative acceptance) and a bounded strip of events found by diffing
+consecutive snapshots (loads, evictions, pins, unpins, promotions, canary changes). Each tick and each poll cost
+O(adapters); memory is bounded by ``max_samples`` and ``max_events``. With speculative decoding
+each poll also carries its totals since start-up (:meth:`DashboardSampler.speculative`: the
+method, acceptance, accepted tokens per draft, per position and per adapter), read from the
+server's metrics (:class:`~loraplex.server.metrics.SpecDecodeMetrics`), like every other series.
 
 Scoping follows ``/v1/adapters``: a tenant key sees the occupancy and the events of its own
 (and shared) adapters only, and no server-wide series (those are ``/metrics``' data, which
@@ -23,7 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -33,6 +36,7 @@ from loraplex.pages import read_page
 from loraplex.registry import Principal
 from loraplex.server.auth import inference_principal
 from loraplex.server.catalog import ADMIN_KEY, has_scope
+from loraplex.server.metrics import SpecCounts
 from loraplex.server.state import ServerState, get_state
 
 log = logging.getLogger("loraplex.server.dashboard")
@@ -43,6 +47,8 @@ TIER_RANK = {"absent": 0, "disk": 1, "host": 2, "device": 3}
 """Higher is closer to the GPU: moving up is a load, down an eviction."""
 TOP_PREFIX_ADAPTERS = 8
 """Adapters listed in the dashboard's prefix-cache cards (the most looked-up ones)."""
+TOP_SPEC_ADAPTERS = 16
+"""Rows of the dashboard's speculative decoding table (the adapters with the most drafts)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,7 @@ class DashboardSampler:
             sum(sh.queries.values()), sum(sh.hits.values()), sh.base_aligned_hits,
             sh.alora_invoked, sh.alora_not_invoked,
         )  # fmt: skip
+        out["spec"] = None if m.spec is None else astuple(m.spec.snapshot().total)
         if client.lora_enabled:
             out["tiers"] = {
                 t: (c.hits, c.misses, c.evictions, c.thrash_ratio)
@@ -198,6 +205,7 @@ class DashboardSampler:
             "thrash_ratio": thrash,
             "kv_usage": self.state.client.kv_cache_usage(),
             **self._sharing_delta(a["sharing"], b["sharing"]),
+            "spec": self._spec_delta(a["spec"], b["spec"]),
             "running": self.state.client.num_running,
             "waiting": self.state.client.num_waiting,
         }
@@ -215,6 +223,51 @@ class DashboardSampler:
             },
             "alora": {"invoked": found, "not invoked": absent},
         }
+
+    @staticmethod
+    def _spec_delta(
+        a: tuple[int, int, int] | None, b: tuple[int, int, int] | None
+    ) -> dict[str, float | None] | None:
+        """Speculative decoding over the interval (None: the server runs without): accepted /
+        draft tokens and accepted tokens per draft (None where nothing was drafted)."""
+        if a is None or b is None:
+            return None
+        drafts, tokens, accepted = (y - x for x, y in zip(a, b, strict=True))
+        return {
+            "acceptance rate": accepted / tokens if tokens else None,
+            "accepted per draft": accepted / drafts if drafts else None,
+        }
+
+    def speculative(self, operator: bool) -> dict[str, Any] | None:
+        """Speculative decoding since start-up (None: the server runs without). Everyone sees
+        the method; the counts are server-wide, so operators only (a tenant gets None there):
+        acceptance rate (accepted / draft tokens), accepted tokens per draft and vLLM's mean
+        acceptance length (1 + that: the bonus token), the rate per draft position, and the
+        :data:`TOP_SPEC_ADAPTERS` adapter labels with the most drafts."""
+        spec = self.state.metrics.spec
+        if spec is None:
+            return None
+        s = spec.snapshot()
+        out: dict[str, Any] = {
+            "method": s.method,
+            "num_speculative_tokens": s.num_speculative_tokens,
+            "totals": None,
+            "by_adapter": None,
+        }
+        if not operator:
+            return out
+        t = s.total
+        out["totals"] = {
+            **_spec_row(t),
+            "accepted_per_draft": t.accepted_tokens / t.drafts if t.drafts else None,
+            "mean_acceptance_length": 1 + t.accepted_tokens / t.drafts if t.drafts else None,
+            "per_position": [n / t.drafts if t.drafts else None for n in s.accepted_per_pos],
+        }
+        top = sorted(s.by_adapter.items(), key=lambda kv: (-kv[1].drafts, kv[0]))
+        out["by_adapter"] = [
+            {"adapter": label, **_spec_row(c)} for label, c in top[:TOP_SPEC_ADAPTERS]
+        ]
+        return out
 
     def _prefix_by_adapter(self) -> list[dict[str, Any]]:
         """Prefix-cache queries and hits since start-up of the top adapters by queries (the
@@ -317,7 +370,18 @@ class DashboardSampler:
         out["events"] = [e.as_json() for e in reversed(events)]  # newest first
         out["samples"] = samples
         out["prefix_by_adapter"] = self._prefix_by_adapter() if operator else None
+        out["speculative"] = self.speculative(operator)
         return out
+
+
+def _spec_row(c: SpecCounts) -> dict[str, Any]:
+    """One row of counts and its acceptance rate (None before any draft token)."""
+    return {
+        "drafts": c.drafts,
+        "draft_tokens": c.draft_tokens,
+        "accepted_tokens": c.accepted_tokens,
+        "acceptance_rate": c.accepted_tokens / c.draft_tokens if c.draft_tokens else None,
+    }
 
 
 async def sampler_loop(sampler: DashboardSampler) -> None:

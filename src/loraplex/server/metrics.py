@@ -21,6 +21,8 @@ served name of each adapter in a device slot or host memory: their number is bou
 copies (slotted adapters keep theirs) times :data:`MAX_NAMES_PER_ADAPTER`, never by the
 registry's size (:meth:`_EngineCollector._residency`). ``vllm:lora_adapter_load_seconds`` times
 the two transitions that scorer prices (:class:`_Transitions`).
+With speculative decoding (``--speculative-config``), vLLM's ``vllm:spec_decode_*`` counters and
+loraplex's per-adapter acceptance (:class:`SpecDecodeMetrics`); without it, none of them exist.
 ``model_name`` is the served base model's name (vLLM labels LoRA requests with it too; llm-d
 reads it to recognise base-model requests). Who may read them is the route's business
 (:mod:`~loraplex.server.auth`: operators and the metrics key, never a tenant key).
@@ -38,7 +40,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from loraplex.config.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.spec.stats import SpecStepStats
 
 if TYPE_CHECKING:
     from loraplex.engine.client import EngineClient, LoadedAdapter, PreparedRequest, StepStats
@@ -87,6 +91,146 @@ ENGINE = "0"  # vLLM's engine index: one engine per server
 def _bounded(names: Iterable[str]) -> str:
     """Comma-joined distinct ``names`` in the given order, at most :data:`MAX_ADAPTER_LABELS`."""
     return ",".join(list(dict.fromkeys(names))[:MAX_ADAPTER_LABELS])
+
+
+class BoundedLabels:
+    """Label values for an unbounded set of names (adapters, compositions): the first
+    ``limit`` distinct names keep their own, every later one reads ``other``. A name keeps its
+    label for the process's life, so each series stays monotonic (thread-safe)."""
+
+    def __init__(self, limit: int = MAX_ADAPTER_LABELS) -> None:
+        self._limit = limit
+        self._kept: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str) -> str:
+        with self._lock:
+            if name not in self._kept and len(self._kept) < self._limit:
+                self._kept.add(name)
+            return name if name in self._kept else "other"
+
+
+@dataclass
+class SpecCounts:
+    """Drafts, draft tokens and accepted tokens (cumulative)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, drafts: int, draft_tokens: int, accepted_tokens: int) -> None:
+        self.drafts += drafts
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted_tokens
+
+
+@dataclass(frozen=True)
+class SpecSnapshot:
+    """What :class:`SpecDecodeMetrics` counted since start-up (copies)."""
+
+    method: str
+    num_speculative_tokens: int
+    total: SpecCounts
+    accepted_per_pos: tuple[int, ...]  # [position]: drafts whose token there was accepted
+    by_adapter: dict[str, SpecCounts]  # bounded label -> counts
+
+
+class SpecDecodeMetrics(Collector):
+    """Speculative decoding as seen from outside, registered only when the engine runs it.
+
+    vLLM's v1 counters with vLLM's names and labels (``model_name``, ``engine``), so its
+    Grafana panels work unchanged: ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+    ``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos{position}`` (positions
+    ``0 .. num_speculative_tokens - 1`` exist from start-up at 0, as vLLM's). Then loraplex's
+    per adapter, ``loraplex_adapter_spec_decode_num_{drafts,draft_tokens,accepted_tokens}``
+    ``{adapter}`` (the adapter's name, ``composed``, ``base``; bounded by
+    :class:`BoundedLabels`), and ``loraplex_spec_decode_info{method, num_speculative_tokens}``.
+
+    The step observer feeds :meth:`observe` (the loop's thread); scrapes and the dashboard read
+    copies taken under one lock, so the totals of one read agree with each other."""
+
+    def __init__(self, config: SpeculativeConfig, model_name: str) -> None:
+        self.method = config.method
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self._model = model_name
+        self._labels = BoundedLabels()
+        self._lock = threading.Lock()
+        self._total = SpecCounts()
+        self._per_pos = [0] * config.num_speculative_tokens
+        self._by_adapter: dict[str, SpecCounts] = {}
+
+    def observe(self, spec: SpecStepStats) -> None:
+        """Count one step's drafts. Raises ValueError (counting nothing) for a negative count
+        or more positions than any draft may have: counters never go down, series are
+        bounded."""
+        counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        rows = [(label, (d, t, a)) for label, d, t, a in spec.by_adapter]
+        if min((*counts, *spec.accepted_per_pos, *(n for _, c in rows for n in c)), default=0) < 0:
+            raise ValueError(f"negative count in {spec!r}")
+        if len(spec.accepted_per_pos) > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"{len(spec.accepted_per_pos)} draft positions in {spec!r}")
+        labelled = [(self._labels(label), c) for label, c in rows]
+        with self._lock:
+            self._total.add(*counts)
+            per_pos = self._per_pos
+            per_pos.extend([0] * (len(spec.accepted_per_pos) - len(per_pos)))
+            for i, n in enumerate(spec.accepted_per_pos):
+                per_pos[i] += n
+            for label, c in labelled:
+                self._by_adapter.setdefault(label, SpecCounts()).add(*c)
+
+    def snapshot(self) -> SpecSnapshot:
+        with self._lock:
+            t = self._total
+            return SpecSnapshot(
+                self.method,
+                self.num_speculative_tokens,
+                SpecCounts(t.drafts, t.draft_tokens, t.accepted_tokens),
+                tuple(self._per_pos),
+                {
+                    k: SpecCounts(c.drafts, c.draft_tokens, c.accepted_tokens)
+                    for k, c in self._by_adapter.items()
+                },
+            )
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.snapshot()
+        vl = [self._model, ENGINE]
+        fields = (
+            ("drafts", "drafts", "Number of spec decoding drafts."),
+            ("draft_tokens", "draft tokens", "Number of draft tokens."),
+            ("accepted_tokens", "accepted tokens", "Number of accepted tokens."),
+        )
+        for field, _, doc in fields:
+            m = CounterMetricFamily(f"vllm:spec_decode_num_{field}", doc, labels=list(VLLM_LABELS))
+            m.add_metric(vl, getattr(s.total, field))
+            yield m
+        pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*VLLM_LABELS, "position"],
+        )
+        for i, n in enumerate(s.accepted_per_pos):
+            pos.add_metric([*vl, str(i)], n)
+        yield pos
+        for field, words, _ in fields:
+            m = CounterMetricFamily(
+                f"loraplex_adapter_spec_decode_num_{field}",
+                f"Spec decoding {words} per adapter (its name, 'composed' for a composition, "
+                "'base'): the first MAX_ADAPTER_LABELS distinct labels each, later ones under "
+                "'other'.",
+                labels=["adapter"],
+            )
+            for label, c in sorted(s.by_adapter.items()):
+                m.add_metric([label], getattr(c, field))
+            yield m
+        info = GaugeMetricFamily(
+            "loraplex_spec_decode_info",
+            "Speculative decoding: the method and the most tokens drafted per sequence and step.",
+            labels=["method", "num_speculative_tokens"],
+        )
+        info.add_metric([s.method, str(s.num_speculative_tokens)], 1)
+        yield info
 
 
 class _EngineCollector(Collector):
@@ -636,8 +780,7 @@ class ServerMetrics:
             ["composition"],
             registry=r,
         )
-        self._composition_names: set[str] = set()  # bounded: MAX_ADAPTER_LABELS
-        self._composition_lock = threading.Lock()
+        self._composition_label = BoundedLabels()
         self.iteration_tokens = Histogram(
             "vllm:iteration_tokens_total",
             "Tokens computed per engine step.",
@@ -648,6 +791,10 @@ class ServerMetrics:
         self.sequences = SequenceTimes(r, fixed)
         self.transitions = _Transitions(r, fixed) if client.lora_enabled else None
         r.register(_EngineCollector(client, adapter_names, model_name, cache_info or {}))
+        spec = client.speculative
+        self.spec = SpecDecodeMetrics(spec, model_name) if spec is not None else None
+        if self.spec is not None:
+            r.register(self.spec)
         client.add_step_observer(self._on_step)
         client.add_load_observer(self._on_load)
 
@@ -656,12 +803,7 @@ class ServerMetrics:
         first :data:`MAX_ADAPTER_LABELS` distinct names (compositions are combinations of the
         caller's adapters: unbounded), the rest under ``other``, so series are bounded and every
         series stays monotonic."""
-        with self._composition_lock:
-            names = self._composition_names
-            if name not in names and len(names) < MAX_ADAPTER_LABELS:
-                names.add(name)
-            label = name if name in names else "other"
-        self.composed.labels(composition=label).inc()
+        self.composed.labels(composition=self._composition_label(name)).inc()
 
     def _on_step(self, stats: StepStats) -> None:
         # the token counters move every step, as vLLM's do: prompt tokens when a prefill
@@ -671,6 +813,8 @@ class ServerMetrics:
         self.distinct_adapters.observe(stats.distinct_adapters)
         self.iteration_tokens.observe(stats.num_tokens)
         self.sequences.on_step(stats)
+        if self.spec is not None and stats.spec is not None:
+            self.spec.observe(stats.spec)
 
     def _on_load(self, stage: str, seconds: float) -> None:
         self.load_seconds.labels(stage=stage).observe(seconds)
