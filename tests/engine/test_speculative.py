@@ -153,7 +153,7 @@ def test_greedy_with_drafts_equals_decoding_without_them_in_a_mixed_batch(
     stats: list = []
     real_verify = llm.engine._verify
 
-    def spy(*a):  # noqa: ANN002, ANN202
+    def spy(*a):  # type: ignore[no-untyped-def]
         out = real_verify(*a)
         stats.append(llm.engine.last_step.spec)
         return out
@@ -302,7 +302,7 @@ def test_verify_keeps_the_target_distribution_for_any_draft_distribution() -> No
     for probs in (None, q):
         first = torch.zeros(vocab)
         second = torch.zeros(vocab)  # the token after a first token 2 (when there is one)
-        for t in range(trials):
+        for _ in range(trials):
             if probs is None:  # deterministic: the draft's favourite, twice
                 draft = [2, 2]
             else:  # drawn from q, as a sampling draft model draws
@@ -317,3 +317,69 @@ def test_verify_keeps_the_target_distribution_for_any_draft_distribution() -> No
         n2 = float(second.sum())
         assert n2 > 1000
         assert _fit_p(second, p[1] * n2) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_each_method_decodes_greedily_as_without_speculation(
+    family: dict, method: str, tmp_path: Path
+) -> None:
+    """Each method's own drafts, base / LoRA / aLoRA / composed rows in one batch, twice
+    (suffix drafts the second time from what the first produced, per adapter; the draft model
+    is the target's base, so its greedy drafts for base rows are all accepted): the tokens of decoding
+    without speculation. (k is fixed: on models this small, adaptive k rightly drafts little,
+    see ``tests/engine/spec/test_control.py``.)"""
+    spec: dict = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    if method == "draft_model":
+        spec["model"] = str(family["model"])
+    jobs = _jobs(family["adapters"])
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    ref = _generate(_llm(family["model"]), jobs, sp)
+    llm = _llm(family["model"], spec)
+    stats: list = []
+    llm.engine.spec.verify = _spy(llm.engine.spec.verify, stats)  # type: ignore[union-attr]
+    for _ in range(2):
+        got = _generate(llm, jobs, sp)
+        assert [g.token_ids for g in got] == [w.token_ids for w in ref]
+    if method in ("suffix", "draft_model"):  # drafts worth verifying were made and kept
+        assert sum(s.num_accepted_tokens for s in stats) > 0
+    if method == "draft_model":  # the base drafting for itself: every greedy draft holds
+        base = [row for s in stats for row in s.by_adapter if row[0] == "base"]
+        assert base and all(tokens == kept for _, _, tokens, kept in base)
+
+
+def _spy(verify, into: list):  # type: ignore[no-untyped-def]
+    """``Speculator.verify`` recording each step's SpecStepStats into ``into``."""
+
+    def spy(*a, **kw):  # type: ignore[no-untyped-def]
+        out = verify(*a, **kw)
+        into.append(out[-1])
+        return out
+
+    return spy
+
+
+def test_a_draft_lora_drafts_for_its_adapter(family: dict) -> None:
+    """``draft_lora_modules``: requests of adapter ``std`` draft with a LoRA of the draft model
+    (here the same adapter on the same model, so every greedy draft holds); the others draft
+    with the plain draft model; outputs are those of decoding without speculation."""
+    ad = family["adapters"]
+    spec = {
+        "method": "draft_model", "model": str(family["model"]), "num_speculative_tokens": 4,
+        "adaptive": False, "draft_lora_modules": {"std": str(ad["std"])},
+    }  # fmt: skip
+    jobs = _jobs(ad)
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    ref = _generate(_llm(family["model"]), jobs, sp)
+    llm = _llm(family["model"], spec)
+    stats: list = []
+    llm.engine.spec.verify = _spy(llm.engine.spec.verify, stats)  # type: ignore[union-attr]
+    assert [g.token_ids for g in _generate(llm, jobs, sp)] == [w.token_ids for w in ref]
+    rows = {lbl: (0, 0) for lbl in ("std", "alora", "composed")}
+    for s in stats:
+        for lbl, _, tokens, kept in s.by_adapter:
+            if lbl in rows:
+                rows[lbl] = (rows[lbl][0] + tokens, rows[lbl][1] + kept)
+    assert rows["std"][0] > 0 and rows["std"][0] == rows["std"][1]
+    assert rows["composed"][1] < rows["composed"][0]  # the plain draft model misses there

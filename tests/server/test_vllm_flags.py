@@ -102,7 +102,7 @@ def test_no_enable_log_requests_is_disable_log_requests(model_dir: Path) -> None
             ["--quantization-param-path", "x"],
             "not supported: --quantization-param-path x (loraplex reads",
         ),
-        (["--speculative-config", "{}"], "not supported: --speculative-config {}"),
+        (["--num-speculative-tokens", "4"], "not supported: --num-speculative-tokens 4 (set"),
         (["--no-enable-chunked-prefill"], "not supported: --no-enable-chunked-prefill"),
         (["--kv-cache-dtype", "fp8"], "not supported: --kv-cache-dtype fp8"),
         (["--enable-sleep-mode"], "not supported: --enable-sleep-mode"),
@@ -116,6 +116,23 @@ def test_refused_vllm_flags_name_themselves(
 ) -> None:
     line = refused([model_dir, *argv], capsys)
     assert line.startswith("loraplex serve: error: not supported: ") and want in line
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        ('{"method": "eagle3", "model": "x"}', "method 'eagle3' is not supported by loraplex"),
+        ('{"method": "ngram"}', "method 'ngram' needs num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens must be"),
+        ('{"method": "suffix", "typo": 1}', "unknown key 'typo'"),
+        ("{nope", "invalid JSON"),
+    ],
+)
+def test_a_bad_speculative_config_names_the_flag_and_the_problem(
+    model_dir: Path, value: str, want: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = refused([model_dir, "--speculative-config", value], capsys)
+    assert "--speculative-config" in line and want in line, line
 
 
 def _other_value(f: VllmFlag) -> list[str]:

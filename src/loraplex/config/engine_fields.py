@@ -491,7 +491,7 @@ class EngineFields:
             help="speculative decoding, vLLM's JSON object: method ngram (prompt lookup), "
             "suffix (the request's context and past outputs per tenant and adapter) or "
             "draft_model (a small model sharing the tokenizer), num_speculative_tokens, ... "
-            "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (see "
+            'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (see '
             "docs/speculative.md)",
         ),
     )

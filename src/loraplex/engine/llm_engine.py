@@ -129,6 +129,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.merger)
         self.sampler = Sampler(config.seed)
         self.spec = build_speculator(config, parts)  # speculative decoding (None: off)
+        if self.spec is not None and self.adapters is not None:
+            # what a drafter learned from an adapter goes when the adapter leaves host memory
+            self.adapters.add_eviction_listener(self.spec.proposer.forget_adapter)
         self.requests: dict[str, EngineRequest] = {}
         self.num_steps = 0
         self.last_step = StepStats()

@@ -31,6 +31,7 @@ ALPHA_DECAY = 0.98  # each new event's weight relative to the past (about 50 eve
 MAX_TRACKED = 4096  # adapters whose acceptance is kept (least recently drafted dropped)
 COST_DECAY = 0.97  # per measured step
 PRIOR_TOKEN_SHARE = 1 / 64  # b / a assumed before the steps tell (a 64-token knee)
+MIN_FIT_STEPS = 8  # (weighted) steps measured before b is fitted rather than assumed
 PROBE_EVERY = 32  # steps: a key drafting nothing gets one token this often (to re-measure)
 
 
@@ -87,14 +88,14 @@ class StepCost:
         self.c += (seconds - self.c * positions) / self._c_weight
 
     def coefficients(self) -> tuple[float, float]:
-        """``(a, b)``: intercept and seconds per token (b >= 0; before the measured steps
-        vary in size, ``b = a`` x :data:`PRIOR_TOKEN_SHARE`)."""
+        """``(a, b)``: intercept and seconds per token (b >= 0; until :data:`MIN_FIT_STEPS`
+        steps of different sizes are measured, ``b = a`` x :data:`PRIOR_TOKEN_SHARE`)."""
         w, sn, st, snn, snt = self._s
         if w <= 0:
             return 1.0, PRIOR_TOKEN_SHARE
         mean_n, mean_t = sn / w, st / w
         var = snn / w - mean_n * mean_n
-        if var <= 1e-6 * max(1.0, mean_n * mean_n):  # every step the same size: b unknown
+        if w < MIN_FIT_STEPS or var <= 1e-6 * max(1.0, mean_n * mean_n):  # b unknown yet
             a = mean_t / (1.0 + PRIOR_TOKEN_SHARE * mean_n)
             return a, a * PRIOR_TOKEN_SHARE
         b = max((snt / w - mean_n * mean_t) / var, 0.0)

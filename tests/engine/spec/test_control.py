@@ -1,0 +1,103 @@
+"""Adaptive k: how many tokens each sequence drafts, from the measured step cost and each
+adapter's acceptance (``loraplex.engine.spec.control``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine.spec.control import (
+    ALPHA_PRIOR,
+    MIN_FIT_STEPS,
+    PROBE_EVERY,
+    Acceptance,
+    SpecController,
+    StepCost,
+)
+
+
+def _measured(ctl: SpecController, a: float, b: float, sizes: range = range(1, 65, 3)) -> None:
+    """Feed ``ctl`` steps that took exactly ``a + b * tokens`` seconds."""
+    for _ in range(3):
+        for n in sizes:
+            ctl.cost.observe(n, a + b * n)
+
+
+def _accepting(ctl: SpecController, key: str, alpha_events: tuple[int, int], times: int) -> None:
+    """``times`` drafts of ``alpha_events[0]`` tokens with ``alpha_events[1]`` accepted."""
+    for _ in range(times):
+        ctl.observe(key, *alpha_events)
+
+
+def test_step_cost_fits_the_measured_line() -> None:
+    cost = StepCost()
+    assert cost.coefficients()[1] == pytest.approx(cost.coefficients()[0] / 64)  # the prior
+    for n in range(1, 40):
+        cost.observe(n, 0.010 + 0.0004 * n)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.0004, rel=1e-6)
+    cost.observe_draft(4, 0.008)
+    assert cost.c == pytest.approx(0.002)
+
+
+def test_one_step_size_alone_leaves_the_slope_to_the_prior() -> None:
+    cost = StepCost()
+    for _ in range(MIN_FIT_STEPS * 2):
+        cost.observe(16, 0.02)
+    a, b = cost.coefficients()
+    assert a + 16 * b == pytest.approx(0.02) and b == pytest.approx(a / 64)
+
+
+def test_acceptance_counts_accepts_and_the_first_reject() -> None:
+    acc = Acceptance()
+    assert acc.alpha == ALPHA_PRIOR
+    for _ in range(200):
+        acc.observe(4, 4)  # all kept: 4 accepts, no reject
+    assert acc.alpha > 0.99
+    for _ in range(200):
+        acc.observe(4, 1)  # 1 accept, 1 reject (the rest were never judged)
+    assert acc.alpha == pytest.approx(0.5, abs=0.01)
+
+
+def test_weight_bound_steps_draft_the_most_accepting_adapters_deepest() -> None:
+    """Reading the weights dominates (b = a / 1000): a well-accepted adapter drafts k_max, one
+    whose drafts fail drafts less, and every sequence drafts something."""
+    ctl = SpecController(num_speculative_tokens=6)
+    _measured(ctl, a=0.050, b=0.00005)
+    _accepting(ctl, "good", (6, 6), 100)
+    _accepting(ctl, "bad", (6, 0), 100)
+    ks = ctl.limits(["good", "bad", "new"], [6, 6, 6], batch_tokens=3)
+    assert ks[0] == 6 and ks[1] < ks[2] <= 6 and ks[2] >= 1
+
+
+def test_compute_bound_steps_do_not_draft() -> None:
+    """Every token costs what the whole intercept does: a draft never pays, even at alpha 0.9;
+    at a moderate slope, a large batch drafts less than a small one."""
+    ctl = SpecController(num_speculative_tokens=4)
+    _measured(ctl, a=0.001, b=0.010)
+    _accepting(ctl, "x", (4, 3), 100)
+    assert ctl.limits(["x"] * 16, [4] * 16, batch_tokens=16) == [0] * 16
+    ctl = SpecController(num_speculative_tokens=4)
+    _measured(ctl, a=0.030, b=0.001)
+    _accepting(ctl, "x", (4, 2), 100)
+    one = sum(ctl.limits(["x"], [4], batch_tokens=1))
+    many = ctl.limits(["x"] * 32, [4] * 32, batch_tokens=32)
+    assert one > 0 and sum(many) / 32 < one
+
+
+def test_caps_fixed_k_and_disable_by_batch_size() -> None:
+    ctl = SpecController(num_speculative_tokens=4, adaptive=False, disable_by_batch_size=3)
+    assert ctl.limits(["a", "b"], [4, 2], batch_tokens=2) == [4, 2]  # vLLM's fixed k, capped
+    assert ctl.limits(["a", "b", "c"], [4, 4, 4], batch_tokens=3) == [0, 0, 0]
+    adaptive = SpecController(num_speculative_tokens=4)
+    _measured(adaptive, a=0.050, b=0.00001)
+    assert adaptive.limits(["a", "b"], [0, 1], batch_tokens=2) == [0, 1]
+
+
+def test_an_adapter_that_stopped_drafting_is_probed_again() -> None:
+    """Compute bound, nobody drafts; an adapter that drafted before gets one token every
+    PROBE_EVERY steps, so its acceptance (and the step cost) keep being measured."""
+    ctl = SpecController(num_speculative_tokens=4)
+    _measured(ctl, a=0.001, b=0.010)
+    _accepting(ctl, "x", (4, 1), 10)
+    got = [ctl.limits(["x"], [4], batch_tokens=1)[0] for _ in range(PROBE_EVERY * 2)]
+    assert sum(got) == 2 and set(got) == {0, 1}
