@@ -383,3 +383,55 @@ def test_a_draft_lora_drafts_for_its_adapter(family: dict) -> None:
                 rows[lbl] = (rows[lbl][0] + tokens, rows[lbl][1] + kept)
     assert rows["std"][0] > 0 and rows["std"][0] == rows["std"][1]
     assert rows["composed"][1] < rows["composed"][0]  # the plain draft model misses there
+
+
+def test_tensor_parallel_speculation_equals_one_process_without_it(tmp_path: Path) -> None:
+    """TP=2 with ngram drafts (rows of 1 + k tokens reach every rank) gives TP=1's tokens
+    without speculation."""
+    model = make_random_model(tmp_path / "m", "llama", num_layers=2, seed=6, with_tokenizer=False,
+                              vocab_size=400)  # fmt: skip
+    std = make_random_adapter(model, tmp_path / "std", r=8, seed=1)
+    jobs = [None, LoRARequest("std", str(std)), None]
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 2}  # fmt: skip
+    ref = _generate(_llm(model), jobs, sp)
+    llm = _llm(model, spec, tensor_parallel_size=2, num_threads=1)
+    try:
+        got = _generate(llm, jobs, sp)
+    finally:
+        llm.engine.shutdown()
+    assert [g.token_ids for g in got] == [w.token_ids for w in ref]
+
+
+def test_stop_strings_and_structured_outputs_as_without_speculation(tiny_model: Path) -> None:
+    """With a tokenizer: stop strings (text held back, cut at the string) and a JSON-schema
+    grammar (drafts the grammar forbids are rejected by the masked row) give the output of
+    decoding without drafts."""
+    from loraplex.requests import StructuredOutput
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 3}  # fmt: skip
+    prompts = ["one two three one two three one two", "Answer in JSON please:"]
+    plain = LLM(str(tiny_model), dtype="float32")
+    spec_llm = LLM(str(tiny_model), dtype="float32", speculative_config=spec)
+    stats: list = []
+    spec_llm.engine.spec.verify = _spy(spec_llm.engine.spec.verify, stats)  # type: ignore[union-attr]
+    base = plain.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=24))[0]
+    text = base.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3] if len(text) > 6 else "e"
+    cases = [
+        SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+        SamplingParams(
+            temperature=0, max_tokens=40, structured=StructuredOutput(json_schema=schema)
+        ),
+    ]
+    for prompt, sp in zip(prompts, cases, strict=True):
+        want = plain.generate([prompt], sp)[0].outputs[0]
+        got = spec_llm.generate([prompt], sp)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            want.token_ids, want.text, want.finish_reason,
+        )  # fmt: skip
+    assert spec_llm.engine.is_idle()
+    assert sum(s.num_draft_tokens for s in stats) > 0  # drafts were verified on this path
