@@ -254,3 +254,39 @@ def test_dashboard_page_shows_speculation(server: Server) -> None:
         assert rows[1] == ["sql", "2", "6", "3", "50.0%"]
         assert [r[0] for r in rows] == ["composed", "sql", "base"]
         page.wait_for_selector("#chart-spec svg")  # the acceptance chart, operators only
+
+
+def test_a_served_request_speculates_and_is_counted(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    """End to end over HTTP: a speculating server (ngram, fixed k) answers a base and an
+    adapter completion with the text of a server without speculation, and its /metrics count
+    the drafts it verified, in total and for the adapter."""
+    spec = (
+        '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false, '
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    )
+    body = {"prompt": "one two three one two three one two", "max_tokens": 24, "temperature": 0}
+    texts = []
+    for config in (spec, None):
+        for _url, c, _ in serve(tiny_model, adapters["all_r8"], config):
+            got = [
+                c.post("/v1/completions", json={**body, "model": m}, headers=ADMIN_H).json()
+                for m in (MODEL, "sql")
+            ]
+            texts.append([g["choices"][0]["text"] for g in got])
+            text = c.get("/metrics", headers=ADMIN_H).text
+            if config is not None:
+                got_samples = samples(text)
+                drafted = value(got_samples, "vllm:spec_decode_num_draft_tokens_total")
+                accepted = value(got_samples, "vllm:spec_decode_num_accepted_tokens_total")
+                assert drafted > 0 and 0 <= accepted <= drafted
+                per_adapter = value(
+                    got_samples,
+                    "loraplex_adapter_spec_decode_num_draft_tokens_total",
+                    adapter="sql",
+                )
+                assert 0 < per_adapter <= drafted
+            else:
+                assert "spec_decode" not in text
+    assert texts[0] == texts[1]
