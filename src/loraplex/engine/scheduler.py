@@ -337,7 +337,7 @@ class Scheduler:
             self._charge(seq, n)
             budget -= n
             i += 1
-            if n > 1:
+            if n > 1 and not seq.spec_tokens:  # a prompt chunk (a drafted row is a decode)
                 self._cap_used[self.class_of(seq)] += n
         if not preempted:
             self._admit(batch, budget)
