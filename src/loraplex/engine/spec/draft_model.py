@@ -54,7 +54,7 @@ from loraplex.config import EngineConfig
 from loraplex.config.speculative import SpeculativeConfig
 from loraplex.engine.builder import EngineParts, build_parts, load_tokenizer
 from loraplex.engine.runner import ModelRunner
-from loraplex.engine.sampler import _filter_min_p, _filter_top_k_top_p, draw
+from loraplex.engine.sampler import draw, sampling_probs
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.spec.proposer import NO_DRAFT, Draft, Proposer
@@ -453,14 +453,10 @@ class DraftModelProposer(Proposer):
         """A draw from ``row`` [V] under ``p``'s temperature, min_p, top_k and top_p (the
         sampler's order), and the distribution [V] float32 it was drawn from (one-hot on the
         argmax where the temperature overflows the row, as the sampler falls back to it)."""
-        row = row / p.temperature
-        if p.min_p > 0.0:
-            row = _filter_min_p(row, p.min_p)
-        row = _filter_top_k_top_p(row, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        if not bool(torch.isfinite(probs).all()):
+        probs = sampling_probs(row, p)  # [V]
+        if probs is None:
             token = int(row.nan_to_num(neginf=float("-inf")).argmax())
-            probs = torch.zeros_like(probs)
+            probs = torch.zeros_like(row)
             probs[token] = 1.0
             return token, probs
         return draw(probs, self.generator), probs
