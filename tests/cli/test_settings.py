@@ -174,6 +174,7 @@ SERVE_SAMPLES = {  # settings whose values have a syntax of their own: one valid
     "download_dir": "DIR",
     "generation_config": "vllm",
     "override_generation_config": '{"temperature": 0.5}',
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}',
     "chat_template": "{{ messages[0].content }}",
     "tool_call_parser": "hermes",
     "hf_token": "hf_secret",

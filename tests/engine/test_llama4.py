@@ -192,6 +192,10 @@ def test_preemption_with_a_chunked_group(family: dict) -> None:
         str(family["model"]), max_loras=2, max_lora_rank=16, dtype="float32", block_size=BLOCK,
         max_num_batched_tokens=6, num_kv_blocks=per_seq * 3 // 2,
     )  # fmt: skip
+    # both adapters in their slots first: a slot still being written would make its sequence
+    # sit steps out (timing-dependent), and the schedule this test needs would vary with load
+    warm = [loras[0], loras[2]]
+    llm.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=1), lora_request=warm)
     sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, sp, lora_request=loras)
     assert llm.engine.scheduler.num_preemptions > 0
