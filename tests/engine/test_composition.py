@@ -30,6 +30,7 @@ from loraplex.testing import (
     make_random_adapter,
     make_random_model,
     reference_greedy,
+    reference_greedy_alora,
 )
 from loraplex.types import (
     BASE_NAMESPACE,
@@ -267,13 +268,58 @@ def test_bad_compositions_are_refused_clearly(llama: dict, tmp_path: Path) -> No
     object.__setattr__(too_many, "components", (ScaledAdapter(spec, 1.0),) * 5)
     with pytest.raises(InvalidRequestError, match="1 to 4"):
         llm.engine.add_request("x", PROMPTS[0], None, too_many)
-    # an activated LoRA cannot be composed or scaled (alone at 1.0 it is served as ever)
-    al = make_random_adapter(llama["model"], tmp_path / "al", r=4, alora_invocation_tokens=[3, 4])
-    for bad in ([LoRARequest("al", str(al)), LoRARequest("r8", r8)],
-                LoRARequest("al", str(al), lora_scale=0.5)):  # fmt: skip
-        with pytest.raises(InvalidRequestError, match="activated LoRA"):
-            llm.generate(p, lora_request=[bad])
     assert llm.engine.is_idle()
+
+
+def test_an_activated_lora_composes_from_its_own_activation_point(
+    llama: dict, tmp_path: Path
+) -> None:
+    """An aLoRA in a composition applies from its invocation on, its partner from the first
+    token: equal to PEFT's aLoRA (unmerged, ``alora_offsets``) over the base with the partner
+    merged; not invoked, it adds nothing (the partner alone); the prefix-cache key carries its
+    activation point; in one mixed batch with the plain aLoRA and the partner alone."""
+    from peft import PeftModel
+
+    inv = [3, 4]
+    model, ad = llama["model"], llama["adapters"]
+    al = make_random_adapter(model, tmp_path / "al", r=8, alora_invocation_tokens=inv, seed=11,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
+    llm = _engine(model, "cpu-kernel")
+    mid = [20, 21, 22, 23, 24, *inv, 25, 26, 27]  # activation at position 5
+    absent = [20, 21, 22, 23, 24, 25, 26, 27]
+    comp = [LoRARequest("al", str(al)), LoRARequest("r8", str(ad["r8"]))]
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=4)
+    outs = llm.generate(
+        [{"prompt_token_ids": mid}, {"prompt_token_ids": absent}, {"prompt_token_ids": mid},
+         {"prompt_token_ids": absent}],
+        sp, lora_request=[comp, comp, comp[0], comp[1]],
+    )  # fmt: skip
+    assert llm.engine.is_idle()
+    ref = PeftModel.from_pretrained(load_merged_reference(model, ad["r8"]), str(al)).eval()
+    want, ref_lp, _ = reference_greedy_alora(ref, mid, N_NEW, 5)
+    got = outs[0].outputs[0]
+    assert got.token_ids == want
+    assert logprob_gap(got.logprobs, ref_lp) < SAMPLE_TOL
+    # not invoked: the partner alone (the same tokens and logprobs as requesting it alone)
+    assert outs[1].outputs[0].token_ids == outs[3].outputs[0].token_ids
+    assert outs[2].outputs[0].token_ids != got.token_ids  # the partner really contributes
+
+    def seq_of(lora: object, prompt: list[int]):  # type: ignore[no-untyped-def]
+        prepared = llm.engine.prepare_request(
+            GenerationRequest("k", prompt, adapter=llm.adapters_of(lora))  # type: ignore[arg-type]
+        )
+        try:
+            s = prepared.request.seqs[0]
+            return s.namespace, s.component_starts, s.lora_start
+        finally:
+            llm.engine.discard_prepared(prepared)
+
+    ns_mid, starts, first = seq_of(comp, mid)
+    assert starts == (5, 0) and first == 0
+    moved = [20, 21, *inv, 22, 23, 24, 25, 26, 27]  # the same adapters, activated elsewhere
+    assert seq_of(comp, moved)[0] != ns_mid
+    ns_absent, starts, _ = seq_of(comp, absent)
+    assert starts == (None, 0) and ns_absent == seq_of([comp[1]], absent)[0]
 
 
 def test_prefix_cache_key_is_the_set_of_digests_and_scales(llama: dict) -> None:

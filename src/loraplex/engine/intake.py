@@ -336,13 +336,6 @@ class RequestIntake:
                     raise
                 held.append(copy)
                 warm = warm and was_warm
-                composed = len(comp.components) > 1 or c.scale != 1.0
-                if composed and copy.alora_invocation_tokens is not None:
-                    raise InvalidRequestError(
-                        f"adapter {c.spec.name!r} is an activated LoRA (aLoRA): it cannot be "
-                        "composed or scaled; request it alone at scale 1.0",
-                        param="lora_request",
-                    )
                 if c.scale != 0.0:
                     kept.append((copy, c.scale))
         except BaseException:

@@ -315,10 +315,12 @@ class ModelRunner:
                 logits_idx.extend(range(t + n - 1 - k, t + n))
                 samplers.append(seq)
             merged = seq.slot == self._merged_slot
-            lo = seq.lora_start  # an aLoRA's rows before its activation point are base rows
-            if seq.slot is not None and lo is not None and (not merged or self._merged_vocab):
+            # an aLoRA's rows before its activation point are base rows (in a composition,
+            # each component from its own start)
+            lo = seq.component_starts[0] if seq.component_starts else seq.lora_start
+            if seq.slot is not None and (not merged or self._merged_vocab):
                 rs, re = slot_rows[seq.slot]
-                first = t + max(lo - start, 0)
+                first = t + n if lo is None else t + max(lo - start, 0)
                 w = seq.scales[0] if seq.scales is not None else 1.0
                 if first >= t + n:
                     pass  # the whole chunk lies before the activation point
@@ -332,9 +334,14 @@ class ModelRunner:
                 else:
                     segments.append((first, t + n, rs, re))
                     weights.append(w)
-                if seq.scales is not None and first < t + n:  # a composition's other adapters
-                    for slot, wk in zip(seq.composed_slots, seq.scales[1:], strict=True):
-                        extra.append((first, t + n, *slot_rows[slot], wk))
+                if seq.scales is not None:  # a composition's other adapters
+                    others = zip(
+                        seq.composed_slots, seq.scales[1:], seq.component_starts[1:], strict=True
+                    )
+                    for slot, wk, lk in others:
+                        fk = t + max(lk - start, 0) if lk is not None else t + n
+                        if fk < t + n:
+                            extra.append((fk, t + n, *slot_rows[slot], wk))
             t += n
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)

@@ -94,6 +94,10 @@ class Sequence:
     # the first position the adapter applies to (0: a standard LoRA; an aLoRA's activation
     # point; None: no adapter, or an aLoRA whose invocation the prompt lacks: base throughout)
     lora_start: int | None = field(init=False, default=None)
+    component_starts: tuple[int | None, ...] = field(init=False, default=())
+    """A composition's first position per component (``adapters`` order): 0 for a standard
+    LoRA, an aLoRA's activation point, None for an aLoRA not invoked (it adds nothing); empty
+    for a plain adapter (``lora_start`` says it)."""
     _namespace: bytes = field(init=False, repr=False, default=b"")
     _base_namespace: bytes = field(init=False, repr=False, default=b"")
 
@@ -107,22 +111,44 @@ class Sequence:
         self._namespace = self._base_namespace
         if self.adapter is None:
             return
-        if self.scales is not None:  # a composition (never of an aLoRA: the intake refuses it)
-            self.lora_start = 0
-            parts = zip(self.adapters, self.scales, strict=True)
-            ns = composition_namespace([(a.ref.sha256, s) for a, s in parts])
+        if self.scales is not None:  # a composition: each component from its own start
+            self.component_starts = tuple(self._start_of(a) for a in self.adapters)
+            present = [st for st in self.component_starts if st is not None]
+            self.lora_start = min(present, default=None)  # None: no component applies
+            ns = composition_namespace(self._composition_parts())
             self._namespace = salted_namespace(ns, self.cache_salt)
             return
+        self.lora_start = self._start_of(self.adapter)
+        if self.lora_start is None:
+            return  # an aLoRA not invoked: the base model throughout, base KV, base keys
         ns = self.adapter.ref.namespace
-        invocation = self.adapter.alora_invocation_tokens
-        if invocation is None:
-            self.lora_start = 0
-        else:
-            self.lora_start = activation_start(self.prompt_token_ids, invocation)
-            if self.lora_start is None:
-                return  # the base model throughout: base KV, base keys
+        if self.adapter.alora_invocation_tokens is not None:
             ns = alora_namespace(ns, self.lora_start)
         self._namespace = salted_namespace(ns, self.cache_salt)
+
+    def _start_of(self, adapter: LoRAAdapter) -> int | None:
+        """The first position ``adapter`` applies to in this prompt: 0 for a standard LoRA,
+        an aLoRA's activation point, None for an aLoRA whose invocation the prompt lacks."""
+        invocation = adapter.alora_invocation_tokens
+        if invocation is None:
+            return 0
+        return activation_start(self.prompt_token_ids, invocation)
+
+    def _composition_parts(self) -> list[tuple[str, float]]:
+        """``(key, scale)`` of the components that apply, as :func:`composition_namespace`
+        takes them: a standard adapter by its digest, an aLoRA by its namespace at its start
+        (the KV depends on where it starts); an aLoRA not invoked adds nothing, as a zero
+        scale does."""
+        assert self.scales is not None
+        parts = []
+        for a, w, st in zip(self.adapters, self.scales, self.component_starts, strict=True):
+            if st is None:
+                continue
+            key = a.ref.sha256
+            if a.alora_invocation_tokens is not None:
+                key = alora_namespace(a.ref.namespace, st).hex()
+            parts.append((key, w))
+        return parts
 
     @property
     def adapters(self) -> tuple[LoRAAdapter, ...]:
@@ -149,13 +175,14 @@ class Sequence:
             return None
         if self.scales is None:
             return self.adapter.ref.sha256
-        parts = zip(self.adapters, self.scales, strict=True)
-        return "composed:" + composition_namespace([(a.ref.sha256, s) for a, s in parts]).hex()
+        return "composed:" + composition_namespace(self._composition_parts()).hex()
 
     @property
     def is_alora(self) -> bool:
-        """Its adapter is an activated LoRA (applied from its invocation on, if found)."""
-        return self.adapter is not None and self.adapter.alora_invocation_tokens is not None
+        """Its one adapter (not a composition) is an activated LoRA (applied from its
+        invocation on, if found)."""
+        a = self.adapter
+        return a is not None and self.scales is None and a.alora_invocation_tokens is not None
 
     def namespaces(self, block_size: int) -> Callable[[int], bytes]:
         """``block -> `` the prefix-cache namespace of that KV block: the base model's (salted)
