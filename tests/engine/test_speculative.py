@@ -111,12 +111,18 @@ def _generate(llm: LLM, jobs: list[object], sp: SamplingParams) -> list:
 
 
 def _oracle_llm(
-    model: Path, jobs: list[object], ref: list, monkeypatch: pytest.MonkeyPatch, k: int = 4
+    model: Path,
+    jobs: list[object],
+    ref: list,
+    monkeypatch: pytest.MonkeyPatch,
+    k: int = 4,
+    **llm_kw: object,
 ) -> tuple[LLM, OracleProposer]:
     """An engine whose drafts come from an oracle over ``ref`` (the completions of ``jobs``)."""
     oracle = OracleProposer({}, 400)
     monkeypatch.setitem(speculator_mod.PROPOSERS, "ngram", lambda *a: oracle)
-    llm = _llm(model, {"method": "ngram", "num_speculative_tokens": k, "adaptive": False})
+    spec = {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+    llm = _llm(model, spec, **llm_kw)
     for i, out in enumerate(ref):  # the jobs' prompts differ: the prompt is the key
         oracle.reference[tuple(PROMPTS[i % len(PROMPTS)])] = out.token_ids
     return llm, oracle
@@ -435,3 +441,34 @@ def test_stop_strings_and_structured_outputs_as_without_speculation(tiny_model: 
         )  # fmt: skip
     assert spec_llm.engine.is_idle()
     assert sum(s.num_draft_tokens for s in stats) > 0  # drafts were verified on this path
+
+
+@pytest.mark.parametrize("case", ["sliding-window", "layer-groups"])
+def test_windowed_and_grouped_kv_verify_exactly(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafted rows on a model with sliding-window layers (the window's masks over the draft's
+    decode queries; blocks released out of the window) and with the KV cut into two groups of
+    layers (an adapter leaving layer 0 alone shares base-keyed blocks there): the tokens and
+    logprobs of decoding without drafts."""
+    if case == "sliding-window":
+        model = make_random_model(
+            tmp_path / "m", "gemma3_text", num_layers=2, seed=8, with_tokenizer=False,
+            vocab_size=400, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        )  # fmt: skip
+        kw: dict = {}
+    else:
+        model = make_random_model(tmp_path / "m", "llama", num_layers=2, seed=8,
+                                  with_tokenizer=False, vocab_size=400)  # fmt: skip
+        kw = {"kv_cache_layer_groups": 2}
+    upper = make_random_adapter(model, tmp_path / "up", r=8, layers_to_transform=[1], seed=2,
+                                target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])  # fmt: skip
+    jobs = [None, LoRARequest("up", str(upper)), None]
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=2)
+    ref = _generate(_llm(model, **kw), jobs, sp)
+    llm, _ = _oracle_llm(model, jobs, ref, monkeypatch, **kw)
+    got = _generate(llm, jobs, sp)
+    for want, have in zip(ref, got, strict=True):
+        assert have.token_ids == want.token_ids
+        for a, b in zip(have.logprobs, want.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < LP_TOL

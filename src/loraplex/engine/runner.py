@@ -18,8 +18,9 @@ positions a sequence took from the prefix cache in one group but recomputes for 
 are written to the cache's trash page, never into the shared blocks.
 
 Speculative decoding: a sequence carrying draft tokens (``seq.spec_tokens``) runs its last token
-and the draft as one row of ``1 + k`` tokens, attended like a prompt chunk (causal over its
-context), with logits at every one of them.
+and the draft as one row of ``1 + k`` tokens with logits at every one of them. They are written to
+the cache first and attended as ``1 + k`` decode queries over the sequence's block table, query
+``j`` seeing positions up to its own (the paged decode kernel, as one decode row would use).
 
 Prompt logprobs: for a sequence that asked for them, the hidden state of every prompt position
 in the step's chunk is kept, and ``logprob(prompt[p + 1] | prompt[:p + 1])`` (with the top-k) is
@@ -184,6 +185,8 @@ class ModelRunner:
                 slots.append(self._decode_slot(seq, group))
                 continue
             slots += self._write_slots(seq, start, start + n, group).tolist()
+            if seq.spec_tokens:  # a drafted row: decode queries, no span
+                continue
             span = next(it)
             if span.ctx_slots is not None:
                 ctx = self._slots(seq, 0, start + n, group).to(dev)
@@ -232,7 +235,7 @@ class ModelRunner:
         window: Window,
         attn: AttentionMetadata,
         prefill_pos: list[tuple[int, int]],
-        dec_seqs: list[Sequence],
+        dec_lens: list[int],
     ) -> WindowMasks:
         """``attn``'s masks under a sliding ``window`` or attention chunk (built once per step
         for all the layers with it): the global mask where every query's context fits in the
@@ -246,7 +249,7 @@ class ModelRunner:
                 causal_mask(start, ctx, window).to(self.device) if bites else span.mask
             )
         if attn.decode_mask is not None:
-            lens = torch.tensor([s.num_computed_tokens + 1 for s in dec_seqs])  # [Bd]
+            lens = torch.tensor(dec_lens)  # [Bd]
             width = attn.decode_mask.shape[-1]
             bites = int(lens.max()) > span_of
             wm.decode = (
@@ -265,7 +268,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []  # group 0's write slot of each token
         dec_tokens: list[int] = []
-        dec_seqs: list[Sequence] = []
+        dec_seqs: list[Sequence] = []  # per decode query (a drafted row: 1 + k of them)
+        dec_lens: list[int] = []  # per decode query: the positions it sees (itself included)
         prefills: list[PrefillSpan] = []
         prefill_pos: list[tuple[int, int]] = []  # per prefill span: (first position, context)
         logits_idx: list[int] = []
@@ -299,6 +303,11 @@ class ModelRunner:
             if n == 1 and start > 0:
                 dec_tokens.append(t)
                 dec_seqs.append(seq)
+                dec_lens.append(start + 1)
+            elif k:  # a drafted row: 1 + k decode queries, each seeing the cache up to itself
+                dec_tokens.extend(range(t, t + n))
+                dec_seqs.extend([seq] * n)
+                dec_lens.extend(range(start + 1, start + n + 1))
             elif start == 0:
                 prefills.append(PrefillSpan(t, t + n))
                 prefill_pos.append((0, n))
@@ -347,7 +356,7 @@ class ModelRunner:
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         attn = AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills)
         if dec_seqs:
-            lens = [s.num_computed_tokens + 1 for s in dec_seqs]
+            lens = dec_lens
             lmax = max(lens)
             nblk = -(-lmax // self.block_size)
             table = self._decode_table(dec_seqs, nblk, 0)
@@ -358,7 +367,7 @@ class ModelRunner:
             attn.decode_block_table = table.to(dev)
             attn.decode_all = len(dec_tokens) == t
             attn.decode_tokens = torch.tensor(dec_tokens, dtype=torch.long, device=dev)
-        attn.windowed = [self._window_masks(w, attn, prefill_pos, dec_seqs) for w in self.windows]
+        attn.windowed = [self._window_masks(w, attn, prefill_pos, dec_lens) for w in self.windows]
         if len(self.cache.groups) > 1:
             rest = range(1, len(self.cache.groups))
             attn.kv_groups = [
