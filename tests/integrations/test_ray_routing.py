@@ -79,3 +79,23 @@ def test_before_any_report_a_cold_burst_spreads_by_pending_loads() -> None:
         pending[home] = pending.get(home, 0) + 1
         homes.append(home)
     assert sorted(homes) == ["r1", "r1", "r2", "r2"]
+
+
+def test_the_ingress_routes_a_composition_by_its_primary_adapter() -> None:
+    """``model``, or a composition's primary (``model`` when listed, else the first listed),
+    as ``loraplex route`` picks it; the base model and malformed bodies route by nothing."""
+    import json
+
+    from loraplex.integrations.ray_serve.asgi import ForwardedRequest
+    from loraplex.integrations.ray_serve.deployments import routed_adapter
+
+    def adapter(body: object, method: str = "POST") -> str:
+        raw = json.dumps(body).encode() if not isinstance(body, bytes) else body
+        return routed_adapter(ForwardedRequest(method, "/v1/completions", body=raw), ("base",))
+
+    assert adapter({"model": "sql"}) == "sql"
+    assert adapter({"model": "base"}) == ""
+    assert adapter({"model": "base", "merged_adapters": {"ids": ["a", "b"]}}) == "a"
+    assert adapter({"model": "b", "merged_adapters": {"ids": ["a", "b"]}}) == "b"
+    assert adapter({"model": "base", "lora_requests": [{"lora_name": "c"}, {"name": "d"}]}) == "c"
+    assert adapter(b"{not json") == "" and adapter({"model": "sql"}, "GET") == ""

@@ -68,6 +68,7 @@ from loraplex.integrations.ray_serve.asgi import (
     end_to_end,
     error_start,
 )
+from loraplex.router.app import route_adapters
 from loraplex.router.push import Answer, answer_of, bearer_refusal, check_digest, fan_in
 from loraplex.router.relay import read_body, sse_error
 
@@ -253,6 +254,21 @@ class IngressSettings:
     push_timeout_s: float = 300.0  # every replica's answer to a push, at most
 
 
+def routed_adapter(req: ForwardedRequest, base_names: tuple[str, ...]) -> str:
+    """The adapter a request routes by, or ``""`` (the base model): its JSON body's ``model``,
+    or for a composition (``merged_adapters``, ``lora_requests``) its primary adapter, as
+    ``loraplex route`` picks it (:func:`~loraplex.router.app.route_adapters`), so a composed
+    request goes where its primary's weights are."""
+    if req.method != "POST" or not req.body.lstrip().startswith(b"{"):
+        return ""
+    try:
+        body = json.loads(req.body)
+    except ValueError:
+        return ""  # the replica answers the malformed body
+    adapter, _ = route_adapters(body, lambda name: name in base_names)
+    return adapter or ""
+
+
 async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
     """The rest of a streamed answer; a replica lost mid-stream ends it with an error event."""
     finished = False
@@ -390,16 +406,7 @@ class LoraplexIngress:
         return _response(start, len(results))
 
     def _adapter_of(self, req: ForwardedRequest) -> str:
-        """The adapter a request names (its JSON body's ``model``), or ``""``."""
-        if req.method != "POST" or not req.body.lstrip().startswith(b"{"):
-            return ""
-        try:
-            model = json.loads(req.body).get("model")
-        except (ValueError, AttributeError):
-            return ""  # the replica answers the malformed body
-        if not isinstance(model, str) or model in self.settings.base_names:
-            return ""
-        return model
+        return routed_adapter(req, self.settings.base_names)
 
     async def _send(
         self, req: ForwardedRequest, adapter: str
