@@ -355,6 +355,11 @@ def test_prefix_cache_key_is_the_set_of_digests_and_scales(llama: dict) -> None:
     assert salted != namespace([lr("r4"), lr("r8", 0.5)], salt="tenant-b")
     d4 = llm.engine.intake.adapter_spec(lr("r4")).sha256
     assert composition_namespace([(d4, 1.0)]) == bytes.fromhex(d4)
+    # every scale 0: the base model ran, and the output says so (the composition names them)
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), [[lr("r4", 0.0), lr("r8", 0.0)]])
+    assert out[0].adapter is None
+    half = llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), [[lr("r4", 0.0), lr("r8", 0.5)]])
+    assert half[0].adapter is not None and half[0].adapter.name == "r8"  # the first applied
     assert llm.engine.is_idle()
 
 

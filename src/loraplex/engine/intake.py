@@ -431,7 +431,10 @@ class RequestIntake:
                 self.adapters.release(copy)  # type: ignore[union-attr]
             raise
         # the ref reports the name (and revision) the request used; caches key on the digest only
-        # (a composition's: its first component's; ``composition`` names them all)
+        # (a composition's: its first component that applies, none when every scale is 0 and
+        # the base model ran; ``composition`` names them all)
+        if comp is not None:
+            spec = next((c.spec for c in comp.components if c.scale != 0.0), None)
         ref = spec.ref if spec is not None else None
         arrival = request.arrival if request.arrival is not None else time.monotonic()
         req = EngineRequest(request.request_id, text, ids, seqs, ref, arrival, comp)
