@@ -23,6 +23,7 @@ from loraplex.server.dashboard import TOP_SPEC_ADAPTERS, DashboardSampler
 from loraplex.server.metrics import MAX_ADAPTER_LABELS
 from loraplex.testing.server import serve_in_thread
 from tests.browser import chromium_page
+from tests.server.test_concurrency import sse_payloads, stream_text
 from tests.server.test_vllm_metrics import samples, value
 
 ADMIN = "sk-admin-spec"
@@ -275,6 +276,15 @@ def test_a_served_request_speculates_and_is_counted(
                 for m in (MODEL, "sql")
             ]
             texts.append([g["choices"][0]["text"] for g in got])
+            # streamed: several tokens may arrive in one chunk; the text and the per-token
+            # logprobs add up to the whole answer's
+            stream = {**body, "model": "sql", "stream": True, "logprobs": 1}
+            with c.stream("POST", "/v1/completions", json=stream, headers=ADMIN_H) as r:
+                payloads = sse_payloads(list(r.iter_lines()))
+            texts[-1].append(stream_text(payloads))
+            tokens = [t for p in payloads for ch in p["choices"] if ch.get("logprobs")
+                      for t in ch["logprobs"]["tokens"]]  # fmt: skip
+            assert len(tokens) == got[1]["usage"]["completion_tokens"]
             text = c.get("/metrics", headers=ADMIN_H).text
             if config is not None:
                 got_samples = samples(text)
@@ -289,4 +299,4 @@ def test_a_served_request_speculates_and_is_counted(
                 assert 0 < per_adapter <= drafted
             else:
                 assert "spec_decode" not in text
-    assert texts[0] == texts[1]
+    assert texts[0] == texts[1] and texts[0][2] == texts[0][1]
