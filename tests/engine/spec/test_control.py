@@ -9,6 +9,7 @@ from loraplex.engine.spec.control import (
     ALPHA_PRIOR,
     MIN_FIT_STEPS,
     PROBE_EVERY,
+    WARMUP_STEPS,
     Acceptance,
     SpecController,
     StepCost,
@@ -16,7 +17,10 @@ from loraplex.engine.spec.control import (
 
 
 def _measured(ctl: SpecController, a: float, b: float, sizes: range = range(1, 65, 3)) -> None:
-    """Feed ``ctl`` steps that took exactly ``a + b * tokens`` seconds."""
+    """Feed ``ctl`` steps that took exactly ``a + b * tokens`` seconds (after the warm-up
+    steps, which are not counted)."""
+    for _ in range(WARMUP_STEPS):
+        ctl.cost.observe(1, 100.0)
     for _ in range(3):
         for n in sizes:
             ctl.cost.observe(n, a + b * n)
@@ -31,17 +35,22 @@ def _accepting(ctl: SpecController, key: str, alpha_events: tuple[int, int], tim
 def test_step_cost_fits_the_measured_line() -> None:
     cost = StepCost()
     assert cost.coefficients()[1] == pytest.approx(cost.coefficients()[0] / 64)  # the prior
+    for _ in range(WARMUP_STEPS):  # cold first steps: not counted
+        cost.observe(16, 5.0)
     for n in range(1, 40):
         cost.observe(n, 0.010 + 0.0004 * n)
     a, b = cost.coefficients()
     assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.0004, rel=1e-6)
+    cost.observe(10, 9.0)  # a pause: counted as 3x its prediction, not 600x
+    a2, b2 = cost.coefficients()
+    assert a2 + 10 * b2 < 2 * (a + 10 * b)
     cost.observe_draft(4, 0.008)
     assert cost.c == pytest.approx(0.002)
 
 
 def test_one_step_size_alone_leaves_the_slope_to_the_prior() -> None:
     cost = StepCost()
-    for _ in range(MIN_FIT_STEPS * 2):
+    for _ in range(MIN_FIT_STEPS * 2 + WARMUP_STEPS):
         cost.observe(16, 0.02)
     a, b = cost.coefficients()
     assert a + 16 * b == pytest.approx(0.02) and b == pytest.approx(a / 64)

@@ -32,6 +32,8 @@ MAX_TRACKED = 4096  # adapters whose acceptance is kept (least recently drafted 
 COST_DECAY = 0.97  # per measured step
 PRIOR_TOKEN_SHARE = 1 / 64  # b / a assumed before the steps tell (a 64-token knee)
 MIN_FIT_STEPS = 8  # (weighted) steps measured before b is fitted rather than assumed
+WARMUP_STEPS = 4  # first steps not measured
+OUTLIER_FACTOR = 3.0  # a measured step counts as at most this many times its prediction
 PROBE_EVERY = 32  # steps: a key drafting nothing gets one token this often (to re-measure)
 
 
@@ -68,8 +70,19 @@ class StepCost:
         self._s = [0.0] * 5  # weighted sums of 1, N, T, N^2, N T
         self.c = 0.0
         self._c_weight = 0.0
+        self._skipped = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
+        """One measured step. The first :data:`WARMUP_STEPS` are not counted (first calls
+        build kernels and plans, touch fresh pages), and once the fit stands a step slower
+        than :data:`OUTLIER_FACTOR` x its prediction counts as that (a pause, another process
+        on the cores) so one spike cannot turn drafting off for a hundred steps."""
+        if self._skipped < WARMUP_STEPS:
+            self._skipped += 1
+            return
+        if self._s[0] >= MIN_FIT_STEPS:
+            a, b = self.coefficients()
+            seconds = min(seconds, OUTLIER_FACTOR * (a + b * tokens))
         s = self._s
         for i in range(5):
             s[i] *= COST_DECAY
