@@ -496,6 +496,13 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/loraplex-spec-bench")
     ap.add_argument("--prompts-out", default=None, help="write the workload as JSON (for vLLM)")
     ap.add_argument("--json-out", default=None, help="write the rows as JSON")
+    ap.add_argument(
+        "--method-concurrency",
+        action="append",
+        default=[],
+        metavar="METHOD=C1,C2",
+        help="run METHOD only at these concurrencies (e.g. a slow method's C=1 alone)",
+    )
     ap.add_argument("--no-again", dest="again", action="store_false",
                     help="skip the second none run (the drift check)")  # fmt: skip
     ap.add_argument("--show", type=int, default=0, help="print the first N none outputs")
@@ -505,6 +512,10 @@ def main() -> None:
     if len(counts) != len(args.concurrency):
         raise SystemExit("--requests needs one count per --concurrency")
     sampled = [int(c) for c in args.sampled.split(",") if c]
+    only: dict[str, set[int]] = {}
+    for spec in args.method_concurrency:
+        name, _, cs = spec.partition("=")
+        only[name] = {int(c) for c in cs.split(",") if c}
     methods = args.methods.split(",")
     if args.again:
         methods.append(AGAIN)
@@ -543,6 +554,8 @@ def main() -> None:
             if c in sampled
         ]
         for conc, n, temp in todo:
+            if method in only and conc not in only[method]:
+                continue
             cell = run_cell(
                 llm, items[:n], method, conc, args.max_tokens, temp, args.seed,
                 f"{method}-{conc}-{temp}",
