@@ -20,12 +20,12 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
-from collections import deque
 from typing import Any
+
+from spec_bench_cells import InFlight
 
 
 def run_cell(
@@ -35,45 +35,30 @@ def run_cell(
     """``items`` with ``conc`` in flight; TPOT per request from per-token timestamps."""
     from vllm import SamplingParams
 
-    pending = deque(range(len(items)))
-    inflight: dict[str, tuple[int, list[float]]] = {}
-    tpots: list[float] = []
-    outputs: dict[int, list[int]] = {}
-    out_tokens = 0
+    flight = InFlight(len(items), conc)
+
+    def add(i: int) -> str:
+        sp = SamplingParams(
+            temperature=temperature, max_tokens=max_tokens,
+            seed=None if temperature == 0 else seed + i,
+        )  # fmt: skip
+        engine.add_request(
+            f"{tag}-{i}", {"prompt_token_ids": items[i]["prompt_token_ids"]}, sp,
+            lora_request=adapters.get(items[i]["adapter"]),
+        )  # fmt: skip
+        return f"{tag}-{i}"
+
     t0 = time.perf_counter()
-    while pending or inflight:
-        while pending and len(inflight) < conc:
-            i = pending.popleft()
-            sp = SamplingParams(
-                temperature=temperature, max_tokens=max_tokens,
-                seed=None if temperature == 0 else seed + i,
-            )  # fmt: skip
-            rid = f"{tag}-{i}"
-            engine.add_request(
-                rid, {"prompt_token_ids": items[i]["prompt_token_ids"]}, sp,
-                lora_request=adapters.get(items[i]["adapter"]),
-            )  # fmt: skip
-            inflight[rid] = (i, [])
+    while flight.busy:
+        flight.fill(add)
         outs = engine.step()
-        now = time.perf_counter()
-        for out in outs:
-            if out.request_id not in inflight:
-                continue
-            i, stamps = inflight[out.request_id]
-            toks = out.outputs[0].token_ids
-            stamps.extend([now] * (len(toks) - len(stamps)))
-            if out.finished:
-                del inflight[out.request_id]
-                outputs[i] = list(toks)
-                out_tokens += len(toks)
-                if len(stamps) > 1:
-                    tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        flight.observe(outs, time.perf_counter())
     wall = time.perf_counter() - t0
+    mean, p50, itl = flight.tpot_ms()
     return dict(
-        conc=conc, temperature=temperature, requests=len(outputs), out_tokens=out_tokens,
-        tpot_mean_ms=1000 * statistics.fmean(tpots) if tpots else float("nan"),
-        tpot_p50_ms=1000 * statistics.median(tpots) if tpots else float("nan"),
-        tok_s=out_tokens / wall, outputs=outputs,
+        conc=conc, temperature=temperature, requests=len(flight.outputs),
+        out_tokens=flight.out_tokens, tpot_mean_ms=mean, tpot_p50_ms=p50, itl_ms=itl,
+        tok_s=flight.out_tokens / wall, outputs=flight.outputs,
     )  # fmt: skip
 
 
@@ -141,6 +126,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("prompts", help="the JSON file bench_spec_decode.py --prompts-out wrote")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--no-again", dest="again", action="store_false",
+                    help="skip the second run without speculation (the drift check)")  # fmt: skip
     args = ap.parse_args()
     data = json.loads(open(args.prompts).read())
     items = data["items"]
@@ -152,7 +139,10 @@ def main() -> None:
     print("load average before:", os.getloadavg())
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
-    for label, sp, lora in (("none+lora", None, True), ("ngram+lora", spec, True)):
+    configs = [("none+lora", None, True), ("ngram+lora", spec, True)]
+    if args.again:  # none once more: how much the machine drifted meanwhile
+        configs.append(("none+lora again", None, True))
+    for label, sp, lora in configs:
         try:
             rows += run_config(data, items, sp, lora, label)
         except Exception as e:
@@ -167,14 +157,17 @@ def main() -> None:
                 errors[label] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
     print("load average after:", os.getloadavg())
-    ref = {(r["config"].split(" ")[0].split("+")[0] == "none", "base only" in r["config"],
-            r["conc"], r["temperature"]): r for r in rows}  # fmt: skip
+    ref = {(r["config"], r["conc"], r["temperature"]): r for r in rows}
+    order = [c for c, _, _ in configs] + ["none (base only)", "ngram (base only)"]
     print("\n| vLLM config | sampling | C | requests | output tokens | TPOT mean (ms) | "
-          "TPOT p50 (ms) | TPOT vs none | output tok/s | acceptance | greedy mismatches |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["temperature"], r["conc"], r["config"])):
-        base = ref.get((True, "base only" in r["config"], r["conc"], r["temperature"]))
+          "TPOT p50 (ms) | TPOT vs none | token-weighted TPOT (ms) | vs none | output tok/s | "
+          "acceptance | greedy mismatches |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["temperature"], r["conc"], order.index(r["config"]))):
+        none = "none (base only)" if "base only" in r["config"] else "none+lora"
+        base = ref.get((none, r["conc"], r["temperature"]))
         ratio = r["tpot_mean_ms"] / base["tpot_mean_ms"] if base else float("nan")
+        itl_ratio = r["itl_ms"] / base["itl_ms"] if base else float("nan")
         acc = f"{100 * r['accepted'] / r['drafted']:.0f}%" if r["drafted"] else "—"
         mm = "—"
         if base is not None and base is not r and r["temperature"] == 0:
@@ -183,6 +176,7 @@ def main() -> None:
         print(
             f"| {r['config']} | {samp} | {r['conc']} | {r['requests']} | {r['out_tokens']} | "
             f"{r['tpot_mean_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {ratio:.2f}x | "
+            f"{r['itl_ms']:.1f} | {itl_ratio:.2f}x | "
             f"{r['tok_s']:.1f} | {acc} | {mm} |"
         )
     for label, err in errors.items():
