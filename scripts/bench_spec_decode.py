@@ -472,6 +472,21 @@ def print_targets(rows: list[dict[str, Any]], concurrency: list[int]) -> None:
         )
 
 
+def reprint(path: Path, reference: str) -> None:
+    """The tables of a finished run, TPOT ratios against ``reference`` (``none`` or the second
+    ``none`` run of the same process, measured after every method)."""
+    rows = json.loads(path.read_text())["rows"]
+    ref = {(r["conc"], r["temperature"]): r for r in rows if r["method"] == reference}
+    for r in rows:
+        base = ref.get((r["conc"], r["temperature"]))
+        if base is not None:
+            r["ratio"] = r["tpot_mean_ms"] / base["tpot_mean_ms"]
+            r["itl_ratio"] = r["itl_ms"] / base["itl_ms"]
+    print(f"TPOT ratios against {reference!r}")
+    print_tables(rows)
+    print_targets(rows, sorted({r["conc"] for r in rows}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="/root/.cache/loraplex/smollm2-135m-instruct")
@@ -504,7 +519,13 @@ def main() -> None:
     ap.add_argument("--no-again", dest="again", action="store_false",
                     help="skip the second none run (the drift check)")  # fmt: skip
     ap.add_argument("--show", type=int, default=0, help="print the first N none outputs")
+    ap.add_argument("--from-json", default=None, help="reprint the tables of a --json-out file")
+    ap.add_argument("--reference", default="none", choices=("none", AGAIN),
+                    help="the run TPOT ratios are taken against (with --from-json)")  # fmt: skip
     args = ap.parse_args()
+    if args.from_json:
+        reprint(Path(args.from_json), args.reference)
+        return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     counts = [int(n) for n in args.requests.split(",")]
     if len(counts) != len(args.concurrency):
