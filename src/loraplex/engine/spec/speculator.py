@@ -23,7 +23,7 @@ from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.spec.control import SpecController
 from loraplex.engine.spec.proposer import Proposer
 from loraplex.engine.spec.stats import BASE_LABEL, SpecStepStats
-from loraplex.engine.spec.verify import verify
+from loraplex.engine.spec.verify import plain_greedy, verify
 
 if TYPE_CHECKING:
     from loraplex.config import EngineConfig
@@ -102,11 +102,16 @@ class Speculator:
         appended = drafts = drafted = accepted = 0
         per_pos: Counter[int] = Counter()
         by_label: dict[str, list[int]] = {}
+        plain = [plain_greedy(s) for s in samplers]
+        top = logits.argmax(dim=-1).tolist() if any(plain) else []  # [rows], one op
         r = 0
-        for seq in samplers:
+        for seq, fast in zip(samplers, plain, strict=True):
             k = len(seq.spec_tokens)
             key = seq.adapter_key or ""
-            res = verify(seq, logits[r : r + k + 1], generator, now, eos_token_ids)
+            rows = logits[r : r + k + 1]  # [k + 1, V]
+            res = verify(
+                seq, rows, generator, now, eos_token_ids, top[r : r + k + 1] if fast else None
+            )
             r += k + 1
             appended += res.appended
             if res.finish is not None:

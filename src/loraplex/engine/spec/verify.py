@@ -77,18 +77,47 @@ def _accepts(
     return False, draw(residual, gen)
 
 
+def plain_greedy(seq: Sequence) -> bool:
+    """Whether ``seq``'s next tokens are the raw logits' argmax whatever comes before them:
+    greedy, no grammar, bias or penalty, no min_tokens still to reach, no logprobs to record
+    (verification then needs only each row's argmax, taken for all rows at once)."""
+    p = seq.params
+    return (
+        p.greedy
+        and seq.grammar is None
+        and not p.logit_bias
+        and not p.has_penalties
+        and not seq.tracks_logprobs
+        and len(seq.output_token_ids) >= p.min_tokens
+    )
+
+
 def verify(
     seq: Sequence,
     logits: torch.Tensor,
     default_gen: torch.Generator,
     now: float,
     eos_token_ids: set[int],
+    argmax: list[int] | None = None,
 ) -> Verified:
     """Verify ``seq.spec_tokens`` against ``logits`` [k + 1, V] (float32, CPU) and append the
-    tokens the target keeps (see the module docstring). The draft is consumed (cleared)."""
+    tokens the target keeps (see the module docstring). The draft is consumed (cleared).
+    ``argmax``: each row's argmax, given when :func:`plain_greedy` holds (no row is
+    processed then)."""
     draft, q = seq.spec_tokens, seq.spec_probs
     seq.spec_tokens, seq.spec_probs = [], None
     k = len(draft)
+    if argmax is not None:  # plain greedy: the first disagreement ends it
+        accepted = appended = 0
+        for j in range(k + 1):
+            tok = argmax[j]
+            reason = append_token(seq, tok, now, eos_token_ids)
+            appended += 1
+            ok = j < k and tok == draft[j]
+            accepted += ok
+            if reason is not None or not ok:
+                return Verified(drafted=k, accepted=accepted, appended=appended, finish=reason)
+        raise AssertionError("unreachable: the bonus row always ends verification")
     p = seq.params
     gen = seq.generator if seq.generator is not None else default_gen
     accepted = appended = 0
