@@ -107,7 +107,6 @@ class Speculator:
         r = 0
         for seq, fast in zip(samplers, plain, strict=True):
             k = len(seq.spec_tokens)
-            key = seq.adapter_key or ""
             rows = logits[r : r + k + 1]  # [k + 1, V]
             res = verify(
                 seq, rows, generator, now, eos_token_ids, top[r : r + k + 1] if fast else None
@@ -120,7 +119,7 @@ class Speculator:
                 continue
             if res.rejected:
                 rejected[seq] = res.rejected
-            self.control.observe(key, k, res.accepted)
+            self.control.observe(seq.adapter_key or "", k, res.accepted)
             drafts += 1
             drafted += k
             accepted += res.accepted
