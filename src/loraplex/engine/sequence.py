@@ -91,6 +91,7 @@ class Sequence:
     runs them after the last token and verifies them; empty: none. The scheduler drops them
     when the sequence is not decoding or its step cannot hold them."""
     spec_probs: torch.Tensor | None = None  # [len(spec_tokens), V] the draft's distributions
+    spec_kept: bool = False  # its last verified draft was kept whole (adaptive k keys on it)
     # the first position the adapter applies to (0: a standard LoRA; an aLoRA's activation
     # point; None: no adapter, or an aLoRA whose invocation the prompt lacks: base throughout)
     lora_start: int | None = field(init=False, default=None)

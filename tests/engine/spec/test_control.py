@@ -110,3 +110,35 @@ def test_an_adapter_that_stopped_drafting_is_probed_again() -> None:
     _accepting(ctl, "x", (4, 1), 10)
     got = [ctl.limits(["x"], [4], batch_tokens=1)[0] for _ in range(PROBE_EVERY * 2)]
     assert sum(got) == 2 and set(got) == {0, 1}
+
+
+def test_a_draft_that_slows_the_other_sequences_more_than_it_saves_is_not_made() -> None:
+    """TPOT is per request: at 16 sequences with T = 20 b, one sequence's sure token would
+    halve its own time per token (10.5 b) but make the 15 others' step 21 b, a worse mean
+    TPOT (20.3 b > 20 b), though more tokens per second; alone, the same draft pays."""
+    ctl = SpecController(num_speculative_tokens=1)
+    _measured(ctl, a=0.004, b=0.001)
+    _accepting(ctl, "sure", (1, 1), 300)
+    _accepting(ctl, "never", (1, 0), 300)
+    assert ctl.alpha("sure") > 0.99 and ctl.alpha("never") < 0.01
+    assert ctl.limits(["sure"] + ["never"] * 15, [1] * 16, batch_tokens=16) == [0] * 16
+    assert ctl.limits(["sure"], [1], batch_tokens=1) == [1]
+
+
+def test_sequences_whose_last_draft_was_kept_are_judged_apart() -> None:
+    """Acceptance comes in runs: the speculator keys a sequence whose last draft was kept
+    whole apart from the adapter's other sequences, so a copy in progress drafts deep while a
+    fresh sequence of the same adapter drafts little."""
+    from loraplex.engine.spec.speculator import KEPT_SUFFIX, control_key
+    from tests.engine.spec.seqs import make_seq
+
+    seq = make_seq([1, 2, 3])
+    assert control_key(seq) == ""
+    seq.spec_kept = True
+    assert control_key(seq) == KEPT_SUFFIX
+    ctl = SpecController(num_speculative_tokens=8)
+    _measured(ctl, a=0.010, b=0.0001)  # weight bound, as one sequence's step is
+    _accepting(ctl, "x", (8, 0), 100)  # drafts of a fresh start fail
+    _accepting(ctl, "x" + KEPT_SUFFIX, (8, 8), 100)  # a run that was kept goes on
+    cold, hot = ctl.limits(["x", "x" + KEPT_SUFFIX], [8, 8], batch_tokens=2)
+    assert hot == 8 and cold <= 1

@@ -8,15 +8,22 @@ are accepted position by position with probability ``alpha`` yields, in expectat
 ``1 + alpha + alpha^2 + ... + alpha^k`` tokens for the sequence this step.
 
 The controller fits ``a`` and ``b`` to the measured steps (least squares with exponential
-forgetting) and keeps ``alpha`` per adapter (a running estimate over accept/reject events).
-Each step it starts every sequence at ``k = 0`` and adds draft positions greedily, the one with
-the largest expected gain first, while the step's expected tokens per second still rise:
+forgetting) and keeps ``alpha`` per key: an adapter, split by the sequence's last draft (the
+speculator keys a sequence whose last draft was kept whole apart, since acceptance comes in
+runs: a copy goes on, a miss is followed by misses). Its objective is what each request sees,
+TPOT: the mean over the decoding sequences of the step's time per token it yields,
+``T(N) * S`` with ``S = sum_i 1 / (1 + E_i)`` and ``E_i`` the sequence's expected accepted
+tokens. Each step it starts every sequence at ``k = 0`` and adds draft positions greedily, the
+one that lowers ``S`` most first, while ``T * S`` still falls:
 
-    O = decoding sequences, N = tokens the step runs, gain(i, j) = alpha_i ** j
-    add (i, j) while gain * T(N) > O * (b + c [j beyond every k so far])
+    gain(i, j) = alpha_i ** j,  delta = 1 / (1 + E_i) - 1 / (1 + E_i + gain)
+    add (i, j) while (T + extra) * (S - delta) < T * S,  extra = b + c [j beyond every k so far]
 
-so k falls to 0 where drafting does not pay, and reaches ``num_speculative_tokens`` where it
-does. With ``adaptive: false`` every sequence drafts ``num_speculative_tokens`` (vLLM's fixed k).
+At one sequence this is tokens per second; with many, a draft that speeds its own sequence up
+but slows every other sequence's step more than that is not made (throughput alone would make
+it, and the sequences without drafts would see a slower TPOT). So k falls to 0 where drafting
+does not pay, and reaches ``num_speculative_tokens`` where it does. With ``adaptive: false``
+every sequence drafts ``num_speculative_tokens`` (vLLM's fixed k).
 """
 
 from __future__ import annotations
@@ -165,22 +172,27 @@ class SpecController:
         c = self.cost.c
         alphas = [self.alpha(k) for k in keys]
         ks = [0] * n
-        out_tokens, tokens, deepest = float(n), float(max(batch_tokens, n)), 0
-        heap = [(-alphas[i], i) for i in range(n) if caps[i] > 0 and alphas[i] > 0]
+        expect = [0.0] * n  # E_i: expected accepted tokens of sequence i this step
+        share = float(n)  # S = sum_i 1 / (1 + E_i)
+        step = a + b * max(batch_tokens, n)  # T: the step's predicted seconds
+        deepest = 0
+        heap = [(-_delta(0.0, alphas[i]), i, alphas[i]) for i in range(n) if caps[i] > 0]
         heapq.heapify(heap)
         while heap:
-            neg_gain, i = heapq.heappop(heap)
-            gain = -neg_gain
+            neg_delta, i, gain = heapq.heappop(heap)
+            delta = -neg_delta
             j = ks[i] + 1
             extra = b + (c if j > deepest else 0.0)
-            if gain * (a + b * tokens + c * deepest) <= out_tokens * extra:
+            if delta <= 0.0 or (step + extra) * (share - delta) >= step * share:
                 break  # the best remaining position does not pay: neither does any other
             ks[i] = j
-            out_tokens += gain
-            tokens += 1
+            expect[i] += gain
+            share -= delta
+            step += extra
             deepest = max(deepest, j)
             if j < min(self.k_max, caps[i]):
-                heapq.heappush(heap, (-(gain * alphas[i]), i))
+                nxt = gain * alphas[i]
+                heapq.heappush(heap, (-_delta(expect[i], nxt), i, nxt))
         for i, key in enumerate(keys):  # re-measure adapters that stopped drafting now and then
             acc = self._acceptance.get(key)
             if ks[i] == 0 and caps[i] > 0 and acc is not None:
@@ -189,3 +201,9 @@ class SpecController:
             if ks[i] and acc is not None:
                 acc.last_drafted = self.step
         return ks
+
+
+def _delta(expect: float, gain: float) -> float:
+    """How much one more draft position lowers ``1 / (1 + E)`` (a sequence's time per token,
+    in steps) when it adds ``gain`` expected tokens to ``expect``."""
+    return 1.0 / (1.0 + expect) - 1.0 / (1.0 + expect + gain)

@@ -30,6 +30,16 @@ if TYPE_CHECKING:
     from loraplex.engine.builder import EngineParts
 
 COMPOSED_LABEL = "composed"
+KEPT_SUFFIX = "\x00kept"
+"""Appended to the controller's key of a sequence whose last draft was kept whole: acceptance
+comes in runs (a copy goes on), so such a sequence's next draft is judged apart."""
+
+
+def control_key(seq: Sequence) -> str:
+    """The key adaptive k tracks ``seq``'s acceptance under: its adapter (or composition),
+    split by whether its last draft was kept whole."""
+    key = seq.adapter_key or ""
+    return key + KEPT_SUFFIX if seq.spec_kept else key
 
 
 def adapter_label(seq: Sequence) -> str:
@@ -70,7 +80,7 @@ class Speculator:
             caps.append(max(cap, 0))
         if not decoding:
             return
-        keys = [s.adapter_key or "" for s in decoding]
+        keys = [control_key(s) for s in decoding]
         ks = self.control.limits(keys, caps, min(pending, max_batched_tokens))
         chosen = [(s, k) for s, k in zip(decoding, ks, strict=True) if k > 0]
         if not chosen:
@@ -119,7 +129,8 @@ class Speculator:
                 continue
             if res.rejected:
                 rejected[seq] = res.rejected
-            self.control.observe(seq.adapter_key or "", k, res.accepted)
+            self.control.observe(control_key(seq), k, res.accepted)
+            seq.spec_kept = res.accepted == k
             drafts += 1
             drafted += k
             accepted += res.accepted
