@@ -5,17 +5,19 @@ a workload whose outputs repeat their input or the adapter's habits: code edits 
 code block with one rename), JSON extraction through ``json``, answers quoting a given context
 (base and ``prefix``), ``signoff`` answers, and a few ``uppercase`` ones (whose output does not
 repeat its input: the hard row of the acceptance table). Prompts are built with the chat
-template from a seeded generator, so every run and every method sees the same requests.
+template from a seeded generator.
 
-Every method runs in this one process, one ``LLM`` after another (the previous one shut down
-and freed): ``none``, ``ngram`` (adaptive k), ``ngram-fixed`` (``"adaptive": false``, vLLM's
-fixed k), ``suffix`` and ``draft`` (a layer-skip self-draft: the target's first L layers, built
-here from the local checkpoint, with the demo adapters cut to the same layers as its draft
-LoRAs). Each cell keeps exactly C requests in flight (a new one is added as soon as one
-finishes), timestamps every output token and reports TPOT ((last - first token time) /
-(tokens - 1) per request), output tok/s, acceptance overall and per adapter (from each step's
-``SpecStepStats``) and the mean k the controller chose. Greedy outputs are compared token for
-token with ``none``'s.
+Every method's ``LLM`` is built once in this one process and stays alive. Each cell (C,
+sampling) runs ``--rounds`` rounds, each on fresh requests that every method runs (none sees a
+request twice: suffix decoding must not learn the measured outputs), the methods in an order
+that rotates per round, so a round's ratios compare runs seconds apart. Methods: ``none``,
+``ngram`` (adaptive k), ``ngram-fixed`` (``"adaptive": false``, vLLM's fixed k), ``suffix`` and
+``draft`` (a layer-skip self-draft: the target's first L layers, built here from the local
+checkpoint, with the demo adapters cut to the same layers as its draft LoRAs). Each cell keeps
+exactly C requests in flight (a new one is added as soon as one finishes), timestamps every
+output token and reports TPOT ((last - first token time) / (tokens - 1) per request), output
+tok/s, acceptance overall and per adapter (from each step's ``SpecStepStats``) and the mean k
+the controller chose. Greedy outputs are compared token for token with ``none``'s.
 
     PYTHONPATH=src python scripts/bench_spec_decode.py \
         --model /root/.cache/loraplex/smollm2-135m-instruct --prompts-out /tmp/spec_prompts.json
@@ -26,11 +28,11 @@ token with ``none``'s.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -46,7 +48,6 @@ from loraplex import LLM, LoRARequest, SamplingParams
 ADAPTER_DIR = Path(__file__).resolve().parents[1] / "src/loraplex/tools/demo/adapters"
 ADAPTERS = ("json", "prefix", "signoff", "uppercase")
 METHODS = ("none", "ngram", "ngram-fixed", "suffix", "draft", "draft-fixed")
-AGAIN = "none-again"  # none once more after the others: how much the machine drifted
 
 # -- the workload -------------------------------------------------------------------------------
 
@@ -375,7 +376,7 @@ def compare(cell: Cell, base: Cell, items: list[Item], tokenizer: Any) -> None:
 
 def spec_config(method: str, args: argparse.Namespace, draft: tuple[Path, dict]) -> dict | None:
     k = args.k
-    if method in ("none", AGAIN):
+    if method == "none":
         return None
     if method in ("ngram", "ngram-fixed"):
         cfg = {"method": "ngram", "num_speculative_tokens": k,
@@ -398,7 +399,7 @@ def build_llm(args: argparse.Namespace, spec: dict | None) -> LLM:
     return LLM(
         args.model, dtype=args.dtype, enable_lora=True, max_loras=4, max_lora_rank=8,
         max_num_seqs=max(args.concurrency), speculative_config=spec, seed=args.seed,
-        num_threads=args.threads,
+        num_threads=args.threads, num_kv_blocks=args.kv_blocks,
     )  # fmt: skip
 
 
@@ -424,29 +425,65 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else f"{100 * x:.0f}%"
 
 
-def print_tables(rows: list[dict[str, Any]]) -> None:
-    print(
-        "\n| sampling | C | method | requests | output tokens | TPOT mean (ms) | TPOT p50 (ms) "
-        "| TPOT vs none | token-weighted TPOT (ms) | vs none | output tok/s | acceptance "
-        "| mean k | greedy mismatches |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+def _span(xs: list[float]) -> str:
+    """``median [min-max]`` of ratios."""
+    return f"{statistics.median(xs):.2f}x [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+def summarize(rows: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
+    """One line per (sampling, C, method) over its rounds: the per-round TPOTs, the median and
+    range of the per-round ratios to ``none`` of the same round, acceptance over all rounds."""
+    cells: dict[tuple[float, int, str], list[dict[str, Any]]] = {}
     for r in rows:
+        cells.setdefault((r["temperature"], r["conc"], r["method"]), []).append(r)
+    out = []
+    for (temp, conc, method), rs in sorted(
+        cells.items(), key=lambda kv: (kv[0][0], kv[0][1], methods.index(kv[0][2]))
+    ):
+        rs.sort(key=lambda r: r.get("round", 0))
+        drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
+        ks = [r["mean_k"] for r in rs if r["mean_k"] is not None]
+        by: dict[str, list[int]] = {}
+        for r in rs:
+            for lb, (d, a) in r["by_adapter"].items():
+                row = by.setdefault(lb, [0, 0])
+                row[0], row[1] = row[0] + d, row[1] + a
+        out.append(dict(
+            temperature=temp, conc=conc, method=method, rounds=len(rs),
+            tpot=[r["tpot_mean_ms"] for r in rs], ratios=[r["ratio"] for r in rs],
+            itl_ratios=[r["itl_ratio"] for r in rs], tok_s=[r["tok_s"] for r in rs],
+            acceptance=accepted / drafted if drafted else None,
+            mean_k=statistics.fmean(ks) if ks else None,
+            mismatches=[r["mismatches"] for r in rs], by_adapter=by,
+        ))  # fmt: skip
+    return out
+
+
+def print_tables(rows: list[dict[str, Any]], methods: list[str]) -> None:
+    lines = summarize(rows, methods)
+    print(
+        "\n| sampling | C | method | TPOT mean, ms (each round) | TPOT vs none: median [range] "
+        "| token-weighted vs none | acceptance | mean k | greedy mismatches |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in lines:
         samp = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
         mk = "—" if r["mean_k"] is None else f"{r['mean_k']:.2f}"
-        mm = "—" if r["mismatches"] < 0 else str(r["mismatches"])
+        mm = "—" if min(r["mismatches"]) < 0 else str(r["mismatches"])
+        base = r["method"] == "none"
         print(
-            f"| {samp} | {r['conc']} | {r['method']} | {r['requests']} | {r['out_tokens']} | "
-            f"{r['tpot_mean_ms']:.1f} | {r['tpot_p50_ms']:.1f} | {r['ratio']:.2f}x | "
-            f"{r['itl_ms']:.1f} | {r['itl_ratio']:.2f}x | "
-            f"{r['tok_s']:.1f} | {_pct(r['acceptance'])} | {mk} | {mm} |"
+            f"| {samp} | {r['conc']} | {r['method']} | "
+            f"{' / '.join(f'{t:.1f}' for t in r['tpot'])} | "
+            f"{'—' if base else _span(r['ratios'])} | "
+            f"{'—' if base else _span(r['itl_ratios'])} | "
+            f"{_pct(r['acceptance'])} | {mk} | {mm} |"
         )
-    labels = sorted({lb for r in rows for lb in r["by_adapter"]})
-    print("\nAcceptance per adapter (accepted / drafted tokens):\n")
+    labels = sorted({lb for r in lines for lb in r["by_adapter"]})
+    print("\nAcceptance per adapter (accepted / drafted tokens, all rounds):\n")
     print("| sampling | C | method | " + " | ".join(labels) + " |")
     print("|---|---|---|" + "---|" * len(labels))
-    for r in rows:
-        if r["method"] in ("none", AGAIN):
+    for r in lines:
+        if r["method"] == "none":
             continue
         samp = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
         cells = []
@@ -454,37 +491,40 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
             d, a = r["by_adapter"].get(lb, (0, 0))
             cells.append(f"{100 * a / d:.0f}% ({a}/{d})" if d else "—")
         print(f"| {samp} | {r['conc']} | {r['method']} | " + " | ".join(cells) + " |")
+    print_targets(lines)
 
 
-def print_targets(rows: list[dict[str, Any]], concurrency: list[int]) -> None:
-    """Issue 51's targets: TPOT <= 0.6x none at one request, never above none at the most."""
-    lo, hi = min(concurrency), max(concurrency)
+def print_targets(lines: list[dict[str, Any]]) -> None:
+    """Issue 51's targets on the median of the rounds: TPOT <= 0.6x none at one request,
+    never above none at the most."""
+    concs = [r["conc"] for r in lines]
+    lo, hi = min(concs), max(concs)
     print()
-    for r in rows:
-        if r["method"] in ("none", AGAIN) or r["conc"] not in (lo, hi):
+    for r in lines:
+        if r["method"] == "none" or r["conc"] not in (lo, hi):
             continue
         samp = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
         goal = 0.6 if r["conc"] == lo else 1.0
-        verdict = "met" if r["ratio"] <= goal else "NOT met"
+        ratio = statistics.median(r["ratios"])
+        verdict = "met" if ratio <= goal else "NOT met"
         print(
-            f"target C={r['conc']} {samp} {r['method']}: TPOT {r['ratio']:.2f}x none "
-            f"(token-weighted {r['itl_ratio']:.2f}x), goal <= {goal}x: {verdict}"
+            f"target C={r['conc']} {samp} {r['method']}: TPOT {_span(r['ratios'])} none "
+            f"(token-weighted {_span(r['itl_ratios'])}), goal <= {goal}x: {verdict}"
         )
 
 
-def reprint(path: Path, reference: str) -> None:
-    """The tables of a finished run, TPOT ratios against ``reference`` (``none`` or the second
-    ``none`` run of the same process, measured after every method)."""
-    rows = json.loads(path.read_text())["rows"]
-    ref = {(r["conc"], r["temperature"]): r for r in rows if r["method"] == reference}
-    for r in rows:
-        base = ref.get((r["conc"], r["temperature"]))
-        if base is not None:
-            r["ratio"] = r["tpot_mean_ms"] / base["tpot_mean_ms"]
-            r["itl_ratio"] = r["itl_ms"] / base["itl_ms"]
-    print(f"TPOT ratios against {reference!r}")
-    print_tables(rows)
-    print_targets(rows, sorted({r["conc"] for r in rows}))
+def reprint(path: Path) -> None:
+    """The tables of a finished run (its ``--json-out``)."""
+    data = json.loads(path.read_text())
+    print_tables(data["rows"], data["methods"])
+
+
+def cell_items(llm: LLM, n: int, seed: int) -> list[Item]:
+    """``n`` fresh requests from ``seed``, their prompts tokenized with the chat template."""
+    items = build_workload(max(n, len(KINDS)), seed)[:n]
+    for it in items:
+        it.prompt_ids = llm.engine.apply_chat_template(it.messages)
+    return items
 
 
 def main() -> None:
@@ -493,7 +533,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--requests", default="8,16,32", help="requests per cell, per concurrency")
+    ap.add_argument("--requests", default="12,16,32", help="requests per cell, per concurrency")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every cell, interleaved")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (ngram, suffix)")
     ap.add_argument("--ngram-min", type=int, default=2)
@@ -506,104 +547,89 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=51)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks of each engine")
     ap.add_argument("--workdir", default="/tmp/loraplex-spec-bench")
     ap.add_argument("--prompts-out", default=None, help="write the workload as JSON (for vLLM)")
     ap.add_argument("--json-out", default=None, help="write the rows as JSON")
-    ap.add_argument(
-        "--method-concurrency",
-        action="append",
-        default=[],
-        metavar="METHOD=C1,C2",
-        help="run METHOD only at these concurrencies (e.g. a slow method's C=1 alone)",
-    )
-    ap.add_argument("--no-again", dest="again", action="store_false",
-                    help="skip the second none run (the drift check)")  # fmt: skip
     ap.add_argument("--show", type=int, default=0, help="print the first N none outputs")
     ap.add_argument("--from-json", default=None, help="reprint the tables of a --json-out file")
-    ap.add_argument("--reference", default="none", choices=("none", AGAIN),
-                    help="the run TPOT ratios are taken against (with --from-json)")  # fmt: skip
     args = ap.parse_args()
     if args.from_json:
-        reprint(Path(args.from_json), args.reference)
+        reprint(Path(args.from_json))
         return
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     counts = [int(n) for n in args.requests.split(",")]
     if len(counts) != len(args.concurrency):
         raise SystemExit("--requests needs one count per --concurrency")
     sampled = [int(c) for c in args.sampled.split(",") if c]
-    only: dict[str, set[int]] = {}
-    for spec in args.method_concurrency:
-        name, _, cs = spec.partition("=")
-        only[name] = {int(c) for c in cs.split(",") if c}
     methods = args.methods.split(",")
-    if args.again:
-        methods.append(AGAIN)
     if methods[0] != "none":
         raise SystemExit("--methods must start with none (the reference)")
 
     print("command:", " ".join([sys.executable, *sys.argv]))
     print("machine:", json.dumps(machine()))
     print("load average before:", os.getloadavg())
-    items = build_workload(max(*counts, len(KINDS)), args.seed)
     draft = (Path(args.workdir) / f"draft-{args.draft_layers}l", {})
     if any(m.startswith("draft") for m in methods):
         draft = (draft[0], build_layer_skip_draft(Path(args.model), draft[0], args.draft_layers))
 
-    rows: list[dict[str, Any]] = []
-    base: dict[tuple[int, float], Cell] = {}
-    loads: dict[str, tuple[float, ...]] = {}
+    # every method's engine stays alive, so the methods of one round run minutes apart at most
+    llms: dict[str, LLM] = {}
     for method in methods:
         t0 = time.perf_counter()
-        llm = build_llm(args, spec_config(method, args, draft))
-        tok = llm.get_tokenizer()
-        if not items[0].prompt_ids:
-            for it in items:
-                it.prompt_ids = llm.engine.apply_chat_template(it.messages)
-            if args.prompts_out:
-                write_prompts(args, items, counts, sampled)
-        # warm up: every adapter once, a few tokens
-        warm = [it for it in items if it.adapter is None][:1]
-        warm += [next(it for it in items if it.adapter == a) for a in ADAPTERS]
+        llms[method] = llm = build_llm(args, spec_config(method, args, draft))
+        # warm up on requests of their own (suffix must not learn the measured outputs)
+        warm = cell_items(llm, len(KINDS), args.seed - 1)
+        warm = [it for it in warm if it.adapter is None][:1] + [
+            next(it for it in warm if it.adapter == a) for a in ADAPTERS
+        ]
         run_cell(llm, warm, method, 4, 8, 0.0, args.seed, f"{method}-warm")
         print(f"[{method}] built and warmed in {time.perf_counter() - t0:.1f}s", flush=True)
-        todo = [(c, n, 0.0) for c, n in zip(args.concurrency, counts, strict=True)]
-        todo += [
-            (c, n, args.temperature)
-            for c, n in zip(args.concurrency, counts, strict=True)
-            if c in sampled
-        ]
-        for conc, n, temp in todo:
-            if method in only and conc not in only[method]:
-                continue
-            cell = run_cell(
-                llm, items[:n], method, conc, args.max_tokens, temp, args.seed,
-                f"{method}-{conc}-{temp}",
-            )  # fmt: skip
-            if method == "none":
-                base[(conc, temp)] = cell
-                if args.show and conc == args.concurrency[0] and temp == 0:
-                    for i in range(min(args.show, n)):
-                        print(f"--- {i} {items[i].kind}/{items[i].adapter or 'base'}:")
-                        print(tok.decode(cell.outputs[i]))
-            elif temp == 0:
-                compare(cell, base[(conc, temp)], items, tok)
-            row = cell.row(base.get((conc, temp)))
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "by_adapter"}), flush=True)
-        loads[method] = os.getloadavg()
+    tok = llms["none"].get_tokenizer()
+    if args.prompts_out:
+        write_prompts(args, cell_items(llms["none"], max(counts), args.seed), counts, sampled)
+
+    todo = [(c, n, 0.0) for c, n in zip(args.concurrency, counts, strict=True)]
+    todo += [
+        (c, n, args.temperature)
+        for c, n in zip(args.concurrency, counts, strict=True)
+        if c in sampled
+    ]
+    rows: list[dict[str, Any]] = []
+    for ci, (conc, n, temp) in enumerate(todo):
+        for rnd in range(args.rounds):
+            # fresh requests every round and cell: no method sees a request twice
+            items = cell_items(llms["none"], n, args.seed + 1000 * ci + rnd)
+            order = methods[rnd % len(methods) :] + methods[: rnd % len(methods)]
+            cells: dict[str, Cell] = {}
+            for method in order:
+                cells[method] = run_cell(
+                    llms[method], items, method, conc, args.max_tokens, temp, args.seed,
+                    f"{method}-{conc}-{temp}-{rnd}",
+                )  # fmt: skip
+            base = cells["none"]
+            if args.show and ci == 0 and rnd == 0:
+                for i in range(min(args.show, n)):
+                    print(f"--- {i} {items[i].kind}/{items[i].adapter or 'base'}:")
+                    print(tok.decode(base.outputs[i]))
+            for method in methods:
+                cell = cells[method]
+                if temp == 0 and method != "none":
+                    compare(cell, base, items, tok)
+                row = cell.row(base) | {"round": rnd}
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "by_adapter"}), flush=True)
+    for llm in llms.values():
         llm.engine.shutdown()
-        del llm, tok
-        gc.collect()
-    print("\nload average after each method:", json.dumps(loads))
     print("load average after:", os.getloadavg())
-    rows.sort(key=lambda r: (r["temperature"], r["conc"], methods.index(r["method"])))
-    print_tables(rows)
-    print_targets(rows, args.concurrency)
+    print_tables(rows, methods)
     for r in rows:
         for d in r["first_diff"]:
-            print(f"mismatch {r['method']} C={r['conc']}: {d}")
+            print(f"mismatch {r['method']} C={r['conc']} round {r['round']}: {d}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(dict(machine=machine(), rows=rows), indent=1))
+        Path(args.json_out).write_text(
+            json.dumps(dict(machine=machine(), methods=methods, rows=rows), indent=1)
+        )
 
 
 def write_prompts(
