@@ -497,14 +497,13 @@ def print_tables(rows: list[dict[str, Any]], methods: list[str]) -> None:
 def print_targets(lines: list[dict[str, Any]]) -> None:
     """Issue 51's targets on the median of the rounds: TPOT <= 0.6x none at one request,
     never above none at the most."""
-    concs = [r["conc"] for r in lines]
-    lo, hi = min(concs), max(concs)
+    hi = max(r["conc"] for r in lines)
     print()
     for r in lines:
-        if r["method"] == "none" or r["conc"] not in (lo, hi):
+        if r["method"] == "none" or r["conc"] not in (1, hi):
             continue
         samp = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
-        goal = 0.6 if r["conc"] == lo else 1.0
+        goal = 0.6 if r["conc"] == 1 else 1.0
         ratio = statistics.median(r["ratios"])
         verdict = "met" if ratio <= goal else "NOT met"
         print(

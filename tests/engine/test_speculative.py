@@ -21,6 +21,7 @@ from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.spec import speculator as speculator_mod
 from loraplex.engine.spec.proposer import NO_DRAFT, Draft, Proposer
+from loraplex.engine.spec.speculator import KEPT_SUFFIX
 from loraplex.testing import make_random_adapter, make_random_model
 
 N_NEW = 12
@@ -165,7 +166,16 @@ def test_greedy_with_drafts_equals_decoding_without_them_in_a_mixed_batch(
         return out
 
     monkeypatch.setattr(llm.engine, "_verify", spy)
+    control = llm.engine.spec.control  # type: ignore[union-attr]
+    keys: list[str] = []
+    real_observe = control.observe
+    monkeypatch.setattr(
+        control, "observe", lambda key, *a: (keys.append(key), real_observe(key, *a))
+    )
     got = _generate(llm, jobs, sp)
+    # adaptive k judged drafts after a draft kept whole apart from the others
+    assert any(key.endswith(KEPT_SUFFIX) for key in keys)
+    assert any(not key.endswith(KEPT_SUFFIX) for key in keys)
     for want, have in zip(ref, got, strict=True):
         assert have.token_ids == want.token_ids
         for a, b in zip(have.logprobs, want.logprobs, strict=True):
