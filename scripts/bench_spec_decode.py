@@ -271,13 +271,17 @@ class Cell:
     by_adapter: dict[str, list[int]] = field(default_factory=dict)  # label -> [drafted, accepted]
     outputs: dict[int, list[int]] = field(default_factory=dict)  # item index -> token ids
     mismatches: int = -1  # greedy: requests whose tokens differ from none's (-1: not compared)
+    kind_tpot: dict[str, float] = field(default_factory=dict)  # kind of request -> mean TPOT
     first_diff: list[str] = field(default_factory=list)
 
     def row(self, base: Cell | None) -> dict[str, Any]:
         mean, p50, itl = self.tpot_ms
         ratio = itl_ratio = float("nan")
+        kinds: dict[str, float] = {}
         if base is not None:
             ratio, itl_ratio = mean / base.tpot_ms[0], itl / base.tpot_ms[2]
+            kinds = {k: t / base.kind_tpot[k] for k, t in self.kind_tpot.items()
+                     if k in base.kind_tpot}  # fmt: skip
         return dict(
             method=self.method, conc=self.conc, temperature=self.temperature,
             requests=len(self.outputs), out_tokens=self.out_tokens,
@@ -287,7 +291,7 @@ class Cell:
             mean_k=self.chosen_k / self.seq_steps if self.seq_steps else None,
             drafted=self.drafted, accepted=self.accepted,
             by_adapter={k: (d, a) for k, (d, a) in sorted(self.by_adapter.items())},
-            mismatches=self.mismatches, first_diff=self.first_diff,
+            mismatches=self.mismatches, first_diff=self.first_diff, kind_ratio=kinds,
         )  # fmt: skip
 
 
@@ -348,6 +352,10 @@ def run_cell(
         flight.out_tokens,
     )
     cell.seq_steps, cell.chosen_k = len(chosen), sum(chosen)
+    by_kind: dict[str, list[float]] = {}
+    for i, t in flight.tpot_of.items():
+        by_kind.setdefault(items[i].kind, []).append(1000 * t)
+    cell.kind_tpot = {k: statistics.fmean(v) for k, v in sorted(by_kind.items())}
     return cell
 
 
@@ -455,6 +463,8 @@ def summarize(rows: list[dict[str, Any]], methods: list[str]) -> list[dict[str, 
             acceptance=accepted / drafted if drafted else None,
             mean_k=statistics.fmean(ks) if ks else None,
             mismatches=[r["mismatches"] for r in rs], by_adapter=by,
+            kind_ratios={k: [r["kind_ratio"][k] for r in rs if k in r["kind_ratio"]]
+                         for k in sorted({k for r in rs for k in r["kind_ratio"]})},
         ))  # fmt: skip
     return out
 
@@ -490,6 +500,16 @@ def print_tables(rows: list[dict[str, Any]], methods: list[str]) -> None:
         for lb in labels:
             d, a = r["by_adapter"].get(lb, (0, 0))
             cells.append(f"{100 * a / d:.0f}% ({a}/{d})" if d else "—")
+        print(f"| {samp} | {r['conc']} | {r['method']} | " + " | ".join(cells) + " |")
+    kinds = sorted({k for r in lines for k in r["kind_ratios"]})
+    print("\nTPOT vs none by kind of request (mean TPOT of the kind; median [range] of rounds):\n")
+    print("| sampling | C | method | " + " | ".join(kinds) + " |")
+    print("|---|---|---|" + "---|" * len(kinds))
+    for r in lines:
+        if r["method"] == "none":
+            continue
+        samp = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
+        cells = [_span(r["kind_ratios"][k]) if r["kind_ratios"].get(k) else "—" for k in kinds]
         print(f"| {samp} | {r['conc']} | {r['method']} | " + " | ".join(cells) + " |")
     print_targets(lines)
 

@@ -24,6 +24,7 @@ class InFlight:
         self.tpots: list[float] = []
         self.spans: list[tuple[float, int]] = []  # (last - first token time, tokens - 1)
         self.outputs: dict[int, list[int]] = {}
+        self.tpot_of: dict[int, float] = {}  # item index -> its TPOT (seconds)
         self.out_tokens = 0
 
     @property
@@ -50,6 +51,7 @@ class InFlight:
                 self.out_tokens += len(toks)
                 if len(stamps) > 1:
                     self.tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+                    self.tpot_of[i] = self.tpots[-1]
                     self.spans.append((stamps[-1] - stamps[0], len(stamps) - 1))
 
     def tpot_ms(self) -> tuple[float, float, float]:
