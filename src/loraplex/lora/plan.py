@@ -28,12 +28,17 @@ share rows. The semantics every backend implements::
 
 (``y = W x + sum_i scale_i * (alpha_i / r_i) * B_i A_i x``, exact for any mix of ranks and
 modules: no merged weights, no slot per composition or scale.) Backends that write ``out`` from
-several workers at once (the C kernel's threads, Triton's programs) run one layer at a time,
-so no two workers ever add into one token's row concurrently. Runs: a weighted segment (``w !=
-1``) is never coalesced and a weight-1 run has no scale: it runs as one run with
-``plan.run_scales[i] = w``; every layer ``k >= 1`` segment is its own run, after layer 0's.
-A plan of unit weights (no request scales its adapter) is exactly the plan of before
-(``weights`` and ``run_scales`` None): the plain path pays nothing.
+several workers at once keep one token's segments from racing: Triton's programs run one layer
+at a time; the C kernel takes every layer in one call, its threads owning tokens (each token's
+segments summed in one thread, each adapter's rows read once per thread for all its tokens
+there). Runs: the segments of every layer are planned together (the tokens cut into units at
+every segment's ends, the same cost model's DP over the units), so a composed token's
+components and its neighbours' adapters share one GEMM pair: a masked run's mask holds each
+token's weight in each of its segments' rows (float32 where a weight is not 1), a run of one
+segment has no mask and its weight as ``plan.run_scales[i]``. A composed decode step over the
+same adapters thus costs about the runs of a plain one. A plan of unit weights (no request
+scales its adapter, no composition) is exactly the plan of before (``weights`` and
+``run_scales`` None): the plain path pays nothing.
 
 The plan is backend-neutral: every backend of ``loraplex.lora.ops`` (torch, Triton) consumes it.
 """
@@ -167,7 +172,7 @@ def plan_lora_batch(
     ``weights``: per segment of ``segments``, its weight (None: all 1.0; a zero-weight segment
     is dropped). ``extra``: the other components of composed requests, ``(ts, te, rs, re, w)``
     each, overlapping ``segments`` in tokens; each goes to the first layer >= 1 it does not
-    overlap (see the module docstring) and runs alone.
+    overlap (see the module docstring); all are planned together (``_weighted_runs``).
     """
     costs = costs or LoRAPlanCosts()
     if weights is not None and len(weights) != len(segments):
