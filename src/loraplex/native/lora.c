@@ -170,7 +170,7 @@ static inline void prefetch_block(const char *p, size_t bytes) {
 /* One call's work: the tokens in some segment, each with its segments (token-major). */
 typedef struct {
     const char *x;
-    int64_t x_stride, d_in, n_mod, out_stride, max_rows, max_segs;
+    int64_t x_stride, d_in, n_mod, out_stride, max_rows;
     int x_type, w_type, out_type;
     const void *const *a, *const *bt;
     char *out;
@@ -193,7 +193,8 @@ static void prefetch_token_b(const Job *j, int64_t e, size_t ws) {
         const size_t rows = (size_t)(seg[3] - seg[2]);
         for (int64_t m = 0; m < j->n_mod; m++) {
             const size_t d_out = (size_t)j->d_out[m];
-            prefetch_block((const char *)j->bt[m] + (size_t)seg[2] * d_out * ws, rows * d_out * ws);
+            prefetch_block((const char *)j->bt[m] + (size_t)seg[2] * d_out * ws,
+                           rows * d_out * ws);
         }
     }
 }
@@ -206,17 +207,18 @@ static int cmp_i64(const void *p, const void *q) {
 /* Shrink for the pairs key[0..n) of this thread (key = rs << 32 | q, sorted: q is the pair's
  * slot in tok_seg, rs its rows' start): y[m][q] = w * x[t] @ A[m][rs:re].T, adapter by
  * adapter, a block of four A rows serving up to CHUNK of the adapter's pairs from L1. */
-static void shrink_pairs(const Job *j, const int64_t *key, int64_t n, const int64_t *tok_of,
-                         float *xf) {
+static void shrink_pairs(const Job *j, const int64_t *key, int64_t n, float *xf) {
     const size_t xs = j->x_type ? 2 : 4, ws = j->w_type ? 2 : 4;
     const int dp = HAVE_DPBF16 && j->x_type == BF16 && j->w_type == BF16;
     const int convert = !dp && j->x_type != F32;
     for (int64_t i = 0; i < n;) {
         const int64_t rs = key[i] >> 32;
-        int64_t g1 = i + 1; /* the adapter's pairs: [i, g1) */
-        while (g1 < n && key[g1] >> 32 == rs) g1++;
         const int64_t *seg = j->segs + 4 * j->tok_seg[key[i] & 0xffffffff];
         const int64_t r = seg[3] - seg[2];
+        int64_t g1 = i + 1; /* the adapter's pairs: [i, g1), the same rows */
+        while (g1 < n && key[g1] >> 32 == rs &&
+               j->segs[4 * j->tok_seg[key[g1] & 0xffffffff] + 3] == seg[3])
+            g1++;
         if (g1 < n) { /* the next adapter's A rows, for every module */
             const int64_t *nx = j->segs + 4 * j->tok_seg[key[g1] & 0xffffffff];
             for (int64_t m = 0; m < j->n_mod; m++)
@@ -231,7 +233,7 @@ static void shrink_pairs(const Job *j, const int64_t *key, int64_t n, const int6
             for (int c = 0; c < nc; c++) {
                 q[c] = key[c0 + c] & 0xffffffff;
                 const int64_t s = j->tok_seg[q[c]];
-                const char *xt = j->x + (size_t)(tok_of[q[c]] * j->x_stride) * xs;
+                const char *xt = j->x + (size_t)(j->pair_tok[q[c]] * j->x_stride) * xs;
                 w[c] = j->weights ? j->weights[s] : 1.0f;
                 if (convert) {
                     row_to_f32(xt, j->x_type, j->d_in, xf + c * j->d_in);
@@ -278,9 +280,11 @@ static void run_tokens(const Job *j, int64_t e0, int64_t e1, float *xf, int64_t 
     const size_t ws = j->w_type ? 2 : 4, os = j->out_type ? 2 : 4;
     const int64_t q0 = j->tok_at[e0], n = j->tok_at[e1] - q0;
     key += q0; /* this thread's part of the keys */
-    for (int64_t i = 0; i < n; i++) key[i] = (j->segs[4 * j->tok_seg[q0 + i] + 2] << 32) | (q0 + i);
+    for (int64_t i = 0; i < n; i++)
+        key[i] = (j->segs[4 * j->tok_seg[q0 + i] + 2] << 32) | (q0 + i);
     qsort(key, (size_t)n, sizeof(int64_t), cmp_i64);
-    shrink_pairs(j, key, n, j->pair_tok, xf);
+    if (e0 < e1) prefetch_token_b(j, e0, ws); /* arriving while the shrinks read A */
+    shrink_pairs(j, key, n, xf);
     const float *yq[MAX_TOKEN_SEGS];
     const void *bq[MAX_TOKEN_SEGS];
     int64_t rq[MAX_TOKEN_SEGS];
@@ -359,9 +363,10 @@ int loraplex_lora_apply(const void *x, int64_t x_stride, int x_type, int64_t d_i
      * then each worker's CHUNK rows of x as float32 */
     const size_t idx = (size_t)(2 * t_end + 1 + 3 * npairs);
     const size_t ys = (size_t)(n_mod * npairs * max_rows), xfs = (size_t)(CHUNK * d_in);
-    char *mem = (char *)malloc(idx * sizeof(int64_t) + (ys + (size_t)workers * xfs) * sizeof(float));
+    const size_t floats = ys + (size_t)workers * xfs;
+    char *mem = (char *)malloc(idx * sizeof(int64_t) + floats * sizeof(float));
     if (mem == NULL) return 1;
-    Job j = {(const char *)x, x_stride, d_in, n_mod, out_stride, max_rows, 0, x_type, w_type,
+    Job j = {(const char *)x, x_stride, d_in, n_mod, out_stride, max_rows, x_type, w_type,
              out_type, a, bt, (char *)out, cols, d_out, segs, weights, 0, NULL, NULL, NULL,
              NULL, npairs, NULL};
     j.tok = (int64_t *)mem;
