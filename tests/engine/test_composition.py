@@ -14,6 +14,7 @@ when it ends, aborts or fails; bad compositions fail alone with a clear error.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -186,6 +187,43 @@ def test_compositions_in_one_mixed_batch_equal_the_summed_deltas(
     assert outs[3].logprobs[0].top != outs[1].logprobs[0].top
     # the step ran every component from its own slot: three slots, no slot per composition
     assert len(llm.engine.adapters.bank.occupied_slots) == 3
+
+
+def test_an_unchanged_decode_batch_reuses_its_plan(
+    llama: dict, llama_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner plans a step once per distinct batch: decode steps whose sequences, adapters
+    and scales are the last step's take the last plan (and head plan) again; a changed batch
+    (a sequence done, one joining) gets a new one; the outputs are still the summed deltas'."""
+    from loraplex.engine import runner
+
+    built = []
+
+    def counting(*args, **kwargs):
+        built.append(runner_plan(*args, **kwargs))
+        return built[-1]
+
+    runner_plan = runner.plan_lora_batch
+    monkeypatch.setattr(runner, "plan_lora_batch", counting)
+    jobs = [JOBS[3], JOBS[5], JOBS[1]]
+    sp = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=4)
+    engine = llama_llm.engine
+    for i, parts in enumerate(jobs):
+        sp_i = sp if i else dataclasses.replace(sp, max_tokens=2)  # ends early
+        engine.add_request(f"memo-{i}", PROMPTS[i], sp_i, llama_llm.adapters_of(
+            _lora(llama["adapters"], parts)
+        ))  # fmt: skip
+    plans = []  # the plan of each step that ran the model
+    while engine.has_unfinished_requests():
+        before = len(built)
+        engine.step()
+        memo = engine.runner._plan_memo
+        if memo is not None and (len(built) > before or plans):
+            plans.append(memo[1])
+    assert len(plans) >= N_NEW and len(built) < len(plans)  # decode steps reuse their plan
+    assert len({id(p) for p in plans}) == len(built) >= 3  # a new plan for each new batch
+    outs = run_jobs(llama_llm, llama["adapters"], jobs)  # reused plans: still exact
+    check_against(llama["ref"], jobs, outs)
 
 
 def test_a_composition_equals_peft_cat_weighted_adapter(llama: dict, llama_llm: LLM) -> None:

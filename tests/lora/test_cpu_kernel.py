@@ -95,6 +95,34 @@ def test_the_default_build_follows_torchs_cpu_capability():
         build_kernel(isa="avx9000")
 
 
+def _modules(g: torch.Generator, rows: int, d_in: int, widths, cols, dtype: torch.dtype):
+    """Random tables of one module per width, adding into the fused output at ``cols``."""
+    return tuple(
+        (
+            (torch.randn(rows, d_in, generator=g) / d_in**0.5).to(dtype),
+            (torch.randn(rows, w, generator=g) / 4).to(dtype),
+            c,
+            c + w,
+        )
+        for w, c in zip(widths, cols, strict=True)
+    )
+
+
+def _on_threads(ops, x, out, modules, plan, counts=(1, 2, 3)) -> list[torch.Tensor]:
+    """``out`` after ``apply_many`` with torch (and so the kernel) on each thread count."""
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            got = out.clone()
+            ops.apply_many(x, got, modules, plan)
+            results.append(got)
+    finally:
+        torch.set_num_threads(before)
+    return results
+
+
 def _group_case(seed: int, x_dtype: torch.dtype, w_dtype: torch.dtype, long: bool = False):
     """Three modules (one left out of the fused output's middle) over random segments with
     base tokens, gap rows, ranks 1..24 and odd widths (the tails of every vector loop)."""
@@ -110,15 +138,7 @@ def _group_case(seed: int, x_dtype: torch.dtype, w_dtype: torch.dtype, long: boo
     rows, d_in = r + rng.randint(0, 4), rng.choice([7, 33, 64, 129])
     widths = [rng.choice([5, 16, 31, 48]) for _ in range(3)]
     cols = [0, widths[0] + 3, widths[0] + 3 + widths[1]]  # 3 columns no module adds into
-    modules = tuple(
-        (
-            (torch.randn(rows, d_in, generator=g) / d_in**0.5).to(w_dtype),
-            (torch.randn(rows, w, generator=g) / 4).to(w_dtype),
-            c,
-            c + w,
-        )
-        for w, c in zip(widths, cols, strict=True)
-    )
+    modules = _modules(g, rows, d_in, widths, cols, w_dtype)
     x = torch.randn(t, d_in, generator=g).to(x_dtype)
     out = torch.randn(t, cols[-1] + widths[-1] + 2, generator=g).to(x_dtype)
     plan = plan_lora_batch(t, segs, torch.float32, "cpu")
@@ -155,16 +175,7 @@ def test_thread_split_is_exact(ops, dtype):
     torch's threads; with any other runtime it would keep to one.)"""
     assert ops.kernel.shared_threads
     x, out, modules, plan = _group_case(11, dtype, dtype)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            got = out.clone()
-            ops.apply_many(x, got, modules, plan)
-            results.append(got)
-    finally:
-        torch.set_num_threads(before)
+    results = _on_threads(ops, x, out, modules, plan)
     assert all(torch.equal(r, results[0]) for r in results)
 
 
@@ -330,3 +341,54 @@ def test_old_builds_are_pruned(tmp_path: Path):
     left = sorted(p.name for p in kernels.glob("lora_cpu-*.so"))
     assert got.name in left and len(left) == build.KEEP_BUILDS
     assert "lora_cpu-old00.so" not in left  # the oldest went first
+
+
+def _composed_case(seed: int, dtype: torch.dtype):
+    """Three modules over a composed step (``tests.lora.test_composed_ops``' random
+    compositions: up to 4 layers, weights negative, 0 and 1, single and base tokens), large
+    enough that the kernel splits it over threads."""
+    from tests.lora.test_composed_ops import _random_composition
+
+    t, segs, weights, extra, rows = _random_composition(seed)
+    g = torch.Generator().manual_seed(seed)
+    d_in, widths, cols = 385, (48, 31, 16), (0, 51, 82)  # >= PARALLEL_MIN_MACS: threads split
+    modules = _modules(g, rows, d_in, widths, cols, dtype)
+    x = torch.randn(t, d_in, generator=g).to(dtype)
+    out = torch.randn(t, cols[-1] + widths[-1], generator=g).to(dtype)
+    plan = plan_lora_batch(t, segs, torch.float32, "cpu", weights=weights, extra=extra)
+    return x, out, modules, plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("seed", range(8))
+def test_composed_layers_in_one_call_match_reference_on_any_threads(ops, dtype, seed):
+    """Every layer of a composed plan goes to the kernel in one call (tokens in several
+    segments): each token adds each component with its weight, equal to the float64
+    reference, and the same bits on one, two or three threads (a token's segments are one
+    thread's, summed in a fixed order)."""
+    x, out, modules, plan = _composed_case(seed, dtype)
+    assert len(plan.layers) > 1
+    short, long_plan = ops._split(plan)
+    assert short is not None and short.count == len(plan.segments) and long_plan is None
+    expected = out.clone()
+    TorchReferenceOps().apply_many(x, expected, modules, plan)
+    results = _on_threads(ops, x, out, modules, plan)
+    torch.testing.assert_close(results[0], expected, **TOL[dtype])
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_more_layers_than_the_kernel_takes_run_on_the_fallback(ops):
+    """A token in more segments than ``MAX_TOKEN_SEGMENTS`` (layers of a plan): the plan runs
+    on the torch path, still exact."""
+    n = cpu_ops.MAX_TOKEN_SEGMENTS + 1
+    extra = [(0, 2, 4 * k, 4 * k + 4, 0.5 + k) for k in range(1, n)]
+    plan = plan_lora_batch(2, [(0, 2, 0, 4)], torch.float32, "cpu", extra=extra)
+    assert len(plan.layers) == n
+    assert ops._split(plan) == (None, plan)
+    g = torch.Generator().manual_seed(3)
+    x, a, bt = (torch.randn(2, 8, generator=g), torch.randn(4 * n, 8, generator=g),
+                torch.randn(4 * n, 5, generator=g))  # fmt: skip
+    got, want = torch.zeros(2, 5), torch.zeros(2, 5)
+    ops.apply(x, a, bt, got, plan)
+    TorchReferenceOps().apply(x, a, bt, want, plan)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])

@@ -91,6 +91,8 @@ class ModelRunner:
         self.lora_costs = LoRAPlanCosts(feature_dim=sum(i + o for i, o in dims) // len(dims))
         self._merged_slot: int | None = None
         self._merged_vocab: frozenset[tuple[int, str]] = frozenset()  # its gathered modules
+        self._plan_memo: tuple[tuple, LoRABatchPlan] | None = None  # (inputs, plan): last step's
+        self._head_memo: tuple[LoRABatchPlan | None, list[int], LoRABatchPlan | None] | None = None
 
     @property
     def merged_slot(self) -> int | None:
@@ -388,19 +390,46 @@ class ModelRunner:
             modules = lora.modules_for(slots) if lora is not None else None
             if modules is not None and self._merged_slot is not None:
                 modules |= self._merged_vocab  # a merged adapter's embed_tokens / lm_head
-            plan = plan_lora_batch(
-                t, segments, self.model.dtype, dev, self.lora_costs, modules,
-                weights=weights if any(w != 1.0 for w in weights) else None, extra=extra,
-            )  # fmt: skip
+            plan = self._plan(t, segments, weights, extra, modules)
         fb = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             attn=attn,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             lora_plan=plan,
-            logits_lora_plan=_head_plan(plan, logits_idx),
+            logits_lora_plan=self._head_plan(plan, logits_idx),
         )
         return fb, samplers, prompt_rows
+
+    def _plan(
+        self,
+        num_tokens: int,
+        segments: list[tuple[int, int, int, int]],
+        weights: list[float],
+        extra: list[tuple[int, int, int, int, float]],
+        modules: frozenset[tuple[int, str]] | None,
+    ) -> LoRABatchPlan:
+        """The step's LoRA plan: the last step's again when its inputs are the same (a decode
+        batch that has not changed: its plan work, and what the ops derive from the plan's
+        identity, are done once), else a new one."""
+        key = (num_tokens, segments, weights, extra, modules)
+        if self._plan_memo is not None and self._plan_memo[0] == key:
+            return self._plan_memo[1]
+        plan = plan_lora_batch(
+            num_tokens, segments, self.model.dtype, self.device, self.lora_costs, modules,
+            weights=weights if any(w != 1.0 for w in weights) else None, extra=extra,
+        )  # fmt: skip
+        self._plan_memo = (key, plan)
+        return plan
+
+    def _head_plan(self, plan: LoRABatchPlan | None, rows: list[int]) -> LoRABatchPlan | None:
+        """``_head_plan`` of the step, the last step's again for the same plan and rows."""
+        memo = self._head_memo
+        if memo is not None and memo[0] is plan and memo[1] == rows:
+            return memo[2]
+        head = _head_plan(plan, rows)
+        self._head_memo = (plan, rows, head)
+        return head
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward the step; returns logits [S, vocab] (float32) and the sampling sequences:

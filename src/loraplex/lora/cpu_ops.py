@@ -43,6 +43,9 @@ KERNEL_SYMBOL = "loraplex_lora_apply"
 FEATURES_SYMBOL = "loraplex_lora_features"
 FEATURE_BITS = {"avx2": 1, "fma": 2, "f16c": 4, "avx512f": 8, "avx512bf16-dot": 16}
 """What ``loraplex_lora_features()`` reports a build was compiled for (its bits)."""
+MAX_TOKEN_SEGMENTS = 16
+"""Segments one token may lie in per kernel call (``MAX_TOKEN_SEGS`` of ``native/lora.c``): a
+plan with more layers runs on the fallback."""
 
 
 def build_kernel(cache_dir: Path | None = None, *, isa: str | None = None) -> Path:
@@ -86,8 +89,9 @@ class PreparedModules:
 
 
 class KernelSegments:
-    """``(ts, te, rs, re)`` segments (disjoint in tokens) as the int64 array the kernel reads,
-    and its address; their weights as float32 (None: all 1.0, a null pointer)."""
+    """``(ts, te, rs, re)`` segments as the int64 array the kernel reads, and its address;
+    their weights as float32 (None: all 1.0, a null pointer). Segments may overlap in tokens
+    (a plan's layers), at most ``MAX_TOKEN_SEGMENTS`` on one token, never sharing rows there."""
 
     def __init__(
         self,
@@ -140,6 +144,8 @@ class LoRAKernel:
             out.stride(0), ELEMENT_TYPES[out.dtype], segments.address, segments.count,
             segments.weights_address, torch.get_num_threads() if self.shared_threads else 1,
         )  # fmt: skip
+        if rc == 2:
+            raise ValueError(f"a token lies in more than {MAX_TOKEN_SEGMENTS} LoRA segments")
         if rc != 0:
             raise MemoryError("LoRA CPU kernel: cannot allocate its scratch rows")
 
@@ -158,8 +164,9 @@ def _self_check(kernel: LoRAKernel) -> None:
     g = torch.Generator().manual_seed(0)
     segs = [(0, 2, 0, 8), (3, 4, 8, 11), (4, 7, 11, 19)]
     weights = [1.0, -0.5, 2.0]  # a composed request's scales (the ones a plain step leaves out)
-    plan = plan_lora_batch(7, segs, torch.float32, "cpu", weights=weights)
-    arr = KernelSegments(segs, weights)
+    extra = [(0, 4, 11, 19, 0.75)]  # a second layer: tokens 0-3 also add rows 11:19
+    plan = plan_lora_batch(7, segs, torch.float32, "cpu", weights=weights, extra=extra)
+    arr = KernelSegments(plan.segments, plan.weights)
     for dtype in ELEMENT_TYPES:
         x = torch.randn(7, 37, generator=g).to(dtype)
         a = (torch.randn(19, 37, generator=g) * 0.3).to(dtype)
@@ -199,7 +206,7 @@ class CPUKernelLoRAOps:
         self.kernel = kernel
         self.fallback = fallback
         self.max_run_tokens = max_run_tokens
-        self._split_of: tuple[LoRABatchPlan, list[KernelSegments], LoRABatchPlan | None] | None = (
+        self._split_of: tuple[LoRABatchPlan, KernelSegments | None, LoRABatchPlan | None] | None = (
             None
         )
         # id(modules) -> (modules, its PreparedModules or None if the kernel cannot read it)
@@ -312,22 +319,24 @@ class CPUKernelLoRAOps:
             and out.stride(1) == 1
         )
 
-    def _split(self, plan: LoRABatchPlan) -> tuple[list[KernelSegments], LoRABatchPlan | None]:
-        """The plan's short segments for the kernel, one array per layer of the plan (disjoint
-        in tokens: the kernel's threads split tokens), its long ones as a plan of
-        single-segment runs for the fallback; computed once per plan (every adapted module of a
-        step shares it)."""
+    def _split(self, plan: LoRABatchPlan) -> tuple[KernelSegments | None, LoRABatchPlan | None]:
+        """The plan's short segments for the kernel, every layer's in one array (one call: the
+        kernel runs each token's segments in one thread and reads an adapter's rows once for
+        its tokens there), its long ones as a plan of single-segment runs for the fallback;
+        computed once per plan (every adapted module of a step shares it)."""
         cached = self._split_of
         if cached is not None and cached[0] is plan:
             return cached[1], cached[2]
+        if len(plan.layers) > MAX_TOKEN_SEGMENTS:  # more adapters on a token than the kernel takes
+            self._split_of = (plan, None, plan)
+            return None, plan
         limit = self.max_run_tokens
-        layers = []
-        for l0, l1 in plan.layer_bounds():
-            short = [j for j in range(l0, l1) if plan.segments[j][1] - plan.segments[j][0] <= limit]
-            if short:
-                segs = [plan.segments[j] for j in short]
-                w = [plan.segment_weight(j) for j in short] if plan.weights is not None else None
-                layers.append(KernelSegments(segs, w))
+        short = [j for j, s in enumerate(plan.segments) if s[1] - s[0] <= limit]
+        kernel_segs = None
+        if short:
+            segs = [plan.segments[j] for j in short]
+            w = [plan.segment_weight(j) for j in short] if plan.weights is not None else None
+            kernel_segs = KernelSegments(segs, w)
         longs = [j for j, s in enumerate(plan.segments) if s[1] - s[0] > limit]
         long_plan = None
         if longs:
@@ -337,8 +346,8 @@ class CPUKernelLoRAOps:
             long_plan = LoRABatchPlan(
                 plan.num_tokens, plan.num_rows, runs, segs, weights=w, run_scales=w
             )
-        self._split_of = (plan, layers, long_plan)
-        return layers, long_plan
+        self._split_of = (plan, kernel_segs, long_plan)
+        return kernel_segs, long_plan
 
     def _run(
         self,
@@ -348,8 +357,8 @@ class CPUKernelLoRAOps:
         group: PreparedModules,
         plan: LoRABatchPlan,
     ) -> None:
-        layers, long_plan = self._split(plan)
-        for short in layers:  # one call per layer: no two threads add into one row
+        short, long_plan = self._split(plan)
+        if short is not None:
             self.kernel(x, out, group, short)
         if long_plan is not None:
             self.fallback.apply_many(x, out, modules, long_plan)

@@ -232,12 +232,12 @@ class TorchLoRAOps(PerModuleOps):
         cd = self._compute_dtype(x.dtype, a.dtype)
         x = x.to(cd)  # x: [T, d_in]; no-op unless upcasting
         y = torch.zeros(plan.num_tokens, plan.num_rows, dtype=cd, device=x.device)
-        # a coalesced run writes zeros into its gap rows; a later layer's run (same tokens,
-        # other rows) comes after every layer-0 run, so its values stay
+        # a masked run writes zeros into the rows its tokens do not use; runs of one token
+        # range together are unmasked (each writes only its own rows), so no value is lost
         for ts, te, rs, re, mask in plan.runs:
             y_run = F.linear(x[ts:te], a[rs:re].to(cd))  # [n, r] = [n, d_in] @ [r, d_in].T
             if mask is not None:
-                y_run.mul_(mask)
+                y_run.mul_(mask != 0)  # unweighted: expand applies the mask's weights
             y[ts:te, rs:re] = y_run
         return y
 
@@ -248,8 +248,8 @@ class TorchLoRAOps(PerModuleOps):
         cd = self._compute_dtype(y.dtype, bt.dtype)
         for (ts, te, rs, re, mask), c in zip(plan.runs, plan.run_scales or repeat(1), strict=False):
             y_run = y[ts:te, rs:re].to(cd)  # [n, r]
-            if mask is not None:
-                y_run = y_run * mask  # y may hold values outside a token's own rows
+            if mask is not None:  # y may hold values outside a token's own rows
+                y_run = (y_run * mask).to(cd)  # a weighted mask is float32
             if c != 1:
                 y_run = y_run * c  # a composed or scaled adapter's run
             delta = torch.mm(y_run, bt[rs:re].to(cd))  # [n, d_out]
@@ -287,7 +287,7 @@ class TorchLoRAOps(PerModuleOps):
                 a_run, bt_run = a_run.to(cd), bt_run.to(cd)
             y = F.linear(xc[ts:te], a_run)  # [n, r] = [n, d_in] @ [r, d_in].T
             if mask is not None:
-                y.mul_(mask)  # coalesced run: each token keeps only its own rows
+                y.mul_(mask)  # coalesced run: each token keeps only its own rows, weighted
             if c != 1:  # a weighted run (a composed or scaled adapter's): y is [n, r], small
                 y.mul_(c)
             if in_place:

@@ -28,12 +28,17 @@ share rows. The semantics every backend implements::
 
 (``y = W x + sum_i scale_i * (alpha_i / r_i) * B_i A_i x``, exact for any mix of ranks and
 modules: no merged weights, no slot per composition or scale.) Backends that write ``out`` from
-several workers at once (the C kernel's threads, Triton's programs) run one layer at a time,
-so no two workers ever add into one token's row concurrently. Runs: a weighted segment (``w !=
-1``) is never coalesced and a weight-1 run has no scale: it runs as one run with
-``plan.run_scales[i] = w``; every layer ``k >= 1`` segment is its own run, after layer 0's.
-A plan of unit weights (no request scales its adapter) is exactly the plan of before
-(``weights`` and ``run_scales`` None): the plain path pays nothing.
+several workers at once keep one token's segments from racing: Triton's programs run one layer
+at a time; the C kernel takes every layer in one call, its threads owning tokens (each token's
+segments summed in one thread, each adapter's rows read once per thread for all its tokens
+there). Runs: the segments of every layer are planned together (the tokens cut into units at
+every segment's ends, the same cost model's DP over the units), so a composed token's
+components and its neighbours' adapters share one GEMM pair: a masked run's mask holds each
+token's weight in each of its segments' rows (float32 where a weight is not 1), a run of one
+segment has no mask and its weight as ``plan.run_scales[i]``. A composed decode step over the
+same adapters thus costs about the runs of a plain one. A plan of unit weights (no request
+scales its adapter, no composition) is exactly the plan of before (``weights`` and
+``run_scales`` None): the plain path pays nothing.
 
 The plan is backend-neutral: every backend of ``loraplex.lora.ops`` (torch, Triton) consumes it.
 """
@@ -41,6 +46,7 @@ The plan is backend-neutral: every backend of ``loraplex.lora.ops`` (torch, Trit
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,8 +73,10 @@ class LoRARun(NamedTuple):
     row_start: int
     row_end: int
     mask: torch.Tensor | None
-    """``None`` for a single segment; else ``[tok_end - tok_start, row_end - row_start]`` 0/1,
-    1 where the token's segment owns the row (coalesced segments, base tokens get all zeros)."""
+    """``None`` for a single segment; else ``[tok_end - tok_start, row_end - row_start]``: where
+    one of the token's segments owns the row, that segment's weight (1 in a plan without
+    weights), else 0 (other tokens' rows, gap rows; base tokens get all zeros). A mask holding
+    a weight other than 1 is float32."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +172,13 @@ def plan_lora_batch(
     ``weights``: per segment of ``segments``, its weight (None: all 1.0; a zero-weight segment
     is dropped). ``extra``: the other components of composed requests, ``(ts, te, rs, re, w)``
     each, overlapping ``segments`` in tokens; each goes to the first layer >= 1 it does not
-    overlap (see the module docstring) and runs alone.
+    overlap (see the module docstring); all are planned together (``_weighted_runs``).
     """
     costs = costs or LoRAPlanCosts()
     if weights is not None and len(weights) != len(segments):
         raise ValueError(f"{len(weights)} weights for {len(segments)} segments")
+    if weights is not None and not extra and all(w == 1.0 for w in weights):
+        weights = None  # unit weights: the plain plan
     if weights is not None or extra:
         return _weighted_plan(num_tokens, segments, weights, extra, dtype, device, costs, modules)
     segs = _check_segments(num_tokens, segments)
@@ -218,9 +228,8 @@ def _weighted_plan(
     costs: LoRAPlanCosts,
     modules: frozenset[tuple[int, str]] | None,
 ) -> LoRABatchPlan:
-    """``plan_lora_batch`` with weights or extra layers: layer 0's unit-weight stretches are
-    planned (and coalesced) as ever, each weighted segment and each extra one is a run alone
-    with its weight as the run's scale."""
+    """``plan_lora_batch`` with weights or extra layers: the segments of every layer are
+    planned together (``_weighted_runs``), each layer's segments listed as the semantics."""
     w0 = list(weights) if weights is not None else [1.0] * len(segments)
     for w in (*w0, *(e[4] for e in extra)):
         if not math.isfinite(w):
@@ -229,22 +238,6 @@ def _weighted_plan(
     segs0 = _check_segments(num_tokens, [seg for seg, _ in kept])
     # _check_segments drops empty segments: keep the weights of the others, in order
     wts0 = [w for seg, w in kept if seg[0] < seg[1] and seg[2] < seg[3]]
-    runs: list[LoRARun] = []
-    scales: list[float] = []
-    i = 0
-    while i < len(segs0):  # maximal unit-weight stretches keep the cost model's coalescing
-        j = i
-        while j < len(segs0) and wts0[j] == 1.0:
-            j += 1
-        if j > i:
-            stretch = plan_lora_batch(num_tokens, segs0[i:j], dtype, device, costs)
-            runs += stretch.runs
-            scales += [1.0] * len(stretch.runs)
-            i = j
-        else:
-            runs.append(LoRARun(*segs0[i], None))
-            scales.append(float(wts0[i]))
-            i += 1
     # extra segments: layers >= 1, each the first that the segment does not overlap
     layer_ends: list[int] = []  # per extra layer, its last segment's tok_end
     layered: list[list[WeightedSegment]] = []
@@ -267,8 +260,7 @@ def _weighted_plan(
         for ts, te, rs, re, w in layer:
             all_segs.append((ts, te, rs, re))
             all_w.append(w)
-            runs.append(LoRARun(ts, te, rs, re, None))
-            scales.append(w)
+    runs, scales = _weighted_runs(all_segs, all_w, dtype, torch.device(device), costs)
     num_rows = max((seg[3] for seg in all_segs), default=0)
     unit = all(w == 1.0 for w in all_w)
     return LoRABatchPlan(
@@ -281,6 +273,108 @@ def _weighted_plan(
         layers=tuple(starts),
         run_scales=None if all(c == 1.0 for c in scales) else tuple(scales),
     )
+
+
+def _weighted_runs(
+    segs: Sequence[Segment],
+    weights: Sequence[float],
+    dtype: torch.dtype,
+    device: torch.device,
+    costs: LoRAPlanCosts,
+) -> tuple[list[LoRARun], list[float]]:
+    """Runs (and their scales) for segments of any layers with weights, minimising ``costs``.
+
+    The tokens are cut at every segment's ends into *units* (token intervals inside the same
+    segments, one per layer at most, or in none: base tokens). A run covers consecutive units
+    and the rows of all their segments, with a mask holding each token's weight in each of its
+    segments' rows (0 elsewhere: another token's rows, gap rows), so a composed token's
+    components and its neighbours' adapters share one GEMM pair; a run of one segment has no
+    mask and its weight as its scale, and a unit's segments may also run one each. An exact DP
+    over the units, as ``plan_lora_batch``'s over segments. Weighted masks are float32 (a
+    scale like 0.3 is not exact in bfloat16); 0/1 masks have ``dtype``."""
+    cuts = sorted({t for ts, te, _, _ in segs for t in (ts, te)})
+    units = list(itertools.pairwise(cuts))  # [(u0, u1)]
+    covering: list[list[int]] = [[] for _ in units]  # per unit, its segments (by index)
+    for j, (ts, te, _, _) in enumerate(segs):
+        for u in range(bisect.bisect_left(cuts, ts), bisect.bisect_left(cuts, te)):
+            covering[u].append(j)
+    overhead, mask_cost = costs.run_overhead_us, costs.mask_overhead_us
+    mac_us = costs.mac_ns * 1e-3 * costs.feature_dim  # per token x row
+    gap_us = costs.feature_dim * dtype.itemsize / (costs.bandwidth_gbs * 1e3)  # per gap row
+    n = len(units)
+    unit_rows = [(rs, re) for _, _, rs, re in segs]
+    # best[j]: min cost of units[:j]; choice[j]: (start unit of the last run, separate runs?)
+    best = [0.0] * (n + 1)
+    choice: list[tuple[int, bool]] = [(0, False)] * (n + 1)
+    for j in range(1, n + 1):
+        u1 = units[j - 1][1]
+        if not covering[j - 1]:  # base tokens: no run ends here
+            best[j], choice[j] = best[j - 1], (j - 1, True)
+            continue
+        best_j = float("inf")
+        r0, r1, used_rows = math.inf, 0, 0
+        inside: set[int] = set()  # the run's segments
+        rows_seen: set[tuple[int, int]] = set()  # rows a repeated adapter reads once
+        for i in range(j - 1, max(-1, j - 1 - costs.max_run_segments), -1):  # run = units[i:j]
+            if not covering[i]:
+                continue  # a run never starts on base tokens
+            for k in covering[i]:
+                if k in inside:
+                    continue
+                inside.add(k)
+                rows = unit_rows[k]
+                if rows[0] < r0:
+                    r0 = rows[0]
+                if rows[1] > r1:
+                    r1 = rows[1]
+                if rows not in rows_seen:
+                    rows_seen.add(rows)
+                    used_rows += rows[1] - rows[0]
+            pieces = len(inside)
+            work = overhead + mac_us * (u1 - units[i][0]) * (r1 - r0)
+            if work >= best_j:
+                break
+            cost = best[i] + work
+            if pieces > 1:
+                cost += mask_cost + gap_us * (r1 - r0 - used_rows)
+            if cost < best_j:
+                best_j, choice[j] = cost, (i, False)
+            if i == j - 1 and pieces > 1:  # this unit's segments one run each
+                sep = best[i] + sum(
+                    overhead + mac_us * (u1 - units[i][0]) * (segs[k][3] - segs[k][2])
+                    for k in covering[i]
+                )
+                if sep < best_j:
+                    best_j, choice[j] = sep, (i, True)
+        best[j] = best_j
+    bounds: list[tuple[int, int, bool]] = []
+    j = n
+    while j > 0:
+        i, separate = choice[j]
+        if covering[j - 1]:
+            bounds.append((i, j, separate))
+        j = i
+    runs: list[LoRARun] = []
+    scales: list[float] = []
+    for i, j, separate in reversed(bounds):
+        t0, t1 = units[i][0], units[j - 1][1]
+        inside = sorted({k for u in range(i, j) for k in covering[u]})
+        if separate or len(inside) == 1:
+            for k in inside:
+                runs.append(LoRARun(max(segs[k][0], t0), min(segs[k][1], t1), *segs[k][2:], None))
+                scales.append(float(weights[k]))
+            continue
+        r0 = min(segs[k][2] for k in inside)
+        r1 = max(segs[k][3] for k in inside)
+        mask = np.zeros((t1 - t0, r1 - r0), dtype=np.float32)  # [T_run, R_run]
+        for k in inside:
+            ts, te, rs, re = segs[k]
+            mask[max(ts, t0) - t0 : min(te, t1) - t0, rs - r0 : re - r0] = weights[k]
+        unit_mask = all(weights[k] == 1.0 for k in inside)
+        mask_t = torch.from_numpy(mask).to(device=device, dtype=dtype if unit_mask else None)
+        runs.append(LoRARun(t0, t1, r0, r1, mask_t))
+        scales.append(1.0)
+    return runs, scales
 
 
 def plan_rows(plan: LoRABatchPlan, rows: Sequence[int]) -> LoRABatchPlan:
