@@ -13,17 +13,20 @@ speculator keys a sequence whose last draft was kept whole apart, since acceptan
 runs: a copy goes on, a miss is followed by misses). Its objective is what each request sees,
 TPOT: the mean over the decoding sequences of the step's time per token it yields,
 ``T(N) * S`` with ``S = sum_i 1 / (1 + E_i)`` and ``E_i`` the sequence's expected accepted
-tokens. Each step it starts every sequence at ``k = 0`` and adds draft positions greedily, the
-one that lowers ``S`` most first, while ``T * S`` still falls:
+tokens. Each step it adds draft positions greedily, the one that lowers ``S`` most first, and
+keeps the prefix of that order where ``T * S`` is lowest:
 
     gain(i, j) = alpha_i ** j,  delta = 1 / (1 + E_i) - 1 / (1 + E_i + gain)
-    add (i, j) while (T + extra) * (S - delta) < T * S,  extra = b + c [j beyond every k so far]
+    each position: T += b + c [j beyond every k so far],  S -= delta
 
-At one sequence this is tokens per second; with many, a draft that speeds its own sequence up
-but slows every other sequence's step more than that is not made (throughput alone would make
-it, and the sequences without drafts would see a slower TPOT). So k falls to 0 where drafting
-does not pay, and reaches ``num_speculative_tokens`` where it does. With ``adaptive: false``
-every sequence drafts ``num_speculative_tokens`` (vLLM's fixed k).
+The whole order is walked, not cut at the first position that does not pay: with many
+sequences one draft alone slows every other sequence's step for one sequence's gain, while a
+token for every sequence can pay (each extra position costs ``b * S``, and ``S`` falls as the
+drafts add up). At one sequence the objective is tokens per second; with many, a draft that
+speeds its own sequence up but slows the others' steps more than that is not made (throughput
+alone would make it, and the sequences without drafts would see a slower TPOT). So k falls to
+0 where drafting does not pay, and reaches ``num_speculative_tokens`` where it does. With
+``adaptive: false`` every sequence drafts ``num_speculative_tokens`` (vLLM's fixed k).
 """
 
 from __future__ import annotations
@@ -178,21 +181,25 @@ class SpecController:
         deepest = 0
         heap = [(-_delta(0.0, alphas[i]), i, alphas[i]) for i in range(n) if caps[i] > 0]
         heapq.heapify(heap)
+        order: list[int] = []  # the sequence of each position added, best first
+        best, best_len = step * share, 0
         while heap:
             neg_delta, i, gain = heapq.heappop(heap)
-            delta = -neg_delta
             j = ks[i] + 1
-            extra = b + (c if j > deepest else 0.0)
-            if delta <= 0.0 or (step + extra) * (share - delta) >= step * share:
-                break  # the best remaining position does not pay: neither does any other
             ks[i] = j
             expect[i] += gain
-            share -= delta
-            step += extra
+            share += neg_delta
+            step += b + (c if j > deepest else 0.0)
             deepest = max(deepest, j)
+            order.append(i)
+            if step * share < best * (1.0 - 1e-9):
+                best, best_len = step * share, len(order)
             if j < min(self.k_max, caps[i]):
                 nxt = gain * alphas[i]
                 heapq.heappush(heap, (-_delta(expect[i], nxt), i, nxt))
+        ks = [0] * n
+        for i in order[:best_len]:  # the best prefix: each sequence's positions in order
+            ks[i] += 1
         for i, key in enumerate(keys):  # re-measure adapters that stopped drafting now and then
             acc = self._acceptance.get(key)
             if ks[i] == 0 and caps[i] > 0 and acc is not None:
