@@ -22,6 +22,7 @@ from loraplex.checkpoint.modules import LM_HEAD, VOCAB_LAYER, BaseModelSpec
 from loraplex.config import DTYPES, EngineConfig
 from loraplex.engine.adapter_catalog import LocalAdapterCatalog
 from loraplex.engine.merge import AdapterMerger
+from loraplex.engine.spec.draft_budget import draft_weight_bytes, target_kv_budget
 from loraplex.engine.tensor_parallel.driver import DriverModel, TPWorkers
 from loraplex.engine.tensor_parallel.group import (
     Group,
@@ -143,13 +144,19 @@ class MemoryBudget:
     def after_weights(self) -> int:
         """Bytes this engine may give the KV cache and adapter slots together: by
         ``--kv-cache-memory`` if set, on CUDA what ``--gpu-memory-utilization`` leaves after
-        what the device holds now, on CPU a quarter of the available memory (at most 2 GiB)."""
+        what the device holds now (and after a draft model's weights and KV share:
+        ``engine/spec/draft_budget.py``), on CPU a quarter of the available memory (at most
+        2 GiB)."""
         c = self.config
         if c.kv_cache_memory_bytes is not None:
             return c.kv_cache_memory_bytes
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            return c.device_kv_budget(free, total)  # --gpu-memory-utilization
+            budget = c.device_kv_budget(free, total)  # --gpu-memory-utilization
+            spec = c.speculative()
+            if spec is not None and spec.method == "draft_model":  # loaded after us, same budget
+                budget = target_kv_budget(budget, draft_weight_bytes(str(spec.model), self.dtype))
+            return budget
         return min(_CPU_DEFAULT_KV_BYTES, psutil.virtual_memory().available // 4)
 
     def lora_slots(

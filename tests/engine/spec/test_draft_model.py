@@ -75,9 +75,14 @@ def target(models: dict[str, Path]) -> EngineParts:
     return build_parts(target_config(models))
 
 
-def spec_of(models: dict[str, Path], **kw: object) -> SpeculativeConfig:
+def spec_obj(models: dict[str, Path], **kw: object) -> dict[str, object]:
+    """The ``speculative_config`` JSON object of the draft model."""
     obj = {"method": "draft_model", "model": str(models["draft"]), "num_speculative_tokens": K}
-    return parse_speculative_config({**obj, **kw})
+    return {**obj, **kw}
+
+
+def spec_of(models: dict[str, Path], **kw: object) -> SpeculativeConfig:
+    return parse_speculative_config(spec_obj(models, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -367,3 +372,40 @@ def test_draft_loras_are_held_until_close(models: dict[str, Path], target: Engin
     assert not cache.is_idle()
     p.close()
     assert cache.is_idle() and not cache.is_pinned(adapter.ref.sha256)
+
+
+def test_on_cuda_the_target_leaves_room_for_the_draft(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft is loaded after the target on the same device: the target's KV cache is sized
+    from what --gpu-memory-utilization leaves once the draft's weights (at the serving dtype,
+    from its checkpoint's headers) and its KV share are set aside (no GPU needed: the device's
+    free and total memory are given)."""
+    from safetensors.torch import load_file
+
+    from loraplex.engine.builder import MemoryBudget
+    from loraplex.engine.spec.draft_budget import (
+        DRAFT_KV_SHARE,
+        draft_weight_bytes,
+        target_kv_budget,
+    )
+    from loraplex.model.config import load_model_config
+
+    stored = load_file(str(models["draft"] / "model.safetensors"))
+    assert draft_weight_bytes(models["draft"], torch.bfloat16) == 2 * sum(
+        t.numel() for t in stored.values()
+    )
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    mc = load_model_config(models["target"], "vllm")
+    plain = target_config(models, gpu_memory_utilization=0.9)
+    with_draft = replace(plain, speculative_config=spec_obj(models))
+    cuda = torch.device("cuda")
+    alone = MemoryBudget(plain, mc, cuda, torch.float32).after_weights()
+    assert alone == int(80 * gib * 0.9) - 10 * gib
+    shared = MemoryBudget(with_draft, mc, cuda, torch.float32).after_weights()
+    weights = draft_weight_bytes(models["draft"], torch.float32)
+    assert shared == target_kv_budget(alone, weights)
+    assert shared + weights + DRAFT_KV_SHARE * shared <= alone  # the draft fits beside it
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        target_kv_budget(weights, weights)

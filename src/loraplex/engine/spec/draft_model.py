@@ -57,6 +57,7 @@ from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import draw, sampling_probs
 from loraplex.engine.scheduler import ScheduledBatch
 from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.spec.draft_budget import DRAFT_KV_SHARE
 from loraplex.engine.spec.proposer import NO_DRAFT, Draft, Proposer
 from loraplex.kv.cache import PagedKVCache
 from loraplex.kv.groups import NULL_BLOCK
@@ -70,7 +71,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DRAFT_KV_SHARE", "DraftModelProposer", "draft_kv_blocks"]
 
-DRAFT_KV_SHARE = 0.25
 """The most KV bytes the draft may hold, as a share of the target's KV cache (at least one
 full-length sequence's worth): a draft model is small, its KV per token usually a fraction of
 the target's, so this bound bites only for an unusually wide draft."""
