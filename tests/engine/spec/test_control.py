@@ -87,7 +87,9 @@ def test_compute_bound_steps_do_not_draft() -> None:
     assert ctl.limits(["x"] * 16, [4] * 16, batch_tokens=16) == [0] * 16
     ctl = SpecController(num_speculative_tokens=4)
     _measured(ctl, a=0.030, b=0.001)
-    _accepting(ctl, "x", (4, 2), 100)
+    for _ in range(50):  # half the drafts keep their first token, none a second
+        _accepting(ctl, "x", (4, 1), 1)
+        _accepting(ctl, "x", (4, 0), 1)
     one = sum(ctl.limits(["x"], [4], batch_tokens=1))
     many = ctl.limits(["x"] * 32, [4] * 32, batch_tokens=32)
     assert one > 0 and sum(many) / 32 < one
@@ -107,7 +109,8 @@ def test_an_adapter_that_stopped_drafting_is_probed_again() -> None:
     PROBE_EVERY steps, so its acceptance (and the step cost) keep being measured."""
     ctl = SpecController(num_speculative_tokens=4)
     _measured(ctl, a=0.001, b=0.010)
-    _accepting(ctl, "x", (4, 1), 10)
+    _accepting(ctl, "x", (4, 1), 5)
+    _accepting(ctl, "x", (4, 0), 20)
     got = [ctl.limits(["x"], [4], batch_tokens=1)[0] for _ in range(PROBE_EVERY * 2)]
     assert sum(got) == 2 and set(got) == {0, 1}
 
@@ -159,3 +162,24 @@ def test_a_token_for_every_sequence_can_pay_where_one_alone_does_not() -> None:
     assert (one) * (15 + 1 / (1 + alpha)) > (0.0137 + 0.00096 * 16) * 16  # alone: worse
     ks = ctl.limits(["x"] * 16, [4] * 16, batch_tokens=16)
     assert min(ks) >= 1 and max(ks) <= 2
+
+
+def test_positions_are_judged_by_their_own_acceptance() -> None:
+    """Drafts that keep their first token half the time but, once it is kept, hold for the
+    whole draft (a copy): position 1 is kept half the time and every deeper one almost always
+    once the ones before it were, where the pooled rate (0.89 here) says neither; one sequence
+    on a weight-bound step drafts k_max, sixteen on a compute-bound one draft nothing (the
+    pooled rate would have them draft: 0.89 at position 1)."""
+    ctl = SpecController(num_speculative_tokens=8)
+    _measured(ctl, a=0.0126, b=0.00032)  # one sequence's step on a 2-core CPU
+    for _ in range(40):
+        _accepting(ctl, "copy", (8, 8), 1)
+        _accepting(ctl, "copy", (8, 0), 1)
+    acc = ctl.acceptance("copy")
+    assert acc.alpha > 0.85
+    assert 0.4 < acc.alpha_at(1) < 0.6 and acc.alpha_at(2) > 0.9 and acc.alpha_at(8) > 0.9
+    assert ctl.limits(["copy"], [8], batch_tokens=1) == [8]
+    busy = SpecController(num_speculative_tokens=8)
+    _measured(busy, a=0.0137, b=0.00096)  # sixteen sequences' step on the same CPU
+    busy._acceptance["copy"] = acc
+    assert busy.limits(["copy"] * 16, [8] * 16, batch_tokens=16) == [0] * 16

@@ -3,12 +3,13 @@
 A step's time grows with the tokens it runs: ``T(N) ~ a + b N`` (plus ``c`` per sequential
 draft-model position). At low concurrency ``a`` (reading the weights) dominates and verifying
 extra positions is nearly free; at high concurrency a step is compute bound and every drafted
-token costs about what a decoded one does. A draft of ``k`` tokens from an adapter whose drafts
-are accepted position by position with probability ``alpha`` yields, in expectation,
-``1 + alpha + alpha^2 + ... + alpha^k`` tokens for the sequence this step.
+token costs about what a decoded one does. A draft of ``k`` tokens whose position ``j`` is kept
+with probability ``alpha_j`` once the ones before it were yields, in expectation,
+``1 + alpha_1 + alpha_1 alpha_2 + ... + alpha_1 ... alpha_k`` tokens for the sequence this step.
 
 The controller fits ``a`` and ``b`` to the measured steps (least squares with exponential
-forgetting) and keeps ``alpha`` per key: an adapter, split by the sequence's last draft (the
+forgetting) and keeps ``alpha_j`` per key and position (a position's estimate starts at the
+key's pooled rate): a key is an adapter, split by the sequence's last draft (the
 speculator keys a sequence whose last draft was kept whole apart, since acceptance comes in
 runs: a copy goes on, a miss is followed by misses). Its objective is what each request sees,
 TPOT: the mean over the decoding sequences of the step's time per token it yields,
@@ -16,7 +17,7 @@ TPOT: the mean over the decoding sequences of the step's time per token it yield
 tokens. Each step it adds draft positions greedily, the one that lowers ``S`` most first, and
 keeps the prefix of that order where ``T * S`` is lowest:
 
-    gain(i, j) = alpha_i ** j,  delta = 1 / (1 + E_i) - 1 / (1 + E_i + gain)
+    gain(i, j) = alpha_i,1 * ... * alpha_i,j,  delta = 1 / (1 + E_i) - 1 / (1 + E_i + gain)
     each position: T += b + c [j beyond every k so far],  S -= delta
 
 The whole order is walked, not cut at the first position that does not pay: with many
@@ -45,30 +46,50 @@ MIN_FIT_STEPS = 8  # (weighted) steps measured before b is fitted rather than as
 WARMUP_STEPS = 4  # first steps not measured
 OUTLIER_FACTOR = 3.0  # a measured step counts as at most this many times its prediction
 PROBE_EVERY = 32  # steps: a key drafting nothing gets one token this often (to re-measure)
+DEPTHS = 8  # draft positions tracked apart (position 8 on shares one estimate)
+DEPTH_PRIOR_WEIGHT = 2.0  # a position's estimate starts at the pooled rate, worth this many events
 
 
 class Acceptance:
-    """Running per-position acceptance of one adapter's drafts: accept events / all events,
-    exponentially forgetting, starting from :data:`ALPHA_PRIOR`."""
+    """Running acceptance of one key's drafts: accept events / all events, exponentially
+    forgetting, starting from :data:`ALPHA_PRIOR`; pooled over positions (:attr:`alpha`) and
+    per position (:meth:`alpha_at`: the chance that position ``j`` is kept once the ones
+    before it were, which is not the pooled rate: a draft that holds for two tokens is usually
+    a copy that goes on)."""
 
-    __slots__ = ("accepted", "events", "last_drafted")
+    __slots__ = ("_at", "accepted", "events", "last_drafted")
 
     def __init__(self) -> None:
         self.accepted = ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT
         self.events = ALPHA_PRIOR_WEIGHT
         self.last_drafted = 0
+        self._at = [0.0] * (2 * DEPTHS)  # per depth bucket: accepted, events (no prior)
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.events
 
+    def alpha_at(self, j: int) -> float:
+        """P(position ``j`` (1-based) kept | positions before it kept): the events at its
+        depth (positions from :data:`DEPTHS` on share one), shrunk toward :attr:`alpha` by
+        :data:`DEPTH_PRIOR_WEIGHT` events."""
+        d = 2 * (min(j, DEPTHS) - 1)
+        acc, ev = self._at[d], self._at[d + 1]
+        return (acc + DEPTH_PRIOR_WEIGHT * self.alpha) / (ev + DEPTH_PRIOR_WEIGHT)
+
     def observe(self, drafted: int, accepted: int) -> None:
         """A draft of ``drafted`` tokens of which the first ``accepted`` were kept: that many
-        accept events, and one reject event unless all were kept."""
+        accept events (at positions 1..accepted), and one reject event (at the next position)
+        unless all were kept; positions after a reject were never judged."""
         events = accepted + (accepted < drafted)
         w = ALPHA_DECAY**events
         self.accepted = self.accepted * w + accepted
         self.events = self.events * w + events
+        at = self._at
+        for j in range(1, events + 1):
+            d = 2 * (min(j, DEPTHS) - 1)
+            at[d] = at[d] * ALPHA_DECAY + (j <= accepted)
+            at[d + 1] = at[d + 1] * ALPHA_DECAY + 1.0
 
 
 class StepCost:
@@ -173,7 +194,8 @@ class SpecController:
             return [min(self.k_max, c) for c in caps]
         a, b = self.cost.coefficients()
         c = self.cost.c
-        alphas = [self.alpha(k) for k in keys]
+        accs = [self._acceptance.get(k) for k in keys]
+        alphas = [ALPHA_PRIOR if a is None else a.alpha_at(1) for a in accs]
         ks = [0] * n
         expect = [0.0] * n  # E_i: expected accepted tokens of sequence i this step
         share = float(n)  # S = sum_i 1 / (1 + E_i)
@@ -195,7 +217,8 @@ class SpecController:
             if step * share < best * (1.0 - 1e-9):
                 best, best_len = step * share, len(order)
             if j < min(self.k_max, caps[i]):
-                nxt = gain * alphas[i]
+                acc = accs[i]
+                nxt = gain * (ALPHA_PRIOR if acc is None else acc.alpha_at(j + 1))
                 heapq.heappush(heap, (-_delta(expect[i], nxt), i, nxt))
         ks = [0] * n
         for i in order[:best_len]:  # the best prefix: each sequence's positions in order
