@@ -392,8 +392,11 @@ def spec_config(method: str, args: argparse.Namespace, draft: tuple[Path, dict])
         if method == "ngram-fixed":
             cfg["adaptive"] = False
         return cfg
-    if method == "suffix":
-        return {"method": "suffix", "num_speculative_tokens": k}
+    if method == "suffix":  # without a k: vLLM's default, the tree depth (here capped at 16)
+        return {
+            "method": "suffix",
+            **({"num_speculative_tokens": args.suffix_k} if args.suffix_k else {}),
+        }
     if method in ("draft", "draft-fixed"):
         cfg = {"method": "draft_model", "model": str(draft[0]),
                "num_speculative_tokens": args.draft_k, "draft_lora_modules": draft[1]}  # fmt: skip
@@ -556,6 +559,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every cell, interleaved")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (ngram, suffix)")
+    ap.add_argument(
+        "--suffix-k", type=int, default=0,
+        help="suffix's num_speculative_tokens (0: not given, its default: the tree depth)",
+    )  # fmt: skip
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--draft-layers", type=int, default=8)
