@@ -20,6 +20,9 @@ keeps the prefix of that order where ``T * S`` is lowest:
     gain(i, j) = alpha_i,1 * ... * alpha_i,j,  delta = 1 / (1 + E_i) - 1 / (1 + E_i + gain)
     each position: T += b + c [j beyond every k so far],  S -= delta
 
+(a proposer that finds no draft for a sequence, an n-gram without a match, runs nothing for
+it: with ``f_i`` the share of asks found for its key, a position adds ``f_i b`` and ``f_i gain``
+in expectation.)
 The whole order is walked, not cut at the first position that does not pay: with many
 sequences one draft alone slows every other sequence's step for one sequence's gain, while a
 token for every sequence can pay (each extra position costs ``b * S``, and ``S`` falls as the
@@ -48,6 +51,7 @@ OUTLIER_FACTOR = 3.0  # a measured step counts as at most this many times its pr
 PROBE_EVERY = 32  # steps: a key drafting nothing gets one token this often (to re-measure)
 DEPTHS = 8  # draft positions tracked apart (position 8 on shares one estimate)
 DEPTH_PRIOR_WEIGHT = 2.0  # a position's estimate starts at the pooled rate, worth this many events
+FOUND_PRIOR_WEIGHT = 2.0  # a key's drafts are assumed found until this many asks say otherwise
 
 
 class Acceptance:
@@ -57,13 +61,25 @@ class Acceptance:
     before it were, which is not the pooled rate: a draft that holds for two tokens is usually
     a copy that goes on)."""
 
-    __slots__ = ("_at", "accepted", "events", "last_drafted")
+    __slots__ = ("_at", "_found", "accepted", "events", "last_drafted")
 
     def __init__(self) -> None:
         self.accepted = ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT
         self.events = ALPHA_PRIOR_WEIGHT
         self.last_drafted = 0
         self._at = [0.0] * (2 * DEPTHS)  # per depth bucket: accepted, events (no prior)
+        self._found = [FOUND_PRIOR_WEIGHT, FOUND_PRIOR_WEIGHT]  # drafts found, drafts asked
+
+    @property
+    def found(self) -> float:
+        """The share of asked-for drafts the proposer found (a lookup finds no match, a
+        tree no continuation): a planned position costs and yields only that often."""
+        return self._found[0] / self._found[1]
+
+    def observe_found(self, found: bool) -> None:
+        f = self._found
+        f[0] = f[0] * ALPHA_DECAY + found
+        f[1] = f[1] * ALPHA_DECAY + 1.0
 
     @property
     def alpha(self) -> float:
@@ -178,6 +194,10 @@ class SpecController:
         acc = self._acceptance.get(key)
         return ALPHA_PRIOR if acc is None else acc.alpha
 
+    def observe_found(self, key: str, found: bool) -> None:
+        """A draft asked of the proposer for a sequence of ``key`` was found (or not)."""
+        self.acceptance(key).observe_found(found)
+
     def observe(self, key: str, drafted: int, accepted: int) -> None:
         if drafted:
             self.acceptance(key).observe(drafted, accepted)
@@ -196,12 +216,14 @@ class SpecController:
         c = self.cost.c
         accs = [self._acceptance.get(k) for k in keys]
         alphas = [ALPHA_PRIOR if a is None else a.alpha_at(1) for a in accs]
+        found = [1.0 if a is None else a.found for a in accs]
         ks = [0] * n
         expect = [0.0] * n  # E_i: expected accepted tokens of sequence i this step
         share = float(n)  # S = sum_i 1 / (1 + E_i)
         step = a + b * max(batch_tokens, n)  # T: the step's predicted seconds
         deepest = 0
-        heap = [(-_delta(0.0, alphas[i]), i, alphas[i]) for i in range(n) if caps[i] > 0]
+        # a position of sequence i runs (costs b) and yields only when its draft is found
+        heap = [(-_delta(0.0, found[i] * alphas[i]), i, alphas[i]) for i in range(n) if caps[i] > 0]
         heapq.heapify(heap)
         order: list[int] = []  # the sequence of each position added, best first
         best, best_len = step * share, 0
@@ -209,9 +231,9 @@ class SpecController:
             neg_delta, i, gain = heapq.heappop(heap)
             j = ks[i] + 1
             ks[i] = j
-            expect[i] += gain
+            expect[i] += found[i] * gain
             share += neg_delta
-            step += b + (c if j > deepest else 0.0)
+            step += found[i] * b + (c if j > deepest else 0.0)
             deepest = max(deepest, j)
             order.append(i)
             if step * share < best * (1.0 - 1e-9):
@@ -219,7 +241,7 @@ class SpecController:
             if j < min(self.k_max, caps[i]):
                 acc = accs[i]
                 nxt = gain * (ALPHA_PRIOR if acc is None else acc.alpha_at(j + 1))
-                heapq.heappush(heap, (-_delta(expect[i], nxt), i, nxt))
+                heapq.heappush(heap, (-_delta(expect[i], found[i] * nxt), i, nxt))
         ks = [0] * n
         for i in order[:best_len]:  # the best prefix: each sequence's positions in order
             ks[i] += 1

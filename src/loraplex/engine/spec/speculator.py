@@ -82,14 +82,15 @@ class Speculator:
             return
         keys = [control_key(s) for s in decoding]
         ks = self.control.limits(keys, caps, min(pending, max_batched_tokens))
-        chosen = [(s, k) for s, k in zip(decoding, ks, strict=True) if k > 0]
+        chosen = [(s, k, key) for s, k, key in zip(decoding, ks, keys, strict=True) if k > 0]
         if not chosen:
             return
         t0 = time.perf_counter()
-        drafts = self.proposer.propose([s for s, _ in chosen], [k for _, k in chosen])
-        self.control.cost.observe_draft(max(k for _, k in chosen), time.perf_counter() - t0)
-        for (seq, k), draft in zip(chosen, drafts, strict=True):
+        drafts = self.proposer.propose([s for s, _, _ in chosen], [k for _, k, _ in chosen])
+        self.control.cost.observe_draft(max(k for _, k, _ in chosen), time.perf_counter() - t0)
+        for (seq, k, key), draft in zip(chosen, drafts, strict=True):
             n = min(k, len(draft.tokens))
+            self.control.observe_found(key, n > 0)
             if n == 0:
                 continue
             seq.spec_tokens = list(draft.tokens[:n])
