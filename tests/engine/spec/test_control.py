@@ -183,3 +183,22 @@ def test_positions_are_judged_by_their_own_acceptance() -> None:
     _measured(busy, a=0.0137, b=0.00096)  # sixteen sequences' step on the same CPU
     busy._acceptance["copy"] = acc
     assert busy.limits(["copy"] * 16, [8] * 16, batch_tokens=16) == [0] * 16
+
+
+def test_a_position_costs_and_yields_only_as_often_as_a_draft_is_found() -> None:
+    """A proposer finds no draft for some asks (an n-gram without a match), and those run
+    nothing: a planned position adds ``found * b`` and ``found * gain``. Where asking has a
+    fixed cost of its own (a draft model's forward, ``c``), a key whose drafts are rarely found
+    is not asked; one whose drafts are found is."""
+    ctl = SpecController(num_speculative_tokens=4)
+    _measured(ctl, a=0.0126, b=0.00032)
+    ctl.cost.observe_draft(1, 0.003)  # 3 ms a sequential draft position
+    for key in ("found", "rare"):
+        _accepting(ctl, key, (1, 1), 40)
+        _accepting(ctl, key, (1, 0), 10)
+    for _ in range(40):
+        ctl.observe_found("found", True)
+        ctl.observe_found("rare", False)
+    assert ctl.acceptance("found").found > 0.95 and ctl.acceptance("rare").found < 0.1
+    assert ctl.limits(["found"], [4], batch_tokens=1)[0] >= 1
+    assert ctl.limits(["rare"], [4], batch_tokens=1) == [0]
