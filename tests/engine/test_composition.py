@@ -33,6 +33,7 @@ from loraplex.testing import (
     reference_greedy,
     reference_greedy_alora,
 )
+from loraplex.testing.sync import EVENT_TIMEOUT_S
 from loraplex.types import (
     BASE_NAMESPACE,
     AdapterComposition,
@@ -470,12 +471,15 @@ def test_the_merger_never_takes_a_composition_for_its_lone_adapter(llama: dict) 
             assert eng.runner.merged_slot is None and eng.merger.merges == 0
         eng_outs.sort(key=lambda o: o.request_id)
         check_against(llama["ref"], [job, job], [o.outputs[0] for o in eng_outs])
-    outs = llm.generate(
-        [{"prompt_token_ids": PROMPTS[0]}] * 2,
-        sp,
-        lora_request=[[LoRARequest("r4", str(ad["r4"]))]] * 2,
-    )
+    lone = llm.adapters_of([LoRARequest("r4", str(ad["r4"]))])
+    for i in range(2):
+        eng.add_request(f"lone-{i}", PROMPTS[0], sp, lone)
+    outs = []
+    while eng.has_unfinished_requests():  # the build runs on a thread: wait on it, not the clock
+        outs += [o for o in eng.step() if o.finished]
+        assert eng.merger.wait_build(EVENT_TIMEOUT_S)
     assert eng.merger.merges == 1  # a composition of one at 1.0 is the adapter: it may merge
+    outs.sort(key=lambda o: o.request_id)
     check_against(llama["ref"], [(("r4", 1.0),)], [outs[0].outputs[0]])
 
 

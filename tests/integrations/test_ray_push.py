@@ -14,6 +14,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,11 +196,17 @@ def test_push_reaches_every_real_engine_replica(cluster: Cluster, testbed: TinyF
                                   revision=f"step-{step}")  # fmt: skip
             assert len(answer["replicas"]) == 2
             want, _ = reference_greedy(trainee, PROMPT, 5)
-            seen = set()
-            for _ in range(8):
-                tokens, headers = greedy_tokens(cluster.url, "trainee", ADMIN, 5)
-                assert tokens == want and served_revision(headers) == f"step-{step}"
-                seen.add(headers.get("x-loraplex-replica"))
+            seen: set[str | None] = set()
+            for _ in range(8):  # bursts of 8 at once, until both replicas have answered
+                with ThreadPoolExecutor(8) as pool:
+                    got = list(pool.map(
+                        lambda _: greedy_tokens(cluster.url, "trainee", ADMIN, 5), range(8)
+                    ))  # fmt: skip
+                for tokens, headers in got:
+                    assert tokens == want and served_revision(headers) == f"step-{step}"
+                    seen.add(headers.get("x-loraplex-replica"))
+                if len(seen) == 2:
+                    break
             assert len(seen) == 2  # both replicas answered with the new revision
     finally:
         serve.delete("loraplex")
