@@ -214,23 +214,22 @@ class SpecController:
             return [min(self.k_max, c) for c in caps]
         a, b = self.cost.coefficients()
         c = self.cost.c
-        accs = [self._acceptance.get(k) for k in keys]
-        alphas = [ALPHA_PRIOR if a is None else a.alpha_at(1) for a in accs]
-        found = [1.0 if a is None else a.found for a in accs]
-        ks = [0] * n
+        accs = [self._acceptance.get(key) for key in keys]
+        found = [1.0 if acc is None else acc.found for acc in accs]
+        depth = [0] * n  # positions added so far, per sequence
         expect = [0.0] * n  # E_i: expected accepted tokens of sequence i this step
         share = float(n)  # S = sum_i 1 / (1 + E_i)
         step = a + b * max(batch_tokens, n)  # T: the step's predicted seconds
         deepest = 0
         # a position of sequence i runs (costs b) and yields only when its draft is found
-        heap = [(-_delta(0.0, found[i] * alphas[i]), i, alphas[i]) for i in range(n) if caps[i] > 0]
+        first = [_alpha_at(acc, 1) for acc in accs]
+        heap = [(-_delta(0.0, found[i] * first[i]), i, first[i]) for i in range(n) if caps[i] > 0]
         heapq.heapify(heap)
         order: list[int] = []  # the sequence of each position added, best first
         best, best_len = step * share, 0
         while heap:
             neg_delta, i, gain = heapq.heappop(heap)
-            j = ks[i] + 1
-            ks[i] = j
+            j = depth[i] = depth[i] + 1
             expect[i] += found[i] * gain
             share += neg_delta
             step += found[i] * b + (c if j > deepest else 0.0)
@@ -239,14 +238,12 @@ class SpecController:
             if step * share < best * (1.0 - 1e-9):
                 best, best_len = step * share, len(order)
             if j < min(self.k_max, caps[i]):
-                acc = accs[i]
-                nxt = gain * (ALPHA_PRIOR if acc is None else acc.alpha_at(j + 1))
+                nxt = gain * _alpha_at(accs[i], j + 1)
                 heapq.heappush(heap, (-_delta(expect[i], found[i] * nxt), i, nxt))
         ks = [0] * n
         for i in order[:best_len]:  # the best prefix: each sequence's positions in order
             ks[i] += 1
-        for i, key in enumerate(keys):  # re-measure adapters that stopped drafting now and then
-            acc = self._acceptance.get(key)
+        for i, acc in enumerate(accs):  # re-measure keys that stopped drafting now and then
             if ks[i] == 0 and caps[i] > 0 and acc is not None:
                 if self.step - acc.last_drafted >= PROBE_EVERY:
                     ks[i] = 1
@@ -259,3 +256,8 @@ def _delta(expect: float, gain: float) -> float:
     """How much one more draft position lowers ``1 / (1 + E)`` (a sequence's time per token,
     in steps) when it adds ``gain`` expected tokens to ``expect``."""
     return 1.0 / (1.0 + expect) - 1.0 / (1.0 + expect + gain)
+
+
+def _alpha_at(acc: Acceptance | None, j: int) -> float:
+    """Position ``j``'s acceptance for a key's tracker (the prior for a key never drafted)."""
+    return ALPHA_PRIOR if acc is None else acc.alpha_at(j)
