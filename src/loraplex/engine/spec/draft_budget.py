@@ -23,7 +23,9 @@ import torch
 from loraplex.checkpoint.safetensors import FLOAT_DTYPES, safetensors_header
 
 DRAFT_KV_SHARE = 0.25
-"""The draft's KV-cache bytes, at most this share of the target's."""
+"""The draft's KV-cache bytes, at most this share of the target's (but at least one
+full-length sequence's worth): a draft model is small, its KV per token usually a fraction of
+the target's, so this bound bites only for an unusually wide draft."""
 
 
 def draft_weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:

@@ -71,10 +71,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DRAFT_KV_SHARE", "DraftModelProposer", "draft_kv_blocks"]
 
-"""The most KV bytes the draft may hold, as a share of the target's KV cache (at least one
-full-length sequence's worth): a draft model is small, its KV per token usually a fraction of
-the target's, so this bound bites only for an unusually wide draft."""
-
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _SHADOW_PARAMS = SamplingParams(max_tokens=1)  # shadows never sample through the engine
 
