@@ -417,7 +417,7 @@ class ModelRunner:
             return self._plan_memo[1]
         plan = plan_lora_batch(
             num_tokens, segments, self.model.dtype, self.device, self.lora_costs, modules,
-            weights=weights if any(w != 1.0 for w in weights) else None, extra=extra,
+            weights=weights, extra=extra,
         )  # fmt: skip
         self._plan_memo = (key, plan)
         return plan
