@@ -472,6 +472,29 @@ def summarize(rows: list[dict[str, Any]], methods: list[str]) -> list[dict[str, 
     return out
 
 
+def _sampling(r: dict[str, Any]) -> str:
+    return "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
+
+
+def _per_method_table(
+    title: str, lines: list[dict[str, Any]], columns: list[str], cells: Any
+) -> None:
+    """One row per drafting method and cell, ``cells(r)`` giving its ``columns``."""
+    print(f"\n{title}\n")
+    print("| sampling | C | method | " + " | ".join(columns) + " |")
+    print("|---|---|---|" + "---|" * len(columns))
+    for r in lines:
+        if r["method"] != "none":
+            print(
+                f"| {_sampling(r)} | {r['conc']} | {r['method']} | " + " | ".join(cells(r)) + " |"
+            )
+
+
+def _accepted(r: dict[str, Any], label: str) -> str:
+    d, a = r["by_adapter"].get(label, (0, 0))
+    return f"{100 * a / d:.0f}% ({a}/{d})" if d else "—"
+
+
 def print_tables(rows: list[dict[str, Any]], methods: list[str]) -> None:
     lines = summarize(rows, methods)
     print(
@@ -480,40 +503,27 @@ def print_tables(rows: list[dict[str, Any]], methods: list[str]) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in lines:
-        samp = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
         mk = "—" if r["mean_k"] is None else f"{r['mean_k']:.2f}"
         mm = "—" if min(r["mismatches"]) < 0 else str(r["mismatches"])
         base = r["method"] == "none"
         print(
-            f"| {samp} | {r['conc']} | {r['method']} | "
+            f"| {_sampling(r)} | {r['conc']} | {r['method']} | "
             f"{' / '.join(f'{t:.1f}' for t in r['tpot'])} | "
             f"{'—' if base else _span(r['ratios'])} | "
             f"{'—' if base else _span(r['itl_ratios'])} | "
             f"{_pct(r['acceptance'])} | {mk} | {mm} |"
         )
     labels = sorted({lb for r in lines for lb in r["by_adapter"]})
-    print("\nAcceptance per adapter (accepted / drafted tokens, all rounds):\n")
-    print("| sampling | C | method | " + " | ".join(labels) + " |")
-    print("|---|---|---|" + "---|" * len(labels))
-    for r in lines:
-        if r["method"] == "none":
-            continue
-        samp = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
-        cells = []
-        for lb in labels:
-            d, a = r["by_adapter"].get(lb, (0, 0))
-            cells.append(f"{100 * a / d:.0f}% ({a}/{d})" if d else "—")
-        print(f"| {samp} | {r['conc']} | {r['method']} | " + " | ".join(cells) + " |")
+    _per_method_table(
+        "Acceptance per adapter (accepted / drafted tokens, all rounds):", lines, labels,
+        lambda r: [_accepted(r, lb) for lb in labels],
+    )  # fmt: skip
     kinds = sorted({k for r in lines for k in r["kind_ratios"]})
-    print("\nTPOT vs none by kind of request (mean TPOT of the kind; median [range] of rounds):\n")
-    print("| sampling | C | method | " + " | ".join(kinds) + " |")
-    print("|---|---|---|" + "---|" * len(kinds))
-    for r in lines:
-        if r["method"] == "none":
-            continue
-        samp = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
-        cells = [_span(r["kind_ratios"][k]) if r["kind_ratios"].get(k) else "—" for k in kinds]
-        print(f"| {samp} | {r['conc']} | {r['method']} | " + " | ".join(cells) + " |")
+    _per_method_table(
+        "TPOT vs none by kind of request (mean TPOT of the kind; median [range] of rounds):",
+        lines, kinds,
+        lambda r: [_span(r["kind_ratios"][k]) if r["kind_ratios"].get(k) else "—" for k in kinds],
+    )  # fmt: skip
     print_targets(lines)
 
 
@@ -525,12 +535,11 @@ def print_targets(lines: list[dict[str, Any]]) -> None:
     for r in lines:
         if r["method"] == "none" or r["conc"] not in (1, hi):
             continue
-        samp = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
         goal = 0.6 if r["conc"] == 1 else 1.0
         ratio = statistics.median(r["ratios"])
         verdict = "met" if ratio <= goal else "NOT met"
         print(
-            f"target C={r['conc']} {samp} {r['method']}: TPOT {_span(r['ratios'])} none "
+            f"target C={r['conc']} {_sampling(r)} {r['method']}: TPOT {_span(r['ratios'])} none "
             f"(token-weighted {_span(r['itl_ratios'])}), goal <= {goal}x: {verdict}"
         )
 

@@ -159,7 +159,7 @@ def test_a_token_for_every_sequence_can_pay_where_one_alone_does_not() -> None:
     alpha = ctl.alpha("x")
     assert 0.6 < alpha < 0.75
     one = 0.0137 + 0.00096 * 17
-    assert (one) * (15 + 1 / (1 + alpha)) > (0.0137 + 0.00096 * 16) * 16  # alone: worse
+    assert one * (15 + 1 / (1 + alpha)) > (0.0137 + 0.00096 * 16) * 16  # alone: worse
     ks = ctl.limits(["x"] * 16, [4] * 16, batch_tokens=16)
     assert min(ks) >= 1 and max(ks) <= 2
 
